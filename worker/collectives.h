@@ -1,0 +1,61 @@
+// Collectives over groups of workers spanned by mesh axes. The CPU backend
+// implements them with Gloo, the CUDA backend with NCCL; a mesh of one worker
+// needs none (every group is the worker alone).
+#ifndef SHARDGEMM_WORKER_COLLECTIVES_H_
+#define SHARDGEMM_WORKER_COLLECTIVES_H_
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "kernels/host_tensor.h"
+
+namespace shardgemm {
+
+// Where this worker sits on the mesh.
+struct MeshPosition {
+  std::vector<std::string> axis_names;
+  std::vector<int64_t> axis_sizes;
+  std::vector<int64_t> coords;
+  int rank = 0;
+
+  int64_t NumWorkers() const;
+  // Size of the group spanned by `axes`, and this worker's index in it (the
+  // first axis major, as a nested spec entry splits a dimension).
+  absl::StatusOr<int64_t> GroupSize(const std::vector<std::string>& axes) const;
+  absl::StatusOr<int64_t> GroupIndex(const std::vector<std::string>& axes) const;
+  // Global ranks of the group spanned by `axes` that contains this worker, in
+  // group-index order.
+  absl::StatusOr<std::vector<int>> GroupRanks(const std::vector<std::string>& axes) const;
+};
+
+MeshPosition SingleWorkerPosition();
+
+enum class ReduceOp { kSum, kMax };
+
+class Collectives {
+ public:
+  virtual ~Collectives() = default;
+  // Concatenates the group's pieces along `dim` in group-index order.
+  virtual absl::StatusOr<HostTensor> AllGather(const HostTensor& local, int dim,
+                                               const std::vector<std::string>& axes) = 0;
+  // In place, elementwise over the group (F32 / BF16 / F16 reduce in FP32).
+  virtual absl::Status AllReduce(HostTensor* t, ReduceOp op,
+                                 const std::vector<std::string>& axes) = 0;
+  // Sum over the group, then this worker keeps its piece along `dim`.
+  virtual absl::StatusOr<HostTensor> ReduceScatter(const HostTensor& t, int dim,
+                                                   const std::vector<std::string>& axes) = 0;
+};
+
+// For a mesh of one worker, or any group of size one: identity operations.
+// Groups with more than one worker get FAILED_PRECONDITION.
+std::unique_ptr<Collectives> MakeLocalCollectives(const MeshPosition& position);
+
+// The local piece of `t` along `dim` for group index `index` of `count`.
+absl::StatusOr<HostTensor> TakePiece(const HostTensor& t, int dim, int64_t index, int64_t count,
+                                     absl::string_view what);
+
+}  // namespace shardgemm
+
+#endif  // SHARDGEMM_WORKER_COLLECTIVES_H_

@@ -1,0 +1,64 @@
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/cpu/grouped_gemm.h"
+#include "worker/backend.h"
+
+namespace shardgemm {
+namespace {
+
+class CpuBackend : public Backend {
+ public:
+  explicit CpuBackend(int num_threads)
+      : num_threads_(num_threads > 0 ? num_threads
+                                     : static_cast<int>(std::thread::hardware_concurrency())) {}
+
+  std::string Name() const override { return "cpu"; }
+  std::string Device() const override { return absl::StrCat("cpu (", num_threads_, " threads)"); }
+
+  absl::StatusOr<HostTensor> GroupedGemm(const LocalGemm& g) override {
+    const HostTensor& lhs = *g.lhs;
+    const HostTensor& rhs = *g.rhs;
+    cpu::GroupedGemmArgs a;
+    a.lhs_dtype = lhs.dtype;
+    a.rhs_dtype = rhs.dtype;
+    a.out_dtype = g.out_dtype;
+    a.lhs = lhs.bytes.data();
+    a.rhs = rhs.bytes.data();
+    a.m = lhs.shape.at(0);
+    a.k = lhs.shape.at(1);
+    a.num_groups = static_cast<int64_t>(g.group_sizes.size());
+    a.group_sizes = g.group_sizes.data();
+    a.rhs_transposed = g.rhs_transposed;
+    std::vector<int64_t> out_shape;
+    if (g.ragged_k) {
+      a.n = rhs.shape.at(1);
+      out_shape = {a.num_groups, a.k, a.n};
+    } else {
+      a.n = g.rhs_transposed ? rhs.shape.at(1) : rhs.shape.at(2);
+      out_shape = {a.m, a.n};
+      if (g.bias != nullptr) {
+        a.bias_dtype = g.bias->dtype;
+        a.bias = g.bias->bytes.data();
+      }
+    }
+    auto out = ZerosTensor(g.out_dtype, out_shape);
+    if (!out.ok()) return out.status();
+    a.out = out->bytes.empty() ? nullptr : &out->bytes[0];
+    absl::Status s = g.ragged_k ? cpu::GroupedGemmRaggedK(a, num_threads_)
+                                : cpu::GroupedGemmRaggedM(a, num_threads_);
+    if (!s.ok()) return s;
+    return out;
+  }
+
+ private:
+  int num_threads_;
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> MakeCpuBackend(int num_threads) {
+  return std::make_unique<CpuBackend>(num_threads);
+}
+
+}  // namespace shardgemm

@@ -1,0 +1,50 @@
+// Runs the steps the coordinator sends, one at a time, in the global order
+// given by their sequence numbers: every worker issues its collectives in the
+// same order, so concurrent requests can never mismatch them.
+#ifndef SHARDGEMM_WORKER_EXECUTOR_H_
+#define SHARDGEMM_WORKER_EXECUTOR_H_
+
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "proto/shardgemm.pb.h"
+#include "worker/backend.h"
+#include "worker/collectives.h"
+#include "worker/shard_store.h"
+
+namespace shardgemm {
+
+class Executor {
+ public:
+  Executor(Backend* backend, ShardStore* store, absl::Duration turn_timeout = absl::Seconds(120));
+
+  // Called once the coordinator has placed this worker on the mesh.
+  void Configure(const MeshPosition& position, std::unique_ptr<Collectives> collectives);
+
+  // Waits until every step with a lower sequence number has run, then runs
+  // this one. A step that fails still passes the turn on.
+  absl::StatusOr<v1::StepResult> Execute(v1::Step step);
+
+  const MeshPosition& position() const { return position_; }
+
+ private:
+  absl::Status WaitForTurn(uint64_t sequence);
+  void PassTurn();
+  absl::StatusOr<v1::StepResult> RunGemm(v1::GemmStep& gemm);
+  absl::StatusOr<v1::StepResult> RunStore(v1::StoreShardStep& store);
+
+  Backend* backend_;
+  ShardStore* store_;
+  const absl::Duration turn_timeout_;
+  MeshPosition position_;
+  std::unique_ptr<Collectives> collectives_;
+
+  absl::Mutex mu_;
+  uint64_t next_sequence_ ABSL_GUARDED_BY(mu_) = 1;
+};
+
+}  // namespace shardgemm
+
+#endif  // SHARDGEMM_WORKER_EXECUTOR_H_

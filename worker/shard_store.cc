@@ -1,0 +1,64 @@
+#include "worker/shard_store.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace shardgemm {
+
+absl::Status ShardStore::Put(const std::string& name, HostTensor shard) {
+  absl::MutexLock lock(&mu_);
+  int64_t replaced = 0;
+  auto it = shards_.find(name);
+  if (it != shards_.end()) replaced = it->second->NumBytes();
+  const int64_t after = resident_bytes_ - replaced + shard.NumBytes() + reserved_bytes_;
+  if (after > budget_bytes_) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "shard '", name, "' of ", shard.NumBytes(), " bytes does not fit the worker's memory budget (",
+        resident_bytes_ + reserved_bytes_, " of ", budget_bytes_, " bytes in use)"));
+  }
+  resident_bytes_ += shard.NumBytes() - replaced;
+  shards_[name] = std::make_shared<const HostTensor>(std::move(shard));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::shared_ptr<const HostTensor>> ShardStore::Get(const std::string& name) const {
+  absl::MutexLock lock(&mu_);
+  auto it = shards_.find(name);
+  if (it == shards_.end()) {
+    return absl::NotFoundError(absl::StrCat("no resident shard '", name, "' on this worker"));
+  }
+  return it->second;
+}
+
+absl::Status ShardStore::Delete(const std::string& name) {
+  absl::MutexLock lock(&mu_);
+  auto it = shards_.find(name);
+  if (it == shards_.end()) {
+    return absl::NotFoundError(absl::StrCat("no resident shard '", name, "' on this worker"));
+  }
+  resident_bytes_ -= it->second->NumBytes();
+  shards_.erase(it);
+  return absl::OkStatus();
+}
+
+absl::Status ShardStore::Reserve(int64_t bytes) {
+  absl::MutexLock lock(&mu_);
+  if (resident_bytes_ + reserved_bytes_ + bytes > budget_bytes_) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "request needs ", bytes, " bytes of working memory but the worker's budget is ",
+        budget_bytes_, " bytes with ", resident_bytes_ + reserved_bytes_, " in use"));
+  }
+  reserved_bytes_ += bytes;
+  return absl::OkStatus();
+}
+
+void ShardStore::Release(int64_t bytes) {
+  absl::MutexLock lock(&mu_);
+  reserved_bytes_ -= bytes;
+}
+
+int64_t ShardStore::used_bytes() const {
+  absl::MutexLock lock(&mu_);
+  return resident_bytes_ + reserved_bytes_;
+}
+
+}  // namespace shardgemm

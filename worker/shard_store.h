@@ -1,0 +1,45 @@
+// The shards of resident tensors a worker holds, under a memory budget.
+#ifndef SHARDGEMM_WORKER_SHARD_STORE_H_
+#define SHARDGEMM_WORKER_SHARD_STORE_H_
+
+#include <memory>
+#include <string>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "kernels/host_tensor.h"
+
+namespace shardgemm {
+
+class ShardStore {
+ public:
+  explicit ShardStore(int64_t budget_bytes) : budget_bytes_(budget_bytes) {}
+
+  // Stores (or replaces) a shard. RESOURCE_EXHAUSTED when it would not fit
+  // the budget, counting `transient_bytes` a request still needs; then nothing
+  // already stored changes.
+  absl::Status Put(const std::string& name, HostTensor shard);
+  // Shared so a running step keeps its input alive across a concurrent delete.
+  absl::StatusOr<std::shared_ptr<const HostTensor>> Get(const std::string& name) const;
+  absl::Status Delete(const std::string& name);
+
+  // Reserves room for a request's transient buffers; RESOURCE_EXHAUSTED when
+  // resident + reserved would pass the budget.
+  absl::Status Reserve(int64_t bytes);
+  void Release(int64_t bytes);
+
+  int64_t used_bytes() const;
+  int64_t budget_bytes() const { return budget_bytes_; }
+
+ private:
+  const int64_t budget_bytes_;
+  mutable absl::Mutex mu_;
+  absl::flat_hash_map<std::string, std::shared_ptr<const HostTensor>> shards_ ABSL_GUARDED_BY(mu_);
+  int64_t resident_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t reserved_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+}  // namespace shardgemm
+
+#endif  // SHARDGEMM_WORKER_SHARD_STORE_H_

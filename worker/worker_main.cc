@@ -1,0 +1,132 @@
+// shardgemm-worker: owns one device, registers with the coordinator and runs
+// the steps it is sent.
+#include <iostream>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "grpcpp/ext/proto_server_reflection_plugin.h"
+#include "grpcpp/grpcpp.h"
+#include "grpcpp/health_check_service_interface.h"
+#include "proto/shardgemm.grpc.pb.h"
+#include "worker/backend.h"
+#include "worker/executor.h"
+#include "worker/grpc_status.h"
+#include "worker/worker_service.h"
+
+ABSL_FLAG(std::string, coordinator, "127.0.0.1:50051", "coordinator address (host:port)");
+ABSL_FLAG(std::string, listen, "127.0.0.1:0",
+          "address this worker serves on; port 0 picks a free port");
+ABSL_FLAG(std::string, backend, "auto", "auto | cpu | cuda (auto: cuda where a GPU is present)");
+ABSL_FLAG(int, device, 0, "CUDA device ordinal");
+ABSL_FLAG(int, threads, 0, "CPU backend threads (0: all cores)");
+ABSL_FLAG(int64_t, memory_budget_mb, 4096, "resident shards + working memory budget, MiB");
+ABSL_FLAG(int, register_timeout_s, 60, "how long to keep trying to reach the coordinator");
+
+namespace shardgemm {
+namespace {
+
+constexpr int kMaxMessageBytes = 2047 * 1024 * 1024;
+
+int Run() {
+  std::string note;
+  auto backend = MakeBackend(absl::GetFlag(FLAGS_backend), absl::GetFlag(FLAGS_device),
+                             absl::GetFlag(FLAGS_threads), &note);
+  if (!backend.ok()) {
+    std::cerr << "shardgemm-worker: " << backend.status() << "\n";
+    return 1;
+  }
+  if (!note.empty()) std::cerr << "shardgemm-worker: " << note << "\n";
+
+  ShardStore store(absl::GetFlag(FLAGS_memory_budget_mb) * 1024 * 1024);
+  Executor executor(backend->get(), &store);
+  WorkerServiceImpl service(&executor, &store, backend->get());
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  int port = 0;
+  const std::string listen = absl::GetFlag(FLAGS_listen);
+  builder.AddListeningPort(listen, grpc::InsecureServerCredentials(), &port);
+  builder.SetMaxReceiveMessageSize(kMaxMessageBytes);
+  builder.SetMaxSendMessageSize(kMaxMessageBytes);
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (server == nullptr || port == 0) {
+    std::cerr << "shardgemm-worker: cannot listen on " << listen << "\n";
+    return 1;
+  }
+  const std::string host = listen.substr(0, listen.rfind(':'));
+  const std::string address = absl::StrCat(host, ":", port);
+
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(kMaxMessageBytes);
+  auto channel = grpc::CreateCustomChannel(absl::GetFlag(FLAGS_coordinator),
+                                           grpc::InsecureChannelCredentials(), args);
+  auto stub = v1::Coordination::NewStub(channel);
+  v1::RegisterRequest request;
+  request.set_address(address);
+  request.set_backend((*backend)->Name());
+  request.set_device((*backend)->Device());
+  request.set_memory_budget_bytes(store.budget_bytes());
+  v1::RegisterResponse response;
+  const absl::Time give_up = absl::Now() + absl::Seconds(absl::GetFlag(FLAGS_register_timeout_s));
+  while (true) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    ctx.set_wait_for_ready(true);
+    grpc::Status s = stub->Register(&ctx, request, &response);
+    if (s.ok()) break;
+    if (s.error_code() != grpc::StatusCode::UNAVAILABLE &&
+        s.error_code() != grpc::StatusCode::DEADLINE_EXCEEDED) {
+      std::cerr << "shardgemm-worker: registration refused: " << s.error_message() << "\n";
+      return 1;
+    }
+    if (absl::Now() > give_up) {
+      std::cerr << "shardgemm-worker: no coordinator at " << absl::GetFlag(FLAGS_coordinator)
+                << "\n";
+      return 1;
+    }
+    absl::SleepFor(absl::Milliseconds(200));
+  }
+
+  MeshPosition position;
+  position.rank = response.rank();
+  for (const auto& axis : response.mesh().axes()) {
+    position.axis_names.push_back(axis.name());
+    position.axis_sizes.push_back(axis.size());
+  }
+  int64_t rest = position.rank;
+  position.coords.assign(position.axis_sizes.size(), 0);
+  for (int d = static_cast<int>(position.axis_sizes.size()) - 1; d >= 0; --d) {
+    position.coords[d] = rest % position.axis_sizes[d];
+    rest /= position.axis_sizes[d];
+  }
+  std::unique_ptr<Collectives> collectives;
+  if (position.NumWorkers() == 1) {
+    collectives = MakeLocalCollectives(position);
+  } else {
+    // Multi-worker collectives (Gloo / NCCL) join here; until then groups of
+    // more than one worker fail with FAILED_PRECONDITION, never hang.
+    collectives = MakeLocalCollectives(position);
+  }
+  executor.Configure(position, std::move(collectives));
+  std::cerr << "shardgemm-worker: rank " << position.rank << " serving on " << address
+            << " with backend " << (*backend)->Device() << "\n";
+  server->Wait();
+  return 0;
+}
+
+}  // namespace
+}  // namespace shardgemm
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage("shardgemm-worker --coordinator=HOST:PORT [--backend=auto|cpu|cuda]");
+  absl::ParseCommandLine(argc, argv);
+  return shardgemm::Run();
+}

@@ -1,0 +1,33 @@
+#include "worker/worker_service.h"
+
+#include "proto/tensor_codec.h"
+#include "worker/grpc_status.h"
+
+namespace shardgemm {
+
+grpc::Status WorkerServiceImpl::Execute(grpc::ServerContext*, const v1::Step* step,
+                                        v1::StepResult* result) {
+  auto r = executor_->Execute(*step);
+  if (!r.ok()) return ToGrpcStatus(r.status());
+  *result = std::move(*r);
+  return grpc::Status::OK;
+}
+
+grpc::Status WorkerServiceImpl::GetShard(grpc::ServerContext*, const v1::GetShardRequest* request,
+                                         v1::LocalTensor* shard) {
+  auto t = store_->Get(request->name());
+  if (!t.ok()) return ToGrpcStatus(t.status());
+  HostTensorToProto(**t, shard);
+  return grpc::Status::OK;
+}
+
+grpc::Status WorkerServiceImpl::Status(grpc::ServerContext*, const v1::WorkerStatusRequest*,
+                                       v1::WorkerStatus* status) {
+  status->set_rank(executor_->position().rank);
+  status->set_backend(backend_->Name());
+  status->set_memory_used_bytes(store_->used_bytes());
+  status->set_memory_budget_bytes(store_->budget_bytes());
+  return grpc::Status::OK;
+}
+
+}  // namespace shardgemm
