@@ -1,0 +1,450 @@
+// shardgemm: the command-line client.
+//
+//   shardgemm cluster
+//   shardgemm plan   --lhs 4096x7168@((dp,fsdp),None) --rhs 8x7168x2048@(ep,fsdp,None)
+//                    --group-sizes '8@(ep,)' [--mesh dp=2,fsdp=2,ep=2 [--roles ...]] [--json]
+//   shardgemm gemm   --lhs a.npy|MxK[@SPEC]|resident:NAME --rhs ... [--group-sizes 3,5,0,8[@SPEC]]
+//                    [--groups G --seed S] [--check] [--out out.npy] [--request req.json]
+//   shardgemm put NAME --data w.npy|SHAPE [--dtype bf16] [--spec SPEC]
+//   shardgemm get NAME --out w.npy
+//   shardgemm delete NAME
+//   shardgemm ls
+#include <fstream>
+#include <iostream>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "client/client.h"
+#include "client/npy.h"
+#include "client/reference.h"
+#include "google/protobuf/util/json_util.h"
+#include "proto/tensor_codec.h"
+#include "server/planner/planner.h"
+#include "server/request_plan.h"
+
+ABSL_FLAG(std::string, coordinator, "127.0.0.1:50051", "coordinator address");
+ABSL_FLAG(std::string, mesh, "", "plan offline on this mesh instead of asking the coordinator");
+ABSL_FLAG(std::string, roles, "", "roles for --mesh, e.g. 'dp=data,ep=expert'");
+ABSL_FLAG(std::string, lhs, "", "lhs: FILE.npy, SHAPE (random, e.g. 512x256) or resident:NAME, each optionally @SPEC");
+ABSL_FLAG(std::string, rhs, "", "rhs: as --lhs");
+ABSL_FLAG(std::string, bias, "", "bias [G,N]: as --lhs");
+ABSL_FLAG(std::string, group_sizes, "",
+          "gemm: comma-separated sizes (e.g. 3,5,0,8@(fsdp,)); plan: a count (e.g. 8@(ep,))");
+ABSL_FLAG(int, groups, 4, "groups for random group sizes when --group-sizes is not given");
+ABSL_FLAG(std::string, dtype, "f32", "dtype of generated tensors: f32, bf16, f16");
+ABSL_FLAG(std::string, out_dtype, "", "output dtype (default: the lhs dtype)");
+ABSL_FLAG(std::string, out_spec, "", "requested output spec");
+ABSL_FLAG(bool, rhs_transposed, false, "rhs is [G,N,K]");
+ABSL_FLAG(bool, wgrad, false, "ragged-K grouped GEMM (wgrad): rhs is [M,N], out [G,K,N]");
+ABSL_FLAG(std::string, compat, "default", "default | te (Transformer Engine's exact rules)");
+ABSL_FLAG(uint64_t, seed, 1, "seed for generated tensors and group sizes");
+ABSL_FLAG(bool, check, false, "check the result against a local reference");
+ABSL_FLAG(std::string, out, "", "write the result to this .npy file");
+ABSL_FLAG(std::string, keep_as, "", "keep the output resident under this name");
+ABSL_FLAG(std::string, request, "", "read the GroupedGemmRequest from this JSON file (protobuf JSON mapping)");
+ABSL_FLAG(bool, json, false, "print the plan as JSON (protobuf JSON mapping)");
+ABSL_FLAG(bool, show_plan, true, "print the plan before the result");
+ABSL_FLAG(std::string, data, "", "put: FILE.npy or SHAPE (random)");
+ABSL_FLAG(std::string, spec, "", "put: partition spec");
+ABSL_FLAG(bool, overwrite, false, "put: replace an existing tensor");
+
+namespace shardgemm {
+namespace {
+
+int Fail(const absl::Status& s) {
+  std::cerr << "shardgemm: " << absl::StatusCodeToString(s.code()) << ": " << s.message() << "\n";
+  return 1;
+}
+
+// "SHAPE@SPEC" -> (SHAPE, SPEC); the spec may itself contain '@'-free text.
+std::pair<std::string, std::string> SplitSpec(const std::string& text) {
+  size_t at = text.find('@');
+  if (at == std::string::npos) return {text, ""};
+  return {text.substr(0, at), text.substr(at + 1)};
+}
+
+absl::StatusOr<std::vector<int64_t>> ParseShape(absl::string_view text, absl::string_view what) {
+  std::vector<int64_t> shape;
+  for (absl::string_view part : absl::StrSplit(text, 'x')) {
+    int64_t d;
+    if (!absl::SimpleAtoi(part, &d) || d < 0) {
+      return absl::InvalidArgumentError(absl::StrCat(what, ": bad shape '", text, "'"));
+    }
+    shape.push_back(d);
+  }
+  return shape;
+}
+
+absl::StatusOr<DType> FlagDType(const std::string& name, absl::string_view flag) {
+  auto d = DTypeFromName(name);
+  if (!d.has_value()) {
+    return absl::InvalidArgumentError(absl::StrCat("--", flag, ": unknown dtype '", name, "'"));
+  }
+  return *d;
+}
+
+HostTensor RandomTensor(DType dtype, std::vector<int64_t> shape, uint64_t seed) {
+  HostTensor t = *ZerosTensor(dtype, std::move(shape));
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+  for (int64_t i = 0; i < t.NumElements(); ++i) StoreFromFloat(&t, i, dist(rng));
+  return t;
+}
+
+// Fills a v1::Tensor from an operand flag; `host` receives the data when it
+// is inline (for the reference check).
+absl::Status OperandFromFlag(const std::string& value, absl::string_view what, DType dtype,
+                             uint64_t seed, v1::Tensor* out, HostTensor* host) {
+  auto [source, spec] = SplitSpec(value);
+  out->set_spec(spec);
+  if (absl::StartsWith(source, "resident:")) {
+    out->set_resident(source.substr(9));
+    return absl::OkStatus();
+  }
+  absl::StatusOr<HostTensor> t;
+  if (absl::EndsWith(source, ".npy")) {
+    t = ReadNpyFile(source);
+  } else {
+    auto shape = ParseShape(source, what);
+    if (!shape.ok()) return shape.status();
+    t = RandomTensor(dtype, *shape, seed);
+  }
+  if (!t.ok()) return t.status();
+  HostTensorToProto(*t, out);
+  out->set_spec(spec);
+  *host = std::move(*t);
+  return absl::OkStatus();
+}
+
+// Uneven group sizes summing to at most `m`, some possibly empty, plus a few
+// padding rows when there is room.
+std::vector<int64_t> RandomGroupSizes(int64_t m, int groups, uint64_t seed) {
+  std::mt19937_64 rng(seed * 7919 + 13);
+  std::vector<double> w(groups);
+  for (double& x : w) x = std::uniform_real_distribution<double>(0, 1)(rng);
+  if (groups > 2) w[1] = 0;  // one empty group
+  double total = 0;
+  for (double x : w) total += x;
+  const int64_t usable = m - m / 16;
+  std::vector<int64_t> sizes(groups, 0);
+  int64_t used = 0;
+  for (int g = 0; g < groups; ++g) {
+    sizes[g] = total > 0 ? static_cast<int64_t>(usable * w[g] / total) : 0;
+    used += sizes[g];
+  }
+  if (groups > 0 && used < usable) sizes[0] += usable - used;
+  return sizes;
+}
+
+void PrintPlan(const v1::Plan& plan) {
+  if (absl::GetFlag(FLAGS_json)) {
+    std::string json;
+    google::protobuf::util::JsonPrintOptions options;
+    options.add_whitespace = true;
+    options.preserve_proto_field_names = true;
+    (void)google::protobuf::util::MessageToJsonString(plan, &json, options);
+    std::cout << json << "\n";
+  } else {
+    std::cout << plan.text();
+    if (!plan.text().empty() && plan.text().back() != '\n') std::cout << "\n";
+  }
+}
+
+v1::Compat CompatFlag() {
+  return absl::GetFlag(FLAGS_compat) == "te" ? v1::COMPAT_TE : v1::COMPAT_DEFAULT;
+}
+
+int Cluster() {
+  ShardGemmClient client(absl::GetFlag(FLAGS_coordinator));
+  auto info = client.ClusterInfo();
+  if (!info.ok()) return Fail(info.status());
+  std::vector<std::string> axes;
+  for (const auto& a : info->mesh().axes()) axes.push_back(absl::StrCat(a.name(), "=", a.size()));
+  std::cout << "mesh: " << absl::StrJoin(axes, ",") << "  roles: dp=" << info->mesh().roles().dp()
+            << " fsdp=" << info->mesh().roles().fsdp() << " ep=" << info->mesh().roles().ep()
+            << " tp=" << info->mesh().roles().tp() << "\n"
+            << "workers: " << info->workers_size() << " of " << info->workers_expected()
+            << (info->ready() ? " (ready)" : " (waiting)") << "\n";
+  for (const auto& w : info->workers()) {
+    std::cout << absl::StrFormat("  rank %d  coords (%s)  %s  backend %s  %s\n", w.rank(),
+                                 absl::StrJoin(w.coords(), ","), w.address(), w.backend(),
+                                 w.device());
+  }
+  return 0;
+}
+
+int PlanCommand() {
+  v1::GroupedGemmRequest gemm;
+  gemm.set_ragged(absl::GetFlag(FLAGS_wgrad) ? v1::GroupedGemmRequest::RAGGED_K
+                                             : v1::GroupedGemmRequest::RAGGED_M);
+  gemm.set_rhs_transposed(absl::GetFlag(FLAGS_rhs_transposed));
+  gemm.set_compat(CompatFlag());
+  gemm.set_out_spec(absl::GetFlag(FLAGS_out_spec));
+  auto dtype = FlagDType(absl::GetFlag(FLAGS_dtype), "dtype");
+  if (!dtype.ok()) return Fail(dtype.status());
+  auto describe = [&](const std::string& value, const char* what, DType d, v1::Tensor* t) {
+    auto [shape_text, spec] = SplitSpec(value);
+    if (absl::StartsWith(shape_text, "resident:")) {
+      t->set_resident(shape_text.substr(9));
+      return absl::OkStatus();
+    }
+    auto shape = ParseShape(shape_text, what);
+    if (!shape.ok()) return shape.status();
+    t->set_dtype(DTypeToProto(d));
+    t->mutable_shape()->Assign(shape->begin(), shape->end());
+    t->set_spec(spec);
+    return absl::OkStatus();
+  };
+  for (auto [flag, what, t, d] :
+       {std::make_tuple(absl::GetFlag(FLAGS_lhs), "--lhs", gemm.mutable_lhs(), *dtype),
+        std::make_tuple(absl::GetFlag(FLAGS_rhs), "--rhs", gemm.mutable_rhs(), *dtype),
+        std::make_tuple(absl::GetFlag(FLAGS_group_sizes), "--group-sizes",
+                        gemm.mutable_group_sizes(), DType::kI32),
+        std::make_tuple(absl::GetFlag(FLAGS_bias), "--bias", gemm.mutable_bias(), *dtype)}) {
+    if (flag.empty()) {
+      if (std::string(what) == "--bias") continue;
+      return Fail(absl::InvalidArgumentError(absl::StrCat(what, " is required")));
+    }
+    if (auto s = describe(flag, what, d, t); !s.ok()) return Fail(s);
+  }
+  if (absl::GetFlag(FLAGS_bias).empty()) gemm.clear_bias();
+  v1::PlanRequest request;
+  *request.mutable_grouped_gemm() = gemm;
+  if (!absl::GetFlag(FLAGS_mesh).empty()) {
+    auto mesh = planner::ParseMesh(absl::GetFlag(FLAGS_mesh), absl::GetFlag(FLAGS_roles));
+    if (!mesh.ok()) return Fail(mesh.status());
+    auto resolve = [](const v1::Tensor& t, const std::string& field) -> absl::StatusOr<TensorMeta> {
+      auto d = DTypeFromProto(t.dtype(), field);
+      if (!d.ok()) return d.status();
+      TensorMeta meta{*d, std::vector<int64_t>(t.shape().begin(), t.shape().end()), t.spec(), ""};
+      return meta;
+    };
+    auto pr = GemmPlanRequest(gemm, *mesh, resolve);
+    if (!pr.ok()) return Fail(pr.status());
+    auto plan = planner::MakePlan(*pr);
+    if (!plan.ok()) return Fail(plan.status());
+    v1::Plan proto;
+    PlanToProto(*plan, &proto);
+    PrintPlan(proto);
+    return 0;
+  }
+  ShardGemmClient client(absl::GetFlag(FLAGS_coordinator));
+  auto plan = client.Plan(request);
+  if (!plan.ok()) return Fail(plan.status());
+  PrintPlan(*plan);
+  return 0;
+}
+
+int Gemm() {
+  v1::GroupedGemmRequest request;
+  GemmOperands ops;
+  if (!absl::GetFlag(FLAGS_request).empty()) {
+    std::ifstream in(absl::GetFlag(FLAGS_request));
+    if (!in) return Fail(absl::NotFoundError("cannot open --request file"));
+    std::stringstream ss;
+    ss << in.rdbuf();
+    auto s = google::protobuf::util::JsonStringToMessage(ss.str(), &request);
+    if (!s.ok()) {
+      return Fail(absl::InvalidArgumentError(absl::StrCat("--request: ", s.ToString())));
+    }
+    for (auto [t, h] : {std::make_pair(&request.lhs(), &ops.lhs),
+                        std::make_pair(&request.rhs(), &ops.rhs)}) {
+      if (t->source_case() == v1::Tensor::kData) {
+        auto decoded = HostTensorFromProto(*t, "tensor");
+        if (!decoded.ok()) return Fail(decoded.status());
+        *h = std::move(*decoded);
+      }
+    }
+    if (HasBias(request) && request.bias().source_case() == v1::Tensor::kData) {
+      auto decoded = HostTensorFromProto(request.bias(), "bias");
+      if (!decoded.ok()) return Fail(decoded.status());
+      ops.bias = std::move(*decoded);
+    }
+    auto gs = HostTensorFromProto(request.group_sizes(), "group_sizes");
+    if (gs.ok()) {
+      auto v = ToInt64Vector(*gs, "group_sizes");
+      if (v.ok()) ops.group_sizes = *v;
+    }
+  } else {
+    auto dtype = FlagDType(absl::GetFlag(FLAGS_dtype), "dtype");
+    if (!dtype.ok()) return Fail(dtype.status());
+    const uint64_t seed = absl::GetFlag(FLAGS_seed);
+    request.set_ragged(absl::GetFlag(FLAGS_wgrad) ? v1::GroupedGemmRequest::RAGGED_K
+                                                  : v1::GroupedGemmRequest::RAGGED_M);
+    request.set_rhs_transposed(absl::GetFlag(FLAGS_rhs_transposed));
+    request.set_compat(CompatFlag());
+    request.set_out_spec(absl::GetFlag(FLAGS_out_spec));
+    request.set_keep_output_as(absl::GetFlag(FLAGS_keep_as));
+    if (absl::GetFlag(FLAGS_lhs).empty() || absl::GetFlag(FLAGS_rhs).empty()) {
+      return Fail(absl::InvalidArgumentError("--lhs and --rhs are required"));
+    }
+    if (auto s = OperandFromFlag(absl::GetFlag(FLAGS_lhs), "--lhs", *dtype, seed,
+                                 request.mutable_lhs(), &ops.lhs); !s.ok()) return Fail(s);
+    if (auto s = OperandFromFlag(absl::GetFlag(FLAGS_rhs), "--rhs", *dtype, seed + 1,
+                                 request.mutable_rhs(), &ops.rhs); !s.ok()) return Fail(s);
+    if (!absl::GetFlag(FLAGS_bias).empty()) {
+      if (auto s = OperandFromFlag(absl::GetFlag(FLAGS_bias), "--bias", *dtype, seed + 2,
+                                   request.mutable_bias(), &ops.bias); !s.ok()) return Fail(s);
+    }
+    auto [sizes_text, sizes_spec] = SplitSpec(absl::GetFlag(FLAGS_group_sizes));
+    if (!sizes_text.empty()) {
+      for (absl::string_view part : absl::StrSplit(sizes_text, ',')) {
+        int64_t v;
+        if (!absl::SimpleAtoi(part, &v)) {
+          return Fail(absl::InvalidArgumentError(
+              absl::StrCat("--group-sizes: '", part, "' is not an integer")));
+        }
+        ops.group_sizes.push_back(v);
+      }
+    } else if (ops.lhs.dtype != DType::kInvalid) {
+      ops.group_sizes = RandomGroupSizes(ops.lhs.shape.at(0), absl::GetFlag(FLAGS_groups), seed);
+    } else {
+      return Fail(absl::InvalidArgumentError("--group-sizes is required with a resident lhs"));
+    }
+    HostTensor gs = *ZerosTensor(DType::kI64, {static_cast<int64_t>(ops.group_sizes.size())});
+    std::copy(ops.group_sizes.begin(), ops.group_sizes.end(), gs.data<int64_t>());
+    HostTensorToProto(gs, request.mutable_group_sizes());
+    request.mutable_group_sizes()->set_spec(sizes_spec);
+    if (!absl::GetFlag(FLAGS_out_dtype).empty()) {
+      auto od = FlagDType(absl::GetFlag(FLAGS_out_dtype), "out_dtype");
+      if (!od.ok()) return Fail(od.status());
+      request.set_out_dtype(DTypeToProto(*od));
+    }
+  }
+  request.set_include_plan(true);
+  ops.ragged_k = request.ragged() == v1::GroupedGemmRequest::RAGGED_K;
+  ops.rhs_transposed = request.rhs_transposed();
+
+  ShardGemmClient client(absl::GetFlag(FLAGS_coordinator));
+  const absl::Time start = absl::Now();
+  auto response = client.GroupedGemm(request);
+  if (!response.ok()) return Fail(response.status());
+  const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
+  if (absl::GetFlag(FLAGS_show_plan)) PrintPlan(response->plan());
+  const auto& out = response->out();
+  std::cout << "group sizes: " << absl::StrJoin(ops.group_sizes, ",") << "\n";
+  std::cout << absl::StrFormat("result: %s %s%s  (%.3f ms round trip, %.3f ms on the server)\n",
+                               ShapeToString(std::vector<int64_t>(out.shape().begin(), out.shape().end())),
+                               DTypeName(static_cast<DType>(static_cast<int>(out.dtype()))),
+                               out.resident().empty() ? "" : absl::StrCat(" kept as '", out.resident(), "'"),
+                               seconds * 1e3, response->server_seconds() * 1e3);
+  if (!out.resident().empty()) return 0;
+  auto result = HostTensorFromProto(out, "out");
+  if (!result.ok()) return Fail(result.status());
+  if (!absl::GetFlag(FLAGS_out).empty()) {
+    if (auto s = WriteNpyFile(absl::GetFlag(FLAGS_out), *result); !s.ok()) return Fail(s);
+    std::cout << "wrote " << absl::GetFlag(FLAGS_out) << "\n";
+  }
+  if (absl::GetFlag(FLAGS_check)) {
+    if (ops.lhs.dtype == DType::kInvalid || ops.rhs.dtype == DType::kInvalid) {
+      return Fail(absl::FailedPreconditionError("--check needs lhs and rhs as data, not resident"));
+    }
+    auto reference = ReferenceGroupedGemm(ops, response->plan());
+    if (!reference.ok()) return Fail(reference.status());
+    const int64_t contracting = ops.ragged_k ? ops.lhs.shape.at(0) : ops.lhs.shape.at(1);
+    Comparison c = CompareToReference(*result, *reference, contracting);
+    if (!c.ok()) {
+      std::cout << absl::StrFormat(
+          "result DOES NOT match reference: %d elements off, max error %.3g (tolerance %.3g)\n",
+          c.mismatches, c.max_abs_error, c.tolerance);
+      return 3;
+    }
+    std::cout << absl::StrFormat("result matches reference: max error %.3g (tolerance %.3g)\n",
+                                 c.max_abs_error, c.tolerance);
+  }
+  return 0;
+}
+
+int Put(const std::string& name) {
+  auto dtype = FlagDType(absl::GetFlag(FLAGS_dtype), "dtype");
+  if (!dtype.ok()) return Fail(dtype.status());
+  const std::string data = absl::GetFlag(FLAGS_data);
+  absl::StatusOr<HostTensor> t;
+  if (absl::EndsWith(data, ".npy")) {
+    t = ReadNpyFile(data);
+  } else {
+    auto shape = ParseShape(data, "--data");
+    if (!shape.ok()) return Fail(shape.status());
+    t = RandomTensor(*dtype, *shape, absl::GetFlag(FLAGS_seed));
+  }
+  if (!t.ok()) return Fail(t.status());
+  ShardGemmClient client(absl::GetFlag(FLAGS_coordinator));
+  auto r = client.PutTensor(name, *t, absl::GetFlag(FLAGS_spec), absl::GetFlag(FLAGS_overwrite));
+  if (!r.ok()) return Fail(r.status());
+  std::cout << "put '" << r->name() << "': " << ShapeToString(t->shape) << " "
+            << DTypeName(t->dtype) << ", " << r->bytes() << " bytes, spec "
+            << (absl::GetFlag(FLAGS_spec).empty() ? "()" : absl::GetFlag(FLAGS_spec)) << "\n";
+  return 0;
+}
+
+int Get(const std::string& name) {
+  ShardGemmClient client(absl::GetFlag(FLAGS_coordinator));
+  auto t = client.GetTensor(name);
+  if (!t.ok()) return Fail(t.status());
+  std::cout << "got '" << name << "': " << ShapeToString(t->shape) << " " << DTypeName(t->dtype) << "\n";
+  if (!absl::GetFlag(FLAGS_out).empty()) {
+    if (auto s = WriteNpyFile(absl::GetFlag(FLAGS_out), *t); !s.ok()) return Fail(s);
+    std::cout << "wrote " << absl::GetFlag(FLAGS_out) << "\n";
+  }
+  return 0;
+}
+
+int List() {
+  ShardGemmClient client(absl::GetFlag(FLAGS_coordinator));
+  auto r = client.ListTensors();
+  if (!r.ok()) return Fail(r.status());
+  for (const auto& t : r->tensors()) {
+    std::cout << t.name() << "  " << absl::StrJoin(t.shape(), "x") << " "
+              << DTypeName(static_cast<DType>(static_cast<int>(t.dtype()))) << "  " << t.spec() << "\n";
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace shardgemm
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "shardgemm COMMAND [flags]\n"
+      "commands: cluster | plan | gemm | put NAME | get NAME | delete NAME | ls\n"
+      "see docs/cli.md or --helpfull");
+  std::vector<char*> args = absl::ParseCommandLine(argc, argv);
+  using namespace shardgemm;
+  if (args.size() < 2) {
+    std::cerr << "usage: shardgemm cluster|plan|gemm|put|get|delete|ls [flags] (--help)\n";
+    return 2;
+  }
+  const std::string command = args[1];
+  const std::string name = args.size() > 2 ? args[2] : "";
+  if (command == "cluster") return Cluster();
+  if (command == "plan") return PlanCommand();
+  if (command == "gemm") return Gemm();
+  if ((command == "put" || command == "get" || command == "delete") && name.empty()) {
+    std::cerr << "shardgemm " << command << ": missing tensor NAME\n";
+    return 2;
+  }
+  if (command == "put") return Put(name);
+  if (command == "get") return Get(name);
+  if (command == "delete") {
+    ShardGemmClient client(absl::GetFlag(FLAGS_coordinator));
+    absl::Status s = client.DeleteTensor(name);
+    if (!s.ok()) return Fail(s);
+    std::cout << "deleted '" << name << "'\n";
+    return 0;
+  }
+  if (command == "ls") return List();
+  std::cerr << "shardgemm: unknown command '" << command << "'\n";
+  return 2;
+}

@@ -1,0 +1,135 @@
+#include "client/client.h"
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "grpcpp/grpcpp.h"
+#include "proto/tensor_codec.h"
+#include "worker/grpc_status.h"
+
+namespace shardgemm {
+namespace {
+constexpr int kMaxMessageBytes = 2047 * 1024 * 1024;
+constexpr size_t kChunkBytes = 1 << 20;
+}  // namespace
+
+ShardGemmClient::ShardGemmClient(const std::string& address) {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(kMaxMessageBytes);
+  args.SetMaxSendMessageSize(kMaxMessageBytes);
+  stub_ = v1::ShardGemm::NewStub(
+      grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args));
+}
+
+absl::StatusOr<v1::ClusterInfo> ShardGemmClient::WaitUntilReady(absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  absl::Status last = absl::DeadlineExceededError("coordinator did not answer");
+  while (absl::Now() < deadline) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+    ctx.set_wait_for_ready(true);
+    v1::ClusterInfo info;
+    grpc::Status s = stub_->GetClusterInfo(&ctx, v1::ClusterInfoRequest(), &info);
+    if (s.ok() && info.ready()) return info;
+    last = s.ok() ? absl::UnavailableError(absl::StrCat(info.workers_size(), " of ",
+                                                        info.workers_expected(),
+                                                        " workers registered"))
+                  : FromGrpcStatus(s);
+    absl::SleepFor(absl::Milliseconds(100));
+  }
+  return absl::Status(last.code(), absl::StrCat("cluster not ready: ", last.message()));
+}
+
+absl::StatusOr<v1::ClusterInfo> ShardGemmClient::ClusterInfo() {
+  grpc::ClientContext ctx;
+  v1::ClusterInfo info;
+  grpc::Status s = stub_->GetClusterInfo(&ctx, v1::ClusterInfoRequest(), &info);
+  if (!s.ok()) return FromGrpcStatus(s);
+  return info;
+}
+
+absl::StatusOr<v1::Plan> ShardGemmClient::Plan(const v1::PlanRequest& request) {
+  grpc::ClientContext ctx;
+  v1::PlanResponse response;
+  grpc::Status s = stub_->Plan(&ctx, request, &response);
+  if (!s.ok()) return FromGrpcStatus(s);
+  return response.plan();
+}
+
+absl::StatusOr<v1::GroupedGemmResponse> ShardGemmClient::GroupedGemm(
+    const v1::GroupedGemmRequest& request) {
+  grpc::ClientContext ctx;
+  v1::GroupedGemmResponse response;
+  grpc::Status s = stub_->GroupedGemm(&ctx, request, &response);
+  if (!s.ok()) return FromGrpcStatus(s);
+  return response;
+}
+
+absl::StatusOr<v1::PutTensorResponse> ShardGemmClient::PutTensor(const std::string& name,
+                                                                 const HostTensor& tensor,
+                                                                 const std::string& spec,
+                                                                 bool overwrite) {
+  grpc::ClientContext ctx;
+  v1::PutTensorResponse response;
+  auto writer = stub_->PutTensor(&ctx, &response);
+  size_t offset = 0;
+  do {
+    v1::TensorChunk chunk;
+    if (offset == 0) {
+      chunk.set_name(name);
+      chunk.set_dtype(DTypeToProto(tensor.dtype));
+      chunk.mutable_shape()->Assign(tensor.shape.begin(), tensor.shape.end());
+      chunk.set_spec(spec);
+      chunk.set_overwrite(overwrite);
+    }
+    const size_t len = std::min(kChunkBytes, tensor.bytes.size() - offset);
+    chunk.set_data(tensor.bytes.substr(offset, len));
+    offset += len;
+    if (!writer->Write(chunk)) break;
+  } while (offset < tensor.bytes.size());
+  writer->WritesDone();
+  grpc::Status s = writer->Finish();
+  if (!s.ok()) return FromGrpcStatus(s);
+  return response;
+}
+
+absl::StatusOr<HostTensor> ShardGemmClient::GetTensor(const std::string& name) {
+  grpc::ClientContext ctx;
+  v1::GetTensorRequest request;
+  request.set_name(name);
+  auto reader = stub_->GetTensor(&ctx, request);
+  HostTensor t;
+  v1::TensorChunk chunk;
+  bool first = true;
+  while (reader->Read(&chunk)) {
+    if (first) {
+      t.dtype = static_cast<DType>(static_cast<int>(chunk.dtype()));
+      t.shape.assign(chunk.shape().begin(), chunk.shape().end());
+      first = false;
+    }
+    t.bytes += chunk.data();
+  }
+  grpc::Status s = reader->Finish();
+  if (!s.ok()) return FromGrpcStatus(s);
+  if (t.NumBytes() != t.NumElements() * DTypeSize(t.dtype)) {
+    return absl::DataLossError(absl::StrCat("tensor '", name, "' arrived incomplete"));
+  }
+  return t;
+}
+
+absl::Status ShardGemmClient::DeleteTensor(const std::string& name) {
+  grpc::ClientContext ctx;
+  v1::DeleteTensorRequest request;
+  request.set_name(name);
+  v1::DeleteTensorResponse response;
+  return FromGrpcStatus(stub_->DeleteTensor(&ctx, request, &response));
+}
+
+absl::StatusOr<v1::ListTensorsResponse> ShardGemmClient::ListTensors() {
+  grpc::ClientContext ctx;
+  v1::ListTensorsResponse response;
+  grpc::Status s = stub_->ListTensors(&ctx, v1::ListTensorsRequest(), &response);
+  if (!s.ok()) return FromGrpcStatus(s);
+  return response;
+}
+
+}  // namespace shardgemm

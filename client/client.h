@@ -1,0 +1,38 @@
+// C++ client library for the shardgemm service.
+#ifndef SHARDGEMM_CLIENT_CLIENT_H_
+#define SHARDGEMM_CLIENT_CLIENT_H_
+
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "kernels/host_tensor.h"
+#include "proto/shardgemm.grpc.pb.h"
+
+namespace shardgemm {
+
+class ShardGemmClient {
+ public:
+  explicit ShardGemmClient(const std::string& address);
+
+  // Waits up to `timeout` for the coordinator to answer and its mesh to be
+  // complete.
+  absl::StatusOr<v1::ClusterInfo> WaitUntilReady(absl::Duration timeout);
+  absl::StatusOr<v1::ClusterInfo> ClusterInfo();
+  absl::StatusOr<v1::Plan> Plan(const v1::PlanRequest& request);
+  absl::StatusOr<v1::GroupedGemmResponse> GroupedGemm(const v1::GroupedGemmRequest& request);
+  // Streams the tensor in chunks, so tensors past gRPC's message limit work.
+  absl::StatusOr<v1::PutTensorResponse> PutTensor(const std::string& name, const HostTensor& tensor,
+                                                  const std::string& spec, bool overwrite);
+  absl::StatusOr<HostTensor> GetTensor(const std::string& name);
+  absl::Status DeleteTensor(const std::string& name);
+  absl::StatusOr<v1::ListTensorsResponse> ListTensors();
+
+ private:
+  std::unique_ptr<v1::ShardGemm::Stub> stub_;
+};
+
+}  // namespace shardgemm
+
+#endif  // SHARDGEMM_CLIENT_CLIENT_H_

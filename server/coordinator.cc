@@ -1,0 +1,473 @@
+#include "server/coordinator.h"
+
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "proto/tensor_codec.h"
+#include "server/request_plan.h"
+
+namespace shardgemm {
+
+Coordinator::Coordinator(planner::Mesh mesh, Connector connect)
+    : mesh_(std::move(mesh)),
+      num_workers_(static_cast<int>(planner::NumWorkers(mesh_))),
+      connect_(std::move(connect)) {
+  workers_.resize(num_workers_);
+}
+
+absl::StatusOr<v1::RegisterResponse> Coordinator::Register(const v1::RegisterRequest& request) {
+  if (request.address().empty()) {
+    return absl::InvalidArgumentError("address is empty: a worker must say where it serves");
+  }
+  absl::MutexLock lock(&workers_mu_);
+  int rank = -1;
+  for (int r = 0; r < num_workers_; ++r) {
+    // A worker that restarts on the same address gets its rank back.
+    if (workers_[r].channel != nullptr && workers_[r].info.address() == request.address()) rank = r;
+  }
+  if (rank < 0) {
+    if (registered_ == num_workers_) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "the mesh ", planner::FormatMesh(mesh_), " already has all ", num_workers_, " workers"));
+    }
+    rank = registered_++;
+  }
+  Worker& w = workers_[rank];
+  w.channel = connect_(request.address());
+  w.info.set_rank(rank);
+  w.info.set_address(request.address());
+  w.info.set_backend(request.backend());
+  w.info.set_device(request.device());
+  w.info.set_memory_budget_bytes(request.memory_budget_bytes());
+  auto coords = planner::RankToCoords(mesh_, rank);
+  if (coords.ok()) w.info.mutable_coords()->Assign(coords->begin(), coords->end());
+
+  v1::RegisterResponse response;
+  response.set_rank(rank);
+  *response.mutable_mesh() = MeshToProto(mesh_);
+  return response;
+}
+
+v1::ClusterInfo Coordinator::ClusterInfo() const {
+  v1::ClusterInfo info;
+  *info.mutable_mesh() = MeshToProto(mesh_);
+  info.set_workers_expected(num_workers_);
+  info.set_version("shardgemm v1");
+  absl::MutexLock lock(&workers_mu_);
+  for (const Worker& w : workers_) {
+    if (w.channel != nullptr) *info.add_workers() = w.info;
+  }
+  info.set_ready(registered_ == num_workers_);
+  return info;
+}
+
+absl::Status Coordinator::CheckReady() const {
+  absl::MutexLock lock(&workers_mu_);
+  if (registered_ < num_workers_) {
+    return absl::UnavailableError(absl::StrCat("the mesh is not complete: ", num_workers_ - registered_,
+                                               " of ", num_workers_, " workers have not registered"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<v1::StepResult>> Coordinator::Dispatch(std::vector<v1::Step> steps) {
+  std::vector<WorkerChannel*> channels;
+  {
+    absl::MutexLock lock(&workers_mu_);
+    for (const Worker& w : workers_) channels.push_back(w.channel.get());
+  }
+  {
+    // One global order: every worker sees every sequence number, so its
+    // collectives line up with everyone else's.
+    absl::MutexLock lock(&dispatch_mu_);
+    const uint64_t sequence = next_sequence_++;
+    for (v1::Step& s : steps) s.set_sequence(sequence);
+  }
+  std::vector<absl::StatusOr<v1::StepResult>> results(steps.size(),
+                                                      absl::UnknownError("not run"));
+  std::vector<std::thread> threads;
+  for (size_t r = 1; r < steps.size(); ++r) {
+    threads.emplace_back([&, r] { results[r] = channels[r]->Execute(steps[r]); });
+  }
+  results[0] = channels[0]->Execute(steps[0]);
+  for (auto& t : threads) t.join();
+
+  std::vector<v1::StepResult> out;
+  for (size_t r = 0; r < results.size(); ++r) {
+    if (!results[r].ok()) {
+      const absl::Status& s = results[r].status();
+      return absl::Status(s.code(), absl::StrCat("worker ", r, ": ", s.message()));
+    }
+    out.push_back(std::move(*results[r]));
+  }
+  return out;
+}
+
+absl::StatusOr<Coordinator::Resident> Coordinator::FindResident(const std::string& name) const {
+  absl::MutexLock lock(&registry_mu_);
+  auto it = registry_.find(name);
+  if (it == registry_.end()) {
+    return absl::NotFoundError(absl::StrCat("no resident tensor named '", name, "'"));
+  }
+  return it->second;
+}
+
+void Coordinator::DeleteShardsBestEffort(const std::string& shard_name) {
+  std::vector<v1::Step> steps(num_workers_);
+  for (v1::Step& s : steps) s.mutable_delete_shard()->set_name(shard_name);
+  (void)Dispatch(std::move(steps));
+}
+
+absl::StatusOr<v1::PutTensorResponse> Coordinator::PutTensor(const std::string& name,
+                                                             HostTensor tensor,
+                                                             const std::string& spec_text,
+                                                             bool overwrite) {
+  if (auto s = CheckReady(); !s.ok()) return s;
+  if (name.empty()) return absl::InvalidArgumentError("name is empty");
+  if (name.find('@') != std::string::npos) {
+    return absl::InvalidArgumentError(absl::StrCat("name '", name, "' must not contain '@'"));
+  }
+  auto spec = planner::ParsePartitionSpec(spec_text);
+  if (!spec.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("spec: ", spec.status().message()));
+  }
+  if (auto s = planner::ValidatePartitionSpec(name, tensor.shape, *spec, mesh_); !s.ok()) return s;
+  std::string shard_name;
+  {
+    absl::MutexLock lock(&registry_mu_);
+    if (!overwrite && registry_.contains(name)) {
+      return absl::AlreadyExistsError(
+          absl::StrCat("resident tensor '", name, "' exists (set overwrite to replace it)"));
+    }
+    shard_name = absl::StrCat(name, "@", next_generation_++);
+  }
+  auto local_shape = planner::LocalShape(name, tensor.shape, *spec, mesh_);
+  if (!local_shape.ok()) return local_shape.status();
+  std::vector<v1::Step> steps(num_workers_);
+  for (int r = 0; r < num_workers_; ++r) {
+    auto offsets = planner::BlockOffsets(name, tensor.shape, *spec, mesh_, r);
+    if (!offsets.ok()) return offsets.status();
+    v1::StoreShardStep* store = steps[r].mutable_store();
+    store->set_name(shard_name);
+    HostTensorToProto(SliceBlock(tensor, *offsets, *local_shape), store->mutable_shard());
+  }
+  auto results = Dispatch(std::move(steps));
+  if (!results.ok()) {
+    // Some workers may hold the new generation: drop it everywhere. The old
+    // generation, if any, was never touched.
+    DeleteShardsBestEffort(shard_name);
+    return results.status();
+  }
+  Resident resident;
+  resident.info.set_name(name);
+  resident.info.set_dtype(DTypeToProto(tensor.dtype));
+  resident.info.mutable_shape()->Assign(tensor.shape.begin(), tensor.shape.end());
+  resident.info.set_spec(planner::FormatPartitionSpec(*spec));
+  resident.spec = *spec;
+  resident.shard_name = shard_name;
+  std::string replaced;
+  {
+    absl::MutexLock lock(&registry_mu_);
+    auto it = registry_.find(name);
+    if (it != registry_.end()) replaced = it->second.shard_name;
+    registry_[name] = resident;
+  }
+  if (!replaced.empty()) DeleteShardsBestEffort(replaced);
+  v1::PutTensorResponse response;
+  response.set_name(name);
+  response.set_bytes(tensor.NumBytes());
+  return response;
+}
+
+absl::StatusOr<HostTensor> Coordinator::Assemble(
+    DType dtype, const std::vector<int64_t>& shape, const planner::PartitionSpec& spec,
+    const std::function<absl::StatusOr<HostTensor>(int)>& shard) {
+  auto out = ZerosTensor(dtype, shape);
+  if (!out.ok()) return out.status();
+  auto local_shape = planner::LocalShape("out", shape, spec, mesh_);
+  if (!local_shape.ok()) return local_shape.status();
+  // Replicated dimensions give several ranks the same block: fetch each once.
+  std::vector<std::vector<int64_t>> seen;
+  for (int r = 0; r < num_workers_; ++r) {
+    auto offsets = planner::BlockOffsets("out", shape, spec, mesh_, r);
+    if (!offsets.ok()) return offsets.status();
+    if (std::find(seen.begin(), seen.end(), *offsets) != seen.end()) continue;
+    seen.push_back(*offsets);
+    auto block = shard(r);
+    if (!block.ok()) return block.status();
+    if (block->shape != *local_shape || block->dtype != dtype) {
+      return absl::InternalError(absl::StrCat("worker ", r, " returned a ",
+                                              ShapeToString(block->shape), " block, expected ",
+                                              ShapeToString(*local_shape)));
+    }
+    InsertBlock(*block, *offsets, &*out);
+  }
+  return out;
+}
+
+absl::StatusOr<Coordinator::Fetched> Coordinator::GetTensor(const std::string& name) {
+  if (auto s = CheckReady(); !s.ok()) return s;
+  auto resident = FindResident(name);
+  if (!resident.ok()) return resident.status();
+  std::vector<WorkerChannel*> channels;
+  {
+    absl::MutexLock lock(&workers_mu_);
+    for (const Worker& w : workers_) channels.push_back(w.channel.get());
+  }
+  auto dtype = DTypeFromProto(resident->info.dtype(), "dtype");
+  if (!dtype.ok()) return dtype.status();
+  std::vector<int64_t> shape(resident->info.shape().begin(), resident->info.shape().end());
+  auto tensor = Assemble(*dtype, shape, resident->spec, [&](int r) -> absl::StatusOr<HostTensor> {
+    auto shard = channels[r]->GetShard(resident->shard_name);
+    if (!shard.ok()) return shard.status();
+    return HostTensorFromProto(std::move(*shard), "shard");
+  });
+  if (!tensor.ok()) return tensor.status();
+  return Fetched{resident->info, std::move(*tensor)};
+}
+
+absl::Status Coordinator::DeleteTensor(const std::string& name) {
+  if (auto s = CheckReady(); !s.ok()) return s;
+  std::string shard_name;
+  {
+    absl::MutexLock lock(&registry_mu_);
+    auto it = registry_.find(name);
+    if (it == registry_.end()) {
+      return absl::NotFoundError(absl::StrCat("no resident tensor named '", name, "'"));
+    }
+    shard_name = it->second.shard_name;
+    registry_.erase(it);
+  }
+  std::vector<v1::Step> steps(num_workers_);
+  for (v1::Step& s : steps) s.mutable_delete_shard()->set_name(shard_name);
+  auto results = Dispatch(std::move(steps));
+  return results.ok() ? absl::OkStatus() : results.status();
+}
+
+v1::ListTensorsResponse Coordinator::ListTensors() const {
+  v1::ListTensorsResponse response;
+  absl::MutexLock lock(&registry_mu_);
+  for (const auto& [name, resident] : registry_) *response.add_tensors() = resident.info;
+  std::sort(response.mutable_tensors()->begin(), response.mutable_tensors()->end(),
+            [](const auto& a, const auto& b) { return a.name() < b.name(); });
+  return response;
+}
+
+
+namespace {
+
+const planner::PlanOperand* FindOperand(const planner::Plan& plan, const std::string& name) {
+  for (const auto& op : plan.operands) {
+    if (op.name == name) return &op;
+  }
+  return nullptr;
+}
+
+// Group sizes must be non-negative and each row shard's entries must fit its
+// rows; the planner checks shapes, this checks the values.
+absl::Status CheckGroupSizes(const std::vector<int64_t>& sizes, const planner::Plan& plan,
+                             bool ragged_k) {
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    if (sizes[i] < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("group_sizes[", i, "] is negative (", sizes[i], ")"));
+    }
+  }
+  const planner::PlanOperand* lhs = FindOperand(plan, "lhs");
+  for (const auto& w : plan.workers) {
+    int64_t sum = 0;
+    for (int64_t i = w.group_sizes_begin; i < w.group_sizes_end; ++i) {
+      sum += sizes[i];
+      if (sum > lhs->input_local_shape[0]) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "group_sizes[", w.group_sizes_begin, ":", w.group_sizes_end, "] sum past the ",
+            lhs->input_local_shape[0], " rows of ", ragged_k ? "lhs/rhs" : "lhs",
+            " that they describe (rank ", w.rank, ")"));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<v1::Plan> Coordinator::Plan(const v1::PlanRequest& request) const {
+  auto resolve = [this](const v1::Tensor& t, const std::string& field) -> absl::StatusOr<TensorMeta> {
+    if (t.source_case() == v1::Tensor::kResident) {
+      auto r = FindResident(t.resident());
+      if (!r.ok()) return r.status();
+      TensorMeta meta;
+      meta.dtype = static_cast<DType>(static_cast<int>(r->info.dtype()));
+      meta.shape.assign(r->info.shape().begin(), r->info.shape().end());
+      meta.spec = r->info.spec();
+      meta.resident_shard = r->shard_name;
+      return meta;
+    }
+    // A dry run needs no data: shape, dtype and spec describe the tensor.
+    auto dtype = DTypeFromProto(t.dtype(), field);
+    if (!dtype.ok()) return dtype.status();
+    TensorMeta meta;
+    meta.dtype = *dtype;
+    meta.shape.assign(t.shape().begin(), t.shape().end());
+    meta.spec = t.spec();
+    auto n = CheckedNumElements(meta.shape, DTypeSize(meta.dtype), field);
+    if (!n.ok()) return n.status();
+    return meta;
+  };
+  absl::StatusOr<planner::PlanRequest> pr;
+  if (request.has_grouped_gemm()) {
+    pr = GemmPlanRequest(request.grouped_gemm(), mesh_, resolve);
+  } else if (request.has_grouped_quantize()) {
+    pr = QuantizePlanRequest(request.grouped_quantize(), mesh_, resolve);
+  } else {
+    return absl::InvalidArgumentError("op: set grouped_gemm or grouped_quantize");
+  }
+  if (!pr.ok()) return pr.status();
+  auto plan = planner::MakePlan(*pr);
+  if (!plan.ok()) return plan.status();
+  v1::Plan out;
+  PlanToProto(*plan, &out);
+  return out;
+}
+
+absl::StatusOr<v1::GroupedGemmResponse> Coordinator::GroupedGemm(
+    const v1::GroupedGemmRequest& request) {
+  const absl::Time start = absl::Now();
+  if (auto s = CheckReady(); !s.ok()) return s;
+  if (!request.keep_output_as().empty() && request.keep_output_as().find('@') != std::string::npos) {
+    return absl::InvalidArgumentError("keep_output_as must not contain '@'");
+  }
+  absl::flat_hash_map<std::string, TensorMeta> metas;
+  auto resolve = [&](const v1::Tensor& t, const std::string& field) -> absl::StatusOr<TensorMeta> {
+    absl::StatusOr<TensorMeta> meta;
+    if (t.source_case() == v1::Tensor::kResident) {
+      auto r = FindResident(t.resident());
+      if (!r.ok()) return r.status();
+      TensorMeta m;
+      m.dtype = static_cast<DType>(static_cast<int>(r->info.dtype()));
+      m.shape.assign(r->info.shape().begin(), r->info.shape().end());
+      m.spec = r->info.spec();
+      m.resident_shard = r->shard_name;
+      meta = m;
+    } else {
+      meta = InlineTensorMeta(t, field);
+    }
+    if (meta.ok()) metas[field] = *meta;
+    return meta;
+  };
+  auto plan_request = GemmPlanRequest(request, mesh_, resolve);
+  if (!plan_request.ok()) return plan_request.status();
+  for (const char* name : {"lhs", "rhs"}) {
+    if (!IsGemmFloat(metas[name].dtype)) {
+      return absl::InvalidArgumentError(absl::StrCat(name, ".dtype must be f32, bf16 or f16, got ",
+                                                     DTypeName(metas[name].dtype)));
+    }
+  }
+  if (!metas["group_sizes"].resident_shard.empty()) {
+    return absl::InvalidArgumentError("group_sizes must be sent inline, not as a resident tensor");
+  }
+  auto plan = planner::MakePlan(*plan_request);
+  if (!plan.ok()) return plan.status();
+  auto group_sizes_tensor = HostTensorFromProto(request.group_sizes(), "group_sizes");
+  if (!group_sizes_tensor.ok()) return group_sizes_tensor.status();
+  auto group_sizes = ToInt64Vector(*group_sizes_tensor, "group_sizes");
+  if (!group_sizes.ok()) return group_sizes.status();
+  const bool ragged_k = request.ragged() == v1::GroupedGemmRequest::RAGGED_K;
+  if (auto s = CheckGroupSizes(*group_sizes, *plan, ragged_k); !s.ok()) return s;
+
+  // Decode inline operands once; each worker gets its block.
+  absl::flat_hash_map<std::string, HostTensor> inline_tensors;
+  const std::pair<const v1::Tensor*, const char*> sources[] = {
+      {&request.lhs(), "lhs"}, {&request.rhs(), "rhs"}, {&request.bias(), "bias"}};
+  for (const auto& [tensor, name] : sources) {
+    if (!metas.contains(name) || !metas[name].resident_shard.empty()) continue;
+    auto t = HostTensorFromProto(*tensor, name);
+    if (!t.ok()) return t.status();
+    inline_tensors[name] = std::move(*t);
+  }
+
+  std::vector<v1::Step> steps(num_workers_);
+  for (int r = 0; r < num_workers_; ++r) {
+    const planner::WorkerPlan& wp = plan->workers[r];
+    v1::GemmStep* gemm = steps[r].mutable_gemm();
+    gemm->set_ragged(request.ragged());
+    gemm->set_rhs_transposed(request.rhs_transposed());
+    gemm->set_out_dtype(DTypeToProto(plan->out_dtype));
+    for (int64_t i = wp.group_sizes_begin; i < wp.group_sizes_end; ++i) {
+      gemm->add_group_sizes((*group_sizes)[i]);
+    }
+    const bool send_bias = metas.contains("bias") && wp.apply_bias;
+    for (const auto& [unused, name] : sources) {
+      if (!metas.contains(name) || (std::string(name) == "bias" && !send_bias)) continue;
+      const planner::PlanOperand* op = FindOperand(*plan, name);
+      v1::LocalTensor* local = std::string(name) == "lhs"   ? gemm->mutable_lhs()
+                               : std::string(name) == "rhs" ? gemm->mutable_rhs()
+                                                            : gemm->mutable_bias();
+      const TensorMeta& meta = metas[name];
+      if (!meta.resident_shard.empty()) {
+        local->set_dtype(DTypeToProto(meta.dtype));
+        local->mutable_shape()->Assign(op->input_local_shape.begin(), op->input_local_shape.end());
+        local->set_resident(meta.resident_shard);
+        continue;
+      }
+      auto offsets = planner::BlockOffsets(name, op->global_shape, op->input_spec, mesh_, r);
+      if (!offsets.ok()) return offsets.status();
+      HostTensorToProto(SliceBlock(inline_tensors[name], *offsets, op->input_local_shape), local);
+    }
+    for (const planner::Collective& c : plan->collectives) {
+      if (c.phase == planner::Phase::kWithin) continue;
+      if (c.tensor == "bias" && !send_bias) continue;
+      v1::CollectivePlan* cp = gemm->add_collectives();
+      cp->set_phase(std::string(planner::PhaseName(c.phase)));
+      cp->set_kind(std::string(planner::CollectiveKindName(c.kind)));
+      cp->set_tensor(c.tensor);
+      cp->set_dim(c.dim);
+      for (const auto& a : c.axes) cp->add_axes(a);
+    }
+  }
+  std::string shard_name;
+  if (!request.keep_output_as().empty()) {
+    absl::MutexLock lock(&registry_mu_);
+    shard_name = absl::StrCat(request.keep_output_as(), "@", next_generation_++);
+    for (v1::Step& s : steps) s.mutable_gemm()->set_keep_output_as(shard_name);
+  }
+  auto results = Dispatch(std::move(steps));
+  if (!results.ok()) {
+    if (!shard_name.empty()) DeleteShardsBestEffort(shard_name);
+    return results.status();
+  }
+
+  v1::GroupedGemmResponse response;
+  if (request.include_plan()) PlanToProto(*plan, response.mutable_plan());
+  if (!shard_name.empty()) {
+    Resident resident;
+    resident.info.set_name(request.keep_output_as());
+    resident.info.set_dtype(DTypeToProto(plan->out_dtype));
+    resident.info.mutable_shape()->Assign(plan->out_shape.begin(), plan->out_shape.end());
+    resident.info.set_spec(planner::FormatPartitionSpec(plan->out_spec));
+    resident.spec = plan->out_spec;
+    resident.shard_name = shard_name;
+    std::string replaced;
+    {
+      absl::MutexLock lock(&registry_mu_);
+      auto it = registry_.find(request.keep_output_as());
+      if (it != registry_.end()) replaced = it->second.shard_name;
+      registry_[request.keep_output_as()] = resident;
+    }
+    if (!replaced.empty()) DeleteShardsBestEffort(replaced);
+    response.mutable_out()->set_dtype(DTypeToProto(plan->out_dtype));
+    response.mutable_out()->mutable_shape()->Assign(plan->out_shape.begin(), plan->out_shape.end());
+    response.mutable_out()->set_resident(request.keep_output_as());
+    response.mutable_out()->set_spec(resident.info.spec());
+  } else {
+    auto out = Assemble(plan->out_dtype, plan->out_shape, plan->out_spec,
+                        [&](int r) { return HostTensorFromProto(std::move(*(*results)[r].mutable_out()), "out"); });
+    if (!out.ok()) return out.status();
+    HostTensorToProto(*out, response.mutable_out());
+  }
+  response.set_server_seconds(absl::ToDoubleSeconds(absl::Now() - start));
+  return response;
+}
+
+}  // namespace shardgemm

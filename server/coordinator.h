@@ -1,0 +1,89 @@
+// The coordinator's logic, free of gRPC: the mesh and its workers, the
+// resident-tensor registry, planning, and dispatch of every request's steps
+// in one global order.
+#ifndef SHARDGEMM_SERVER_COORDINATOR_H_
+#define SHARDGEMM_SERVER_COORDINATOR_H_
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "kernels/host_tensor.h"
+#include "proto/shardgemm.pb.h"
+#include "server/planner/mesh.h"
+#include "server/planner/spec.h"
+#include "server/worker_channel.h"
+
+namespace shardgemm {
+
+class Coordinator {
+ public:
+  using Connector = std::function<std::unique_ptr<WorkerChannel>(const std::string& address)>;
+
+  Coordinator(planner::Mesh mesh, Connector connect);
+
+  absl::StatusOr<v1::RegisterResponse> Register(const v1::RegisterRequest& request);
+  v1::ClusterInfo ClusterInfo() const;
+
+  absl::StatusOr<v1::Plan> Plan(const v1::PlanRequest& request) const;
+  absl::StatusOr<v1::GroupedGemmResponse> GroupedGemm(const v1::GroupedGemmRequest& request);
+
+  // Resident tensors: the workers keep only their shards.
+  absl::StatusOr<v1::PutTensorResponse> PutTensor(const std::string& name, HostTensor tensor,
+                                                  const std::string& spec, bool overwrite);
+  struct Fetched {
+    v1::ResidentTensorInfo info;
+    HostTensor tensor;
+  };
+  absl::StatusOr<Fetched> GetTensor(const std::string& name);
+  absl::Status DeleteTensor(const std::string& name);
+  v1::ListTensorsResponse ListTensors() const;
+
+  const planner::Mesh& mesh() const { return mesh_; }
+
+ private:
+  struct Resident {
+    v1::ResidentTensorInfo info;
+    planner::PartitionSpec spec;
+    std::string shard_name;  // name@generation on the workers
+  };
+  struct Worker {
+    v1::WorkerInfo info;
+    std::unique_ptr<WorkerChannel> channel;
+  };
+
+  // UNAVAILABLE until every worker of the mesh has registered.
+  absl::Status CheckReady() const;
+  // Gives `steps` (one per rank) the next sequence number and runs them on
+  // every worker at once; fails if any worker fails.
+  absl::StatusOr<std::vector<v1::StepResult>> Dispatch(std::vector<v1::Step> steps);
+  absl::StatusOr<Resident> FindResident(const std::string& name) const;
+  // Reads back a sharded tensor (or a request output) from the workers.
+  absl::StatusOr<HostTensor> Assemble(DType dtype, const std::vector<int64_t>& shape,
+                                      const planner::PartitionSpec& spec,
+                                      const std::function<absl::StatusOr<HostTensor>(int)>& shard);
+  void DeleteShardsBestEffort(const std::string& shard_name);
+
+  const planner::Mesh mesh_;
+  const int num_workers_;
+  Connector connect_;
+
+  mutable absl::Mutex workers_mu_;
+  std::vector<Worker> workers_ ABSL_GUARDED_BY(workers_mu_);
+  int registered_ ABSL_GUARDED_BY(workers_mu_) = 0;
+
+  absl::Mutex dispatch_mu_;
+  uint64_t next_sequence_ ABSL_GUARDED_BY(dispatch_mu_) = 1;
+
+  mutable absl::Mutex registry_mu_;
+  absl::flat_hash_map<std::string, Resident> registry_ ABSL_GUARDED_BY(registry_mu_);
+  uint64_t next_generation_ ABSL_GUARDED_BY(registry_mu_) = 1;
+};
+
+}  // namespace shardgemm
+
+#endif  // SHARDGEMM_SERVER_COORDINATOR_H_

@@ -1,0 +1,78 @@
+// shardgemm-coordinator: owns the mesh, plans requests and dispatches them to
+// the workers that register with it.
+#include <csignal>
+#include <iostream>
+#include <memory>
+#include <thread>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "grpcpp/ext/proto_server_reflection_plugin.h"
+#include "grpcpp/grpcpp.h"
+#include "grpcpp/health_check_service_interface.h"
+#include "server/coordinator.h"
+#include "server/service.h"
+
+ABSL_FLAG(std::string, listen, "127.0.0.1:50051", "address to serve clients and workers on");
+ABSL_FLAG(std::string, mesh, "dp=1", "mesh axes and sizes, e.g. 'dp=2,fsdp=2,ep=2'");
+ABSL_FLAG(std::string, roles, "",
+          "which axis plays dp/fsdp/ep/tp, e.g. 'dp=data,ep=expert'; axes named dp, fsdp, ep, "
+          "tp play their own role by default");
+
+namespace shardgemm {
+namespace {
+
+constexpr int kMaxMessageBytes = 2047 * 1024 * 1024;
+
+int Run() {
+  auto mesh = planner::ParseMesh(absl::GetFlag(FLAGS_mesh), absl::GetFlag(FLAGS_roles));
+  if (!mesh.ok()) {
+    std::cerr << "shardgemm-coordinator: --mesh/--roles: " << mesh.status().message() << "\n";
+    return 2;
+  }
+  Coordinator coordinator(*mesh, MakeGrpcWorkerChannel);
+  ShardGemmService service(&coordinator);
+  CoordinationService coordination(&coordinator);
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort(absl::GetFlag(FLAGS_listen), grpc::InsecureServerCredentials(), &port);
+  builder.SetMaxReceiveMessageSize(kMaxMessageBytes);
+  builder.SetMaxSendMessageSize(kMaxMessageBytes);
+  builder.RegisterService(&service);
+  builder.RegisterService(&coordination);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (server == nullptr || port == 0) {
+    std::cerr << "shardgemm-coordinator: cannot listen on " << absl::GetFlag(FLAGS_listen) << "\n";
+    return 1;
+  }
+  std::cerr << "shardgemm-coordinator: mesh " << planner::FormatMesh(*mesh) << " ("
+            << planner::NumWorkers(*mesh) << " workers expected), serving on port " << port
+            << "\n";
+
+  // Shut down cleanly on SIGINT / SIGTERM.
+  static std::atomic<bool> stop{false};
+  std::signal(SIGINT, [](int) { stop = true; });
+  std::signal(SIGTERM, [](int) { stop = true; });
+  std::thread waiter([&] {
+    while (!stop) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  });
+  server->Wait();
+  stop = true;
+  waiter.join();
+  std::cerr << "shardgemm-coordinator: stopped\n";
+  return 0;
+}
+
+}  // namespace
+}  // namespace shardgemm
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage("shardgemm-coordinator --mesh='dp=2,ep=2' [--listen=HOST:PORT]");
+  absl::ParseCommandLine(argc, argv);
+  return shardgemm::Run();
+}

@@ -1,0 +1,206 @@
+#include "server/request_plan.h"
+
+#include "absl/strings/str_cat.h"
+#include "proto/tensor_codec.h"
+
+namespace shardgemm {
+
+v1::Mesh MeshToProto(const planner::Mesh& mesh) {
+  v1::Mesh out;
+  for (const auto& axis : mesh.axes) {
+    v1::MeshAxis* a = out.add_axes();
+    a->set_name(axis.name);
+    a->set_size(axis.size);
+  }
+  out.mutable_roles()->set_dp(mesh.roles.dp);
+  out.mutable_roles()->set_fsdp(mesh.roles.fsdp);
+  out.mutable_roles()->set_ep(mesh.roles.ep);
+  out.mutable_roles()->set_tp(mesh.roles.tp);
+  return out;
+}
+
+absl::StatusOr<planner::Mesh> MeshFromProto(const v1::Mesh& mesh) {
+  planner::Mesh out;
+  for (const auto& axis : mesh.axes()) out.axes.push_back({axis.name(), axis.size()});
+  out.roles = {mesh.roles().dp(), mesh.roles().fsdp(), mesh.roles().ep(), mesh.roles().tp()};
+  if (auto s = planner::ValidateMesh(out); !s.ok()) return s;
+  return out;
+}
+
+absl::StatusOr<TensorMeta> InlineTensorMeta(const v1::Tensor& tensor, const std::string& field) {
+  auto dtype = DTypeFromProto(tensor.dtype(), field);
+  if (!dtype.ok()) return dtype.status();
+  TensorMeta meta;
+  meta.dtype = *dtype;
+  meta.shape.assign(tensor.shape().begin(), tensor.shape().end());
+  meta.spec = tensor.spec();
+  auto n = CheckedNumElements(meta.shape, DTypeSize(meta.dtype), field);
+  if (!n.ok()) return n.status();
+  const int64_t expected = *n * DTypeSize(meta.dtype);
+  if (static_cast<int64_t>(tensor.data().size()) != expected) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ".data has ", tensor.data().size(),
+                                                   " bytes but shape ", ShapeToString(meta.shape),
+                                                   " of ", DTypeName(meta.dtype), " needs ",
+                                                   expected));
+  }
+  return meta;
+}
+
+bool HasBias(const v1::GroupedGemmRequest& request) {
+  return request.has_bias() && (request.bias().dtype() != v1::DTYPE_UNSPECIFIED ||
+                                request.bias().source_case() != v1::Tensor::SOURCE_NOT_SET);
+}
+
+namespace {
+
+absl::StatusOr<planner::OperandRequest> Operand(const v1::Tensor& t, const std::string& name,
+                                                const TensorResolver& resolve) {
+  auto meta = resolve(t, name);
+  if (!meta.ok()) return meta.status();
+  auto spec = planner::ParsePartitionSpec(meta->spec);
+  if (!spec.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(name, ".spec: ", spec.status().message()));
+  }
+  planner::OperandRequest op;
+  op.name = name;
+  op.shape = meta->shape;
+  op.dtype = meta->dtype;
+  op.spec = *spec;
+  return op;
+}
+
+planner::CompatMode Compat(v1::Compat c) {
+  return c == v1::COMPAT_TE ? planner::CompatMode::kTe : planner::CompatMode::kDefault;
+}
+
+absl::Status SetOutSpec(const std::string& text, planner::PlanRequest* request) {
+  if (text.empty()) return absl::OkStatus();
+  auto spec = planner::ParsePartitionSpec(text);
+  if (!spec.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("out_spec: ", spec.status().message()));
+  }
+  request->out_spec = *spec;
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<planner::PlanRequest> GemmPlanRequest(const v1::GroupedGemmRequest& request,
+                                                     const planner::Mesh& mesh,
+                                                     const TensorResolver& resolve) {
+  planner::PlanRequest out;
+  out.mesh = mesh;
+  out.op = request.ragged() == v1::GroupedGemmRequest::RAGGED_K
+               ? planner::OpKind::kGroupedGemmRaggedK
+               : planner::OpKind::kGroupedGemmRaggedM;
+  out.compat = Compat(request.compat());
+  out.attrs.rhs_transposed = request.rhs_transposed();
+  out.attrs.has_bias = HasBias(request);
+  const std::pair<const v1::Tensor*, const char*> operands[] = {
+      {&request.lhs(), "lhs"}, {&request.rhs(), "rhs"}, {&request.group_sizes(), "group_sizes"}};
+  for (const auto& [tensor, name] : operands) {
+    auto op = Operand(*tensor, name, resolve);
+    if (!op.ok()) return op.status();
+    out.operands.push_back(std::move(*op));
+  }
+  if (out.attrs.has_bias) {
+    auto op = Operand(request.bias(), "bias", resolve);
+    if (!op.ok()) return op.status();
+    out.operands.push_back(std::move(*op));
+  }
+  if (request.out_dtype() != v1::DTYPE_UNSPECIFIED) {
+    auto d = DTypeFromProto(request.out_dtype(), "out_dtype");
+    if (!d.ok()) return d.status();
+    if (!IsGemmFloat(*d)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "out_dtype must be f32, bf16 or f16, got ", DTypeName(*d)));
+    }
+    out.attrs.out_dtype = *d;
+  } else {
+    DType lhs = out.operands[0].dtype;
+    out.attrs.out_dtype = IsGemmFloat(lhs) ? lhs : DType::kF32;
+  }
+  if (auto s = SetOutSpec(request.out_spec(), &out); !s.ok()) return s;
+  return out;
+}
+
+absl::StatusOr<planner::PlanRequest> QuantizePlanRequest(const v1::GroupedQuantizeRequest& request,
+                                                         const planner::Mesh& mesh,
+                                                         const TensorResolver& resolve) {
+  planner::PlanRequest out;
+  out.mesh = mesh;
+  out.op = planner::OpKind::kGroupedQuantize;
+  out.compat = Compat(request.compat());
+  for (const auto& [tensor, name] : {std::make_pair(&request.x(), "x"),
+                                     std::make_pair(&request.group_sizes(), "group_sizes")}) {
+    auto op = Operand(*tensor, name, resolve);
+    if (!op.ok()) return op.status();
+    out.operands.push_back(std::move(*op));
+  }
+  switch (request.scaling()) {
+    case v1::DELAYED: out.attrs.scaling_mode = planner::ScalingMode::kDelayed; break;
+    case v1::MXFP8: out.attrs.scaling_mode = planner::ScalingMode::kMxfp8; break;
+    case v1::BLOCK_FP8: out.attrs.scaling_mode = planner::ScalingMode::kBlock; break;
+    default: out.attrs.scaling_mode = planner::ScalingMode::kCurrent;
+  }
+  out.attrs.rowwise = request.rowwise() || !request.colwise();
+  out.attrs.colwise = request.colwise();
+  out.attrs.shared_scales = request.shared_scales();
+  out.attrs.flatten_axis = request.flatten_axis() > 0 ? request.flatten_axis() : -1;
+  auto d = request.out_dtype() == v1::DTYPE_UNSPECIFIED ? absl::StatusOr<DType>(DType::kF8E4M3)
+                                                        : DTypeFromProto(request.out_dtype(), "out_dtype");
+  if (!d.ok()) return d.status();
+  out.attrs.out_dtype = *d;
+  return out;
+}
+
+namespace {
+
+void OperandToProto(const planner::PlanOperand& op, v1::OperandPlan* out) {
+  out->set_name(op.name);
+  out->mutable_global_shape()->Assign(op.global_shape.begin(), op.global_shape.end());
+  out->set_input_spec(planner::FormatPartitionSpec(op.input_spec));
+  out->set_compute_spec(planner::FormatPartitionSpec(op.compute_spec));
+  out->mutable_local_shape()->Assign(op.local_shape.begin(), op.local_shape.end());
+}
+
+}  // namespace
+
+void PlanToProto(const planner::Plan& plan, v1::Plan* out) {
+  out->set_op(std::string(planner::OpKindName(plan.op)));
+  out->set_rule(plan.rule);
+  for (const auto& op : plan.operands) OperandToProto(op, out->add_operands());
+  for (const auto& c : plan.collectives) {
+    v1::CollectivePlan* cp = out->add_collectives();
+    cp->set_phase(std::string(planner::PhaseName(c.phase)));
+    cp->set_kind(std::string(planner::CollectiveKindName(c.kind)));
+    cp->set_tensor(c.tensor);
+    cp->set_dim(c.dim);
+    for (const auto& a : c.axes) cp->add_axes(a);
+    cp->set_bytes_per_worker(c.bytes_per_worker);
+  }
+  out->mutable_out_shape()->Assign(plan.out_shape.begin(), plan.out_shape.end());
+  out->set_out_spec(planner::FormatPartitionSpec(plan.out_spec));
+  out->mutable_local_out_shape()->Assign(plan.local_out_shape.begin(), plan.local_out_shape.end());
+  for (const auto& w : plan.workers) {
+    v1::WorkerPlan* wp = out->add_workers();
+    wp->set_rank(static_cast<int32_t>(w.rank));
+    wp->mutable_coords()->Assign(w.coords.begin(), w.coords.end());
+    for (size_t i = 0; i < w.local_shapes.size() && i < plan.operands.size(); ++i) {
+      v1::OperandPlan* op = wp->add_operands();
+      op->set_name(plan.operands[i].name);
+      op->mutable_local_shape()->Assign(w.local_shapes[i].begin(), w.local_shapes[i].end());
+    }
+    wp->set_local_groups(w.local_group_count);
+    wp->set_group_sizes_begin(w.group_sizes_begin);
+    wp->set_group_sizes_end(w.group_sizes_end);
+    wp->set_first_group(w.first_group);
+    wp->set_flops(static_cast<double>(plan.flops_per_worker));
+  }
+  for (const auto& w : plan.warnings) out->add_warnings(w.text);
+  out->set_strategy_note(plan.strategy_note);
+  out->set_flops_per_worker(static_cast<double>(plan.flops_per_worker));
+  out->set_text(planner::FormatPlanText(plan));
+}
+
+}  // namespace shardgemm

@@ -1,0 +1,44 @@
+// Translates between the v1 wire messages and the planner's plain structs.
+#ifndef SHARDGEMM_SERVER_REQUEST_PLAN_H_
+#define SHARDGEMM_SERVER_REQUEST_PLAN_H_
+
+#include <functional>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "proto/shardgemm.pb.h"
+#include "server/planner/planner.h"
+
+namespace shardgemm {
+
+v1::Mesh MeshToProto(const planner::Mesh& mesh);
+absl::StatusOr<planner::Mesh> MeshFromProto(const v1::Mesh& mesh);
+
+// Shape, dtype and spec of a request tensor: inline ones carry their own,
+// resident ones come from the registry.
+struct TensorMeta {
+  DType dtype = DType::kInvalid;
+  std::vector<int64_t> shape;
+  std::string spec;
+  std::string resident_shard;  // non-empty for a resident tensor
+};
+using TensorResolver =
+    std::function<absl::StatusOr<TensorMeta>(const v1::Tensor& tensor, const std::string& field)>;
+
+// The meta of an inline tensor, validated (dtype known, dims, data length).
+absl::StatusOr<TensorMeta> InlineTensorMeta(const v1::Tensor& tensor, const std::string& field);
+
+bool HasBias(const v1::GroupedGemmRequest& request);
+
+absl::StatusOr<planner::PlanRequest> GemmPlanRequest(const v1::GroupedGemmRequest& request,
+                                                     const planner::Mesh& mesh,
+                                                     const TensorResolver& resolve);
+absl::StatusOr<planner::PlanRequest> QuantizePlanRequest(const v1::GroupedQuantizeRequest& request,
+                                                         const planner::Mesh& mesh,
+                                                         const TensorResolver& resolve);
+
+void PlanToProto(const planner::Plan& plan, v1::Plan* out);
+
+}  // namespace shardgemm
+
+#endif  // SHARDGEMM_SERVER_REQUEST_PLAN_H_

@@ -1,0 +1,118 @@
+#include "server/service.h"
+
+#include "absl/strings/str_cat.h"
+#include "proto/tensor_codec.h"
+#include "worker/grpc_status.h"
+
+namespace shardgemm {
+
+grpc::Status ShardGemmService::GetClusterInfo(grpc::ServerContext*, const v1::ClusterInfoRequest*,
+                                              v1::ClusterInfo* info) {
+  *info = coordinator_->ClusterInfo();
+  return grpc::Status::OK;
+}
+
+grpc::Status ShardGemmService::Plan(grpc::ServerContext*, const v1::PlanRequest* request,
+                                    v1::PlanResponse* response) {
+  auto plan = coordinator_->Plan(*request);
+  if (!plan.ok()) return ToGrpcStatus(plan.status());
+  *response->mutable_plan() = std::move(*plan);
+  return grpc::Status::OK;
+}
+
+grpc::Status ShardGemmService::GroupedGemm(grpc::ServerContext*,
+                                           const v1::GroupedGemmRequest* request,
+                                           v1::GroupedGemmResponse* response) {
+  auto r = coordinator_->GroupedGemm(*request);
+  if (!r.ok()) return ToGrpcStatus(r.status());
+  *response = std::move(*r);
+  return grpc::Status::OK;
+}
+
+grpc::Status ShardGemmService::GroupedQuantize(grpc::ServerContext*,
+                                               const v1::GroupedQuantizeRequest*,
+                                               v1::GroupedQuantizeResponse*) {
+  return grpc::Status(grpc::StatusCode::UNIMPLEMENTED,
+                      "GroupedQuantize is not served yet: use Plan for its partition plan");
+}
+
+grpc::Status ShardGemmService::PutTensor(grpc::ServerContext*,
+                                         grpc::ServerReader<v1::TensorChunk>* reader,
+                                         v1::PutTensorResponse* response) {
+  v1::TensorChunk first;
+  if (!reader->Read(&first)) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "PutTensor got no chunks");
+  }
+  auto dtype = DTypeFromProto(first.dtype(), "dtype");
+  if (!dtype.ok()) return ToGrpcStatus(dtype.status());
+  std::vector<int64_t> shape(first.shape().begin(), first.shape().end());
+  auto n = CheckedNumElements(shape, DTypeSize(*dtype), first.name());
+  if (!n.ok()) return ToGrpcStatus(n.status());
+  const int64_t expected = *n * DTypeSize(*dtype);
+  HostTensor tensor;
+  tensor.dtype = *dtype;
+  tensor.shape = shape;
+  std::string* data = first.mutable_data();
+  tensor.bytes.swap(*data);
+  v1::TensorChunk chunk;
+  while (reader->Read(&chunk)) {
+    if (static_cast<int64_t>(tensor.bytes.size() + chunk.data().size()) > expected) break;
+    tensor.bytes += chunk.data();
+  }
+  if (static_cast<int64_t>(tensor.bytes.size()) != expected) {
+    return grpc::Status(
+        grpc::StatusCode::INVALID_ARGUMENT,
+        absl::StrCat("data: tensor '", first.name(), "' of shape ", ShapeToString(shape), " ",
+                     DTypeName(*dtype), " needs ", expected, " bytes, the chunks carry ",
+                     tensor.bytes.size(), " or more"));
+  }
+  auto r = coordinator_->PutTensor(first.name(), std::move(tensor), first.spec(), first.overwrite());
+  if (!r.ok()) return ToGrpcStatus(r.status());
+  *response = *r;
+  return grpc::Status::OK;
+}
+
+grpc::Status ShardGemmService::GetTensor(grpc::ServerContext*, const v1::GetTensorRequest* request,
+                                         grpc::ServerWriter<v1::TensorChunk>* writer) {
+  auto fetched = coordinator_->GetTensor(request->name());
+  if (!fetched.ok()) return ToGrpcStatus(fetched.status());
+  const std::string& bytes = fetched->tensor.bytes;
+  size_t offset = 0;
+  do {
+    v1::TensorChunk chunk;
+    if (offset == 0) {
+      chunk.set_name(fetched->info.name());
+      chunk.set_dtype(fetched->info.dtype());
+      *chunk.mutable_shape() = fetched->info.shape();
+      chunk.set_spec(fetched->info.spec());
+    }
+    const size_t len = std::min<size_t>(kTensorChunkBytes, bytes.size() - offset);
+    chunk.set_data(bytes.substr(offset, len));
+    offset += len;
+    if (!writer->Write(chunk)) break;
+  } while (offset < bytes.size());
+  return grpc::Status::OK;
+}
+
+grpc::Status ShardGemmService::DeleteTensor(grpc::ServerContext*,
+                                            const v1::DeleteTensorRequest* request,
+                                            v1::DeleteTensorResponse*) {
+  return ToGrpcStatus(coordinator_->DeleteTensor(request->name()));
+}
+
+grpc::Status ShardGemmService::ListTensors(grpc::ServerContext*, const v1::ListTensorsRequest*,
+                                           v1::ListTensorsResponse* response) {
+  *response = coordinator_->ListTensors();
+  return grpc::Status::OK;
+}
+
+grpc::Status CoordinationService::Register(grpc::ServerContext*,
+                                           const v1::RegisterRequest* request,
+                                           v1::RegisterResponse* response) {
+  auto r = coordinator_->Register(*request);
+  if (!r.ok()) return ToGrpcStatus(r.status());
+  *response = std::move(*r);
+  return grpc::Status::OK;
+}
+
+}  // namespace shardgemm

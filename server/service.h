@@ -1,0 +1,50 @@
+// The gRPC face of the coordinator: thin classes that translate RPCs into
+// Coordinator calls.
+#ifndef SHARDGEMM_SERVER_SERVICE_H_
+#define SHARDGEMM_SERVER_SERVICE_H_
+
+#include "proto/shardgemm.grpc.pb.h"
+#include "server/coordinator.h"
+
+namespace shardgemm {
+
+class ShardGemmService final : public v1::ShardGemm::Service {
+ public:
+  explicit ShardGemmService(Coordinator* coordinator) : coordinator_(coordinator) {}
+
+  grpc::Status GetClusterInfo(grpc::ServerContext*, const v1::ClusterInfoRequest*,
+                              v1::ClusterInfo*) override;
+  grpc::Status Plan(grpc::ServerContext*, const v1::PlanRequest*, v1::PlanResponse*) override;
+  grpc::Status GroupedGemm(grpc::ServerContext*, const v1::GroupedGemmRequest*,
+                           v1::GroupedGemmResponse*) override;
+  grpc::Status GroupedQuantize(grpc::ServerContext*, const v1::GroupedQuantizeRequest*,
+                               v1::GroupedQuantizeResponse*) override;
+  grpc::Status PutTensor(grpc::ServerContext*, grpc::ServerReader<v1::TensorChunk>*,
+                         v1::PutTensorResponse*) override;
+  grpc::Status GetTensor(grpc::ServerContext*, const v1::GetTensorRequest*,
+                         grpc::ServerWriter<v1::TensorChunk>*) override;
+  grpc::Status DeleteTensor(grpc::ServerContext*, const v1::DeleteTensorRequest*,
+                            v1::DeleteTensorResponse*) override;
+  grpc::Status ListTensors(grpc::ServerContext*, const v1::ListTensorsRequest*,
+                           v1::ListTensorsResponse*) override;
+
+ private:
+  Coordinator* coordinator_;
+};
+
+class CoordinationService final : public v1::Coordination::Service {
+ public:
+  explicit CoordinationService(Coordinator* coordinator) : coordinator_(coordinator) {}
+  grpc::Status Register(grpc::ServerContext*, const v1::RegisterRequest*,
+                        v1::RegisterResponse*) override;
+
+ private:
+  Coordinator* coordinator_;
+};
+
+// Chunk size for streamed tensors: well under gRPC's default 4 MiB limit.
+inline constexpr int64_t kTensorChunkBytes = 1 << 20;
+
+}  // namespace shardgemm
+
+#endif  // SHARDGEMM_SERVER_SERVICE_H_
