@@ -49,7 +49,7 @@ namespace {
 // Blocking parameters.
 constexpr int64_t kKC = 256;     // contracting block
 constexpr int64_t kMC = 96;      // rows per packed A block (multiple of every MR)
-constexpr int64_t kNCMax = 256;  // columns per tile (multiple of every NR)
+constexpr int64_t kNCMax = 512;  // columns per tile (multiple of every NR)
 constexpr int64_t kTMMax = 480;  // rows per tile (multiple of kMC)
 
 // ----------------------------------------------------------------------------
@@ -355,26 +355,88 @@ struct Tile {
   int64_t i0, rows, j0, cols;
 };
 
+// Element loaders for packing (inlined into the packing loops). Vec4 loads
+// four consecutive elements (SSE2 is part of the x86-64 baseline).
+struct LoadF32 {
+  static float At(const void* base, int64_t i) { return static_cast<const float*>(base)[i]; }
+#ifdef SHARDGEMM_X86
+  static __m128 Vec4(const void* base, int64_t i) {
+    return _mm_loadu_ps(static_cast<const float*>(base) + i);
+  }
+#endif
+};
+struct LoadBF16 {
+  static float At(const void* base, int64_t i) {
+    return BF16ToFloat(static_cast<const uint16_t*>(base)[i]);
+  }
+#ifdef SHARDGEMM_X86
+  static __m128 Vec4(const void* base, int64_t i) {
+    const __m128i h =
+        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(base) + i));
+    return _mm_castsi128_ps(_mm_unpacklo_epi16(_mm_setzero_si128(), h));
+  }
+#endif
+};
+struct LoadF16 {
+  static float At(const void* base, int64_t i) {
+    static const float* const table = F16Table();
+    return table[static_cast<const uint16_t*>(base)[i]];
+  }
+#ifdef SHARDGEMM_X86
+  static __m128 Vec4(const void* base, int64_t i) {
+    return _mm_setr_ps(At(base, i), At(base, i + 1), At(base, i + 2), At(base, i + 3));
+  }
+#endif
+};
+
 // Packs A(i0 .. i0+mc, p0 .. p0+kc) into ceil(mc/mr) slivers of kc x mr
 // (element (i, p) of a sliver at p*mr + i); missing rows are zero.
-void PackA(const MatView& a, int64_t i0, int64_t mc, int64_t p0, int64_t kc, int mr,
-           float* dst, float* tmp) {
+template <typename L>
+void PackAImpl(const MatView& a, int64_t i0, int64_t mc, int64_t p0, int64_t kc, int mr,
+               float* dst) {
+  const void* base = a.data;
   for (int64_t s = 0; s < mc; s += mr) {
     const int64_t rows = std::min<int64_t>(mr, mc - s);
     float* d = dst + (s / mr) * kc * mr;
+    const int64_t origin = a.offset + (i0 + s) * a.rs + p0 * a.cs;
     if (a.cs == 1) {
-      for (int64_t r = 0; r < rows; ++r) {
-        ConvertRun(a.dtype, a.data, a.offset + (i0 + s + r) * a.rs + p0, 1, kc, tmp);
-        for (int64_t p = 0; p < kc; ++p) d[p * mr + r] = tmp[p];
+      // Row-major A: read `rows` streams along p.
+      int64_t r = 0;
+#ifdef SHARDGEMM_X86
+      // Four rows at a time: load 4x4, transpose, store.
+      for (; r + 4 <= rows; r += 4) {
+        const int64_t o = origin + r * a.rs;
+        int64_t p = 0;
+        for (; p + 4 <= kc; p += 4) {
+          __m128 x0 = L::Vec4(base, o + p);
+          __m128 x1 = L::Vec4(base, o + a.rs + p);
+          __m128 x2 = L::Vec4(base, o + 2 * a.rs + p);
+          __m128 x3 = L::Vec4(base, o + 3 * a.rs + p);
+          _MM_TRANSPOSE4_PS(x0, x1, x2, x3);
+          _mm_storeu_ps(d + p * mr + r, x0);
+          _mm_storeu_ps(d + (p + 1) * mr + r, x1);
+          _mm_storeu_ps(d + (p + 2) * mr + r, x2);
+          _mm_storeu_ps(d + (p + 3) * mr + r, x3);
+        }
+        for (; p < kc; ++p) {
+          for (int64_t q = 0; q < 4; ++q) d[p * mr + r + q] = L::At(base, o + q * a.rs + p);
+        }
       }
-      for (int64_t r = rows; r < mr; ++r) {
+#endif
+      for (; r < rows; ++r) {
+        const int64_t o = origin + r * a.rs;
+        for (int64_t p = 0; p < kc; ++p) d[p * mr + r] = L::At(base, o + p);
+      }
+      for (r = rows; r < mr; ++r) {
         for (int64_t p = 0; p < kc; ++p) d[p * mr + r] = 0.f;
       }
     } else {
+      // A contiguous along i (ragged-K lhs^T) or general strides.
       for (int64_t p = 0; p < kc; ++p) {
-        ConvertRun(a.dtype, a.data, a.offset + (i0 + s) * a.rs + (p0 + p) * a.cs, a.rs, rows,
-                   d + p * mr);
-        for (int64_t r = rows; r < mr; ++r) d[p * mr + r] = 0.f;
+        float* dp = d + p * mr;
+        const int64_t o = origin + p * a.cs;
+        for (int64_t r = 0; r < rows; ++r) dp[r] = L::At(base, o + r * a.rs);
+        for (int64_t r = rows; r < mr; ++r) dp[r] = 0.f;
       }
     }
   }
@@ -382,25 +444,61 @@ void PackA(const MatView& a, int64_t i0, int64_t mc, int64_t p0, int64_t kc, int
 
 // Packs B(p0 .. p0+kc, j0 .. j0+nc) into ceil(nc/nr) slivers of kc x nr
 // (element (p, j) of a sliver at p*nr + j); missing columns are zero.
-void PackB(const MatView& b, int64_t p0, int64_t kc, int64_t j0, int64_t nc, int nr,
-           float* dst, float* tmp) {
+template <typename L>
+void PackBImpl(const MatView& b, int64_t p0, int64_t kc, int64_t j0, int64_t nc, int nr,
+               float* dst) {
+  const void* base = b.data;
+  const int64_t origin = b.offset + p0 * b.rs + j0 * b.cs;
+  if (b.cs == 1 || b.rs != 1) {
+    // Row-major B: walk each row of the panel once, contiguous reads, writes
+    // into the slivers in turn.
+    for (int64_t p = 0; p < kc; ++p) {
+      const int64_t o = origin + p * b.rs;
+      for (int64_t s = 0; s < nc; s += nr) {
+        const int64_t cols = std::min<int64_t>(nr, nc - s);
+        float* dp = dst + (s / nr) * kc * nr + p * nr;
+        for (int64_t c = 0; c < cols; ++c) dp[c] = L::At(base, o + (s + c) * b.cs);
+        for (int64_t c = cols; c < nr; ++c) dp[c] = 0.f;
+      }
+    }
+    return;
+  }
+  // Transposed B (contiguous along p): read each column's run, write with
+  // stride nr (the sliver stays in L1).
   for (int64_t s = 0; s < nc; s += nr) {
     const int64_t cols = std::min<int64_t>(nr, nc - s);
     float* d = dst + (s / nr) * kc * nr;
-    if (b.cs == 1) {
-      for (int64_t p = 0; p < kc; ++p) {
-        ConvertRun(b.dtype, b.data, b.offset + (p0 + p) * b.rs + j0 + s, 1, cols, d + p * nr);
-        for (int64_t c = cols; c < nr; ++c) d[p * nr + c] = 0.f;
-      }
-    } else {
-      for (int64_t c = 0; c < cols; ++c) {
-        ConvertRun(b.dtype, b.data, b.offset + (j0 + s + c) * b.cs + p0 * b.rs, b.rs, kc, tmp);
-        for (int64_t p = 0; p < kc; ++p) d[p * nr + c] = tmp[p];
-      }
-      for (int64_t c = cols; c < nr; ++c) {
-        for (int64_t p = 0; p < kc; ++p) d[p * nr + c] = 0.f;
-      }
+    for (int64_t c = 0; c < cols; ++c) {
+      const int64_t o = origin + (s + c) * b.cs;
+      for (int64_t p = 0; p < kc; ++p) d[p * nr + c] = L::At(base, o + p);
     }
+    for (int64_t c = cols; c < nr; ++c) {
+      for (int64_t p = 0; p < kc; ++p) d[p * nr + c] = 0.f;
+    }
+  }
+}
+
+void PackA(const MatView& a, int64_t i0, int64_t mc, int64_t p0, int64_t kc, int mr,
+           float* dst) {
+  switch (a.dtype) {
+    case DType::kBF16:
+      return PackAImpl<LoadBF16>(a, i0, mc, p0, kc, mr, dst);
+    case DType::kF16:
+      return PackAImpl<LoadF16>(a, i0, mc, p0, kc, mr, dst);
+    default:
+      return PackAImpl<LoadF32>(a, i0, mc, p0, kc, mr, dst);
+  }
+}
+
+void PackB(const MatView& b, int64_t p0, int64_t kc, int64_t j0, int64_t nc, int nr,
+           float* dst) {
+  switch (b.dtype) {
+    case DType::kBF16:
+      return PackBImpl<LoadBF16>(b, p0, kc, j0, nc, nr, dst);
+    case DType::kF16:
+      return PackBImpl<LoadF16>(b, p0, kc, j0, nc, nr, dst);
+    default:
+      return PackBImpl<LoadF32>(b, p0, kc, j0, nc, nr, dst);
   }
 }
 
@@ -438,10 +536,10 @@ void RunTile(const KernelSpec& spec, const Problem& pr, const Tile& t, Workspace
   for (int64_t p0 = 0; p0 < pr.depth; p0 += kKC) {
     const int64_t kc = std::min(kKC, pr.depth - p0);
     const bool accumulate = p0 > 0;
-    PackB(pr.b, p0, kc, t.j0, t.cols, nr, ws.b.ptr, ws.tmp.ptr);
+    PackB(pr.b, p0, kc, t.j0, t.cols, nr, ws.b.ptr);
     for (int64_t ii = 0; ii < t.rows; ii += kMC) {
       const int64_t mc = std::min(kMC, t.rows - ii);
-      PackA(pr.a, t.i0 + ii, mc, p0, kc, mr, ws.a.ptr, ws.tmp.ptr);
+      PackA(pr.a, t.i0 + ii, mc, p0, kc, mr, ws.a.ptr);
       for (int64_t jr = 0; jr < t.cols; jr += nr) {
         const float* bp = ws.b.ptr + (jr / nr) * kc * nr;
         for (int64_t ir = 0; ir < mc; ir += mr) {
