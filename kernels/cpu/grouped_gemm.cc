@@ -452,8 +452,15 @@ void PackBImpl(const MatView& b, int64_t p0, int64_t kc, int64_t j0, int64_t nc,
   if (b.cs == 1 || b.rs != 1) {
     // Row-major B: walk each row of the panel once, contiguous reads, writes
     // into the slivers in turn.
+    const int64_t esize = DTypeSize(b.dtype);
+    const char* bytes = static_cast<const char*>(base);
     for (int64_t p = 0; p < kc; ++p) {
       const int64_t o = origin + p * b.rs;
+      if (b.cs == 1 && p + 4 < kc) {
+        // The rows are far apart in memory: fetch a few rows ahead.
+        const char* ahead = bytes + (o + 4 * b.rs) * esize;
+        for (int64_t x = 0; x < nc * esize; x += 64) __builtin_prefetch(ahead + x);
+      }
       for (int64_t s = 0; s < nc; s += nr) {
         const int64_t cols = std::min<int64_t>(nr, nc - s);
         float* dp = dst + (s / nr) * kc * nr + p * nr;
@@ -468,11 +475,33 @@ void PackBImpl(const MatView& b, int64_t p0, int64_t kc, int64_t j0, int64_t nc,
   for (int64_t s = 0; s < nc; s += nr) {
     const int64_t cols = std::min<int64_t>(nr, nc - s);
     float* d = dst + (s / nr) * kc * nr;
-    for (int64_t c = 0; c < cols; ++c) {
+    int64_t c = 0;
+#ifdef SHARDGEMM_X86
+    // Four columns at a time: load 4x4, transpose, store.
+    for (; c + 4 <= cols; c += 4) {
+      const int64_t o = origin + (s + c) * b.cs;
+      int64_t p = 0;
+      for (; p + 4 <= kc; p += 4) {
+        __m128 x0 = L::Vec4(base, o + p);
+        __m128 x1 = L::Vec4(base, o + b.cs + p);
+        __m128 x2 = L::Vec4(base, o + 2 * b.cs + p);
+        __m128 x3 = L::Vec4(base, o + 3 * b.cs + p);
+        _MM_TRANSPOSE4_PS(x0, x1, x2, x3);
+        _mm_storeu_ps(d + p * nr + c, x0);
+        _mm_storeu_ps(d + (p + 1) * nr + c, x1);
+        _mm_storeu_ps(d + (p + 2) * nr + c, x2);
+        _mm_storeu_ps(d + (p + 3) * nr + c, x3);
+      }
+      for (; p < kc; ++p) {
+        for (int64_t q = 0; q < 4; ++q) d[p * nr + c + q] = L::At(base, o + q * b.cs + p);
+      }
+    }
+#endif
+    for (; c < cols; ++c) {
       const int64_t o = origin + (s + c) * b.cs;
       for (int64_t p = 0; p < kc; ++p) d[p * nr + c] = L::At(base, o + p);
     }
-    for (int64_t c = cols; c < nr; ++c) {
+    for (c = cols; c < nr; ++c) {
       for (int64_t p = 0; p < kc; ++p) d[p * nr + c] = 0.f;
     }
   }
