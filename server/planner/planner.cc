@@ -258,6 +258,31 @@ void EmitReshard(const Mesh& mesh, Phase phase, const std::string& tensor, DType
                  std::vector<Collective>* out) {
   PartitionSpec cur = from;
   const int64_t esize = DTypeSize(dtype);
+  auto slice = [&](size_t d, absl::string_view why) {
+    Collective c;
+    c.phase = phase;
+    c.kind = CollectiveKind::kSlice;
+    c.tensor = tensor;
+    c.dim = static_cast<int>(d);
+    c.axes.assign(to.dims[d].begin() + cur.dims[d].size(), to.dims[d].end());
+    c.reason = absl::StrCat("compute spec splits ", tensor, " dim ", d, " over ",
+                            FormatAxes(to.dims[d]), " (", why, ")");
+    out->push_back(std::move(c));
+    cur.dims[d] = to.dims[d];
+  };
+  // Slices that only append axes the tensor does not use yet go first: they
+  // are free and shrink what the gathers move.
+  for (size_t d = 0; d < shape.size(); ++d) {
+    if (CommonPrefix(cur.dims[d], to.dims[d]) != cur.dims[d].size() ||
+        cur.dims[d].size() == to.dims[d].size()) {
+      continue;
+    }
+    bool fresh = true;
+    for (size_t a = cur.dims[d].size(); a < to.dims[d].size(); ++a) {
+      for (const Axes& dim : cur.dims) fresh &= !Contains(dim, to.dims[d][a]);
+    }
+    if (fresh) slice(d, "no communication; before the gathers so they move less");
+  }
   for (size_t d = 0; d < shape.size(); ++d) {
     size_t keep = CommonPrefix(cur.dims[d], to.dims[d]);
     if (keep == cur.dims[d].size()) continue;
@@ -286,18 +311,7 @@ void EmitReshard(const Mesh& mesh, Phase phase, const std::string& tensor, DType
     cur.dims[d].resize(keep);
   }
   for (size_t d = 0; d < shape.size(); ++d) {
-    size_t have = cur.dims[d].size();
-    if (have == to.dims[d].size()) continue;
-    Collective c;
-    c.phase = phase;
-    c.kind = CollectiveKind::kSlice;
-    c.tensor = tensor;
-    c.dim = static_cast<int>(d);
-    c.axes.assign(to.dims[d].begin() + have, to.dims[d].end());
-    c.reason = absl::StrCat("compute spec splits ", tensor, " dim ", d, " over ",
-                            FormatAxes(to.dims[d]), " (no communication)");
-    out->push_back(std::move(c));
-    cur.dims[d] = to.dims[d];
+    if (cur.dims[d].size() != to.dims[d].size()) slice(d, "no communication");
   }
 }
 
