@@ -358,19 +358,19 @@ struct Tile {
 // Element loaders for packing (inlined into the packing loops). Vec4 loads
 // four consecutive elements (SSE2 is part of the x86-64 baseline).
 struct LoadF32 {
-  static float At(const void* base, int64_t i) { return static_cast<const float*>(base)[i]; }
+  float At(const void* base, int64_t i) const { return static_cast<const float*>(base)[i]; }
 #ifdef SHARDGEMM_X86
-  static __m128 Vec4(const void* base, int64_t i) {
+  __m128 Vec4(const void* base, int64_t i) const {
     return _mm_loadu_ps(static_cast<const float*>(base) + i);
   }
 #endif
 };
 struct LoadBF16 {
-  static float At(const void* base, int64_t i) {
+  float At(const void* base, int64_t i) const {
     return BF16ToFloat(static_cast<const uint16_t*>(base)[i]);
   }
 #ifdef SHARDGEMM_X86
-  static __m128 Vec4(const void* base, int64_t i) {
+  __m128 Vec4(const void* base, int64_t i) const {
     const __m128i h =
         _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(base) + i));
     return _mm_castsi128_ps(_mm_unpacklo_epi16(_mm_setzero_si128(), h));
@@ -378,12 +378,12 @@ struct LoadBF16 {
 #endif
 };
 struct LoadF16 {
-  static float At(const void* base, int64_t i) {
-    static const float* const table = F16Table();
+  const float* const table = F16Table();
+  float At(const void* base, int64_t i) const {
     return table[static_cast<const uint16_t*>(base)[i]];
   }
 #ifdef SHARDGEMM_X86
-  static __m128 Vec4(const void* base, int64_t i) {
+  __m128 Vec4(const void* base, int64_t i) const {
     return _mm_setr_ps(At(base, i), At(base, i + 1), At(base, i + 2), At(base, i + 3));
   }
 #endif
@@ -394,6 +394,7 @@ struct LoadF16 {
 template <typename L>
 void PackAImpl(const MatView& a, int64_t i0, int64_t mc, int64_t p0, int64_t kc, int mr,
                float* dst) {
+  const L ld;
   const void* base = a.data;
   for (int64_t s = 0; s < mc; s += mr) {
     const int64_t rows = std::min<int64_t>(mr, mc - s);
@@ -408,10 +409,10 @@ void PackAImpl(const MatView& a, int64_t i0, int64_t mc, int64_t p0, int64_t kc,
         const int64_t o = origin + r * a.rs;
         int64_t p = 0;
         for (; p + 4 <= kc; p += 4) {
-          __m128 x0 = L::Vec4(base, o + p);
-          __m128 x1 = L::Vec4(base, o + a.rs + p);
-          __m128 x2 = L::Vec4(base, o + 2 * a.rs + p);
-          __m128 x3 = L::Vec4(base, o + 3 * a.rs + p);
+          __m128 x0 = ld.Vec4(base, o + p);
+          __m128 x1 = ld.Vec4(base, o + a.rs + p);
+          __m128 x2 = ld.Vec4(base, o + 2 * a.rs + p);
+          __m128 x3 = ld.Vec4(base, o + 3 * a.rs + p);
           _MM_TRANSPOSE4_PS(x0, x1, x2, x3);
           _mm_storeu_ps(d + p * mr + r, x0);
           _mm_storeu_ps(d + (p + 1) * mr + r, x1);
@@ -419,13 +420,13 @@ void PackAImpl(const MatView& a, int64_t i0, int64_t mc, int64_t p0, int64_t kc,
           _mm_storeu_ps(d + (p + 3) * mr + r, x3);
         }
         for (; p < kc; ++p) {
-          for (int64_t q = 0; q < 4; ++q) d[p * mr + r + q] = L::At(base, o + q * a.rs + p);
+          for (int64_t q = 0; q < 4; ++q) d[p * mr + r + q] = ld.At(base, o + q * a.rs + p);
         }
       }
 #endif
       for (; r < rows; ++r) {
         const int64_t o = origin + r * a.rs;
-        for (int64_t p = 0; p < kc; ++p) d[p * mr + r] = L::At(base, o + p);
+        for (int64_t p = 0; p < kc; ++p) d[p * mr + r] = ld.At(base, o + p);
       }
       for (r = rows; r < mr; ++r) {
         for (int64_t p = 0; p < kc; ++p) d[p * mr + r] = 0.f;
@@ -435,7 +436,7 @@ void PackAImpl(const MatView& a, int64_t i0, int64_t mc, int64_t p0, int64_t kc,
       for (int64_t p = 0; p < kc; ++p) {
         float* dp = d + p * mr;
         const int64_t o = origin + p * a.cs;
-        for (int64_t r = 0; r < rows; ++r) dp[r] = L::At(base, o + r * a.rs);
+        for (int64_t r = 0; r < rows; ++r) dp[r] = ld.At(base, o + r * a.rs);
         for (int64_t r = rows; r < mr; ++r) dp[r] = 0.f;
       }
     }
@@ -447,6 +448,7 @@ void PackAImpl(const MatView& a, int64_t i0, int64_t mc, int64_t p0, int64_t kc,
 template <typename L>
 void PackBImpl(const MatView& b, int64_t p0, int64_t kc, int64_t j0, int64_t nc, int nr,
                float* dst) {
+  const L ld;
   const void* base = b.data;
   const int64_t origin = b.offset + p0 * b.rs + j0 * b.cs;
   if (b.cs == 1 || b.rs != 1) {
@@ -464,7 +466,7 @@ void PackBImpl(const MatView& b, int64_t p0, int64_t kc, int64_t j0, int64_t nc,
       for (int64_t s = 0; s < nc; s += nr) {
         const int64_t cols = std::min<int64_t>(nr, nc - s);
         float* dp = dst + (s / nr) * kc * nr + p * nr;
-        for (int64_t c = 0; c < cols; ++c) dp[c] = L::At(base, o + (s + c) * b.cs);
+        for (int64_t c = 0; c < cols; ++c) dp[c] = ld.At(base, o + (s + c) * b.cs);
         for (int64_t c = cols; c < nr; ++c) dp[c] = 0.f;
       }
     }
@@ -482,10 +484,10 @@ void PackBImpl(const MatView& b, int64_t p0, int64_t kc, int64_t j0, int64_t nc,
       const int64_t o = origin + (s + c) * b.cs;
       int64_t p = 0;
       for (; p + 4 <= kc; p += 4) {
-        __m128 x0 = L::Vec4(base, o + p);
-        __m128 x1 = L::Vec4(base, o + b.cs + p);
-        __m128 x2 = L::Vec4(base, o + 2 * b.cs + p);
-        __m128 x3 = L::Vec4(base, o + 3 * b.cs + p);
+        __m128 x0 = ld.Vec4(base, o + p);
+        __m128 x1 = ld.Vec4(base, o + b.cs + p);
+        __m128 x2 = ld.Vec4(base, o + 2 * b.cs + p);
+        __m128 x3 = ld.Vec4(base, o + 3 * b.cs + p);
         _MM_TRANSPOSE4_PS(x0, x1, x2, x3);
         _mm_storeu_ps(d + p * nr + c, x0);
         _mm_storeu_ps(d + (p + 1) * nr + c, x1);
@@ -493,13 +495,13 @@ void PackBImpl(const MatView& b, int64_t p0, int64_t kc, int64_t j0, int64_t nc,
         _mm_storeu_ps(d + (p + 3) * nr + c, x3);
       }
       for (; p < kc; ++p) {
-        for (int64_t q = 0; q < 4; ++q) d[p * nr + c + q] = L::At(base, o + q * b.cs + p);
+        for (int64_t q = 0; q < 4; ++q) d[p * nr + c + q] = ld.At(base, o + q * b.cs + p);
       }
     }
 #endif
     for (; c < cols; ++c) {
       const int64_t o = origin + (s + c) * b.cs;
-      for (int64_t p = 0; p < kc; ++p) d[p * nr + c] = L::At(base, o + p);
+      for (int64_t p = 0; p < kc; ++p) d[p * nr + c] = ld.At(base, o + p);
     }
     for (c = cols; c < nr; ++c) {
       for (int64_t p = 0; p < kc; ++p) d[p * nr + c] = 0.f;
