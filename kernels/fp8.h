@@ -255,14 +255,32 @@ SG_HD uint8_t MxScaleFromAmax(float amax, Fp8Format fmt, MxScaleRecipe recipe = 
   return static_cast<uint8_t>(exponent);
 }
 
+SG_HD uint8_t Fp8NanWithSignOf(float x, Fp8Format fmt) {
+  uint32_t sign = (FloatBits(x) >> 24) & 0x80u;
+  return static_cast<uint8_t>(sign | (fmt == Fp8Format::kE4M3 ? 0x7fu : 0x7eu));
+}
+SG_HD bool IsNanBits(float x) { return (FloatBits(x) & 0x7fffffffu) > 0x7f800000u; }
+
+// The quantized element: saturate(x * scale). A NaN x gives NaN with x's sign,
+// decided on x itself (GPUs return a canonical NaN from x * scale, CPUs keep
+// x's sign), so CPU and GPU agree bit for bit.
+SG_HD uint8_t QuantizeScaled(float x, float scale, Fp8Format fmt) {
+  if (IsNanBits(x)) return Fp8NanWithSignOf(x, fmt);
+  return FloatToFp8(x * scale, fmt, true);
+}
+
 // Quantize one element of an MX block with scale code `b`: x * 2^-(b-127),
 // saturating. A NaN scale gives NaN (with x's sign).
 SG_HD uint8_t MxQuantize(float x, uint8_t b, Fp8Format fmt) {
-  if (b == kE8M0Nan) {
-    uint32_t sign = (FloatBits(x) >> 24) & 0x80u;
-    return static_cast<uint8_t>(sign | (fmt == Fp8Format::kE4M3 ? 0x7fu : 0x7eu));
-  }
-  return FloatToFp8(x * E8M0ReciprocalToFloat(b), fmt, true);
+  if (b == kE8M0Nan) return Fp8NanWithSignOf(x, fmt);
+  return QuantizeScaled(x, E8M0ReciprocalToFloat(b), fmt);
+}
+
+// The dequantized element: fp8_to_float(q) * s, where s is scale_inv (or the
+// E8M0 scale's value). A NaN q or a NaN s gives the quiet NaN with q's sign.
+SG_HD float DequantizeValue(uint8_t q, Fp8Format fmt, float s) {
+  if (Fp8IsNan(q, fmt) || IsNanBits(s)) return BitsToFloat((static_cast<uint32_t>(q & 0x80u) << 24) | 0x7fc00000u);
+  return Fp8ToFloat(q, fmt) * s;
 }
 
 // ---- tensor / block scales ---------------------------------------------------

@@ -160,7 +160,7 @@ absl::Status GroupedQuantize(const GroupedQuantizeArgs& a) {
   const int64_t k = a.k;
   const int64_t used_rows = l.row_offset[a.num_groups];
   const float fmax = Fp8Max(a.format);
-  auto q = [&](float v) { return FloatToFp8(v, a.format, /*saturate=*/true); };
+  
   auto x_at = [&](int64_t r, int64_t c) { return LoadFloat(a.x, a.x_dtype, r * k + c); };
   // Padding: zero everything first (data tail rows, scale padding).
   if (a.rowwise) {
@@ -189,7 +189,7 @@ absl::Status GroupedQuantize(const GroupedQuantizeArgs& a) {
         if (a.colwise) cs[g] = sinv;
         for (int64_t r = 0; r < mg; ++r) {
           for (int64_t c = 0; c < k; ++c) {
-            const uint8_t v = q(x_at(off + r, c) * scale);
+            const uint8_t v = QuantizeScaled(x_at(off + r, c), scale, a.format);
             if (a.rowwise) a.rowwise_data[(off + r) * k + c] = v;
             if (a.colwise) a.colwise_data[off * k + c * mg + r] = v;
           }
@@ -235,7 +235,7 @@ absl::Status GroupedQuantize(const GroupedQuantizeArgs& a) {
               const float scale =
                   ScaleFromAmax(BitsToFloat(AmaxBits(a, off + r, off + r + 1, c0, c1)), fmax, a.pow2_scales);
               sc[kb * ld + r] = ScaleInv(scale);
-              for (int64_t c = c0; c < c1; ++c) a.rowwise_data[(off + r) * k + c] = q(x_at(off + r, c) * scale);
+              for (int64_t c = c0; c < c1; ++c) a.rowwise_data[(off + r) * k + c] = QuantizeScaled(x_at(off + r, c), scale, a.format);
             }
           }
         }
@@ -247,7 +247,7 @@ absl::Status GroupedQuantize(const GroupedQuantizeArgs& a) {
             for (int64_t c = 0; c < k; ++c) {
               const float scale = ScaleFromAmax(BitsToFloat(AmaxBits(a, r0, r1, c, c + 1)), fmax, a.pow2_scales);
               sc[rb * ld + c] = ScaleInv(scale);
-              for (int64_t r = r0; r < r1; ++r) a.colwise_data[off * k + c * mg + (r - off)] = q(x_at(r, c) * scale);
+              for (int64_t r = r0; r < r1; ++r) a.colwise_data[off * k + c * mg + (r - off)] = QuantizeScaled(x_at(r, c), scale, a.format);
             }
           }
         }
@@ -265,7 +265,7 @@ absl::Status GroupedQuantize(const GroupedQuantizeArgs& a) {
             if (a.colwise) cs[l.colwise_scale_offset[g] + kb * l.colwise_scale_cols[g] + rb] = sinv;
             for (int64_t r = r0; r < r1; ++r) {
               for (int64_t c = c0; c < c1; ++c) {
-                const uint8_t v = q(x_at(r, c) * scale);
+                const uint8_t v = QuantizeScaled(x_at(r, c), scale, a.format);
                 if (a.rowwise) a.rowwise_data[r * k + c] = v;
                 if (a.colwise) a.colwise_data[off * k + c * mg + (r - off)] = v;
               }
@@ -322,7 +322,7 @@ absl::Status GroupedDequantize(const GroupedDequantizeArgs& d) {
             s = d.colwise ? sf[so[g] + (c / 128) * sld[g] + r / 128] : sf[so[g] + (r / 128) * sld[g] + c / 128];
             break;
         }
-        StoreFloat(d.out, d.out_dtype, (off + r) * k + c, Fp8ToFloat(qv, d.format) * s);
+        StoreFloat(d.out, d.out_dtype, (off + r) * k + c, DequantizeValue(qv, d.format, s));
       }
     }
   }

@@ -1,0 +1,164 @@
+#include "kernels/cuda/quantize.h"
+
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "kernels/cuda/quantize_kernels.cuh"
+
+namespace shardgemm {
+namespace cuda {
+namespace {
+
+using cuda_internal::kMaxGpuGroups;
+
+absl::Status CudaError(cudaError_t e, const char* what) {
+  return absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorString(e)));
+}
+
+int DTypeCode(DType d) { return d == DType::kBF16 ? 0 : d == DType::kF16 ? 1 : 2; }
+
+int RowsPerTile(ScalingMode m) {
+  switch (m) {
+    case ScalingMode::kMxfp8: return 32;
+    case ScalingMode::kCurrent:
+    case ScalingMode::kDelayed: return 64;
+    default: return 128;
+  }
+}
+
+bool Aligned(const void* p, uintptr_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; }
+
+absl::Status CheckGpuShape(int64_t m, int64_t k, int64_t num_groups) {
+  if (k % 8 != 0) return absl::InvalidArgumentError(absl::StrCat("k: ", k, " is not a multiple of 8 (GPU kernels)"));
+  if (num_groups > kMaxGpuGroups) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("num_groups: ", num_groups, " is over the GPU kernels' ", kMaxGpuGroups));
+  }
+  if (m >= (int64_t{1} << 31)) return absl::InvalidArgumentError("m: must be below 2^31 on the GPU");
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status GroupedQuantize(const GroupedQuantizeArgs& a, cudaStream_t stream, const GpuQuantizeOptions& options) {
+  if (absl::Status s = ValidateGroupedQuantizeArgs(a); !s.ok()) return s;
+  if (absl::Status s = CheckGpuShape(a.m, a.k, a.num_groups); !s.ok()) return s;
+  if (!Aligned(a.x, 16)) return absl::InvalidArgumentError("x: not 16-byte aligned");
+  if (a.rowwise && !Aligned(a.rowwise_data, 16)) return absl::InvalidArgumentError("rowwise_data: not 16-byte aligned");
+  if (a.colwise && !Aligned(a.colwise_data, 16)) return absl::InvalidArgumentError("colwise_data: not 16-byte aligned");
+  absl::StatusOr<QuantizeLayout> layout = GetQuantizeLayout(a);
+  if (!layout.ok()) return layout.status();
+  const QuantizeLayout& l = *layout;
+  if (l.rowwise_scale_elems >= (int64_t{1} << 31) || l.colwise_scale_elems >= (int64_t{1} << 31)) {
+    return absl::InvalidArgumentError("scale_inv: over 2^31 entries");
+  }
+  // The parameter block is large (per-group tables): keep it off the stack frame's hot path.
+  auto p = std::make_unique<cuda_internal::QuantizeParams>();
+  std::memset(p.get(), 0, sizeof(*p));
+  p->x = a.x;
+  p->x_dtype = DTypeCode(a.x_dtype);
+  p->mode = static_cast<int>(a.mode);
+  p->format = static_cast<int>(a.format);
+  p->mx_recipe = static_cast<int>(a.mx_recipe);
+  p->rowwise = a.rowwise, p->colwise = a.colwise, p->pow2 = a.pow2_scales;
+  p->software_cvt = options.software_cvt;
+  p->m = a.m, p->k = a.k;
+  p->num_groups = static_cast<int>(a.num_groups);
+  p->tile_rows = RowsPerTile(a.mode);
+  p->col_tiles = static_cast<int>((a.k + 127) / 128);
+  p->scale = a.scale;
+  p->row_data = a.rowwise ? a.rowwise_data : nullptr;
+  p->col_data = a.colwise ? a.colwise_data : nullptr;
+  p->row_scale = a.rowwise ? a.rowwise_scale_inv : nullptr;
+  p->col_scale = a.colwise ? a.colwise_scale_inv : nullptr;
+  p->amax = a.amax;
+  int64_t tiles = 0;
+  for (int64_t g = 0; g <= a.num_groups; ++g) {
+    p->row_off[g] = static_cast<int32_t>(l.row_offset[g]);
+    p->tile_off[g] = static_cast<int32_t>(tiles);
+    p->row_scale_off[g] = static_cast<int32_t>(l.rowwise_scale_offset[g]);
+    p->col_scale_off[g] = static_cast<int32_t>(l.colwise_scale_offset[g]);
+    if (g < a.num_groups) tiles += (a.group_sizes[g] + p->tile_rows - 1) / p->tile_rows;
+  }
+  p->total_tiles = static_cast<int>(tiles);
+  if (tiles * p->col_tiles >= (int64_t{1} << 31)) return absl::InvalidArgumentError("m, k: too many tiles");
+
+  const int64_t used = l.row_offset[a.num_groups];
+  const size_t tail = static_cast<size_t>((a.m - used) * a.k);
+  cudaError_t e = cudaSuccess;
+  if (a.amax != nullptr && a.num_groups > 0) e = cudaMemsetAsync(a.amax, 0, sizeof(float) * a.num_groups, stream);
+  const bool tensor = a.mode == ScalingMode::kCurrent || a.mode == ScalingMode::kDelayed;
+  if (e == cudaSuccess && a.rowwise && tail) e = cudaMemsetAsync(a.rowwise_data + used * a.k, 0, tail, stream);
+  if (e == cudaSuccess && a.colwise && tail) e = cudaMemsetAsync(a.colwise_data + used * a.k, 0, tail, stream);
+  if (e == cudaSuccess && !tensor && a.rowwise && l.rowwise_scale_elems) {
+    e = cudaMemsetAsync(a.rowwise_scale_inv, 0, static_cast<size_t>(l.rowwise_scale_elems * l.scale_bytes), stream);
+  }
+  if (e == cudaSuccess && !tensor && a.colwise && l.colwise_scale_elems) {
+    e = cudaMemsetAsync(a.colwise_scale_inv, 0, static_cast<size_t>(l.colwise_scale_elems * l.scale_bytes), stream);
+  }
+  if (e != cudaSuccess) return CudaError(e, "cudaMemsetAsync");
+  if (a.mode == ScalingMode::kCurrent) {
+    e = cuda_internal::LaunchGroupedAmax(*p, stream);
+    if (e != cudaSuccess) return CudaError(e, "grouped amax kernel");
+  }
+  if (tiles == 0 && tensor && a.num_groups > 0) {
+    // Only empty groups: one tile's worth of blocks still runs, writing every group's scale_inv.
+    p->total_tiles = 1;
+  }
+  e = cuda_internal::LaunchGroupedQuantize(*p, stream);
+  if (e != cudaSuccess) return CudaError(e, "grouped quantize kernel");
+  return absl::OkStatus();
+}
+
+absl::Status GroupedDequantize(const GroupedDequantizeArgs& d, cudaStream_t stream) {
+  GroupedQuantizeArgs a;
+  a.x_dtype = DType::kF32;
+  a.m = d.m, a.k = d.k, a.group_sizes = d.group_sizes, a.num_groups = d.num_groups;
+  a.mode = d.mode, a.format = d.format, a.rowwise = !d.colwise, a.colwise = d.colwise;
+  absl::StatusOr<QuantizeLayout> layout = GetQuantizeLayout(a);
+  if (!layout.ok()) return layout.status();
+  if (absl::Status s = CheckGpuShape(d.m, d.k, d.num_groups); !s.ok()) return s;
+  if (d.data == nullptr && d.m > 0) return absl::InvalidArgumentError("data: null");
+  if (d.scale_inv == nullptr && d.num_groups > 0) return absl::InvalidArgumentError("scale_inv: null");
+  if (d.out == nullptr && d.m > 0) return absl::InvalidArgumentError("out: null");
+  if (d.out_dtype != DType::kBF16 && d.out_dtype != DType::kF16 && d.out_dtype != DType::kF32) {
+    return absl::InvalidArgumentError(absl::StrCat("out_dtype: ", DTypeName(d.out_dtype), " is not bf16, f16 or f32"));
+  }
+  const QuantizeLayout& l = *layout;
+  auto p = std::make_unique<cuda_internal::DequantizeParams>();
+  std::memset(p.get(), 0, sizeof(*p));
+  p->data = d.data, p->scale_inv = d.scale_inv, p->colwise = d.colwise;
+  p->mode = static_cast<int>(d.mode), p->format = static_cast<int>(d.format), p->out_dtype = DTypeCode(d.out_dtype);
+  p->m = d.m, p->k = d.k, p->num_groups = static_cast<int>(d.num_groups), p->out = d.out;
+  for (int64_t g = 0; g <= d.num_groups; ++g) {
+    p->row_off[g] = static_cast<int32_t>(l.row_offset[g]);
+    p->scale_off[g] = static_cast<int32_t>(d.colwise ? l.colwise_scale_offset[g] : l.rowwise_scale_offset[g]);
+    if (g < d.num_groups) {
+      p->scale_ld[g] = static_cast<int32_t>(d.colwise ? l.colwise_scale_cols[g] : l.rowwise_scale_cols[g]);
+    }
+  }
+  cudaError_t e = cuda_internal::LaunchGroupedDequantize(*p, stream);
+  if (e != cudaSuccess) return CudaError(e, "grouped dequantize kernel");
+  return absl::OkStatus();
+}
+
+absl::StatusOr<unsigned long long> ExhaustiveConversionMismatches(cudaStream_t stream) {
+  unsigned long long* d = nullptr;
+  cudaError_t e = cudaMalloc(reinterpret_cast<void**>(&d), 2 * sizeof(unsigned long long));
+  if (e != cudaSuccess) return CudaError(e, "cudaMalloc");
+  unsigned long long h[2] = {0, 0};
+  e = cudaMemsetAsync(d, 0, sizeof(h), stream);
+  if (e == cudaSuccess) e = cuda_internal::LaunchExhaustiveCvtCheck(d, stream);
+  if (e == cudaSuccess) e = cudaMemcpyAsync(h, d, sizeof(h), cudaMemcpyDeviceToHost, stream);
+  if (e == cudaSuccess) e = cudaStreamSynchronize(stream);
+  cudaFree(d);
+  if (e != cudaSuccess) return CudaError(e, "conversion check");
+  return h[0] + h[1];
+}
+
+}  // namespace cuda
+}  // namespace shardgemm

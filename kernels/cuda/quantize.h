@@ -1,0 +1,43 @@
+// Grouped quantize / dequantize on the GPU: the same arguments, outputs and
+// bytes as the CPU reference in kernels/cpu/quantize.h (layouts documented
+// there and in docs/quantization.md).
+//
+// Device memory: x, scale (delayed), every output, amax. Host memory:
+// group_sizes. Work is enqueued on `stream`; nothing synchronizes.
+// GPU-only limits (InvalidArgument naming the field): k a multiple of 8,
+// num_groups <= 1024, m < 2^31, x 16-byte aligned, data outputs 16-byte
+// aligned.
+#ifndef SHARDGEMM_KERNELS_CUDA_QUANTIZE_H_
+#define SHARDGEMM_KERNELS_CUDA_QUANTIZE_H_
+
+#include <cuda_runtime_api.h>
+
+#include "absl/status/status.h"
+#include "kernels/cpu/quantize.h"
+
+namespace shardgemm {
+namespace cuda {
+
+struct GpuQuantizeOptions {
+  // Use fp8.h's software conversion instead of the hardware cvt (same bits;
+  // kept for checking and as a fallback).
+  bool software_cvt = false;
+};
+
+// kCurrent: two launches (per-group amax, then quantize); every other mode
+// one launch, with amax fused. Plus cudaMemsetAsync for amax, scale padding
+// and padding rows.
+absl::Status GroupedQuantize(const GroupedQuantizeArgs& args, cudaStream_t stream,
+                             const GpuQuantizeOptions& options = GpuQuantizeOptions());
+
+// Same as cpu::GroupedDequantize; data, scale_inv and out in device memory.
+absl::Status GroupedDequantize(const GroupedDequantizeArgs& args, cudaStream_t stream);
+
+// Compares the kernels' hardware FP8 conversion with fp8.h's software one for
+// all 2^32 float inputs (both formats); returns the number of mismatches.
+absl::StatusOr<unsigned long long> ExhaustiveConversionMismatches(cudaStream_t stream);
+
+}  // namespace cuda
+}  // namespace shardgemm
+
+#endif  // SHARDGEMM_KERNELS_CUDA_QUANTIZE_H_

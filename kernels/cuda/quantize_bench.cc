@@ -1,0 +1,208 @@
+// Grouped quantize bandwidth on every preset's activations (BF16 x
+// [groups * rows_per_group, k], the shapes of /work/shared/anchors/presets.json,
+// copied below), next to a device-to-device copy of the same bytes measured in
+// the same run. GB/s counts bytes read + written:
+//   logical: x once + every output (data, scales, amax) once;
+//   moved:   what the kernels actually move (current scaling reads x twice:
+//            the amax pass, then the quantize pass).
+// Timing: CUDA events around kIters calls captured in one CUDA graph (device
+// time, no host launch overhead), and around kIters eager calls.
+//   quantize_bench [--iters N]
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "kernels/cpu/quantize.h"
+#include "kernels/cuda/quantize.h"
+
+namespace shardgemm {
+namespace {
+
+struct Preset {
+  const char* name;
+  int64_t groups, rows_per_group, k;
+};
+// From /work/shared/anchors/presets.json.
+const Preset kPresets[] = {
+    {"mixtral-8x7b-up", 8, 2048, 4096},  {"deepseek-v3-up", 8, 2048, 7168}, {"deepseek-v3-down", 8, 2048, 2048},
+    {"qwen3-30b-up-ep8", 16, 512, 2048}, {"qwen3-30b-up", 128, 128, 2048},  {"small-decode", 64, 64, 1024},
+};
+
+#define CK(x)                                                                          \
+  do {                                                                                 \
+    cudaError_t e_ = (x);                                                              \
+    if (e_ != cudaSuccess) {                                                           \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                    \
+    }                                                                                  \
+  } while (0)
+
+__attribute__((unused)) void Fill(void* p, size_t bytes) { CK(cudaMemset(p, 0x3c, bytes)); }
+
+// Mean seconds per call of fn over iters calls: graph-captured and eager.
+template <typename F>
+void Time(F fn, int iters, cudaStream_t s, double* graph_s, double* eager_s) {
+  for (int i = 0; i < 3; ++i) fn();
+  CK(cudaStreamSynchronize(s));
+  cudaEvent_t a, b;
+  CK(cudaEventCreate(&a));
+  CK(cudaEventCreate(&b));
+  // Eager.
+  CK(cudaEventRecord(a, s));
+  for (int i = 0; i < iters; ++i) fn();
+  CK(cudaEventRecord(b, s));
+  CK(cudaEventSynchronize(b));
+  float ms = 0;
+  CK(cudaEventElapsedTime(&ms, a, b));
+  *eager_s = ms / 1e3 / iters;
+  // Graph of iters calls.
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+  for (int i = 0; i < iters; ++i) fn();
+  CK(cudaStreamEndCapture(s, &graph));
+  CK(cudaGraphInstantiate(&exec, graph, 0));
+  CK(cudaGraphLaunch(exec, s));  // warm
+  CK(cudaStreamSynchronize(s));
+  double best = 1e30;
+  for (int rep = 0; rep < 3; ++rep) {
+    CK(cudaEventRecord(a, s));
+    CK(cudaGraphLaunch(exec, s));
+    CK(cudaEventRecord(b, s));
+    CK(cudaEventSynchronize(b));
+    CK(cudaEventElapsedTime(&ms, a, b));
+    best = std::min(best, ms / 1e3 / iters);
+  }
+  *graph_s = best;
+  CK(cudaGraphExecDestroy(exec));
+  CK(cudaGraphDestroy(graph));
+  CK(cudaEventDestroy(a));
+  CK(cudaEventDestroy(b));
+}
+
+int Main(int argc, char** argv) {
+  int iters = 20;
+  for (int i = 1; i < argc; ++i) {
+    if (std::string(argv[i]) == "--iters" && i + 1 < argc) iters = std::atoi(argv[++i]);
+  }
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
+    std::printf("no CUDA device: nothing to measure\n");
+    return 0;
+  }
+  cudaDeviceProp prop;
+  CK(cudaGetDeviceProperties(&prop, 0));
+  std::printf("device: %s, %d SMs\n", prop.name, prop.multiProcessorCount);
+  cudaStream_t s;
+  CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+
+  // A large copy for reference (1 GiB each way).
+  {
+    const size_t bytes = size_t{1} << 30;
+    void *src, *dst;
+    CK(cudaMalloc(&src, bytes));
+    CK(cudaMalloc(&dst, bytes));
+    Fill(src, bytes);
+    double g, e;
+    Time([&] { CK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, s)); }, 10, s, &g, &e);
+    std::printf("d2d copy 1 GiB: %.0f GB/s (read + write)\n\n", 2.0 * bytes / g / 1e9);
+    CK(cudaFree(src));
+    CK(cudaFree(dst));
+  }
+
+  std::printf("%-18s %-26s %8s %9s %10s %10s %9s %9s %9s %7s\n", "preset", "op", "M x K", "us(graph)", "GB/s logic",
+              "GB/s moved", "copy GB/s", "moved/cp", "logic/cp", "us(eag)");
+  for (const Preset& p : kPresets) {
+    const int64_t m = p.groups * p.rows_per_group, k = p.k;
+    std::vector<int64_t> gs(static_cast<size_t>(p.groups), p.rows_per_group);
+    const size_t xbytes = static_cast<size_t>(m * k * 2);
+    void *x, *copy_dst, *row, *col, *rs, *cs, *amax, *scale;
+    CK(cudaMalloc(&x, xbytes));
+    CK(cudaMalloc(&copy_dst, xbytes));
+    CK(cudaMalloc(&row, m * k));
+    CK(cudaMalloc(&col, m * k));
+    CK(cudaMalloc(&rs, m * k / 8 + 4096 * 1024));
+    CK(cudaMalloc(&cs, m * k / 8 + 4096 * 1024));
+    CK(cudaMalloc(&amax, p.groups * 4));
+    CK(cudaMalloc(&scale, p.groups * 4));
+    {
+      // Normal-ish bf16 values: fill with a pattern through a host buffer.
+      std::vector<uint16_t> h(static_cast<size_t>(m * k));
+      uint32_t r = 12345;
+      for (auto& v : h) {
+        r = r * 1664525u + 1013904223u;
+        v = static_cast<uint16_t>(0x3c00u + ((r >> 16) & 0x7ffu) + ((r >> 31) << 15));  // +-[2^-7, 2^4)
+      }
+      CK(cudaMemcpy(x, h.data(), xbytes, cudaMemcpyHostToDevice));
+      std::vector<float> ones(static_cast<size_t>(p.groups), 100.0f);
+      CK(cudaMemcpy(scale, ones.data(), p.groups * 4, cudaMemcpyHostToDevice));
+    }
+    double copy_g, copy_e;
+    Time([&] { CK(cudaMemcpyAsync(copy_dst, x, xbytes, cudaMemcpyDeviceToDevice, s)); }, iters, s, &copy_g, &copy_e);
+    const double copy_bw = 2.0 * xbytes / copy_g / 1e9;
+    char shape[32];
+    std::snprintf(shape, sizeof(shape), "%lldx%lld", static_cast<long long>(m), static_cast<long long>(k));
+    std::printf("%-18s %-26s %8s %9.1f %10s %10.0f %9.0f\n", p.name, "d2d copy (same bytes)", shape, copy_g * 1e6, "-",
+                copy_bw, copy_bw);
+
+    struct Op {
+      const char* name;
+      ScalingMode mode;
+      bool row, col;
+    };
+    const Op ops[] = {
+        {"current row+col", ScalingMode::kCurrent, true, true},
+        {"mxfp8 row+col", ScalingMode::kMxfp8, true, true},
+        {"current row", ScalingMode::kCurrent, true, false},
+        {"delayed row+col", ScalingMode::kDelayed, true, true},
+        {"mxfp8 row", ScalingMode::kMxfp8, true, false},
+        {"block1x128 row+col", ScalingMode::kBlock1x128, true, true},
+    };
+    for (const Op& op : ops) {
+      GroupedQuantizeArgs a;
+      a.x = x, a.x_dtype = DType::kBF16, a.m = m, a.k = k, a.group_sizes = gs.data(), a.num_groups = p.groups;
+      a.mode = op.mode, a.format = Fp8Format::kE4M3, a.rowwise = op.row, a.colwise = op.col;
+      a.scale = static_cast<float*>(scale);
+      a.rowwise_data = static_cast<uint8_t*>(row), a.colwise_data = static_cast<uint8_t*>(col);
+      a.rowwise_scale_inv = rs, a.colwise_scale_inv = cs, a.amax = static_cast<float*>(amax);
+      absl::StatusOr<QuantizeLayout> l = GetQuantizeLayout(a);
+      if (!l.ok()) {
+        std::printf("%s\n", l.status().ToString().c_str());
+        return 1;
+      }
+      const double out_bytes = (op.row ? m * k + l->rowwise_scale_elems * l->scale_bytes : 0) +
+                               (op.col ? m * k + l->colwise_scale_elems * l->scale_bytes : 0) + p.groups * 4.0;
+      const double logical = xbytes + out_bytes;
+      const double moved = logical + (op.mode == ScalingMode::kCurrent ? xbytes : 0);
+      double g, e;
+      absl::Status st;
+      Time(
+          [&] {
+            absl::Status r = cuda::GroupedQuantize(a, s);
+            if (!r.ok()) st = r;
+          },
+          iters, s, &g, &e);
+      if (!st.ok()) {
+        std::printf("%s: %s\n", op.name, st.ToString().c_str());
+        return 1;
+      }
+      std::printf("%-18s %-26s %8s %9.1f %10.0f %10.0f %9.0f %8.0f%% %8.0f%% %7.1f\n", p.name, op.name, shape, g * 1e6,
+                  logical / g / 1e9, moved / g / 1e9, copy_bw, 100.0 * moved / g / 1e9 / copy_bw,
+                  100.0 * logical / g / 1e9 / copy_bw, e * 1e6);
+    }
+    for (void* b : {x, copy_dst, row, col, rs, cs, amax, scale}) CK(cudaFree(b));
+    std::printf("\n");
+  }
+  CK(cudaStreamDestroy(s));
+  return 0;
+}
+
+}  // namespace
+}  // namespace shardgemm
+
+int main(int argc, char** argv) { return shardgemm::Main(argc, argv); }

@@ -1,0 +1,431 @@
+// GPU grouped quantize / dequantize vs the CPU reference, bit for bit, and
+// the FP8 grouped GEMM against the dequantized and the BF16 references.
+// Without a GPU (cudaGetDeviceCount fails, e.g. "CUDA driver version is
+// insufficient") every test skips, so CI builds and runs it harmlessly.
+#include <cublasLt.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kernels/cpu/quantize.h"
+#include "kernels/cuda/fp8_gemm.h"
+#include "kernels/cuda/quantize.h"
+#include "kernels/fp8.h"
+
+namespace shardgemm {
+namespace {
+
+bool HaveGpu() {
+  int n = 0;
+  cudaError_t e = cudaGetDeviceCount(&n);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return n > 0;
+}
+
+#define SKIP_WITHOUT_GPU() \
+  if (!HaveGpu()) GTEST_SKIP() << "no CUDA device (cudaGetDeviceCount failed or found none)"
+
+#define CK(x) ASSERT_EQ((x), cudaSuccess) << #x
+
+struct DevBuf {
+  void* p = nullptr;
+  size_t n = 0;
+  explicit DevBuf(size_t bytes) : n(bytes) {
+    if (bytes) EXPECT_EQ(cudaMalloc(&p, bytes), cudaSuccess);
+  }
+  ~DevBuf() {
+    if (p) cudaFree(p);
+  }
+  DevBuf(const DevBuf&) = delete;
+  template <typename T>
+  T* as() const {
+    return static_cast<T*>(p);
+  }
+  void Upload(const void* h) { EXPECT_EQ(cudaMemcpy(p, h, n, cudaMemcpyHostToDevice), cudaSuccess); }
+  std::vector<uint8_t> Download() const {
+    std::vector<uint8_t> h(n);
+    if (n) EXPECT_EQ(cudaMemcpy(h.data(), p, n, cudaMemcpyDeviceToHost), cudaSuccess);
+    return h;
+  }
+  void Fill(uint8_t v) {
+    if (n) EXPECT_EQ(cudaMemset(p, v, n), cudaSuccess);
+  }
+};
+
+// Random input of the given dtype, with NaN, +-Inf, zeros, subnormals and
+// large values sprinkled in when `specials`.
+std::vector<uint8_t> RandomInput(DType dt, int64_t count, uint32_t seed, bool specials) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  const int es = DTypeSize(dt);
+  std::vector<uint8_t> v(static_cast<size_t>(count * es));
+  for (int64_t i = 0; i < count; ++i) {
+    float f = nd(rng) * std::exp2(static_cast<float>(static_cast<int>(rng() % 13) - 6));
+    if (specials) {
+      const uint32_t r = rng() % 4000;
+      if (r == 0) f = std::nanf("");
+      if (r == 1) f = -std::nanf("");
+      if (r == 2) f = INFINITY;
+      if (r == 3) f = -INFINITY;
+      if (r == 4) f = 0.0f;
+      if (r == 5) f = -0.0f;
+      if (r == 6) f = 1e-30f;
+      if (r == 7) f = 7e4f;
+    }
+    if (dt == DType::kBF16) {
+      uint16_t h = FloatToBf16Bits(f);
+      std::memcpy(&v[i * 2], &h, 2);
+    } else if (dt == DType::kF16) {
+      uint16_t h = FloatToF16Bits(f);
+      std::memcpy(&v[i * 2], &h, 2);
+    } else {
+      std::memcpy(&v[i * 4], &f, 4);
+    }
+  }
+  return v;
+}
+
+struct Case {
+  ScalingMode mode;
+  Fp8Format fmt;
+  DType dt;
+  bool rowwise, colwise;
+  int64_t k;
+  std::vector<int64_t> groups;
+  int64_t pad_rows;
+  bool specials;
+  bool software_cvt;
+};
+
+std::string Name(const Case& c) {
+  std::string s = std::string(ScalingModeName(c.mode)) + "/" + Fp8FormatName(c.fmt) + "/" +
+                  std::string(DTypeName(c.dt)) + (c.rowwise ? "/row" : "") + (c.colwise ? "/col" : "") +
+                  "/k=" + std::to_string(c.k) + (c.software_cvt ? "/swcvt" : "/hwcvt") + " groups=";
+  for (int64_t g : c.groups) s += std::to_string(g) + ",";
+  return s;
+}
+
+void RunCase(const Case& c, uint32_t seed) {
+  SCOPED_TRACE(Name(c));
+  int64_t m = c.pad_rows;
+  for (int64_t g : c.groups) m += g;
+  const int64_t k = c.k, G = static_cast<int64_t>(c.groups.size());
+  std::vector<uint8_t> x = RandomInput(c.dt, m * k, seed, c.specials);
+  std::vector<float> scale(static_cast<size_t>(G));
+  for (int64_t g = 0; g < G; ++g) scale[g] = std::exp2(static_cast<float>(g % 7) - 2.0f) * 1.5f;
+
+  GroupedQuantizeArgs a;
+  a.x_dtype = c.dt, a.m = m, a.k = k, a.group_sizes = c.groups.data(), a.num_groups = G;
+  a.mode = c.mode, a.format = c.fmt, a.rowwise = c.rowwise, a.colwise = c.colwise;
+  absl::StatusOr<QuantizeLayout> l = GetQuantizeLayout(a);
+  ASSERT_TRUE(l.ok()) << l.status();
+  const size_t data_bytes = static_cast<size_t>(m * k);
+  const size_t rs_bytes = static_cast<size_t>(l->rowwise_scale_elems * l->scale_bytes);
+  const size_t cs_bytes = static_cast<size_t>(l->colwise_scale_elems * l->scale_bytes);
+
+  // CPU reference.
+  std::vector<uint8_t> hr(data_bytes, 0x5a), hc(data_bytes, 0x5a), hrs(rs_bytes, 0x5a), hcs(cs_bytes, 0x5a);
+  std::vector<float> hamax(static_cast<size_t>(G), -1.0f);
+  GroupedQuantizeArgs ca = a;
+  ca.x = x.data(), ca.scale = scale.data();
+  ca.rowwise_data = hr.data(), ca.colwise_data = hc.data();
+  ca.rowwise_scale_inv = hrs.data(), ca.colwise_scale_inv = hcs.data(), ca.amax = hamax.data();
+  absl::Status cs = cpu::GroupedQuantize(ca);
+  ASSERT_TRUE(cs.ok()) << cs;
+
+  // GPU, outputs pre-filled with garbage.
+  DevBuf dx(x.size()), dscale(scale.size() * 4), dr(data_bytes), dc(data_bytes), drs(rs_bytes), dcs(cs_bytes),
+      damax(static_cast<size_t>(G) * 4);
+  dx.Upload(x.data());
+  dscale.Upload(scale.data());
+  for (DevBuf* b : {&dr, &dc, &drs, &dcs, &damax}) b->Fill(0xa5);
+  GroupedQuantizeArgs ga = a;
+  ga.x = dx.p, ga.scale = dscale.as<float>();
+  ga.rowwise_data = dr.as<uint8_t>(), ga.colwise_data = dc.as<uint8_t>();
+  ga.rowwise_scale_inv = drs.p, ga.colwise_scale_inv = dcs.p, ga.amax = damax.as<float>();
+  cuda::GpuQuantizeOptions opt;
+  opt.software_cvt = c.software_cvt;
+  absl::Status gs = cuda::GroupedQuantize(ga, nullptr, opt);
+  ASSERT_TRUE(gs.ok()) << gs;
+  CK(cudaDeviceSynchronize());
+
+  auto expect_same = [](const std::vector<uint8_t>& want, const std::vector<uint8_t>& got, const char* what) {
+    ASSERT_EQ(want.size(), got.size()) << what;
+    int64_t bad = 0, first = -1;
+    for (size_t i = 0; i < want.size(); ++i) {
+      if (want[i] != got[i]) {
+        if (first < 0) first = static_cast<int64_t>(i);
+        ++bad;
+      }
+    }
+    EXPECT_EQ(bad, 0) << what << ": " << bad << " of " << want.size() << " bytes differ, first at " << first
+                      << " (cpu 0x" << std::hex << (first >= 0 ? int(want[first]) : 0) << ", gpu 0x"
+                      << (first >= 0 ? int(got[first]) : 0) << ")";
+  };
+  if (c.rowwise) {
+    expect_same(hr, dr.Download(), "rowwise_data");
+    expect_same(hrs, drs.Download(), "rowwise_scale_inv");
+  }
+  if (c.colwise) {
+    expect_same(hc, dc.Download(), "colwise_data");
+    expect_same(hcs, dcs.Download(), "colwise_scale_inv");
+  }
+  std::vector<uint8_t> hamax_bytes(reinterpret_cast<uint8_t*>(hamax.data()),
+                                   reinterpret_cast<uint8_t*>(hamax.data()) + G * 4);
+  expect_same(hamax_bytes, damax.Download(), "amax");
+
+  // Dequantize on the GPU vs the CPU, every output dtype, rowwise and colwise.
+  for (bool colwise : {false, true}) {
+    if (colwise ? !c.colwise : !c.rowwise) continue;
+    for (DType od : {DType::kF32, DType::kBF16}) {
+      GroupedDequantizeArgs d;
+      d.colwise = colwise, d.mode = c.mode, d.format = c.fmt, d.m = m, d.k = k;
+      d.group_sizes = c.groups.data(), d.num_groups = G, d.out_dtype = od;
+      std::vector<uint8_t> hout(static_cast<size_t>(m * k * DTypeSize(od)));
+      d.data = colwise ? hc.data() : hr.data();
+      d.scale_inv = colwise ? hcs.data() : hrs.data();
+      d.out = hout.data();
+      ASSERT_TRUE(cpu::GroupedDequantize(d).ok());
+      DevBuf dout(hout.size());
+      dout.Fill(0x77);
+      d.data = colwise ? dc.as<uint8_t>() : dr.as<uint8_t>();
+      d.scale_inv = colwise ? dcs.p : drs.p;
+      d.out = dout.p;
+      absl::Status ds = cuda::GroupedDequantize(d, nullptr);
+      ASSERT_TRUE(ds.ok()) << ds;
+      CK(cudaDeviceSynchronize());
+      expect_same(hout, dout.Download(), colwise ? "dequantize colwise" : "dequantize rowwise");
+    }
+  }
+}
+
+TEST(QuantizeGpuTest, HardwareConversionMatchesSoftwareForEveryFloat) {
+  SKIP_WITHOUT_GPU();
+  absl::StatusOr<unsigned long long> bad = cuda::ExhaustiveConversionMismatches(nullptr);
+  ASSERT_TRUE(bad.ok()) << bad.status();
+  EXPECT_EQ(*bad, 0u);
+}
+
+TEST(QuantizeGpuTest, BitIdenticalToCpuOnRandomInputs) {
+  SKIP_WITHOUT_GPU();
+  uint32_t seed = 1;
+  const std::vector<std::vector<int64_t>> shapes = {
+      {37, 0, 130, 1, 64, 0, 200},  // uneven, empty, one-row groups
+      {0, 0, 5},                    // leading empties
+      {256, 128},                   // tile-aligned
+  };
+  for (ScalingMode mode : {ScalingMode::kCurrent, ScalingMode::kDelayed, ScalingMode::kMxfp8,
+                           ScalingMode::kBlock1x128, ScalingMode::kBlock128x128}) {
+    for (Fp8Format fmt : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
+      for (DType dt : {DType::kBF16, DType::kF16, DType::kF32}) {
+        for (int rc = 0; rc < 3; ++rc) {
+          const bool row = rc != 1, col = rc != 0;
+          for (size_t si = 0; si < shapes.size(); ++si) {
+            // K: a multiple of 128, and one that leaves a partial column tile.
+            for (int64_t k : {int64_t{256}, mode == ScalingMode::kMxfp8 ? int64_t{160} : int64_t{200}}) {
+              Case c{mode, fmt, dt, row, col, k, shapes[si], si == 0 ? 3 : 0, si != 2, false};
+              RunCase(c, seed++);
+              if (HasFatalFailure()) return;
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(QuantizeGpuTest, SoftwareConversionPathIsIdenticalToo) {
+  SKIP_WITHOUT_GPU();
+  uint32_t seed = 1000;
+  for (ScalingMode mode : {ScalingMode::kCurrent, ScalingMode::kMxfp8, ScalingMode::kBlock1x128}) {
+    for (Fp8Format fmt : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
+      Case c{mode, fmt, DType::kBF16, true, true, 256, {37, 0, 130, 1}, 2, true, true};
+      RunCase(c, seed++);
+    }
+  }
+}
+
+TEST(QuantizeGpuTest, LargeUnevenGroups) {
+  SKIP_WITHOUT_GPU();
+  // Many tiles, group boundaries inside tiles, a group of 1 and empties.
+  std::vector<int64_t> groups = {3000, 1, 0, 2047, 4096, 0, 777, 1500};
+  uint32_t seed = 77;
+  for (ScalingMode mode : {ScalingMode::kCurrent, ScalingMode::kDelayed, ScalingMode::kMxfp8,
+                           ScalingMode::kBlock1x128, ScalingMode::kBlock128x128}) {
+    Case c{mode, Fp8Format::kE4M3, DType::kBF16, true, true, 1024, groups, 64, true, false};
+    RunCase(c, seed++);
+  }
+}
+
+TEST(QuantizeGpuTest, RejectsWhatTheKernelsCannotDo) {
+  SKIP_WITHOUT_GPU();
+  std::vector<int64_t> gs = {4};
+  GroupedQuantizeArgs a;
+  a.m = 4, a.k = 12, a.group_sizes = gs.data(), a.num_groups = 1;
+  DevBuf x(4 * 16 * 2), d(64), s(4), am(4);
+  a.x = x.p, a.rowwise_data = d.as<uint8_t>(), a.rowwise_scale_inv = s.p, a.amax = am.as<float>();
+  absl::Status st = cuda::GroupedQuantize(a, nullptr);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(st.message()).find("k:"), std::string::npos) << st;
+}
+
+// ---- FP8 grouped GEMM ---------------------------------------------------------
+
+struct GemmResult {
+  double rel_err_vs_dequant = 0;
+  double rel_err_vs_bf16 = 0;
+};
+
+// Quantizes bf16 x [M, K] (groups) and w [G, N, K] on the GPU, runs the FP8
+// GEMM, and compares against (a) the CPU dequantize-then-FP32 reference and
+// (b) the FP32 product of the BF16 inputs.
+absl::StatusOr<GemmResult> RunGemm(ScalingMode lmode, ScalingMode rmode, Fp8Format lfmt, Fp8Format rfmt,
+                                   const std::vector<int64_t>& groups, int64_t pad, int64_t n, int64_t k) {
+  const int64_t G = static_cast<int64_t>(groups.size());
+  int64_t m = pad;
+  for (int64_t g : groups) m += g;
+  std::vector<uint8_t> xb = RandomInput(DType::kBF16, m * k, 5, false);
+  std::vector<uint8_t> wb = RandomInput(DType::kBF16, G * n * k, 6, false);
+  std::vector<int64_t> wgs(static_cast<size_t>(G), n);
+  DevBuf dx(xb.size()), dw(wb.size());
+  dx.Upload(xb.data());
+  dw.Upload(wb.data());
+  struct Q {
+    GroupedQuantizeArgs a;
+    std::unique_ptr<DevBuf> data, scale, amax;
+    std::vector<uint8_t> hdata, hscale;
+  };
+  auto quantize = [](Q& q, const DevBuf& x, int64_t rows, int64_t k, const int64_t* gs, int64_t G, ScalingMode mode,
+                     Fp8Format fmt) -> absl::Status {
+    q.a.x = x.p, q.a.x_dtype = DType::kBF16, q.a.m = rows, q.a.k = k, q.a.group_sizes = gs, q.a.num_groups = G;
+    q.a.mode = mode, q.a.format = fmt, q.a.rowwise = true;
+    absl::StatusOr<QuantizeLayout> l = GetQuantizeLayout(q.a);
+    if (!l.ok()) return l.status();
+    q.data = std::make_unique<DevBuf>(static_cast<size_t>(rows * k));
+    q.scale = std::make_unique<DevBuf>(static_cast<size_t>(l->rowwise_scale_elems * l->scale_bytes));
+    q.amax = std::make_unique<DevBuf>(static_cast<size_t>(G * 4));
+    q.a.rowwise_data = q.data->as<uint8_t>(), q.a.rowwise_scale_inv = q.scale->p, q.a.amax = q.amax->as<float>();
+    std::vector<float> ones(static_cast<size_t>(G), 1.0f);
+    if (mode == ScalingMode::kDelayed) return absl::InvalidArgumentError("not used");
+    if (absl::Status s = cuda::GroupedQuantize(q.a, nullptr); !s.ok()) return s;
+    cudaDeviceSynchronize();
+    q.hdata = q.data->Download();
+    q.hscale = q.scale->Download();
+    return absl::OkStatus();
+  };
+  Q lq, rq;
+  if (absl::Status s = quantize(lq, dx, m, k, groups.data(), G, lmode, lfmt); !s.ok()) return s;
+  if (absl::Status s = quantize(rq, dw, G * n, k, wgs.data(), G, rmode, rfmt); !s.ok()) return s;
+
+  cublasLtHandle_t handle;
+  if (cublasLtCreate(&handle) != CUBLAS_STATUS_SUCCESS) return absl::InternalError("cublasLtCreate");
+  DevBuf ws(32 << 20), dout(static_cast<size_t>(m * n * 2));
+  dout.Fill(0x7f);
+  cuda::Fp8GroupedGemmArgs ga;
+  ga.lhs = lq.data->as<uint8_t>(), ga.lhs_scale_inv = lq.scale->p, ga.lhs_mode = lmode, ga.lhs_format = lfmt;
+  ga.rhs = rq.data->as<uint8_t>(), ga.rhs_scale_inv = rq.scale->p, ga.rhs_mode = rmode, ga.rhs_format = rfmt;
+  ga.m = m, ga.n = n, ga.k = k, ga.group_sizes = groups.data(), ga.num_groups = G;
+  ga.out = dout.p, ga.out_dtype = DType::kBF16, ga.workspace = ws.p, ga.workspace_bytes = ws.n;
+  absl::Status s = cuda::Fp8GroupedGemm(ga, handle, nullptr);
+  cudaDeviceSynchronize();
+  cublasLtDestroy(handle);
+  if (!s.ok()) return s;
+  std::vector<uint8_t> out_bytes = dout.Download();
+
+  auto deq = [&](const Q& q) {
+    GroupedDequantizeArgs d;
+    d.data = q.hdata.data(), d.scale_inv = q.hscale.data(), d.mode = q.a.mode, d.format = q.a.format;
+    d.m = q.a.m, d.k = q.a.k, d.group_sizes = q.a.group_sizes, d.num_groups = q.a.num_groups;
+    return d;
+  };
+  absl::StatusOr<std::vector<float>> ref = cpu::DequantizeGroupedGemmReference(deq(lq), deq(rq), n);
+  if (!ref.ok()) return ref.status();
+  GemmResult r;
+  double e1 = 0, n1 = 0, e2 = 0, n2 = 0;
+  int64_t off = 0;
+  for (int64_t g = 0; g < G; ++g) {
+    for (int64_t row = off; row < off + groups[g]; ++row) {
+      for (int64_t j = 0; j < n; ++j) {
+        uint16_t h;
+        std::memcpy(&h, &out_bytes[(row * n + j) * 2], 2);
+        const double got = Bf16BitsToFloat(h);
+        const double want1 = (*ref)[row * n + j];
+        double want2 = 0;
+        for (int64_t c = 0; c < k; ++c) {
+          uint16_t xv, wv;
+          std::memcpy(&xv, &xb[(row * k + c) * 2], 2);
+          std::memcpy(&wv, &wb[((g * n + j) * k + c) * 2], 2);
+          want2 += static_cast<double>(Bf16BitsToFloat(xv)) * Bf16BitsToFloat(wv);
+        }
+        e1 += (got - want1) * (got - want1), n1 += want1 * want1;
+        e2 += (got - want2) * (got - want2), n2 += want2 * want2;
+      }
+    }
+    off += groups[g];
+  }
+  for (int64_t i = off * n; i < m * n; ++i) {
+    if (out_bytes[i * 2] != 0 || out_bytes[i * 2 + 1] != 0) return absl::InternalError("padding row not zero");
+  }
+  r.rel_err_vs_dequant = std::sqrt(e1 / n1);
+  r.rel_err_vs_bf16 = std::sqrt(e2 / n2);
+  return r;
+}
+
+const std::vector<int64_t> kGemmGroups = {100, 0, 257, 31, 128};
+
+TEST(Fp8GemmGpuTest, TensorScalingE4M3) {
+  SKIP_WITHOUT_GPU();
+  auto r = RunGemm(ScalingMode::kCurrent, ScalingMode::kCurrent, Fp8Format::kE4M3, Fp8Format::kE4M3, kGemmGroups, 5,
+                   384, 512);
+  ASSERT_TRUE(r.ok()) << r.status();
+  std::printf("tensor e4m3 x e4m3: rel err vs dequant ref %.2e, vs bf16 ref %.2e\n", r->rel_err_vs_dequant,
+              r->rel_err_vs_bf16);
+  EXPECT_LT(r->rel_err_vs_dequant, 5e-3);  // bf16 output rounding + accumulation order
+  EXPECT_LT(r->rel_err_vs_bf16, 0.06);     // E4M3's 3 mantissa bits on both operands
+}
+
+TEST(Fp8GemmGpuTest, TensorScalingE5M2Lhs) {
+  SKIP_WITHOUT_GPU();
+  auto r = RunGemm(ScalingMode::kCurrent, ScalingMode::kCurrent, Fp8Format::kE5M2, Fp8Format::kE4M3, kGemmGroups, 0,
+                   256, 256);
+  ASSERT_TRUE(r.ok()) << r.status();
+  std::printf("tensor e5m2 x e4m3: rel err vs dequant ref %.2e, vs bf16 ref %.2e\n", r->rel_err_vs_dequant,
+              r->rel_err_vs_bf16);
+  EXPECT_LT(r->rel_err_vs_dequant, 5e-3);
+  EXPECT_LT(r->rel_err_vs_bf16, 0.10);
+}
+
+TEST(Fp8GemmGpuTest, BlockScaling) {
+  SKIP_WITHOUT_GPU();
+  auto r = RunGemm(ScalingMode::kBlock1x128, ScalingMode::kBlock128x128, Fp8Format::kE4M3, Fp8Format::kE4M3,
+                   kGemmGroups, 5, 384, 512);
+  if (!r.ok() && r.status().code() == absl::StatusCode::kUnimplemented) {
+    GTEST_SKIP() << r.status();
+  }
+  ASSERT_TRUE(r.ok()) << r.status();
+  std::printf("block 1x128 x 128x128: rel err vs dequant ref %.2e, vs bf16 ref %.2e\n", r->rel_err_vs_dequant,
+              r->rel_err_vs_bf16);
+  EXPECT_LT(r->rel_err_vs_dequant, 5e-3);
+  EXPECT_LT(r->rel_err_vs_bf16, 0.06);
+}
+
+TEST(Fp8GemmGpuTest, Mxfp8IsUnimplementedOnHopper) {
+  SKIP_WITHOUT_GPU();
+  auto r = RunGemm(ScalingMode::kMxfp8, ScalingMode::kMxfp8, Fp8Format::kE4M3, Fp8Format::kE4M3, {64, 32}, 0, 128,
+                   256);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kUnimplemented) << r.status();
+  EXPECT_NE(std::string(r.status().message()).find("mxfp8"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace shardgemm

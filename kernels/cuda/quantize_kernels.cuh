@@ -1,0 +1,69 @@
+// Launch parameters of the grouped quantize / dequantize kernels: plain data,
+// no absl, so nvcc compiles quantize.cu without the host library headers.
+// Filled by quantize.cc from a validated GroupedQuantizeArgs.
+#ifndef SHARDGEMM_KERNELS_CUDA_QUANTIZE_KERNELS_CUH_
+#define SHARDGEMM_KERNELS_CUDA_QUANTIZE_KERNELS_CUH_
+
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+namespace shardgemm {
+namespace cuda_internal {
+
+// Groups per launch: per-group tables travel in the kernel parameters
+// (__grid_constant__), 4 x 4 x (kMaxGpuGroups + 1) bytes.
+constexpr int kMaxGpuGroups = 1024;
+
+struct QuantizeParams {
+  const void* x;
+  int x_dtype;  // 0 bf16, 1 f16, 2 f32
+  int mode;     // ScalingMode
+  int format;   // Fp8Format
+  int mx_recipe;
+  bool rowwise, colwise, pow2, software_cvt;
+  int64_t m, k;
+  int num_groups;
+  int tile_rows;    // rows per tile of this launch
+  int col_tiles;    // ceil(k / 128)
+  int total_tiles;  // row tiles over all groups
+  const float* scale;  // delayed: [G] device
+  uint8_t* row_data;
+  uint8_t* col_data;
+  void* row_scale;
+  void* col_scale;
+  float* amax;  // [G] device, zeroed before the launch; may be null (MX / block)
+  int32_t row_off[kMaxGpuGroups + 1];
+  int32_t tile_off[kMaxGpuGroups + 1];  // prefix sum of ceil(m_g / tile_rows)
+  int32_t row_scale_off[kMaxGpuGroups + 1];
+  int32_t col_scale_off[kMaxGpuGroups + 1];
+};
+
+// Current scaling's first pass: per-group amax (float bits, atomicMax) into p.amax.
+cudaError_t LaunchGroupedAmax(const QuantizeParams& p, cudaStream_t stream);
+// The quantize pass (all groups, one launch).
+cudaError_t LaunchGroupedQuantize(const QuantizeParams& p, cudaStream_t stream);
+
+struct DequantizeParams {
+  const uint8_t* data;
+  const void* scale_inv;
+  bool colwise;
+  int mode, format, out_dtype;  // out_dtype: 0 bf16, 1 f16, 2 f32
+  int64_t m, k;
+  int num_groups;
+  void* out;
+  int32_t row_off[kMaxGpuGroups + 1];
+  int32_t scale_off[kMaxGpuGroups + 1];
+  int32_t scale_ld[kMaxGpuGroups + 1];
+};
+cudaError_t LaunchGroupedDequantize(const DequantizeParams& p, cudaStream_t stream);
+
+// Test hook: compares the kernels' FP8 conversion (hardware cvt.rn.satfinite
+// plus the NaN rule) with the shared software one for every float bit pattern;
+// returns the number of mismatches (per format) in mismatches[2] (device).
+cudaError_t LaunchExhaustiveCvtCheck(unsigned long long* mismatches, cudaStream_t stream);
+
+}  // namespace cuda_internal
+}  // namespace shardgemm
+
+#endif  // SHARDGEMM_KERNELS_CUDA_QUANTIZE_KERNELS_CUH_
