@@ -20,7 +20,14 @@ namespace {
 using Axes = std::vector<std::string>;
 
 constexpr int64_t kMaxDim = int64_t{1} << 40;
-constexpr int64_t kMaxNumel = int64_t{1} << 50;
+// Keeps bytes = elements x 8 B x 4096 peers inside int64.
+constexpr int64_t kMaxNumel = int64_t{1} << 46;
+
+// a * b clamped to INT64_MAX (both non-negative); FLOPs of huge requests.
+int64_t SatMul(int64_t a, int64_t b) {
+  if (a != 0 && b > INT64_MAX / a) return INT64_MAX;
+  return a * b;
+}
 
 absl::Status Invalid(absl::string_view msg) { return absl::InvalidArgumentError(msg); }
 
@@ -131,7 +138,7 @@ absl::Status CheckShape(absl::string_view name, const std::vector<int64_t>& shap
       return Invalid(absl::StrCat(name, " dim ", d, ": size ", shape[d], " must be in [1, 2^40]"));
     }
     if (numel > kMaxNumel / shape[d]) {
-      return Invalid(absl::StrCat(name, ": shape ", ShapeText(shape), " has more than 2^50 elements"));
+      return Invalid(absl::StrCat(name, ": shape ", ShapeText(shape), " has more than 2^46 elements"));
     }
     numel *= shape[d];
   }
@@ -458,7 +465,9 @@ absl::StatusOr<Plan> Finalize(const Context& ctx, const Common& common, const St
   }
   for (size_t i = 0; i < st.outputs.size(); ++i) {
     PlanOutput o = st.outputs[i];
-    absl::Status s = ValidatePartitionSpec(o.name, o.global_shape, o.spec, mesh);
+    absl::Status s = CheckShape(o.name, o.global_shape, 1, 8);
+    if (!s.ok()) return s;
+    s = ValidatePartitionSpec(o.name, o.global_shape, o.spec, mesh);
     if (!s.ok()) return s;
     o.local_op_shape = LocalOf(mesh, o.global_shape, o.local_op_spec);
     o.local_shape = LocalOf(mesh, o.global_shape, o.spec);
@@ -483,7 +492,7 @@ absl::StatusOr<Plan> Finalize(const Context& ctx, const Common& common, const St
     int64_t n = ctx.req.op == OpKind::kGroupedGemmRaggedK ? r[1]
                 : ctx.req.attrs.rhs_transposed           ? r[1]
                                                          : r[2];
-    plan.flops_per_worker = 2 * l[0] * l[1] * n;
+    plan.flops_per_worker = SatMul(SatMul(2 * l[0], l[1]), n);
   }
 
   std::vector<std::string> notes = st.notes;
@@ -1148,6 +1157,15 @@ absl::StatusOr<Plan> MakePlan(const PlanRequest& request) {
   if (!s.ok()) return s;
   if (request.compat != CompatMode::kDefault && request.compat != CompatMode::kTe) {
     return Invalid("compat: unknown mode");
+  }
+  switch (request.attrs.scaling_mode) {
+    case ScalingMode::kCurrent:
+    case ScalingMode::kDelayed:
+    case ScalingMode::kMxfp8:
+    case ScalingMode::kBlock:
+      break;
+    default:
+      return Invalid("attrs.scaling_mode: unknown mode");
   }
   Context ctx{request, request.mesh, request.compat == CompatMode::kTe};
   switch (request.op) {
