@@ -247,7 +247,10 @@ absl::Status CheckGroupSizesLikeRows(const Operand& gs, const Axes& rows,
     return Invalid(absl::StrCat(
         "group_sizes: spec ", FormatPartitionSpec(gs.input), " must split its entries like ",
         rows_name, " rows (", FormatAxes(rows),
-        "): each row shard is its own ragged array with its own group sizes"));
+        "): each row shard is its own ragged array with its own group sizes",
+        rows.empty() && gs.input.dims[0].empty() ? "" :
+        "; for EP split the rows over ep too, e.g. ((dp, fsdp, ep), None) with group_sizes "
+        "((dp, fsdp, ep),)"));
   }
   return absl::OkStatus();
 }
@@ -771,7 +774,7 @@ absl::StatusOr<Plan> PlanRaggedM(const Context& ctx) {
       for (const std::string& a : rhs.input.dims[kdim]) {
         if (!Contains(kc.axes, a)) {
           AddDrop(rhs, kdim, a,
-                   a == fsdp && ctx.te ? "FSDP weight, rule 3"
+                   a == fsdp ? "FSDP weight, rule 3"
                    : Contains(*rows, a) ? "also splits lhs rows"
                                         : "contracting dim not split like lhs",
                    &st.drops);
@@ -779,7 +782,7 @@ absl::StatusOr<Plan> PlanRaggedM(const Context& ctx) {
       }
       for (const std::string& a : rhs.input.dims[ndim]) {
         if (Contains(n_axes, a)) continue;
-        std::string why = a == fsdp && ctx.te ? "FSDP weight, rule 3"
+        std::string why = a == fsdp ? "FSDP weight, rule 3"
                           : Contains(*rows, a)   ? "also splits lhs rows, which the output keeps"
                           : Contains(kc.axes, a) ? "also splits the contracting dim"
                           : Contains(common.expert_axes, a) ? "is the expert axis of rhs dim 0"
@@ -789,7 +792,7 @@ absl::StatusOr<Plan> PlanRaggedM(const Context& ctx) {
       for (const std::string& a : rhs.input.dims[0]) {
         if (Contains(common.expert_axes, a)) continue;
         AddDrop(rhs, 0, a,
-                 a == fsdp && ctx.te ? "FSDP weight, rule 3"
+                 a == fsdp ? "FSDP weight, rule 3"
                                      : "not an expert (ep) axis of the lhs rows: every row "
                                        "shard needs all of its groups' experts",
                  &st.drops);
