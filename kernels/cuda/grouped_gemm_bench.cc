@@ -1,0 +1,237 @@
+// Grouped-GEMM benchmark over the presets (anchors/presets.json format).
+//
+//   grouped_gemm_bench --presets presets.json [--iters 20] [--warmup 5] [--json out.jsonl]
+//
+// Per preset and variant, one result line like nccl-tests: our TFLOP/s (the
+// strategy kAuto picks), that strategy, every strategy's TFLOP/s (- where it
+// cannot run the shape), and the sampled check against the naive reference
+// (relative L2 error of auto's output; "ok" when every strategy passed).
+// Variants: rhs [G,N,K] (as the peer script), rhs [G,K,N], unbalanced group
+// sizes (same rows, [G,N,K]), and device-only group sizes ([G,N,K]).
+// BF16 in and out; TFLOP/s = 2 * rows * K * N / time; time = CUDA events
+// around `iters` back-to-back calls after `warmup` calls, as the peer script.
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "kernels/cuda/gemm_check.h"
+#include "kernels/cuda/gemm_testing.h"
+#include "kernels/cuda/grouped_gemm.h"
+#include "nlohmann/json.hpp"
+
+namespace shardgemm {
+namespace cuda {
+namespace {
+
+#define CHECK_CUDA(expr)                                                                    \
+  do {                                                                                      \
+    cudaError_t _e = (expr);                                                                \
+    if (_e != cudaSuccess) {                                                                \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #expr, cudaGetErrorString(_e)); \
+      std::exit(2);                                                                         \
+    }                                                                                       \
+  } while (0)
+
+struct Preset {
+  std::string name;
+  int64_t g, m, k, n;
+};
+
+std::vector<int64_t> Unbalanced(int64_t g, int64_t total, uint64_t seed) {
+  // Skewed routing: weights 0.25..4 (log-uniform), same total rows.
+  std::mt19937_64 rng(seed);
+  std::vector<double> w(g);
+  double sum = 0;
+  for (auto& x : w) {
+    x = std::exp((static_cast<double>(rng() % 10000) / 10000.0 - 0.5) * 2.77);
+    sum += x;
+  }
+  std::vector<int64_t> s(g);
+  int64_t used = 0;
+  for (int64_t i = 0; i < g; ++i) {
+    s[i] = static_cast<int64_t>(w[i] / sum * total);
+    used += s[i];
+  }
+  for (int64_t i = 0; used < total; i = (i + 1) % g, ++used) ++s[i];
+  return s;
+}
+
+const Strategy kStrategies[] = {Strategy::kLtLoop, Strategy::kLtLoopGraph, Strategy::kLtBatched,
+                                Strategy::kGroupedBatched, Strategy::kSm90};
+
+int Main(int argc, char** argv) {
+  std::string presets_path = "presets.json", json_path;
+  int iters = 20, warmup = 5;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    auto next = [&]() -> std::string { return i + 1 < argc ? argv[++i] : ""; };
+    if (a == "--presets") presets_path = next();
+    else if (a == "--iters") iters = std::atoi(next().c_str());
+    else if (a == "--warmup") warmup = std::atoi(next().c_str());
+    else if (a == "--json") json_path = next();
+    else {
+      std::fprintf(stderr, "usage: %s --presets PATH [--iters N] [--warmup N] [--json OUT]\n", argv[0]);
+      return 1;
+    }
+  }
+  std::ifstream in(presets_path);
+  if (!in) {
+    std::fprintf(stderr, "cannot read %s\n", presets_path.c_str());
+    return 1;
+  }
+  nlohmann::json pj = nlohmann::json::parse(in);
+  std::vector<Preset> presets;
+  for (const auto& p : pj["presets"])
+    presets.push_back({p["name"].get<std::string>(), p["groups"].get<int64_t>(), p["rows_per_group"].get<int64_t>(),
+                       p["k"].get<int64_t>(), p["n"].get<int64_t>()});
+  FILE* jf = json_path.empty() ? nullptr : std::fopen(json_path.c_str(), "w");
+
+  auto runner_or = GroupedGemmRunner::Create();
+  if (!runner_or.ok()) {
+    std::fprintf(stderr, "runner: %s\n", std::string(runner_or.status().message()).c_str());
+    return 2;
+  }
+  GroupedGemmRunner& runner = **runner_or;
+  cudaStream_t s;
+  CHECK_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  cudaEvent_t e0, e1;
+  CHECK_CUDA(cudaEventCreate(&e0));
+  CHECK_CUDA(cudaEventCreate(&e1));
+  cudaDeviceProp prop;
+  CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
+  std::printf("# device: %s, %d SMs; BF16 in/out, FP32 accumulate; %d warmup + %d timed calls\n", prop.name,
+              prop.multiProcessorCount, warmup, iters);
+  std::printf("# %-18s %4s %5s %5s %6s %-10s %8s  %-15s %8s %8s %8s %8s %8s  %9s %s\n", "preset", "G", "m", "K", "N",
+              "variant", "ours", "strategy", "lt_loop", "lt_graph", "lt_batch", "grp_bat", "sm90", "rel_err", "check");
+  std::printf("# %-18s %4s %5s %5s %6s %-10s %8s  %-15s %8s %8s %8s %8s %8s  %9s\n", "", "", "", "", "", "",
+              "TFLOP/s", "", "TFLOP/s", "TFLOP/s", "TFLOP/s", "TFLOP/s", "TFLOP/s", "");
+  int failures = 0;
+  uint64_t seed = 1;
+  for (const Preset& p : presets) {
+    const int64_t M = p.g * p.m;
+    void *lhs, *rhs, *out, *sizes_dev;
+    CHECK_CUDA(cudaMalloc(&lhs, M * p.k * 2));
+    CHECK_CUDA(cudaMalloc(&rhs, p.g * p.k * p.n * 2));
+    CHECK_CUDA(cudaMalloc(&out, M * p.n * 2));
+    CHECK_CUDA(cudaMalloc(&sizes_dev, p.g * 8));
+    CHECK_CUDA(testing::FillRandom(lhs, CuDType::kBF16, M * p.k, seed++, 1.f, s));
+    CHECK_CUDA(testing::FillRandom(rhs, CuDType::kBF16, p.g * p.k * p.n, seed++, 1.f, s));
+    struct Variant {
+      std::string name;
+      bool transposed;
+      bool host;
+      std::vector<int64_t> sizes;
+    };
+    std::vector<Variant> variants = {{"[G,N,K]", true, true, std::vector<int64_t>(p.g, p.m)},
+                                     {"[G,K,N]", false, true, std::vector<int64_t>(p.g, p.m)},
+                                     {"unbalanced", true, true, Unbalanced(p.g, M, 77 + p.g)},
+                                     {"dev-sizes", true, false, std::vector<int64_t>(p.g, p.m)}};
+    for (const Variant& v : variants) {
+      CHECK_CUDA(cudaMemcpyAsync(sizes_dev, v.sizes.data(), p.g * 8, cudaMemcpyHostToDevice, s));
+      CHECK_CUDA(cudaStreamSynchronize(s));
+      DeviceGroupedGemmArgs a;
+      a.lhs = lhs;
+      a.rhs = rhs;
+      a.out = out;
+      a.m = M;
+      a.k = p.k;
+      a.n = p.n;
+      a.num_groups = p.g;
+      a.rhs_transposed = v.transposed;
+      a.group_sizes_device = static_cast<const int64_t*>(sizes_dev);
+      a.group_sizes_host = v.host ? v.sizes.data() : nullptr;
+      int64_t rows = 0;
+      for (int64_t x : v.sizes) rows += x;
+      const double flops = 2.0 * rows * p.k * p.n;
+      std::map<Strategy, double> tf;
+      std::map<Strategy, testing::CheckResult> checks;
+      bool all_ok = true;
+      std::string errors;
+      auto measure = [&](Strategy st) -> double {
+        a.strategy = st;
+        if (!runner.Supports(a, false, st).ok()) return -1;
+        CHECK_CUDA(testing::Poison(out, M * p.n * 2, s));
+        absl::Status status = runner.RaggedM(a, s);
+        if (!status.ok()) {
+          errors += absl::StrCat(" ", StrategyName(st), ": ", status.message());
+          all_ok = false;
+          return -2;
+        }
+        CHECK_CUDA(cudaStreamSynchronize(s));
+        testing::CheckResult c = testing::CheckRaggedM(a, v.sizes, 32, seed++, s);
+        checks[st] = c;
+        if (!c.Ok(testing::Tolerance(DType::kBF16))) {
+          all_ok = false;
+          errors += absl::StrCat(" ", StrategyName(st), " check failed: ", c.ToString());
+        }
+        for (int i = 0; i < warmup; ++i) (void)runner.RaggedM(a, s);
+        CHECK_CUDA(cudaStreamSynchronize(s));
+        CHECK_CUDA(cudaEventRecord(e0, s));
+        for (int i = 0; i < iters; ++i) (void)runner.RaggedM(a, s);
+        CHECK_CUDA(cudaEventRecord(e1, s));
+        CHECK_CUDA(cudaEventSynchronize(e1));
+        float ms = 0;
+        CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
+        return flops / (ms / iters * 1e-3) / 1e12;
+      };
+      for (Strategy st : kStrategies) {
+        if (!v.host && st != Strategy::kSm90 && st != Strategy::kLtLoop) continue;  // the rest need host sizes
+        tf[st] = measure(st);
+      }
+      a.strategy = Strategy::kAuto;
+      const Strategy chosen = runner.Choose(a, false);
+      const double ours = measure(Strategy::kAuto);
+      auto col = [&](Strategy st) -> std::string {
+        auto it = tf.find(st);
+        if (it == tf.end() || it->second < 0) return "-";
+        return absl::StrFormat("%.1f", it->second);
+      };
+      const double rel = checks.count(Strategy::kAuto) ? checks[Strategy::kAuto].rel_l2 : -1;
+      if (!all_ok) ++failures;
+      std::printf("  %-18s %4lld %5lld %5lld %6lld %-10s %8.1f  %-15s %8s %8s %8s %8s %8s  %9.2e %s%s\n",
+                  p.name.c_str(), static_cast<long long>(p.g), static_cast<long long>(p.m),
+                  static_cast<long long>(p.k), static_cast<long long>(p.n), v.name.c_str(), ours,
+                  std::string(StrategyName(chosen)).c_str(), col(Strategy::kLtLoop).c_str(),
+                  col(Strategy::kLtLoopGraph).c_str(), col(Strategy::kLtBatched).c_str(),
+                  col(Strategy::kGroupedBatched).c_str(), col(Strategy::kSm90).c_str(), rel,
+                  all_ok ? "ok" : "FAIL", errors.c_str());
+      std::fflush(stdout);
+      if (jf) {
+        nlohmann::json j;
+        j["preset"] = p.name;
+        j["variant"] = v.name;
+        j["ours_tflops"] = ours;
+        j["strategy"] = std::string(StrategyName(chosen));
+        for (auto& [st, t] : tf) j["strategies"][std::string(StrategyName(st))] = t;
+        j["rel_err"] = rel;
+        j["ok"] = all_ok;
+        std::fprintf(jf, "%s\n", j.dump().c_str());
+        std::fflush(jf);
+      }
+    }
+    cudaFree(lhs);
+    cudaFree(rhs);
+    cudaFree(out);
+    cudaFree(sizes_dev);
+  }
+  if (jf) std::fclose(jf);
+  std::printf("# %s\n", failures ? "SOME CHECKS FAILED" : "all checks passed");
+  return failures ? 3 : 0;
+}
+
+}  // namespace
+}  // namespace cuda
+}  // namespace shardgemm
+
+int main(int argc, char** argv) { return shardgemm::cuda::Main(argc, argv); }

@@ -1,0 +1,54 @@
+#include "kernels/cuda/heuristics_sm90.h"
+
+#include "gtest/gtest.h"
+
+namespace shardgemm {
+namespace cuda {
+namespace {
+
+ShapeInfo Preset(int64_t g, int64_t m, int64_t k, int64_t n, bool host) {
+  ShapeInfo s;
+  s.num_groups = g;
+  s.m = g * m;
+  s.k = k;
+  s.n = n;
+  s.rhs_transposed = true;
+  s.has_host_sizes = host;
+  s.equal_groups = host;
+  s.max_group = host ? m : 0;
+  s.eligible = 0x3e;  // every strategy
+  return s;
+}
+
+TEST(HeuristicsSm90, NoHostSizesTakesTheDeviceKernel) {
+  EXPECT_EQ(ChooseSm90(Preset(8, 2048, 4096, 14336, false)).strategy, Strategy::kSm90);
+}
+
+TEST(HeuristicsSm90, SmallGroupsTakeTheDeviceKernel) {
+  EXPECT_EQ(ChooseSm90(Preset(128, 128, 2048, 1536, true)).strategy, Strategy::kSm90);
+  Choice c = ChooseSm90(Preset(64, 64, 1024, 1024, true));
+  EXPECT_EQ(c.strategy, Strategy::kSm90);
+  EXPECT_EQ(c.sm90_tile_m, 64);
+}
+
+TEST(HeuristicsSm90, WithoutTheKernelEqualGroupsBatch) {
+  ShapeInfo s = Preset(128, 128, 2048, 1536, true);
+  s.eligible &= ~(1u << static_cast<int>(Strategy::kSm90));
+  EXPECT_EQ(ChooseSm90(s).strategy, Strategy::kLtBatched);
+  s.equal_groups = false;
+  EXPECT_EQ(ChooseSm90(s).strategy, Strategy::kGroupedBatched);
+}
+
+TEST(HeuristicsSm90, RaggedK) {
+  ShapeInfo s = Preset(8, 2048, 2048, 7168, true);
+  s.ragged_k = true;
+  EXPECT_EQ(ChooseSm90(s).strategy, Strategy::kLtBatched);
+  s.equal_groups = false;
+  EXPECT_EQ(ChooseSm90(s).strategy, Strategy::kLtLoop);
+}
+
+TEST(HeuristicsSm90, Names) { EXPECT_EQ(StrategyName(Strategy::kSm90), "sm90"); }
+
+}  // namespace
+}  // namespace cuda
+}  // namespace shardgemm
