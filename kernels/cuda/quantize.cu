@@ -71,6 +71,11 @@ constexpr int RowsPerTile(int mode) {
   return mode == kModeMx ? 32 : (mode == kModeCurrent || mode == kModeDelayed) ? 64 : 128;
 }
 
+// Blocks per SM the register budget is sized for (memory-bound: occupancy first).
+constexpr int MinBlocks(int mode) {
+  return (mode == kModeCurrent || mode == kModeMx) ? 4 : mode == kModeDelayed ? 3 : 2;
+}
+
 // Two elements through the hardware conversion (x0 in the low byte), with the
 // shared NaN rule applied on the unscaled inputs.
 template <int FMT>
@@ -196,7 +201,7 @@ __global__ void __launch_bounds__(kThreads) AmaxKernel(const __grid_constant__ Q
 
 // ---- the quantize pass -------------------------------------------------------
 template <int DT, int MODE, int FMT>
-__global__ void __launch_bounds__(kThreads) QuantizeKernel(const __grid_constant__ QuantizeParams p) {
+__global__ void __launch_bounds__(kThreads, MinBlocks(MODE)) QuantizeKernel(const __grid_constant__ QuantizeParams p) {
   using T = typename InType<DT>::T;
   constexpr int TR = RowsPerTile(MODE);
   constexpr int NCH = TR * (kTileCols / 8) / kThreads;  // 8-element chunks per thread

@@ -1,0 +1,35 @@
+#!/bin/bash
+# Grouped quantize on the H200: the GPU test binary (bit-identity with the CPU
+# reference, FP8 GEMM tolerances), the bandwidth bench, and a short
+# compute-sanitizer memcheck pass. No Bazel there: build and bundle here first.
+#
+#   bazel --output_base=/tmp/bazel_quant build -c opt --symlink_prefix=/ \
+#       //kernels/cuda:quantize_gpu_test //kernels/cuda:quantize_bench
+#   BIN=$(bazel --output_base=/tmp/bazel_quant info -c opt bazel-bin)/kernels/cuda
+#   /work/shared/tools/bundle-for-gpu .gpu_bundle/quant $BIN/quantize_gpu_test $BIN/quantize_bench
+#
+# Then, through the device tool: carry [".gpu_bundle/quant"], command
+#   bash tools/gpu/quantize_gpu.sh
+# Logs go to $OUT (the device tool's output folder) or /tmp/quantize_gpu.
+set -uo pipefail
+B=${BUNDLE:-.gpu_bundle/quant}
+LOG=${OUT:-/tmp/quantize_gpu}
+mkdir -p "$LOG"
+export LD_LIBRARY_PATH=$PWD/$B/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+export NCCL_NVLS_ENABLE=0
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --format=csv
+date -u
+echo "== quantize_gpu_test"
+"$B/bin/quantize_gpu_test" --gtest_color=no 2>&1 | tee "$LOG/quantize_gpu_test.log" | grep -vE '^\[ RUN|^\[       OK' 
+test_rc=${PIPESTATUS[0]}
+echo "== quantize_bench"
+"$B/bin/quantize_bench" 2>&1 | tee "$LOG/quantize_bench.log"
+bench_rc=${PIPESTATUS[0]}
+echo "== compute-sanitizer memcheck (small cases)"
+if command -v compute-sanitizer >/dev/null; then
+  timeout 150 compute-sanitizer --tool memcheck --error-exitcode 3 "$B/bin/quantize_gpu_test" \
+    --gtest_filter='*SoftwareConversion*:*Rejects*:Fp8GemmGpuTest.TensorScalingE4M3' >"$LOG/memcheck.log" 2>&1
+  echo "memcheck rc=$?"; tail -4 "$LOG/memcheck.log"
+fi
+echo "test rc=$test_rc bench rc=$bench_rc"
+exit $(( test_rc | bench_rc ))
