@@ -3,6 +3,8 @@
 // feeds MakePlan random garbage requests built as structs.
 #include <algorithm>
 #include <cstdlib>
+#include <fstream>
+#include <iterator>
 #include <random>
 #include <string>
 #include <vector>
@@ -153,6 +155,18 @@ std::string RandomRequestText(Rng& r) {
 int Iterations(int fallback) {
   if (const char* env = std::getenv("PLAN_FUZZ_ITERATIONS")) return std::atoi(env);
   return fallback;
+}
+
+// The libFuzzer seed corpus (testdata/plan_fuzz_seeds) must plan.
+TEST(PlanFuzzTest, SeedsPlan) {
+  for (const char* name : {"seed1", "seed2", "seed3"}) {
+    std::ifstream in(std::string("server/planner/testdata/plan_fuzz_seeds/") + name,
+                     std::ios::binary);
+    ASSERT_TRUE(in.good()) << name;
+    std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    EXPECT_EQ(FuzzPlanOnce(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size()), 1)
+        << name;
+  }
 }
 
 TEST(PlanFuzzTest, RandomBytes) {

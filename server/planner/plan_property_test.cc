@@ -240,7 +240,7 @@ std::string Describe(const PlanRequest& req) {
 }
 
 TEST(PlanPropertyTest, SimulatedPlanEqualsPerShardReference) {
-  int iterations = 3000;
+  int iterations = 8000;
   if (const char* env = std::getenv("PLAN_PROPERTY_ITERATIONS")) iterations = std::atoi(env);
   uint64_t base = 20260101;
   if (const char* env = std::getenv("PLAN_PROPERTY_SEED")) base = std::strtoull(env, nullptr, 10);

@@ -499,7 +499,7 @@ absl::StatusOr<Plan> Finalize(const Context& ctx, const Common& common, const St
   }
 
   std::vector<std::string> notes = st.notes;
-  if (!st.label.empty()) notes.insert(notes.begin(), st.label);
+  if (!st.label.empty()) notes.insert(notes.begin(), absl::StrCat("chosen: ", st.label));
   plan.strategy_note = absl::StrJoin(notes, "\n");
   plan.mesh = mesh;
   if (!with_workers) return plan;
@@ -544,8 +544,12 @@ absl::StatusOr<Plan> Choose(const Context& ctx, const Common& common,
       continue;
     }
     tried.push_back(absl::StrCat("  - ", candidates[i].label, ": ",
-                                 BytesText(plan->bytes_per_worker), " per worker"));
-    if (!best.has_value() || plan->bytes_per_worker < best->bytes_per_worker) {
+                                 BytesText(plan->bytes_per_worker), " per worker, ",
+                                 plan->flops_per_worker, " flops per worker"));
+    // Fewest bytes; on a tie the fewer FLOPs (e.g. a split K computes less).
+    if (!best.has_value() || plan->bytes_per_worker < best->bytes_per_worker ||
+        (plan->bytes_per_worker == best->bytes_per_worker &&
+         plan->flops_per_worker < best->flops_per_worker)) {
       best = std::move(*plan);
       best_index = i;
     }
@@ -555,7 +559,7 @@ absl::StatusOr<Plan> Choose(const Context& ctx, const Common& common,
   if (!plan.ok()) return plan.status();
   if (candidates.size() > 1) {
     plan->strategy_note = absl::StrCat(
-        plan->strategy_note, "\nchosen by bytes moved per worker among:\n",
+        plan->strategy_note, "\nchosen by bytes moved per worker (then flops) among:\n",
         absl::StrJoin(tried, "\n"));
   }
   return plan;
