@@ -312,10 +312,44 @@ absl::Status Apply(const Mesh& mesh, const Collective& c, std::vector<Buffers>* 
   return absl::OkStatus();
 }
 
+// Bytes a worker sends for `c` on its current buffer (ring algorithms), to
+// check the plan's cost model against the buffers actually moved.
+int64_t SentBytes(const Mesh& mesh, const Collective& c, const HostTensor& t, int64_t esize) {
+  const int64_t p = AxesProduct(mesh, c.axes);
+  const int64_t b = Numel(t.shape) * esize;
+  switch (c.kind) {
+    case CollectiveKind::kAllGather: return (p - 1) * b;
+    case CollectiveKind::kAllReduceSum:
+    case CollectiveKind::kAllReduceMax: return 2 * (p - 1) * b / p;
+    case CollectiveKind::kReduceScatter: return (p - 1) * b / p;
+    case CollectiveKind::kSlice: return 0;
+  }
+  return -1;
+}
+
+int64_t TensorDTypeSize(const Plan& plan, const std::string& name) {
+  for (const PlanOperand& op : plan.operands) {
+    if (op.name == name) return DTypeSize(op.dtype);
+  }
+  for (const PlanOutput& o : plan.outputs) {
+    if (o.name == name) return DTypeSize(o.dtype);
+  }
+  return 0;
+}
+
 absl::Status ApplyPhase(const Mesh& mesh, const Plan& plan, Phase phase,
                         std::vector<Buffers>* workers) {
   for (const Collective& c : plan.collectives) {
     if (c.phase != phase) continue;
+    auto it = (*workers)[0].find(c.tensor);
+    if (it != (*workers)[0].end()) {
+      int64_t sent = SentBytes(mesh, c, it->second, TensorDTypeSize(plan, c.tensor));
+      if (sent != c.bytes_per_worker) {
+        return absl::InternalError(absl::StrCat(
+            CollectiveKindName(c.kind), " on ", c.tensor, ": plan says ", c.bytes_per_worker,
+            " bytes per worker, the buffers moved ", sent));
+      }
+    }
     absl::Status s = Apply(mesh, c, workers);
     if (!s.ok()) return s;
   }
