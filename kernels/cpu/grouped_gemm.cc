@@ -611,7 +611,12 @@ void RunProblems(const std::vector<Problem>& problems, int num_threads) {
     max_cols = std::max(max_cols, p.cols);
   }
   if (max_rows == 0 || max_cols == 0) return;
-  const int threads = ResolveThreads(num_threads);
+  // Small problems: starting a thread costs tens of microseconds, so give
+  // each thread at least ~4 MFLOP. (The thread count never changes results.)
+  double flops = 0;
+  for (const Problem& p : problems) flops += 2.0 * p.rows * p.cols * std::max<int64_t>(p.depth, 1);
+  const int threads = static_cast<int>(
+      std::max<double>(1.0, std::min<double>(ResolveThreads(num_threads), flops / 4e6)));
   // Tile sizes: as large as possible, smaller when there are too few tiles to
   // keep the threads busy. (Tiling never changes the results.)
   int64_t tm = std::min(kTMMax, RoundUp(max_rows, kMC));

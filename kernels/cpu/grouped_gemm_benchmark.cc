@@ -97,6 +97,8 @@ void RaggedMArgs(benchmark::internal::Benchmark* b) {
   b->ArgNames({"G", "m", "K", "N", "threads", "T"});
   for (int threads : {1, 2}) b->Args({8, 256, 1024, 1024, threads, 0});
   for (int threads : {1, 2}) b->Args({8, 256, 1024, 1024, threads, 1});
+  // Few rows per expert (decode-like): dominated by reading/converting rhs.
+  for (int threads : {1, 2}) b->Args({64, 16, 1024, 1024, threads, 0});
   b->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(1.0);
 }
 
