@@ -30,6 +30,7 @@
 #include <limits>
 #include <memory>
 #include <string>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -656,7 +657,13 @@ void RunProblems(const std::vector<Problem>& problems, int num_threads) {
   const int nthreads = static_cast<int>(std::min<size_t>(threads, tiles.size()));
   std::vector<std::thread> pool;
   pool.reserve(nthreads > 0 ? nthreads - 1 : 0);
-  for (int i = 1; i < nthreads; ++i) pool.emplace_back(worker);
+  for (int i = 1; i < nthreads; ++i) {
+    try {
+      pool.emplace_back(worker);
+    } catch (const std::system_error&) {
+      break;  // cannot start more threads: the started ones share the tiles
+    }
+  }
   worker();
   for (std::thread& th : pool) th.join();
 }
