@@ -129,9 +129,13 @@ int FuzzPlanOnce(const uint8_t* data, size_t size) {
       req.out_spec = *spec;
       continue;
     }
+    const bool fp8 = attrs.find('F') != std::string::npos;
+    const bool scale = name == "lhs_scale_inv" || name == "rhs_scale_inv";
     DType dtype = name == "group_sizes" ? DType::kI32
                   : name == "bias"      ? DType::kF32
-                  : req.op == OpKind::kGroupedQuantize ? DType::kBF16 : DType::kBF16;
+                  : scale ? (req.attrs.scaling_mode == ScalingMode::kMxfp8 ? DType::kE8M0 : DType::kF32)
+                  : fp8 && (name == "lhs" || name == "rhs") ? DType::kF8E4M3
+                                                           : DType::kBF16;
     absl::StatusOr<OperandRequest> operand = ParseOperand(name, value, dtype);
     if (!operand.ok()) {
       CheckError(operand.status());

@@ -14,6 +14,7 @@ namespace planner {
 //   mesh text | roles text | op (m/k/q) | compat (t = te) | attrs |
 //   operand lines "name=SHAPE@SPEC" ... | optional "out=SPEC"
 // (attrs: T transposed, B bias, S shared scales, C colwise, R no rowwise,
+// F FP8 lhs/rhs (add lhs_scale_inv=/rhs_scale_inv= lines),
 // c/d/x/b scaling mode, a digit or '-digit' flatten axis, f = f32 output)
 // and plans it. Every outcome must be a plan that passes consistency
 // checks or an INVALID_ARGUMENT with a message; anything else aborts.

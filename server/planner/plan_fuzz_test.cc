@@ -101,6 +101,13 @@ std::string CoherentRequestText(Rng& r) {
   if (op == 'q') {
     lines.push_back(absl::StrCat("x=48x16@(", rows, ",", k_spec, ")"));
     lines.push_back(absl::StrCat("group_sizes=", R * 4, "@(", rows, ",)"));
+  } else if (op == 'm' && r.Coin(0.2)) {
+    lines[4] = "Fc";
+    lines.push_back(absl::StrCat("lhs=48x16@(", rows, ",", k_spec, ")"));
+    lines.push_back(absl::StrCat("rhs=8x16x24@(", r.Pick(std::vector<std::string>{"None", "ep"}), ",None,None)"));
+    lines.push_back(absl::StrCat("group_sizes=", R * gl, "@(", rows, ",)"));
+    lines.push_back(absl::StrCat("lhs_scale_inv=", R * gl, "@(", rows, ",)"));
+    lines.push_back("rhs_scale_inv=8@(" + r.Pick(std::vector<std::string>{"None", "ep", "dp"}) + ",)");
   } else if (op == 'm') {
     bool tr = lines[4] == "T";
     lines.push_back(absl::StrCat("lhs=48x16@(", rows, ",", k_spec, ")"));
@@ -128,7 +135,7 @@ std::string RandomRequestText(Rng& r) {
   std::string roles = r.Coin(0.2) ? "dp=data" : "";
   const char op = "mkq"[r.Int(0, 2)];
   std::string attrs;
-  for (char c : std::string("TBSCRcdxbf8")) {
+  for (char c : std::string("TBSCRcdxbf8F")) {
     if (r.Coin(0.15)) attrs += c;
   }
   if (r.Coin(0.3)) attrs += absl::StrCat(r.Int(-3, 3));
@@ -146,6 +153,11 @@ std::string RandomRequestText(Rng& r) {
   }
   operand("group_sizes", 1);
   if (r.Coin(0.2)) operand("bias", 2);
+  if (r.Coin(0.15)) {
+    lines[4] += "F";
+    operand("lhs_scale_inv", static_cast<int>(r.Int(1, 2)));
+    operand("rhs_scale_inv", static_cast<int>(r.Int(1, 3)));
+  }
   if (r.Coin(0.1)) operand("extra", 2);
   if (r.Coin(0.3)) lines.push_back("out=" + RandomSpecText(r));
   std::string text = absl::StrJoin(lines, "\n");

@@ -2,6 +2,7 @@
 // executed by the simulator equals the per-shard reference, bit for bit.
 // Data are small integers so every FP32 sum is exact in any order, which
 // makes partial-sum plans bit-identical to the reference too.
+#include <algorithm>
 #include <cstdlib>
 #include <random>
 #include <string>
@@ -106,6 +107,13 @@ HostTensor RandomTensor(Gen& g, std::vector<int64_t> shape, int64_t lo = -2, int
   return t;
 }
 
+// Powers of two: every product with the small-integer data stays exact.
+HostTensor RandomScales(Gen& g, std::vector<int64_t> shape) {
+  HostTensor t = RandomTensor(g, shape, 0, 2);
+  for (float& v : t.data) v = v == 0 ? 0.5f : v == 1 ? 1.0f : 2.0f;
+  return t;
+}
+
 // Group sizes for R row shards of `rows` rows each with `gl` groups: uneven,
 // some empty, some padding at the end of a shard.
 HostTensor RandomGroupSizes(Gen& g, int64_t shards, int64_t gl, int64_t rows) {
@@ -193,31 +201,70 @@ Case RandomCase(Gen& g) {
     (void)E;
     return c;
   }
-  const int64_t M = W * g.Int(1, 2);
-  const int64_t K = W * g.Int(1, 2);
-  const int64_t N = W * g.Int(1, 2);
+  // FP8 inputs with scale_inv operands: tensor scaling (per group / per
+  // expert) or block scales (MXFP8 32, block 128 with 128x128 weights).
+  const bool fp8 = g.Coin(0.25);
+  ScalingMode mode = static_cast<ScalingMode>(g.Int(0, 3));
+  if (mode == ScalingMode::kBlock && W > 2) mode = ScalingMode::kMxfp8;
+  const bool blocks = fp8 && (mode == ScalingMode::kMxfp8 || mode == ScalingMode::kBlock);
+  const int64_t b = mode == ScalingMode::kMxfp8 ? 32 : 128;
+  req.attrs.scaling_mode = mode;
+  const DType dt = fp8 ? (g.Coin() ? DType::kF8E4M3 : DType::kF8E5M2) : DType::kBF16;
+  const DType dt2 = dt == DType::kF8E5M2 ? DType::kF8E4M3 : dt;
+  const DType sdt = mode == ScalingMode::kMxfp8 ? DType::kE8M0 : DType::kF32;
+  const bool ragged_m = req.op == OpKind::kGroupedGemmRaggedM;
+  const int64_t M = (blocks && !ragged_m) ? W * b : W * g.Int(1, 2);
+  const int64_t K = (blocks && ragged_m) ? W * b : W * g.Int(1, 2);
+  const int64_t N = (blocks && ragged_m && mode == ScalingMode::kBlock) ? W * 128 : W * g.Int(1, 2);
   const int64_t G = W * g.Int(1, 2);  // divisible by every axis subset
   const int64_t gl = G / E;
   Axes lk = PickAxes(g, m, &free);
-  if (req.op == OpKind::kGroupedGemmRaggedM) {
+  if (ragged_m) {
     req.attrs.rhs_transposed = g.Coin();
     req.attrs.has_bias = g.Coin(0.3);
-    AddOperand(&c, "lhs", DType::kBF16, PartitionSpec{{rows, lk}}, RandomTensor(g, {M, K}));
+    AddOperand(&c, "lhs", dt, PartitionSpec{{rows, lk}}, RandomTensor(g, {M, K}));
     std::vector<int64_t> rshape = req.attrs.rhs_transposed ? std::vector<int64_t>{G, N, K}
                                                            : std::vector<int64_t>{G, K, N};
-    AddOperand(&c, "rhs", DType::kBF16, RandomSpec(g, m, 3), RandomTensor(g, rshape));
+    AddOperand(&c, "rhs", dt2, RandomSpec(g, m, 3), RandomTensor(g, rshape));
     AddOperand(&c, "group_sizes", DType::kI32, PartitionSpec{{rows}},
                RandomGroupSizes(g, R, gl, M / R));
     if (req.attrs.has_bias) {
       AddOperand(&c, "bias", DType::kF32, RandomSpec(g, m, 2), RandomTensor(g, {G, N}));
     }
+    if (fp8 && !blocks) {
+      AddOperand(&c, "lhs_scale_inv", DType::kF32, PartitionSpec{{rows}},
+                 RandomScales(g, {R * gl}));
+      AddOperand(&c, "rhs_scale_inv", DType::kF32, RandomSpec(g, m, 1), RandomScales(g, {G}));
+    } else if (fp8) {
+      const int64_t bn = mode == ScalingMode::kBlock ? 128 : 1;
+      Axes lfree = AllAxes(m);
+      lfree.erase(std::remove_if(lfree.begin(), lfree.end(), [&](const std::string& a) {
+                    return std::find(rows.begin(), rows.end(), a) != rows.end();
+                  }), lfree.end());
+      AddOperand(&c, "lhs_scale_inv", sdt, PartitionSpec{{rows, PickAxes(g, m, &lfree)}},
+                 RandomScales(g, {M, K / b}));
+      std::vector<int64_t> sshape = req.attrs.rhs_transposed
+                                        ? std::vector<int64_t>{G, N / bn, K / b}
+                                        : std::vector<int64_t>{G, K / b, N / bn};
+      AddOperand(&c, "rhs_scale_inv", sdt, RandomSpec(g, m, 3), RandomScales(g, sshape));
+    }
     if (g.Coin(0.35)) req.out_spec = RandomSpec(g, m, 2, 0.3);
   } else {
     Axes rn = PickAxes(g, m, &free);
-    AddOperand(&c, "lhs", DType::kBF16, PartitionSpec{{rows, lk}}, RandomTensor(g, {M, K}));
-    AddOperand(&c, "rhs", DType::kBF16, PartitionSpec{{rows, rn}}, RandomTensor(g, {M, N}));
+    AddOperand(&c, "lhs", dt, PartitionSpec{{rows, lk}}, RandomTensor(g, {M, K}));
+    AddOperand(&c, "rhs", dt2, PartitionSpec{{rows, rn}}, RandomTensor(g, {M, N}));
     AddOperand(&c, "group_sizes", DType::kI64, PartitionSpec{{rows}},
                RandomGroupSizes(g, R, gl, M / R));
+    if (fp8 && !blocks) {
+      AddOperand(&c, "lhs_scale_inv", DType::kF32, PartitionSpec{{rows}}, RandomScales(g, {R * gl}));
+      AddOperand(&c, "rhs_scale_inv", DType::kF32, PartitionSpec{{rows}}, RandomScales(g, {R * gl}));
+    } else if (fp8) {
+      Axes f1 = free, f2 = free;
+      AddOperand(&c, "lhs_scale_inv", sdt, PartitionSpec{{rows, PickAxes(g, m, &f1)}},
+                 RandomScales(g, {M / b, K}));
+      AddOperand(&c, "rhs_scale_inv", sdt, PartitionSpec{{rows, PickAxes(g, m, &f2)}},
+                 RandomScales(g, {M / b, N}));
+    }
     if (g.Coin(0.4)) req.out_spec = RandomSpec(g, m, 3, 0.3);
   }
   if (g.Coin(0.3)) req.attrs.out_dtype = DType::kF32;
@@ -244,7 +291,7 @@ TEST(PlanPropertyTest, SimulatedPlanEqualsPerShardReference) {
   if (const char* env = std::getenv("PLAN_PROPERTY_ITERATIONS")) iterations = std::atoi(env);
   uint64_t base = 20260101;
   if (const char* env = std::getenv("PLAN_PROPERTY_SEED")) base = std::strtoull(env, nullptr, 10);
-  int by_op[3] = {0, 0, 0}, with_reduce = 0, with_scatter = 0;
+  int by_op[3] = {0, 0, 0}, with_reduce = 0, with_scatter = 0, fp8 = 0;
   for (int i = 0; i < iterations; ++i) {
     const uint64_t seed = base + i;
     Gen g(seed);
@@ -268,13 +315,15 @@ TEST(PlanPropertyTest, SimulatedPlanEqualsPerShardReference) {
                                 << Describe(c.req) << "\n" << FormatPlanText(*plan);
     }
     by_op[static_cast<int>(c.req.op)]++;
+    fp8 += c.inputs.count("lhs_scale_inv") > 0;
     for (const Collective& col : plan->collectives) {
       with_reduce += col.kind == CollectiveKind::kAllReduceSum;
       with_scatter += col.kind == CollectiveKind::kReduceScatter;
     }
   }
-  std::printf("cases: ragged_m %d, ragged_k %d, quantize %d; all_reduce_sum %d, reduce_scatter %d\n",
-              by_op[0], by_op[1], by_op[2], with_reduce, with_scatter);
+  std::printf("cases: ragged_m %d, ragged_k %d, quantize %d (fp8 gemm %d); all_reduce_sum %d, "
+              "reduce_scatter %d\n",
+              by_op[0], by_op[1], by_op[2], fp8, with_reduce, with_scatter);
 }
 
 }  // namespace

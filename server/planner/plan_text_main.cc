@@ -4,7 +4,8 @@
 // e.g. plan_text_main dp=2,fsdp=2,ep=2 '' ragged_m te - \
 //        'lhs=64x32@((fsdp,ep),None)' 'rhs=4x32x16@(None,fsdp,None)' 'group_sizes=8@((fsdp,ep),)'
 // Attributes: transposed=1 bias=1 flatten_axis=N scaling=current|delayed|mxfp8|block
-//             shared=1 rowwise=0|1 colwise=0|1
+//             shared=1 rowwise=0|1 colwise=0|1 fp8=1 (f8e4m3 lhs/rhs; give
+//             lhs_scale_inv=... rhs_scale_inv=... operands)
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -34,6 +35,7 @@ int main(int argc, char** argv) {
     if (!spec.ok()) { std::fprintf(stderr, "%s\n", spec.status().ToString().c_str()); return 1; }
     req.out_spec = *spec;
   }
+  bool fp8 = false;
   for (int i = 6; i < argc; ++i) {
     std::string arg = argv[i];
     size_t eq = arg.find('=');
@@ -52,10 +54,19 @@ int main(int argc, char** argv) {
                                : value == "block" ? ScalingMode::kBlock : ScalingMode::kCurrent;
       continue;
     }
+    if (key == "fp8") { fp8 = v; continue; }
     DType dtype = key == "group_sizes" ? DType::kI32 : DType::kBF16;
     absl::StatusOr<OperandRequest> operand = ParseOperand(key, value, dtype);
     if (!operand.ok()) { std::fprintf(stderr, "%s\n", operand.status().ToString().c_str()); return 1; }
     req.operands.push_back(*operand);
+  }
+  // fp8=1: lhs/rhs are f8e4m3 and their scales e8m0 (mxfp8) or f32.
+  for (OperandRequest& op : req.operands) {
+    if (!fp8) break;
+    if (op.name == "lhs" || op.name == "rhs") op.dtype = DType::kF8E4M3;
+    if (op.name == "lhs_scale_inv" || op.name == "rhs_scale_inv") {
+      op.dtype = req.attrs.scaling_mode == ScalingMode::kMxfp8 ? DType::kE8M0 : DType::kF32;
+    }
   }
   absl::StatusOr<Plan> plan = MakePlan(req);
   if (!plan.ok()) { std::printf("error: %s\n", plan.status().ToString().c_str()); return 1; }

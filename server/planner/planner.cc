@@ -599,13 +599,63 @@ absl::Status CheckGroupCount(const Mesh& mesh, const Operand& gs, const Axes& ro
 }
 
 // ---------------------------------------------------------------------------
+// FP8 inputs: their scale_inv operands.
+//
+// Tensor scaling (current/delayed) has one scale per group: lhs_scale_inv
+// is laid out like group_sizes (what grouped quantize produces), rhs's per
+// expert [G]. MXFP8 (32, E8M0) and block scaling (128, f32) have block
+// scales along the contracting dim (ragged M: lhs [M, K/B], rhs
+// [G, K/B, N] or, block scaling's 128x128 weight blocks, [G, K/B, N/128];
+// transposed rhs swaps the last two) or along the rows (ragged K:
+// [M/B, K] and [M/B, N]). Scales follow their data operand's compute spec
+// dimension by dimension, so a shard of data always has whole blocks and
+// exactly the scales the unsharded op would use.
+
+int64_t BlockOf(ScalingMode mode) { return mode == ScalingMode::kMxfp8 ? 32 : 128; }
+bool IsBlockScaling(ScalingMode mode) {
+  return mode == ScalingMode::kMxfp8 || mode == ScalingMode::kBlock;
+}
+
+absl::Status CheckScaleOperand(const OperandRequest* op, absl::string_view name,
+                               const std::vector<int64_t>& want, DType dtype,
+                               absl::string_view layout) {
+  if (op == nullptr) {
+    return Invalid(absl::StrCat(name, ": FP8 inputs need their scale_inv operand (", layout, ")"));
+  }
+  if (op->shape != want) {
+    return Invalid(absl::StrCat(name, ": shape ", ShapeText(op->shape), ", expected ",
+                                ShapeText(want), " (", layout, ")"));
+  }
+  return CheckDType(name, op->dtype, {dtype});
+}
+
+// Rows cannot be regathered, so a scale operand's row dim is split exactly
+// like the rows it scales.
+absl::Status CheckRowsLike(const Operand& op, const Axes& rows) {
+  if (op.input.dims[0] != rows) {
+    return Invalid(absl::StrCat(op.name, " dim 0: split over ", FormatAxes(op.input.dims[0]),
+                                ", must be split like the rows it scales (", FormatAxes(rows),
+                                ")"));
+  }
+  return absl::OkStatus();
+}
+
+int FindOperand(const std::vector<Operand>& ops, absl::string_view name) {
+  for (size_t i = 0; i < ops.size(); ++i) {
+    if (ops[i].name == name) return static_cast<int>(i);
+  }
+  return -1;
+}
+
+// ---------------------------------------------------------------------------
 // Grouped GEMM, ragged M.
 
 absl::StatusOr<Plan> PlanRaggedM(const Context& ctx) {
   const PlanRequest& req = ctx.req;
   const Mesh& mesh = ctx.mesh;
   std::vector<const OperandRequest*> found;
-  absl::Status s = CollectOperands(req, {"lhs", "rhs", "group_sizes"}, {"bias"}, &found);
+  absl::Status s = CollectOperands(req, {"lhs", "rhs", "group_sizes"},
+                                   {"bias", "lhs_scale_inv", "rhs_scale_inv"}, &found);
   if (!s.ok()) return s;
   if ((found[3] != nullptr) != req.attrs.has_bias) {
     return Invalid(req.attrs.has_bias ? "bias: attrs.has_bias is set but no 'bias' operand given"
@@ -645,6 +695,42 @@ absl::StatusOr<Plan> PlanRaggedM(const Context& ctx) {
     return Invalid(absl::StrCat("bias: shape ", ShapeText(found[3]->shape), ", expected [", G,
                                 "x", N, "] (G x N)"));
   }
+  const bool fp8 = IsFloat8(found[0]->dtype);
+  const ScalingMode mode = req.attrs.scaling_mode;
+  if (!fp8 && (found[4] != nullptr || found[5] != nullptr)) {
+    return Invalid("lhs_scale_inv/rhs_scale_inv: given, but lhs and rhs are not FP8");
+  }
+  if (fp8) {
+    if (!IsBlockScaling(mode)) {
+      if (!(s = CheckScaleOperand(found[4], "lhs_scale_inv", found[2]->shape, DType::kF32,
+                                  "tensor scaling: one f32 per group, laid out like group_sizes")).ok()) {
+        return s;
+      }
+      if (!(s = CheckScaleOperand(found[5], "rhs_scale_inv", {G}, DType::kF32,
+                                  "tensor scaling: one f32 per expert")).ok()) {
+        return s;
+      }
+    } else {
+      const int64_t b = BlockOf(mode);
+      const int64_t bn = mode == ScalingMode::kBlock ? 128 : 1;  // 128x128 weight blocks
+      if (K % b != 0 || N % bn != 0) {
+        return Invalid(absl::StrCat("lhs dim 1: ", ScalingModeName(mode), " needs K (", K,
+                                    ") a multiple of ", b,
+                                    bn > 1 ? absl::StrCat(" and N (", N, ") of ", bn) : ""));
+      }
+      const DType sdt = mode == ScalingMode::kMxfp8 ? DType::kE8M0 : DType::kF32;
+      const std::string n_text = bn > 1 ? "N/128" : "N";
+      const std::string k_text = absl::StrCat("K/", b);
+      const std::string what = absl::StrCat(
+          ScalingModeName(mode), ": lhs [M, ", k_text, "], rhs ",
+          tr ? absl::StrCat("[G, ", n_text, ", ", k_text, "]")
+             : absl::StrCat("[G, ", k_text, ", ", n_text, "]"));
+      if (!(s = CheckScaleOperand(found[4], "lhs_scale_inv", {M, K / b}, sdt, what)).ok()) return s;
+      std::vector<int64_t> rs = tr ? std::vector<int64_t>{G, N / bn, K / b}
+                                   : std::vector<int64_t>{G, K / b, N / bn};
+      if (!(s = CheckScaleOperand(found[5], "rhs_scale_inv", rs, sdt, what)).ok()) return s;
+    }
+  }
   std::vector<Operand> ops;
   for (const OperandRequest* r : found) {
     if (r == nullptr) continue;
@@ -655,12 +741,16 @@ absl::StatusOr<Plan> PlanRaggedM(const Context& ctx) {
   const Operand& lhs = ops[0];
   const Operand& rhs = ops[1];
   const Operand& gs = ops[2];
-  const bool has_bias = ops.size() > 3;
+  const int bias_i = FindOperand(ops, "bias");
+  const int ls_i = FindOperand(ops, "lhs_scale_inv");
+  const int rs_i = FindOperand(ops, "rhs_scale_inv");
+  const bool has_bias = bias_i >= 0;
 
   std::vector<Drop> drops;
   absl::StatusOr<Axes> rows = KeepTeAxes(ctx, lhs, 0, /*is_rows=*/true, &drops);
   if (!rows.ok()) return rows.status();
   if (!(s = CheckGroupSizesLikeRows(gs, *rows, "lhs")).ok()) return s;
+  if (ls_i >= 0 && !(s = CheckRowsLike(ops[ls_i], *rows)).ok()) return s;
   Common common;
   common.row_axes = *rows;
   common.expert_axes = ExpertAxes(mesh, *rows);
@@ -767,8 +857,27 @@ absl::StatusOr<Plan> PlanRaggedM(const Context& ctx) {
       }
       r.target.dims[ndim] = n_axes;
       if (has_bias) {
-        st.operands[3].target.dims[0] = common.expert_axes;
-        st.operands[3].target.dims[1] = n_axes;
+        st.operands[bias_i].target.dims[0] = common.expert_axes;
+        st.operands[bias_i].target.dims[1] = n_axes;
+      }
+      if (ls_i >= 0) {
+        Operand& ls = st.operands[ls_i];
+        Operand& rs = st.operands[rs_i];
+        if (IsBlockScaling(mode)) {
+          ls.target.dims = {*rows, kc.axes};
+          rs.target.dims = {common.expert_axes, {}, {}};
+          rs.target.dims[kdim] = kc.axes;
+          rs.target.dims[ndim] = n_axes;
+        } else {
+          ls.target.dims = {*rows};
+          rs.target.dims = {common.expert_axes};
+        }
+        for (int d = 0; d < static_cast<int>(ls.input.dims.size()); ++d) {
+          AddDrops(ls, d, ls.target.dims[d], "scales follow lhs", &st.drops);
+        }
+        for (int d = 0; d < static_cast<int>(rs.input.dims.size()); ++d) {
+          AddDrops(rs, d, rs.target.dims[d], "scales follow rhs", &st.drops);
+        }
       }
       // Reasons for every axis dropped from an input.
       AddDrops(l, 1, kc.axes,
@@ -802,7 +911,7 @@ absl::StatusOr<Plan> PlanRaggedM(const Context& ctx) {
                  &st.drops);
       }
       if (has_bias) {
-        const Operand& b = ops[3];
+        const Operand& b = ops[bias_i];
         AddDrops(b, 0, common.expert_axes, "bias follows rhs's group dim", &st.drops);
         AddDrops(b, 1, n_axes, "bias follows rhs's N dim", &st.drops);
       }
@@ -854,7 +963,8 @@ absl::StatusOr<Plan> PlanRaggedK(const Context& ctx) {
   const PlanRequest& req = ctx.req;
   const Mesh& mesh = ctx.mesh;
   std::vector<const OperandRequest*> found;
-  absl::Status s = CollectOperands(req, {"lhs", "rhs", "group_sizes"}, {}, &found);
+  absl::Status s = CollectOperands(req, {"lhs", "rhs", "group_sizes"},
+                                   {"lhs_scale_inv", "rhs_scale_inv"}, &found);
   if (!s.ok()) return s;
   if (req.attrs.has_bias) return Invalid("attrs.has_bias: ragged-K (wgrad) GEMM takes no bias");
   if (req.attrs.rhs_transposed) {
@@ -881,8 +991,33 @@ absl::StatusOr<Plan> PlanRaggedK(const Context& ctx) {
     return Invalid(absl::StrCat("rhs dim 0: M = ", found[1]->shape[0], " does not match lhs M = ", M,
                                 " (ragged K: both operands are grouped by rows)"));
   }
+  const bool fp8 = IsFloat8(found[0]->dtype);
+  const ScalingMode mode = req.attrs.scaling_mode;
+  if (!fp8 && (found[3] != nullptr || found[4] != nullptr)) {
+    return Invalid("lhs_scale_inv/rhs_scale_inv: given, but lhs and rhs are not FP8");
+  }
+  if (fp8) {
+    if (!IsBlockScaling(mode)) {
+      const char* what = "tensor scaling: one f32 per group, laid out like group_sizes";
+      if (!(s = CheckScaleOperand(found[3], "lhs_scale_inv", found[2]->shape, DType::kF32, what)).ok()) return s;
+      if (!(s = CheckScaleOperand(found[4], "rhs_scale_inv", found[2]->shape, DType::kF32, what)).ok()) return s;
+    } else {
+      // Wgrad contracts over the rows: blocks run along M.
+      const int64_t b = BlockOf(mode);
+      if (M % b != 0) {
+        return Invalid(absl::StrCat("lhs dim 0: ", ScalingModeName(mode), " wgrad needs M (", M,
+                                    ") a multiple of ", b));
+      }
+      const DType sdt = mode == ScalingMode::kMxfp8 ? DType::kE8M0 : DType::kF32;
+      const std::string what = absl::StrCat(ScalingModeName(mode), " wgrad: lhs [M/", b,
+                                            ", K], rhs [M/", b, ", N]");
+      if (!(s = CheckScaleOperand(found[3], "lhs_scale_inv", {M / b, K}, sdt, what)).ok()) return s;
+      if (!(s = CheckScaleOperand(found[4], "rhs_scale_inv", {M / b, N}, sdt, what)).ok()) return s;
+    }
+  }
   std::vector<Operand> ops;
   for (const OperandRequest* r : found) {
+    if (r == nullptr) continue;
     absl::StatusOr<Operand> op = MakeOperand(mesh, *r);
     if (!op.ok()) return op.status();
     ops.push_back(std::move(*op));
@@ -890,9 +1025,15 @@ absl::StatusOr<Plan> PlanRaggedK(const Context& ctx) {
   const Operand& lhs = ops[0];
   const Operand& rhs = ops[1];
   const Operand& gs = ops[2];
+  const int ls_i = FindOperand(ops, "lhs_scale_inv");
+  const int rs_i = FindOperand(ops, "rhs_scale_inv");
   std::vector<Drop> drops;
   absl::StatusOr<Axes> rows = KeepTeAxes(ctx, lhs, 0, true, &drops);
   if (!rows.ok()) return rows.status();
+  if (ls_i >= 0) {
+    if (!(s = CheckRowsLike(ops[ls_i], *rows)).ok()) return s;
+    if (!(s = CheckRowsLike(ops[rs_i], *rows)).ok()) return s;
+  }
   if (rhs.input.dims[0] != *rows) {
     return Invalid(absl::StrCat("rhs dim 0: rows split over ", FormatAxes(rhs.input.dims[0]),
                                 " but lhs rows over ", FormatAxes(*rows),
@@ -935,6 +1076,21 @@ absl::StatusOr<Plan> PlanRaggedK(const Context& ctx) {
     st.operands = ops;
     st.operands[0].target.dims = {*rows, k_axes};
     st.operands[1].target.dims = {*rows, n_axes};
+    if (ls_i >= 0) {
+      Operand& ls = st.operands[ls_i];
+      Operand& rs = st.operands[rs_i];
+      if (IsBlockScaling(mode)) {
+        ls.target.dims = {*rows, k_axes};
+        rs.target.dims = {*rows, n_axes};
+      } else {
+        ls.target.dims = {*rows};
+        rs.target.dims = {*rows};
+      }
+      for (int d = 0; d < static_cast<int>(ls.input.dims.size()); ++d) {
+        AddDrops(ls, d, ls.target.dims[d], "scales follow lhs", &st.drops);
+        AddDrops(rs, d, rs.target.dims[d], "scales follow rhs", &st.drops);
+      }
+    }
     AddDrops(lhs, 1, k_axes, "also splits rhs N; the output cannot be split over it twice",
              &st.drops);
     AddDrops(rhs, 1, n_axes, "also splits lhs K; the output cannot be split over it twice",
@@ -1214,7 +1370,7 @@ std::string FormatPlanText(const Plan& plan) {
   if (plan.collectives.empty()) absl::StrAppend(&out, "  (none)\n");
   for (size_t i = 0; i < plan.collectives.size(); ++i) {
     const Collective& c = plan.collectives[i];
-    absl::StrAppend(&out, absl::StrFormat("  %2d. %-6s %-14s %-12s dim %-2s over %-14s %12s  %s\n",
+    absl::StrAppend(&out, absl::StrFormat("  %2d. %-6s %-14s %-14s dim %-2s over %-14s %12s  %s\n",
                                           i + 1, PhaseName(c.phase), CollectiveKindName(c.kind),
                                           c.tensor, c.dim < 0 ? "-" : absl::StrCat(c.dim),
                                           FormatAxes(c.axes), BytesText(c.bytes_per_worker),

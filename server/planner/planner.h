@@ -47,6 +47,7 @@ struct OpAttrs {
   // Grouped quantize: dims [0, flatten_axis) are rows, the rest columns.
   // Negative counts from the end (-1: the last dim is the only column dim).
   int flatten_axis = -1;
+  // Grouped quantize's scaling, and the layout of FP8 GEMM inputs' scales.
   ScalingMode scaling_mode = ScalingMode::kCurrent;
   // Grouped quantize: one amax/scale per group across the row shards that
   // split the group's rows (all_reduce_max), instead of one per shard.
@@ -59,7 +60,10 @@ struct OpAttrs {
 };
 
 struct OperandRequest {
-  std::string name;  // "lhs","rhs","group_sizes","bias" | "x","group_sizes"
+  // GEMMs: "lhs", "rhs", "group_sizes", optional "bias" (ragged M), and for
+  // FP8 lhs/rhs their "lhs_scale_inv" and "rhs_scale_inv" (layouts set by
+  // attrs.scaling_mode; see docs/sharding.md). Quantize: "x", "group_sizes".
+  std::string name;
   std::vector<int64_t> shape;
   DType dtype = DType::kInvalid;
   PartitionSpec spec;  // padded with None to the rank

@@ -278,6 +278,81 @@ TEST(PlannerTest, TransposedRhs) {
 }
 
 // ---------------------------------------------------------------------------
+// FP8 inputs and their scale_inv operands.
+
+PlanRequest Fp8Req(const std::string& mesh, CompatMode compat, ScalingMode mode,
+                   const std::vector<std::string>& operands) {
+  PlanRequest req = Req(mesh, "", kM, compat, operands);
+  req.attrs.scaling_mode = mode;
+  for (OperandRequest& op : req.operands) {
+    if (op.name == "lhs" || op.name == "rhs") op.dtype = DType::kF8E4M3;
+    if (op.name == "lhs_scale_inv" || op.name == "rhs_scale_inv") {
+      op.dtype = mode == ScalingMode::kMxfp8 ? DType::kE8M0 : DType::kF32;
+    }
+  }
+  return req;
+}
+
+TEST(PlannerTest, Fp8TensorScalesFollowGroupsAndExperts) {
+  absl::StatusOr<Plan> plan = MakePlan(Fp8Req("fsdp=2,ep=2", kTe, ScalingMode::kCurrent,
+      {"lhs=64x32@((fsdp,ep),None)", "rhs=4x32x16", "group_sizes=8@((fsdp,ep),)",
+       "lhs_scale_inv=8@((fsdp,ep),)", "rhs_scale_inv=4"}));
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(Collectives(*plan), "before slice rhs 0 ep; before slice rhs_scale_inv 0 ep");
+  EXPECT_EQ(ComputeSpec(*plan, "lhs_scale_inv"), "((fsdp, ep),)");
+  EXPECT_EQ(plan->out_dtype, DType::kBF16);
+}
+
+TEST(PlannerTest, Fp8BlockScalesFollowTheContractingSplit) {
+  // MXFP8, row-parallel tp in default mode: scales stay split like K.
+  absl::StatusOr<Plan> plan = MakePlan(Fp8Req("dp=2,tp=2", kDef, ScalingMode::kMxfp8,
+      {"lhs=64x128@(dp,tp)", "rhs=4x128x16@(None,tp,None)", "group_sizes=8@(dp,)",
+       "lhs_scale_inv=64x4@(dp,tp)", "rhs_scale_inv=4x4x16@(None,tp,None)"}));
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(Collectives(*plan), "after all_reduce_sum out -1 tp");
+  // K = 64: each tp shard would hold one 32-block, fine; K = 32 splits a block.
+  plan = MakePlan(Fp8Req("dp=2,tp=2", kDef, ScalingMode::kMxfp8,
+      {"lhs=64x32@(dp,tp)", "rhs=4x32x16@(None,tp,None)", "group_sizes=8@(dp,)",
+       "lhs_scale_inv=64x1@(dp,None)", "rhs_scale_inv=4x1x16"}));
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(Collectives(*plan), "before all_gather lhs 1 tp; before all_gather rhs 1 tp");
+}
+
+TEST(PlannerTest, Fp8ScaleOperandsValidated) {
+  struct Bad {
+    PlanRequest req;
+    std::string needle;
+  };
+  std::vector<Bad> cases = {
+      {Fp8Req("dp=2", kDef, ScalingMode::kCurrent,
+              {"lhs=64x32@(dp,None)", "rhs=4x32x16", "group_sizes=8@(dp,)", "rhs_scale_inv=4"}),
+       "lhs_scale_inv: FP8 inputs need their scale_inv operand"},
+      {Fp8Req("dp=2", kDef, ScalingMode::kCurrent,
+              {"lhs=64x32@(dp,None)", "rhs=4x32x16", "group_sizes=8@(dp,)",
+               "lhs_scale_inv=8", "rhs_scale_inv=4"}),
+       "lhs_scale_inv dim 0: split over None, must be split like the rows"},
+      {Fp8Req("dp=2", kDef, ScalingMode::kMxfp8,
+              {"lhs=64x48@(dp,None)", "rhs=4x48x16", "group_sizes=8@(dp,)",
+               "lhs_scale_inv=64x1@(dp,None)", "rhs_scale_inv=4x1x16"}),
+       "multiple of 32"},
+      {Fp8Req("dp=2", kDef, ScalingMode::kMxfp8,
+              {"lhs=64x64@(dp,None)", "rhs=4x64x16", "group_sizes=8@(dp,)",
+               "lhs_scale_inv=64x2@(dp,None)", "rhs_scale_inv=4x16x2"}),
+       "rhs_scale_inv: shape [4x16x2], expected [4x2x16]"},
+  };
+  PlanRequest not_fp8 = Req("dp=2", "", kM, kDef,
+      {"lhs=64x32@(dp,None)", "rhs=4x32x16", "group_sizes=8@(dp,)", "lhs_scale_inv=8@(dp,)"});
+  cases.push_back({not_fp8, "not FP8"});
+  for (const Bad& b : cases) {
+    absl::StatusOr<Plan> plan = MakePlan(b.req);
+    ASSERT_FALSE(plan.ok()) << b.needle;
+    EXPECT_EQ(plan.status().code(), absl::StatusCode::kInvalidArgument) << plan.status();
+    EXPECT_NE(plan.status().message().find(b.needle), std::string::npos)
+        << "want '" << b.needle << "' in: " << plan.status();
+  }
+}
+
+// ---------------------------------------------------------------------------
 // Grouped quantize.
 
 PlanRequest QReq(const std::string& mesh, CompatMode compat, const std::string& x,

@@ -154,6 +154,68 @@ HostTensor GemmRaggedK(const HostTensor& lhs, const HostTensor& rhs,
   return out;
 }
 
+// FP8 inputs: data x scale_inv (see the scale layouts in planner.cc).
+// Tensor scaling: rows of group j (or expert j of rhs) times scale[j].
+HostTensor DequantRows(const HostTensor& t, const HostTensor& scale,
+                       const std::vector<int64_t>& gs) {
+  HostTensor out = t;
+  const int64_t cols = Numel(t.shape) / t.shape[0];
+  int64_t row = 0;
+  for (size_t j = 0; j < gs.size(); ++j) {
+    for (int64_t r = row; r < row + gs[j]; ++r) {
+      for (int64_t c = 0; c < cols; ++c) out.data[r * cols + c] *= scale.data[j];
+    }
+    row += gs[j];
+  }
+  return out;
+}
+
+// Block scales: element (i0, i1, ...) times scale[i0 / b0, i1 / b1, ...].
+HostTensor DequantBlocks(const HostTensor& t, const HostTensor& scale) {
+  HostTensor out = t;
+  std::vector<int64_t> block(t.shape.size());
+  for (size_t d = 0; d < t.shape.size(); ++d) block[d] = t.shape[d] / scale.shape[d];
+  std::vector<int64_t> sst = Strides(scale.shape);
+  int64_t i = 0;
+  ForEachIndex(t.shape, [&](const std::vector<int64_t>& idx) {
+    int64_t si = 0;
+    for (size_t d = 0; d < idx.size(); ++d) si += idx[d] / block[d] * sst[d];
+    out.data[i++] *= scale.data[si];
+  });
+  return out;
+}
+
+// Expert j of rhs [G, ...] times scale[j].
+HostTensor DequantExperts(const HostTensor& t, const HostTensor& scale) {
+  HostTensor out = t;
+  const int64_t per = Numel(t.shape) / t.shape[0];
+  for (int64_t g = 0; g < t.shape[0]; ++g) {
+    for (int64_t e = 0; e < per; ++e) out.data[g * per + e] *= scale.data[g];
+  }
+  return out;
+}
+
+bool BlockScaled(const PlanRequest& req) {
+  return req.attrs.scaling_mode == ScalingMode::kMxfp8 ||
+         req.attrs.scaling_mode == ScalingMode::kBlock;
+}
+
+// Dequantizes lhs/rhs in place when the request has scale_inv operands.
+void Dequant(const PlanRequest& req, const std::vector<int64_t>& gs, HostTensor* lhs,
+             HostTensor* rhs, const HostTensor* ls, const HostTensor* rs) {
+  if (ls == nullptr || rs == nullptr) return;
+  if (BlockScaled(req)) {
+    *lhs = DequantBlocks(*lhs, *ls);
+    *rhs = DequantBlocks(*rhs, *rs);
+  } else if (req.op == OpKind::kGroupedGemmRaggedM) {
+    *lhs = DequantRows(*lhs, *ls, gs);
+    *rhs = DequantExperts(*rhs, *rs);
+  } else {
+    *lhs = DequantRows(*lhs, *ls, gs);
+    *rhs = DequantRows(*rhs, *rs, gs);
+  }
+}
+
 float ScaleInvFromAmax(float amax) { return amax > 0.0f ? amax / 448.0f : 1.0f; }
 
 // Per-group amax of the (flattened [m, k]) rows.
@@ -442,10 +504,18 @@ absl::StatusOr<TensorMap> SimulatePlan(const PlanRequest& req, const Plan& plan,
         return absl::InternalError(absl::StrCat("rank ", r, ": first_group mismatch"));
       }
       auto bias = b.find("bias");
-      b["out"] = GemmRaggedM(b.at("lhs"), rhs, req.attrs.rhs_transposed, gs, 0,
+      HostTensor l = b.at("lhs"), w = rhs;
+      auto ls = b.find("lhs_scale_inv"), rs = b.find("rhs_scale_inv");
+      Dequant(req, gs, &l, &w, ls == b.end() ? nullptr : &ls->second,
+              rs == b.end() ? nullptr : &rs->second);
+      b["out"] = GemmRaggedM(l, w, req.attrs.rhs_transposed, gs, 0,
                              bias == b.end() ? nullptr : &bias->second, wp.apply_bias);
     } else if (req.op == OpKind::kGroupedGemmRaggedK) {
-      b["out"] = GemmRaggedK(b.at("lhs"), b.at("rhs"), gs);
+      HostTensor l = b.at("lhs"), w = b.at("rhs");
+      auto ls = b.find("lhs_scale_inv"), rs = b.find("rhs_scale_inv");
+      Dequant(req, gs, &l, &w, ls == b.end() ? nullptr : &ls->second,
+              rs == b.end() ? nullptr : &rs->second);
+      b["out"] = GemmRaggedK(l, w, gs);
     } else {
       const HostTensor& x = b.at("x");
       int64_t m = FlatRows(x.shape, FlattenAxis(req, x.shape.size()));
@@ -533,15 +603,36 @@ absl::StatusOr<TensorMap> ReferenceOutputs(const PlanRequest& req, const TensorM
     return std::vector<int64_t>(gs_all.begin() + r * gl, gs_all.begin() + (r + 1) * gl);
   };
   TensorMap out;
+  auto ls_it = inputs.find("lhs_scale_inv"), rs_it = inputs.find("rhs_scale_inv");
+  const bool scaled = ls_it != inputs.end() && rs_it != inputs.end();
+  // Row shard r's scales for its rows: block scales are cut like the rows,
+  // per-group scales like group_sizes.
+  auto row_scales = [&](const HostTensor& s, int64_t r) {
+    if (BlockScaled(req)) {
+      std::vector<int64_t> off(s.shape.size(), 0), shape = s.shape;
+      shape[0] /= R;
+      off[0] = r * shape[0];
+      return Extract(s, off, shape);
+    }
+    return HostTensor{{gl}, std::vector<float>(s.data.begin() + r * gl, s.data.begin() + (r + 1) * gl)};
+  };
   if (req.op == OpKind::kGroupedGemmRaggedM) {
-    const HostTensor& rhs = inputs.at("rhs");
+    HostTensor rhs = inputs.at("rhs");
+    if (scaled) {
+      rhs = BlockScaled(req) ? DequantBlocks(rhs, rs_it->second) : DequantExperts(rhs, rs_it->second);
+    }
     auto bias = inputs.find("bias");
     const int64_t n = req.attrs.rhs_transposed ? rhs.shape[1] : rhs.shape[2];
     HostTensor o = Zeros({x.shape[0], n});
     std::vector<char> written(o.data.size(), 0);
     for (int64_t r = 0; r < R; ++r) {
       int64_t g0 = ep_rows ? ExpertIndexOfRowShard(mesh, rows, r) * gl : 0;
-      HostTensor part = GemmRaggedM(row_block(x, r), rhs, req.attrs.rhs_transposed, local_gs(r), g0,
+      HostTensor l = row_block(x, r);
+      if (scaled) {
+        HostTensor s = row_scales(ls_it->second, r);
+        l = BlockScaled(req) ? DequantBlocks(l, s) : DequantRows(l, s, local_gs(r));
+      }
+      HostTensor part = GemmRaggedM(l, rhs, req.attrs.rhs_transposed, local_gs(r), g0,
                                     bias == inputs.end() ? nullptr : &bias->second, true);
       Insert(&o, &written, part, {r * ml, 0});
     }
@@ -552,7 +643,12 @@ absl::StatusOr<TensorMap> ReferenceOutputs(const PlanRequest& req, const TensorM
     HostTensor o = Zeros({gl * e, x.shape[1], rhs.shape[1]});
     for (int64_t r = 0; r < R; ++r) {
       int64_t g0 = ep_rows ? ExpertIndexOfRowShard(mesh, rows, r) * gl : 0;
-      HostTensor part = GemmRaggedK(row_block(x, r), row_block(rhs, r), local_gs(r));
+      HostTensor l = row_block(x, r), w = row_block(rhs, r);
+      if (scaled) {
+        HostTensor ls = row_scales(ls_it->second, r), rs = row_scales(rs_it->second, r);
+        Dequant(req, local_gs(r), &l, &w, &ls, &rs);
+      }
+      HostTensor part = GemmRaggedK(l, w, local_gs(r));
       for (size_t i = 0; i < part.data.size(); ++i) o.data[g0 * part.shape[1] * part.shape[2] + i] += part.data[i];
     }
     out["out"] = std::move(o);
