@@ -33,6 +33,7 @@ absl::Status CudaStatus(cudaError_t e, absl::string_view what) {
 }
 absl::Status CublasStatus(cublasStatus_t e, absl::string_view what) {
   if (e == CUBLAS_STATUS_SUCCESS) return absl::OkStatus();
+  what = what.substr(0, what.find('('));  // the function's name
   return absl::InternalError(absl::StrCat(what, ": cuBLAS error ", cublasLtGetStatusString(e)));
 }
 #define SG_RETURN_IF_ERROR(expr)             \
@@ -56,6 +57,8 @@ struct LtPlan {
   cublasLtMatmulDesc_t desc = nullptr;
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
   cublasLtMatmulAlgo_t algo;
+  std::vector<cublasLtMatmulAlgo_t> candidates;  // the heuristic's top few
+  bool tuned = false;
   bool bias = false;
   ~LtPlan() {
     if (desc) cublasLtMatmulDescDestroy(desc);
@@ -94,6 +97,9 @@ struct GroupedGemmRunner::Impl {
   std::vector<cudaStream_t> side;
   std::vector<cudaEvent_t> join;
   cudaEvent_t fork = nullptr;
+  cudaEvent_t tune_start = nullptr, tune_stop = nullptr;
+  static constexpr int kTuneCandidates = 8;
+  static constexpr double kTuneMinFlops = 2e9;  // tune only problems of >= 2 GFLOP
   std::vector<void*> lt_ws;      // one per side stream
   void* blas_ws = nullptr;
   int64_t blas_ws_bytes = 32ll << 20;
@@ -129,6 +135,8 @@ struct GroupedGemmRunner::Impl {
     for (auto s : side) cudaStreamDestroy(s);
     for (auto e : join) cudaEventDestroy(e);
     if (fork) cudaEventDestroy(fork);
+    if (tune_start) cudaEventDestroy(tune_start);
+    if (tune_stop) cudaEventDestroy(tune_stop);
     for (auto& s : slots) {
       if (s.host) cudaFreeHost(s.host);
       if (s.done) cudaEventDestroy(s.done);
@@ -167,6 +175,8 @@ struct GroupedGemmRunner::Impl {
       lt_ws.push_back(*w);
     }
     SG_CUDA(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
+    SG_CUDA(cudaEventCreate(&tune_start));
+    SG_CUDA(cudaEventCreate(&tune_stop));
     for (auto& s : slots) SG_CUDA(cudaEventCreateWithFlags(&s.done, cudaEventDisableTiming));
     return absl::OkStatus();
   }
@@ -204,7 +214,7 @@ struct GroupedGemmRunner::Impl {
     return absl::OkStatus();
   }
 
-  Sm90GroupedGemmParams Sm90Params(const DeviceGroupedGemmArgs& a, int tile_m) const {
+  Sm90GroupedGemmParams Sm90Params(const DeviceGroupedGemmArgs& a, int tile_m, int tile_n = 256) const {
     Sm90GroupedGemmParams p;
     p.in_dtype = ToCu(a.in_dtype);
     p.out_dtype = ToCu(a.out_dtype);
@@ -220,6 +230,7 @@ struct GroupedGemmRunner::Impl {
     p.num_groups = a.num_groups;
     p.rhs_transposed = a.rhs_transposed;
     p.tile_m = tile_m == 64 ? Sm90TileM::k64 : Sm90TileM::k128;
+    p.tile_n = tile_n;
     return p;
   }
 
@@ -239,6 +250,8 @@ struct GroupedGemmRunner::Impl {
         return absl::OkStatus();
       }
       case Strategy::kGroupedBatched:
+        if (a.out_dtype != a.in_dtype)
+          return absl::FailedPreconditionError("grouped_batched: cuBLAS takes output dtype == input dtype only");
         if (a.m >= (int64_t{1} << 31) || a.n >= (int64_t{1} << 31) || a.k >= (int64_t{1} << 31))
           return absl::FailedPreconditionError("grouped_batched takes 32-bit dimensions");
         if (a.bias != nullptr && a.num_groups > kBiasAddMaxGroups)
@@ -368,24 +381,67 @@ struct GroupedGemmRunner::Impl {
     uint64_t ws = options.lt_workspace_bytes;
     cublasStatus_t st =
         cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws));
-    cublasLtMatmulHeuristicResult_t result;
+    cublasLtMatmulHeuristicResult_t results[kTuneCandidates];
     int found = 0;
     if (st == CUBLAS_STATUS_SUCCESS)
-      st = cublasLtMatmulAlgoGetHeuristic(lt, plan->desc, plan->a, plan->b, plan->c, plan->c, pref, 1, &result,
-                                          &found);
+      st = cublasLtMatmulAlgoGetHeuristic(lt, plan->desc, plan->a, plan->b, plan->c, plan->c, pref,
+                                          kTuneCandidates, results, &found);
     cublasLtMatmulPreferenceDestroy(pref);
     SG_CUBLAS(st);
     if (found == 0)
       return absl::UnimplementedError(absl::StrCat("cuBLASLt has no algorithm for m=", k.m, " n=", k.n,
                                                    " k=", k.k));
-    plan->algo = result.algo;
+    plan->algo = results[0].algo;
+    for (int i = 0; i < found; ++i)
+      if (results[i].state == CUBLAS_STATUS_SUCCESS) plan->candidates.push_back(results[i].algo);
     LtPlan* p = plan.get();
     plans[k] = std::move(plan);
     return p;
   }
 
+  // Times the heuristic's candidates once for a big problem (first call of
+  // the shape; blocks the host for a few runs) and keeps the fastest.
+  absl::Status MaybeTune(LtPlan* plan, const void* a, const void* b, void* c, const void* bias, int ws_index,
+                         cudaStream_t stream, double flops) {
+    if (plan->tuned) return absl::OkStatus();
+    plan->tuned = true;
+    if (!options.autotune || plan->candidates.size() < 2 || flops < kTuneMinFlops) return absl::OkStatus();
+    cudaStreamCaptureStatus cap;
+    SG_CUDA(cudaStreamIsCapturing(stream, &cap));
+    if (cap != cudaStreamCaptureStatusNone) {
+      plan->tuned = false;
+      return absl::OkStatus();
+    }
+    if (plan->bias)
+      SG_CUBLAS(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias,
+                                               sizeof(bias)));
+    const float alpha = 1.f, beta = 0.f;
+    float best = 1e30f;
+    cublasLtMatmulAlgo_t best_algo = plan->algo;
+    for (const cublasLtMatmulAlgo_t& algo : plan->candidates) {
+      bool ok = true;
+      for (int rep = 0; rep < 4 && ok; ++rep) {
+        if (rep == 1) SG_CUDA(cudaEventRecord(tune_start, stream));
+        ok = cublasLtMatmul(lt, plan->desc, &alpha, a, plan->a, b, plan->b, &beta, c, plan->c, c, plan->c, &algo,
+                            lt_ws[ws_index], options.lt_workspace_bytes, stream) == CUBLAS_STATUS_SUCCESS;
+      }
+      if (!ok) continue;
+      SG_CUDA(cudaEventRecord(tune_stop, stream));
+      SG_CUDA(cudaEventSynchronize(tune_stop));
+      float ms = 0;
+      SG_CUDA(cudaEventElapsedTime(&ms, tune_start, tune_stop));
+      if (ms < best) {
+        best = ms;
+        best_algo = algo;
+      }
+    }
+    plan->algo = best_algo;
+    return absl::OkStatus();
+  }
+
   absl::Status LtMatmul(LtPlan* plan, const void* a, const void* b, void* c, const void* bias, int ws_index,
-                        cudaStream_t stream) {
+                        cudaStream_t stream, double flops = 0) {
+    if (!plan->tuned) SG_RETURN_IF_ERROR(MaybeTune(plan, a, b, c, bias, ws_index, stream, flops));
     if (plan->bias)
       SG_CUBLAS(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias,
                                                sizeof(bias)));
@@ -483,11 +539,11 @@ struct GroupedGemmRunner::Impl {
         const char* rhs = static_cast<const char*>(a.rhs) + g * a.k * a.n * es_in;
         char* out = static_cast<char*>(a.out) + row * a.n * es_out;
         const void* bias = fuse ? static_cast<const char*>(a.bias) + g * a.n * es_out : nullptr;
-        SG_RETURN_IF_ERROR(LtMatmul(*plan, rhs, lhs, out, bias, si, st));
+        SG_RETURN_IF_ERROR(LtMatmul(*plan, rhs, lhs, out, bias, si, st, 2.0 * rows * a.k * a.n));
       } else {
         const char* rhs = static_cast<const char*>(a.rhs) + row * a.n * es_in;
         char* out = static_cast<char*>(a.out) + g * a.k * a.n * es_out;
-        SG_RETURN_IF_ERROR(LtMatmul(*plan, rhs, lhs, out, nullptr, si, st));
+        SG_RETURN_IF_ERROR(LtMatmul(*plan, rhs, lhs, out, nullptr, si, st, 2.0 * rows * a.k * a.n));
       }
       row += rows;
       ++idx;
@@ -567,7 +623,8 @@ struct GroupedGemmRunner::Impl {
     }
     auto plan = GetPlan(k);
     if (!plan.ok()) return plan.status();
-    SG_RETURN_IF_ERROR(LtMatmul(*plan, a.rhs, a.lhs, a.out, fuse ? a.bias : nullptr, 0, stream));
+    SG_RETURN_IF_ERROR(LtMatmul(*plan, a.rhs, a.lhs, a.out, fuse ? a.bias : nullptr, 0, stream,
+                                2.0 * rows * a.num_groups * a.k * a.n));
     if (!ragged_k && a.bias != nullptr && !fuse) SG_RETURN_IF_ERROR(BiasAfter(a, stream));
     return absl::OkStatus();
   }
@@ -654,11 +711,16 @@ struct GroupedGemmRunner::Impl {
       s = choice.strategy;
     } else {
       SG_RETURN_IF_ERROR(Supports(a, ragged_k, s));
-      choice.sm90_tile_m = (a.m / a.num_groups) <= 64 ? 64 : 128;
+      a.strategy = Strategy::kAuto;
+      choice = ChooseCached(a, ragged_k);  // for the sm90 tile shape
     }
+    if (a.sm90_tile_m != 0) choice.sm90_tile_m = a.sm90_tile_m;
+    if (a.sm90_tile_n != 0) choice.sm90_tile_n = a.sm90_tile_n;
+    if (choice.sm90_tile_m == 64) choice.sm90_tile_n = 256;
     if (s == Strategy::kSm90 && a.k > 0 && a.m > 0) {
       const char* detail = nullptr;
-      cudaError_t e = LaunchSm90GroupedGemm(Sm90Params(a, choice.sm90_tile_m), num_sms, stream, &detail);
+      cudaError_t e = LaunchSm90GroupedGemm(Sm90Params(a, choice.sm90_tile_m, choice.sm90_tile_n), num_sms,
+                                            stream, &detail);
       return CudaStatus(e, absl::StrCat("sm90 grouped gemm ", detail));
     }
     std::vector<int64_t> sizes;

@@ -48,13 +48,14 @@ struct DeviceGroupedGemmArgs {
   const int64_t* group_sizes_device = nullptr;  // required, [num_groups]
   const int64_t* group_sizes_host = nullptr;    // optional copy, [num_groups]
   Strategy strategy = Strategy::kAuto;          // force one (tests, benchmark)
+  int sm90_tile_m = 0, sm90_tile_n = 0;         // force the sm90 tile (0: heuristic)
 };
 
 struct RunnerOptions {
   int device = 0;
   int side_streams = 4;                        // per-group cuBLASLt calls spread over these
   int64_t lt_workspace_bytes = 32ll << 20;     // per side stream
-  bool graphs = true;                          // allow kLtLoopGraph in kAuto
+  bool autotune = true;  // time cuBLASLt's top candidates once per big shape (first call blocks)
 };
 
 class DevicePool;

@@ -103,6 +103,11 @@ int Main(int argc, char** argv) {
     return 2;
   }
   GroupedGemmRunner& runner = **runner_or;
+  RunnerOptions one_stream;
+  one_stream.side_streams = 1;
+  auto runner1_or = GroupedGemmRunner::Create(one_stream);
+  if (!runner1_or.ok()) return 2;
+  GroupedGemmRunner& runner1 = **runner1_or;
   cudaStream_t s;
   CHECK_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   cudaEvent_t e0, e1;
@@ -158,8 +163,9 @@ int Main(int argc, char** argv) {
       std::map<Strategy, testing::CheckResult> checks;
       bool all_ok = true;
       std::string errors;
-      auto measure = [&](Strategy st) -> double {
+      auto measure = [&](Strategy st, GroupedGemmRunner& runner, int tile_n) -> double {
         a.strategy = st;
+        a.sm90_tile_n = tile_n;
         if (!runner.Supports(a, false, st).ok()) return -1;
         CHECK_CUDA(testing::Poison(out, M * p.n * 2, s));
         absl::Status status = runner.RaggedM(a, s);
@@ -185,16 +191,21 @@ int Main(int argc, char** argv) {
         CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
         return flops / (ms / iters * 1e-3) / 1e12;
       };
-      for (Strategy st : kStrategies) {
-        if (!v.host && st != Strategy::kSm90 && st != Strategy::kLtLoop) continue;  // the rest need host sizes
-        tf[st] = measure(st);
-      }
+      // Ours (auto) first, in the same position as the peer's figure.
       a.strategy = Strategy::kAuto;
       const Strategy chosen = runner.Choose(a, false);
-      const double ours = measure(Strategy::kAuto);
+      const double ours = measure(Strategy::kAuto, runner, 0);
+      std::map<std::string, double> extra;
+      for (Strategy st : kStrategies) {
+        if (!v.host && st != Strategy::kSm90 && st != Strategy::kLtLoop) continue;  // the rest need host sizes
+        tf[st] = measure(st, runner, 0);
+      }
+      extra["lt_loop_1stream"] = measure(Strategy::kLtLoop, runner1, 0);
+      extra["sm90_n128"] = measure(Strategy::kSm90, runner, 128);
+      extra["sm90_n256"] = measure(Strategy::kSm90, runner, 256);
       auto col = [&](Strategy st) -> std::string {
         auto it = tf.find(st);
-        if (it == tf.end() || it->second < 0) return "-";
+        if (it == tf.end() || it->second < 0) return std::string("-");
         return absl::StrFormat("%.1f", it->second);
       };
       const double rel = checks.count(Strategy::kAuto) ? checks[Strategy::kAuto].rel_l2 : -1;
@@ -206,6 +217,8 @@ int Main(int argc, char** argv) {
                   col(Strategy::kLtLoopGraph).c_str(), col(Strategy::kLtBatched).c_str(),
                   col(Strategy::kGroupedBatched).c_str(), col(Strategy::kSm90).c_str(), rel,
                   all_ok ? "ok" : "FAIL", errors.c_str());
+      std::printf("  %-18s %4s %5s %5s %6s %-10s   more: lt_loop 1 stream %.1f, sm90 128x128 %.1f, sm90 128x256 %.1f\n",
+                  "", "", "", "", "", "", extra["lt_loop_1stream"], extra["sm90_n128"], extra["sm90_n256"]);
       std::fflush(stdout);
       if (jf) {
         nlohmann::json j;
@@ -214,6 +227,10 @@ int Main(int argc, char** argv) {
         j["ours_tflops"] = ours;
         j["strategy"] = std::string(StrategyName(chosen));
         for (auto& [st, t] : tf) j["strategies"][std::string(StrategyName(st))] = t;
+        for (auto& [name, t] : extra) j["strategies"][name] = t;
+        j["sizes"] = v.sizes;
+        j["k"] = p.k;
+        j["n"] = p.n;
         j["rel_err"] = rel;
         j["ok"] = all_ok;
         std::fprintf(jf, "%s\n", j.dump().c_str());

@@ -108,17 +108,27 @@ int RunRaggedM(GroupedGemmRunner* runner, cudaStream_t s, const Case& c, uint64_
       if (!host && st != Strategy::kAuto && st != Strategy::kSm90 && st != Strategy::kLtLoop) continue;
       a.strategy = st;
       if (!runner->Supports(a, false, st).ok()) continue;
-      const std::string what = absl::StrCat(c.name, " strategy=", StrategyName(st), " host_sizes=", host,
-                                            st == Strategy::kAuto ? absl::StrCat(" (auto picks ",
-                                                StrategyName(runner->Choose(a, false)), ")") : "");
-      EXPECT_EQ(testing::Poison(out.p, c.m * c.n * es_out, s), cudaSuccess);
-      absl::Status status = runner->RaggedM(a, s);
-      EXPECT_TRUE(status.ok()) << what << ": " << status;
-      if (!status.ok()) continue;
-      EXPECT_EQ(cudaStreamSynchronize(s), cudaSuccess) << what;
-      CheckResult r = testing::CheckRaggedM(a, c.sizes, max_rows, seed + 7, s);
-      EXPECT_TRUE(r.Ok(testing::Tolerance(c.out))) << what << ": " << r.ToString();
-      ++runs;
+      // The sm90 kernel: the heuristic's tile, then each tile shape forced.
+      std::vector<std::pair<int, int>> tiles = {{0, 0}};
+      if (st == Strategy::kSm90 && host) tiles = {{0, 0}, {128, 256}, {128, 128}, {64, 256}};
+      for (auto [tm, tn] : tiles) {
+        a.sm90_tile_m = tm;
+        a.sm90_tile_n = tn;
+        const std::string what = absl::StrCat(
+            c.name, " strategy=", StrategyName(st), " host_sizes=", host,
+            tm ? absl::StrCat(" tile=", tm, "x", tn) : "",
+            st == Strategy::kAuto ? absl::StrCat(" (auto picks ", StrategyName(runner->Choose(a, false)), ")")
+                                  : "");
+        EXPECT_EQ(testing::Poison(out.p, c.m * c.n * es_out, s), cudaSuccess);
+        absl::Status status = runner->RaggedM(a, s);
+        EXPECT_TRUE(status.ok()) << what << ": " << status;
+        if (!status.ok()) continue;
+        EXPECT_EQ(cudaStreamSynchronize(s), cudaSuccess) << what;
+        CheckResult r = testing::CheckRaggedM(a, c.sizes, max_rows, seed + 7, s);
+        EXPECT_TRUE(r.Ok(testing::Tolerance(c.out))) << what << ": " << r.ToString();
+        ++runs;
+      }
+      a.sm90_tile_m = a.sm90_tile_n = 0;
     }
   }
   return runs;

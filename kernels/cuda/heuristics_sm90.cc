@@ -1,23 +1,29 @@
 // Strategy choice on sm_90. The rules, in order, with the reason for each
-// (figures: H200, BF16, docs/performance/gpu_gemm.md and
-// /work/shared/PERFORMANCE.md):
+// (figures: H200, BF16, TFLOP/s, docs/performance/gpu_gemm.md):
 //
 // Ragged M
 //  1. Without host group sizes the cuBLAS routes would need a blocking
 //     device-to-host copy of the sizes, so the sm90 kernel (which reads the
 //     sizes on the device) is taken whenever it can run the shape.
-//  2. When one group alone fills the GPU (at least ~1 wave of 128x256 output
+//  2. When one group alone fills the GPU (at least a wave of 128x256 output
 //     tiles per group), one cuBLASLt call per group is best: cuBLAS has a
-//     tuned kernel for every big shape, and the side streams overlap each
-//     call's tail with the next (mixtral/deepseek presets: 700-830 TFLOP/s).
-//  3. Otherwise a per-group loop leaves most SMs idle (qwen3 G16 m512: 24
-//     tiles a group for 132 SMs) and pays a launch per group, so one launch
-//     over all groups wins: our sm90 kernel when it can run the shape.
-//  4. Failing that: equal groups → one strided-batched cuBLASLt call; ragged
-//     groups → cublasGemmGroupedBatchedEx, the one cuBLAS call that takes
-//     groups of different sizes.
+//     tuned kernel for each big shape and the side streams overlap each
+//     call's tail with the next (mixtral / deepseek: 740-790, against 700-750
+//     for the strided-batched call and 640-725 for our kernel).
+//  3. Smaller groups, all equal (host sizes): one strided-batched cuBLASLt
+//     call, a single launch whose kernel cuBLAS tuned for the batch (qwen3
+//     G16 m512: 717 vs 573 for our kernel; G128 m128: 455 vs 406; G64 m64:
+//     197 vs 185).
+//  4. Smaller groups of different sizes: a per-group loop leaves most SMs
+//     idle (G16 m512: 24 tiles a group for 132 SMs) and pays a launch per
+//     group (G128 m128: 108), so our sm90 kernel, one launch for all groups.
+//     Its tile: 64 rows when groups average <= 64 rows (half the MMA work of
+//     128-row tiles on decode shapes), else 128; 128 columns instead of 256
+//     when 256-column tiles would give under ~4 waves on the SMs.
+//  5. Failing that: cublasGemmGroupedBatchedEx (the one cuBLAS call that
+//     takes groups of different sizes) for small groups, else the loop.
 // Ragged K (wgrad: out[g] is K x N, the group is the contracting dim)
-//  5. Equal groups → strided-batched cuBLASLt; else one call per group.
+//  6. Equal groups: strided-batched cuBLASLt; else one call per group.
 #include "kernels/cuda/heuristics_sm90.h"
 
 namespace shardgemm {
@@ -43,30 +49,29 @@ Choice ChooseSm90(const ShapeInfo& s) {
   Choice c;
   const int64_t g = s.num_groups > 0 ? s.num_groups : 1;
   const int64_t avg_rows = s.m / g;  // padding rows included: an estimate
-  if (s.ragged_k) {
+  if (s.ragged_k) {  // rule 6
     c.strategy = (s.equal_groups && Eligible(s, Strategy::kLtBatched)) ? Strategy::kLtBatched
                                                                         : Strategy::kLtLoop;
     return c;
   }
   c.sm90_tile_m = avg_rows <= 64 ? 64 : 128;
+  const int64_t n_tiles = (s.n + 255) / 256;
+  const int64_t tiles_256 = (s.m / 128 + g) * n_tiles;  // upper estimate over all groups
+  c.sm90_tile_n = (c.sm90_tile_m == 128 && tiles_256 < 4 * s.num_sms) ? 128 : 256;
   const bool sm90 = Eligible(s, Strategy::kSm90);
   if (!s.has_host_sizes && sm90) {  // rule 1
     c.strategy = Strategy::kSm90;
     return c;
   }
   const int64_t rows = s.has_host_sizes ? s.max_group : avg_rows;
-  const int64_t tiles_per_group = ((rows + 127) / 128) * ((s.n + 255) / 256);
+  const int64_t tiles_per_group = ((rows + 127) / 128) * n_tiles;
   if (tiles_per_group >= s.num_sms && Eligible(s, Strategy::kLtLoop)) {  // rule 2
     c.strategy = Strategy::kLtLoop;
-    return c;
-  }
-  if (sm90) {  // rule 3
-    c.strategy = Strategy::kSm90;
-    return c;
-  }
-  if (s.equal_groups && Eligible(s, Strategy::kLtBatched)) {  // rule 4
+  } else if (s.equal_groups && Eligible(s, Strategy::kLtBatched)) {  // rule 3
     c.strategy = Strategy::kLtBatched;
-  } else if (Eligible(s, Strategy::kGroupedBatched) && avg_rows < 1024) {
+  } else if (sm90) {  // rule 4
+    c.strategy = Strategy::kSm90;
+  } else if (Eligible(s, Strategy::kGroupedBatched) && avg_rows < 1024) {  // rule 5
     c.strategy = Strategy::kGroupedBatched;
   } else {
     c.strategy = Strategy::kLtLoop;

@@ -40,6 +40,7 @@ struct ShapeInfo {
 struct Choice {
   Strategy strategy = Strategy::kLtLoop;
   int sm90_tile_m = 128;  // 64 or 128 when strategy == kSm90
+  int sm90_tile_n = 256;  // 256, or 128 with tile_m 128
 };
 
 Choice ChooseSm90(const ShapeInfo& s);

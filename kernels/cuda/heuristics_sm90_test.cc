@@ -24,17 +24,33 @@ TEST(HeuristicsSm90, NoHostSizesTakesTheDeviceKernel) {
   EXPECT_EQ(ChooseSm90(Preset(8, 2048, 4096, 14336, false)).strategy, Strategy::kSm90);
 }
 
-TEST(HeuristicsSm90, SmallGroupsTakeTheDeviceKernel) {
-  EXPECT_EQ(ChooseSm90(Preset(128, 128, 2048, 1536, true)).strategy, Strategy::kSm90);
-  Choice c = ChooseSm90(Preset(64, 64, 1024, 1024, true));
-  EXPECT_EQ(c.strategy, Strategy::kSm90);
-  EXPECT_EQ(c.sm90_tile_m, 64);
+TEST(HeuristicsSm90, BigGroupsLoopOverCublasLt) {
+  EXPECT_EQ(ChooseSm90(Preset(8, 2048, 4096, 14336, true)).strategy, Strategy::kLtLoop);
+  EXPECT_EQ(ChooseSm90(Preset(8, 2048, 2048, 7168, true)).strategy, Strategy::kLtLoop);
 }
 
-TEST(HeuristicsSm90, WithoutTheKernelEqualGroupsBatch) {
+TEST(HeuristicsSm90, SmallEqualGroupsBatch) {
+  EXPECT_EQ(ChooseSm90(Preset(128, 128, 2048, 1536, true)).strategy, Strategy::kLtBatched);
+  EXPECT_EQ(ChooseSm90(Preset(16, 512, 2048, 1536, true)).strategy, Strategy::kLtBatched);
+}
+
+TEST(HeuristicsSm90, SmallRaggedGroupsTakeTheDeviceKernel) {
+  ShapeInfo s = Preset(64, 64, 1024, 1024, true);
+  s.equal_groups = false;
+  Choice c = ChooseSm90(s);
+  EXPECT_EQ(c.strategy, Strategy::kSm90);
+  EXPECT_EQ(c.sm90_tile_m, 64);
+  s = Preset(16, 512, 2048, 1536, true);
+  s.equal_groups = false;
+  c = ChooseSm90(s);
+  EXPECT_EQ(c.strategy, Strategy::kSm90);
+  EXPECT_EQ(c.sm90_tile_m, 128);
+  EXPECT_EQ(c.sm90_tile_n, 128);  // (64 + 16) x 6 = 480 tiles of 256 columns: < 4 waves
+}
+
+TEST(HeuristicsSm90, WithoutTheKernelRaggedGroupsUseGroupedBatched) {
   ShapeInfo s = Preset(128, 128, 2048, 1536, true);
   s.eligible &= ~(1u << static_cast<int>(Strategy::kSm90));
-  EXPECT_EQ(ChooseSm90(s).strategy, Strategy::kLtBatched);
   s.equal_groups = false;
   EXPECT_EQ(ChooseSm90(s).strategy, Strategy::kGroupedBatched);
 }

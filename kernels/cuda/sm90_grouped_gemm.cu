@@ -176,7 +176,7 @@ struct Config {
   static constexpr int kABytes = BM * kBK * 2;
   static constexpr int kBBytes = BN * kBK * 2;
   static constexpr int kStageBytes = kABytes + kBBytes;
-  static constexpr int kStages = BM == 128 ? 4 : 5;
+  static constexpr int kStages = (BM == 128 && BN == 256) ? 4 : (BM == 64 ? 5 : 6);
   static constexpr int kRingBytes = kStages * kStageBytes;
 };
 
@@ -255,7 +255,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int wg = tid / 128;
 
   if (wg == 0) {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
     if (tid == 0) {
       int stage = 0, phase = 0;
       for (int t = blockIdx.x; t < total_tiles; t += gridDim.x) {
@@ -298,7 +297,6 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
   } else {
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
     const int c = wg - 1;  // consumer index
     const int warp_in_wg = (tid / 32) & 3, lane = tid & 31;
     // Byte offsets of this consumer's operands inside a stage.
@@ -446,7 +444,6 @@ cudaError_t LaunchTyped(const Sm90GroupedGemmParams& p, int num_sms, cudaStream_
   // columns are 8 KB on (one [64 K x 64 N] TMA box), the next 8 K rows 1 KB on.
   a.b_lbo = (64 * kBK * 2) >> 4;
   a.b_sbo = 1024 >> 4;
-  if (std::getenv("SHARDGEMM_SM90_SWAP_MN_STRIDES") != nullptr) std::swap(a.b_lbo, a.b_sbo);
   auto kernel = GroupedGemmKernel<BM, BN, kF16, kBKMajor, TOut>;
   const int smem = SmemBytes<BM, BN>(static_cast<int>(p.num_groups));
   static std::once_flag once;
@@ -460,23 +457,25 @@ cudaError_t LaunchTyped(const Sm90GroupedGemmParams& p, int num_sms, cudaStream_
   return cudaGetLastError();
 }
 
-template <int BM, bool kF16, bool kBKMajor>
+template <int BM, int BN, bool kF16, bool kBKMajor>
 cudaError_t DispatchOut(const Sm90GroupedGemmParams& p, int num_sms, cudaStream_t s, const char** d) {
   switch (p.out_dtype) {
-    case CuDType::kBF16: return LaunchTyped<BM, 256, kF16, kBKMajor, __nv_bfloat16>(p, num_sms, s, d);
-    case CuDType::kF16: return LaunchTyped<BM, 256, kF16, kBKMajor, __half>(p, num_sms, s, d);
-    case CuDType::kF32: return LaunchTyped<BM, 256, kF16, kBKMajor, float>(p, num_sms, s, d);
+    case CuDType::kBF16: return LaunchTyped<BM, BN, kF16, kBKMajor, __nv_bfloat16>(p, num_sms, s, d);
+    case CuDType::kF16: return LaunchTyped<BM, BN, kF16, kBKMajor, __half>(p, num_sms, s, d);
+    case CuDType::kF32: return LaunchTyped<BM, BN, kF16, kBKMajor, float>(p, num_sms, s, d);
     default: *d = "unsupported output dtype"; return cudaErrorInvalidValue;
   }
 }
 
-template <int BM>
+template <int BM, int BN>
 cudaError_t DispatchIn(const Sm90GroupedGemmParams& p, int num_sms, cudaStream_t s, const char** d) {
   const bool f16 = p.in_dtype == CuDType::kF16;
   if (p.rhs_transposed) {
-    return f16 ? DispatchOut<BM, true, true>(p, num_sms, s, d) : DispatchOut<BM, false, true>(p, num_sms, s, d);
+    return f16 ? DispatchOut<BM, BN, true, true>(p, num_sms, s, d)
+               : DispatchOut<BM, BN, false, true>(p, num_sms, s, d);
   }
-  return f16 ? DispatchOut<BM, true, false>(p, num_sms, s, d) : DispatchOut<BM, false, false>(p, num_sms, s, d);
+  return f16 ? DispatchOut<BM, BN, true, false>(p, num_sms, s, d)
+             : DispatchOut<BM, BN, false, false>(p, num_sms, s, d);
 }
 
 }  // namespace
@@ -506,8 +505,9 @@ cudaError_t LaunchSm90GroupedGemm(const Sm90GroupedGemmParams& p, int num_sms, c
     *detail = why;
     return cudaErrorInvalidValue;
   }
-  return p.tile_m == Sm90TileM::k64 ? DispatchIn<64>(p, num_sms, stream, detail)
-                                    : DispatchIn<128>(p, num_sms, stream, detail);
+  if (p.tile_m == Sm90TileM::k64) return DispatchIn<64, 256>(p, num_sms, stream, detail);
+  if (p.tile_n == 128) return DispatchIn<128, 128>(p, num_sms, stream, detail);
+  return DispatchIn<128, 256>(p, num_sms, stream, detail);
 }
 
 }  // namespace cuda

@@ -32,6 +32,7 @@ struct Sm90GroupedGemmParams {
   int64_t m = 0, k = 0, n = 0, num_groups = 0;
   bool rhs_transposed = true;
   Sm90TileM tile_m = Sm90TileM::k128;
+  int tile_n = 256;  // 256, or 128 (with tile_m 128 only): more, smaller tiles for mid-size problems
 };
 
 // Largest number of groups the kernel takes (group offsets live in shared memory).
