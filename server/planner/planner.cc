@@ -700,7 +700,14 @@ absl::StatusOr<Plan> PlanRaggedM(const Context& ctx) {
   if (!fp8 && (found[4] != nullptr || found[5] != nullptr)) {
     return Invalid("lhs_scale_inv/rhs_scale_inv: given, but lhs and rhs are not FP8");
   }
-  if (fp8) {
+  // FP8 scales are optional (a caller may keep them out of band), but come
+  // as a pair.
+  if ((found[4] == nullptr) != (found[5] == nullptr)) {
+    return Invalid(absl::StrCat(found[4] == nullptr ? "lhs_scale_inv" : "rhs_scale_inv",
+                                ": FP8 scale operands come in pairs (lhs_scale_inv and "
+                                "rhs_scale_inv)"));
+  }
+  if (fp8 && found[4] != nullptr) {
     if (!IsBlockScaling(mode)) {
       if (!(s = CheckScaleOperand(found[4], "lhs_scale_inv", found[2]->shape, DType::kF32,
                                   "tensor scaling: one f32 per group, laid out like group_sizes")).ok()) {
@@ -996,7 +1003,12 @@ absl::StatusOr<Plan> PlanRaggedK(const Context& ctx) {
   if (!fp8 && (found[3] != nullptr || found[4] != nullptr)) {
     return Invalid("lhs_scale_inv/rhs_scale_inv: given, but lhs and rhs are not FP8");
   }
-  if (fp8) {
+  if ((found[3] == nullptr) != (found[4] == nullptr)) {
+    return Invalid(absl::StrCat(found[3] == nullptr ? "lhs_scale_inv" : "rhs_scale_inv",
+                                ": FP8 scale operands come in pairs (lhs_scale_inv and "
+                                "rhs_scale_inv)"));
+  }
+  if (fp8 && found[3] != nullptr) {
     if (!IsBlockScaling(mode)) {
       const char* what = "tensor scaling: one f32 per group, laid out like group_sizes";
       if (!(s = CheckScaleOperand(found[3], "lhs_scale_inv", found[2]->shape, DType::kF32, what)).ok()) return s;

@@ -61,8 +61,9 @@ struct OpAttrs {
 
 struct OperandRequest {
   // GEMMs: "lhs", "rhs", "group_sizes", optional "bias" (ragged M), and for
-  // FP8 lhs/rhs their "lhs_scale_inv" and "rhs_scale_inv" (layouts set by
-  // attrs.scaling_mode; see docs/sharding.md). Quantize: "x", "group_sizes".
+  // FP8 lhs/rhs optionally the pair "lhs_scale_inv", "rhs_scale_inv"
+  // (layouts set by attrs.scaling_mode; see docs/sharding.md; without them
+  // the plan covers the data only). Quantize: "x", "group_sizes".
   std::string name;
   std::vector<int64_t> shape;
   DType dtype = DType::kInvalid;

@@ -318,6 +318,13 @@ TEST(PlannerTest, Fp8BlockScalesFollowTheContractingSplit) {
   EXPECT_EQ(Collectives(*plan), "before all_gather lhs 1 tp; before all_gather rhs 1 tp");
 }
 
+TEST(PlannerTest, Fp8WithoutScaleOperandsPlansDataOnly) {
+  absl::StatusOr<Plan> plan = MakePlan(Fp8Req("dp=2", kDef, ScalingMode::kCurrent,
+      {"lhs=64x32@(dp,None)", "rhs=4x32x16", "group_sizes=8@(dp,)"}));
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->operands.size(), 3u);
+}
+
 TEST(PlannerTest, Fp8ScaleOperandsValidated) {
   struct Bad {
     PlanRequest req;
@@ -326,7 +333,7 @@ TEST(PlannerTest, Fp8ScaleOperandsValidated) {
   std::vector<Bad> cases = {
       {Fp8Req("dp=2", kDef, ScalingMode::kCurrent,
               {"lhs=64x32@(dp,None)", "rhs=4x32x16", "group_sizes=8@(dp,)", "rhs_scale_inv=4"}),
-       "lhs_scale_inv: FP8 inputs need their scale_inv operand"},
+       "lhs_scale_inv: FP8 scale operands come in pairs"},
       {Fp8Req("dp=2", kDef, ScalingMode::kCurrent,
               {"lhs=64x32@(dp,None)", "rhs=4x32x16", "group_sizes=8@(dp,)",
                "lhs_scale_inv=8", "rhs_scale_inv=4"}),
