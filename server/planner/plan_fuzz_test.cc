@@ -171,7 +171,7 @@ int Iterations(int fallback) {
 
 // The libFuzzer seed corpus (testdata/plan_fuzz_seeds) must plan.
 TEST(PlanFuzzTest, SeedsPlan) {
-  for (const char* name : {"seed1", "seed2", "seed3"}) {
+  for (const char* name : {"seed1", "seed2", "seed3", "seed4"}) {
     std::ifstream in(std::string("server/planner/testdata/plan_fuzz_seeds/") + name,
                      std::ios::binary);
     ASSERT_TRUE(in.good()) << name;
