@@ -420,7 +420,17 @@ int main(int argc, char** argv) {
       "shardgemm COMMAND [flags]\n"
       "commands: cluster | plan | gemm | put NAME | get NAME | delete NAME | ls\n"
       "see docs/cli.md or --helpfull");
-  std::vector<char*> args = absl::ParseCommandLine(argc, argv);
+  // Accept --group-sizes as well as --group_sizes.
+  std::vector<std::string> normalized(argv, argv + argc);
+  for (std::string& a : normalized) {
+    if (a.rfind("--", 0) != 0) continue;
+    for (size_t i = 2; i < a.size() && a[i] != '='; ++i) {
+      if (a[i] == '-') a[i] = '_';
+    }
+  }
+  std::vector<char*> raw;
+  for (std::string& a : normalized) raw.push_back(&a[0]);
+  std::vector<char*> args = absl::ParseCommandLine(argc, raw.data());
   using namespace shardgemm;
   if (args.size() < 2) {
     std::cerr << "usage: shardgemm cluster|plan|gemm|put|get|delete|ls [flags] (--help)\n";

@@ -15,6 +15,10 @@ constexpr size_t kChunkBytes = 1 << 20;
 ShardGemmClient::ShardGemmClient(const std::string& address) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(kMaxMessageBytes);
+  // Peers start together on loopback: retry connecting quickly.
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 50);
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 50);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
   args.SetMaxSendMessageSize(kMaxMessageBytes);
   stub_ = v1::ShardGemm::NewStub(
       grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args));

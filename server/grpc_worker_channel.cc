@@ -13,6 +13,10 @@ class GrpcWorkerChannel : public WorkerChannel {
   explicit GrpcWorkerChannel(const std::string& address) {
     grpc::ChannelArguments args;
     args.SetMaxReceiveMessageSize(kMaxMessageBytes);
+  // Peers start together on loopback: retry connecting quickly.
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 50);
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 50);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
     args.SetMaxSendMessageSize(kMaxMessageBytes);
     stub_ = v1::Worker::NewStub(
         grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args));

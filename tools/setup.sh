@@ -26,7 +26,7 @@ if ((${#missing[@]})); then
 fi
 
 # Python tools for tests and the Python client, pinned.
-if ! python3 -c 'import numpy, ml_dtypes, grpc, grpc_tools' 2>/dev/null; then
+if ! python3 -c 'import numpy, ml_dtypes, grpc, grpc_tools, grpc_health, grpc_reflection, pytest' 2>/dev/null; then
   echo "setup: installing Python requirements"
   python3 -m pip install -q --disable-pip-version-check -r tools/requirements.txt
 fi

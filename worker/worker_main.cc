@@ -1,5 +1,7 @@
 // shardgemm-worker: owns one device, registers with the coordinator and runs
 // the steps it is sent.
+#include <atomic>
+#include <csignal>
 #include <iostream>
 #include <memory>
 #include <string>
@@ -66,6 +68,10 @@ int Run() {
 
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(kMaxMessageBytes);
+  // Peers start together on loopback: retry connecting quickly.
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 50);
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 50);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
   auto channel = grpc::CreateCustomChannel(absl::GetFlag(FLAGS_coordinator),
                                            grpc::InsecureChannelCredentials(), args);
   auto stub = v1::Coordination::NewStub(channel);
@@ -118,7 +124,17 @@ int Run() {
   executor.Configure(position, std::move(collectives));
   std::cerr << "shardgemm-worker: rank " << position.rank << " serving on " << address
             << " with backend " << (*backend)->Device() << "\n";
+  // Shut down cleanly on SIGINT / SIGTERM.
+  static std::atomic<bool> stop{false};
+  std::signal(SIGINT, [](int) { stop = true; });
+  std::signal(SIGTERM, [](int) { stop = true; });
+  std::thread waiter([&] {
+    while (!stop) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  });
   server->Wait();
+  stop = true;
+  waiter.join();
   return 0;
 }
 

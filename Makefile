@@ -1,0 +1,32 @@
+# The README's commands. Every target first runs the idempotent setup, which
+# installs whatever Debian / PyPI packages are missing.
+.PHONY: all setup build demo test unit-test integration-test gpu-bundle clean
+
+BAZEL ?= bazel
+BAZEL_FLAGS ?=
+BINARIES = client/shardgemm server/shardgemm-coordinator worker/shardgemm-worker
+
+all: build
+
+setup:
+	@bash tools/setup.sh
+
+build: setup
+	$(BAZEL) build $(BAZEL_FLAGS) //...
+	@mkdir -p bin
+	@bb=$$($(BAZEL) info $(BAZEL_FLAGS) bazel-bin 2>/dev/null); \
+	for b in $(BINARIES); do install -m 755 $$bb/$$b bin/; done
+	@python3 tools/gen_python_proto.py
+	@echo "binaries in ./bin: $$(ls bin | tr '\n' ' ')"
+
+demo: build
+	@bash tools/demo.sh
+
+# Unit tests (Bazel) and integration tests (real processes on loopback),
+# then one summary line counting test cases.
+test: build
+	@bash tools/run_tests.sh
+
+clean:
+	$(BAZEL) clean
+	rm -rf bin client/python/shardgemm_pb
