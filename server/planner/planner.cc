@@ -827,7 +827,7 @@ absl::StatusOr<Plan> PlanRaggedM(const Context& ctx) {
       kchoices.push_back({rk_free, absl::StrCat("K split like rhs over ", FormatAxes(rk_free),
                                                 ": lhs re-split to match, partial output reduced")});
     }
-    if (!common_k.empty() || !lk->empty() || !rk_free.empty()) {
+    if (!common_k.empty()) {  // (when empty, the first choice already gathers)
       kchoices.push_back({{}, "gather K on both operands (no reduction)"});
     }
   }

@@ -233,6 +233,21 @@ TEST(PlannerTest, DefaultModeMaySliceWeightToMatchActivation) {
   EXPECT_EQ(Collectives(*plan), "before slice rhs 1 tp; after all_reduce_sum out -1 tp");
 }
 
+TEST(PlannerTest, DefaultModeKeepsFsdpWeightSplitOnKWhenCheaper) {
+  // Rows not over fsdp, small M: slice lhs's K to the weight's fsdp split and
+  // reduce the small output instead of gathering the big weight (rule 3).
+  const std::vector<std::string> ops = {"lhs=256x4096@(dp,None)", "rhs=8x4096x1024@(None,fsdp,None)",
+                                        "group_sizes=16@(dp,)"};
+  absl::StatusOr<Plan> plan = MakePlan(Req("dp=2,fsdp=2", "", kM, kDef, ops));
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(Collectives(*plan), "before slice lhs 1 fsdp; after all_reduce_sum out -1 fsdp");
+  EXPECT_NE(plan->strategy_note.find("chosen: K split like rhs over fsdp"), std::string::npos)
+      << plan->strategy_note;
+  plan = MakePlan(Req("dp=2,fsdp=2", "", kM, kTe, ops));
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(Collectives(*plan), "before all_gather rhs 1 fsdp");
+}
+
 TEST(PlannerTest, WorkerLayoutFollowsDesignExample) {
   // DESIGN.md: fsdp=2, ep=2, rows over (fsdp, ep), 4 experts split over ep:
   // each worker owns 2 experts; group_sizes has 4 x 2 entries.
