@@ -339,18 +339,17 @@ absl::Status Apply(const Mesh& mesh, const Collective& c, std::vector<Buffers>* 
       continue;
     }
     // Peers: same coordinates except on c.axes, ordered first axis major.
+    absl::StatusOr<std::vector<int64_t>> ranks = PeerRanks(mesh, c.axes, r);
+    if (!ranks.ok()) return ranks.status();
+    if (static_cast<int64_t>(ranks->size()) != p ||
+        (*ranks)[BlockIndex(mesh, c.axes, coords[r])] != r) {
+      return absl::InternalError("peer group inconsistent with BlockIndex");
+    }
     std::vector<const HostTensor*> peers(p, nullptr);
-    for (int64_t q = 0; q < n; ++q) {
-      bool same = true;
-      for (size_t i = 0; i < mesh.axes.size(); ++i) {
-        bool in_axes = false;
-        for (const std::string& a : c.axes) in_axes |= (a == mesh.axes[i].name);
-        if (!in_axes && coords[q][i] != coords[r][i]) same = false;
-      }
-      if (!same) continue;
-      const HostTensor& t = (*workers)[q].at(c.tensor);
+    for (int64_t i = 0; i < p; ++i) {
+      const HostTensor& t = (*workers)[(*ranks)[i]].at(c.tensor);
       if (t.shape != mine.shape) return absl::InternalError("peer shapes differ");
-      peers[BlockIndex(mesh, c.axes, coords[q])] = &t;
+      peers[i] = &t;
     }
     if (c.kind == CollectiveKind::kAllGather) {
       result[r] = Concat(peers, c.dim);

@@ -190,6 +190,39 @@ int64_t BlockIndex(const Mesh& mesh, const std::vector<std::string>& axes,
   return index;
 }
 
+absl::StatusOr<std::vector<int64_t>> PeerRanks(const Mesh& mesh,
+                                               const std::vector<std::string>& axes,
+                                               int64_t rank) {
+  absl::StatusOr<std::vector<int64_t>> coords = RankToCoords(mesh, rank);
+  if (!coords.ok()) return coords.status();
+  std::vector<int> index;
+  for (const std::string& axis : axes) {
+    int i = AxisIndex(mesh, axis);
+    if (i < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("peer group: unknown mesh axis '", absl::CEscape(axis), "'"));
+    }
+    for (int j : index) {
+      if (j == i) {
+        return absl::InvalidArgumentError(absl::StrCat("peer group: axis '", axis, "' twice"));
+      }
+    }
+    index.push_back(i);
+  }
+  const int64_t p = AxesProduct(mesh, axes);
+  std::vector<int64_t> peers(p);
+  std::vector<int64_t> c = *coords;
+  for (int64_t piece = 0; piece < p; ++piece) {
+    int64_t rest = piece;  // decompose first axis major
+    for (size_t k = index.size(); k-- > 0;) {
+      c[index[k]] = rest % mesh.axes[index[k]].size;
+      rest /= mesh.axes[index[k]].size;
+    }
+    peers[piece] = *CoordsToRank(mesh, c);
+  }
+  return peers;
+}
+
 absl::StatusOr<std::vector<int64_t>> LocalShape(absl::string_view tensor,
                                                 const std::vector<int64_t>& shape,
                                                 const PartitionSpec& spec,

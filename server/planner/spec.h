@@ -55,6 +55,14 @@ int64_t AxesProduct(const Mesh& mesh, const std::vector<std::string>& axes);
 int64_t BlockIndex(const Mesh& mesh, const std::vector<std::string>& axes,
                    const std::vector<int64_t>& coords);
 
+// The group a collective over `axes` runs in, as seen from worker `rank`:
+// the ranks that differ from it only on `axes`, ordered by their piece index
+// (BlockIndex over `axes`, first axis major); `rank` itself is at its own
+// piece index. Unknown or repeated axes are an InvalidArgument error.
+absl::StatusOr<std::vector<int64_t>> PeerRanks(const Mesh& mesh,
+                                               const std::vector<std::string>& axes,
+                                               int64_t rank);
+
 // Shape of every worker's shard (all shards have the same shape because
 // dimensions must divide evenly). Validates first.
 absl::StatusOr<std::vector<int64_t>> LocalShape(absl::string_view tensor,

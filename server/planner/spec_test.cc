@@ -75,6 +75,20 @@ TEST(SpecTest, GeometryFirstAxisMajor) {
   EXPECT_FALSE(BlockOffsets("t", shape, spec, mesh, 8).ok());
 }
 
+TEST(SpecTest, PeerRanksOrderedByPiece) {
+  Mesh mesh = *ParseMesh("dp=2,fsdp=2,ep=2", "");
+  // rank 5 = (1, 0, 1); peers over (ep, fsdp): pieces ep-major.
+  absl::StatusOr<std::vector<int64_t>> peers = PeerRanks(mesh, {"ep", "fsdp"}, 5);
+  ASSERT_TRUE(peers.ok()) << peers.status();
+  EXPECT_EQ(*peers, (std::vector<int64_t>{4, 6, 5, 7}));
+  EXPECT_EQ((*peers)[BlockIndex(mesh, {"ep", "fsdp"}, *RankToCoords(mesh, 5))], 5);
+  EXPECT_EQ(*PeerRanks(mesh, {}, 3), (std::vector<int64_t>{3}));
+  EXPECT_EQ(*PeerRanks(mesh, {"dp"}, 3), (std::vector<int64_t>{3, 7}));
+  EXPECT_FALSE(PeerRanks(mesh, {"zz"}, 0).ok());
+  EXPECT_FALSE(PeerRanks(mesh, {"dp", "dp"}, 0).ok());
+  EXPECT_FALSE(PeerRanks(mesh, {"dp"}, 8).ok());
+}
+
 }  // namespace
 }  // namespace planner
 }  // namespace shardgemm
