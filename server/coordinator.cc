@@ -12,7 +12,8 @@ namespace shardgemm {
 Coordinator::Coordinator(planner::Mesh mesh, Connector connect)
     : mesh_(std::move(mesh)),
       num_workers_(static_cast<int>(planner::NumWorkers(mesh_))),
-      connect_(std::move(connect)) {
+      connect_(std::move(connect)),
+      session_(absl::StrCat(absl::ToUnixNanos(absl::Now()))) {
   workers_.resize(num_workers_);
 }
 
@@ -45,6 +46,7 @@ absl::StatusOr<v1::RegisterResponse> Coordinator::Register(const v1::RegisterReq
 
   v1::RegisterResponse response;
   response.set_rank(rank);
+  response.set_session(session_);
   *response.mutable_mesh() = MeshToProto(mesh_);
   return response;
 }
@@ -397,9 +399,10 @@ absl::StatusOr<v1::GroupedGemmResponse> Coordinator::GroupedGemm(
     for (int64_t i = wp.group_sizes_begin; i < wp.group_sizes_end; ++i) {
       gemm->add_group_sizes((*group_sizes)[i]);
     }
-    const bool send_bias = metas.contains("bias") && wp.apply_bias;
+    const bool has_bias = metas.contains("bias");
+    gemm->set_apply_bias(has_bias && wp.apply_bias);
     for (const auto& [unused, name] : sources) {
-      if (!metas.contains(name) || (std::string(name) == "bias" && !send_bias)) continue;
+      if (!metas.contains(name)) continue;
       const planner::PlanOperand* op = FindOperand(*plan, name);
       v1::LocalTensor* local = std::string(name) == "lhs"   ? gemm->mutable_lhs()
                                : std::string(name) == "rhs" ? gemm->mutable_rhs()
@@ -415,9 +418,10 @@ absl::StatusOr<v1::GroupedGemmResponse> Coordinator::GroupedGemm(
       if (!offsets.ok()) return offsets.status();
       HostTensorToProto(SliceBlock(inline_tensors[name], *offsets, op->input_local_shape), local);
     }
+    bool any_collective = false;
     for (const planner::Collective& c : plan->collectives) {
       if (c.phase == planner::Phase::kWithin) continue;
-      if (c.tensor == "bias" && !send_bias) continue;
+      any_collective = true;
       v1::CollectivePlan* cp = gemm->add_collectives();
       cp->set_phase(std::string(planner::PhaseName(c.phase)));
       cp->set_kind(std::string(planner::CollectiveKindName(c.kind)));
@@ -425,6 +429,8 @@ absl::StatusOr<v1::GroupedGemmResponse> Coordinator::GroupedGemm(
       cp->set_dim(c.dim);
       for (const auto& a : c.axes) cp->add_axes(a);
     }
+    // Every worker takes the same decision, so the agreement itself matches.
+    gemm->set_agree(any_collective && num_workers_ > 1);
   }
   std::string shard_name;
   if (!request.keep_output_as().empty()) {

@@ -71,6 +71,7 @@ class Coordinator {
   const planner::Mesh mesh_;
   const int num_workers_;
   Connector connect_;
+  const std::string session_;  // names this run in rendezvous keys
 
   mutable absl::Mutex workers_mu_;
   std::vector<Worker> workers_ ABSL_GUARDED_BY(workers_mu_);

@@ -33,7 +33,8 @@ int Run() {
   }
   Coordinator coordinator(*mesh, MakeGrpcWorkerChannel);
   ShardGemmService service(&coordinator);
-  CoordinationService coordination(&coordinator);
+  RendezvousStore rendezvous;
+  CoordinationService coordination(&coordinator, &rendezvous);
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();

@@ -115,4 +115,20 @@ grpc::Status CoordinationService::Register(grpc::ServerContext*,
   return grpc::Status::OK;
 }
 
+grpc::Status CoordinationService::StoreSet(grpc::ServerContext*, const v1::StoreSetRequest* request,
+                                           v1::StoreSetResponse*) {
+  store_->Set(request->key(), request->value());
+  return grpc::Status::OK;
+}
+
+grpc::Status CoordinationService::StoreGet(grpc::ServerContext*, const v1::StoreGetRequest* request,
+                                           v1::StoreGetResponse* response) {
+  const int64_t ms = request->timeout_ms() > 0 ? std::min<int64_t>(request->timeout_ms(), 600000) : 30000;
+  auto values = store_->Get(std::vector<std::string>(request->keys().begin(), request->keys().end()),
+                            absl::Milliseconds(ms));
+  if (!values.ok()) return ToGrpcStatus(values.status());
+  for (auto& v : *values) response->add_values(std::move(v));
+  return grpc::Status::OK;
+}
+
 }  // namespace shardgemm

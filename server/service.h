@@ -5,6 +5,7 @@
 
 #include "proto/shardgemm.grpc.pb.h"
 #include "server/coordinator.h"
+#include "server/rendezvous_store.h"
 
 namespace shardgemm {
 
@@ -34,12 +35,18 @@ class ShardGemmService final : public v1::ShardGemm::Service {
 
 class CoordinationService final : public v1::Coordination::Service {
  public:
-  explicit CoordinationService(Coordinator* coordinator) : coordinator_(coordinator) {}
+  CoordinationService(Coordinator* coordinator, RendezvousStore* store)
+      : coordinator_(coordinator), store_(store) {}
   grpc::Status Register(grpc::ServerContext*, const v1::RegisterRequest*,
                         v1::RegisterResponse*) override;
+  grpc::Status StoreSet(grpc::ServerContext*, const v1::StoreSetRequest*,
+                        v1::StoreSetResponse*) override;
+  grpc::Status StoreGet(grpc::ServerContext*, const v1::StoreGetRequest*,
+                        v1::StoreGetResponse*) override;
 
  private:
   Coordinator* coordinator_;
+  RendezvousStore* store_;
 };
 
 // Chunk size for streamed tensors: well under gRPC's default 4 MiB limit.

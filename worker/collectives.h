@@ -46,6 +46,12 @@ class Collectives {
   // Sum over the group, then this worker keeps its piece along `dim`.
   virtual absl::StatusOr<HostTensor> ReduceScatter(const HostTensor& t, int dim,
                                                    const std::vector<std::string>& axes) = 0;
+  // Every worker of the mesh passes its own status; all get OK only if all
+  // are OK. A worker that failed gets its own error back, the others ABORTED.
+  // Steps call this before their collectives, so one worker's failure (a bad
+  // shard, its memory budget) fails the step everywhere instead of leaving
+  // the others waiting in a collective.
+  virtual absl::Status Agree(const absl::Status& local) = 0;
 };
 
 // For a mesh of one worker, or any group of size one: identity operations.

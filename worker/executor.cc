@@ -94,127 +94,148 @@ absl::StatusOr<Input> ResolveInput(v1::LocalTensor&& t, const ShardStore& store,
   return in;
 }
 
-// Holds a memory reservation for the life of a step.
-class Reservation {
- public:
-  Reservation(ShardStore* store, int64_t bytes) : store_(store), bytes_(bytes) {}
-  ~Reservation() { store_->Release(bytes_); }
-
- private:
-  ShardStore* store_;
-  int64_t bytes_;
-};
 
 }  // namespace
 
+namespace {
+
+bool IsReduction(const v1::CollectivePlan& c) {
+  return c.kind() == "all_reduce_sum" || c.kind() == "reduce_scatter";
+}
+
+}  // namespace
+
+absl::StatusOr<HostTensor> Executor::ApplyCollective(const v1::CollectivePlan& c,
+                                                     const HostTensor& t) {
+  std::vector<std::string> axes(c.axes().begin(), c.axes().end());
+  if (c.kind() == "all_gather") return collectives_->AllGather(t, c.dim(), axes);
+  if (c.kind() == "reduce_scatter") return collectives_->ReduceScatter(t, c.dim(), axes);
+  if (c.kind() == "all_reduce_sum" || c.kind() == "all_reduce_max") {
+    HostTensor out = t;
+    auto op = c.kind() == "all_reduce_sum" ? ReduceOp::kSum : ReduceOp::kMax;
+    if (auto s = collectives_->AllReduce(&out, op, axes); !s.ok()) return s;
+    return out;
+  }
+  if (c.kind() == "slice") {
+    auto count = position_.GroupSize(axes);
+    auto index = position_.GroupIndex(axes);
+    if (!count.ok()) return count.status();
+    if (!index.ok()) return index.status();
+    return TakePiece(t, c.dim(), *index, *count, c.tensor());
+  }
+  return absl::InvalidArgumentError(absl::StrCat("unknown collective kind '", c.kind(), "'"));
+}
+
 absl::StatusOr<v1::StepResult> Executor::RunGemm(v1::GemmStep& gemm) {
   const absl::Time start = absl::Now();
-  auto lhs = ResolveInput(std::move(*gemm.mutable_lhs()), *store_, "lhs");
-  if (!lhs.ok()) return lhs.status();
-  auto rhs = ResolveInput(std::move(*gemm.mutable_rhs()), *store_, "rhs");
-  if (!rhs.ok()) return rhs.status();
-  Input bias;
-  if (gemm.has_bias()) {
-    auto b = ResolveInput(std::move(*gemm.mutable_bias()), *store_, "bias");
-    if (!b.ok()) return b.status();
-    bias = *b;
-  }
-  const bool ragged_k = gemm.ragged() == v1::GroupedGemmRequest::RAGGED_K;
-
-  // Before-collectives bring each operand to the layout the local op needs.
-  std::shared_ptr<const HostTensor>* operands[] = {&lhs->tensor, &rhs->tensor, &bias.tensor};
+  // Stage 1, local: inputs, shapes, memory. Its status is agreed on by the
+  // whole mesh before any collective runs.
+  Input lhs, rhs, bias;
+  auto out_dtype = DTypeFromProto(gemm.out_dtype(), "out_dtype");
+  absl::Status prepared = out_dtype.status();
   const char* names[] = {"lhs", "rhs", "bias"};
-  int64_t working_bytes = lhs->tensor->NumBytes() + rhs->tensor->NumBytes();
+  Input* inputs[] = {&lhs, &rhs, &bias};
+  const bool has_bias = gemm.has_bias();  // before mutable_bias() creates one
+  v1::LocalTensor* protos[] = {gemm.mutable_lhs(), gemm.mutable_rhs(), gemm.mutable_bias()};
+  for (int i = 0; i < 3 && prepared.ok(); ++i) {
+    if (i == 2 && !has_bias) break;
+    auto in = ResolveInput(std::move(*protos[i]), *store_, names[i]);
+    if (in.ok()) *inputs[i] = *in;
+    else prepared = in.status();
+  }
+  bool reduces = false;
+  for (const auto& c : gemm.collectives()) reduces |= c.phase() == "after" && IsReduction(c);
+  // Partial sums stay in FP32 until reduced: one rounding, at the end.
+  const DType local_dtype = reduces ? DType::kF32 : out_dtype.value_or(DType::kF32);
+  int64_t working_bytes = 0;
+  if (prepared.ok()) {
+    // Gathered inputs and the output, estimated from the collectives.
+    working_bytes = lhs.tensor->NumBytes() + rhs.tensor->NumBytes();
+    for (const auto& c : gemm.collectives()) {
+      std::vector<std::string> axes(c.axes().begin(), c.axes().end());
+      auto n = position_.GroupSize(axes);
+      if (!n.ok()) { prepared = n.status(); break; }
+      if (c.phase() == "before" && c.kind() == "all_gather") {
+        const Input* in = c.tensor() == "lhs" ? &lhs : c.tensor() == "rhs" ? &rhs : &bias;
+        if (in->tensor != nullptr) working_bytes += in->tensor->NumBytes() * *n;
+      }
+    }
+  }
+  if (prepared.ok()) prepared = store_->Reserve(working_bytes);
+  const bool reserved = prepared.ok();
+  struct Release {
+    ShardStore* store; int64_t bytes; bool active;
+    ~Release() { if (active) store->Release(bytes); }
+  } release{store_, working_bytes, reserved};
+  if (gemm.agree()) prepared = collectives_->Agree(prepared);
+  if (!prepared.ok()) return prepared;
+
+  // Stage 2: before-collectives bring each operand to its compute layout.
+  absl::Status status;
   for (const v1::CollectivePlan& c : gemm.collectives()) {
     if (c.phase() != "before") continue;
-    std::shared_ptr<const HostTensor>* target = nullptr;
+    Input* target = nullptr;
     for (int i = 0; i < 3; ++i) {
-      if (c.tensor() == names[i]) target = operands[i];
+      if (c.tensor() == names[i]) target = inputs[i];
     }
-    if (target == nullptr || *target == nullptr) {
-      return absl::InvalidArgumentError(
+    if (target == nullptr || target->tensor == nullptr) {
+      status = absl::InvalidArgumentError(
           absl::StrCat("plan collective names unknown tensor '", c.tensor(), "'"));
+      break;
     }
-    std::vector<std::string> axes(c.axes().begin(), c.axes().end());
-    absl::StatusOr<HostTensor> next;
-    if (c.kind() == "all_gather") {
-      next = collectives_->AllGather(**target, c.dim(), axes);
-    } else if (c.kind() == "slice") {
-      auto count = position_.GroupSize(axes);
-      auto index = position_.GroupIndex(axes);
-      if (!count.ok()) return count.status();
-      if (!index.ok()) return index.status();
-      next = TakePiece(**target, c.dim(), *index, *count, c.tensor());
+    auto next = ApplyCollective(c, *target->tensor);
+    if (!next.ok()) { status = next.status(); break; }
+    target->tensor = std::make_shared<const HostTensor>(std::move(*next));
+  }
+
+  // Stage 3: the local op.
+  absl::StatusOr<HostTensor> out = absl::UnknownError("not run");
+  if (status.ok()) {
+    const HostTensor& l = *lhs.tensor;
+    const HostTensor& r = *rhs.tensor;
+    std::vector<int64_t> group_sizes(gemm.group_sizes().begin(), gemm.group_sizes().end());
+    const bool ragged_k = gemm.ragged() == v1::GroupedGemmRequest::RAGGED_K;
+    const int64_t g = static_cast<int64_t>(group_sizes.size());
+    if (l.shape.size() != 2) {
+      status = absl::InvalidArgumentError("local lhs must be rank 2");
+    } else if (r.shape.size() != (ragged_k ? 2u : 3u)) {
+      status = absl::InvalidArgumentError(absl::StrCat("local rhs must be rank ", ragged_k ? 2 : 3));
+    } else if (!ragged_k && r.shape[0] != g) {
+      status = absl::InvalidArgumentError(
+          absl::StrCat("local rhs has ", r.shape[0], " groups but group_sizes has ", g));
     } else {
-      return absl::InvalidArgumentError(
-          absl::StrCat("collective '", c.kind(), "' cannot run before the local op"));
+      LocalGemm local;
+      local.ragged_k = ragged_k;
+      local.lhs = &l;
+      local.rhs = &r;
+      local.bias = gemm.apply_bias() ? bias.tensor.get() : nullptr;
+      local.group_sizes = std::move(group_sizes);
+      local.rhs_transposed = gemm.rhs_transposed();
+      local.out_dtype = local_dtype;
+      out = backend_->GroupedGemm(local);
+      status = out.status();
     }
-    if (!next.ok()) return next.status();
-    working_bytes += next->NumBytes();
-    *target = std::make_shared<const HostTensor>(std::move(*next));
   }
+  bool has_after = false;
+  for (const auto& c : gemm.collectives()) has_after |= c.phase() == "after";
+  if (gemm.agree() && has_after) status = collectives_->Agree(status);
+  if (!status.ok()) return status;
 
-  const HostTensor& l = *lhs->tensor;
-  const HostTensor& r = *rhs->tensor;
-  std::vector<int64_t> group_sizes(gemm.group_sizes().begin(), gemm.group_sizes().end());
-  if (l.shape.size() != 2) return absl::InvalidArgumentError("local lhs must be rank 2");
-  const int64_t g = static_cast<int64_t>(group_sizes.size());
-  int64_t out_elems;
-  if (ragged_k) {
-    if (r.shape.size() != 2) return absl::InvalidArgumentError("local rhs must be rank 2");
-    out_elems = g * l.shape[1] * r.shape[1];
-  } else {
-    if (r.shape.size() != 3) return absl::InvalidArgumentError("local rhs must be rank 3");
-    if (r.shape[0] != g) {
-      return absl::InvalidArgumentError(absl::StrCat("local rhs has ", r.shape[0],
-                                                     " groups but group_sizes has ", g));
-    }
-    out_elems = l.shape[0] * (gemm.rhs_transposed() ? r.shape[1] : r.shape[2]);
-  }
-  auto out_dtype = DTypeFromProto(gemm.out_dtype(), "out_dtype");
-  if (!out_dtype.ok()) return out_dtype.status();
-  working_bytes += out_elems * DTypeSize(*out_dtype);
-  if (auto s = store_->Reserve(working_bytes); !s.ok()) return s;
-  Reservation reservation(store_, working_bytes);
-
-  LocalGemm local;
-  local.ragged_k = ragged_k;
-  local.lhs = &l;
-  local.rhs = &r;
-  local.bias = bias.tensor.get();
-  local.group_sizes = std::move(group_sizes);
-  local.rhs_transposed = gemm.rhs_transposed();
-  local.out_dtype = *out_dtype;
-  auto out = backend_->GroupedGemm(local);
-  if (!out.ok()) return out.status();
-
+  // Stage 4: after-collectives give the output its spec.
   for (const v1::CollectivePlan& c : gemm.collectives()) {
     if (c.phase() != "after") continue;
     if (c.tensor() != "out") {
       return absl::InvalidArgumentError(
           absl::StrCat("after-collective names '", c.tensor(), "', expected 'out'"));
     }
-    std::vector<std::string> axes(c.axes().begin(), c.axes().end());
-    if (c.kind() == "all_reduce_sum") {
-      if (auto s = collectives_->AllReduce(&*out, ReduceOp::kSum, axes); !s.ok()) return s;
-    } else if (c.kind() == "all_reduce_max") {
-      if (auto s = collectives_->AllReduce(&*out, ReduceOp::kMax, axes); !s.ok()) return s;
-    } else if (c.kind() == "reduce_scatter") {
-      auto next = collectives_->ReduceScatter(*out, c.dim(), axes);
-      if (!next.ok()) return next.status();
-      *out = std::move(*next);
-    } else if (c.kind() == "slice") {
-      auto count = position_.GroupSize(axes);
-      auto index = position_.GroupIndex(axes);
-      if (!count.ok()) return count.status();
-      if (!index.ok()) return index.status();
-      auto next = TakePiece(*out, c.dim(), *index, *count, "out");
-      if (!next.ok()) return next.status();
-      *out = std::move(*next);
-    } else {
-      return absl::InvalidArgumentError(
-          absl::StrCat("collective '", c.kind(), "' cannot run after the local op"));
-    }
+    auto next = ApplyCollective(c, *out);
+    if (!next.ok()) return next.status();
+    *out = std::move(*next);
+  }
+  if (out->dtype != *out_dtype) {
+    auto converted = ConvertFloatTensor(*out, *out_dtype);
+    if (!converted.ok()) return converted.status();
+    *out = std::move(*converted);
   }
 
   v1::StepResult result;

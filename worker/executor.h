@@ -33,6 +33,7 @@ class Executor {
   absl::Status WaitForTurn(uint64_t sequence);
   void PassTurn();
   absl::StatusOr<v1::StepResult> RunGemm(v1::GemmStep& gemm);
+  absl::StatusOr<HostTensor> ApplyCollective(const v1::CollectivePlan& c, const HostTensor& t);
   absl::StatusOr<v1::StepResult> RunStore(v1::StoreShardStep& store);
 
   Backend* backend_;

@@ -18,6 +18,7 @@
 #include "proto/shardgemm.grpc.pb.h"
 #include "worker/backend.h"
 #include "worker/executor.h"
+#include "worker/gloo_collectives.h"
 #include "worker/grpc_status.h"
 #include "worker/worker_service.h"
 
@@ -28,6 +29,8 @@ ABSL_FLAG(std::string, backend, "auto", "auto | cpu | cuda (auto: cuda where a G
 ABSL_FLAG(int, device, 0, "CUDA device ordinal");
 ABSL_FLAG(int, threads, 0, "CPU backend threads (0: all cores)");
 ABSL_FLAG(int64_t, memory_budget_mb, 4096, "resident shards + working memory budget, MiB");
+ABSL_FLAG(int, collective_timeout_s, 60,
+          "a collective whose peers do not all arrive within this fails the request");
 ABSL_FLAG(int, register_timeout_s, 60, "how long to keep trying to reach the coordinator");
 
 namespace shardgemm {
@@ -117,9 +120,12 @@ int Run() {
   if (position.NumWorkers() == 1) {
     collectives = MakeLocalCollectives(position);
   } else {
-    // Multi-worker collectives (Gloo / NCCL) join here; until then groups of
-    // more than one worker fail with FAILED_PRECONDITION, never hang.
-    collectives = MakeLocalCollectives(position);
+    // The CPU backend's collectives: Gloo over TCP, rendezvous through the
+    // coordinator. (The CUDA backend's NCCL communicators plug in here.)
+    collectives = MakeGlooCollectives(
+        position,
+        MakeCoordinatorStore(absl::GetFlag(FLAGS_coordinator), response.session() + "/"), host,
+        std::chrono::seconds(absl::GetFlag(FLAGS_collective_timeout_s)));
   }
   executor.Configure(position, std::move(collectives));
   std::cerr << "shardgemm-worker: rank " << position.rank << " serving on " << address

@@ -1,0 +1,31 @@
+// A key-value map the workers rendezvous through (Gloo's Store, NCCL unique
+// ids): set once, read by everyone, waiting until a key appears.
+#ifndef SHARDGEMM_SERVER_RENDEZVOUS_STORE_H_
+#define SHARDGEMM_SERVER_RENDEZVOUS_STORE_H_
+
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+
+namespace shardgemm {
+
+class RendezvousStore {
+ public:
+  void Set(const std::string& key, std::string value);
+  // The values of `keys`, waiting up to `timeout` for all of them;
+  // DEADLINE_EXCEEDED naming a missing key otherwise.
+  absl::StatusOr<std::vector<std::string>> Get(const std::vector<std::string>& keys,
+                                               absl::Duration timeout);
+
+ private:
+  absl::Mutex mu_;
+  absl::flat_hash_map<std::string, std::string> values_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace shardgemm
+
+#endif  // SHARDGEMM_SERVER_RENDEZVOUS_STORE_H_

@@ -1,0 +1,246 @@
+#include "worker/gloo_collectives.h"
+
+#include <exception>
+#include <map>
+#include <mutex>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "gloo/allgather.h"
+#include "gloo/allreduce.h"
+#include "gloo/math.h"
+#include "gloo/rendezvous/context.h"
+#include "gloo/rendezvous/prefix_store.h"
+#include "gloo/rendezvous/store.h"
+#include "gloo/transport/tcp/device.h"
+#include "grpcpp/grpcpp.h"
+#include "proto/shardgemm.grpc.pb.h"
+
+namespace shardgemm {
+namespace {
+
+class CoordinatorStore : public gloo::rendezvous::Store {
+ public:
+  CoordinatorStore(const std::string& coordinator, std::string prefix) : prefix_(std::move(prefix)) {
+    grpc::ChannelArguments args;
+    args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 50);
+    args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 50);
+    stub_ = v1::Coordination::NewStub(
+        grpc::CreateCustomChannel(coordinator, grpc::InsecureChannelCredentials(), args));
+  }
+
+  void set(const std::string& key, const std::vector<char>& data) override {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+    v1::StoreSetRequest request;
+    request.set_key(prefix_ + key);
+    request.set_value(std::string(data.begin(), data.end()));
+    v1::StoreSetResponse response;
+    grpc::Status s = stub_->StoreSet(&ctx, request, &response);
+    if (!s.ok()) throw gloo::IoException("rendezvous set failed: " + s.error_message());
+  }
+
+  std::vector<char> get(const std::string& key) override {
+    auto values = Fetch({key}, kDefaultTimeout);
+    return std::vector<char>(values[0].begin(), values[0].end());
+  }
+
+  void wait(const std::vector<std::string>& keys) override { wait(keys, kDefaultTimeout); }
+  void wait(const std::vector<std::string>& keys,
+            const std::chrono::milliseconds& timeout) override {
+    Fetch(keys, timeout);
+  }
+
+ private:
+  std::vector<std::string> Fetch(const std::vector<std::string>& keys,
+                                 std::chrono::milliseconds timeout) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + timeout + std::chrono::seconds(5));
+    v1::StoreGetRequest request;
+    for (const auto& k : keys) request.add_keys(prefix_ + k);
+    request.set_timeout_ms(timeout.count());
+    v1::StoreGetResponse response;
+    grpc::Status s = stub_->StoreGet(&ctx, request, &response);
+    if (!s.ok()) throw gloo::IoException("rendezvous get failed: " + s.error_message());
+    return std::vector<std::string>(response.values().begin(), response.values().end());
+  }
+
+  std::string prefix_;
+  std::unique_ptr<v1::Coordination::Stub> stub_;
+};
+
+// FP32 view of a float tensor for reductions (BF16/F16 reduce in FP32).
+std::vector<float> ToFloat(const HostTensor& t) {
+  std::vector<float> v(static_cast<size_t>(t.NumElements()));
+  for (int64_t i = 0; i < t.NumElements(); ++i) v[i] = LoadAsFloat(t, i);
+  return v;
+}
+
+class GlooCollectives : public Collectives {
+ public:
+  GlooCollectives(MeshPosition position, std::shared_ptr<gloo::rendezvous::Store> store,
+                  const std::string& hostname, std::chrono::milliseconds timeout)
+      : position_(std::move(position)), store_(std::move(store)), timeout_(timeout) {
+    gloo::transport::tcp::attr attr;
+    attr.hostname = hostname;
+    device_ = gloo::transport::tcp::CreateDevice(attr);
+  }
+
+  absl::StatusOr<HostTensor> AllGather(const HostTensor& local, int dim,
+                                       const std::vector<std::string>& axes) override {
+    auto ctx = Context(axes);
+    if (!ctx.ok()) return ctx.status();
+    if (*ctx == nullptr) return local;
+    const int size = (*ctx)->size;
+    std::string gathered(local.bytes.size() * size, '\0');
+    try {
+      gloo::AllgatherOptions opts(*ctx);
+      opts.setInput(const_cast<char*>(local.bytes.data()), local.bytes.size());
+      opts.setOutput(&gathered[0], gathered.size());
+      opts.setTimeout(timeout_);
+      gloo::allgather(opts);
+    } catch (const std::exception& e) {
+      return Broken(axes, e);
+    }
+    // Pieces arrive in group-index order; place each along `dim`.
+    HostTensor out;
+    out.dtype = local.dtype;
+    out.shape = local.shape;
+    out.shape[dim] *= size;
+    out.bytes.assign(gathered.size(), '\0');
+    for (int i = 0; i < size; ++i) {
+      HostTensor piece;
+      piece.dtype = local.dtype;
+      piece.shape = local.shape;
+      piece.bytes = gathered.substr(i * local.bytes.size(), local.bytes.size());
+      std::vector<int64_t> offsets(local.shape.size(), 0);
+      offsets[dim] = i * local.shape[dim];
+      InsertBlock(piece, offsets, &out);
+    }
+    return out;
+  }
+
+  absl::Status AllReduce(HostTensor* t, ReduceOp op, const std::vector<std::string>& axes) override {
+    auto ctx = Context(axes);
+    if (!ctx.ok()) return ctx.status();
+    if (*ctx == nullptr || t->NumElements() == 0) return absl::OkStatus();
+    try {
+      if (t->dtype == DType::kI64) {
+        Reduce<int64_t>(*ctx, t->data<int64_t>(), t->NumElements(), op);
+      } else if (t->dtype == DType::kI32) {
+        Reduce<int32_t>(*ctx, t->data<int32_t>(), t->NumElements(), op);
+      } else if (t->dtype == DType::kF32) {
+        Reduce<float>(*ctx, t->data<float>(), t->NumElements(), op);
+      } else {
+        std::vector<float> v = ToFloat(*t);
+        Reduce<float>(*ctx, v.data(), v.size(), op);
+        for (int64_t i = 0; i < t->NumElements(); ++i) StoreFromFloat(t, i, v[i]);
+      }
+    } catch (const std::exception& e) {
+      return Broken(axes, e);
+    }
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<HostTensor> ReduceScatter(const HostTensor& t, int dim,
+                                           const std::vector<std::string>& axes) override {
+    // Gloo's reduce-scatter is an old-style algorithm class; allreduce then
+    // keep our piece gives the same result with Gloo's tuned allreduce.
+    HostTensor full = t;
+    if (auto s = AllReduce(&full, ReduceOp::kSum, axes); !s.ok()) return s;
+    auto count = position_.GroupSize(axes);
+    auto index = position_.GroupIndex(axes);
+    if (!count.ok()) return count.status();
+    if (!index.ok()) return index.status();
+    return TakePiece(full, dim, *index, *count, "reduce_scatter");
+  }
+
+  absl::Status Agree(const absl::Status& local) override {
+    HostTensor flag = *ZerosTensor(DType::kI32, {1});
+    flag.data<int32_t>()[0] = local.ok() ? 0 : 1;
+    if (auto s = AllReduce(&flag, ReduceOp::kMax, position_.axis_names); !s.ok()) return s;
+    if (!local.ok()) return local;
+    if (flag.data<int32_t>()[0] != 0) {
+      return absl::AbortedError("another worker failed this step; see the request's status");
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  template <typename T>
+  void Reduce(const std::shared_ptr<gloo::Context>& ctx, T* data, size_t n, ReduceOp op) {
+    gloo::AllreduceOptions opts(ctx);
+    opts.setOutput(data, n);
+    using Fn = void (*)(void*, const void*, const void*, size_t);
+    Fn fn = op == ReduceOp::kSum ? static_cast<Fn>(&gloo::sum<T>) : static_cast<Fn>(&gloo::max<T>);
+    opts.setReduceFunction(fn);
+    opts.setTimeout(timeout_);
+    gloo::allreduce(opts);
+  }
+
+  absl::Status Broken(const std::vector<std::string>& axes, const std::exception& e) {
+    // A context that timed out or lost a peer cannot be trusted again.
+    std::lock_guard<std::mutex> lock(mu_);
+    contexts_.erase(absl::StrJoin(axes, ","));
+    return absl::UnavailableError(
+        absl::StrCat("collective over (", absl::StrJoin(axes, ","), ") failed: ", e.what()));
+  }
+
+  // The context of this worker's group over `axes`; null for a group of one.
+  absl::StatusOr<std::shared_ptr<gloo::Context>> Context(const std::vector<std::string>& axes) {
+    auto size = position_.GroupSize(axes);
+    auto index = position_.GroupIndex(axes);
+    if (!size.ok()) return size.status();
+    if (!index.ok()) return index.status();
+    if (*size == 1) return std::shared_ptr<gloo::Context>();
+    const std::string key = absl::StrJoin(axes, ",");
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = contexts_.find(key);
+    if (it != contexts_.end()) return it->second;
+    // The group is named by the coordinates on the other axes; a context
+    // re-created after a failure gets a new generation.
+    std::vector<std::string> other;
+    for (size_t d = 0; d < position_.axis_names.size(); ++d) {
+      if (std::find(axes.begin(), axes.end(), position_.axis_names[d]) == axes.end()) {
+        other.push_back(absl::StrCat(position_.axis_names[d], "=", position_.coords[d]));
+      }
+    }
+    const std::string prefix = absl::StrCat("gloo/", key, "/", absl::StrJoin(other, ","), "/",
+                                            generation_[key]++);
+    try {
+      auto ctx = std::make_shared<gloo::rendezvous::Context>(static_cast<int>(*index),
+                                                             static_cast<int>(*size));
+      ctx->setTimeout(timeout_);
+      gloo::rendezvous::PrefixStore prefixed(prefix, *store_);
+      ctx->connectFullMesh(prefixed, device_);
+      contexts_[key] = ctx;
+      return std::shared_ptr<gloo::Context>(ctx);
+    } catch (const std::exception& e) {
+      return absl::UnavailableError(absl::StrCat("cannot connect the (", key, ") group: ", e.what()));
+    }
+  }
+
+  MeshPosition position_;
+  std::shared_ptr<gloo::rendezvous::Store> store_;
+  std::chrono::milliseconds timeout_;
+  std::shared_ptr<gloo::transport::Device> device_;
+  std::mutex mu_;
+  std::map<std::string, std::shared_ptr<gloo::Context>> contexts_;
+  std::map<std::string, int> generation_;
+};
+
+}  // namespace
+
+std::shared_ptr<gloo::rendezvous::Store> MakeCoordinatorStore(const std::string& coordinator,
+                                                              const std::string& namespace_prefix) {
+  return std::make_shared<CoordinatorStore>(coordinator, namespace_prefix);
+}
+
+std::unique_ptr<Collectives> MakeGlooCollectives(const MeshPosition& position,
+                                                 std::shared_ptr<gloo::rendezvous::Store> store,
+                                                 const std::string& hostname,
+                                                 std::chrono::milliseconds timeout) {
+  return std::make_unique<GlooCollectives>(position, std::move(store), hostname, timeout);
+}
+
+}  // namespace shardgemm

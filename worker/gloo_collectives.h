@@ -1,0 +1,35 @@
+// Collectives for the CPU backend: Gloo over TCP, one Gloo context per
+// mesh-axis group, created the first time a step needs it. Every member of a
+// group reaches that step at the same place in the global order, so lazy
+// creation lines up; rendezvous goes through the coordinator's store.
+#ifndef SHARDGEMM_WORKER_GLOO_COLLECTIVES_H_
+#define SHARDGEMM_WORKER_GLOO_COLLECTIVES_H_
+
+#include <chrono>
+#include <memory>
+#include <string>
+
+#include "worker/collectives.h"
+
+namespace gloo {
+namespace rendezvous {
+class Store;
+}  // namespace rendezvous
+}  // namespace gloo
+
+namespace shardgemm {
+
+// A Gloo rendezvous store backed by the coordinator's Coordination service.
+std::shared_ptr<gloo::rendezvous::Store> MakeCoordinatorStore(const std::string& coordinator,
+                                                              const std::string& namespace_prefix);
+
+// `hostname`: the address peers reach this worker on. `timeout` bounds every
+// collective: a peer that never arrives is an error, not a hang.
+std::unique_ptr<Collectives> MakeGlooCollectives(const MeshPosition& position,
+                                                 std::shared_ptr<gloo::rendezvous::Store> store,
+                                                 const std::string& hostname,
+                                                 std::chrono::milliseconds timeout);
+
+}  // namespace shardgemm
+
+#endif  // SHARDGEMM_WORKER_GLOO_COLLECTIVES_H_
