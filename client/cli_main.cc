@@ -348,8 +348,13 @@ int Gemm() {
     std::cout << "wrote " << absl::GetFlag(FLAGS_out) << "\n";
   }
   if (absl::GetFlag(FLAGS_check)) {
-    if (ops.lhs.dtype == DType::kInvalid || ops.rhs.dtype == DType::kInvalid) {
-      return Fail(absl::FailedPreconditionError("--check needs lhs and rhs as data, not resident"));
+    // Resident operands are read back from the workers for the reference.
+    for (auto [t, h] : {std::make_pair(&request.lhs(), &ops.lhs), std::make_pair(&request.rhs(), &ops.rhs),
+                        std::make_pair(&request.bias(), &ops.bias)}) {
+      if (t->source_case() != v1::Tensor::kResident) continue;
+      auto fetched = client.GetTensor(t->resident());
+      if (!fetched.ok()) return Fail(fetched.status());
+      *h = std::move(*fetched);
     }
     auto reference = ReferenceGroupedGemm(ops, response->plan());
     if (!reference.ok()) return Fail(reference.status());

@@ -7,8 +7,8 @@ cd "$(dirname "$0")/.."
 BIN=./bin
 PORT=${SHARDGEMM_DEMO_PORT:-50151}
 ADDR=127.0.0.1:$PORT
-MESH=${SHARDGEMM_DEMO_MESH:-dp=1}
-WORKERS=${SHARDGEMM_DEMO_WORKERS:-1}
+MESH=ep=2,fsdp=2
+WORKERS=4
 LOGS=$(mktemp -d)
 pids=()
 cleanup() {
@@ -32,9 +32,16 @@ $BIN/shardgemm cluster --coordinator="$ADDR"
 sed 's/^/   /' "$LOGS"/worker*.log
 
 echo
-echo "== grouped GEMM: 4 experts of uneven sizes (one empty), 512 rows, K=256, N=128, bf16"
-$BIN/shardgemm gemm --coordinator="$ADDR" --lhs=512x256 --rhs=4x256x128 \
-  --group-sizes=200,0,96,180 --dtype=bf16 --seed=42 --check
+echo "== expert weights resident: 8 experts [8, 256, 128] bf16, experts split over ep, K over fsdp"
+$BIN/shardgemm put experts --coordinator="$ADDR" --data=8x256x128 --dtype=bf16 --seed=7 \
+  --spec='(ep, fsdp, None)'
+
+echo
+echo "== grouped GEMM: 1024 tokens split over (fsdp, ep), each shard's 4 local experts uneven (some empty)"
+echo "   the plan gathers each worker's experts along fsdp before its local GEMM"
+$BIN/shardgemm gemm --coordinator="$ADDR" --lhs='1024x256@((fsdp, ep), None)' --rhs=resident:experts \
+  --group-sizes='100,0,60,96, 30,30,30,30, 256,0,0,0, 1,2,3,200@((fsdp, ep),)' \
+  --dtype=bf16 --seed=42 --check
 
 echo
 echo "== shutting down"
