@@ -1390,6 +1390,24 @@ std::string FormatPlanText(const Plan& plan) {
   }
   absl::StrAppend(&out, "  total per worker: ", BytesText(plan.bytes_per_worker),
                   "; flops per worker: ", plan.flops_per_worker, "\n");
+  // Workers: which group_sizes entries and experts each one uses.
+  const size_t shown = std::min<size_t>(plan.workers.size(), 16);
+  if (shown > 0) absl::StrAppend(&out, "\nworkers:\n");
+  for (size_t i = 0; i < shown; ++i) {
+    const WorkerPlan& w = plan.workers[i];
+    std::vector<std::string> coords;
+    for (size_t a = 0; a < w.coords.size() && a < plan.mesh.axes.size(); ++a) {
+      coords.push_back(absl::StrCat(plan.mesh.axes[a].name, "=", w.coords[a]));
+    }
+    absl::StrAppend(&out, absl::StrFormat("  rank %-3d (%s): group_sizes [%d, %d), groups %d..%d%s\n",
+                                          w.rank, absl::StrJoin(coords, ","), w.group_sizes_begin,
+                                          w.group_sizes_end, w.first_group,
+                                          w.first_group + w.local_group_count - 1,
+                                          w.apply_bias ? ", adds bias" : ""));
+  }
+  if (plan.workers.size() > shown) {
+    absl::StrAppend(&out, "  ... ", plan.workers.size() - shown, " more\n");
+  }
   if (!plan.warnings.empty()) {
     absl::StrAppend(&out, "\nwarnings:\n");
     for (const PlanWarning& w : plan.warnings) absl::StrAppend(&out, "  ", w.text, "\n");
