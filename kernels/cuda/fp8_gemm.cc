@@ -1,6 +1,7 @@
 #include "kernels/cuda/fp8_gemm.h"
 
 #include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 
@@ -73,78 +74,163 @@ absl::Status Fp8GroupedGemm(const Fp8GroupedGemmArgs& a, cublasLtHandle_t handle
 
   const int64_t used = ll->row_offset[a.num_groups];
   const int es = DTypeSize(a.out_dtype);
+  auto cuda_err = [](cudaError_t e, const char* what) {
+    return absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorString(e)));
+  };
   if (used < a.m) {
     cudaError_t e = cudaMemsetAsync(static_cast<char*>(a.out) + used * a.n * es, 0,
                                     static_cast<size_t>((a.m - used) * a.n * es), stream);
-    if (e != cudaSuccess) return absl::InternalError(absl::StrCat("cudaMemsetAsync: ", cudaGetErrorString(e)));
+    if (e != cudaSuccess) return cuda_err(e, "cudaMemsetAsync");
   }
   const cudaDataType_t out_type =
       a.out_dtype == DType::kBF16 ? CUDA_R_16BF : a.out_dtype == DType::kF16 ? CUDA_R_16F : CUDA_R_32F;
   const float alpha = 1.0f, beta = 0.0f;
   const char* mode_name = tensor ? "tensor scaling" : "block scaling (1x128 x 128x128)";
+  const int64_t kb = (a.k + 127) / 128;
+
+  // cuBLASLt wants its scale pointers aligned (a per-group float inside a [G]
+  // array is only 4-byte aligned): copy every group's scales to 256-byte slots.
+  auto slot_bytes = [](int64_t bytes) { return (bytes + 255) / 256 * 256; };
+  std::vector<int64_t> lslot(static_cast<size_t>(a.num_groups + 1), 0), rslot(lslot);
   for (int64_t g = 0; g < a.num_groups; ++g) {
-    const int64_t mg = a.group_sizes[g];
-    if (mg == 0) continue;
+    const int64_t lb = tensor ? 4 : 4 * (ll->rowwise_scale_offset[g + 1] - ll->rowwise_scale_offset[g]);
+    const int64_t rb = tensor ? 4 : 4 * (rl->rowwise_scale_offset[g + 1] - rl->rowwise_scale_offset[g]);
+    lslot[g + 1] = lslot[g] + slot_bytes(lb);
+    rslot[g + 1] = rslot[g] + slot_bytes(rb);
+  }
+  char* scratch = nullptr;
+  const int64_t scratch_bytes = lslot[a.num_groups] + rslot[a.num_groups];
+  if (scratch_bytes > 0) {
+    cudaError_t e = cudaMallocAsync(reinterpret_cast<void**>(&scratch), static_cast<size_t>(scratch_bytes), stream);
+    if (e != cudaSuccess) return cuda_err(e, "cudaMallocAsync");
+  }
+  struct Freer {
+    void* p;
+    cudaStream_t s;
+    ~Freer() {
+      if (p) cudaFreeAsync(p, s);
+    }
+  } free_scratch{scratch, stream};
+  char* lscr = scratch;
+  char* rscr = scratch + lslot[a.num_groups];
+  for (int side = 0; side < 2 && a.num_groups > 0; ++side) {
+    const char* src = static_cast<const char*>(side == 0 ? a.lhs_scale_inv : a.rhs_scale_inv);
+    char* dst = side == 0 ? lscr : rscr;
+    cudaError_t e = cudaSuccess;
+    if (tensor) {
+      e = cudaMemcpy2DAsync(dst, 256, src, 4, 4, static_cast<size_t>(a.num_groups), cudaMemcpyDeviceToDevice, stream);
+    } else {
+      const QuantizeLayout& lay = side == 0 ? *ll : *rl;
+      const std::vector<int64_t>& slot = side == 0 ? lslot : rslot;
+      for (int64_t g = 0; g < a.num_groups && e == cudaSuccess; ++g) {
+        const int64_t bytes = 4 * (lay.rowwise_scale_offset[g + 1] - lay.rowwise_scale_offset[g]);
+        if (bytes) {
+          e = cudaMemcpyAsync(dst + slot[g], src + 4 * lay.rowwise_scale_offset[g], static_cast<size_t>(bytes),
+                              cudaMemcpyDeviceToDevice, stream);
+        }
+      }
+    }
+    if (e != cudaSuccess) return cuda_err(e, "scale copy");
+  }
+
+  // One FP8 matmul: D [n x cols] = A^T [n x k] * B [k x cols], trying cuBLASLt's top algorithms in turn.
+  std::string last_error;
+  auto matmul = [&](const void* A, const void* B, void* D, int64_t cols, const void* a_scale,
+                    const void* b_scale) -> bool {
     Descs d;
-    if (auto s = Lt(cublasLtMatmulDescCreate(&d.op, CUBLAS_COMPUTE_32F, CUDA_R_32F), "MatmulDescCreate"); !s.ok()) {
-      return s;
+    if (cublasLtMatmulDescCreate(&d.op, CUBLAS_COMPUTE_32F, CUDA_R_32F) != CUBLAS_STATUS_SUCCESS) {
+      last_error = "cublasLtMatmulDescCreate failed";
+      return false;
     }
     const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
     cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta));
     cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb));
     const int8_t fast = a.fast_accum ? 1 : 0;
     cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast, sizeof(fast));
-    const void* a_scale;
-    const void* b_scale;
-    if (tensor) {
-      a_scale = static_cast<const float*>(a.rhs_scale_inv) + g;
-      b_scale = static_cast<const float*>(a.lhs_scale_inv) + g;
-    } else {
-      a_scale = static_cast<const float*>(a.rhs_scale_inv) + rl->rowwise_scale_offset[g];
-      b_scale = static_cast<const float*>(a.lhs_scale_inv) + ll->rowwise_scale_offset[g];
+    if (!tensor) {
       const cublasLtMatmulMatrixScale_t am = CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F;
       const cublasLtMatmulMatrixScale_t bm = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
-      if (auto s = Lt(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &am, sizeof(am)),
-                      "A_SCALE_MODE");
-          !s.ok()) {
-        return absl::UnimplementedError(absl::StrCat(mode_name, ": ", s.message()));
-      }
-      if (auto s = Lt(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &bm, sizeof(bm)),
-                      "B_SCALE_MODE");
-          !s.ok()) {
-        return absl::UnimplementedError(absl::StrCat(mode_name, ": ", s.message()));
+      if (cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &am, sizeof(am)) !=
+              CUBLAS_STATUS_SUCCESS ||
+          cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &bm, sizeof(bm)) !=
+              CUBLAS_STATUS_SUCCESS) {
+        last_error = "this cuBLASLt does not take the block scale modes";
+        return false;
       }
     }
     cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &a_scale, sizeof(a_scale));
     cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &b_scale, sizeof(b_scale));
-    if (auto s = Lt(cublasLtMatrixLayoutCreate(&d.a, Fp8Type(a.rhs_format), a.k, a.n, a.k), "layout A"); !s.ok()) {
-      return s;
-    }
-    if (auto s = Lt(cublasLtMatrixLayoutCreate(&d.b, Fp8Type(a.lhs_format), a.k, mg, a.k), "layout B"); !s.ok()) {
-      return s;
-    }
-    if (auto s = Lt(cublasLtMatrixLayoutCreate(&d.d, out_type, a.n, mg, a.n), "layout D"); !s.ok()) return s;
+    cublasLtMatrixLayoutCreate(&d.a, Fp8Type(a.rhs_format), a.k, a.n, a.k);
+    cublasLtMatrixLayoutCreate(&d.b, Fp8Type(a.lhs_format), a.k, cols, a.k);
+    cublasLtMatrixLayoutCreate(&d.d, out_type, a.n, cols, a.n);
     cublasLtMatmulPreferenceCreate(&d.pref);
     size_t ws = a.workspace_bytes;
     cublasLtMatmulPreferenceSetAttribute(d.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws));
-    cublasLtMatmulHeuristicResult_t heur{};
+    cublasLtMatmulHeuristicResult_t heur[8] = {};
     int found = 0;
-    cublasStatus_t hs = cublasLtMatmulAlgoGetHeuristic(handle, d.op, d.a, d.b, d.d, d.d, d.pref, 1, &heur, &found);
+    cublasStatus_t hs = cublasLtMatmulAlgoGetHeuristic(handle, d.op, d.a, d.b, d.d, d.d, d.pref, 8, heur, &found);
     if (hs != CUBLAS_STATUS_SUCCESS || found == 0) {
-      return absl::UnimplementedError(absl::StrCat(mode_name, " FP8 GEMM (", Fp8FormatName(a.rhs_format), " x ",
-                                                   Fp8FormatName(a.lhs_format), ", n=", a.n, " k=", a.k, " m_g=", mg,
-                                                   "): cuBLASLt has no algorithm here (status ",
-                                                   static_cast<int>(hs), ")"));
+      last_error = absl::StrCat("no cuBLASLt algorithm (heuristic status ", static_cast<int>(hs), ")");
+      return false;
     }
+    for (int i = 0; i < found; ++i) {
+      cublasStatus_t ms = cublasLtMatmul(handle, d.op, &alpha, A, d.a, B, d.b, &beta, D, d.d, D, d.d, &heur[i].algo,
+                                         a.workspace, a.workspace_bytes, stream);
+      if (ms == CUBLAS_STATUS_SUCCESS) return true;
+      last_error = absl::StrCat("cublasLtMatmul status ", static_cast<int>(ms), " for all ", found, " algorithms");
+    }
+    return false;
+  };
+
+  for (int64_t g = 0; g < a.num_groups; ++g) {
+    const int64_t mg = a.group_sizes[g];
+    if (mg == 0) continue;
     const uint8_t* A = a.rhs + g * a.n * a.k;
     const uint8_t* B = a.lhs + ll->row_offset[g] * a.k;
-    void* D = static_cast<char*>(a.out) + ll->row_offset[g] * a.n * es;
-    if (auto s = Lt(cublasLtMatmul(handle, d.op, &alpha, A, d.a, B, d.b, &beta, D, d.d, D, d.d, &heur.algo,
-                                   a.workspace, a.workspace_bytes, stream),
-                    absl::StrCat("cublasLtMatmul group ", g));
-        !s.ok()) {
-      return s;
+    char* D = static_cast<char*>(a.out) + ll->row_offset[g] * a.n * es;
+    const void* a_scale = rscr + rslot[g];
+    const void* b_scale = lscr + lslot[g];
+    if (matmul(A, B, D, mg, a_scale, b_scale)) {
+      if (a.stats) ++a.stats->direct_groups;
+      continue;
     }
+    // Fallback: pad the group's rows to a multiple of 16 in scratch (zero rows, zero scales).
+    const std::string direct_error = last_error;
+    const int64_t mp = (mg + 15) / 16 * 16;
+    if (mp == mg) {
+      return absl::UnimplementedError(absl::StrCat(mode_name, " FP8 GEMM (", Fp8FormatName(a.rhs_format), " x ",
+                                                   Fp8FormatName(a.lhs_format), ", n=", a.n, " k=", a.k,
+                                                   " m_g=", mg, "): ", direct_error));
+    }
+    char* pad = nullptr;
+    const int64_t b_bytes = slot_bytes(mp * a.k), d_bytes = slot_bytes(mp * a.n * es), s_bytes = kb * mp * 4;
+    cudaError_t e = cudaMallocAsync(reinterpret_cast<void**>(&pad), static_cast<size_t>(b_bytes + d_bytes + s_bytes),
+                                    stream);
+    if (e != cudaSuccess) return cuda_err(e, "cudaMallocAsync");
+    Freer free_pad{pad, stream};
+    char* pb = pad;
+    char* pd = pad + b_bytes;
+    char* ps = pad + b_bytes + d_bytes;
+    e = cudaMemsetAsync(pb, 0, static_cast<size_t>(mp * a.k), stream);
+    if (e == cudaSuccess) e = cudaMemcpyAsync(pb, B, static_cast<size_t>(mg * a.k), cudaMemcpyDeviceToDevice, stream);
+    if (e == cudaSuccess && !tensor) {
+      // lhs scales [kb][roundup(mg, 4)] -> [kb][mp].
+      e = cudaMemsetAsync(ps, 0, static_cast<size_t>(s_bytes), stream);
+      if (e == cudaSuccess) {
+        e = cudaMemcpy2DAsync(ps, static_cast<size_t>(mp * 4), b_scale, static_cast<size_t>((mg + 3) / 4 * 4 * 4),
+                              static_cast<size_t>(mg * 4), static_cast<size_t>(kb), cudaMemcpyDeviceToDevice, stream);
+      }
+    }
+    if (e != cudaSuccess) return cuda_err(e, "padding copy");
+    if (!matmul(A, pb, pd, mp, a_scale, tensor ? b_scale : ps)) {
+      return absl::UnimplementedError(absl::StrCat(mode_name, " FP8 GEMM (", Fp8FormatName(a.rhs_format), " x ",
+                                                   Fp8FormatName(a.lhs_format), ", n=", a.n, " k=", a.k,
+                                                   " m_g=", mg, "): ", direct_error, "; padded to ", mp, ": ",
+                                                   last_error));
+    }
+    e = cudaMemcpyAsync(D, pd, static_cast<size_t>(mg * a.n * es), cudaMemcpyDeviceToDevice, stream);
+    if (e != cudaSuccess) return cuda_err(e, "padding copy back");
+    if (a.stats) ++a.stats->padded_groups;
   }
   return absl::OkStatus();
 }

@@ -14,6 +14,9 @@
 //     BLK128x128_32F (A) block scales;
 //   kMxfp8: UnimplementedError (cuBLASLt's VEC32_UE8M0 needs Blackwell).
 // Anything cuBLASLt has no kernel for is an UnimplementedError naming the mode.
+// Scales are copied to 256-byte-aligned slots (stream-ordered scratch) before
+// the calls; a group whose row count cuBLASLt refuses runs padded to a
+// multiple of 16 rows in scratch. Enqueued on `stream`, no synchronization.
 #ifndef SHARDGEMM_KERNELS_CUDA_FP8_GEMM_H_
 #define SHARDGEMM_KERNELS_CUDA_FP8_GEMM_H_
 
@@ -31,6 +34,12 @@
 namespace shardgemm {
 namespace cuda {
 
+// How the groups ran (for tests and benchmarks).
+struct Fp8GemmStats {
+  int64_t direct_groups = 0;  // one cuBLASLt call on the group's own rows
+  int64_t padded_groups = 0;  // cuBLASLt refused m_g; ran padded to a multiple of 16 in scratch
+};
+
 struct Fp8GroupedGemmArgs {
   const uint8_t* lhs = nullptr;  // [m, k] FP8, device
   const void* lhs_scale_inv = nullptr;
@@ -46,8 +55,9 @@ struct Fp8GroupedGemmArgs {
   void* out = nullptr;  // [m, n] device; padding rows are zeroed
   DType out_dtype = DType::kBF16;  // kBF16, kF16 or kF32
   bool fast_accum = false;  // CUBLASLT_MATMUL_DESC_FAST_ACCUM
-  void* workspace = nullptr;
+  void* workspace = nullptr;  // cuBLASLt workspace (32 MiB is plenty)
   size_t workspace_bytes = 0;
+  Fp8GemmStats* stats = nullptr;  // optional
 };
 
 absl::Status Fp8GroupedGemm(const Fp8GroupedGemmArgs& args, cublasLtHandle_t handle, cudaStream_t stream);

@@ -1,5 +1,6 @@
 #include "kernels/cuda/quantize.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -21,14 +22,7 @@ absl::Status CudaError(cudaError_t e, const char* what) {
 
 int DTypeCode(DType d) { return d == DType::kBF16 ? 0 : d == DType::kF16 ? 1 : 2; }
 
-int RowsPerTile(ScalingMode m) {
-  switch (m) {
-    case ScalingMode::kMxfp8: return 32;
-    case ScalingMode::kCurrent:
-    case ScalingMode::kDelayed: return 64;
-    default: return 128;
-  }
-}
+constexpr int kTileRows = 128;  // quantize.cu's tile height, every mode
 
 bool Aligned(const void* p, uintptr_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; }
 
@@ -68,7 +62,7 @@ absl::Status GroupedQuantize(const GroupedQuantizeArgs& a, cudaStream_t stream, 
   p->software_cvt = options.software_cvt;
   p->m = a.m, p->k = a.k;
   p->num_groups = static_cast<int>(a.num_groups);
-  p->tile_rows = RowsPerTile(a.mode);
+  p->tile_rows = kTileRows;
   p->col_tiles = static_cast<int>((a.k + 127) / 128);
   p->scale = a.scale;
   p->row_data = a.rowwise ? a.rowwise_data : nullptr;
@@ -101,8 +95,21 @@ absl::Status GroupedQuantize(const GroupedQuantizeArgs& a, cudaStream_t stream, 
     e = cudaMemsetAsync(a.colwise_scale_inv, 0, static_cast<size_t>(l.colwise_scale_elems * l.scale_bytes), stream);
   }
   if (e != cudaSuccess) return CudaError(e, "cudaMemsetAsync");
-  if (a.mode == ScalingMode::kCurrent) {
-    e = cuda_internal::LaunchGroupedAmax(*p, stream);
+  if (a.mode == ScalingMode::kCurrent && tiles > 0) {
+    // The amax pass tiles whole rows, about 64 KiB per block.
+    auto pa = std::make_unique<cuda_internal::QuantizeParams>(*p);
+    const int64_t row_bytes = a.k * DTypeSize(a.x_dtype);
+    // At most 64 KiB per block, and at least ~1024 blocks when the rows allow.
+    const int64_t cap = std::max<int64_t>(1, (int64_t{64} << 10) / row_bytes);
+    pa->tile_rows = static_cast<int>(std::min<int64_t>(cap, std::max<int64_t>(1, used / 1024)));
+    pa->col_tiles = 1;
+    int64_t at = 0;
+    for (int64_t g = 0; g <= a.num_groups; ++g) {
+      pa->tile_off[g] = static_cast<int32_t>(at);
+      if (g < a.num_groups) at += (a.group_sizes[g] + pa->tile_rows - 1) / pa->tile_rows;
+    }
+    pa->total_tiles = static_cast<int>(at);
+    e = cuda_internal::LaunchGroupedAmax(*pa, stream);
     if (e != cudaSuccess) return CudaError(e, "grouped amax kernel");
   }
   if (tiles == 0 && tensor && a.num_groups > 0) {

@@ -8,10 +8,12 @@
 // One launch covers all groups: the grid is (row tiles of every group) x
 // (128-column tiles); a block finds its group by binary search in the
 // per-group tile prefix sums passed as __grid_constant__ parameters.
-// Tile rows: 32 for MXFP8 (the colwise block), 64 for tensor scaling, 128 for
-// the FP8 block modes. 256 threads; each loads 16-byte vectors (8 elements),
-// rowwise outputs are 8-byte vector stores, colwise outputs go through a
-// shared-memory tile (transposed outputs are 16-byte stores when aligned).
+// Tiles are 128 rows x 128 columns in every mode (a multiple of the MXFP8 and
+// FP8-block heights, rows counted from each group's first row). 256 threads;
+// each loads eight 16-byte vectors up front, rowwise outputs are 8-byte vector
+// stores, colwise outputs read the tile from shared memory (transposed outputs
+// are 16-byte stores when aligned). Current scaling's amax pass reads whole-row
+// tiles of about 64 KiB with four 16-byte loads per thread in flight.
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
@@ -44,37 +46,60 @@ __device__ __forceinline__ float ToFloat(T v) {
   }
 }
 
-template <typename T>
-struct alignas(16) Vec8 {
-  T v[8];
+// Eight elements as raw 32-bit words (16-bit types stay packed two to a word,
+// which keeps register use down).
+template <int DT>
+struct alignas(16) Chunk {
+  uint32_t w[DT == 2 ? 8 : 4];
 };
 
-template <typename T>
-__device__ __forceinline__ Vec8<T> LoadVec8(const T* p) {
-  Vec8<T> r;
-  const uint4* s = reinterpret_cast<const uint4*>(p);
+template <int DT>
+__device__ __forceinline__ Chunk<DT> LoadChunk(const void* p) {
+  Chunk<DT> r;
+  const uint4* s = static_cast<const uint4*>(p);
   uint4* d = reinterpret_cast<uint4*>(&r);
 #pragma unroll
-  for (int i = 0; i < static_cast<int>(sizeof(Vec8<T>) / 16); ++i) d[i] = __ldg(s + i);
+  for (int i = 0; i < static_cast<int>(sizeof(Chunk<DT>) / 16); ++i) d[i] = __ldg(s + i);
   return r;
 }
-template <typename T>
-__device__ __forceinline__ Vec8<T> ZeroVec8() {
-  Vec8<T> r;
-  uint4* d = reinterpret_cast<uint4*>(&r);
+template <int DT>
+__device__ __forceinline__ Chunk<DT> ZeroChunk() {
+  Chunk<DT> r;
 #pragma unroll
-  for (int i = 0; i < static_cast<int>(sizeof(Vec8<T>) / 16); ++i) d[i] = make_uint4(0, 0, 0, 0);
+  for (int i = 0; i < static_cast<int>(sizeof(Chunk<DT>) / 4); ++i) r.w[i] = 0;
   return r;
+}
+// Element j as float.
+template <int DT>
+__device__ __forceinline__ float Elem(const Chunk<DT>& c, int j) {
+  if constexpr (DT == 0) {
+    return BitsToFloat((j & 1) ? (c.w[j / 2] & 0xffff0000u) : (c.w[j / 2] << 16));
+  } else if constexpr (DT == 1) {
+    return F16BitsToFloat(static_cast<uint16_t>((j & 1) ? (c.w[j / 2] >> 16) : (c.w[j / 2] & 0xffffu)));
+  } else {
+    return BitsToFloat(c.w[j]);
+  }
+}
+// max |x| over the chunk, as float bits (NaN-propagating).
+template <int DT>
+__device__ __forceinline__ uint32_t ChunkAbsMax(const Chunk<DT>& c) {
+  if constexpr (DT == 2) {
+    uint32_t m = 0;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) m = max(m, c.w[j] & 0x7fffffffu);
+    return m;
+  } else {
+    uint32_t m2 = __vmaxu2(__vmaxu2(c.w[0] & 0x7fff7fffu, c.w[1] & 0x7fff7fffu),
+                           __vmaxu2(c.w[2] & 0x7fff7fffu, c.w[3] & 0x7fff7fffu));
+    const uint16_t m16 = static_cast<uint16_t>(max(m2 & 0xffffu, m2 >> 16));
+    return FloatBits(ToFloat<DT>(m16));
+  }
 }
 
-constexpr int RowsPerTile(int mode) {
-  return mode == kModeMx ? 32 : (mode == kModeCurrent || mode == kModeDelayed) ? 64 : 128;
-}
+constexpr int kTileRows = 128;  // every mode: a multiple of the MXFP8 (32) and block (128) heights
 
 // Blocks per SM the register budget is sized for (memory-bound: occupancy first).
-constexpr int MinBlocks(int mode) {
-  return (mode == kModeCurrent || mode == kModeMx) ? 4 : mode == kModeDelayed ? 3 : 2;
-}
+constexpr int MinBlocks(int dt) { return dt == 2 ? 2 : 3; }
 
 // Two elements through the hardware conversion (x0 in the low byte), with the
 // shared NaN rule applied on the unscaled inputs.
@@ -161,49 +186,57 @@ __device__ __forceinline__ uint32_t AbsBitsOf(T v) {
 }
 
 // ---- current scaling, pass 1: per-group amax -------------------------------
+// A tile is p.tile_rows whole rows of one group (about 64 KiB): contiguous
+// memory, read as 16-byte vectors, four independent loads per thread in flight.
+template <int DT>
+__device__ __forceinline__ uint32_t AmaxOfVec(uint4 w) {
+  if constexpr (DT == 2) {
+    uint32_t m = max(max(w.x & 0x7fffffffu, w.y & 0x7fffffffu), max(w.z & 0x7fffffffu, w.w & 0x7fffffffu));
+    return m;
+  } else {
+    // 16-bit |x| bits order like the values (NaN above Inf): max first, convert once.
+    uint32_t m2 = __vmaxu2(__vmaxu2(w.x & 0x7fff7fffu, w.y & 0x7fff7fffu), __vmaxu2(w.z & 0x7fff7fffu, w.w & 0x7fff7fffu));
+    const uint16_t m16 = static_cast<uint16_t>(max(m2 & 0xffffu, m2 >> 16));
+    return FloatBits(ToFloat<DT>(m16));
+  }
+}
+
 template <int DT>
 __global__ void __launch_bounds__(kThreads) AmaxKernel(const __grid_constant__ QuantizeParams p) {
   using T = typename InType<DT>::T;
-  constexpr int TR = 64;
-  constexpr int NCH = TR * (kTileCols / 8) / kThreads;
   __shared__ uint32_t red[kThreads / 32];
-  const int t = blockIdx.x / p.col_tiles, ct = blockIdx.x % p.col_tiles;
+  const int t = blockIdx.x;
   const int g = FindGroup(p, t);
   const int64_t off = p.row_off[g];
-  const int64_t r0 = off + static_cast<int64_t>(t - p.tile_off[g]) * TR;
-  const int nrows = min(static_cast<int64_t>(TR), p.row_off[g + 1] - r0);
-  const int64_t c0 = static_cast<int64_t>(ct) * kTileCols;
-  const int ncols = static_cast<int>(min(static_cast<int64_t>(kTileCols), p.k - c0));
-  const T* x = static_cast<const T*>(p.x);
+  const int64_t r0 = off + static_cast<int64_t>(t - p.tile_off[g]) * p.tile_rows;
+  const int64_t nrows = min(static_cast<int64_t>(p.tile_rows), p.row_off[g + 1] - r0);
+  const uint4* base = reinterpret_cast<const uint4*>(static_cast<const T*>(p.x) + r0 * p.k);
+  const int64_t nvec = nrows * p.k * static_cast<int64_t>(sizeof(T)) / 16;
   uint32_t am = 0;
+  for (int64_t i = threadIdx.x; i < nvec; i += 4 * kThreads) {
+    uint4 w[4];
 #pragma unroll
-  for (int i = 0; i < NCH; ++i) {
-    const int ch = threadIdx.x + i * kThreads, rr = ch / 16, cc = ch % 16;
-    if (rr < nrows && cc * 8 < ncols) {
-      Vec8<T> v = LoadVec8(x + (r0 + rr) * p.k + c0 + cc * 8);
-      if constexpr (DT == 2) {
-#pragma unroll
-        for (int j = 0; j < 8; ++j) am = max(am, FloatBits(v.v[j]) & 0x7fffffffu);
-      } else {
-        // 16-bit |x| bits order like the values (NaN above Inf): max first, convert once.
-        const uint32_t* w = reinterpret_cast<const uint32_t*>(&v);
-        uint32_t m2 = 0;
-#pragma unroll
-        for (int j = 0; j < 4; ++j) m2 = __vmaxu2(m2, w[j] & 0x7fff7fffu);
-        const uint16_t m16 = static_cast<uint16_t>(max(m2 & 0xffffu, m2 >> 16));
-        am = max(am, FloatBits(ToFloat<DT>(m16)));
-      }
+    for (int j = 0; j < 4; ++j) {
+      const int64_t idx = i + j * kThreads;
+      w[j] = idx < nvec ? __ldg(base + idx) : make_uint4(0, 0, 0, 0);
     }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) am = max(am, AmaxOfVec<DT>(w[j]));
   }
   am = BlockMax(am, red);
   if (threadIdx.x == 0 && am != 0) atomicMax(reinterpret_cast<unsigned int*>(p.amax) + g, am);
 }
 
 // ---- the quantize pass -------------------------------------------------------
+// Tile: 128 rows (from the group's first row) x 128 columns; 256 threads, each
+// loading eight 16-byte chunks up front. Rowwise from registers; colwise from
+// the tile in shared memory, thread (c = tid % 128, part = tid / 128) taking
+// column c over rows part*64 .. +64 (two MXFP8 column blocks, half a 1x128
+// column block), in fully unrolled loops.
 template <int DT, int MODE, int FMT>
-__global__ void __launch_bounds__(kThreads, MinBlocks(MODE)) QuantizeKernel(const __grid_constant__ QuantizeParams p) {
+__global__ void __launch_bounds__(kThreads, MinBlocks(DT)) QuantizeKernel(const __grid_constant__ QuantizeParams p) {
   using T = typename InType<DT>::T;
-  constexpr int TR = RowsPerTile(MODE);
+  constexpr int TR = kTileRows;
   constexpr int NCH = TR * (kTileCols / 8) / kThreads;  // 8-element chunks per thread
   constexpr int HR = TR / 2;                              // colwise rows per thread
   constexpr bool kTensor = MODE == kModeCurrent || MODE == kModeDelayed;
@@ -211,7 +244,6 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(MODE)) QuantizeKernel(cons
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* tile = reinterpret_cast<T*>(smem_raw);  // [TR][128], colwise only
   __shared__ uint32_t red[kThreads / 32];
-  __shared__ uint32_t red2[kThreads / 32];
   __shared__ uint32_t col_red[kTileCols];
 
   const int tid = threadIdx.x;
@@ -249,18 +281,19 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(MODE)) QuantizeKernel(cons
   }
 
   // Load the tile: chunk ch covers row ch / 16, columns (ch % 16) * 8 .. + 8.
-  Vec8<T> v[NCH];
-  uint32_t am = 0;
+  Chunk<DT> v[NCH];
 #pragma unroll
   for (int i = 0; i < NCH; ++i) {
     const int ch = tid + i * kThreads, rr = ch / 16, cc = ch % 16;
     const bool valid = rr < nrows && cc * 8 < ncols;
-    v[i] = valid ? LoadVec8(x + (r0 + rr) * K + c0 + cc * 8) : ZeroVec8<T>();
-    if (p.colwise) *reinterpret_cast<Vec8<T>*>(tile + rr * kTileCols + cc * 8) = v[i];
-    if (MODE != kModeCurrent) {
+    v[i] = valid ? LoadChunk<DT>(x + (r0 + rr) * K + c0 + cc * 8) : ZeroChunk<DT>();
+  }
+  uint32_t am = 0;
 #pragma unroll
-      for (int j = 0; j < 8; ++j) am = max(am, AbsBitsOf<DT>(v[i].v[j]));
-    }
+  for (int i = 0; i < NCH; ++i) {
+    const int ch = tid + i * kThreads, rr = ch / 16, cc = ch % 16;
+    if (p.colwise) *reinterpret_cast<Chunk<DT>*>(tile + rr * kTileCols + cc * 8) = v[i];
+    if (MODE != kModeCurrent) am = max(am, ChunkAbsMax<DT>(v[i]));
   }
   // Tile amax: the 128x128 block's scale, and the fused per-group amax.
   float bscale = 1.0f;
@@ -287,23 +320,21 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(MODE)) QuantizeKernel(cons
 
   // ---- rowwise ----
   if (p.rowwise) {
+    // Per-chunk |x| maxima first (short live ranges), then scales, then quantize.
+    uint32_t cam[NCH];
+#pragma unroll
+    for (int i = 0; i < NCH; ++i) cam[i] = ChunkAbsMax<DT>(v[i]);
 #pragma unroll
     for (int i = 0; i < NCH; ++i) {
       const int ch = tid + i * kThreads, rr = ch / 16, cc = ch % 16;
       const bool valid = rr < nrows && cc * 8 < ncols;
-      float f[8];
-      uint32_t cam = 0;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        f[j] = ToFloat<DT>(v[i].v[j]);
-        cam = max(cam, FloatBits(f[j]) & 0x7fffffffu);
-      }
       float s = kTensor ? tscale : bscale;
       bool nan_block = false;
       if constexpr (MODE == kModeMx) {  // 32-element block = 4 adjacent lanes
-        cam = max(cam, __shfl_xor_sync(0xffffffffu, cam, 1));
-        cam = max(cam, __shfl_xor_sync(0xffffffffu, cam, 2));
-        const uint8_t b = MxScaleFromAmax(BitsToFloat(cam), fmt, static_cast<MxScaleRecipe>(p.mx_recipe));
+        uint32_t m = cam[i];
+        m = max(m, __shfl_xor_sync(0xffffffffu, m, 1));
+        m = max(m, __shfl_xor_sync(0xffffffffu, m, 2));
+        const uint8_t b = MxScaleFromAmax(BitsToFloat(m), fmt, static_cast<MxScaleRecipe>(p.mx_recipe));
         if (valid && (cc & 3) == 0) {
           static_cast<uint8_t*>(p.row_scale)[p.row_scale_off[g] + (r0 + rr - off) * RoundUp(K / 32, 4) +
                                              (c0 + cc * 8) / 32] = b;
@@ -312,15 +343,19 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(MODE)) QuantizeKernel(cons
         s = nan_block ? 1.0f : E8M0ReciprocalToFloat(b);
       }
       if constexpr (MODE == kModeB1x128) {  // 128-element block = 16 lanes
+        uint32_t m = cam[i];
 #pragma unroll
-        for (int o = 1; o < 16; o <<= 1) cam = max(cam, __shfl_xor_sync(0xffffffffu, cam, o));
-        s = ScaleFromAmax(BitsToFloat(cam), fmax, p.pow2);
+        for (int o = 1; o < 16; o <<= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
+        s = ScaleFromAmax(BitsToFloat(m), fmax, p.pow2);
         if (valid && cc == 0) {
           static_cast<float*>(p.row_scale)[p.row_scale_off[g] + ct * RoundUp(mg, 4) + (r0 + rr - off)] =
               ScaleInv(s);
         }
       }
       if (valid) {
+        float f[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) f[j] = Elem<DT>(v[i], j);
         *reinterpret_cast<uint2*>(p.row_data + (r0 + rr) * K + c0 + cc * 8) = Quant8<FMT>(f, s, sw, nan_block);
       }
     }
@@ -332,65 +367,82 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(MODE)) QuantizeKernel(cons
     const int c = tid % kTileCols, part = tid / kTileCols;
     const bool cvalid = c < ncols;
     const int rbeg = part * HR;
-    const int rend = min(rbeg + HR, nrows);
-    float s = kTensor ? tscale : bscale;
-    bool nan_block = false;
-    if constexpr (MODE == kModeMx || MODE == kModeB1x128) {
-      uint32_t cam = 0;
-      for (int r = rbeg; r < rend; ++r) cam = max(cam, AbsBitsOf<DT>(tile[r * kTileCols + c]));
-      if (part == 1) col_red[c] = cam;
-      __syncthreads();
-      if (part == 0) col_red[c] = max(cam, col_red[c]);
-      __syncthreads();
-      cam = col_red[c];
-      if constexpr (MODE == kModeMx) {
-        const uint8_t b = MxScaleFromAmax(BitsToFloat(cam), fmt, static_cast<MxScaleRecipe>(p.mx_recipe));
-        if (part == 0 && cvalid) {
-          static_cast<uint8_t*>(p.col_scale)[p.col_scale_off[g] + ((r0 - off) / 32) * RoundUp(K, 128) + c0 + c] = b;
+    const T* col = tile + c;  // rows beyond nrows hold zeros
+    if constexpr (MODE == kModeMx) {
+      // Two 32-row MXFP8 blocks; not transposed: (r, c) at r * K + c (a warp stores 32 contiguous bytes).
+#pragma unroll
+      for (int sb = 0; sb < 2; ++sb) {
+        const int rb0 = rbeg + sb * 32;
+        uint32_t cam = 0;
+#pragma unroll
+        for (int j = 0; j < 32; ++j) cam = max(cam, AbsBitsOf<DT>(col[(rb0 + j) * kTileCols]));
+        if (cvalid && rb0 < nrows) {
+          const uint8_t b = MxScaleFromAmax(BitsToFloat(cam), fmt, static_cast<MxScaleRecipe>(p.mx_recipe));
+          static_cast<uint8_t*>(p.col_scale)[p.col_scale_off[g] + ((r0 - off + rb0) / 32) * RoundUp(K, 128) + c0 + c] =
+              b;
+          const bool nan_block = b == kE8M0Nan;
+          const float s = nan_block ? 1.0f : E8M0ReciprocalToFloat(b);
+          uint8_t* out = p.col_data + (r0 + rb0) * K + c0 + c;
+          const int nv = min(32, nrows - rb0);
+          if (nv == 32 && !nan_block) {
+#pragma unroll
+            for (int j = 0; j < 32; j += 2) {
+              const float f0 = ToFloat<DT>(col[(rb0 + j) * kTileCols]);
+              const float f1 = ToFloat<DT>(col[(rb0 + j + 1) * kTileCols]);
+              const uint32_t q = sw ? (QuantizeScaled(f0, s, fmt) | (QuantizeScaled(f1, s, fmt) << 8))
+                                    : HwQuant2<FMT>(f0, f1, s);
+              out[j * K] = static_cast<uint8_t>(q & 0xffu);
+              out[(j + 1) * K] = static_cast<uint8_t>(q >> 8);
+            }
+          } else {
+            for (int j = 0; j < nv; ++j) out[j * K] = Quant1<FMT>(ToFloat<DT>(col[(rb0 + j) * kTileCols]), s, sw, nan_block);
+          }
         }
-        nan_block = b == kE8M0Nan;
-        s = nan_block ? 1.0f : E8M0ReciprocalToFloat(b);
-      } else {
+      }
+    } else {
+      float s = kTensor ? tscale : bscale;
+      if constexpr (MODE == kModeB1x128) {  // one 128-row block: both halves' amax
+        uint32_t cam = 0;
+#pragma unroll
+        for (int j = 0; j < HR; ++j) cam = max(cam, AbsBitsOf<DT>(col[(rbeg + j) * kTileCols]));
+        if (part == 1) col_red[c] = cam;
+        __syncthreads();
+        if (part == 0) col_red[c] = max(cam, col_red[c]);
+        __syncthreads();
+        cam = col_red[c];
         s = ScaleFromAmax(BitsToFloat(cam), fmax, p.pow2);
         if (part == 0 && cvalid) {
           static_cast<float*>(p.col_scale)[p.col_scale_off[g] + ((r0 - off) / 128) * RoundUp(K, 4) + c0 + c] =
               ScaleInv(s);
         }
       }
-    }
-    if (cvalid) {
-      if constexpr (MODE == kModeMx) {
-        // Not transposed: (r, c) at r * K + c; a warp stores 32 contiguous bytes per row.
-        for (int r = rbeg; r < rend; ++r) {
-          p.col_data[(r0 + r) * K + c0 + c] = Quant1<FMT>(ToFloat<DT>(tile[r * kTileCols + c]), s, sw, nan_block);
-        }
-      } else {
-        // Transposed per group: (r, c) at off*K + c*mg + (r - off).
+      if (cvalid) {
+        // Transposed per group: (r, c) at off*K + c*mg + (r - off); 16-byte stores when aligned.
         uint8_t* out = p.col_data + off * K + (c0 + c) * mg + (r0 - off);
         const bool aligned = ((off * K) % 16 == 0) && (mg % 16 == 0);
-        for (int r = rbeg; r < rend; r += 16) {
-          if (aligned && r + 16 <= rend) {
+#pragma unroll
+        for (int seg = 0; seg < HR / 16; ++seg) {
+          const int r = rbeg + seg * 16;
+          if (r >= nrows) break;
+          if (aligned && r + 16 <= nrows) {
             float f[16];
 #pragma unroll
-            for (int j = 0; j < 16; ++j) f[j] = ToFloat<DT>(tile[(r + j) * kTileCols + c]);
+            for (int j = 0; j < 16; ++j) f[j] = ToFloat<DT>(col[(r + j) * kTileCols]);
             const uint2 lo = Quant8<FMT>(*reinterpret_cast<const float(*)[8]>(&f[0]), s, sw, false);
             const uint2 hi = Quant8<FMT>(*reinterpret_cast<const float(*)[8]>(&f[8]), s, sw, false);
             *reinterpret_cast<uint4*>(out + r) = make_uint4(lo.x, lo.y, hi.x, hi.y);
           } else {
-            for (int j = r; j < min(r + 16, rend); ++j) {
-              out[j] = Quant1<FMT>(ToFloat<DT>(tile[j * kTileCols + c]), s, sw, false);
-            }
+            for (int j = r; j < min(r + 16, nrows); ++j) out[j] = Quant1<FMT>(ToFloat<DT>(col[j * kTileCols]), s, sw, false);
           }
         }
       }
     }
   }
-  (void)red2;
 }
 
 template <int DT, int MODE, int FMT>
 cudaError_t LaunchQuantizeT(const QuantizeParams& p, cudaStream_t stream) {
-  constexpr int TR = RowsPerTile(MODE);
+  constexpr int TR = kTileRows;
   const size_t smem = p.colwise ? static_cast<size_t>(TR) * kTileCols * sizeof(typename InType<DT>::T) : 0;
   if (smem > 48 * 1024) {
     cudaError_t e = cudaFuncSetAttribute(QuantizeKernel<DT, MODE, FMT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -483,7 +535,7 @@ __global__ void CvtCheckKernel(unsigned long long* mismatches) {
 }  // namespace
 
 cudaError_t LaunchGroupedAmax(const QuantizeParams& p, cudaStream_t stream) {
-  const int64_t blocks = static_cast<int64_t>(p.total_tiles) * p.col_tiles;
+  const int64_t blocks = p.total_tiles;  // whole-row tiles
   if (blocks == 0) return cudaSuccess;
   switch (p.x_dtype) {
     case 0: AmaxKernel<0><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(p); break;

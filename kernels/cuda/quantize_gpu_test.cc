@@ -283,6 +283,7 @@ TEST(QuantizeGpuTest, RejectsWhatTheKernelsCannotDo) {
 struct GemmResult {
   double rel_err_vs_dequant = 0;
   double rel_err_vs_bf16 = 0;
+  cuda::Fp8GemmStats stats;
 };
 
 // Quantizes bf16 x [M, K] (groups) and w [G, N, K] on the GPU, runs the FP8
@@ -372,6 +373,8 @@ absl::StatusOr<GemmResult> RunGemm(ScalingMode lmode, ScalingMode rmode, Fp8Form
   ga.rhs = rq.data->as<uint8_t>(), ga.rhs_scale_inv = rq.scale->p, ga.rhs_mode = rmode, ga.rhs_format = rfmt;
   ga.m = m, ga.n = n, ga.k = k, ga.group_sizes = groups.data(), ga.num_groups = G;
   ga.out = dout.p, ga.out_dtype = DType::kBF16, ga.workspace = ws.p, ga.workspace_bytes = ws.n;
+  cuda::Fp8GemmStats stats;
+  ga.stats = &stats;
   absl::Status s = cuda::Fp8GroupedGemm(ga, handle, nullptr);
   cudaDeviceSynchronize();
   cublasLtDestroy(handle);
@@ -412,6 +415,7 @@ absl::StatusOr<GemmResult> RunGemm(ScalingMode lmode, ScalingMode rmode, Fp8Form
   for (int64_t i = off * n; i < m * n; ++i) {
     if (out_bytes[i * 2] != 0 || out_bytes[i * 2 + 1] != 0) return absl::InternalError("padding row not zero");
   }
+  r.stats = stats;
   r.rel_err_vs_dequant = std::sqrt(e1 / n1);
   r.rel_err_vs_bf16 = std::sqrt(e2 / n2);
   return r;
@@ -424,8 +428,9 @@ TEST(Fp8GemmGpuTest, TensorScalingE4M3) {
   auto r = RunGemm(ScalingMode::kCurrent, ScalingMode::kCurrent, Fp8Format::kE4M3, Fp8Format::kE4M3, kGemmGroups, 5,
                    384, 512);
   ASSERT_TRUE(r.ok()) << r.status();
-  std::printf("tensor e4m3 x e4m3: rel err vs dequant ref %.2e, vs bf16 ref %.2e\n", r->rel_err_vs_dequant,
-              r->rel_err_vs_bf16);
+  std::printf("tensor e4m3 x e4m3: rel err vs dequant ref %.2e, vs bf16 ref %.2e (groups direct %lld, padded %lld)\n",
+              r->rel_err_vs_dequant, r->rel_err_vs_bf16, static_cast<long long>(r->stats.direct_groups),
+              static_cast<long long>(r->stats.padded_groups));
   EXPECT_LT(r->rel_err_vs_dequant, 5e-3);  // bf16 output rounding + accumulation order
   EXPECT_LT(r->rel_err_vs_bf16, 0.06);     // E4M3's 3 mantissa bits on both operands
 }
@@ -435,8 +440,9 @@ TEST(Fp8GemmGpuTest, TensorScalingE5M2Lhs) {
   auto r = RunGemm(ScalingMode::kCurrent, ScalingMode::kCurrent, Fp8Format::kE5M2, Fp8Format::kE4M3, kGemmGroups, 0,
                    256, 256);
   ASSERT_TRUE(r.ok()) << r.status();
-  std::printf("tensor e5m2 x e4m3: rel err vs dequant ref %.2e, vs bf16 ref %.2e\n", r->rel_err_vs_dequant,
-              r->rel_err_vs_bf16);
+  std::printf("tensor e5m2 x e4m3: rel err vs dequant ref %.2e, vs bf16 ref %.2e (groups direct %lld, padded %lld)\n",
+              r->rel_err_vs_dequant, r->rel_err_vs_bf16, static_cast<long long>(r->stats.direct_groups),
+              static_cast<long long>(r->stats.padded_groups));
   EXPECT_LT(r->rel_err_vs_dequant, 5e-3);
   EXPECT_LT(r->rel_err_vs_bf16, 0.10);
 }
@@ -449,8 +455,9 @@ TEST(Fp8GemmGpuTest, BlockScaling) {
     GTEST_SKIP() << r.status();
   }
   ASSERT_TRUE(r.ok()) << r.status();
-  std::printf("block 1x128 x 128x128: rel err vs dequant ref %.2e, vs bf16 ref %.2e\n", r->rel_err_vs_dequant,
-              r->rel_err_vs_bf16);
+  std::printf("block 1x128 x 128x128: rel err vs dequant ref %.2e, vs bf16 ref %.2e (groups direct %lld, padded %lld)\n",
+              r->rel_err_vs_dequant, r->rel_err_vs_bf16, static_cast<long long>(r->stats.direct_groups),
+              static_cast<long long>(r->stats.padded_groups));
   if (r->rel_err_vs_dequant >= 5e-3) {
     // Diagnose which scale layout cuBLASLt reads (n = k so both rhs layouts have the same size).
     for (int lv = 0; lv < 2; ++lv) {
@@ -464,6 +471,27 @@ TEST(Fp8GemmGpuTest, BlockScaling) {
   }
   EXPECT_LT(r->rel_err_vs_dequant, 5e-3);
   EXPECT_LT(r->rel_err_vs_bf16, 0.06);
+}
+
+// Which group sizes cuBLASLt takes directly (the rest run padded).
+TEST(Fp8GemmGpuTest, GroupSizeProbe) {
+  SKIP_WITHOUT_GPU();
+  for (int64_t mg : {int64_t{1}, int64_t{16}, int64_t{31}, int64_t{64}, int64_t{100}, int64_t{257}}) {
+    for (bool block : {false, true}) {
+      auto r = RunGemm(block ? ScalingMode::kBlock1x128 : ScalingMode::kCurrent,
+                       block ? ScalingMode::kBlock128x128 : ScalingMode::kCurrent, Fp8Format::kE4M3,
+                       Fp8Format::kE4M3, {mg}, 0, 256, 256);
+      std::printf("probe %-6s m_g=%-4lld: %s", block ? "block" : "tensor", static_cast<long long>(mg),
+                  r.ok() ? "ok" : r.status().ToString().c_str());
+      if (r.ok()) {
+        std::printf(" direct=%lld padded=%lld err=%.2e", static_cast<long long>(r->stats.direct_groups),
+                    static_cast<long long>(r->stats.padded_groups), r->rel_err_vs_dequant);
+        EXPECT_LT(r->rel_err_vs_dequant, 5e-3);
+      }
+      std::printf("\n");
+      if (!block) EXPECT_TRUE(r.ok()) << r.status();
+    }
+  }
 }
 
 TEST(Fp8GemmGpuTest, Mxfp8IsUnimplementedOnHopper) {
