@@ -10,7 +10,8 @@
 //      every operand has its `compute_spec`;
 //   3. it runs the local op on its local pieces, with the per-shard
 //      semantics of DESIGN.md (each row shard its own ragged array;
-//      `WorkerPlan` says which group_sizes entries and experts it uses);
+//      `WorkerPlan` says which group_sizes entries and experts it uses,
+//      and whether it adds the bias: only one worker per partial-sum group);
 //      a grouped quantize applies the kWithin collectives (amax) between its
 //      amax pass and its cast pass;
 //   4. it applies the kAfter collectives on the outputs, in order, after
@@ -108,7 +109,12 @@ struct PlanOperand {
 };
 
 // An output of the op ("out" for the GEMMs; "data", "colwise_data",
-// "scale_inv", "colwise_scale_inv", "amax" for grouped quantize).
+// "scale_inv", "colwise_scale_inv", "amax" for grouped quantize). Quantize
+// shapes: data and colwise_data have x's shape (any transposition is the
+// kernel's business); tensor scaling gives scale_inv and amax one f32 per
+// local group, laid out like group_sizes; MXFP8/block give unpadded
+// scale_inv [M, K/B] (rowwise) and colwise_scale_inv [M/B, K], M and K
+// being x flattened at flatten_axis.
 struct PlanOutput {
   std::string name;
   DType dtype = DType::kInvalid;
