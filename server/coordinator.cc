@@ -5,7 +5,11 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "proto/tensor_codec.h"
+#include <cstring>
+
+#include "absl/strings/str_join.h"
 #include "server/request_plan.h"
+#include "server/row_routing.h"
 
 namespace shardgemm {
 
@@ -334,6 +338,98 @@ absl::StatusOr<v1::Plan> Coordinator::Plan(const v1::PlanRequest& request) const
 }
 
 absl::StatusOr<v1::GroupedGemmResponse> Coordinator::GroupedGemm(
+    const v1::GroupedGemmRequest& request) {
+  if (request.layout() == v1::GroupedGemmRequest::GLOBAL_SORTED) {
+    return GroupedGemmGlobalSorted(request);
+  }
+  return GroupedGemmPerShard(request);
+}
+
+namespace {
+
+// Rows of `t` ([rows, cols]) laid out per `routing` (padding rows zero).
+HostTensor RouteRows(const HostTensor& t, const RowRouting& routing) {
+  HostTensor out = *ZerosTensor(t.dtype, {routing.num_shards * routing.shard_rows, t.shape[1]});
+  const size_t row_bytes = static_cast<size_t>(t.shape[1]) * DTypeSize(t.dtype);
+  for (size_t i = 0; i < routing.source_row.size(); ++i) {
+    if (routing.source_row[i] < 0) continue;
+    std::memcpy(&out.bytes[i * row_bytes], &t.bytes[routing.source_row[i] * row_bytes], row_bytes);
+  }
+  return out;
+}
+
+}  // namespace
+
+absl::StatusOr<v1::GroupedGemmResponse> Coordinator::GroupedGemmGlobalSorted(
+    const v1::GroupedGemmRequest& request) {
+  const bool ragged_k = request.ragged() == v1::GroupedGemmRequest::RAGGED_K;
+  if (request.lhs().source_case() == v1::Tensor::kResident ||
+      (ragged_k && request.rhs().source_case() == v1::Tensor::kResident)) {
+    return absl::InvalidArgumentError(
+        "layout GLOBAL_SORTED routes the rows itself: send lhs (and ragged-K rhs) inline");
+  }
+  if (!ragged_k && !request.keep_output_as().empty()) {
+    return absl::InvalidArgumentError(
+        "keep_output_as: the GLOBAL_SORTED layout returns rows in the client's order; keep "
+        "outputs resident with the PER_SHARD layout");
+  }
+  auto lhs = HostTensorFromProto(request.lhs(), "lhs");
+  if (!lhs.ok()) return lhs.status();
+  if (lhs->shape.size() != 2) return absl::InvalidArgumentError("lhs must be [M, K]");
+  auto gs_tensor = HostTensorFromProto(request.group_sizes(), "group_sizes");
+  if (!gs_tensor.ok()) return gs_tensor.status();
+  auto sizes = ToInt64Vector(*gs_tensor, "group_sizes");
+  if (!sizes.ok()) return sizes.status();
+  auto spec = planner::ParsePartitionSpec(request.lhs().spec());
+  if (!spec.ok()) return absl::InvalidArgumentError(absl::StrCat("lhs.spec: ", spec.status().message()));
+  std::vector<std::string> row_axes = spec->dims.empty() ? std::vector<std::string>() : spec->dims[0];
+  std::vector<int64_t> row_axis_sizes;
+  int ep_index = -1;
+  for (size_t i = 0; i < row_axes.size(); ++i) {
+    if (planner::AxisIndex(mesh_, row_axes[i]) < 0) {
+      return absl::InvalidArgumentError(absl::StrCat("lhs.spec: unknown mesh axis '", row_axes[i], "'"));
+    }
+    row_axis_sizes.push_back(planner::AxisSize(mesh_, row_axes[i]));
+    if (!mesh_.roles.ep.empty() && row_axes[i] == mesh_.roles.ep) ep_index = static_cast<int>(i);
+  }
+  auto routing = RouteSortedRows(*sizes, lhs->shape[0], row_axis_sizes, ep_index);
+  if (!routing.ok()) return routing.status();
+
+  v1::GroupedGemmRequest per_shard = request;
+  per_shard.set_layout(v1::GroupedGemmRequest::PER_SHARD);
+  HostTensorToProto(RouteRows(*lhs, *routing), per_shard.mutable_lhs());
+  per_shard.mutable_lhs()->set_spec(request.lhs().spec());
+  if (ragged_k) {
+    auto rhs = HostTensorFromProto(request.rhs(), "rhs");
+    if (!rhs.ok()) return rhs.status();
+    if (rhs->shape.size() != 2 || rhs->shape[0] != lhs->shape[0]) {
+      return absl::InvalidArgumentError("rhs must be [M, N] with the rows of lhs");
+    }
+    HostTensorToProto(RouteRows(*rhs, *routing), per_shard.mutable_rhs());
+    per_shard.mutable_rhs()->set_spec(request.rhs().spec());
+  }
+  HostTensor shard_sizes = *ZerosTensor(DType::kI64, {static_cast<int64_t>(routing->shard_group_sizes.size())});
+  std::copy(routing->shard_group_sizes.begin(), routing->shard_group_sizes.end(), shard_sizes.data<int64_t>());
+  HostTensorToProto(shard_sizes, per_shard.mutable_group_sizes());
+  per_shard.mutable_group_sizes()->set_spec(
+      row_axes.empty() ? "" : absl::StrCat("((", absl::StrJoin(row_axes, ","), "),)"));
+
+  auto response = GroupedGemmPerShard(per_shard);
+  if (!response.ok() || ragged_k) return response;
+  // Output rows back in the client's order.
+  auto out = HostTensorFromProto(response->out(), "out");
+  if (!out.ok()) return out.status();
+  HostTensor client_out = *ZerosTensor(out->dtype, {lhs->shape[0], out->shape[1]});
+  const size_t row_bytes = static_cast<size_t>(out->shape[1]) * DTypeSize(out->dtype);
+  for (size_t i = 0; i < routing->source_row.size(); ++i) {
+    if (routing->source_row[i] < 0) continue;
+    std::memcpy(&client_out.bytes[routing->source_row[i] * row_bytes], &out->bytes[i * row_bytes], row_bytes);
+  }
+  HostTensorToProto(client_out, response->mutable_out());
+  return response;
+}
+
+absl::StatusOr<v1::GroupedGemmResponse> Coordinator::GroupedGemmPerShard(
     const v1::GroupedGemmRequest& request) {
   const absl::Time start = absl::Now();
   if (auto s = CheckReady(); !s.ok()) return s;

@@ -56,6 +56,9 @@ class Coordinator {
     std::unique_ptr<WorkerChannel> channel;
   };
 
+  absl::StatusOr<v1::GroupedGemmResponse> GroupedGemmPerShard(const v1::GroupedGemmRequest& request);
+  absl::StatusOr<v1::GroupedGemmResponse> GroupedGemmGlobalSorted(
+      const v1::GroupedGemmRequest& request);
   // UNAVAILABLE until every worker of the mesh has registered.
   absl::Status CheckReady() const;
   // Gives `steps` (one per rank) the next sequence number and runs them on

@@ -247,3 +247,26 @@ def test_sixteen_clients_mixed_requests(cluster_factory):
     assert not any(t.is_alive() for t in threads), "a client is stuck"
     assert not failures, failures[:3]
     assert time.time() - start < 300
+
+
+@pytest.mark.parametrize("mesh, workers, lhs_spec, rhs_spec", [
+    ("fsdp=2,ep=2", 4, "((fsdp, ep), None)", "(ep, fsdp, None)"),
+    ("dp=2", 2, "(dp, None)", ""),
+    ("ep=4", 4, "(ep, None)", "(ep, None, None)"),
+])
+def test_global_sorted_layout_equals_the_unsharded_grouped_gemm(cluster_factory, mesh, workers, lhs_spec, rhs_spec):
+    """Client-friendly layout: rows sorted by group with global group sizes,
+    routed to the experts' owners by the coordinator, returned in order."""
+    from reference import grouped_gemm_ragged_k, grouped_gemm_ragged_m
+    c = cluster_factory(mesh=mesh, workers=workers).client
+    sizes = [37, 0, 5, 60, 1, 22, 0, 9]
+    m = sum(sizes) + 6  # a few padding rows
+    lhs, rhs = rand(m, 32), rand(8, 32, 16)
+    out, _ = c.grouped_gemm(lhs, rhs, sizes, lhs_spec=lhs_spec, rhs_spec=rhs_spec, global_sorted=True)
+    assert out.shape == (m, 16)
+    assert_close(out, grouped_gemm_ragged_m(lhs, rhs, sizes), 32)
+    assert np.all(out[sum(sizes):] == 0)
+    grad = rand(m, 16)
+    wgrad, _ = c.grouped_gemm(lhs, grad, sizes, ragged_k=True, lhs_spec=lhs_spec, rhs_spec=lhs_spec,
+                              global_sorted=True)
+    assert_close(wgrad, grouped_gemm_ragged_k(lhs, grad, sizes), m)
