@@ -12,6 +12,7 @@
 // around `iters` back-to-back calls after `warmup` calls, as the peer script.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -194,7 +195,7 @@ int Main(int argc, char** argv) {
       // Ours (auto) first, in the same position as the peer's figure.
       a.strategy = Strategy::kAuto;
       const Strategy chosen = runner.Choose(a, false);
-      const double ours = measure(Strategy::kAuto, runner, 0);
+      const double ours_first = measure(Strategy::kAuto, runner, 0);
       std::map<std::string, double> extra;
       for (Strategy st : kStrategies) {
         if (!v.host && st != Strategy::kSm90 && st != Strategy::kLtLoop) continue;  // the rest need host sizes
@@ -203,6 +204,12 @@ int Main(int argc, char** argv) {
       extra["lt_loop_1stream"] = measure(Strategy::kLtLoop, runner1, 0);
       extra["sm90_n128"] = measure(Strategy::kSm90, runner, 128);
       extra["sm90_n256"] = measure(Strategy::kSm90, runner, 256);
+      // Ours again at the end: the better of two runs, as the table keeps
+      // the better of the peer's two runs.
+      const double ours_last = measure(Strategy::kAuto, runner, 0);
+      const double ours = std::max(ours_first, ours_last);
+      extra["auto_first"] = ours_first;
+      extra["auto_last"] = ours_last;
       auto col = [&](Strategy st) -> std::string {
         auto it = tf.find(st);
         if (it == tf.end() || it->second < 0) return std::string("-");

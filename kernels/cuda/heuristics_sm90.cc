@@ -2,9 +2,14 @@
 // (figures: H200, BF16, TFLOP/s, docs/performance/gpu_gemm.md):
 //
 // Ragged M
-//  1. Without host group sizes the cuBLAS routes would need a blocking
-//     device-to-host copy of the sizes, so the sm90 kernel (which reads the
-//     sizes on the device) is taken whenever it can run the shape.
+//  1. Without host group sizes the cuBLAS routes need a blocking
+//     device-to-host copy of the sizes (a stream sync, ~10-20 us of host
+//     stall), so the sm90 kernel (which reads the sizes on the device) is
+//     taken whenever it can run the shape, except when the groups are big
+//     (rule 2's test on M/G): there one cuBLASLt call per group is 6-20%
+//     faster than our kernel even after the sync (mixtral 716-735 vs
+//     645-672; deepseek-down 717-739 vs 579-617), so the runner copies the
+//     sizes back and loops.
 //  2. When one group alone fills the GPU (at least a wave of 128x256 output
 //     tiles per group), one cuBLASLt call per group is best: cuBLAS has a
 //     tuned kernel for each big shape and the side streams overlap each
@@ -59,13 +64,14 @@ Choice ChooseSm90(const ShapeInfo& s) {
   const int64_t tiles_256 = (s.m / 128 + g) * n_tiles;  // upper estimate over all groups
   c.sm90_tile_n = (c.sm90_tile_m == 128 && tiles_256 < 4 * s.num_sms) ? 128 : 256;
   const bool sm90 = Eligible(s, Strategy::kSm90);
-  if (!s.has_host_sizes && sm90) {  // rule 1
+  const int64_t rows = s.has_host_sizes ? s.max_group : avg_rows;
+  const int64_t tiles_per_group = ((rows + 127) / 128) * n_tiles;
+  const bool big_groups = tiles_per_group >= s.num_sms && Eligible(s, Strategy::kLtLoop);
+  if (!s.has_host_sizes && sm90 && !big_groups) {  // rule 1
     c.strategy = Strategy::kSm90;
     return c;
   }
-  const int64_t rows = s.has_host_sizes ? s.max_group : avg_rows;
-  const int64_t tiles_per_group = ((rows + 127) / 128) * n_tiles;
-  if (tiles_per_group >= s.num_sms && Eligible(s, Strategy::kLtLoop)) {  // rule 2
+  if (big_groups) {  // rule 2
     c.strategy = Strategy::kLtLoop;
   } else if (s.equal_groups && Eligible(s, Strategy::kLtBatched)) {  // rule 3
     c.strategy = Strategy::kLtBatched;

@@ -21,7 +21,12 @@ ShapeInfo Preset(int64_t g, int64_t m, int64_t k, int64_t n, bool host) {
 }
 
 TEST(HeuristicsSm90, NoHostSizesTakesTheDeviceKernel) {
-  EXPECT_EQ(ChooseSm90(Preset(8, 2048, 4096, 14336, false)).strategy, Strategy::kSm90);
+  EXPECT_EQ(ChooseSm90(Preset(16, 512, 2048, 1536, false)).strategy, Strategy::kSm90);
+  EXPECT_EQ(ChooseSm90(Preset(64, 64, 1024, 1024, false)).strategy, Strategy::kSm90);
+}
+
+TEST(HeuristicsSm90, NoHostSizesButBigGroupsLoop) {
+  EXPECT_EQ(ChooseSm90(Preset(8, 2048, 4096, 14336, false)).strategy, Strategy::kLtLoop);
 }
 
 TEST(HeuristicsSm90, BigGroupsLoopOverCublasLt) {

@@ -286,8 +286,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (pad_rows > 0) {
         uint8_t* base = static_cast<uint8_t*>(args.out) + static_cast<int64_t>(row_start[G]) * row_bytes;
         const int64_t bytes = pad_rows * row_bytes;
-        const int64_t stride = static_cast<int64_t>(gridDim.x) * (kThreads - 32);
-        const int64_t me = static_cast<int64_t>(blockIdx.x) * (kThreads - 32) + (tid - 32);
+        const int64_t stride = static_cast<int64_t>(gridDim.x) * 96;  // warps 1-3 of each block
+        const int64_t me = static_cast<int64_t>(blockIdx.x) * 96 + (tid - 32);
         if (((reinterpret_cast<uintptr_t>(base) | static_cast<uintptr_t>(bytes)) & 15) == 0) {
           uint4* p = reinterpret_cast<uint4*>(base);
           for (int64_t i = me; i < bytes / 16; i += stride) p[i] = make_uint4(0, 0, 0, 0);
