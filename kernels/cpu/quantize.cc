@@ -45,6 +45,21 @@ const char* ScalingModeName(ScalingMode mode) {
   return "invalid";
 }
 
+absl::StatusOr<std::pair<int64_t, int64_t>> FlattenToMatrix(const std::vector<int64_t>& dims, int flatten_axis) {
+  const int rank = static_cast<int>(dims.size());
+  const int axis = flatten_axis < 0 ? flatten_axis + rank : flatten_axis;
+  if (rank < 2 || axis < 1 || axis >= rank) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("flatten_axis: ", flatten_axis, " does not split a rank-", rank, " shape into rows and columns"));
+  }
+  int64_t m = 1, k = 1;
+  for (int i = 0; i < rank; ++i) {
+    if (dims[i] < 0) return absl::InvalidArgumentError(absl::StrCat("dims[", i, "]: ", dims[i], " is negative"));
+    (i < axis ? m : k) *= dims[i];
+  }
+  return std::make_pair(m, k);
+}
+
 absl::StatusOr<QuantizeLayout> GetQuantizeLayout(const GroupedQuantizeArgs& a) {
   if (!IsQuantizeInput(a.x_dtype)) {
     return absl::InvalidArgumentError(

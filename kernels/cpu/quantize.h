@@ -44,6 +44,7 @@
 #define SHARDGEMM_KERNELS_CPU_QUANTIZE_H_
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -103,6 +104,13 @@ struct QuantizeLayout {
   std::vector<int64_t> rowwise_scale_rows, rowwise_scale_cols;
   std::vector<int64_t> colwise_scale_rows, colwise_scale_cols;
 };
+
+// Higher-rank inputs: x with shape `dims` (row-major) is quantized as the
+// matrix [prod(dims[:flatten_axis]), prod(dims[flatten_axis:])]; the group
+// sizes count rows of that matrix. flatten_axis may be negative (counted from
+// the end, as in Transformer Engine: -1 keeps the last dimension as K).
+// Returns {m, k}; InvalidArgument names `flatten_axis` or `dims`.
+absl::StatusOr<std::pair<int64_t, int64_t>> FlattenToMatrix(const std::vector<int64_t>& dims, int flatten_axis);
 
 // Validates the shape fields (x_dtype, m, k, group sizes, mode constraints)
 // and computes the layout. Output pointers are not looked at.

@@ -147,6 +147,20 @@ TEST(QuantizeValidationTest, NamesTheField) {
   expect(b, "x");
 }
 
+TEST(QuantizeLayoutTest, FlattenHigherRank) {
+  auto mk = FlattenToMatrix({4, 8, 2, 64}, -1);
+  ASSERT_TRUE(mk.ok());
+  EXPECT_EQ(mk->first, 64);
+  EXPECT_EQ(mk->second, 64);
+  mk = FlattenToMatrix({4, 8, 2, 64}, 2);
+  ASSERT_TRUE(mk.ok());
+  EXPECT_EQ(mk->first, 32);
+  EXPECT_EQ(mk->second, 128);
+  EXPECT_EQ(FlattenToMatrix({4, 8}, 0).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(FlattenToMatrix({4}, -1).status().message()), HasSubstr("flatten_axis"));
+  EXPECT_THAT(std::string(FlattenToMatrix({4, -2}, 1).status().message()), HasSubstr("dims[1]"));
+}
+
 TEST(QuantizeLayoutTest, PaddedScaleShapes) {
   std::vector<int64_t> gs = {130, 0, 33};
   GroupedQuantizeArgs a;
