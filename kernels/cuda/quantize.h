@@ -13,6 +13,7 @@
 #include <cuda_runtime_api.h>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "kernels/cpu/quantize.h"
 
 namespace shardgemm {
