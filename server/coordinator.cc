@@ -298,6 +298,145 @@ absl::Status CheckGroupSizes(const std::vector<int64_t>& sizes, const planner::P
 
 }  // namespace
 
+absl::StatusOr<TensorMeta> Coordinator::ResolveMeta(const v1::Tensor& t,
+                                                   const std::string& field) const {
+  if (t.source_case() == v1::Tensor::kResident) {
+    auto r = FindResident(t.resident());
+    if (!r.ok()) return r.status();
+    TensorMeta m;
+    m.dtype = static_cast<DType>(static_cast<int>(r->info.dtype()));
+    m.shape.assign(r->info.shape().begin(), r->info.shape().end());
+    m.spec = r->info.spec();
+    m.resident_shard = r->shard_name;
+    return m;
+  }
+  return InlineTensorMeta(t, field);
+}
+
+absl::StatusOr<v1::GroupedQuantizeResponse> Coordinator::GroupedQuantize(
+    const v1::GroupedQuantizeRequest& request) {
+  if (auto s = CheckReady(); !s.ok()) return s;
+  if (request.scaling() != v1::SCALING_UNSPECIFIED && request.scaling() != v1::CURRENT &&
+      request.scaling() != v1::DELAYED) {
+    return absl::UnimplementedError(absl::StrCat(
+        "scaling ", v1::ScalingMode_Name(request.scaling()),
+        ": the service quantizes with per-group scales (CURRENT, DELAYED); MXFP8 and FP8 block "
+        "scaling are in the kernels (kernels/cpu/quantize.h, kernels/cuda/quantize.h) only"));
+  }
+  absl::flat_hash_map<std::string, TensorMeta> metas;
+  auto resolve = [&](const v1::Tensor& t, const std::string& field) -> absl::StatusOr<TensorMeta> {
+    auto meta = ResolveMeta(t, field);
+    if (meta.ok()) metas[field] = *meta;
+    return meta;
+  };
+  auto plan_request = QuantizePlanRequest(request, mesh_, resolve);
+  if (!plan_request.ok()) return plan_request.status();
+  if (!IsGemmFloat(metas["x"].dtype)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("x.dtype must be f32, bf16 or f16, got ", DTypeName(metas["x"].dtype)));
+  }
+  if (!IsFloat8(plan_request->attrs.out_dtype)) {
+    return absl::InvalidArgumentError("out_dtype must be F8E4M3 or F8E5M2");
+  }
+  auto plan = planner::MakePlan(*plan_request);
+  if (!plan.ok()) return plan.status();
+  auto gs_tensor = HostTensorFromProto(request.group_sizes(), "group_sizes");
+  if (!gs_tensor.ok()) return gs_tensor.status();
+  auto sizes = ToInt64Vector(*gs_tensor, "group_sizes");
+  if (!sizes.ok()) return sizes.status();
+  const planner::PlanOperand* x_op = FindOperand(*plan, "x");
+  const int rank = static_cast<int>(x_op->global_shape.size());
+  const int flatten = request.flatten_axis() > 0 ? request.flatten_axis() : std::max(1, rank - 1);
+  int64_t local_rows = 1;
+  for (int d = 0; d < flatten && d < rank; ++d) local_rows *= x_op->input_local_shape[d];
+  for (size_t i = 0; i < sizes->size(); ++i) {
+    if ((*sizes)[i] < 0) {
+      return absl::InvalidArgumentError(absl::StrCat("group_sizes[", i, "] is negative (", (*sizes)[i], ")"));
+    }
+  }
+  for (const auto& w : plan->workers) {
+    int64_t sum = 0;
+    for (int64_t i = w.group_sizes_begin; i < w.group_sizes_end; ++i) sum += (*sizes)[i];
+    if (sum > local_rows) {
+      return absl::InvalidArgumentError(absl::StrCat("group_sizes[", w.group_sizes_begin, ":",
+                                                     w.group_sizes_end, "] sum past the ", local_rows,
+                                                     " rows of x they describe"));
+    }
+  }
+  std::vector<float> scales;
+  if (request.scaling() == v1::DELAYED) {
+    auto t = HostTensorFromProto(request.scales(), "scales");
+    if (!t.ok()) return t.status();
+    if (t->dtype != DType::kF32 || t->NumElements() != static_cast<int64_t>(sizes->size())) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "scales: delayed scaling needs F32 scales, one per group_sizes entry (", sizes->size(), ")"));
+    }
+    scales.assign(t->data<float>(), t->data<float>() + t->NumElements());
+  }
+  HostTensor x_data;
+  if (metas["x"].resident_shard.empty()) {
+    auto t = HostTensorFromProto(request.x(), "x");
+    if (!t.ok()) return t.status();
+    x_data = std::move(*t);
+  }
+  bool any_collective = !plan->collectives.empty();
+  std::vector<v1::Step> steps(num_workers_);
+  for (int r = 0; r < num_workers_; ++r) {
+    const planner::WorkerPlan& wp = plan->workers[r];
+    v1::QuantizeStep* q = steps[r].mutable_quantize();
+    if (!metas["x"].resident_shard.empty()) {
+      q->mutable_x()->set_dtype(DTypeToProto(metas["x"].dtype));
+      q->mutable_x()->mutable_shape()->Assign(x_op->input_local_shape.begin(), x_op->input_local_shape.end());
+      q->mutable_x()->set_resident(metas["x"].resident_shard);
+    } else {
+      auto offsets = planner::BlockOffsets("x", x_op->global_shape, x_op->input_spec, mesh_, r);
+      if (!offsets.ok()) return offsets.status();
+      HostTensorToProto(SliceBlock(x_data, *offsets, x_op->input_local_shape), q->mutable_x());
+    }
+    for (int64_t i = wp.group_sizes_begin; i < wp.group_sizes_end; ++i) {
+      q->add_group_sizes((*sizes)[i]);
+      if (!scales.empty()) q->add_scales(scales[i]);
+    }
+    q->set_out_dtype(DTypeToProto(plan_request->attrs.out_dtype));
+    q->set_scaling(request.scaling());
+    q->set_rowwise(plan_request->attrs.rowwise);
+    q->set_colwise(plan_request->attrs.colwise);
+    q->set_flatten_axis(flatten);
+    for (const planner::Collective& c : plan->collectives) {
+      v1::CollectivePlan* cp = q->add_collectives();
+      cp->set_phase(std::string(planner::PhaseName(c.phase)));
+      cp->set_kind(std::string(planner::CollectiveKindName(c.kind)));
+      cp->set_tensor(c.tensor);
+      cp->set_dim(c.dim);
+      for (const auto& a : c.axes) cp->add_axes(a);
+    }
+    q->set_agree(any_collective && num_workers_ > 1);
+  }
+  auto results = Dispatch(std::move(steps));
+  if (!results.ok()) return results.status();
+
+  v1::GroupedQuantizeResponse response;
+  for (size_t i = 0; i < plan->outputs.size(); ++i) {
+    const planner::PlanOutput& o = plan->outputs[i];
+    auto assembled = Assemble(o.dtype, o.global_shape, o.spec, [&](int r) -> absl::StatusOr<HostTensor> {
+      if (static_cast<int>(i) >= (*results)[r].extra_size()) {
+        return absl::InternalError(absl::StrCat("worker ", r, " returned no '", o.name, "'"));
+      }
+      return HostTensorFromProto((*results)[r].extra(static_cast<int>(i)), o.name);
+    });
+    if (!assembled.ok()) return assembled.status();
+    v1::Tensor* field = o.name == "data"           ? response.mutable_rowwise_data()
+                        : o.name == "colwise_data" ? response.mutable_colwise_data()
+                        : o.name == "scale_inv"    ? response.mutable_scale_inv()
+                        : o.name == "amax"         ? response.mutable_amax()
+                                                   : response.mutable_colwise_scale_inv();
+    HostTensorToProto(*assembled, field);
+    field->set_spec(planner::FormatPartitionSpec(o.spec));
+  }
+  if (request.include_plan()) PlanToProto(*plan, response.mutable_plan());
+  return response;
+}
+
 absl::StatusOr<v1::Plan> Coordinator::Plan(const v1::PlanRequest& request) const {
   auto resolve = [this](const v1::Tensor& t, const std::string& field) -> absl::StatusOr<TensorMeta> {
     if (t.source_case() == v1::Tensor::kResident) {

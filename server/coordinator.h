@@ -31,6 +31,8 @@ class Coordinator {
 
   absl::StatusOr<v1::Plan> Plan(const v1::PlanRequest& request) const;
   absl::StatusOr<v1::GroupedGemmResponse> GroupedGemm(const v1::GroupedGemmRequest& request);
+  absl::StatusOr<v1::GroupedQuantizeResponse> GroupedQuantize(
+      const v1::GroupedQuantizeRequest& request);
 
   // Resident tensors: the workers keep only their shards.
   absl::StatusOr<v1::PutTensorResponse> PutTensor(const std::string& name, HostTensor tensor,
@@ -65,6 +67,8 @@ class Coordinator {
   // every worker at once; fails if any worker fails.
   absl::StatusOr<std::vector<v1::StepResult>> Dispatch(std::vector<v1::Step> steps);
   absl::StatusOr<Resident> FindResident(const std::string& name) const;
+  // Shape, dtype and spec of a request tensor, resident or inline (validated).
+  absl::StatusOr<struct TensorMeta> ResolveMeta(const v1::Tensor& t, const std::string& field) const;
   // Reads back a sharded tensor (or a request output) from the workers.
   absl::StatusOr<HostTensor> Assemble(DType dtype, const std::vector<int64_t>& shape,
                                       const planner::PartitionSpec& spec,

@@ -30,10 +30,12 @@ grpc::Status ShardGemmService::GroupedGemm(grpc::ServerContext*,
 }
 
 grpc::Status ShardGemmService::GroupedQuantize(grpc::ServerContext*,
-                                               const v1::GroupedQuantizeRequest*,
-                                               v1::GroupedQuantizeResponse*) {
-  return grpc::Status(grpc::StatusCode::UNIMPLEMENTED,
-                      "GroupedQuantize is not served yet: use Plan for its partition plan");
+                                               const v1::GroupedQuantizeRequest* request,
+                                               v1::GroupedQuantizeResponse* response) {
+  auto r = coordinator_->GroupedQuantize(*request);
+  if (!r.ok()) return ToGrpcStatus(r.status());
+  *response = std::move(*r);
+  return grpc::Status::OK;
 }
 
 grpc::Status ShardGemmService::PutTensor(grpc::ServerContext*,

@@ -22,12 +22,29 @@ struct LocalGemm {
   DType out_dtype = DType::kF32;
 };
 
+// Per-group (tensor) scaling of x [m, k] grouped by rows. With `scales`
+// (delayed scaling) the given per-group scales are used; otherwise each
+// group's scale comes from its amax (current scaling).
+struct LocalQuantize {
+  const HostTensor* x = nullptr;  // flattened to [m, k]
+  int64_t m = 0, k = 0;
+  std::vector<int64_t> group_sizes;
+  DType out_dtype = DType::kF8E4M3;
+  bool rowwise = true, colwise = false;
+  const std::vector<float>* scales = nullptr;
+};
+struct QuantizeOutputs {
+  HostTensor rowwise_data, colwise_data;  // [m, k] bytes each when asked for
+  HostTensor scale_inv, amax;             // [num_groups] F32
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
   virtual std::string Name() const = 0;    // "cpu" or "cuda"
   virtual std::string Device() const = 0;  // human-readable device description
   virtual absl::StatusOr<HostTensor> GroupedGemm(const LocalGemm& gemm) = 0;
+  virtual absl::StatusOr<QuantizeOutputs> GroupedQuantize(const LocalQuantize& q) = 0;
 };
 
 std::unique_ptr<Backend> MakeCpuBackend(int num_threads);

@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "kernels/fp8.h"
 #include "proto/tensor_codec.h"
 
 namespace shardgemm {
@@ -51,6 +52,9 @@ absl::StatusOr<v1::StepResult> Executor::Execute(v1::Step step) {
       break;
     case v1::Step::kStore:
       result = RunStore(*step.mutable_store());
+      break;
+    case v1::Step::kQuantize:
+      result = RunQuantize(*step.mutable_quantize());
       break;
     case v1::Step::kDeleteShard: {
       absl::Status s = store_->Delete(step.delete_shard().name());
@@ -248,6 +252,113 @@ absl::StatusOr<v1::StepResult> Executor::RunGemm(v1::GemmStep& gemm) {
   } else {
     HostTensorToProto(std::move(*out), result.mutable_out());
   }
+  result.set_compute_seconds(absl::ToDoubleSeconds(absl::Now() - start));
+  return result;
+}
+
+absl::StatusOr<v1::StepResult> Executor::RunQuantize(v1::QuantizeStep& q) {
+  const absl::Time start = absl::Now();
+  auto out_dtype = DTypeFromProto(q.out_dtype(), "out_dtype");
+  absl::Status prepared = out_dtype.status();
+  Input x;
+  if (prepared.ok()) {
+    auto in = ResolveInput(std::move(*q.mutable_x()), *store_, "x");
+    if (in.ok()) x = *in;
+    else prepared = in.status();
+  }
+  int64_t working_bytes = 0;
+  if (prepared.ok()) {
+    working_bytes = x.tensor->NumElements() * (q.rowwise() + q.colwise()) + x.tensor->NumBytes();
+    prepared = store_->Reserve(working_bytes);
+  }
+  struct Release {
+    ShardStore* store; int64_t bytes; bool active;
+    ~Release() { if (active) store->Release(bytes); }
+  } release{store_, working_bytes, prepared.ok()};
+  if (q.agree()) prepared = collectives_->Agree(prepared);
+  if (!prepared.ok()) return prepared;
+
+  absl::Status status;
+  for (const v1::CollectivePlan& c : q.collectives()) {
+    if (c.phase() != "before") continue;
+    if (c.tensor() != "x") {
+      status = absl::InvalidArgumentError(absl::StrCat("plan collective names '", c.tensor(), "'"));
+      break;
+    }
+    auto next = ApplyCollective(c, *x.tensor);
+    if (!next.ok()) { status = next.status(); break; }
+    x.tensor = std::make_shared<const HostTensor>(std::move(*next));
+  }
+  // Rows are the dims before the flatten axis; the plan splits only dim 0.
+  LocalQuantize local;
+  local.x = x.tensor.get();
+  const int flatten = std::max(1, q.flatten_axis());
+  local.m = 1;
+  local.k = 1;
+  for (size_t d = 0; d < x.tensor->shape.size(); ++d) {
+    (static_cast<int>(d) < flatten ? local.m : local.k) *= x.tensor->shape[d];
+  }
+  if (q.scaling() == v1::DELAYED || q.scaling() == v1::CURRENT ||
+      q.scaling() == v1::SCALING_UNSPECIFIED) {
+  } else {
+    status.Update(absl::UnimplementedError("the service quantizes with per-group (current or "
+                                           "delayed) scales; MXFP8 and FP8 block scaling are "
+                                           "kernels-only for now"));
+  }
+  local.group_sizes.assign(q.group_sizes().begin(), q.group_sizes().end());
+  local.out_dtype = out_dtype.value_or(DType::kF8E4M3);
+  local.rowwise = q.rowwise();
+  local.colwise = q.colwise();
+  std::vector<float> scales(q.scales().begin(), q.scales().end());
+  if (q.scaling() == v1::DELAYED) local.scales = &scales;
+  absl::StatusOr<QuantizeOutputs> out = absl::UnknownError("not run");
+  if (status.ok()) {
+    out = backend_->GroupedQuantize(local);
+    status = out.status();
+  }
+  // Shared scales: the per-group amax is max-reduced over the shards that
+  // split a group's rows, then the data is cast again with the shared scale.
+  bool within = false;
+  for (const auto& c : q.collectives()) within |= c.phase() == "within";
+  if (q.agree() && within) status = collectives_->Agree(status);
+  if (!status.ok()) return status;
+  for (const v1::CollectivePlan& c : q.collectives()) {
+    if (c.phase() != "within") continue;
+    if (c.tensor() != "amax") {
+      return absl::InvalidArgumentError(absl::StrCat("within-collective names '", c.tensor(), "'"));
+    }
+    auto reduced = ApplyCollective(c, out->amax);
+    if (!reduced.ok()) return reduced.status();
+    // Delayed scaling keeps its given scales: only the reported amax is shared.
+    if (reduced->bytes == out->amax.bytes || local.scales != nullptr) {
+      out->amax = std::move(*reduced);
+      continue;
+    }
+    std::vector<float> shared(local.group_sizes.size());
+    const float fp8_max = local.out_dtype == DType::kF8E5M2 ? kE5M2Max : kE4M3Max;
+    for (size_t g = 0; g < shared.size(); ++g) {
+      shared[g] = ScaleFromAmax(reduced->data<float>()[g], fp8_max);
+    }
+    LocalQuantize again = local;
+    again.scales = &shared;
+    auto recast = backend_->GroupedQuantize(again);
+    if (!recast.ok()) return recast.status();
+    recast->amax = std::move(*reduced);
+    *out = std::move(*recast);
+  }
+
+  v1::StepResult result;
+  auto add = [&](HostTensor&& t) { HostTensorToProto(std::move(t), result.add_extra()); };
+  if (local.rowwise) {
+    out->rowwise_data.shape = x.tensor->shape;
+    add(std::move(out->rowwise_data));
+  }
+  if (local.colwise) {
+    out->colwise_data.shape = x.tensor->shape;
+    add(std::move(out->colwise_data));
+  }
+  add(std::move(out->scale_inv));
+  add(std::move(out->amax));
   result.set_compute_seconds(absl::ToDoubleSeconds(absl::Now() - start));
   return result;
 }

@@ -35,6 +35,7 @@ class Executor {
   absl::StatusOr<v1::StepResult> RunGemm(v1::GemmStep& gemm);
   absl::StatusOr<HostTensor> ApplyCollective(const v1::CollectivePlan& c, const HostTensor& t);
   absl::StatusOr<v1::StepResult> RunStore(v1::StoreShardStep& store);
+  absl::StatusOr<v1::StepResult> RunQuantize(v1::QuantizeStep& quantize);
 
   Backend* backend_;
   ShardStore* store_;
