@@ -19,6 +19,7 @@
 #include "worker/backend.h"
 #include "worker/executor.h"
 #include "worker/gloo_collectives.h"
+#include "worker/nccl_collectives.h"
 #include "worker/grpc_status.h"
 #include "worker/worker_service.h"
 
@@ -119,6 +120,11 @@ int Run() {
   std::unique_ptr<Collectives> collectives;
   if (position.NumWorkers() == 1) {
     collectives = MakeLocalCollectives(position);
+  } else if ((*backend)->Name() == "cuda") {
+    collectives = MakeNcclCollectives(
+        position, absl::GetFlag(FLAGS_device),
+        CoordinatorIdExchange(absl::GetFlag(FLAGS_coordinator), response.session() + "/"),
+        std::chrono::seconds(absl::GetFlag(FLAGS_collective_timeout_s)));
   } else {
     // The CPU backend's collectives: Gloo over TCP, rendezvous through the
     // coordinator. (The CUDA backend's NCCL communicators plug in here.)

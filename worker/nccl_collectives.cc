@@ -1,0 +1,283 @@
+#include "worker/nccl_collectives.h"
+
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "grpcpp/grpcpp.h"
+#include "proto/shardgemm.grpc.pb.h"
+
+namespace shardgemm {
+namespace {
+
+absl::Status Nccl(ncclResult_t r, absl::string_view what) {
+  if (r == ncclSuccess) return absl::OkStatus();
+  return absl::InternalError(absl::StrCat(what, ": NCCL ", ncclGetErrorString(r), " (",
+                                          ncclGetLastError(nullptr), ")"));
+}
+
+absl::Status Cuda(cudaError_t e, absl::string_view what) {
+  if (e == cudaSuccess) return absl::OkStatus();
+  return absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorString(e)));
+}
+
+class NcclCollectives : public Collectives {
+ public:
+  NcclCollectives(MeshPosition position, int device, IdExchange exchange,
+                  std::chrono::milliseconds timeout)
+      : position_(std::move(position)), device_(device), exchange_(std::move(exchange)),
+        timeout_(timeout) {
+    cudaSetDevice(device_);
+    cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking);
+  }
+  ~NcclCollectives() override {
+    for (auto& [key, comm] : comms_) ncclCommDestroy(comm);
+    for (auto& [slot, buffer] : buffers_) cudaFree(buffer.second);
+    cudaStreamDestroy(stream_);
+  }
+
+  absl::StatusOr<HostTensor> AllGather(const HostTensor& local, int dim,
+                                       const std::vector<std::string>& axes) override {
+    auto comm = Comm(axes);
+    if (!comm.ok()) return comm.status();
+    if (*comm == nullptr) return local;
+    auto size = position_.GroupSize(axes);
+    const int64_t n = local.NumBytes();
+    auto send = Buffer(0, n), recv = Buffer(1, n * *size);
+    if (!send.ok()) return send.status();
+    if (!recv.ok()) return recv.status();
+    std::string gathered(n * *size, '\0');
+    absl::Status s = Cuda(cudaMemcpyAsync(*send, local.bytes.data(), n, cudaMemcpyHostToDevice, stream_), "upload");
+    if (s.ok()) s = Nccl(ncclAllGather(*send, *recv, n, ncclUint8, *comm, stream_), "ncclAllGather");
+    if (s.ok()) s = Cuda(cudaMemcpyAsync(&gathered[0], *recv, gathered.size(), cudaMemcpyDeviceToHost, stream_), "download");
+    if (s.ok()) s = Wait(axes, *comm);
+    if (!s.ok()) return s;
+    HostTensor out;
+    out.dtype = local.dtype;
+    out.shape = local.shape;
+    out.shape[dim] *= *size;
+    out.bytes.assign(gathered.size(), '\0');
+    for (int64_t i = 0; i < *size; ++i) {
+      HostTensor piece;
+      piece.dtype = local.dtype;
+      piece.shape = local.shape;
+      piece.bytes = gathered.substr(i * n, n);
+      std::vector<int64_t> offsets(local.shape.size(), 0);
+      offsets[dim] = i * local.shape[dim];
+      InsertBlock(piece, offsets, &out);
+    }
+    return out;
+  }
+
+  absl::Status AllReduce(HostTensor* t, ReduceOp op, const std::vector<std::string>& axes) override {
+    auto comm = Comm(axes);
+    if (!comm.ok()) return comm.status();
+    if (*comm == nullptr || t->NumElements() == 0) return absl::OkStatus();
+    ncclDataType_t type;
+    switch (t->dtype) {
+      case DType::kF32: type = ncclFloat32; break;
+      case DType::kBF16: type = ncclBfloat16; break;
+      case DType::kF16: type = ncclFloat16; break;
+      case DType::kI32: type = ncclInt32; break;
+      case DType::kI64: type = ncclInt64; break;
+      default: return absl::InvalidArgumentError(absl::StrCat("cannot all-reduce ", DTypeName(t->dtype)));
+    }
+    auto buf = Buffer(0, t->NumBytes());
+    if (!buf.ok()) return buf.status();
+    absl::Status s = Cuda(cudaMemcpyAsync(*buf, t->bytes.data(), t->NumBytes(), cudaMemcpyHostToDevice, stream_), "upload");
+    if (s.ok()) {
+      s = Nccl(ncclAllReduce(*buf, *buf, t->NumElements(), type, op == ReduceOp::kSum ? ncclSum : ncclMax,
+                             *comm, stream_), "ncclAllReduce");
+    }
+    if (s.ok()) s = Cuda(cudaMemcpyAsync(&t->bytes[0], *buf, t->NumBytes(), cudaMemcpyDeviceToHost, stream_), "download");
+    if (s.ok()) s = Wait(axes, *comm);
+    return s;
+  }
+
+  absl::StatusOr<HostTensor> ReduceScatter(const HostTensor& t, int dim,
+                                           const std::vector<std::string>& axes) override {
+    auto size = position_.GroupSize(axes);
+    auto index = position_.GroupIndex(axes);
+    if (!size.ok()) return size.status();
+    if (!index.ok()) return index.status();
+    if (*size == 1) return t;
+    // ncclReduceScatter splits the flat buffer: bring `dim` to the front so
+    // each member's piece is contiguous, scatter, and restore the layout.
+    std::vector<HostTensor> pieces;
+    HostTensor flat = t;
+    flat.bytes.clear();
+    for (int64_t i = 0; i < *size; ++i) {
+      auto p = TakePiece(t, dim, i, *size, "reduce_scatter");
+      if (!p.ok()) return p.status();
+      flat.bytes += p->bytes;
+      pieces.push_back(std::move(*p));
+    }
+    auto comm = Comm(axes);
+    if (!comm.ok()) return comm.status();
+    if (t.dtype != DType::kF32) {
+      return absl::InvalidArgumentError("reduce-scatter runs on FP32 partial sums");
+    }
+    const int64_t piece_elems = pieces[0].NumElements();
+    auto buf = Buffer(0, flat.NumBytes());
+    auto out = Buffer(1, piece_elems * 4);
+    if (!buf.ok()) return buf.status();
+    if (!out.ok()) return out.status();
+    HostTensor mine = pieces[*index];
+    absl::Status s = Cuda(cudaMemcpyAsync(*buf, flat.bytes.data(), flat.bytes.size(), cudaMemcpyHostToDevice, stream_), "upload");
+    if (s.ok()) s = Nccl(ncclReduceScatter(*buf, *out, piece_elems, ncclFloat32, ncclSum, *comm, stream_), "ncclReduceScatter");
+    if (s.ok()) s = Cuda(cudaMemcpyAsync(&mine.bytes[0], *out, mine.NumBytes(), cudaMemcpyDeviceToHost, stream_), "download");
+    if (s.ok()) s = Wait(axes, *comm);
+    if (!s.ok()) return s;
+    return mine;
+  }
+
+  absl::Status Agree(const absl::Status& local) override {
+    HostTensor flag = *ZerosTensor(DType::kI32, {1});
+    flag.data<int32_t>()[0] = local.ok() ? 0 : 1;
+    if (auto s = AllReduce(&flag, ReduceOp::kMax, position_.axis_names); !s.ok()) return s;
+    if (!local.ok()) return local;
+    if (flag.data<int32_t>()[0] != 0) return absl::AbortedError("another worker failed this step");
+    return absl::OkStatus();
+  }
+
+ private:
+  // Polls the stream and the communicator's asynchronous error, so a peer
+  // that never arrives fails the step instead of hanging it.
+  absl::Status Wait(const std::vector<std::string>& axes, ncclComm_t comm) {
+    const absl::Time deadline = absl::Now() + absl::FromChrono(timeout_);
+    while (true) {
+      cudaError_t e = cudaStreamQuery(stream_);
+      if (e == cudaSuccess) return absl::OkStatus();
+      if (e != cudaErrorNotReady) return Cuda(e, "collective");
+      ncclResult_t async;
+      ncclCommGetAsyncError(comm, &async);
+      if (async != ncclSuccess && async != ncclInProgress) {
+        Abort(axes);
+        return Nccl(async, "collective failed asynchronously");
+      }
+      if (absl::Now() > deadline) {
+        Abort(axes);
+        return absl::UnavailableError(absl::StrCat("collective over (", absl::StrJoin(axes, ","),
+                                                   ") did not finish within ",
+                                                   absl::FormatDuration(absl::FromChrono(timeout_)),
+                                                   "; communicator aborted"));
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
+    }
+  }
+
+  void Abort(const std::vector<std::string>& axes) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = comms_.find(absl::StrJoin(axes, ","));
+    if (it != comms_.end()) {
+      ncclCommAbort(it->second);
+      comms_.erase(it);
+    }
+  }
+
+  // A device buffer of at least `bytes`, kept between calls (slot 0 or 1).
+  absl::StatusOr<void*> Buffer(int slot, int64_t bytes) {
+    auto& [size, ptr] = buffers_[slot];
+    if (size < bytes) {
+      if (ptr != nullptr) cudaFree(ptr);
+      ptr = nullptr;
+      if (auto s = Cuda(cudaMalloc(&ptr, std::max<int64_t>(bytes, 256)), "collective buffer"); !s.ok()) {
+        size = 0;
+        return s;
+      }
+      size = bytes;
+    }
+    return ptr;
+  }
+
+  absl::StatusOr<ncclComm_t> Comm(const std::vector<std::string>& axes) {
+    auto size = position_.GroupSize(axes);
+    auto index = position_.GroupIndex(axes);
+    if (!size.ok()) return size.status();
+    if (!index.ok()) return index.status();
+    if (*size == 1) return static_cast<ncclComm_t>(nullptr);
+    const std::string key = absl::StrJoin(axes, ",");
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = comms_.find(key);
+    if (it != comms_.end()) return it->second;
+    std::vector<std::string> other;
+    for (size_t d = 0; d < position_.axis_names.size(); ++d) {
+      if (std::find(axes.begin(), axes.end(), position_.axis_names[d]) == axes.end()) {
+        other.push_back(absl::StrCat(position_.axis_names[d], "=", position_.coords[d]));
+      }
+    }
+    const std::string id_key =
+        absl::StrCat("nccl/", key, "/", absl::StrJoin(other, ","), "/", generation_[key]++);
+    ncclUniqueId id;
+    if (*index == 0) {
+      if (auto s = Nccl(ncclGetUniqueId(&id), "ncclGetUniqueId"); !s.ok()) return s;
+      if (auto s = exchange_.set(id_key, std::string(id.internal, sizeof(id.internal))); !s.ok()) return s;
+    } else {
+      auto v = exchange_.get(id_key);
+      if (!v.ok()) return v.status();
+      if (v->size() != sizeof(id.internal)) return absl::InternalError("malformed ncclUniqueId");
+      std::copy(v->begin(), v->end(), id.internal);
+    }
+    cudaSetDevice(device_);
+    ncclComm_t comm;
+    if (auto s = Nccl(ncclCommInitRank(&comm, static_cast<int>(*size), id, static_cast<int>(*index)),
+                      absl::StrCat("ncclCommInitRank (", key, ")"));
+        !s.ok()) {
+      return s;
+    }
+    comms_[key] = comm;
+    return comm;
+  }
+
+  MeshPosition position_;
+  int device_;
+  IdExchange exchange_;
+  std::chrono::milliseconds timeout_;
+  cudaStream_t stream_ = nullptr;
+  std::mutex mu_;
+  std::map<std::string, ncclComm_t> comms_;
+  std::map<std::string, int> generation_;
+  std::map<int, std::pair<int64_t, void*>> buffers_;
+};
+
+}  // namespace
+
+IdExchange CoordinatorIdExchange(const std::string& coordinator, const std::string& prefix) {
+  auto stub = std::shared_ptr<v1::Coordination::Stub>(v1::Coordination::NewStub(
+      grpc::CreateChannel(coordinator, grpc::InsecureChannelCredentials())));
+  IdExchange x;
+  x.set = [stub, prefix](const std::string& key, const std::string& value) -> absl::Status {
+    grpc::ClientContext ctx;
+    v1::StoreSetRequest request;
+    request.set_key(prefix + key);
+    request.set_value(value);
+    v1::StoreSetResponse response;
+    grpc::Status s = stub->StoreSet(&ctx, request, &response);
+    return s.ok() ? absl::OkStatus() : absl::UnavailableError(s.error_message());
+  };
+  x.get = [stub, prefix](const std::string& key) -> absl::StatusOr<std::string> {
+    grpc::ClientContext ctx;
+    v1::StoreGetRequest request;
+    request.add_keys(prefix + key);
+    request.set_timeout_ms(60000);
+    v1::StoreGetResponse response;
+    grpc::Status s = stub->StoreGet(&ctx, request, &response);
+    if (!s.ok()) return absl::UnavailableError(s.error_message());
+    return response.values(0);
+  };
+  return x;
+}
+
+std::unique_ptr<Collectives> MakeNcclCollectives(const MeshPosition& position, int device,
+                                                 IdExchange exchange,
+                                                 std::chrono::milliseconds timeout) {
+  return std::make_unique<NcclCollectives>(position, device, std::move(exchange), timeout);
+}
+
+}  // namespace shardgemm
