@@ -91,6 +91,7 @@ struct GroupedGemmRunner::Impl {
   int num_sms = 0;
   int cc_major = 0, cc_minor = 0;
   bool sm90_disabled = false;  // kill switch: SHARDGEMM_DISABLE_SM90 set in the environment
+  bool sm90_no_cluster = false;  // SHARDGEMM_SM90_NO_CLUSTER: never launch 2x1 clusters
   DevicePool pool;
   cublasLtHandle_t lt = nullptr;
   cublasHandle_t blas = nullptr;
@@ -155,6 +156,7 @@ struct GroupedGemmRunner::Impl {
     num_sms = prop.multiProcessorCount;
     cc_major = prop.major;
     sm90_disabled = std::getenv("SHARDGEMM_DISABLE_SM90") != nullptr;
+    sm90_no_cluster = std::getenv("SHARDGEMM_SM90_NO_CLUSTER") != nullptr;
     cc_minor = prop.minor;
     SG_CUBLAS(cublasLtCreate(&lt));
     SG_CUBLAS(cublasCreate(&blas));
@@ -214,7 +216,8 @@ struct GroupedGemmRunner::Impl {
     return absl::OkStatus();
   }
 
-  Sm90GroupedGemmParams Sm90Params(const DeviceGroupedGemmArgs& a, int tile_m, int tile_n = 256) const {
+  Sm90GroupedGemmParams Sm90Params(const DeviceGroupedGemmArgs& a, int tile_m, int tile_n = 256,
+                                   int cluster = 1) const {
     Sm90GroupedGemmParams p;
     p.in_dtype = ToCu(a.in_dtype);
     p.out_dtype = ToCu(a.out_dtype);
@@ -231,6 +234,7 @@ struct GroupedGemmRunner::Impl {
     p.rhs_transposed = a.rhs_transposed;
     p.tile_m = tile_m == 64 ? Sm90TileM::k64 : Sm90TileM::k128;
     p.tile_n = tile_n;
+    p.cluster = cluster;
     return p;
   }
 
@@ -716,11 +720,13 @@ struct GroupedGemmRunner::Impl {
     }
     if (a.sm90_tile_m != 0) choice.sm90_tile_m = a.sm90_tile_m;
     if (a.sm90_tile_n != 0) choice.sm90_tile_n = a.sm90_tile_n;
+    if (a.sm90_cluster != 0) choice.sm90_cluster = a.sm90_cluster;
     if (choice.sm90_tile_m == 64) choice.sm90_tile_n = 256;
+    if (choice.sm90_tile_m != 128 || choice.sm90_tile_n != 256 || sm90_no_cluster) choice.sm90_cluster = 1;
     if (s == Strategy::kSm90 && a.k > 0 && a.m > 0) {
       const char* detail = nullptr;
-      cudaError_t e = LaunchSm90GroupedGemm(Sm90Params(a, choice.sm90_tile_m, choice.sm90_tile_n), num_sms,
-                                            stream, &detail);
+      cudaError_t e = LaunchSm90GroupedGemm(
+          Sm90Params(a, choice.sm90_tile_m, choice.sm90_tile_n, choice.sm90_cluster), num_sms, stream, &detail);
       return CudaStatus(e, absl::StrCat("sm90 grouped gemm ", detail));
     }
     std::vector<int64_t> sizes;

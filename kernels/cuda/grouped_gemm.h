@@ -49,6 +49,7 @@ struct DeviceGroupedGemmArgs {
   const int64_t* group_sizes_host = nullptr;    // optional copy, [num_groups]
   Strategy strategy = Strategy::kAuto;          // force one (tests, benchmark)
   int sm90_tile_m = 0, sm90_tile_n = 0;         // force the sm90 tile (0: heuristic)
+  int sm90_cluster = 0;                         // force 1 or 2 blocks per cluster (0: heuristic)
 };
 
 struct RunnerOptions {

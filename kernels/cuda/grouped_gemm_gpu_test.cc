@@ -9,6 +9,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -109,14 +110,16 @@ int RunRaggedM(GroupedGemmRunner* runner, cudaStream_t s, const Case& c, uint64_
       a.strategy = st;
       if (!runner->Supports(a, false, st).ok()) continue;
       // The sm90 kernel: the heuristic's tile, then each tile shape forced.
-      std::vector<std::pair<int, int>> tiles = {{0, 0}};
-      if (st == Strategy::kSm90 && host) tiles = {{0, 0}, {128, 256}, {128, 128}, {64, 256}};
-      for (auto [tm, tn] : tiles) {
+      std::vector<std::tuple<int, int, int>> tiles = {{0, 0, 0}};
+      if (st == Strategy::kSm90 && host)
+        tiles = {{0, 0, 0}, {128, 256, 1}, {128, 256, 2}, {128, 128, 1}, {64, 256, 1}};
+      for (auto [tm, tn, cl] : tiles) {
         a.sm90_tile_m = tm;
         a.sm90_tile_n = tn;
+        a.sm90_cluster = cl;
         const std::string what = absl::StrCat(
             c.name, " strategy=", StrategyName(st), " host_sizes=", host,
-            tm ? absl::StrCat(" tile=", tm, "x", tn) : "",
+            tm ? absl::StrCat(" tile=", tm, "x", tn, " cluster=", cl) : "",
             st == Strategy::kAuto ? absl::StrCat(" (auto picks ", StrategyName(runner->Choose(a, false)), ")")
                                   : "");
         EXPECT_EQ(testing::Poison(out.p, c.m * c.n * es_out, s), cudaSuccess);
@@ -128,7 +131,7 @@ int RunRaggedM(GroupedGemmRunner* runner, cudaStream_t s, const Case& c, uint64_
         EXPECT_TRUE(r.Ok(testing::Tolerance(c.out))) << what << ": " << r.ToString();
         ++runs;
       }
-      a.sm90_tile_m = a.sm90_tile_n = 0;
+      a.sm90_tile_m = a.sm90_tile_n = a.sm90_cluster = 0;
     }
   }
   return runs;

@@ -89,6 +89,31 @@ __device__ __forceinline__ void TmaLoad3d(void* dst, const CUtensorMap* map, int
       : "memory");
 }
 
+// The same load, multicast to the CTAs of `mask` in the cluster (same
+// shared-memory offset and mbarrier offset in each).
+__device__ __forceinline__ void TmaLoad3dMulticast(void* dst, const CUtensorMap* map, int c0, int c1, int c2,
+                                                   uint64_t* bar, uint16_t mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+      " [%0], [%1, {%2, %3, %4}], [%5], %6;" ::"r"(SmemAddr(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(SmemAddr(bar)), "h"(mask)
+      : "memory");
+}
+__device__ __forceinline__ uint32_t ClusterRank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+__device__ __forceinline__ void ClusterSync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+// Arrive on the mbarrier at the same offset in CTA `rank` of the cluster.
+__device__ __forceinline__ void BarArriveRemote(uint64_t* bar, uint32_t rank) {
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(SmemAddr(bar)), "r"(rank));
+  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
+}
+
 // Shared-memory matrix descriptor, 128-byte swizzle.
 __device__ __forceinline__ uint64_t MakeDesc(uint32_t smem_addr, uint32_t lbo, uint32_t sbo) {
   uint64_t d = 0;
@@ -186,7 +211,11 @@ constexpr int SmemBytes(int num_groups) {
          2 * (num_groups + 1) * 4;
 }
 
-template <int BM, int BN, bool kF16, bool kBKMajor, typename TOut>
+// kCluster = 2: pairs of blocks (a 2x1 cluster) take the same group and
+// column tile and adjacent row tiles; each loads its own lhs tile and half of
+// the shared rhs tile, multicast to both, which halves the rhs traffic out of
+// L2. A slot is refilled only once the consumers of both blocks freed it.
+template <int BM, int BN, bool kF16, bool kBKMajor, typename TOut, int kCluster>
 __global__ void __launch_bounds__(kThreads, 1)
     GroupedGemmKernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                       const KernelArgs args) {
@@ -216,7 +245,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       int64_t s = args.group_sizes[i];
       int r = static_cast<int>(s < 0 ? 0 : (s > args.m ? args.m : s));
       rows += r;
-      tiles += (r + BM - 1) / BM * n_tiles;
+      tiles += ((r + BM - 1) / BM + kCluster - 1) / kCluster * n_tiles;
     }
     const int lane = tid & 31, warp = tid >> 5;
     int inc_r = rows, inc_t = tiles;
@@ -228,7 +257,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     if (lane == 31) { warp_rows[warp] = inc_r; warp_tiles[warp] = inc_t; }
     if (tid == 0) {
-      for (int s = 0; s < kStages; ++s) { BarInit(&full[s], 1); BarInit(&empty[s], 256); }
+      for (int s = 0; s < kStages; ++s) { BarInit(&full[s], 1); BarInit(&empty[s], 8 * kCluster); }
       asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
@@ -240,7 +269,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       int64_t s = args.group_sizes[i];
       int r = static_cast<int>(s < 0 ? 0 : (s > args.m ? args.m : s));
       run_r += r;
-      run_t += (r + BM - 1) / BM * n_tiles;
+      run_t += ((r + BM - 1) / BM + kCluster - 1) / kCluster * n_tiles;
     }
     if (tid == kThreads - 1) {  // totals
       int tr = 0, tt = 0;
@@ -250,26 +279,42 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     __syncthreads();
   }
+  if constexpr (kCluster > 1) ClusterSync();  // peers' barriers are initialized
   const int total_tiles = tile_start[G];
   const int num_kb = (args.k + kBK - 1) / kBK;
   const int wg = tid / 128;
+  const uint32_t rank = kCluster > 1 ? ClusterRank() : 0;
+  const int first_tile = blockIdx.x / kCluster, tile_stride = gridDim.x / kCluster;
 
   if (wg == 0) {
     if (tid == 0) {
       int stage = 0, phase = 0;
-      for (int t = blockIdx.x; t < total_tiles; t += gridDim.x) {
+      for (int t = first_tile; t < total_tiles; t += tile_stride) {
         const int g = FindGroup(tile_start, G, t);
         const int local = t - tile_start[g];
         const int mt_count = (row_start[g + 1] - row_start[g] + BM - 1) / BM;
-        const int row0 = row_start[g] + (local % mt_count) * BM;
-        const int n0 = (local / mt_count) * BN;
+        const int pm_count = (mt_count + kCluster - 1) / kCluster;
+        const int row0 = row_start[g] + ((local % pm_count) * kCluster + rank) * BM;
+        const int n0 = (local / pm_count) * BN;
         for (int kb = 0; kb < num_kb; ++kb) {
           BarWait(&empty[stage], phase ^ 1);
           BarExpectTx(&full[stage], C::kStageBytes);
           uint8_t* sa = ring + stage * C::kStageBytes;
           uint8_t* sb = sa + C::kABytes;
           TmaLoad2d(sa, &map_a, kb * kBK, row0, &full[stage]);
-          if constexpr (kBKMajor) {
+          if constexpr (kCluster > 1) {
+            constexpr int kHalf = BN / 2;
+            if constexpr (kBKMajor) {
+              TmaLoad3dMulticast(sb + rank * kHalf * kBK * 2, &map_b, kb * kBK, n0 + rank * kHalf, g,
+                                 &full[stage], 0x3);
+            } else {
+#pragma unroll
+              for (int j = 0; j < kHalf / 64; ++j) {
+                const int jj = rank * (kHalf / 64) + j;
+                TmaLoad3dMulticast(sb + jj * 64 * kBK * 2, &map_b, n0 + jj * 64, kb * kBK, g, &full[stage], 0x3);
+              }
+            }
+          } else if constexpr (kBKMajor) {
             TmaLoad3d(sb, &map_b, kb * kBK, n0, g, &full[stage]);
           } else {
 #pragma unroll
@@ -306,13 +351,21 @@ __global__ void __launch_bounds__(kThreads, 1)
     float acc[kWN / 2];
     int stage = 0, phase = 0;
     TOut* out = static_cast<TOut*>(args.out);
-    for (int t = blockIdx.x; t < total_tiles; t += gridDim.x) {
+    auto release = [&](int s) {  // one arrive per warp, on this block's slot and the peer's
+      __syncwarp();
+      if (lane == 0) {
+        BarArrive(&empty[s]);
+        if constexpr (kCluster > 1) BarArriveRemote(&empty[s], rank ^ 1);
+      }
+    };
+    for (int t = first_tile; t < total_tiles; t += tile_stride) {
       const int g = FindGroup(tile_start, G, t);
       const int local = t - tile_start[g];
       const int g_rows = row_start[g + 1] - row_start[g];
       const int mt_count = (g_rows + BM - 1) / BM;
-      const int row0 = row_start[g] + (local % mt_count) * BM;
-      const int n0 = (local / mt_count) * BN;
+      const int pm_count = (mt_count + kCluster - 1) / kCluster;
+      const int row0 = row_start[g] + ((local % pm_count) * kCluster + rank) * BM;
+      const int n0 = (local / pm_count) * BN;
       int prev_stage = 0;
       for (int kb = 0; kb < num_kb; ++kb) {
         BarWait(&full[stage], phase);
@@ -329,13 +382,13 @@ __global__ void __launch_bounds__(kThreads, 1)
         WgmmaCommit();
         if (kb > 0) {
           WgmmaWait<1>();
-          BarArrive(&empty[prev_stage]);
+          release(prev_stage);
         }
         prev_stage = stage;
         if (++stage == kStages) { stage = 0; phase ^= 1; }
       }
       WgmmaWait<0>();
-      BarArrive(&empty[prev_stage]);
+      release(prev_stage);
 
       // Epilogue: fragment (j, h, e) of thread (warp w, lane l) is row
       // w*16 + l/4 + 8h, column 8j + 2(l%4) + e of this consumer's 64 x WN tile.
@@ -369,6 +422,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
   }
+  if constexpr (kCluster > 1) {  // no block leaves while its peer may still signal it
+    __syncwarp();
+    ClusterSync();
+  }
 #endif
 }
 
@@ -390,7 +447,7 @@ EncodeTiledFn GetEncodeTiled() {
   return fn;
 }
 
-template <int BM, int BN, bool kF16, bool kBKMajor, typename TOut>
+template <int BM, int BN, bool kF16, bool kBKMajor, typename TOut, int kCluster>
 cudaError_t LaunchTyped(const Sm90GroupedGemmParams& p, int num_sms, cudaStream_t stream, const char** detail) {
   EncodeTiledFn encode = GetEncodeTiled();
   if (encode == nullptr) {
@@ -417,7 +474,7 @@ cudaError_t LaunchTyped(const Sm90GroupedGemmParams& p, int num_sms, cudaStream_
     if (kBKMajor) {  // [G, N, K]
       dims[0] = p.k; dims[1] = p.n; dims[2] = p.num_groups;
       strides[0] = p.k * 2; strides[1] = p.n * p.k * 2;
-      box[0] = kBK; box[1] = BN; box[2] = 1;
+      box[0] = kBK; box[1] = BN / kCluster; box[2] = 1;
     } else {  // [G, K, N]
       dims[0] = p.n; dims[1] = p.k; dims[2] = p.num_groups;
       strides[0] = p.n * 2; strides[1] = p.n * p.k * 2;
@@ -444,7 +501,7 @@ cudaError_t LaunchTyped(const Sm90GroupedGemmParams& p, int num_sms, cudaStream_
   // columns are 8 KB on (one [64 K x 64 N] TMA box), the next 8 K rows 1 KB on.
   a.b_lbo = (64 * kBK * 2) >> 4;
   a.b_sbo = 1024 >> 4;
-  auto kernel = GroupedGemmKernel<BM, BN, kF16, kBKMajor, TOut>;
+  auto kernel = GroupedGemmKernel<BM, BN, kF16, kBKMajor, TOut, kCluster>;
   const int smem = SmemBytes<BM, BN>(static_cast<int>(p.num_groups));
   static std::once_flag once;
   static cudaError_t attr_err = cudaSuccess;
@@ -453,29 +510,45 @@ cudaError_t LaunchTyped(const Sm90GroupedGemmParams& p, int num_sms, cudaStream_
                                     SmemBytes<BM, BN>(static_cast<int>(kSm90MaxGroups)));
   });
   if (attr_err != cudaSuccess) return attr_err;
-  kernel<<<num_sms, kThreads, smem, stream>>>(map_a, map_b, a);
-  return cudaGetLastError();
+  if constexpr (kCluster == 1) {
+    kernel<<<num_sms, kThreads, smem, stream>>>(map_a, map_b, a);
+    return cudaGetLastError();
+  } else {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(num_sms / kCluster * kCluster);
+    cfg.blockDim = dim3(kThreads);
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = kCluster;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    return cudaLaunchKernelEx(&cfg, kernel, map_a, map_b, a);
+  }
 }
 
-template <int BM, int BN, bool kF16, bool kBKMajor>
+template <int BM, int BN, bool kF16, bool kBKMajor, int kCluster>
 cudaError_t DispatchOut(const Sm90GroupedGemmParams& p, int num_sms, cudaStream_t s, const char** d) {
   switch (p.out_dtype) {
-    case CuDType::kBF16: return LaunchTyped<BM, BN, kF16, kBKMajor, __nv_bfloat16>(p, num_sms, s, d);
-    case CuDType::kF16: return LaunchTyped<BM, BN, kF16, kBKMajor, __half>(p, num_sms, s, d);
-    case CuDType::kF32: return LaunchTyped<BM, BN, kF16, kBKMajor, float>(p, num_sms, s, d);
+    case CuDType::kBF16: return LaunchTyped<BM, BN, kF16, kBKMajor, __nv_bfloat16, kCluster>(p, num_sms, s, d);
+    case CuDType::kF16: return LaunchTyped<BM, BN, kF16, kBKMajor, __half, kCluster>(p, num_sms, s, d);
+    case CuDType::kF32: return LaunchTyped<BM, BN, kF16, kBKMajor, float, kCluster>(p, num_sms, s, d);
     default: *d = "unsupported output dtype"; return cudaErrorInvalidValue;
   }
 }
 
-template <int BM, int BN>
+template <int BM, int BN, int kCluster = 1>
 cudaError_t DispatchIn(const Sm90GroupedGemmParams& p, int num_sms, cudaStream_t s, const char** d) {
   const bool f16 = p.in_dtype == CuDType::kF16;
   if (p.rhs_transposed) {
-    return f16 ? DispatchOut<BM, BN, true, true>(p, num_sms, s, d)
-               : DispatchOut<BM, BN, false, true>(p, num_sms, s, d);
+    return f16 ? DispatchOut<BM, BN, true, true, kCluster>(p, num_sms, s, d)
+               : DispatchOut<BM, BN, false, true, kCluster>(p, num_sms, s, d);
   }
-  return f16 ? DispatchOut<BM, BN, true, false>(p, num_sms, s, d)
-             : DispatchOut<BM, BN, false, false>(p, num_sms, s, d);
+  return f16 ? DispatchOut<BM, BN, true, false, kCluster>(p, num_sms, s, d)
+             : DispatchOut<BM, BN, false, false, kCluster>(p, num_sms, s, d);
 }
 
 }  // namespace
@@ -507,6 +580,7 @@ cudaError_t LaunchSm90GroupedGemm(const Sm90GroupedGemmParams& p, int num_sms, c
   }
   if (p.tile_m == Sm90TileM::k64) return DispatchIn<64, 256>(p, num_sms, stream, detail);
   if (p.tile_n == 128) return DispatchIn<128, 128>(p, num_sms, stream, detail);
+  if (p.cluster == 2) return DispatchIn<128, 256, 2>(p, num_sms, stream, detail);
   return DispatchIn<128, 256>(p, num_sms, stream, detail);
 }
 

@@ -33,6 +33,7 @@ struct Sm90GroupedGemmParams {
   bool rhs_transposed = true;
   Sm90TileM tile_m = Sm90TileM::k128;
   int tile_n = 256;  // 256, or 128 (with tile_m 128 only): more, smaller tiles for mid-size problems
+  int cluster = 1;   // 2 (with the 128x256 tile only): block pairs share the rhs tile by TMA multicast
 };
 
 // Largest number of groups the kernel takes (group offsets live in shared memory).

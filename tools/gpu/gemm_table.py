@@ -50,7 +50,8 @@ if ratios:
     print(f"\ngeometric mean ours/torch over {len(ratios)} presets: {geo(ratios):.3f}x; lowest {min(ratios):.2f}x")
 
 print("\nEvery strategy, rhs [G,N,K], TFLOP/s (- = cannot run the shape):\n")
-cols = ["lt_loop", "lt_loop_1stream", "lt_loop_graph", "lt_batched", "grouped_batched", "sm90", "sm90_n128", "sm90_n256"]
+cols = ["lt_loop", "lt_loop_1stream", "lt_loop_graph", "lt_batched", "grouped_batched", "sm90", "sm90_n128", "sm90_n256",
+        "sm90_n256_cluster2"]
 print("| preset | " + " | ".join(cols) + " |")
 print("|---|" + "---|" * len(cols))
 for name in names:
