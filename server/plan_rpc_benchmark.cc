@@ -18,6 +18,7 @@
 ABSL_FLAG(int, threads, 4, "client threads, each with its own channel");
 ABSL_FLAG(double, seconds, 5, "how long to run");
 ABSL_FLAG(std::string, mesh, "dp=2,fsdp=2,ep=2", "mesh");
+ABSL_FLAG(bool, empty_rpc, false, "call GetClusterInfo instead: the RPC floor without planning");
 
 namespace shardgemm {
 namespace {
@@ -64,8 +65,15 @@ int Run() {
           grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args));
       while (!stop) {
         grpc::ClientContext ctx;
-        v1::PlanResponse response;
-        if (stub->Plan(&ctx, request, &response).ok()) ++done;
+        grpc::Status s;
+        if (absl::GetFlag(FLAGS_empty_rpc)) {
+          v1::ClusterInfo info;
+          s = stub->GetClusterInfo(&ctx, v1::ClusterInfoRequest(), &info);
+        } else {
+          v1::PlanResponse response;
+          s = stub->Plan(&ctx, request, &response);
+        }
+        if (s.ok()) ++done;
         else ++failed;
       }
     });
