@@ -1,8 +1,8 @@
 // shardgemm: the command-line client.
 //
 //   shardgemm cluster
-//   shardgemm plan   --lhs 4096x7168@((dp,fsdp),None) --rhs 8x7168x2048@(ep,fsdp,None)
-//                    --group-sizes '8@(ep,)' [--mesh dp=2,fsdp=2,ep=2 [--roles ...]] [--json]
+//   shardgemm plan   --lhs '4096x7168@((dp,fsdp,ep),None)' --rhs '8x7168x2048@(ep,fsdp,None)'
+//                    --group-sizes '32@((dp,fsdp,ep),)' [--mesh dp=2,fsdp=2,ep=2 [--roles ...]] [--json]
 //   shardgemm gemm   --lhs a.npy|MxK[@SPEC]|resident:NAME --rhs ... [--group-sizes 3,5,0,8[@SPEC]]
 //                    [--groups G --seed S] [--check] [--out out.npy] [--request req.json]
 //   shardgemm put NAME --data w.npy|SHAPE [--dtype bf16] [--spec SPEC]
@@ -424,7 +424,7 @@ int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "shardgemm COMMAND [flags]\n"
       "commands: cluster | plan | gemm | put NAME | get NAME | delete NAME | ls\n"
-      "see docs/cli.md or --helpfull");
+      "see README.md or --helpfull");
   // Accept --group-sizes as well as --group_sizes.
   std::vector<std::string> normalized(argv, argv + argc);
   for (std::string& a : normalized) {

@@ -208,3 +208,32 @@ def test_requests_refused_until_the_mesh_is_complete(cluster_factory, tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+def test_cli_plan_offline_text_and_json():
+    base = [os.path.join(BIN, "shardgemm"), "plan", "--mesh=dp=2,fsdp=2,ep=2",
+            "--lhs=4096x7168@((dp,fsdp,ep),None)", "--rhs=8x7168x2048@(ep,fsdp,None)",
+            "--group-sizes=32@((dp,fsdp,ep),)"]
+    r = subprocess.run(base, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "all_gather" in r.stdout and "rhs is all-gathered along fsdp" in r.stdout
+    r = subprocess.run(base + ["--json"], capture_output=True, text=True, timeout=60)
+    plan = json.loads(r.stdout)
+    assert plan["out_spec"] == "((dp, fsdp, ep), None)"
+    assert [(c["kind"], c["tensor"], c["axes"]) for c in plan["collectives"]] == [("all_gather", "rhs", ["fsdp"])]
+    assert int(plan["collectives"][0]["bytes_per_worker"]) > 0
+    # te mode drops tp with a warning; the default mode uses it.
+    tp = [os.path.join(BIN, "shardgemm"), "plan", "--mesh=dp=2,tp=2", "--lhs=64x32@(dp,None)",
+          "--rhs=4x32x16@(None,None,tp)", "--group-sizes=8@(dp,)", "--json"]
+    te = json.loads(subprocess.run(tp + ["--compat=te"], capture_output=True, text=True).stdout)
+    default = json.loads(subprocess.run(tp, capture_output=True, text=True).stdout)
+    assert any("'tp' dropped" in w for w in te["warnings"])
+    assert default["out_spec"].replace(" ", "") == "(dp,tp)"
+
+
+def test_cli_plan_through_the_rpc_rejects_bad_specs(cluster):
+    r = run_cli(cluster, "plan", "--lhs=64x32@(dp,dp)", "--rhs=4x32x16", "--group-sizes=4")
+    assert r.returncode != 0 and "INVALID_ARGUMENT" in r.stderr
+    r = run_cli(cluster, "plan", "--lhs=64x32@(dp,None)", "--rhs=4x32x16", "--group-sizes=4@(dp,)")
+    assert r.returncode == 0, r.stderr
+    assert "m k, g k n, g -> m n" in r.stdout
