@@ -206,7 +206,7 @@ def test_sixteen_clients_mixed_requests(cluster_factory):
     cl = cluster_factory(mesh="fsdp=2,ep=2", workers=4)
     cl.client.put("experts", rand(4, 32, 16), spec="(ep, fsdp, None)")
     w = cl.client.get("experts")
-    requests_per_client = 25
+    requests_per_client = 100
     failures = []
 
     def client_loop(i):
