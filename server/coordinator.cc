@@ -472,7 +472,7 @@ absl::StatusOr<v1::Plan> Coordinator::Plan(const v1::PlanRequest& request) const
   auto plan = planner::MakePlan(*pr);
   if (!plan.ok()) return plan.status();
   v1::Plan out;
-  PlanToProto(*plan, &out);
+  PlanToProto(*plan, &out, !request.omit_text());
   return out;
 }
 

@@ -18,6 +18,7 @@
 ABSL_FLAG(int, threads, 4, "client threads, each with its own channel");
 ABSL_FLAG(double, seconds, 5, "how long to run");
 ABSL_FLAG(std::string, mesh, "dp=2,fsdp=2,ep=2", "mesh");
+ABSL_FLAG(bool, omit_text, false, "ask for the plan without its text table");
 ABSL_FLAG(bool, empty_rpc, false, "call GetClusterInfo instead: the RPC floor without planning");
 
 namespace shardgemm {
@@ -35,6 +36,7 @@ v1::PlanRequest Request() {
   g->mutable_group_sizes()->set_dtype(v1::I32);
   g->mutable_group_sizes()->add_shape(32);
   g->mutable_group_sizes()->set_spec("((dp, fsdp, ep),)");
+  r.set_omit_text(absl::GetFlag(FLAGS_omit_text));
   return r;
 }
 

@@ -166,7 +166,7 @@ void OperandToProto(const planner::PlanOperand& op, v1::OperandPlan* out) {
 
 }  // namespace
 
-void PlanToProto(const planner::Plan& plan, v1::Plan* out) {
+void PlanToProto(const planner::Plan& plan, v1::Plan* out, bool with_text) {
   out->set_op(std::string(planner::OpKindName(plan.op)));
   out->set_rule(plan.rule);
   for (const auto& op : plan.operands) OperandToProto(op, out->add_operands());
@@ -200,7 +200,7 @@ void PlanToProto(const planner::Plan& plan, v1::Plan* out) {
   for (const auto& w : plan.warnings) out->add_warnings(w.text);
   out->set_strategy_note(plan.strategy_note);
   out->set_flops_per_worker(static_cast<double>(plan.flops_per_worker));
-  out->set_text(planner::FormatPlanText(plan));
+  if (with_text) out->set_text(planner::FormatPlanText(plan));
 }
 
 }  // namespace shardgemm

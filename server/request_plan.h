@@ -37,7 +37,7 @@ absl::StatusOr<planner::PlanRequest> QuantizePlanRequest(const v1::GroupedQuanti
                                                          const planner::Mesh& mesh,
                                                          const TensorResolver& resolve);
 
-void PlanToProto(const planner::Plan& plan, v1::Plan* out);
+void PlanToProto(const planner::Plan& plan, v1::Plan* out, bool with_text = true);
 
 }  // namespace shardgemm
 

@@ -12,12 +12,18 @@ grpc::Status ShardGemmService::GetClusterInfo(grpc::ServerContext*, const v1::Cl
   return grpc::Status::OK;
 }
 
-grpc::Status ShardGemmService::Plan(grpc::ServerContext*, const v1::PlanRequest* request,
-                                    v1::PlanResponse* response) {
+grpc::ServerUnaryReactor* ShardGemmService::Plan(grpc::CallbackServerContext* context,
+                                                 const v1::PlanRequest* request,
+                                                 v1::PlanResponse* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   auto plan = coordinator_->Plan(*request);
-  if (!plan.ok()) return ToGrpcStatus(plan.status());
-  *response->mutable_plan() = std::move(*plan);
-  return grpc::Status::OK;
+  if (!plan.ok()) {
+    reactor->Finish(ToGrpcStatus(plan.status()));
+  } else {
+    *response->mutable_plan() = std::move(*plan);
+    reactor->Finish(grpc::Status::OK);
+  }
+  return reactor;
 }
 
 grpc::Status ShardGemmService::GroupedGemm(grpc::ServerContext*,

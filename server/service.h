@@ -9,13 +9,16 @@
 
 namespace shardgemm {
 
-class ShardGemmService final : public v1::ShardGemm::Service {
+// Plan is served on the callback API: a dry run is short, CPU-bound work, and
+// the reactor path skips the synchronous server's thread hand-offs.
+class ShardGemmService final : public v1::ShardGemm::WithCallbackMethod_Plan<v1::ShardGemm::Service> {
  public:
   explicit ShardGemmService(Coordinator* coordinator) : coordinator_(coordinator) {}
 
   grpc::Status GetClusterInfo(grpc::ServerContext*, const v1::ClusterInfoRequest*,
                               v1::ClusterInfo*) override;
-  grpc::Status Plan(grpc::ServerContext*, const v1::PlanRequest*, v1::PlanResponse*) override;
+  grpc::ServerUnaryReactor* Plan(grpc::CallbackServerContext* context, const v1::PlanRequest* request,
+                                 v1::PlanResponse* response) override;
   grpc::Status GroupedGemm(grpc::ServerContext*, const v1::GroupedGemmRequest*,
                            v1::GroupedGemmResponse*) override;
   grpc::Status GroupedQuantize(grpc::ServerContext*, const v1::GroupedQuantizeRequest*,
