@@ -22,6 +22,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <mutex>
@@ -526,6 +527,19 @@ cudaError_t LaunchTyped(const Sm90GroupedGemmParams& p, int num_sms, cudaStream_
     attr[0].val.clusterDim.z = 1;
     cfg.attrs = attr;
     cfg.numAttrs = 1;
+    // Not every SM can host a block of a 2-block cluster (clusters live
+    // inside one GPC): a persistent grid larger than the co-resident
+    // clusters would run its last clusters in a second wave.
+    static int max_clusters = -1;
+    if (max_clusters < 0) {
+      int n = 0;
+      if (cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) != cudaSuccess || n <= 0) {
+        cudaGetLastError();
+        n = num_sms / kCluster;
+      }
+      max_clusters = n;
+    }
+    cfg.gridDim = dim3(std::min(num_sms / kCluster, max_clusters) * kCluster);
     return cudaLaunchKernelEx(&cfg, kernel, map_a, map_b, a);
   }
 }
