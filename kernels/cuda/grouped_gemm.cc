@@ -513,14 +513,15 @@ struct GroupedGemmRunner::Impl {
 
   // Per-group cuBLASLt calls spread round-robin over the side streams.
   absl::Status RunLtLoop(const DeviceGroupedGemmArgs& a, bool ragged_k, const std::vector<int64_t>& sizes,
-                         cudaStream_t stream) {
+                         cudaStream_t stream, int max_streams = 0) {
     const int64_t es_in = ElemSize(a.in_dtype), es_out = ElemSize(a.out_dtype);
     const bool fuse = !ragged_k && LtCanFuseBias(a);
     SG_RETURN_IF_ERROR(ZeroTail(a, ragged_k, sizes, stream));
     int nonempty = 0;
     for (int64_t s : sizes) nonempty += s > 0;
-    const bool fan = nonempty > 1 && side.size() > 1;
-    const int ns = fan ? static_cast<int>(std::min<size_t>(side.size(), nonempty)) : 1;
+    const size_t streams = max_streams > 0 ? std::min<size_t>(side.size(), max_streams) : side.size();
+    const bool fan = nonempty > 1 && streams > 1;
+    const int ns = fan ? static_cast<int>(std::min<size_t>(streams, nonempty)) : 1;
     if (fan) {
       SG_CUDA(cudaEventRecord(fork, stream));
       for (int i = 0; i < ns; ++i) SG_CUDA(cudaStreamWaitEvent(side[i], fork, 0));
@@ -563,7 +564,7 @@ struct GroupedGemmRunner::Impl {
   }
 
   absl::Status RunLtLoopGraph(const DeviceGroupedGemmArgs& a, bool ragged_k, const std::vector<int64_t>& sizes,
-                              cudaStream_t stream) {
+                              cudaStream_t stream, int max_streams) {
     std::vector<int64_t> key = {ragged_k, a.num_groups, a.m, a.k, a.n, a.rhs_transposed,
                                 static_cast<int64_t>(a.in_dtype), static_cast<int64_t>(a.out_dtype),
                                 static_cast<int64_t>(a.bias_dtype),
@@ -584,7 +585,7 @@ struct GroupedGemmRunner::Impl {
     cudaStream_t cap;
     SG_CUDA(cudaStreamCreateWithFlags(&cap, cudaStreamNonBlocking));
     SG_CUDA(cudaStreamBeginCapture(cap, cudaStreamCaptureModeThreadLocal));
-    absl::Status st = RunLtLoop(a, ragged_k, sizes, cap);
+    absl::Status st = RunLtLoop(a, ragged_k, sizes, cap, max_streams);
     cudaGraph_t graph = nullptr;
     cudaError_t e = cudaStreamEndCapture(cap, &graph);
     cudaStreamDestroy(cap);
@@ -744,16 +745,17 @@ struct GroupedGemmRunner::Impl {
       if (in.strategy == Strategy::kAuto) {
         Choice c2 = ChooseCached(a, ragged_k);
         s = c2.strategy == Strategy::kSm90 ? Strategy::kLtLoop : c2.strategy;
+        choice.lt_streams = c2.lt_streams;
       }
     }
     if (s == Strategy::kSm90) s = Strategy::kLtLoop;  // k == 0 or m == 0
     switch (s) {
-      case Strategy::kLtLoopGraph: return RunLtLoopGraph(a, ragged_k, sizes, stream);
+      case Strategy::kLtLoopGraph: return RunLtLoopGraph(a, ragged_k, sizes, stream, choice.lt_streams);
       case Strategy::kLtBatched:
         if (Supports(a, ragged_k, s).ok()) return RunLtBatched(a, ragged_k, sizes, stream);
-        return RunLtLoop(a, ragged_k, sizes, stream);
+        return RunLtLoop(a, ragged_k, sizes, stream, choice.lt_streams);
       case Strategy::kGroupedBatched: return RunGroupedBatched(a, ragged_k, sizes, stream);
-      default: return RunLtLoop(a, ragged_k, sizes, stream);
+      default: return RunLtLoop(a, ragged_k, sizes, stream, choice.lt_streams);
     }
   }
 };

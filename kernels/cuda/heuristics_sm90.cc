@@ -12,9 +12,11 @@
 //     sizes back and loops.
 //  2. When one group alone fills the GPU (at least a wave of 128x256 output
 //     tiles per group), one cuBLASLt call per group is best: cuBLAS has a
-//     tuned kernel for each big shape and the side streams overlap each
-//     call's tail with the next (mixtral / deepseek: 740-790, against 700-750
-//     for the strided-batched call and 640-725 for our kernel).
+//     tuned kernel for each big shape (mixtral / deepseek: 740-810, against
+//     700-770 for the strided-batched call and 580-690 for our kernel). The
+//     calls go one after another on one stream: spread over 4 side streams
+//     two big GEMMs share the SMs and L2 and averaged 5-8% lower over four
+//     runs (mixtral 709 vs 757, deepseek-up 671 vs 732, deepseek-down equal).
 //  3. Smaller groups, all equal (host sizes): one strided-batched cuBLASLt
 //     call, a single launch whose kernel cuBLAS tuned for the batch (qwen3
 //     G16 m512: 717 vs 573 for our kernel; G128 m128: 455 vs 406; G64 m64:
@@ -24,10 +26,9 @@
 //     group (G128 m128: 108), so our sm90 kernel, one launch for all groups.
 //     Its tile: 64 rows when groups average <= 64 rows (half the MMA work of
 //     128-row tiles on decode shapes), else 128; 128 columns instead of 256
-//     when 256-column tiles would give under ~4 waves on the SMs. With
-//     128x256 tiles and groups of >= 2 row tiles on average, blocks work in
-//     2x1 clusters that share each rhs tile through TMA multicast (the
-//     kernel streams ~9 TB/s out of L2 at full rate without it).
+//     when 256-column tiles would give under ~4 waves on the SMs. The
+//     kernel's 2x1-cluster variant (rhs tile shared by TMA multicast) is
+//     never chosen: it measured 25-30% slower (mixtral 497 vs 656).
 //  5. Failing that: cublasGemmGroupedBatchedEx (the one cuBLAS call that
 //     takes groups of different sizes) for small groups, else the loop.
 // Ragged K (wgrad: out[g] is K x N, the group is the contracting dim)
@@ -66,7 +67,7 @@ Choice ChooseSm90(const ShapeInfo& s) {
   const int64_t n_tiles = (s.n + 255) / 256;
   const int64_t tiles_256 = (s.m / 128 + g) * n_tiles;  // upper estimate over all groups
   c.sm90_tile_n = (c.sm90_tile_m == 128 && tiles_256 < 4 * s.num_sms) ? 128 : 256;
-  c.sm90_cluster = (c.sm90_tile_m == 128 && c.sm90_tile_n == 256 && avg_rows >= 256) ? 2 : 1;
+  c.sm90_cluster = 1;  // 2x1 clusters measured slower, see the header comment
   const bool sm90 = Eligible(s, Strategy::kSm90);
   const int64_t rows = s.has_host_sizes ? s.max_group : avg_rows;
   const int64_t tiles_per_group = ((rows + 127) / 128) * n_tiles;
@@ -77,6 +78,7 @@ Choice ChooseSm90(const ShapeInfo& s) {
   }
   if (big_groups) {  // rule 2
     c.strategy = Strategy::kLtLoop;
+    c.lt_streams = 1;
   } else if (s.equal_groups && Eligible(s, Strategy::kLtBatched)) {  // rule 3
     c.strategy = Strategy::kLtBatched;
   } else if (sm90) {  // rule 4

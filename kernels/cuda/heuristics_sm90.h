@@ -42,6 +42,7 @@ struct Choice {
   int sm90_tile_m = 128;  // 64 or 128 when strategy == kSm90
   int sm90_tile_n = 256;  // 256, or 128 with tile_m 128
   int sm90_cluster = 1;   // 2: block pairs share rhs tiles (128x256 tiles only)
+  int lt_streams = 0;     // kLtLoop: streams to spread the groups over (0: all side streams)
 };
 
 Choice ChooseSm90(const ShapeInfo& s);

@@ -31,6 +31,7 @@ TEST(HeuristicsSm90, NoHostSizesButBigGroupsLoop) {
 
 TEST(HeuristicsSm90, BigGroupsLoopOverCublasLt) {
   EXPECT_EQ(ChooseSm90(Preset(8, 2048, 4096, 14336, true)).strategy, Strategy::kLtLoop);
+  EXPECT_EQ(ChooseSm90(Preset(8, 2048, 4096, 14336, true)).lt_streams, 1);
   EXPECT_EQ(ChooseSm90(Preset(8, 2048, 2048, 7168, true)).strategy, Strategy::kLtLoop);
 }
 
