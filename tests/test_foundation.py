@@ -137,6 +137,15 @@ def test_health_and_reflection(cluster):
     assert "grpc.health.v1.Health" in names
 
 
+def test_worker_serves_health_and_reflection_too(cluster):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    address = cluster.client.cluster_info().workers[0].address
+    with grpc.insecure_channel(address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        assert health.Check(health_pb2.HealthCheckRequest(), timeout=10).status == \
+            health_pb2.HealthCheckResponse.SERVING
+
+
 def test_cluster_info(cluster):
     info = cluster.client.cluster_info()
     assert info.ready and info.workers_expected == 1
