@@ -309,6 +309,12 @@ int Gemm() {
         ops.group_sizes.push_back(v);
       }
     } else if (ops.lhs.dtype != DType::kInvalid) {
+      if (absl::GetFlag(FLAGS_groups) <= 0 || absl::GetFlag(FLAGS_groups) > 1000000) {
+        return Fail(absl::InvalidArgumentError("--groups must be between 1 and 1000000"));
+      }
+      if (ops.lhs.shape.size() != 2) {
+        return Fail(absl::InvalidArgumentError("--lhs must be [M, K] (rank 2)"));
+      }
       ops.group_sizes = RandomGroupSizes(ops.lhs.shape.at(0), absl::GetFlag(FLAGS_groups), seed);
     } else {
       return Fail(absl::InvalidArgumentError("--group-sizes is required with a resident lhs"));
@@ -356,7 +362,13 @@ int Gemm() {
       if (!fetched.ok()) return Fail(fetched.status());
       *h = std::move(*fetched);
     }
-    auto reference = ReferenceGroupedGemm(ops, response->plan());
+    if (ops.lhs.shape.size() != 2) {
+      return Fail(absl::InvalidArgumentError("--check needs lhs of rank 2"));
+    }
+    // With the GLOBAL_SORTED layout the result is the unsharded grouped GEMM.
+    v1::Plan reference_plan = response->plan();
+    if (request.layout() == v1::GroupedGemmRequest::GLOBAL_SORTED) reference_plan.clear_workers();
+    auto reference = ReferenceGroupedGemm(ops, reference_plan);
     if (!reference.ok()) return Fail(reference.status());
     const int64_t contracting = ops.ragged_k ? ops.lhs.shape.at(0) : ops.lhs.shape.at(1);
     Comparison c = CompareToReference(*result, *reference, contracting);

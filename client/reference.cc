@@ -22,6 +22,11 @@ absl::StatusOr<HostTensor> ReferenceGroupedGemm(const GemmOperands& in, const v1
   if (shards.empty()) {
     shards.push_back({0, static_cast<int64_t>(in.group_sizes.size()), 0});
   }
+  for (const Shard& s : shards) {
+    if (s.begin < 0 || s.end < s.begin || s.end > static_cast<int64_t>(in.group_sizes.size())) {
+      return absl::InvalidArgumentError("the plan's group ranges do not fit group_sizes");
+    }
+  }
   std::sort(shards.begin(), shards.end(), [](const Shard& a, const Shard& b) { return a.begin < b.begin; });
   const int64_t num_shards = static_cast<int64_t>(shards.size());
   if (m % num_shards != 0) return absl::InvalidArgumentError("rows do not split into the plan's shards");

@@ -51,6 +51,11 @@ absl::StatusOr<v1::RegisterResponse> Coordinator::Register(const v1::RegisterReq
   v1::RegisterResponse response;
   response.set_rank(rank);
   response.set_session(session_);
+  {
+    // A worker that (re)joins starts at the current place in the global order.
+    absl::MutexLock dispatch_lock(&dispatch_mu_);
+    response.set_next_sequence(next_sequence_);
+  }
   *response.mutable_mesh() = MeshToProto(mesh_);
   return response;
 }
@@ -78,10 +83,10 @@ absl::Status Coordinator::CheckReady() const {
 }
 
 absl::StatusOr<std::vector<v1::StepResult>> Coordinator::Dispatch(std::vector<v1::Step> steps) {
-  std::vector<WorkerChannel*> channels;
+  std::vector<std::shared_ptr<WorkerChannel>> channels;
   {
     absl::MutexLock lock(&workers_mu_);
-    for (const Worker& w : workers_) channels.push_back(w.channel.get());
+    for (const Worker& w : workers_) channels.push_back(w.channel);
   }
   {
     // One global order: every worker sees every sequence number, so its
@@ -99,14 +104,21 @@ absl::StatusOr<std::vector<v1::StepResult>> Coordinator::Dispatch(std::vector<v1
   results[0] = channels[0]->Execute(steps[0]);
   for (auto& t : threads) t.join();
 
-  std::vector<v1::StepResult> out;
+  // The worker that failed says why; the others only report ABORTED.
+  int failed = -1;
   for (size_t r = 0; r < results.size(); ++r) {
-    if (!results[r].ok()) {
-      const absl::Status& s = results[r].status();
-      return absl::Status(s.code(), absl::StrCat("worker ", r, ": ", s.message()));
+    if (results[r].ok()) continue;
+    if (failed < 0 || (results[failed].status().code() == absl::StatusCode::kAborted &&
+                       results[r].status().code() != absl::StatusCode::kAborted)) {
+      failed = static_cast<int>(r);
     }
-    out.push_back(std::move(*results[r]));
   }
+  if (failed >= 0) {
+    const absl::Status& s = results[failed].status();
+    return absl::Status(s.code(), absl::StrCat("worker ", failed, ": ", s.message()));
+  }
+  std::vector<v1::StepResult> out;
+  for (auto& r : results) out.push_back(std::move(*r));
   return out;
 }
 
@@ -216,10 +228,10 @@ absl::StatusOr<Coordinator::Fetched> Coordinator::GetTensor(const std::string& n
   if (auto s = CheckReady(); !s.ok()) return s;
   auto resident = FindResident(name);
   if (!resident.ok()) return resident.status();
-  std::vector<WorkerChannel*> channels;
+  std::vector<std::shared_ptr<WorkerChannel>> channels;
   {
     absl::MutexLock lock(&workers_mu_);
-    for (const Worker& w : workers_) channels.push_back(w.channel.get());
+    for (const Worker& w : workers_) channels.push_back(w.channel);
   }
   auto dtype = DTypeFromProto(resident->info.dtype(), "dtype");
   if (!dtype.ok()) return dtype.status();
@@ -284,13 +296,13 @@ absl::Status CheckGroupSizes(const std::vector<int64_t>& sizes, const planner::P
   for (const auto& w : plan.workers) {
     int64_t sum = 0;
     for (int64_t i = w.group_sizes_begin; i < w.group_sizes_end; ++i) {
-      sum += sizes[i];
-      if (sum > lhs->input_local_shape[0]) {
+      if (sizes[i] > lhs->input_local_shape[0] - sum) {  // sum + sizes[i] > rows, without overflow
         return absl::InvalidArgumentError(absl::StrCat(
             "group_sizes[", w.group_sizes_begin, ":", w.group_sizes_end, "] sum past the ",
             lhs->input_local_shape[0], " rows of ", ragged_k ? "lhs/rhs" : "lhs",
             " that they describe (rank ", w.rank, ")"));
       }
+      sum += sizes[i];
     }
   }
   return absl::OkStatus();
@@ -356,8 +368,12 @@ absl::StatusOr<v1::GroupedQuantizeResponse> Coordinator::GroupedQuantize(
   }
   for (const auto& w : plan->workers) {
     int64_t sum = 0;
-    for (int64_t i = w.group_sizes_begin; i < w.group_sizes_end; ++i) sum += (*sizes)[i];
-    if (sum > local_rows) {
+    bool over = false;
+    for (int64_t i = w.group_sizes_begin; i < w.group_sizes_end && !over; ++i) {
+      over = (*sizes)[i] > local_rows - sum;  // without overflow
+      sum += over ? 0 : (*sizes)[i];
+    }
+    if (over) {
       return absl::InvalidArgumentError(absl::StrCat("group_sizes[", w.group_sizes_begin, ":",
                                                      w.group_sizes_end, "] sum past the ", local_rows,
                                                      " rows of x they describe"));

@@ -55,7 +55,7 @@ class Coordinator {
   };
   struct Worker {
     v1::WorkerInfo info;
-    std::unique_ptr<WorkerChannel> channel;
+    std::shared_ptr<WorkerChannel> channel;  // shared: a dispatch may outlive a re-registration
   };
 
   absl::StatusOr<v1::GroupedGemmResponse> GroupedGemmPerShard(const v1::GroupedGemmRequest& request);

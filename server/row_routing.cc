@@ -23,6 +23,10 @@ absl::StatusOr<RowRouting> RouteSortedRows(const std::vector<int64_t>& sizes, in
     if (sizes[g] < 0) {
       return absl::InvalidArgumentError(absl::StrCat("group_sizes[", g, "] is negative (", sizes[g], ")"));
     }
+    if (sizes[g] > rows - total) {  // also keeps the sum from overflowing
+      return absl::InvalidArgumentError(
+          absl::StrCat("group_sizes[0:", g + 1, "] sum past the ", rows, " rows of lhs"));
+    }
     total += sizes[g];
   }
   if (total > rows) {

@@ -63,11 +63,12 @@ grpc::Status ShardGemmService::PutTensor(grpc::ServerContext*,
   std::string* data = first.mutable_data();
   tensor.bytes.swap(*data);
   v1::TensorChunk chunk;
-  while (reader->Read(&chunk)) {
-    if (static_cast<int64_t>(tensor.bytes.size() + chunk.data().size()) > expected) break;
-    tensor.bytes += chunk.data();
+  bool too_long = static_cast<int64_t>(tensor.bytes.size()) > expected;
+  while (!too_long && reader->Read(&chunk)) {
+    too_long = static_cast<int64_t>(tensor.bytes.size() + chunk.data().size()) > expected;
+    if (!too_long) tensor.bytes += chunk.data();
   }
-  if (static_cast<int64_t>(tensor.bytes.size()) != expected) {
+  if (too_long || static_cast<int64_t>(tensor.bytes.size()) != expected) {
     return grpc::Status(
         grpc::StatusCode::INVALID_ARGUMENT,
         absl::StrCat("data: tensor '", first.name(), "' of shape ", ShapeToString(shape), " ",

@@ -246,3 +246,26 @@ def test_cli_plan_through_the_rpc_rejects_bad_specs(cluster):
     r = run_cli(cluster, "plan", "--lhs=64x32@(dp,None)", "--rhs=4x32x16", "--group-sizes=4@(dp,)")
     assert r.returncode == 0, r.stderr
     assert "m k, g k n, g -> m n" in r.stdout
+
+
+@pytest.mark.parametrize("sizes", [[2**63 - 1, 2], [1, 2**63 - 1, 5], [-(2**63), 8]])
+def test_group_sizes_that_would_overflow_are_rejected(cluster, sizes):
+    c = cluster.client
+    for kwargs in [{}, {"global_sorted": True}, {"ragged_k": True}]:
+        rhs = rand(16, 4) if kwargs.get("ragged_k") else rand(len(sizes), 8, 4)
+        with pytest.raises(grpc.RpcError) as e:
+            c.grouped_gemm(rand(16, 8), rhs, sizes, **kwargs)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+        assert "group_sizes" in e.value.details()
+    assert cluster.alive()
+
+
+def test_put_with_more_data_than_the_shape_is_refused(cluster):
+    c = cluster.client
+    def chunks():
+        yield pb.TensorChunk(name="t", dtype=pb.F32, shape=[4], data=b"\0" * 16)
+        yield pb.TensorChunk(data=b"\0" * 4)
+    with pytest.raises(grpc.RpcError) as e:
+        c.stub.PutTensor(chunks(), timeout=10)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert c.list() == []

@@ -101,6 +101,7 @@ def test_delayed_scaling_uses_the_given_scales(cluster):
     (dict(out=pb.BF16), grpc.StatusCode.INVALID_ARGUMENT),
     (dict(scaling=pb.DELAYED), grpc.StatusCode.INVALID_ARGUMENT),  # no scales
     (dict(sizes=[40, 0]), grpc.StatusCode.INVALID_ARGUMENT),
+    (dict(sizes=[1, 2**63 - 1]), grpc.StatusCode.INVALID_ARGUMENT),
 ])
 def test_quantize_bad_input(cluster, change, code):
     x = rng.standard_normal((32, 32)).astype(np.float32)

@@ -52,6 +52,10 @@ class Collectives {
   // shard, its memory budget) fails the step everywhere instead of leaving
   // the others waiting in a collective.
   virtual absl::Status Agree(const absl::Status& local) = 0;
+  // The step about to run. Communicators created during it are named by its
+  // sequence number, which every member of the group shares, so a group
+  // whose communicator broke reconnects under one name.
+  virtual void BeginStep(uint64_t sequence) { (void)sequence; }
 };
 
 // For a mesh of one worker, or any group of size one: identity operations.

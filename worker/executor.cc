@@ -9,15 +9,16 @@
 
 namespace shardgemm {
 
-Executor::Executor(Backend* backend, ShardStore* store, absl::Duration turn_timeout)
-    : backend_(backend),
-      store_(store),
-      turn_timeout_(turn_timeout),
-      collectives_(MakeLocalCollectives(position_)) {}
+Executor::Executor(Backend* backend, ShardStore* store)
+    : backend_(backend), store_(store), collectives_(MakeLocalCollectives(position_)) {}
 
-void Executor::Configure(const MeshPosition& position, std::unique_ptr<Collectives> collectives) {
+void Executor::Configure(const MeshPosition& position, std::unique_ptr<Collectives> collectives,
+                         uint64_t next_sequence) {
+  absl::MutexLock lock(&mu_);
   position_ = position;
   collectives_ = std::move(collectives);
+  next_sequence_ = std::max<uint64_t>(next_sequence, 1);
+  configured_ = true;
 }
 
 absl::Status Executor::WaitForTurn(uint64_t sequence) {
@@ -27,14 +28,17 @@ absl::Status Executor::WaitForTurn(uint64_t sequence) {
                                                    " arrived after its turn (next is ",
                                                    next_sequence_, ")"));
   }
+  auto configured = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return configured_; };
+  mu_.Await(absl::Condition(&configured));
+  if (sequence < next_sequence_) {
+    return absl::InvalidArgumentError(absl::StrCat("step ", sequence,
+                                                   " arrived after its turn (next is ",
+                                                   next_sequence_, ")"));
+  }
   auto my_turn = [this, sequence]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
     return next_sequence_ == sequence;
   };
-  if (!mu_.AwaitWithTimeout(absl::Condition(&my_turn), turn_timeout_)) {
-    return absl::DeadlineExceededError(absl::StrCat("step ", sequence, " waited ",
-                                                    absl::FormatDuration(turn_timeout_),
-                                                    " for step ", next_sequence_));
-  }
+  mu_.Await(absl::Condition(&my_turn));
   return absl::OkStatus();
 }
 
@@ -45,6 +49,7 @@ void Executor::PassTurn() {
 
 absl::StatusOr<v1::StepResult> Executor::Execute(v1::Step step) {
   if (auto s = WaitForTurn(step.sequence()); !s.ok()) return s;
+  collectives_->BeginStep(step.sequence());
   absl::StatusOr<v1::StepResult> result;
   switch (step.op_case()) {
     case v1::Step::kGemm:
@@ -81,6 +86,7 @@ namespace {
 // A step's input: inline data decoded into `owned`, or a resident shard.
 struct Input {
   std::shared_ptr<const HostTensor> tensor;
+  bool resident = false;  // a shard from the store, already counted in its budget
 };
 
 absl::StatusOr<Input> ResolveInput(v1::LocalTensor&& t, const ShardStore& store,
@@ -90,6 +96,7 @@ absl::StatusOr<Input> ResolveInput(v1::LocalTensor&& t, const ShardStore& store,
     auto shard = store.Get(t.resident());
     if (!shard.ok()) return shard.status();
     in.tensor = *shard;
+    in.resident = true;
     return in;
   }
   auto decoded = HostTensorFromProto(std::move(t), field);
@@ -153,8 +160,19 @@ absl::StatusOr<v1::StepResult> Executor::RunGemm(v1::GemmStep& gemm) {
   const DType local_dtype = reduces ? DType::kF32 : out_dtype.value_or(DType::kF32);
   int64_t working_bytes = 0;
   if (prepared.ok()) {
-    // Gathered inputs and the output, estimated from the collectives.
-    working_bytes = lhs.tensor->NumBytes() + rhs.tensor->NumBytes();
+    // Inline inputs (resident ones are already counted), gathered copies and
+    // the output.
+    for (int i = 0; i < 3; ++i) {
+      if (inputs[i]->tensor != nullptr && !inputs[i]->resident) working_bytes += inputs[i]->tensor->NumBytes();
+    }
+    const HostTensor& l = *lhs.tensor;
+    const HostTensor& r = *rhs.tensor;
+    if (l.shape.size() == 2 && (r.shape.size() == 2 || r.shape.size() == 3)) {
+      const bool rk = gemm.ragged() == v1::GroupedGemmRequest::RAGGED_K;
+      const int64_t n = rk ? r.shape[1] : (gemm.rhs_transposed() ? r.shape[1] : r.shape.back());
+      const int64_t out_elems = rk ? gemm.group_sizes_size() * l.shape[1] * n : l.shape[0] * n;
+      working_bytes += out_elems * 4;
+    }
     for (const auto& c : gemm.collectives()) {
       std::vector<std::string> axes(c.axes().begin(), c.axes().end());
       auto n = position_.GroupSize(axes);
@@ -248,6 +266,9 @@ absl::StatusOr<v1::StepResult> Executor::RunGemm(v1::GemmStep& gemm) {
     info->set_dtype(DTypeToProto(out->dtype));
     info->mutable_shape()->Assign(out->shape.begin(), out->shape.end());
     info->set_resident(gemm.keep_output_as());
+    // The output leaves the step's working memory for the store.
+    if (release.active) store_->Release(release.bytes);
+    release.active = false;
     if (auto s = store_->Put(gemm.keep_output_as(), std::move(*out)); !s.ok()) return s;
   } else {
     HostTensorToProto(std::move(*out), result.mutable_out());

@@ -18,13 +18,17 @@ namespace shardgemm {
 
 class Executor {
  public:
-  Executor(Backend* backend, ShardStore* store, absl::Duration turn_timeout = absl::Seconds(120));
+  Executor(Backend* backend, ShardStore* store);
 
-  // Called once the coordinator has placed this worker on the mesh.
-  void Configure(const MeshPosition& position, std::unique_ptr<Collectives> collectives);
+  // Called once the coordinator has placed this worker on the mesh; steps
+  // wait for it. `next_sequence`: the first step the coordinator will send.
+  void Configure(const MeshPosition& position, std::unique_ptr<Collectives> collectives,
+                 uint64_t next_sequence = 1);
 
   // Waits until every step with a lower sequence number has run, then runs
-  // this one. A step that fails still passes the turn on.
+  // this one. A step that fails still passes the turn on. There is no turn
+  // timeout: the coordinator sends every sequence number to every worker, and
+  // a step queued behind long ones must still run in its place.
   absl::StatusOr<v1::StepResult> Execute(v1::Step step);
 
   const MeshPosition& position() const { return position_; }
@@ -39,12 +43,12 @@ class Executor {
 
   Backend* backend_;
   ShardStore* store_;
-  const absl::Duration turn_timeout_;
   MeshPosition position_;
   std::unique_ptr<Collectives> collectives_;
 
   absl::Mutex mu_;
   uint64_t next_sequence_ ABSL_GUARDED_BY(mu_) = 1;
+  bool configured_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 }  // namespace shardgemm

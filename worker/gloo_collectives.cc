@@ -155,6 +155,8 @@ class GlooCollectives : public Collectives {
     return TakePiece(full, dim, *index, *count, "reduce_scatter");
   }
 
+  void BeginStep(uint64_t sequence) override { step_ = sequence; }
+
   absl::Status Agree(const absl::Status& local) override {
     HostTensor flag = *ZerosTensor(DType::kI32, {1});
     flag.data<int32_t>()[0] = local.ok() ? 0 : 1;
@@ -197,8 +199,8 @@ class GlooCollectives : public Collectives {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = contexts_.find(key);
     if (it != contexts_.end()) return it->second;
-    // The group is named by the coordinates on the other axes; a context
-    // re-created after a failure gets a new generation.
+    // The group is named by the coordinates on the other axes and the step
+    // that creates its context (the same step on every member).
     std::vector<std::string> other;
     for (size_t d = 0; d < position_.axis_names.size(); ++d) {
       if (std::find(axes.begin(), axes.end(), position_.axis_names[d]) == axes.end()) {
@@ -206,7 +208,7 @@ class GlooCollectives : public Collectives {
       }
     }
     const std::string prefix = absl::StrCat("gloo/", key, "/", absl::StrJoin(other, ","), "/",
-                                            generation_[key]++);
+                                            step_);
     try {
       auto ctx = std::make_shared<gloo::rendezvous::Context>(static_cast<int>(*index),
                                                              static_cast<int>(*size));
@@ -226,7 +228,7 @@ class GlooCollectives : public Collectives {
   std::shared_ptr<gloo::transport::Device> device_;
   std::mutex mu_;
   std::map<std::string, std::shared_ptr<gloo::Context>> contexts_;
-  std::map<std::string, int> generation_;
+  uint64_t step_ = 0;
 };
 
 }  // namespace

@@ -44,6 +44,7 @@ class NcclCollectives : public Collectives {
 
   absl::StatusOr<HostTensor> AllGather(const HostTensor& local, int dim,
                                        const std::vector<std::string>& axes) override {
+    cudaSetDevice(device_);  // the current device is per thread; gRPC threads vary
     auto comm = Comm(axes);
     if (!comm.ok()) return comm.status();
     if (*comm == nullptr) return local;
@@ -55,8 +56,10 @@ class NcclCollectives : public Collectives {
     std::string gathered(n * *size, '\0');
     absl::Status s = Cuda(cudaMemcpyAsync(*send, local.bytes.data(), n, cudaMemcpyHostToDevice, stream_), "upload");
     if (s.ok()) s = Nccl(ncclAllGather(*send, *recv, n, ncclUint8, *comm, stream_), "ncclAllGather");
-    if (s.ok()) s = Cuda(cudaMemcpyAsync(&gathered[0], *recv, gathered.size(), cudaMemcpyDeviceToHost, stream_), "download");
+    // Wait (watching for errors) before copying back: a copy into pageable
+    // memory would block until the collective finished, past any timeout.
     if (s.ok()) s = Wait(axes, *comm);
+    if (s.ok()) s = Cuda(cudaMemcpy(&gathered[0], *recv, gathered.size(), cudaMemcpyDeviceToHost), "download");
     if (!s.ok()) return s;
     HostTensor out;
     out.dtype = local.dtype;
@@ -76,6 +79,7 @@ class NcclCollectives : public Collectives {
   }
 
   absl::Status AllReduce(HostTensor* t, ReduceOp op, const std::vector<std::string>& axes) override {
+    cudaSetDevice(device_);
     auto comm = Comm(axes);
     if (!comm.ok()) return comm.status();
     if (*comm == nullptr || t->NumElements() == 0) return absl::OkStatus();
@@ -95,13 +99,14 @@ class NcclCollectives : public Collectives {
       s = Nccl(ncclAllReduce(*buf, *buf, t->NumElements(), type, op == ReduceOp::kSum ? ncclSum : ncclMax,
                              *comm, stream_), "ncclAllReduce");
     }
-    if (s.ok()) s = Cuda(cudaMemcpyAsync(&t->bytes[0], *buf, t->NumBytes(), cudaMemcpyDeviceToHost, stream_), "download");
     if (s.ok()) s = Wait(axes, *comm);
+    if (s.ok()) s = Cuda(cudaMemcpy(&t->bytes[0], *buf, t->NumBytes(), cudaMemcpyDeviceToHost), "download");
     return s;
   }
 
   absl::StatusOr<HostTensor> ReduceScatter(const HostTensor& t, int dim,
                                            const std::vector<std::string>& axes) override {
+    cudaSetDevice(device_);
     auto size = position_.GroupSize(axes);
     auto index = position_.GroupIndex(axes);
     if (!size.ok()) return size.status();
@@ -131,11 +136,13 @@ class NcclCollectives : public Collectives {
     HostTensor mine = pieces[*index];
     absl::Status s = Cuda(cudaMemcpyAsync(*buf, flat.bytes.data(), flat.bytes.size(), cudaMemcpyHostToDevice, stream_), "upload");
     if (s.ok()) s = Nccl(ncclReduceScatter(*buf, *out, piece_elems, ncclFloat32, ncclSum, *comm, stream_), "ncclReduceScatter");
-    if (s.ok()) s = Cuda(cudaMemcpyAsync(&mine.bytes[0], *out, mine.NumBytes(), cudaMemcpyDeviceToHost, stream_), "download");
     if (s.ok()) s = Wait(axes, *comm);
+    if (s.ok()) s = Cuda(cudaMemcpy(&mine.bytes[0], *out, mine.NumBytes(), cudaMemcpyDeviceToHost), "download");
     if (!s.ok()) return s;
     return mine;
   }
+
+  void BeginStep(uint64_t sequence) override { step_ = sequence; }
 
   absl::Status Agree(const absl::Status& local) override {
     HostTensor flag = *ZerosTensor(DType::kI32, {1});
@@ -213,7 +220,7 @@ class NcclCollectives : public Collectives {
       }
     }
     const std::string id_key =
-        absl::StrCat("nccl/", key, "/", absl::StrJoin(other, ","), "/", generation_[key]++);
+        absl::StrCat("nccl/", key, "/", absl::StrJoin(other, ","), "/", step_);
     ncclUniqueId id;
     if (*index == 0) {
       if (auto s = Nccl(ncclGetUniqueId(&id), "ncclGetUniqueId"); !s.ok()) return s;
@@ -242,7 +249,7 @@ class NcclCollectives : public Collectives {
   cudaStream_t stream_ = nullptr;
   std::mutex mu_;
   std::map<std::string, ncclComm_t> comms_;
-  std::map<std::string, int> generation_;
+  uint64_t step_ = 0;
   std::map<int, std::pair<int64_t, void*>> buffers_;
 };
 

@@ -133,7 +133,7 @@ int Run() {
         MakeCoordinatorStore(absl::GetFlag(FLAGS_coordinator), response.session() + "/"), host,
         std::chrono::seconds(absl::GetFlag(FLAGS_collective_timeout_s)));
   }
-  executor.Configure(position, std::move(collectives));
+  executor.Configure(position, std::move(collectives), response.next_sequence());
   std::cerr << "shardgemm-worker: rank " << position.rank << " serving on " << address
             << " with backend " << (*backend)->Device() << "\n";
   // Shut down cleanly on SIGINT / SIGTERM.
