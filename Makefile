@@ -15,7 +15,8 @@ build: setup
 	$(BAZEL) build $(BAZEL_FLAGS) //...
 	@mkdir -p bin
 	@bb=$$($(BAZEL) info $(BAZEL_FLAGS) bazel-bin 2>/dev/null); \
-	for b in $(BINARIES); do install -m 755 $$bb/$$b bin/; done
+	for b in $(BINARIES); do install -m 755 $$bb/$$b bin/; done; \
+	install -m 755 $$bb/kernels/cuda/grouped_gemm_bench bin/shardgemm-bench
 	@python3 tools/gen_python_proto.py
 	@echo "binaries in ./bin: $$(ls bin | tr '\n' ' ')"
 

@@ -81,10 +81,15 @@ int Main(int argc, char** argv) {
     else if (a == "--iters") iters = std::atoi(next().c_str());
     else if (a == "--warmup") warmup = std::atoi(next().c_str());
     else if (a == "--json") json_path = next();
+    else if (a == "--local") continue;  // the GPU of this machine (the only mode for now)
     else {
-      std::fprintf(stderr, "usage: %s --presets PATH [--iters N] [--warmup N] [--json OUT]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--local] --presets PATH [--iters N] [--warmup N] [--json OUT]\n", argv[0]);
       return 1;
     }
+  }
+  // Installed as bin/shardgemm-bench: find the anchors beside the checkout.
+  if (presets_path == "presets.json" && !std::ifstream(presets_path)) {
+    presets_path = "../shared/anchors/presets.json";
   }
   std::ifstream in(presets_path);
   if (!in) {
