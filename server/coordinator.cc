@@ -131,6 +131,43 @@ absl::StatusOr<Coordinator::Resident> Coordinator::FindResident(const std::strin
   return it->second;
 }
 
+absl::StatusOr<Coordinator::Resident> Coordinator::FindAndPin(const std::string& name,
+                                                             std::vector<std::string>* pins) {
+  absl::MutexLock lock(&registry_mu_);
+  auto it = registry_.find(name);
+  if (it == registry_.end()) {
+    return absl::NotFoundError(absl::StrCat("no resident tensor named '", name, "'"));
+  }
+  ++pin_counts_[it->second.shard_name];
+  pins->push_back(it->second.shard_name);
+  return it->second;
+}
+
+void Coordinator::Unpin(const std::vector<std::string>& pins) {
+  std::vector<std::string> to_delete;
+  {
+    absl::MutexLock lock(&registry_mu_);
+    for (const std::string& shard : pins) {
+      if (--pin_counts_[shard] > 0) continue;
+      pin_counts_.erase(shard);
+      if (retired_.erase(shard) > 0) to_delete.push_back(shard);
+    }
+  }
+  for (const std::string& shard : to_delete) DeleteShardsBestEffort(shard);
+}
+
+bool Coordinator::Retire(const std::string& shard_name) {
+  {
+    absl::MutexLock lock(&registry_mu_);
+    if (pin_counts_.contains(shard_name)) {
+      retired_.insert(shard_name);
+      return false;
+    }
+  }
+  DeleteShardsBestEffort(shard_name);
+  return true;
+}
+
 void Coordinator::DeleteShardsBestEffort(const std::string& shard_name) {
   std::vector<v1::Step> steps(num_workers_);
   for (v1::Step& s : steps) s.mutable_delete_shard()->set_name(shard_name);
@@ -191,7 +228,7 @@ absl::StatusOr<v1::PutTensorResponse> Coordinator::PutTensor(const std::string& 
     if (it != registry_.end()) replaced = it->second.shard_name;
     registry_[name] = resident;
   }
-  if (!replaced.empty()) DeleteShardsBestEffort(replaced);
+  if (!replaced.empty()) Retire(replaced);
   v1::PutTensorResponse response;
   response.set_name(name);
   response.set_bytes(tensor.NumBytes());
@@ -226,7 +263,8 @@ absl::StatusOr<HostTensor> Coordinator::Assemble(
 
 absl::StatusOr<Coordinator::Fetched> Coordinator::GetTensor(const std::string& name) {
   if (auto s = CheckReady(); !s.ok()) return s;
-  auto resident = FindResident(name);
+  PinGuard guard{this, {}};
+  auto resident = FindAndPin(name, &guard.pins);
   if (!resident.ok()) return resident.status();
   std::vector<std::shared_ptr<WorkerChannel>> channels;
   {
@@ -256,6 +294,10 @@ absl::Status Coordinator::DeleteTensor(const std::string& name) {
     }
     shard_name = it->second.shard_name;
     registry_.erase(it);
+    if (pin_counts_.contains(shard_name)) {
+      retired_.insert(shard_name);  // requests still use it: deleted after the last one
+      return absl::OkStatus();
+    }
   }
   std::vector<v1::Step> steps(num_workers_);
   for (v1::Step& s : steps) s.mutable_delete_shard()->set_name(shard_name);
@@ -310,10 +352,10 @@ absl::Status CheckGroupSizes(const std::vector<int64_t>& sizes, const planner::P
 
 }  // namespace
 
-absl::StatusOr<TensorMeta> Coordinator::ResolveMeta(const v1::Tensor& t,
-                                                   const std::string& field) const {
+absl::StatusOr<TensorMeta> Coordinator::ResolveMeta(const v1::Tensor& t, const std::string& field,
+                                                   std::vector<std::string>* pins) {
   if (t.source_case() == v1::Tensor::kResident) {
-    auto r = FindResident(t.resident());
+    auto r = FindAndPin(t.resident(), pins);
     if (!r.ok()) return r.status();
     TensorMeta m;
     m.dtype = static_cast<DType>(static_cast<int>(r->info.dtype()));
@@ -336,8 +378,9 @@ absl::StatusOr<v1::GroupedQuantizeResponse> Coordinator::GroupedQuantize(
         "scaling are in the kernels (kernels/cpu/quantize.h, kernels/cuda/quantize.h) only"));
   }
   absl::flat_hash_map<std::string, TensorMeta> metas;
+  PinGuard guard{this, {}};
   auto resolve = [&](const v1::Tensor& t, const std::string& field) -> absl::StatusOr<TensorMeta> {
-    auto meta = ResolveMeta(t, field);
+    auto meta = ResolveMeta(t, field, &guard.pins);
     if (meta.ok()) metas[field] = *meta;
     return meta;
   };
@@ -592,20 +635,9 @@ absl::StatusOr<v1::GroupedGemmResponse> Coordinator::GroupedGemmPerShard(
     return absl::InvalidArgumentError("keep_output_as must not contain '@'");
   }
   absl::flat_hash_map<std::string, TensorMeta> metas;
+  PinGuard guard{this, {}};
   auto resolve = [&](const v1::Tensor& t, const std::string& field) -> absl::StatusOr<TensorMeta> {
-    absl::StatusOr<TensorMeta> meta;
-    if (t.source_case() == v1::Tensor::kResident) {
-      auto r = FindResident(t.resident());
-      if (!r.ok()) return r.status();
-      TensorMeta m;
-      m.dtype = static_cast<DType>(static_cast<int>(r->info.dtype()));
-      m.shape.assign(r->info.shape().begin(), r->info.shape().end());
-      m.spec = r->info.spec();
-      m.resident_shard = r->shard_name;
-      meta = m;
-    } else {
-      meta = InlineTensorMeta(t, field);
-    }
+    auto meta = ResolveMeta(t, field, &guard.pins);
     if (meta.ok()) metas[field] = *meta;
     return meta;
   };
@@ -712,7 +744,7 @@ absl::StatusOr<v1::GroupedGemmResponse> Coordinator::GroupedGemmPerShard(
       if (it != registry_.end()) replaced = it->second.shard_name;
       registry_[request.keep_output_as()] = resident;
     }
-    if (!replaced.empty()) DeleteShardsBestEffort(replaced);
+    if (!replaced.empty()) Retire(replaced);
     response.mutable_out()->set_dtype(DTypeToProto(plan->out_dtype));
     response.mutable_out()->mutable_shape()->Assign(plan->out_shape.begin(), plan->out_shape.end());
     response.mutable_out()->set_resident(request.keep_output_as());

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "kernels/host_tensor.h"
@@ -67,8 +68,21 @@ class Coordinator {
   // every worker at once; fails if any worker fails.
   absl::StatusOr<std::vector<v1::StepResult>> Dispatch(std::vector<v1::Step> steps);
   absl::StatusOr<Resident> FindResident(const std::string& name) const;
-  // Shape, dtype and spec of a request tensor, resident or inline (validated).
-  absl::StatusOr<struct TensorMeta> ResolveMeta(const v1::Tensor& t, const std::string& field) const;
+  // Resident shards that a running request has resolved are pinned: a
+  // replacement or delete retires them, and they leave the workers when the
+  // last request using them is done (not from under it).
+  absl::StatusOr<Resident> FindAndPin(const std::string& name, std::vector<std::string>* pins);
+  void Unpin(const std::vector<std::string>& pins);
+  // Deletes the shards now, or when their last pin goes; false if deferred.
+  bool Retire(const std::string& shard_name);
+  struct PinGuard {
+    Coordinator* coordinator;
+    std::vector<std::string> pins;
+    ~PinGuard() { coordinator->Unpin(pins); }
+  };
+  // Shape, dtype and spec of a request tensor, resident (pinned) or inline (validated).
+  absl::StatusOr<struct TensorMeta> ResolveMeta(const v1::Tensor& t, const std::string& field,
+                                                std::vector<std::string>* pins);
   // Reads back a sharded tensor (or a request output) from the workers.
   absl::StatusOr<HostTensor> Assemble(DType dtype, const std::vector<int64_t>& shape,
                                       const planner::PartitionSpec& spec,
@@ -90,6 +104,8 @@ class Coordinator {
   mutable absl::Mutex registry_mu_;
   absl::flat_hash_map<std::string, Resident> registry_ ABSL_GUARDED_BY(registry_mu_);
   uint64_t next_generation_ ABSL_GUARDED_BY(registry_mu_) = 1;
+  absl::flat_hash_map<std::string, int> pin_counts_ ABSL_GUARDED_BY(registry_mu_);
+  absl::flat_hash_set<std::string> retired_ ABSL_GUARDED_BY(registry_mu_);
 };
 
 }  // namespace shardgemm

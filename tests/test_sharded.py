@@ -270,3 +270,39 @@ def test_global_sorted_layout_equals_the_unsharded_grouped_gemm(cluster_factory,
     wgrad, _ = c.grouped_gemm(lhs, grad, sizes, ragged_k=True, lhs_spec=lhs_spec, rhs_spec=lhs_spec,
                               global_sorted=True)
     assert_close(wgrad, grouped_gemm_ragged_k(lhs, grad, sizes), m)
+
+
+def test_overwriting_a_resident_tensor_never_fails_requests_using_it(cluster_factory):
+    """A replaced generation leaves the workers only after the requests that
+    resolved it are done: concurrent users see the old or the new weights."""
+    cl = cluster_factory(mesh="fsdp=2", workers=2)
+    c = cl.client
+    versions = [rand(2, 16, 8) for _ in range(4)]
+    c.put("w", versions[0], spec="(None, fsdp, None)")
+    lhs, sizes = rand(32, 16), [8, 8, 8, 8]
+    refs = []
+    for v in versions:
+        out, plan = c.grouped_gemm(lhs, v, sizes, lhs_spec="(fsdp, None)", group_sizes_spec="(fsdp,)",
+                                   include_plan=True)
+        refs.append(out)
+    failures = []
+
+    def use():
+        for _ in range(15):
+            try:
+                out, _ = c.grouped_gemm(lhs, "w", sizes, lhs_spec="(fsdp, None)", group_sizes_spec="(fsdp,)")
+                if not any(np.array_equal(out, r) for r in refs):
+                    failures.append("result matches no version")
+            except grpc.RpcError as e:
+                failures.append(f"{e.code()}: {e.details()}")
+
+    threads = [threading.Thread(target=use) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for v in versions[1:] * 3:
+        c.put("w", v, spec="(None, fsdp, None)", overwrite=True)
+    for t in threads:
+        t.join(timeout=120)
+    assert not failures, failures[:3]
+    c.delete("w")
+    assert c.list() == []
