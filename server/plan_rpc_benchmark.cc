@@ -3,6 +3,7 @@
 //
 //   bazel run -c opt //server:plan_rpc_benchmark -- --threads=4 --seconds=5
 #include <atomic>
+#include <functional>
 #include <iostream>
 #include <thread>
 #include <vector>
@@ -19,6 +20,9 @@ ABSL_FLAG(int, threads, 4, "client threads, each with its own channel");
 ABSL_FLAG(double, seconds, 5, "how long to run");
 ABSL_FLAG(std::string, mesh, "dp=2,fsdp=2,ep=2", "mesh");
 ABSL_FLAG(bool, omit_text, false, "ask for the plan without its text table");
+ABSL_FLAG(int, outstanding, 0,
+          "if > 0: one client thread on gRPC's callback API keeping this many Plan calls in flight "
+          "(less client CPU than blocking threads)");
 ABSL_FLAG(bool, empty_rpc, false, "call GetClusterInfo instead: the RPC floor without planning");
 
 namespace shardgemm {
@@ -59,7 +63,38 @@ int Run() {
   std::atomic<int64_t> done{0}, failed{0};
   std::atomic<bool> stop{false};
   std::vector<std::thread> threads;
-  for (int t = 0; t < absl::GetFlag(FLAGS_threads); ++t) {
+  const int outstanding = absl::GetFlag(FLAGS_outstanding);
+  std::unique_ptr<v1::ShardGemm::Stub> async_stub;
+  struct Call {
+    grpc::ClientContext ctx;
+    v1::PlanResponse response;
+  };
+  std::function<void()> issue;
+  absl::Mutex in_flight_mu;
+  int in_flight = 0;
+  if (outstanding > 0) {
+    async_stub = v1::ShardGemm::NewStub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+    issue = [&] {
+      auto* call = new Call;
+      async_stub->async()->Plan(&call->ctx, &request, &call->response, [&, call](grpc::Status s) {
+        if (s.ok()) ++done;
+        else ++failed;
+        delete call;
+        if (!stop) {
+          issue();
+        } else {
+          absl::MutexLock lock(&in_flight_mu);
+          --in_flight;
+        }
+      });
+    };
+    {
+      absl::MutexLock lock(&in_flight_mu);
+      in_flight = outstanding;
+    }
+    for (int i = 0; i < outstanding; ++i) issue();
+  }
+  for (int t = 0; outstanding == 0 && t < absl::GetFlag(FLAGS_threads); ++t) {
     threads.emplace_back([&, t] {
       grpc::ChannelArguments args;
       args.SetInt("shardgemm.bench.channel", t);  // a distinct channel per thread
@@ -84,6 +119,10 @@ int Run() {
   absl::SleepFor(absl::Seconds(absl::GetFlag(FLAGS_seconds)));
   stop = true;
   for (auto& t : threads) t.join();
+  if (outstanding > 0) {
+    absl::MutexLock lock(&in_flight_mu);
+    in_flight_mu.Await(absl::Condition(+[](int* n) { return *n == 0; }, &in_flight));
+  }
   const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
   std::cout << absl::StrFormat(
       "plan_rpc  mesh %s  threads %d  plans %d  failed %d  seconds %.2f  plans/s %.0f\n",
