@@ -26,6 +26,10 @@ run --lhs=8192x1024 --rhs=resident:experts --dtype=bf16 --groups=8 --check
 echo "== deepseek-v3-up shape through the service (timing; weights resident on the worker)"
 $CLI put w --data=8x7168x4096 --dtype=bf16 || fail=1
 for i in 1 2 3; do run --lhs=16384x7168 --rhs=resident:w --dtype=bf16 --group-sizes=2048,2048,2048,2048,2048,2048,2048,2048; done
+echo "== small-decode shape through the service (G64 m64 K1024 N1024; weights resident)"
+$CLI put wd --data=64x1024x1024 --dtype=bf16 || fail=1
+sizes=$(printf '64,%.0s' $(seq 64)); sizes=${sizes%,}
+for i in 1 2 3 4 5; do run --lhs=4096x1024 --rhs=resident:wd --dtype=bf16 --group-sizes=$sizes; done
 kill $W $C; wait
 echo "e2e: $([ $fail = 0 ] && echo PASS || echo FAIL)"
 exit $fail
