@@ -15,7 +15,7 @@ start() {  # start MESH WORKERS
   $B/bin/shardgemm-coordinator --listen=$ADDR --mesh="$1" 2>/tmp/coordinator.log &
   pids=($!)
   for ((i = 0; i < $2; i++)); do
-    $B/bin/shardgemm-worker --coordinator=$ADDR --backend=cuda --device=$i --collective_timeout_s=60 2>/tmp/worker$i.log &
+    $B/bin/shardgemm-worker --coordinator=$ADDR --backend=${BACKEND:-cuda} --device=$i --collective_timeout_s=60 2>/tmp/worker$i.log &
     pids+=($!)
   done
   for _ in $(seq 150); do $CLI cluster 2>/dev/null | grep -q "(ready)" && break; sleep 0.2; done
@@ -44,7 +44,7 @@ run --lhs=2048x512 --rhs="4x512x256@(None,None,tp)" --group-sizes=500,0,700,800 
 stop
 
 echo; echo "######## EP weak scaling through the service: deepseek-v3-up per GPU (G8 m2048 K7168 N4096), weights resident"
-for n in 1 $N; do
+for n in ${SCALING_SIZES-1 $N}; do
   start ep=$n $n
   $CLI put w --data=$((8*n))x7168x4096 --dtype=bf16 --spec="(ep,None,None)" >/dev/null || fail=1
   sizes=$(printf '2048,%.0s' $(seq $((8*n)))); sizes=${sizes%,}
