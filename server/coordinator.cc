@@ -697,6 +697,10 @@ absl::StatusOr<v1::GroupedGemmResponse> Coordinator::GroupedGemmPerShard(
         local->set_resident(meta.resident_shard);
         continue;
       }
+      if (op->input_local_shape == op->global_shape) {  // replicated: no slicing copy
+        HostTensorToProto(inline_tensors[name], local);
+        continue;
+      }
       auto offsets = planner::BlockOffsets(name, op->global_shape, op->input_spec, mesh_, r);
       if (!offsets.ok()) return offsets.status();
       HostTensorToProto(SliceBlock(inline_tensors[name], *offsets, op->input_local_shape), local);

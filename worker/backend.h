@@ -16,6 +16,9 @@ struct LocalGemm {
   bool ragged_k = false;
   const HostTensor* lhs = nullptr;
   const HostTensor* rhs = nullptr;
+  // Set when rhs is a resident shard (immutable while referenced): a device
+  // backend may keep its copy on the device and reuse it while the shard lives.
+  std::shared_ptr<const HostTensor> resident_rhs;
   const HostTensor* bias = nullptr;  // may be null
   std::vector<int64_t> group_sizes;  // this worker's local groups
   bool rhs_transposed = false;

@@ -3,6 +3,7 @@
 // stream, with device memory from the runner's pool.
 #include <cuda_runtime_api.h>
 
+#include <map>
 #include <memory>
 #include <string>
 
@@ -87,7 +88,8 @@ class CudaBackend : public Backend {
     if (!out.ok()) return out.status();
     Scratch scratch(&runner_->pool());
     auto d_lhs = scratch.Upload(lhs.bytes.data(), lhs.NumBytes(), stream_);
-    auto d_rhs = scratch.Upload(rhs.bytes.data(), rhs.NumBytes(), stream_);
+    absl::StatusOr<void*> d_rhs = g.resident_rhs != nullptr ? DeviceCopy(g.resident_rhs)
+                                                             : scratch.Upload(rhs.bytes.data(), rhs.NumBytes(), stream_);
     auto d_sizes = scratch.Upload(g.group_sizes.data(), a.num_groups * 8, stream_);
     auto d_out = scratch.Take(out->NumBytes());
     for (const auto* s : {&d_lhs, &d_rhs, &d_sizes, &d_out}) {
@@ -175,7 +177,40 @@ class CudaBackend : public Backend {
   }
 
  private:
+  // Device copies of resident shards, kept while the shard is alive on the
+  // worker (the store drops its reference on delete or replacement; the next
+  // call frees the copy).
+  struct Cached {
+    std::weak_ptr<const HostTensor> host;
+    void* device = nullptr;
+  };
+  absl::StatusOr<void*> DeviceCopy(const std::shared_ptr<const HostTensor>& host) {
+    for (auto it = cache_.begin(); it != cache_.end();) {
+      if (it->second.host.expired()) {
+        runner_->pool().Free(it->second.device);
+        it = cache_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    auto it = cache_.find(host.get());
+    if (it != cache_.end()) return it->second.device;
+    auto d = runner_->pool().Allocate(std::max<int64_t>(host->NumBytes(), 256));
+    if (!d.ok()) return d.status();
+    if (host->NumBytes() > 0) {
+      if (auto s = CudaStatus(cudaMemcpyAsync(*d, host->bytes.data(), host->NumBytes(),
+                                              cudaMemcpyHostToDevice, stream_), "upload resident");
+          !s.ok()) {
+        runner_->pool().Free(*d);
+        return s;
+      }
+    }
+    cache_[host.get()] = Cached{host, *d};
+    return *d;
+  }
+
   int device_;
+  std::map<const HostTensor*, Cached> cache_;
   std::unique_ptr<cuda::GroupedGemmRunner> runner_;
   cudaStream_t stream_;
   std::string name_;

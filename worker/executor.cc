@@ -208,6 +208,7 @@ absl::StatusOr<v1::StepResult> Executor::RunGemm(v1::GemmStep& gemm) {
     auto next = ApplyCollective(c, *target->tensor);
     if (!next.ok()) { status = next.status(); break; }
     target->tensor = std::make_shared<const HostTensor>(std::move(*next));
+    target->resident = false;
   }
 
   // Stage 3: the local op.
@@ -230,6 +231,8 @@ absl::StatusOr<v1::StepResult> Executor::RunGemm(v1::GemmStep& gemm) {
       local.ragged_k = ragged_k;
       local.lhs = &l;
       local.rhs = &r;
+      // A resident weight may stay on the device between requests.
+      if (rhs.resident) local.resident_rhs = rhs.tensor;
       local.bias = gemm.apply_bias() ? bias.tensor.get() : nullptr;
       local.group_sizes = std::move(group_sizes);
       local.rhs_transposed = gemm.rhs_transposed();
