@@ -20,6 +20,9 @@ ShardGemmClient::ShardGemmClient(const std::string& address) {
   args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 50);
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
   args.SetMaxSendMessageSize(kMaxMessageBytes);
+  args.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 64 << 20);
+  args.SetInt(GRPC_ARG_HTTP2_MAX_FRAME_SIZE, 16 << 20);
+  args.SetInt(GRPC_ARG_HTTP2_WRITE_BUFFER_SIZE, 64 << 20);
   stub_ = v1::ShardGemm::NewStub(
       grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args));
 }
@@ -108,6 +111,8 @@ absl::StatusOr<HostTensor> ShardGemmClient::GetTensor(const std::string& name) {
     if (first) {
       t.dtype = static_cast<DType>(static_cast<int>(chunk.dtype()));
       t.shape.assign(chunk.shape().begin(), chunk.shape().end());
+      auto n = CheckedNumElements(t.shape, DTypeSize(t.dtype), name);
+      if (n.ok()) t.bytes.reserve(*n * DTypeSize(t.dtype));
       first = false;
     }
     t.bytes += chunk.data();

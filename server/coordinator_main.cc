@@ -43,6 +43,11 @@ int Run() {
   builder.AddListeningPort(absl::GetFlag(FLAGS_listen), grpc::InsecureServerCredentials(), &port);
   builder.SetMaxReceiveMessageSize(kMaxMessageBytes);
   builder.SetMaxSendMessageSize(kMaxMessageBytes);
+  // Tensors are large: a wide HTTP/2 window and big frames keep loopback
+  // transfers from stalling on flow control.
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 64 << 20);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_FRAME_SIZE, 16 << 20);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_WRITE_BUFFER_SIZE, 64 << 20);
   builder.RegisterService(&service);
   builder.RegisterService(&coordination);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();

@@ -62,6 +62,8 @@ grpc::Status ShardGemmService::PutTensor(grpc::ServerContext*,
   tensor.shape = shape;
   std::string* data = first.mutable_data();
   tensor.bytes.swap(*data);
+  // One allocation for the whole tensor (not a doubling string growing chunk by chunk).
+  if (expected > static_cast<int64_t>(tensor.bytes.size())) tensor.bytes.reserve(expected);
   v1::TensorChunk chunk;
   bool too_long = static_cast<int64_t>(tensor.bytes.size()) > expected;
   while (!too_long && reader->Read(&chunk)) {
