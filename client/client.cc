@@ -4,25 +4,16 @@
 #include "absl/time/clock.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/tensor_codec.h"
+#include "proto/transport.h"
 #include "worker/grpc_status.h"
 
 namespace shardgemm {
 namespace {
-constexpr int kMaxMessageBytes = 2047 * 1024 * 1024;
 constexpr size_t kChunkBytes = 1 << 20;
 }  // namespace
 
 ShardGemmClient::ShardGemmClient(const std::string& address) {
-  grpc::ChannelArguments args;
-  args.SetMaxReceiveMessageSize(kMaxMessageBytes);
-  // Peers start together on loopback: retry connecting quickly.
-  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 50);
-  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 50);
-  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
-  args.SetMaxSendMessageSize(kMaxMessageBytes);
-  args.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 64 << 20);
-  args.SetInt(GRPC_ARG_HTTP2_MAX_FRAME_SIZE, 16 << 20);
-  args.SetInt(GRPC_ARG_HTTP2_WRITE_BUFFER_SIZE, 64 << 20);
+  grpc::ChannelArguments args = TensorChannelArguments();
   stub_ = v1::ShardGemm::NewStub(
       grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args));
 }

@@ -461,14 +461,7 @@ absl::StatusOr<v1::GroupedQuantizeResponse> Coordinator::GroupedQuantize(
     q->set_rowwise(plan_request->attrs.rowwise);
     q->set_colwise(plan_request->attrs.colwise);
     q->set_flatten_axis(flatten);
-    for (const planner::Collective& c : plan->collectives) {
-      v1::CollectivePlan* cp = q->add_collectives();
-      cp->set_phase(std::string(planner::PhaseName(c.phase)));
-      cp->set_kind(std::string(planner::CollectiveKindName(c.kind)));
-      cp->set_tensor(c.tensor);
-      cp->set_dim(c.dim);
-      for (const auto& a : c.axes) cp->add_axes(a);
-    }
+    for (const planner::Collective& c : plan->collectives) CollectiveToProto(c, q->add_collectives());
     q->set_agree(any_collective && num_workers_ > 1);
   }
   auto results = Dispatch(std::move(steps));
@@ -709,12 +702,7 @@ absl::StatusOr<v1::GroupedGemmResponse> Coordinator::GroupedGemmPerShard(
     for (const planner::Collective& c : plan->collectives) {
       if (c.phase == planner::Phase::kWithin) continue;
       any_collective = true;
-      v1::CollectivePlan* cp = gemm->add_collectives();
-      cp->set_phase(std::string(planner::PhaseName(c.phase)));
-      cp->set_kind(std::string(planner::CollectiveKindName(c.kind)));
-      cp->set_tensor(c.tensor);
-      cp->set_dim(c.dim);
-      for (const auto& a : c.axes) cp->add_axes(a);
+      CollectiveToProto(c, gemm->add_collectives());
     }
     // Every worker takes the same decision, so the agreement itself matches.
     gemm->set_agree(any_collective && num_workers_ > 1);

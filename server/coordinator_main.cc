@@ -12,6 +12,7 @@
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "server/coordinator.h"
+#include "proto/transport.h"
 #include "server/service.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:50051", "address to serve clients and workers on");
@@ -22,8 +23,6 @@ ABSL_FLAG(std::string, roles, "",
 
 namespace shardgemm {
 namespace {
-
-constexpr int kMaxMessageBytes = 2047 * 1024 * 1024;
 
 int Run() {
   auto mesh = planner::ParseMesh(absl::GetFlag(FLAGS_mesh), absl::GetFlag(FLAGS_roles));
@@ -41,13 +40,7 @@ int Run() {
   grpc::ServerBuilder builder;
   int port = 0;
   builder.AddListeningPort(absl::GetFlag(FLAGS_listen), grpc::InsecureServerCredentials(), &port);
-  builder.SetMaxReceiveMessageSize(kMaxMessageBytes);
-  builder.SetMaxSendMessageSize(kMaxMessageBytes);
-  // Tensors are large: a wide HTTP/2 window and big frames keep loopback
-  // transfers from stalling on flow control.
-  builder.AddChannelArgument(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 64 << 20);
-  builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_FRAME_SIZE, 16 << 20);
-  builder.AddChannelArgument(GRPC_ARG_HTTP2_WRITE_BUFFER_SIZE, 64 << 20);
+  ConfigureTensorServer(&builder);
   builder.RegisterService(&service);
   builder.RegisterService(&coordination);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
@@ -59,17 +52,7 @@ int Run() {
             << planner::NumWorkers(*mesh) << " workers expected), serving on port " << port
             << "\n";
 
-  // Shut down cleanly on SIGINT / SIGTERM.
-  static std::atomic<bool> stop{false};
-  std::signal(SIGINT, [](int) { stop = true; });
-  std::signal(SIGTERM, [](int) { stop = true; });
-  std::thread waiter([&] {
-    while (!stop) std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
-  });
-  server->Wait();
-  stop = true;
-  waiter.join();
+  ServeUntilSignalled(server.get());
   std::cerr << "shardgemm-coordinator: stopped\n";
   return 0;
 }

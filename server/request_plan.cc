@@ -166,19 +166,20 @@ void OperandToProto(const planner::PlanOperand& op, v1::OperandPlan* out) {
 
 }  // namespace
 
+void CollectiveToProto(const planner::Collective& c, v1::CollectivePlan* out) {
+  out->set_phase(std::string(planner::PhaseName(c.phase)));
+  out->set_kind(std::string(planner::CollectiveKindName(c.kind)));
+  out->set_tensor(c.tensor);
+  out->set_dim(c.dim);
+  for (const auto& a : c.axes) out->add_axes(a);
+  out->set_bytes_per_worker(c.bytes_per_worker);
+}
+
 void PlanToProto(const planner::Plan& plan, v1::Plan* out, bool with_text) {
   out->set_op(std::string(planner::OpKindName(plan.op)));
   out->set_rule(plan.rule);
   for (const auto& op : plan.operands) OperandToProto(op, out->add_operands());
-  for (const auto& c : plan.collectives) {
-    v1::CollectivePlan* cp = out->add_collectives();
-    cp->set_phase(std::string(planner::PhaseName(c.phase)));
-    cp->set_kind(std::string(planner::CollectiveKindName(c.kind)));
-    cp->set_tensor(c.tensor);
-    cp->set_dim(c.dim);
-    for (const auto& a : c.axes) cp->add_axes(a);
-    cp->set_bytes_per_worker(c.bytes_per_worker);
-  }
+  for (const auto& c : plan.collectives) CollectiveToProto(c, out->add_collectives());
   out->mutable_out_shape()->Assign(plan.out_shape.begin(), plan.out_shape.end());
   out->set_out_spec(planner::FormatPartitionSpec(plan.out_spec));
   out->mutable_local_out_shape()->Assign(plan.local_out_shape.begin(), plan.local_out_shape.end());

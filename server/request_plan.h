@@ -37,6 +37,8 @@ absl::StatusOr<planner::PlanRequest> QuantizePlanRequest(const v1::GroupedQuanti
                                                          const planner::Mesh& mesh,
                                                          const TensorResolver& resolve);
 
+void CollectiveToProto(const planner::Collective& c, v1::CollectivePlan* out);
+
 void PlanToProto(const planner::Plan& plan, v1::Plan* out, bool with_text = true);
 
 }  // namespace shardgemm

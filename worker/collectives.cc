@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 
 namespace shardgemm {
 
@@ -63,6 +64,16 @@ absl::StatusOr<std::vector<int>> MeshPosition::GroupRanks(
     ranks.push_back(static_cast<int>(r));
   }
   return ranks;
+}
+
+std::string MeshPosition::GroupName(const std::vector<std::string>& axes) const {
+  std::vector<std::string> other;
+  for (size_t d = 0; d < axis_names.size(); ++d) {
+    if (std::find(axes.begin(), axes.end(), axis_names[d]) == axes.end()) {
+      other.push_back(absl::StrCat(axis_names[d], "=", coords[d]));
+    }
+  }
+  return absl::StrCat(absl::StrJoin(axes, ","), "/", absl::StrJoin(other, ","));
 }
 
 MeshPosition SingleWorkerPosition() { return MeshPosition(); }

@@ -28,6 +28,9 @@ struct MeshPosition {
   // Global ranks of the group spanned by `axes` that contains this worker, in
   // group-index order.
   absl::StatusOr<std::vector<int>> GroupRanks(const std::vector<std::string>& axes) const;
+  // Names this worker's group over `axes` (the same on every member): the
+  // axes and this worker's coordinates on the other axes.
+  std::string GroupName(const std::vector<std::string>& axes) const;
 };
 
 MeshPosition SingleWorkerPosition();

@@ -15,6 +15,7 @@
 #include "gloo/transport/tcp/device.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/shardgemm.grpc.pb.h"
+#include "proto/transport.h"
 
 namespace shardgemm {
 namespace {
@@ -22,9 +23,7 @@ namespace {
 class CoordinatorStore : public gloo::rendezvous::Store {
  public:
   CoordinatorStore(const std::string& coordinator, std::string prefix) : prefix_(std::move(prefix)) {
-    grpc::ChannelArguments args;
-    args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 50);
-    args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 50);
+    grpc::ChannelArguments args = TensorChannelArguments();
     stub_ = v1::Coordination::NewStub(
         grpc::CreateCustomChannel(coordinator, grpc::InsecureChannelCredentials(), args));
   }
@@ -199,16 +198,9 @@ class GlooCollectives : public Collectives {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = contexts_.find(key);
     if (it != contexts_.end()) return it->second;
-    // The group is named by the coordinates on the other axes and the step
-    // that creates its context (the same step on every member).
-    std::vector<std::string> other;
-    for (size_t d = 0; d < position_.axis_names.size(); ++d) {
-      if (std::find(axes.begin(), axes.end(), position_.axis_names[d]) == axes.end()) {
-        other.push_back(absl::StrCat(position_.axis_names[d], "=", position_.coords[d]));
-      }
-    }
-    const std::string prefix = absl::StrCat("gloo/", key, "/", absl::StrJoin(other, ","), "/",
-                                            step_);
+    // Named by the group and the step that creates the context (the same
+    // step on every member).
+    const std::string prefix = absl::StrCat("gloo/", position_.GroupName(axes), "/", step_);
     try {
       auto ctx = std::make_shared<gloo::rendezvous::Context>(static_cast<int>(*index),
                                                              static_cast<int>(*size));

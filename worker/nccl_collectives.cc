@@ -213,14 +213,7 @@ class NcclCollectives : public Collectives {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = comms_.find(key);
     if (it != comms_.end()) return it->second;
-    std::vector<std::string> other;
-    for (size_t d = 0; d < position_.axis_names.size(); ++d) {
-      if (std::find(axes.begin(), axes.end(), position_.axis_names[d]) == axes.end()) {
-        other.push_back(absl::StrCat(position_.axis_names[d], "=", position_.coords[d]));
-      }
-    }
-    const std::string id_key =
-        absl::StrCat("nccl/", key, "/", absl::StrJoin(other, ","), "/", step_);
+    const std::string id_key = absl::StrCat("nccl/", position_.GroupName(axes), "/", step_);
     ncclUniqueId id;
     if (*index == 0) {
       if (auto s = Nccl(ncclGetUniqueId(&id), "ncclGetUniqueId"); !s.ok()) return s;

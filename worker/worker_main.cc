@@ -16,6 +16,7 @@
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "proto/shardgemm.grpc.pb.h"
+#include "proto/transport.h"
 #include "worker/backend.h"
 #include "worker/executor.h"
 #include "worker/gloo_collectives.h"
@@ -37,8 +38,6 @@ ABSL_FLAG(int, register_timeout_s, 60, "how long to keep trying to reach the coo
 namespace shardgemm {
 namespace {
 
-constexpr int kMaxMessageBytes = 2047 * 1024 * 1024;
-
 int Run() {
   std::string note;
   auto backend = MakeBackend(absl::GetFlag(FLAGS_backend), absl::GetFlag(FLAGS_device),
@@ -59,13 +58,7 @@ int Run() {
   int port = 0;
   const std::string listen = absl::GetFlag(FLAGS_listen);
   builder.AddListeningPort(listen, grpc::InsecureServerCredentials(), &port);
-  builder.SetMaxReceiveMessageSize(kMaxMessageBytes);
-  builder.SetMaxSendMessageSize(kMaxMessageBytes);
-  // Tensors are large: a wide HTTP/2 window and big frames keep loopback
-  // transfers from stalling on flow control.
-  builder.AddChannelArgument(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 64 << 20);
-  builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_FRAME_SIZE, 16 << 20);
-  builder.AddChannelArgument(GRPC_ARG_HTTP2_WRITE_BUFFER_SIZE, 64 << 20);
+  ConfigureTensorServer(&builder);
   builder.RegisterService(&service);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || port == 0) {
@@ -75,12 +68,7 @@ int Run() {
   const std::string host = listen.substr(0, listen.rfind(':'));
   const std::string address = absl::StrCat(host, ":", port);
 
-  grpc::ChannelArguments args;
-  args.SetMaxReceiveMessageSize(kMaxMessageBytes);
-  // Peers start together on loopback: retry connecting quickly.
-  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 50);
-  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 50);
-  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
+  grpc::ChannelArguments args = TensorChannelArguments();
   auto channel = grpc::CreateCustomChannel(absl::GetFlag(FLAGS_coordinator),
                                            grpc::InsecureChannelCredentials(), args);
   auto stub = v1::Coordination::NewStub(channel);
@@ -141,17 +129,7 @@ int Run() {
   executor.Configure(position, std::move(collectives), response.next_sequence());
   std::cerr << "shardgemm-worker: rank " << position.rank << " serving on " << address
             << " with backend " << (*backend)->Device() << "\n";
-  // Shut down cleanly on SIGINT / SIGTERM.
-  static std::atomic<bool> stop{false};
-  std::signal(SIGINT, [](int) { stop = true; });
-  std::signal(SIGTERM, [](int) { stop = true; });
-  std::thread waiter([&] {
-    while (!stop) std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
-  });
-  server->Wait();
-  stop = true;
-  waiter.join();
+  ServeUntilSignalled(server.get());
   return 0;
 }
 

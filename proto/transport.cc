@@ -1,0 +1,46 @@
+#include "proto/transport.h"
+
+#include <atomic>
+#include <chrono>
+#include <csignal>
+#include <thread>
+
+namespace shardgemm {
+namespace {
+std::atomic<bool> g_stop{false};
+}  // namespace
+
+grpc::ChannelArguments TensorChannelArguments() {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(kMaxMessageBytes);
+  args.SetMaxSendMessageSize(kMaxMessageBytes);
+  args.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 64 << 20);
+  args.SetInt(GRPC_ARG_HTTP2_MAX_FRAME_SIZE, 16 << 20);
+  args.SetInt(GRPC_ARG_HTTP2_WRITE_BUFFER_SIZE, 64 << 20);
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 50);
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 50);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
+  return args;
+}
+
+void ConfigureTensorServer(grpc::ServerBuilder* builder) {
+  builder->SetMaxReceiveMessageSize(kMaxMessageBytes);
+  builder->SetMaxSendMessageSize(kMaxMessageBytes);
+  builder->AddChannelArgument(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 64 << 20);
+  builder->AddChannelArgument(GRPC_ARG_HTTP2_MAX_FRAME_SIZE, 16 << 20);
+  builder->AddChannelArgument(GRPC_ARG_HTTP2_WRITE_BUFFER_SIZE, 64 << 20);
+}
+
+void ServeUntilSignalled(grpc::Server* server) {
+  std::signal(SIGINT, [](int) { g_stop = true; });
+  std::signal(SIGTERM, [](int) { g_stop = true; });
+  std::thread waiter([server] {
+    while (!g_stop) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  });
+  server->Wait();
+  g_stop = true;
+  waiter.join();
+}
+
+}  // namespace shardgemm

@@ -1,0 +1,22 @@
+// gRPC settings every shardgemm channel and server share: tensors are large,
+// and peers on loopback start together.
+#ifndef SHARDGEMM_PROTO_TRANSPORT_H_
+#define SHARDGEMM_PROTO_TRANSPORT_H_
+
+#include "grpcpp/grpcpp.h"
+
+namespace shardgemm {
+
+inline constexpr int kMaxMessageBytes = 2047 * 1024 * 1024;
+
+// Message limits near 2 GiB, a wide HTTP/2 window with big frames (so large
+// transfers do not stall on flow control), and quick reconnects.
+grpc::ChannelArguments TensorChannelArguments();
+void ConfigureTensorServer(grpc::ServerBuilder* builder);
+
+// Blocks until SIGINT or SIGTERM, then shuts the server down cleanly.
+void ServeUntilSignalled(grpc::Server* server);
+
+}  // namespace shardgemm
+
+#endif  // SHARDGEMM_PROTO_TRANSPORT_H_
