@@ -187,11 +187,8 @@ void PlanToProto(const planner::Plan& plan, v1::Plan* out, bool with_text) {
     v1::WorkerPlan* wp = out->add_workers();
     wp->set_rank(static_cast<int32_t>(w.rank));
     wp->mutable_coords()->Assign(w.coords.begin(), w.coords.end());
-    for (size_t i = 0; i < w.local_shapes.size() && i < plan.operands.size(); ++i) {
-      v1::OperandPlan* op = wp->add_operands();
-      op->set_name(plan.operands[i].name);
-      op->mutable_local_shape()->Assign(w.local_shapes[i].begin(), w.local_shapes[i].end());
-    }
+    // Every worker's local shapes are the operands' local_shape (specs split
+    // dimensions evenly), so they are not repeated per worker.
     wp->set_local_groups(w.local_group_count);
     wp->set_group_sizes_begin(w.group_sizes_begin);
     wp->set_group_sizes_end(w.group_sizes_end);
