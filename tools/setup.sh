@@ -25,8 +25,19 @@ if ((${#missing[@]})); then
   $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 
-# Python tools for tests and the Python client, pinned.
-if ! python3 -c 'import numpy, ml_dtypes, grpc, grpc_tools, grpc_health, grpc_reflection, pytest' 2>/dev/null; then
+# Python tools for tests and the Python client, pinned: install when any
+# pinned version is missing or different.
+if ! python3 - tools/requirements.txt <<'PY' 2>/dev/null
+import sys
+from importlib.metadata import version
+for line in open(sys.argv[1]):
+    line = line.split("#")[0].strip()
+    if line:
+        name, want = line.split("==")
+        if version(name) != want:
+            sys.exit(1)
+PY
+then
   echo "setup: installing Python requirements"
   python3 -m pip install -q --disable-pip-version-check -r tools/requirements.txt
 fi
