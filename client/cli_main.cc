@@ -29,6 +29,7 @@
 #include "client/client.h"
 #include "client/npy.h"
 #include "client/reference.h"
+#include "kernels/fp8.h"
 #include "google/protobuf/util/json_util.h"
 #include "proto/tensor_codec.h"
 #include "server/planner/planner.h"
@@ -57,6 +58,9 @@ ABSL_FLAG(std::string, request, "", "read the GroupedGemmRequest from this JSON 
 ABSL_FLAG(bool, json, false, "print the plan as JSON (protobuf JSON mapping)");
 ABSL_FLAG(bool, show_plan, true, "print the plan before the result");
 ABSL_FLAG(std::string, data, "", "put: FILE.npy or SHAPE (random)");
+ABSL_FLAG(std::string, x, "", "quantize: x as FILE.npy or SHAPE (random), optionally @SPEC");
+ABSL_FLAG(std::string, format, "e4m3", "quantize: e4m3 or e5m2");
+ABSL_FLAG(bool, shared_scales, false, "quantize: one scale per group across the shards that split its rows");
 ABSL_FLAG(std::string, spec, "", "put: partition spec");
 ABSL_FLAG(bool, overwrite, false, "put: replace an existing tensor");
 
@@ -384,6 +388,90 @@ int Gemm() {
   return 0;
 }
 
+// Grouped quantize through the service. --check dequantizes every element
+// with its group's scale_inv and bounds the error by FP8 rounding: half an
+// ulp relative (2^-4 for E4M3, 2^-3 for E5M2), or half the smallest
+// subnormal times scale_inv near zero.
+int Quantize() {
+  auto dtype = FlagDType(absl::GetFlag(FLAGS_dtype), "dtype");
+  if (!dtype.ok()) return Fail(dtype.status());
+  v1::GroupedQuantizeRequest request;
+  HostTensor x;
+  if (absl::GetFlag(FLAGS_x).empty()) return Fail(absl::InvalidArgumentError("--x is required"));
+  if (auto s = OperandFromFlag(absl::GetFlag(FLAGS_x), "--x", *dtype, absl::GetFlag(FLAGS_seed),
+                               request.mutable_x(), &x); !s.ok()) return Fail(s);
+  auto [sizes_text, sizes_spec] = SplitSpec(absl::GetFlag(FLAGS_group_sizes));
+  std::vector<int64_t> sizes;
+  for (absl::string_view part : absl::StrSplit(sizes_text, ',', absl::SkipEmpty())) {
+    int64_t v;
+    if (!absl::SimpleAtoi(part, &v)) {
+      return Fail(absl::InvalidArgumentError(absl::StrCat("--group-sizes: '", part, "' is not an integer")));
+    }
+    sizes.push_back(v);
+  }
+  if (sizes.empty()) return Fail(absl::InvalidArgumentError("--group-sizes is required"));
+  HostTensor gs = *ZerosTensor(DType::kI64, {static_cast<int64_t>(sizes.size())});
+  std::copy(sizes.begin(), sizes.end(), gs.data<int64_t>());
+  HostTensorToProto(gs, request.mutable_group_sizes());
+  request.mutable_group_sizes()->set_spec(sizes_spec);
+  const bool e5m2 = absl::GetFlag(FLAGS_format) == "e5m2";
+  if (!e5m2 && absl::GetFlag(FLAGS_format) != "e4m3") {
+    return Fail(absl::InvalidArgumentError("--format must be e4m3 or e5m2"));
+  }
+  request.set_out_dtype(e5m2 ? v1::F8E5M2 : v1::F8E4M3);
+  request.set_scaling(v1::CURRENT);
+  request.set_rowwise(true);
+  request.set_shared_scales(absl::GetFlag(FLAGS_shared_scales));
+  request.set_compat(CompatFlag());
+  request.set_include_plan(true);
+  ShardGemmClient client(absl::GetFlag(FLAGS_coordinator));
+  auto r = client.GroupedQuantize(request);
+  if (!r.ok()) return Fail(r.status());
+  if (absl::GetFlag(FLAGS_show_plan)) PrintPlan(r->plan());
+  auto data = HostTensorFromProto(r->rowwise_data(), "rowwise_data");
+  auto scale_inv = HostTensorFromProto(r->scale_inv(), "scale_inv");
+  auto amax = HostTensorFromProto(r->amax(), "amax");
+  if (!data.ok() || !scale_inv.ok() || !amax.ok()) return Fail(absl::InternalError("malformed response"));
+  std::cout << "quantized " << ShapeToString(data->shape) << " to " << absl::GetFlag(FLAGS_format)
+            << "; amax per group entry: ";
+  for (int64_t i = 0; i < amax->NumElements(); ++i) std::cout << (i ? "," : "") << amax->data<float>()[i];
+  std::cout << "\n";
+  if (!absl::GetFlag(FLAGS_check)) return 0;
+  const Fp8Format fmt = e5m2 ? Fp8Format::kE5M2 : Fp8Format::kE4M3;
+  const double rel = e5m2 ? 0.125 : 0.0625, tiny = e5m2 ? std::ldexp(1.0, -17) : std::ldexp(1.0, -10);
+  const int64_t local_groups = r->plan().workers_size() ? r->plan().workers(0).local_groups()
+                                                         : static_cast<int64_t>(sizes.size());
+  const int64_t shards = static_cast<int64_t>(sizes.size()) / std::max<int64_t>(local_groups, 1);
+  const int64_t cols = x.shape.back(), rows = x.NumElements() / std::max<int64_t>(cols, 1);
+  const int64_t shard_rows = rows / std::max<int64_t>(shards, 1);
+  int64_t bad = 0;
+  double worst = 0;
+  for (int64_t s = 0; s < shards; ++s) {
+    int64_t row = s * shard_rows;
+    for (int64_t j = 0; j < local_groups; ++j) {
+      const int64_t entry = s * local_groups + j;
+      const double sinv = scale_inv->data<float>()[entry];
+      for (int64_t i = row * cols; i < (row + sizes[entry]) * cols; ++i) {
+        const double want = LoadAsFloat(x, i);
+        const double got = Fp8ToFloat(static_cast<uint8_t>(data->bytes[i]), fmt) * sinv;
+        const double err = std::fabs(got - want);
+        const double bound = std::max(rel * std::fabs(want), tiny * sinv);
+        worst = std::max(worst, err / bound);
+        if (!(err <= bound * 1.0001)) ++bad;
+      }
+      row += sizes[entry];
+    }
+  }
+  if (bad) {
+    std::cout << "result DOES NOT match reference: " << bad << " elements off\n";
+    return 3;
+  }
+  std::cout << absl::StrFormat(
+      "result matches reference: dequantized within FP8 rounding (worst error %.3g of its bound: "
+      "%.3g relative, or half the smallest subnormal times scale_inv)\n", worst, rel);
+  return 0;
+}
+
 int Put(const std::string& name) {
   auto dtype = FlagDType(absl::GetFlag(FLAGS_dtype), "dtype");
   if (!dtype.ok()) return Fail(dtype.status());
@@ -435,7 +523,7 @@ int List() {
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "shardgemm COMMAND [flags]\n"
-      "commands: cluster | plan | gemm | put NAME | get NAME | delete NAME | ls\n"
+      "commands: cluster | plan | gemm | quantize | put NAME | get NAME | delete NAME | ls\n"
       "see README.md or --helpfull");
   // Accept --group-sizes as well as --group_sizes.
   std::vector<std::string> normalized(argv, argv + argc);
@@ -450,7 +538,7 @@ int main(int argc, char** argv) {
   std::vector<char*> args = absl::ParseCommandLine(argc, raw.data());
   using namespace shardgemm;
   if (args.size() < 2) {
-    std::cerr << "usage: shardgemm cluster|plan|gemm|put|get|delete|ls [flags] (--help)\n";
+    std::cerr << "usage: shardgemm cluster|plan|gemm|quantize|put|get|delete|ls [flags] (--help)\n";
     return 2;
   }
   const std::string command = args[1];
@@ -458,6 +546,7 @@ int main(int argc, char** argv) {
   if (command == "cluster") return Cluster();
   if (command == "plan") return PlanCommand();
   if (command == "gemm") return Gemm();
+  if (command == "quantize") return Quantize();
   if ((command == "put" || command == "get" || command == "delete") && name.empty()) {
     std::cerr << "shardgemm " << command << ": missing tensor NAME\n";
     return 2;

@@ -62,6 +62,15 @@ absl::StatusOr<v1::GroupedGemmResponse> ShardGemmClient::GroupedGemm(
   return response;
 }
 
+absl::StatusOr<v1::GroupedQuantizeResponse> ShardGemmClient::GroupedQuantize(
+    const v1::GroupedQuantizeRequest& request) {
+  grpc::ClientContext ctx;
+  v1::GroupedQuantizeResponse response;
+  grpc::Status s = stub_->GroupedQuantize(&ctx, request, &response);
+  if (!s.ok()) return FromGrpcStatus(s);
+  return response;
+}
+
 absl::StatusOr<v1::PutTensorResponse> ShardGemmClient::PutTensor(const std::string& name,
                                                                  const HostTensor& tensor,
                                                                  const std::string& spec,

@@ -22,6 +22,8 @@ class ShardGemmClient {
   absl::StatusOr<v1::ClusterInfo> ClusterInfo();
   absl::StatusOr<v1::Plan> Plan(const v1::PlanRequest& request);
   absl::StatusOr<v1::GroupedGemmResponse> GroupedGemm(const v1::GroupedGemmRequest& request);
+  absl::StatusOr<v1::GroupedQuantizeResponse> GroupedQuantize(
+      const v1::GroupedQuantizeRequest& request);
   // Streams the tensor in chunks, so tensors past gRPC's message limit work.
   absl::StatusOr<v1::PutTensorResponse> PutTensor(const std::string& name, const HostTensor& tensor,
                                                   const std::string& spec, bool overwrite);

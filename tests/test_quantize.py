@@ -110,3 +110,20 @@ def test_quantize_bad_input(cluster, change, code):
     with pytest.raises(grpc.RpcError) as e:
         quantize(cluster.client, x, **kwargs)
     assert e.value.code() == code, e.value.details()
+
+
+def test_cli_quantize_sharded_with_check(cluster_factory):
+    import os
+    import subprocess
+    from conftest import BIN
+    c = cluster_factory(mesh="dp=2", workers=2)
+    for extra in (["--shared_scales"], ["--format=e5m2"]):
+        r = subprocess.run([os.path.join(BIN, "shardgemm"), "quantize", f"--coordinator={c.address}",
+                            "--x=256x64@(dp,None)", "--group-sizes=30,0,50,40,60,10,0,18@(dp,)",
+                            "--dtype=bf16", "--check", *extra], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        assert "result matches reference" in r.stdout
+    r = subprocess.run([os.path.join(BIN, "shardgemm"), "quantize", f"--coordinator={c.address}",
+                        "--x=256x64@(dp,None)", "--group-sizes=300,0,0,0,0,0,0,0@(dp,)"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "INVALID_ARGUMENT" in r.stderr

@@ -26,6 +26,9 @@ run() { echo "== gemm $*"; $CLI gemm --show_plan=false "$@" || { fail=1; tail -3
 plan_kinds() { $CLI gemm --show_plan=true "$@" | grep -E "^ +[0-9]+\. " || true; }
 
 start dp=$N $N
+echo "== quantize, rows over dp, shared per-group scales (amax all-reduce-max over NCCL)"
+$CLI quantize --x="4096x1024@(dp,None)" --group-sizes="$(printf '500,0,300,1000,%.0s' $(seq $N) | sed 's/,$//')@(dp,)" --dtype=bf16 --shared_scales --check --show_plan=false || fail=1
+$CLI quantize --x="4096x1024@(dp,None)" --group-sizes="$(printf '500,0,300,1000,%.0s' $(seq $N) | sed 's/,$//')@(dp,)" --dtype=bf16 --format=e5m2 --check --show_plan=false || fail=1
 run --lhs="2048x512@(dp,None)" --rhs=8x512x256 --group-sizes="$(printf '30,20,0,78,%.0s' $(seq $((2*N))) | sed 's/,$//')@(dp,)" --dtype=bf16 --check
 stop
 start fsdp=$N $N
