@@ -131,13 +131,12 @@ class CudaBackend : public Backend {
     out.amax = *ZerosTensor(DType::kF32, {g});
     Scratch scratch(&runner_->pool());
     auto d_x = scratch.Upload(q.x->bytes.data(), q.x->NumBytes(), stream_);
-    auto d_sizes = scratch.Upload(q.group_sizes.data(), g * 8, stream_);
     auto d_row = scratch.Take(q.m * q.k);
     auto d_col = scratch.Take(q.m * q.k);
     auto d_sinv = scratch.Take(g * 4);
     auto d_csinv = scratch.Take(g * 4);
     auto d_amax = scratch.Take(g * 4);
-    for (const auto* s : {&d_x, &d_sizes, &d_row, &d_col, &d_sinv, &d_csinv, &d_amax}) {
+    for (const auto* s : {&d_x, &d_row, &d_col, &d_sinv, &d_csinv, &d_amax}) {
       if (!s->ok()) return s->status();
     }
     absl::StatusOr<void*> d_scale = nullptr;
@@ -150,7 +149,7 @@ class CudaBackend : public Backend {
     a.x_dtype = q.x->dtype;
     a.m = q.m;
     a.k = q.k;
-    a.group_sizes = static_cast<const int64_t*>(*d_sizes);
+    a.group_sizes = q.group_sizes.data();  // the GPU quantize takes group sizes in host memory
     a.num_groups = g;
     a.mode = q.scales != nullptr ? ScalingMode::kDelayed : ScalingMode::kCurrent;
     a.format = q.out_dtype == DType::kF8E5M2 ? Fp8Format::kE5M2 : Fp8Format::kE4M3;
