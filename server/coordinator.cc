@@ -327,22 +327,20 @@ const planner::PlanOperand* FindOperand(const planner::Plan& plan, const std::st
 // Group sizes must be non-negative and each row shard's entries must fit its
 // rows; the planner checks shapes, this checks the values.
 absl::Status CheckGroupSizes(const std::vector<int64_t>& sizes, const planner::Plan& plan,
-                             bool ragged_k) {
+                             int64_t local_rows, absl::string_view rows_of) {
   for (size_t i = 0; i < sizes.size(); ++i) {
     if (sizes[i] < 0) {
       return absl::InvalidArgumentError(
           absl::StrCat("group_sizes[", i, "] is negative (", sizes[i], ")"));
     }
   }
-  const planner::PlanOperand* lhs = FindOperand(plan, "lhs");
   for (const auto& w : plan.workers) {
     int64_t sum = 0;
     for (int64_t i = w.group_sizes_begin; i < w.group_sizes_end; ++i) {
-      if (sizes[i] > lhs->input_local_shape[0] - sum) {  // sum + sizes[i] > rows, without overflow
+      if (sizes[i] > local_rows - sum) {  // sum + sizes[i] > rows, without overflow
         return absl::InvalidArgumentError(absl::StrCat(
             "group_sizes[", w.group_sizes_begin, ":", w.group_sizes_end, "] sum past the ",
-            lhs->input_local_shape[0], " rows of ", ragged_k ? "lhs/rhs" : "lhs",
-            " that they describe (rank ", w.rank, ")"));
+            local_rows, " rows of ", rows_of, " that they describe (rank ", w.rank, ")"));
       }
       sum += sizes[i];
     }
@@ -352,17 +350,21 @@ absl::Status CheckGroupSizes(const std::vector<int64_t>& sizes, const planner::P
 
 }  // namespace
 
+TensorMeta Coordinator::MetaOf(const Resident& r) {
+  TensorMeta m;
+  m.dtype = static_cast<DType>(static_cast<int>(r.info.dtype()));
+  m.shape.assign(r.info.shape().begin(), r.info.shape().end());
+  m.spec = r.info.spec();
+  m.resident_shard = r.shard_name;
+  return m;
+}
+
 absl::StatusOr<TensorMeta> Coordinator::ResolveMeta(const v1::Tensor& t, const std::string& field,
                                                    std::vector<std::string>* pins) {
   if (t.source_case() == v1::Tensor::kResident) {
     auto r = FindAndPin(t.resident(), pins);
     if (!r.ok()) return r.status();
-    TensorMeta m;
-    m.dtype = static_cast<DType>(static_cast<int>(r->info.dtype()));
-    m.shape.assign(r->info.shape().begin(), r->info.shape().end());
-    m.spec = r->info.spec();
-    m.resident_shard = r->shard_name;
-    return m;
+    return MetaOf(*r);
   }
   return InlineTensorMeta(t, field);
 }
@@ -404,24 +406,7 @@ absl::StatusOr<v1::GroupedQuantizeResponse> Coordinator::GroupedQuantize(
   const int flatten = request.flatten_axis() > 0 ? request.flatten_axis() : std::max(1, rank - 1);
   int64_t local_rows = 1;
   for (int d = 0; d < flatten && d < rank; ++d) local_rows *= x_op->input_local_shape[d];
-  for (size_t i = 0; i < sizes->size(); ++i) {
-    if ((*sizes)[i] < 0) {
-      return absl::InvalidArgumentError(absl::StrCat("group_sizes[", i, "] is negative (", (*sizes)[i], ")"));
-    }
-  }
-  for (const auto& w : plan->workers) {
-    int64_t sum = 0;
-    bool over = false;
-    for (int64_t i = w.group_sizes_begin; i < w.group_sizes_end && !over; ++i) {
-      over = (*sizes)[i] > local_rows - sum;  // without overflow
-      sum += over ? 0 : (*sizes)[i];
-    }
-    if (over) {
-      return absl::InvalidArgumentError(absl::StrCat("group_sizes[", w.group_sizes_begin, ":",
-                                                     w.group_sizes_end, "] sum past the ", local_rows,
-                                                     " rows of x they describe"));
-    }
-  }
+  if (auto s = CheckGroupSizes(*sizes, *plan, local_rows, "x"); !s.ok()) return s;
   std::vector<float> scales;
   if (request.scaling() == v1::DELAYED) {
     auto t = HostTensorFromProto(request.scales(), "scales");
@@ -494,12 +479,7 @@ absl::StatusOr<v1::Plan> Coordinator::Plan(const v1::PlanRequest& request) const
     if (t.source_case() == v1::Tensor::kResident) {
       auto r = FindResident(t.resident());
       if (!r.ok()) return r.status();
-      TensorMeta meta;
-      meta.dtype = static_cast<DType>(static_cast<int>(r->info.dtype()));
-      meta.shape.assign(r->info.shape().begin(), r->info.shape().end());
-      meta.spec = r->info.spec();
-      meta.resident_shard = r->shard_name;
-      return meta;
+      return MetaOf(*r);
     }
     // A dry run needs no data: shape, dtype and spec describe the tensor.
     auto dtype = DTypeFromProto(t.dtype(), field);
@@ -652,7 +632,11 @@ absl::StatusOr<v1::GroupedGemmResponse> Coordinator::GroupedGemmPerShard(
   auto group_sizes = ToInt64Vector(*group_sizes_tensor, "group_sizes");
   if (!group_sizes.ok()) return group_sizes.status();
   const bool ragged_k = request.ragged() == v1::GroupedGemmRequest::RAGGED_K;
-  if (auto s = CheckGroupSizes(*group_sizes, *plan, ragged_k); !s.ok()) return s;
+  if (auto s = CheckGroupSizes(*group_sizes, *plan, FindOperand(*plan, "lhs")->input_local_shape[0],
+                               ragged_k ? "lhs/rhs" : "lhs");
+      !s.ok()) {
+    return s;
+  }
 
   // Decode inline operands once; each worker gets its block.
   absl::flat_hash_map<std::string, HostTensor> inline_tensors;

@@ -68,6 +68,7 @@ class Coordinator {
   // every worker at once; fails if any worker fails.
   absl::StatusOr<std::vector<v1::StepResult>> Dispatch(std::vector<v1::Step> steps);
   absl::StatusOr<Resident> FindResident(const std::string& name) const;
+  static struct TensorMeta MetaOf(const Resident& resident);
   // Resident shards that a running request has resolved are pinned: a
   // replacement or delete retires them, and they leave the workers when the
   // last request using them is done (not from under it).

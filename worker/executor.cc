@@ -185,10 +185,7 @@ absl::StatusOr<v1::StepResult> Executor::RunGemm(v1::GemmStep& gemm) {
   }
   if (prepared.ok()) prepared = store_->Reserve(working_bytes);
   const bool reserved = prepared.ok();
-  struct Release {
-    ShardStore* store; int64_t bytes; bool active;
-    ~Release() { if (active) store->Release(bytes); }
-  } release{store_, working_bytes, reserved};
+  ShardStore::ScopedReservation reservation(store_, working_bytes, reserved);
   if (gemm.agree()) prepared = collectives_->Agree(prepared);
   if (!prepared.ok()) return prepared;
 
@@ -270,8 +267,7 @@ absl::StatusOr<v1::StepResult> Executor::RunGemm(v1::GemmStep& gemm) {
     info->mutable_shape()->Assign(out->shape.begin(), out->shape.end());
     info->set_resident(gemm.keep_output_as());
     // The output leaves the step's working memory for the store.
-    if (release.active) store_->Release(release.bytes);
-    release.active = false;
+    reservation.Release();
     if (auto s = store_->Put(gemm.keep_output_as(), std::move(*out)); !s.ok()) return s;
   } else {
     HostTensorToProto(std::move(*out), result.mutable_out());
@@ -295,10 +291,7 @@ absl::StatusOr<v1::StepResult> Executor::RunQuantize(v1::QuantizeStep& q) {
     working_bytes = x.tensor->NumElements() * (q.rowwise() + q.colwise()) + x.tensor->NumBytes();
     prepared = store_->Reserve(working_bytes);
   }
-  struct Release {
-    ShardStore* store; int64_t bytes; bool active;
-    ~Release() { if (active) store->Release(bytes); }
-  } release{store_, working_bytes, prepared.ok()};
+  ShardStore::ScopedReservation reservation(store_, working_bytes, prepared.ok());
   if (q.agree()) prepared = collectives_->Agree(prepared);
   if (!prepared.ok()) return prepared;
 

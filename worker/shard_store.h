@@ -30,6 +30,23 @@ class ShardStore {
   void Release(int64_t bytes);
 
   int64_t used_bytes() const;
+
+  // Holds `bytes` reserved (when `held`) until destroyed or Release()d.
+  class ScopedReservation {
+   public:
+    ScopedReservation(ShardStore* store, int64_t bytes, bool held)
+        : store_(store), bytes_(bytes), held_(held) {}
+    ~ScopedReservation() { Release(); }
+    void Release() {
+      if (held_) store_->Release(bytes_);
+      held_ = false;
+    }
+
+   private:
+    ShardStore* store_;
+    int64_t bytes_;
+    bool held_;
+  };
   int64_t budget_bytes() const { return budget_bytes_; }
 
  private:
