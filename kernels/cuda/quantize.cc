@@ -4,7 +4,10 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <map>
 #include <memory>
+#include <mutex>
+#include <utility>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
@@ -36,6 +39,36 @@ absl::Status CheckGpuShape(int64_t m, int64_t k, int64_t num_groups) {
   return absl::OkStatus();
 }
 
+// Rows of x per batch of the fused current-scaling pass: a batch's amax tiles
+// run one phase ahead of its quantize tiles, so about two batches of x must
+// stay in L2 (50 MB on the H100/H200) between the two reads.
+constexpr int64_t kFusedBatchBytes = int64_t{8} << 20;
+
+// The fused pass's workspace, one per (device, stream): launches on one stream
+// run in order, and each launch leaves it zeroed. Allocated on first use
+// (never during stream capture) and kept for the life of the process.
+absl::StatusOr<int32_t*> FusedWorkspace(cudaStream_t stream) {
+  static std::mutex mu;
+  static auto* cache = new std::map<std::pair<int, cudaStream_t>, int32_t*>();
+  int device = 0;
+  cudaError_t e = cudaGetDevice(&device);
+  if (e != cudaSuccess) return CudaError(e, "cudaGetDevice");
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = cache->find({device, stream});
+  if (it != cache->end()) return it->second;
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  if (stream != nullptr && cudaStreamIsCapturing(stream, &capture) == cudaSuccess &&
+      capture != cudaStreamCaptureStatusNone) {
+    return nullptr;  // no allocation inside a capture: the caller takes the two-launch path
+  }
+  void* w = nullptr;
+  const size_t bytes = sizeof(cuda_internal::QuantizeWorkspace);
+  if ((e = cudaMalloc(&w, bytes)) != cudaSuccess) return CudaError(e, "cudaMalloc (quantize workspace)");
+  if ((e = cudaMemset(w, 0, bytes)) != cudaSuccess) return CudaError(e, "cudaMemset (quantize workspace)");
+  (*cache)[{device, stream}] = static_cast<int32_t*>(w);
+  return static_cast<int32_t*>(w);
+}
+
 }  // namespace
 
 absl::Status GroupedQuantize(const GroupedQuantizeArgs& a, cudaStream_t stream, const GpuQuantizeOptions& options) {
@@ -60,6 +93,7 @@ absl::Status GroupedQuantize(const GroupedQuantizeArgs& a, cudaStream_t stream, 
   p->mx_recipe = static_cast<int>(a.mx_recipe);
   p->rowwise = a.rowwise, p->colwise = a.colwise, p->pow2 = a.pow2_scales;
   p->software_cvt = options.software_cvt;
+  p->fuse_amax = false;
   p->m = a.m, p->k = a.k;
   p->num_groups = static_cast<int>(a.num_groups);
   p->tile_rows = kTileRows;
@@ -79,7 +113,7 @@ absl::Status GroupedQuantize(const GroupedQuantizeArgs& a, cudaStream_t stream, 
     if (g < a.num_groups) tiles += (a.group_sizes[g] + p->tile_rows - 1) / p->tile_rows;
   }
   p->total_tiles = static_cast<int>(tiles);
-  if (tiles * p->col_tiles >= (int64_t{1} << 31)) return absl::InvalidArgumentError("m, k: too many tiles");
+  if (2 * tiles * p->col_tiles >= (int64_t{1} << 31)) return absl::InvalidArgumentError("m, k: too many tiles");
 
   const int64_t used = l.row_offset[a.num_groups];
   const size_t tail = static_cast<size_t>((a.m - used) * a.k);
@@ -95,7 +129,39 @@ absl::Status GroupedQuantize(const GroupedQuantizeArgs& a, cudaStream_t stream, 
     e = cudaMemsetAsync(a.colwise_scale_inv, 0, static_cast<size_t>(l.colwise_scale_elems * l.scale_bytes), stream);
   }
   if (e != cudaSuccess) return CudaError(e, "cudaMemsetAsync");
-  if (a.mode == ScalingMode::kCurrent && tiles > 0) {
+  p->num_items = static_cast<int>(tiles * p->col_tiles);
+  if (a.mode == ScalingMode::kCurrent && tiles > 0 && options.fused_current) {
+    absl::StatusOr<int32_t*> ws = FusedWorkspace(stream);
+    if (!ws.ok()) return ws.status();
+    if (*ws != nullptr) {
+      // Batches of whole groups of about kFusedBatchBytes of x (none empty).
+      const int64_t row_bytes = a.k * DTypeSize(a.x_dtype);
+      int nb = 0;
+      int64_t bytes = 0, t = 0;
+      p->batch_tile_off[0] = 0;
+      for (int64_t g = 0; g < a.num_groups; ++g) {
+        t += (a.group_sizes[g] + p->tile_rows - 1) / p->tile_rows;
+        bytes += a.group_sizes[g] * row_bytes;
+        if (t > p->batch_tile_off[nb] && (bytes >= kFusedBatchBytes || t == tiles)) {
+          p->batch_tile_off[++nb] = static_cast<int32_t>(t);
+          bytes = 0;
+        }
+      }
+      p->num_batches = nb;
+      // Phase b: batch b's amax tiles and batch b-1's quantize tiles.
+      int64_t item = 0;
+      for (int b = 0; b <= nb; ++b) {
+        p->phase_item_off[b] = static_cast<int32_t>(item);
+        if (b < nb) item += int64_t{p->batch_tile_off[b + 1] - p->batch_tile_off[b]} * p->col_tiles;
+        if (b > 0) item += int64_t{p->batch_tile_off[b] - p->batch_tile_off[b - 1]} * p->col_tiles;
+      }
+      p->phase_item_off[nb + 1] = static_cast<int32_t>(item);
+      p->num_items = static_cast<int>(item);
+      p->fuse_amax = true;
+      p->workspace = *ws;
+    }
+  }
+  if (a.mode == ScalingMode::kCurrent && tiles > 0 && !p->fuse_amax) {
     // The amax pass tiles whole rows, about 64 KiB per block.
     auto pa = std::make_unique<cuda_internal::QuantizeParams>(*p);
     const int64_t row_bytes = a.k * DTypeSize(a.x_dtype);
@@ -111,10 +177,6 @@ absl::Status GroupedQuantize(const GroupedQuantizeArgs& a, cudaStream_t stream, 
     pa->total_tiles = static_cast<int>(at);
     e = cuda_internal::LaunchGroupedAmax(*pa, stream);
     if (e != cudaSuccess) return CudaError(e, "grouped amax kernel");
-  }
-  if (tiles == 0 && tensor && a.num_groups > 0) {
-    // Only empty groups: one tile's worth of blocks still runs, writing every group's scale_inv.
-    p->total_tiles = 1;
   }
   e = cuda_internal::LaunchGroupedQuantize(*p, stream);
   if (e != cudaSuccess) return CudaError(e, "grouped quantize kernel");

@@ -5,19 +5,21 @@
 // conversion for every float by LaunchExhaustiveCvtCheck (and a software path
 // is kept behind QuantizeParams::software_cvt).
 //
-// One launch covers all groups: the grid is (row tiles of every group) x
-// (128-column tiles); a block finds its group by binary search in the
-// per-group tile prefix sums passed as __grid_constant__ parameters.
-// Tiles are 128 rows x 128 columns in every mode (a multiple of the MXFP8 and
-// FP8-block heights, rows counted from each group's first row). 256 threads;
-// each loads eight 16-byte vectors up front, rowwise outputs are 8-byte vector
-// stores, colwise outputs read the tile from shared memory (transposed outputs
-// are 16-byte stores when aligned). Current scaling's amax pass reads whole-row
-// tiles of about 64 KiB with four 16-byte loads per thread in flight.
+// One persistent launch covers all groups: blocks walk 128-row x 128-column
+// tiles (rows counted from each group's first row, so tiles are a multiple of
+// the MXFP8 and FP8-block heights), find a tile's group by binary search in
+// the per-group tile prefix sums (__grid_constant__ parameters), stream the
+// next tile into shared memory with cp.async while converting the current
+// one, and write rowwise outputs from 8-byte and colwise outputs from 16- or
+// 4-byte vector stores. Current scaling fuses its per-group amax pass into the
+// same launch (see "the quantize pass" below); AmaxKernel is the unfused
+// alternative, kept for comparison.
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/cuda/quantize_kernels.cuh"
 #include "kernels/fp8.h"
@@ -228,77 +230,215 @@ __global__ void __launch_bounds__(kThreads) AmaxKernel(const __grid_constant__ Q
 }
 
 // ---- the quantize pass -------------------------------------------------------
-// Tile: 128 rows (from the group's first row) x 128 columns; 256 threads, each
-// loading eight 16-byte chunks up front. Rowwise from registers; colwise from
-// the tile in shared memory, thread (c = tid % 128, part = tid / 128) taking
-// column c over rows part*64 .. +64 (two MXFP8 column blocks, half a 1x128
-// column block), in fully unrolled loops.
-template <int DT, int MODE, int FMT>
-__global__ void __launch_bounds__(kThreads, MinBlocks(DT)) QuantizeKernel(const __grid_constant__ QuantizeParams p) {
-  using T = typename InType<DT>::T;
-  constexpr int TR = kTileRows;
-  constexpr int NCH = TR * (kTileCols / 8) / kThreads;  // 8-element chunks per thread
-  constexpr int HR = TR / 2;                              // colwise rows per thread
-  constexpr bool kTensor = MODE == kModeCurrent || MODE == kModeDelayed;
-  const Fp8Format fmt = static_cast<Fp8Format>(FMT);
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  T* tile = reinterpret_cast<T*>(smem_raw);  // [TR][128], colwise only
-  __shared__ uint32_t red[kThreads / 32];
-  __shared__ uint32_t col_red[kTileCols];
+// Persistent blocks walk the work items. Each block streams its next tile into
+// shared memory with cp.async (two buffers) while it converts the current one,
+// so loads stay in flight through the conversion, and outputs are written with
+// streaming (evict-first) stores. Tile: 128 rows (from the group's first row)
+// x 128 columns of x, row-major in shared memory.
+//   rowwise: thread tid takes the 8-element chunks tid + i * 256 (row ch / 16,
+//            columns (ch % 16) * 8 .. + 8): 8-byte stores;
+//   colwise: thread (cg = lane, rs = warp) takes columns 4cg .. 4cg + 3 over
+//            rows 16rs .. 16rs + 15 (8-byte shared reads per row). Transposed
+//            outputs (tensor, 1x128 and 128x128 scaling) get one 16-byte store
+//            per column, the MXFP8 output (not transposed) one 4-byte store
+//            per row, a warp writing 128 contiguous bytes.
+// Fused current scaling (p.fuse_amax): the items are amax tiles and quantize
+// tiles (see QuantizeParams); work is claimed from an atomic counter, so a
+// quantize tile only ever waits for amax tiles that running blocks hold.
 
-  const int tid = threadIdx.x;
-  const int t = blockIdx.x / p.col_tiles, ct = blockIdx.x % p.col_tiles;
-  const int g = FindGroup(p, t);
-  const int64_t off = p.row_off[g];
-  const int64_t mg = p.row_off[g + 1] - off;
-  const int64_t r0 = off + static_cast<int64_t>(t - p.tile_off[g]) * TR;
-  const int nrows = static_cast<int>(min(static_cast<int64_t>(TR), off + mg - r0));
-  const int64_t K = p.k;
-  const int64_t c0 = static_cast<int64_t>(ct) * kTileCols;
-  const int ncols = static_cast<int>(min(static_cast<int64_t>(kTileCols), K - c0));
+constexpr int kPipe = 2;  // tile buffers per block
+
+template <int DT>
+constexpr int TileBytes() {
+  return kTileRows * kTileCols * (DT == 2 ? 4 : 2);
+}
+
+__device__ __forceinline__ uint64_t L2Policy(bool keep) {
+  uint64_t pol;
+  if (keep) {
+    asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(pol));
+  } else {
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+  }
+  return pol;
+}
+// 16 bytes global -> shared; zero-filled when !valid (nothing is read then).
+__device__ __forceinline__ void CpAsync16(void* smem, const void* gmem, bool valid, uint64_t pol) {
+  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(s), "l"(gmem),
+               "r"(valid ? 16 : 0), "l"(pol)
+               : "memory");
+}
+__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void CpAsyncWait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+__device__ __forceinline__ int LoadAcquire(const int32_t* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+struct Item {
+  int t = 0, ct = 0;     // row tile (numbered over all groups), column tile
+  bool amax = false;     // fused: an amax tile
+  int batch = 0;         // fused: the item's batch
+};
+
+// Item i of the launch (see QuantizeParams for the order).
+__device__ __forceinline__ Item DecodeItem(const QuantizeParams& p, int i) {
+  Item it;
+  int local = i, tile_base = 0;
+  if (p.fuse_amax) {
+    int lo = 0, hi = p.num_batches + 1;  // the phase: last ph with phase_item_off[ph] <= i
+    while (hi - lo > 1) {
+      const int mid = (lo + hi) / 2;
+      if (p.phase_item_off[mid] <= i) {
+        lo = mid;
+      } else {
+        hi = mid;
+      }
+    }
+    const int ph = lo, j = i - p.phase_item_off[ph];
+    const int na = ph < p.num_batches ? (p.batch_tile_off[ph + 1] - p.batch_tile_off[ph]) * p.col_tiles : 0;
+    const int nq = ph > 0 ? (p.batch_tile_off[ph] - p.batch_tile_off[ph - 1]) * p.col_tiles : 0;
+    const int r = min(nq, na / 2);  // "AAQ" triples first, then the rest of the amax tiles, then quantize
+    int a = -1, q = -1;
+    if (j < 3 * r) {
+      if (j % 3 < 2) {
+        a = (j / 3) * 2 + j % 3;
+      } else {
+        q = j / 3;
+      }
+    } else {
+      const int j2 = j - 3 * r;
+      if (j2 < na - 2 * r) {
+        a = 2 * r + j2;
+      } else {
+        q = r + (j2 - (na - 2 * r));
+      }
+    }
+    it.amax = a >= 0;
+    it.batch = it.amax ? ph : ph - 1;
+    local = it.amax ? a : q;
+    tile_base = p.batch_tile_off[it.batch];
+  }
+  it.t = tile_base + local / p.col_tiles;
+  it.ct = local % p.col_tiles;
+  return it;
+}
+
+struct TileGeom {
+  int t, ct, g;
+  int64_t off, mg, r0, c0;
+  int nrows, ncols;
+};
+__device__ __forceinline__ TileGeom GeomOf(const QuantizeParams& p, const Item& it) {
+  TileGeom tg;
+  tg.t = it.t, tg.ct = it.ct;
+  tg.g = FindGroup(p, it.t);
+  tg.off = p.row_off[tg.g];
+  tg.mg = p.row_off[tg.g + 1] - tg.off;
+  tg.r0 = tg.off + static_cast<int64_t>(it.t - p.tile_off[tg.g]) * kTileRows;
+  tg.nrows = static_cast<int>(min(static_cast<int64_t>(kTileRows), tg.off + tg.mg - tg.r0));
+  tg.c0 = static_cast<int64_t>(it.ct) * kTileCols;
+  tg.ncols = static_cast<int>(min(static_cast<int64_t>(kTileCols), p.k - tg.c0));
+  return tg;
+}
+
+// Issues the cp.async copies of a tile (rows past the group or columns past k
+// read as zeros).
+template <int DT>
+__device__ __forceinline__ void LoadTile(const QuantizeParams& p, const TileGeom& tg, unsigned char* buf,
+                                         uint64_t pol) {
+  using T = typename InType<DT>::T;
+  constexpr int kEpv = 16 / static_cast<int>(sizeof(T));  // elements per 16 bytes
+  constexpr int kCpr = kTileCols / kEpv;                  // 16-byte chunks per row
+  constexpr int kN = kTileRows * kCpr / kThreads;
   const T* x = static_cast<const T*>(p.x);
+#pragma unroll
+  for (int i = 0; i < kN; ++i) {
+    const int ch = threadIdx.x + i * kThreads, rr = ch / kCpr, cc = ch % kCpr;
+    const bool valid = rr < tg.nrows && cc * kEpv < tg.ncols;
+    const T* src = valid ? x + (tg.r0 + rr) * p.k + tg.c0 + cc * kEpv : x;
+    CpAsync16(buf + ch * 16, src, valid, pol);
+  }
+}
+
+// max |x| bits over this thread's rowwise chunks of the tile.
+template <int DT>
+__device__ __forceinline__ uint32_t TileAbsMaxPart(const typename InType<DT>::T* tile) {
+  uint32_t am = 0;
+#pragma unroll
+  for (int i = 0; i < kTileRows * (kTileCols / 8) / kThreads; ++i) {
+    const int ch = threadIdx.x + i * kThreads;
+    am = max(am, ChunkAbsMax<DT>(*reinterpret_cast<const Chunk<DT>*>(tile + (ch / 16) * kTileCols + (ch % 16) * 8)));
+  }
+  return am;
+}
+
+// Four adjacent columns of one row: 8 bytes (16-bit types) or 16 (f32).
+template <int DT>
+struct Quad {
+  using type = typename std::conditional<DT == 2, uint4, uint2>::type;
+};
+template <int DT>
+__device__ __forceinline__ float QuadElem(const typename Quad<DT>::type& q, int i) {
+  if constexpr (DT == 2) {
+    return BitsToFloat(i == 0 ? q.x : i == 1 ? q.y : i == 2 ? q.z : q.w);
+  } else {
+    const uint32_t w = i < 2 ? q.x : q.y;
+    const uint16_t h = static_cast<uint16_t>((i & 1) ? (w >> 16) : (w & 0xffffu));
+    return ToFloat<DT>(h);
+  }
+}
+
+// Two elements with their own scales (MXFP8 colwise: one scale per column).
+template <int FMT>
+__device__ __forceinline__ uint32_t Quant2s(float x0, float s0, bool n0, float x1, float s1, bool n1, bool sw) {
+  const Fp8Format fmt = static_cast<Fp8Format>(FMT);
+  uint32_t b0, b1;
+  if (sw) {
+    b0 = QuantizeScaled(x0, s0, fmt), b1 = QuantizeScaled(x1, s1, fmt);
+  } else {
+    __nv_fp8x2_storage_t r = __nv_cvt_float2_to_fp8x2(make_float2(x0 * s0, x1 * s1), __NV_SATFINITE,
+                                                        FMT == 0 ? __NV_E4M3 : __NV_E5M2);
+    b0 = r & 0xffu, b1 = (r >> 8) & 0xffu;
+    if (IsNanBits(x0)) b0 = Fp8NanWithSignOf(x0, fmt);
+    if (IsNanBits(x1)) b1 = Fp8NanWithSignOf(x1, fmt);
+  }
+  if (n0) b0 = Fp8NanWithSignOf(x0, fmt);
+  if (n1) b1 = Fp8NanWithSignOf(x1, fmt);
+  return b0 | (b1 << 8);
+}
+
+// Converts one tile held in shared memory. tscale: the tensor (per-group) scale.
+template <int DT, int MODE, int FMT>
+__device__ __forceinline__ void QuantizeTile(const QuantizeParams& p, const TileGeom& tg,
+                                             const typename InType<DT>::T* tile, float tscale, uint32_t* red,
+                                             uint32_t* col_red) {
+  using T = typename InType<DT>::T;
+  constexpr bool kTensor = MODE == kModeCurrent || MODE == kModeDelayed;
+  constexpr int NCH = kTileRows * (kTileCols / 8) / kThreads;  // rowwise 8-element chunks per thread
+  const Fp8Format fmt = static_cast<Fp8Format>(FMT);
+  const int tid = threadIdx.x;
+  const int g = tg.g, nrows = tg.nrows, ncols = tg.ncols, ct = tg.ct;
+  const int64_t off = tg.off, mg = tg.mg, r0 = tg.r0, c0 = tg.c0, K = p.k;
   const bool sw = p.software_cvt;
   const float fmax = Fp8Max(fmt);
 
-  float tscale = 1.0f;
-  if constexpr (MODE == kModeCurrent) tscale = ScaleFromAmax(p.amax[g], fmax, p.pow2);
-  if constexpr (MODE == kModeDelayed) tscale = p.scale[g];
   if constexpr (kTensor) {
-    if (t == p.tile_off[g] && ct == 0 && tid == 0) {
+    if (tg.t == p.tile_off[g] && ct == 0 && tid == 0) {
       const float sinv = ScaleInv(tscale);
       if (p.rowwise) static_cast<float*>(p.row_scale)[g] = sinv;
       if (p.colwise) static_cast<float*>(p.col_scale)[g] = sinv;
     }
-    if (blockIdx.x == 0) {  // empty groups have no tiles: their scale_inv here
-      for (int h = tid; h < p.num_groups; h += kThreads) {
-        if (p.row_off[h + 1] == p.row_off[h]) {
-          const float sinv = MODE == kModeCurrent ? 1.0f : ScaleInv(p.scale[h]);
-          if (p.rowwise) static_cast<float*>(p.row_scale)[h] = sinv;
-          if (p.colwise) static_cast<float*>(p.col_scale)[h] = sinv;
-        }
-      }
-    }
-  }
-
-  // Load the tile: chunk ch covers row ch / 16, columns (ch % 16) * 8 .. + 8.
-  Chunk<DT> v[NCH];
-#pragma unroll
-  for (int i = 0; i < NCH; ++i) {
-    const int ch = tid + i * kThreads, rr = ch / 16, cc = ch % 16;
-    const bool valid = rr < nrows && cc * 8 < ncols;
-    v[i] = valid ? LoadChunk<DT>(x + (r0 + rr) * K + c0 + cc * 8) : ZeroChunk<DT>();
-  }
-  uint32_t am = 0;
-#pragma unroll
-  for (int i = 0; i < NCH; ++i) {
-    const int ch = tid + i * kThreads, rr = ch / 16, cc = ch % 16;
-    if (p.colwise) *reinterpret_cast<Chunk<DT>*>(tile + rr * kTileCols + cc * 8) = v[i];
-    if (MODE != kModeCurrent) am = max(am, ChunkAbsMax<DT>(v[i]));
   }
   // Tile amax: the 128x128 block's scale, and the fused per-group amax.
   float bscale = 1.0f;
   if (MODE == kModeB128 || (MODE != kModeCurrent && p.amax != nullptr)) {
-    const uint32_t tam = BlockMax(am, red);
+    const uint32_t tam = BlockMax(TileAbsMaxPart<DT>(tile), red);
     if (MODE != kModeCurrent && p.amax != nullptr && tid == 0 && tam != 0) {
       atomicMax(reinterpret_cast<unsigned int*>(p.amax) + g, tam);
     }
@@ -320,18 +460,15 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(DT)) QuantizeKernel(const 
 
   // ---- rowwise ----
   if (p.rowwise) {
-    // Per-chunk |x| maxima first (short live ranges), then scales, then quantize.
-    uint32_t cam[NCH];
-#pragma unroll
-    for (int i = 0; i < NCH; ++i) cam[i] = ChunkAbsMax<DT>(v[i]);
 #pragma unroll
     for (int i = 0; i < NCH; ++i) {
       const int ch = tid + i * kThreads, rr = ch / 16, cc = ch % 16;
       const bool valid = rr < nrows && cc * 8 < ncols;
+      const Chunk<DT> v = *reinterpret_cast<const Chunk<DT>*>(tile + rr * kTileCols + cc * 8);
       float s = kTensor ? tscale : bscale;
       bool nan_block = false;
       if constexpr (MODE == kModeMx) {  // 32-element block = 4 adjacent lanes
-        uint32_t m = cam[i];
+        uint32_t m = ChunkAbsMax<DT>(v);
         m = max(m, __shfl_xor_sync(0xffffffffu, m, 1));
         m = max(m, __shfl_xor_sync(0xffffffffu, m, 2));
         const uint8_t b = MxScaleFromAmax(BitsToFloat(m), fmt, static_cast<MxScaleRecipe>(p.mx_recipe));
@@ -343,7 +480,7 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(DT)) QuantizeKernel(const 
         s = nan_block ? 1.0f : E8M0ReciprocalToFloat(b);
       }
       if constexpr (MODE == kModeB1x128) {  // 128-element block = 16 lanes
-        uint32_t m = cam[i];
+        uint32_t m = ChunkAbsMax<DT>(v);
 #pragma unroll
         for (int o = 1; o < 16; o <<= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
         s = ScaleFromAmax(BitsToFloat(m), fmax, p.pow2);
@@ -355,84 +492,94 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(DT)) QuantizeKernel(const 
       if (valid) {
         float f[8];
 #pragma unroll
-        for (int j = 0; j < 8; ++j) f[j] = Elem<DT>(v[i], j);
-        *reinterpret_cast<uint2*>(p.row_data + (r0 + rr) * K + c0 + cc * 8) = Quant8<FMT>(f, s, sw, nan_block);
+        for (int j = 0; j < 8; ++j) f[j] = Elem<DT>(v, j);
+        __stcs(reinterpret_cast<uint2*>(p.row_data + (r0 + rr) * K + c0 + cc * 8), Quant8<FMT>(f, s, sw, nan_block));
       }
     }
   }
 
   // ---- colwise ----
   if (p.colwise) {
-    __syncthreads();
-    const int c = tid % kTileCols, part = tid / kTileCols;
-    const bool cvalid = c < ncols;
-    const int rbeg = part * HR;
-    const T* col = tile + c;  // rows beyond nrows hold zeros
-    if constexpr (MODE == kModeMx) {
-      // Two 32-row MXFP8 blocks; not transposed: (r, c) at r * K + c (a warp stores 32 contiguous bytes).
+    using Q = typename Quad<DT>::type;
+    const int cg = tid % 32, rs = tid / 32;
+    const int cb = cg * 4, rb = rs * 16;  // first column / row of this thread's 16 x 4 block
+    const bool cvalid = cb < ncols;       // k % 8 == 0: four columns are valid together
+    Q q[16];
 #pragma unroll
-      for (int sb = 0; sb < 2; ++sb) {
-        const int rb0 = rbeg + sb * 32;
-        uint32_t cam = 0;
+    for (int j = 0; j < 16; ++j) q[j] = *reinterpret_cast<const Q*>(tile + (rb + j) * kTileCols + cb);
+    float s[4] = {tscale, tscale, tscale, tscale};
+    bool nanb[4] = {false, false, false, false};
+    if constexpr (!kTensor) {
 #pragma unroll
-        for (int j = 0; j < 32; ++j) cam = max(cam, AbsBitsOf<DT>(col[(rb0 + j) * kTileCols]));
-        if (cvalid && rb0 < nrows) {
-          const uint8_t b = MxScaleFromAmax(BitsToFloat(cam), fmt, static_cast<MxScaleRecipe>(p.mx_recipe));
-          static_cast<uint8_t*>(p.col_scale)[p.col_scale_off[g] + ((r0 - off + rb0) / 32) * RoundUp(K, 128) + c0 + c] =
-              b;
-          const bool nan_block = b == kE8M0Nan;
-          const float s = nan_block ? 1.0f : E8M0ReciprocalToFloat(b);
-          uint8_t* out = p.col_data + (r0 + rb0) * K + c0 + c;
-          const int nv = min(32, nrows - rb0);
-          if (nv == 32 && !nan_block) {
+      for (int i = 0; i < 4; ++i) s[i] = bscale;
+    }
+    if constexpr (MODE == kModeMx || MODE == kModeB1x128) {
+      uint32_t cam[4] = {0, 0, 0, 0};
 #pragma unroll
-            for (int j = 0; j < 32; j += 2) {
-              const float f0 = ToFloat<DT>(col[(rb0 + j) * kTileCols]);
-              const float f1 = ToFloat<DT>(col[(rb0 + j + 1) * kTileCols]);
-              const uint32_t q = sw ? (QuantizeScaled(f0, s, fmt) | (QuantizeScaled(f1, s, fmt) << 8))
-                                    : HwQuant2<FMT>(f0, f1, s);
-              out[j * K] = static_cast<uint8_t>(q & 0xffu);
-              out[(j + 1) * K] = static_cast<uint8_t>(q >> 8);
-            }
-          } else {
-            for (int j = 0; j < nv; ++j) out[j * K] = Quant1<FMT>(ToFloat<DT>(col[(rb0 + j) * kTileCols]), s, sw, nan_block);
+      for (int j = 0; j < 16; ++j) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) cam[i] = max(cam[i], FloatBits(QuadElem<DT>(q[j], i)) & 0x7fffffffu);
+      }
+#pragma unroll
+      for (int i = 0; i < 4; ++i) col_red[rs * kTileCols + cb + i] = cam[i];
+      __syncthreads();
+      if constexpr (MODE == kModeMx) {  // 32-row blocks: warps rs and rs ^ 1
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const uint32_t m = max(cam[i], col_red[(rs ^ 1) * kTileCols + cb + i]);
+          const uint8_t b = MxScaleFromAmax(BitsToFloat(m), fmt, static_cast<MxScaleRecipe>(p.mx_recipe));
+          nanb[i] = b == kE8M0Nan;
+          s[i] = nanb[i] ? 1.0f : E8M0ReciprocalToFloat(b);
+          if ((rs & 1) == 0 && cvalid && rb < nrows) {
+            static_cast<uint8_t*>(p.col_scale)[p.col_scale_off[g] + ((r0 - off + rb) / 32) * RoundUp(K, 128) + c0 +
+                                               cb + i] = b;
+          }
+        }
+      } else {  // one 128-row block: all eight warps
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          uint32_t m = 0;
+#pragma unroll
+          for (int w = 0; w < kThreads / 32; ++w) m = max(m, col_red[w * kTileCols + cb + i]);
+          s[i] = ScaleFromAmax(BitsToFloat(m), fmax, p.pow2);
+          if (rs == 0 && cvalid) {
+            static_cast<float*>(p.col_scale)[p.col_scale_off[g] + ((r0 - off) / 128) * RoundUp(K, 4) + c0 + cb + i] =
+                ScaleInv(s[i]);
           }
         }
       }
-    } else {
-      float s = kTensor ? tscale : bscale;
-      if constexpr (MODE == kModeB1x128) {  // one 128-row block: both halves' amax
-        uint32_t cam = 0;
+    }
+    if (cvalid && rb < nrows) {
+      if constexpr (MODE == kModeMx) {
+        // Not transposed: (r, c) at r * K + c; four columns = one 4-byte store per row.
 #pragma unroll
-        for (int j = 0; j < HR; ++j) cam = max(cam, AbsBitsOf<DT>(col[(rbeg + j) * kTileCols]));
-        if (part == 1) col_red[c] = cam;
-        __syncthreads();
-        if (part == 0) col_red[c] = max(cam, col_red[c]);
-        __syncthreads();
-        cam = col_red[c];
-        s = ScaleFromAmax(BitsToFloat(cam), fmax, p.pow2);
-        if (part == 0 && cvalid) {
-          static_cast<float*>(p.col_scale)[p.col_scale_off[g] + ((r0 - off) / 128) * RoundUp(K, 4) + c0 + c] =
-              ScaleInv(s);
+        for (int j = 0; j < 16; ++j) {
+          if (rb + j < nrows) {
+            const uint32_t lo = Quant2s<FMT>(QuadElem<DT>(q[j], 0), s[0], nanb[0], QuadElem<DT>(q[j], 1), s[1],
+                                             nanb[1], sw);
+            const uint32_t hi = Quant2s<FMT>(QuadElem<DT>(q[j], 2), s[2], nanb[2], QuadElem<DT>(q[j], 3), s[3],
+                                             nanb[3], sw);
+            __stcs(reinterpret_cast<unsigned int*>(p.col_data + (r0 + rb + j) * K + c0 + cb), lo | (hi << 16));
+          }
         }
-      }
-      if (cvalid) {
-        // Transposed per group: (r, c) at off*K + c*mg + (r - off); 16-byte stores when aligned.
-        uint8_t* out = p.col_data + off * K + (c0 + c) * mg + (r0 - off);
-        const bool aligned = ((off * K) % 16 == 0) && (mg % 16 == 0);
+      } else {
+        // Transposed per group: (r, c) at off * K + c * mg + (r - off); 16 rows = one 16-byte store.
+        const bool aligned = ((off * K) % 16 == 0) && (mg % 16 == 0) && rb + 16 <= nrows;
 #pragma unroll
-        for (int seg = 0; seg < HR / 16; ++seg) {
-          const int r = rbeg + seg * 16;
-          if (r >= nrows) break;
-          if (aligned && r + 16 <= nrows) {
+        for (int i = 0; i < 4; ++i) {
+          uint8_t* out = p.col_data + off * K + (c0 + cb + i) * mg + (r0 - off) + rb;
+          if (aligned) {
             float f[16];
 #pragma unroll
-            for (int j = 0; j < 16; ++j) f[j] = ToFloat<DT>(col[(r + j) * kTileCols]);
-            const uint2 lo = Quant8<FMT>(*reinterpret_cast<const float(*)[8]>(&f[0]), s, sw, false);
-            const uint2 hi = Quant8<FMT>(*reinterpret_cast<const float(*)[8]>(&f[8]), s, sw, false);
-            *reinterpret_cast<uint4*>(out + r) = make_uint4(lo.x, lo.y, hi.x, hi.y);
+            for (int j = 0; j < 16; ++j) f[j] = QuadElem<DT>(q[j], i);
+            const uint2 lo = Quant8<FMT>(*reinterpret_cast<const float(*)[8]>(&f[0]), s[i], sw, false);
+            const uint2 hi = Quant8<FMT>(*reinterpret_cast<const float(*)[8]>(&f[8]), s[i], sw, false);
+            __stcs(reinterpret_cast<uint4*>(out), make_uint4(lo.x, lo.y, hi.x, hi.y));
           } else {
-            for (int j = r; j < min(r + 16, nrows); ++j) out[j] = Quant1<FMT>(ToFloat<DT>(col[j * kTileCols]), s, sw, false);
+#pragma unroll
+            for (int j = 0; j < 16; ++j) {
+              if (rb + j < nrows) out[j] = Quant1<FMT>(QuadElem<DT>(q[j], i), s[i], sw, false);
+            }
           }
         }
       }
@@ -441,17 +588,121 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(DT)) QuantizeKernel(const 
 }
 
 template <int DT, int MODE, int FMT>
-cudaError_t LaunchQuantizeT(const QuantizeParams& p, cudaStream_t stream) {
-  constexpr int TR = kTileRows;
-  const size_t smem = p.colwise ? static_cast<size_t>(TR) * kTileCols * sizeof(typename InType<DT>::T) : 0;
-  if (smem > 48 * 1024) {
-    cudaError_t e = cudaFuncSetAttribute(QuantizeKernel<DT, MODE, FMT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(smem));
-    if (e != cudaSuccess) return e;
+__global__ void __launch_bounds__(kThreads, MinBlocks(DT)) QuantizeKernel(const __grid_constant__ QuantizeParams p) {
+  using T = typename InType<DT>::T;
+  constexpr bool kTensor = MODE == kModeCurrent || MODE == kModeDelayed;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  __shared__ uint32_t red[kThreads / 32];
+  __shared__ uint32_t col_red[(kThreads / 32) * kTileCols];
+  __shared__ int s_claim;
+  __shared__ int s_last;
+  const int tid = threadIdx.x;
+
+  if constexpr (kTensor) {
+    if (blockIdx.x == 0) {  // empty groups have no tiles: their scale_inv here
+      for (int h = tid; h < p.num_groups; h += kThreads) {
+        if (p.row_off[h + 1] == p.row_off[h]) {
+          const float sinv = MODE == kModeCurrent ? 1.0f : ScaleInv(p.scale[h]);
+          if (p.rowwise) static_cast<float*>(p.row_scale)[h] = sinv;
+          if (p.colwise) static_cast<float*>(p.col_scale)[h] = sinv;
+        }
+      }
+    }
   }
-  const int64_t blocks = static_cast<int64_t>(p.total_tiles) * p.col_tiles;
-  if (blocks == 0) return cudaSuccess;
-  QuantizeKernel<DT, MODE, FMT><<<static_cast<unsigned>(blocks), kThreads, smem, stream>>>(p);
+  const bool fused = MODE == kModeCurrent && p.fuse_amax;
+  QuantizeWorkspace* ws = reinterpret_cast<QuantizeWorkspace*>(p.workspace);
+  // The x of an amax tile is read again by its quantize tile: keep it in L2;
+  // everything else is read once.
+  const uint64_t keep = L2Policy(true), once = L2Policy(false);
+
+  int cur, nxt;
+  if (fused) {
+    if (tid == 0) {
+      s_claim = atomicAdd(&ws->next_item, 1);
+      s_last = atomicAdd(&ws->next_item, 1);
+    }
+    __syncthreads();
+    cur = s_claim, nxt = s_last;
+  } else {
+    cur = blockIdx.x, nxt = cur + gridDim.x;
+  }
+  Item it_cur, it_nxt;
+  int buf = 0;
+  if (cur < p.num_items) {
+    it_cur = DecodeItem(p, cur);
+    LoadTile<DT>(p, GeomOf(p, it_cur), smem_raw, it_cur.amax ? keep : once);
+  }
+  CpAsyncCommit();
+  while (cur < p.num_items) {
+    if (nxt < p.num_items) {
+      it_nxt = DecodeItem(p, nxt);
+      LoadTile<DT>(p, GeomOf(p, it_nxt), smem_raw + (buf ^ 1) * TileBytes<DT>(), it_nxt.amax ? keep : once);
+    }
+    CpAsyncCommit();
+    int claimed = 0;
+    if (fused && tid == 0) claimed = atomicAdd(&ws->next_item, 1);  // two ahead: its latency hides here
+    CpAsyncWait<1>();  // every group but the newest: the current tile is in
+    __syncthreads();
+    const T* tile = reinterpret_cast<const T*>(smem_raw + buf * TileBytes<DT>());
+    const TileGeom tg = GeomOf(p, it_cur);
+    if (fused && it_cur.amax) {
+      const uint32_t tam = BlockMax(TileAbsMaxPart<DT>(tile), red);
+      if (tid == 0) {
+        if (tam != 0) atomicMax(reinterpret_cast<unsigned int*>(p.amax) + tg.g, tam);
+        __threadfence();
+        atomicAdd(&ws->amax_tiles_done[it_cur.batch], 1);
+      }
+    } else {
+      float tscale = 1.0f;
+      if constexpr (MODE == kModeCurrent) {
+        if (fused) {
+          if (tid == 0) {
+            const int need = (p.batch_tile_off[it_cur.batch + 1] - p.batch_tile_off[it_cur.batch]) * p.col_tiles;
+            while (LoadAcquire(&ws->amax_tiles_done[it_cur.batch]) < need) __nanosleep(64);
+          }
+          __syncthreads();
+        }
+        tscale = ScaleFromAmax(__ldcg(p.amax + tg.g), Fp8Max(static_cast<Fp8Format>(FMT)), p.pow2);
+      }
+      if constexpr (MODE == kModeDelayed) tscale = p.scale[tg.g];
+      QuantizeTile<DT, MODE, FMT>(p, tg, tile, tscale, red, col_red);
+    }
+    if (fused && tid == 0) s_claim = claimed;
+    __syncthreads();  // this buffer is free again; s_claim is visible
+    cur = nxt, it_cur = it_nxt;
+    nxt = fused ? s_claim : nxt + static_cast<int>(gridDim.x);
+    buf ^= 1;
+  }
+  CpAsyncWait<0>();
+  if (fused) {
+    // The last block out zeroes the workspace for the next launch on this stream.
+    __syncthreads();
+    if (tid == 0) {
+      __threadfence();
+      s_last = atomicAdd(&ws->blocks_done, 1) == static_cast<int>(gridDim.x) - 1;
+    }
+    __syncthreads();
+    if (s_last) {
+      __threadfence();
+      for (int b = tid; b < p.num_batches; b += kThreads) ws->amax_tiles_done[b] = 0;
+      if (tid == 0) ws->next_item = 0, ws->blocks_done = 0;
+    }
+  }
+}
+
+template <int DT, int MODE, int FMT>
+cudaError_t LaunchQuantizeT(const QuantizeParams& p, cudaStream_t stream) {
+  auto kernel = QuantizeKernel<DT, MODE, FMT>;
+  const int smem = kPipe * TileBytes<DT>();
+  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (e != cudaSuccess) return e;
+  int device = 0, sms = 0, per_sm = 0;
+  if ((e = cudaGetDevice(&device)) != cudaSuccess) return e;
+  if ((e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device)) != cudaSuccess) return e;
+  if ((e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem)) != cudaSuccess) return e;
+  // Enough blocks to fill the GPU once; an empty launch still writes empty groups' scales.
+  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(p.num_items, static_cast<int64_t>(sms) * std::max(1, per_sm)));
+  kernel<<<static_cast<unsigned>(blocks), kThreads, smem, stream>>>(p);
   return cudaGetLastError();
 }
 

@@ -23,10 +23,14 @@ struct GpuQuantizeOptions {
   // Use fp8.h's software conversion instead of the hardware cvt (same bits;
   // kept for checking and as a fallback).
   bool software_cvt = false;
+  // Current scaling in one launch: per-group amax tiles run ahead of the
+  // quantize tiles that need them, which re-read x from L2 (see quantize.cu).
+  // false: a separate amax pass first, x read twice from memory.
+  bool fused_current = true;
 };
 
-// kCurrent: two launches (per-group amax, then quantize); every other mode
-// one launch, with amax fused. Plus cudaMemsetAsync for amax, scale padding
+// One persistent launch for every mode (current scaling's amax pass fused in
+// unless options say otherwise), with amax fused where the mode has one. Plus cudaMemsetAsync for amax, scale padding
 // and padding rows.
 absl::Status GroupedQuantize(const GroupedQuantizeArgs& args, cudaStream_t stream,
                              const GpuQuantizeOptions& options = GpuQuantizeOptions());

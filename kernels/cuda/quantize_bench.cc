@@ -154,6 +154,7 @@ int Main(int argc, char** argv) {
       const char* name;
       ScalingMode mode;
       bool row, col;
+      bool fused = true;
     };
     const Op ops[] = {
         {"current row+col", ScalingMode::kCurrent, true, true},
@@ -162,6 +163,7 @@ int Main(int argc, char** argv) {
         {"delayed row+col", ScalingMode::kDelayed, true, true},
         {"mxfp8 row", ScalingMode::kMxfp8, true, false},
         {"block1x128 row+col", ScalingMode::kBlock1x128, true, true},
+        {"current row+col 2-pass", ScalingMode::kCurrent, true, true, false},
     };
     for (const Op& op : ops) {
       GroupedQuantizeArgs a;
@@ -183,7 +185,9 @@ int Main(int argc, char** argv) {
       absl::Status st;
       Time(
           [&] {
-            absl::Status r = cuda::GroupedQuantize(a, s);
+            cuda::GpuQuantizeOptions opt;
+            opt.fused_current = op.fused;
+            absl::Status r = cuda::GroupedQuantize(a, s, opt);
             if (!r.ok()) st = r;
           },
           iters, s, &g, &e);

@@ -104,6 +104,7 @@ struct Case {
   int64_t pad_rows;
   bool specials;
   bool software_cvt;
+  bool fused_current = true;
 };
 
 std::string Name(const Case& c) {
@@ -154,8 +155,12 @@ void RunCase(const Case& c, uint32_t seed) {
   ga.rowwise_scale_inv = drs.p, ga.colwise_scale_inv = dcs.p, ga.amax = damax.as<float>();
   cuda::GpuQuantizeOptions opt;
   opt.software_cvt = c.software_cvt;
-  absl::Status gs = cuda::GroupedQuantize(ga, nullptr, opt);
-  ASSERT_TRUE(gs.ok()) << gs;
+  opt.fused_current = c.fused_current;
+  // Twice: the fused pass must leave its workspace ready for the next call.
+  for (int rep = 0; rep < 2; ++rep) {
+    absl::Status gs = cuda::GroupedQuantize(ga, nullptr, opt);
+    ASSERT_TRUE(gs.ok()) << gs;
+  }
   CK(cudaDeviceSynchronize());
 
   auto expect_same = [](const std::vector<uint8_t>& want, const std::vector<uint8_t>& got, const char* what) {
@@ -264,6 +269,22 @@ TEST(QuantizeGpuTest, LargeUnevenGroups) {
     Case c{mode, Fp8Format::kE4M3, DType::kBF16, true, true, 1024, groups, 64, true, false};
     RunCase(c, seed++);
   }
+}
+
+TEST(QuantizeGpuTest, CurrentScalingFusedAndTwoPassAgree) {
+  SKIP_WITHOUT_GPU();
+  // Several fused batches (x is ~46 MB), groups inside and across batches,
+  // and the separate-amax-pass path on the same inputs.
+  std::vector<int64_t> groups = {3000, 0, 1, 2047, 4096, 0, 777, 1500, 128, 129, 5000, 3};
+  uint32_t seed = 500;
+  for (bool fused : {true, false}) {
+    for (bool row : {true, false}) {
+      Case c{ScalingMode::kCurrent, Fp8Format::kE4M3, DType::kBF16, row, true, 1536, groups, 5, true, false, fused};
+      RunCase(c, seed++);
+    }
+  }
+  Case c{ScalingMode::kCurrent, Fp8Format::kE5M2, DType::kF32, true, true, 512, groups, 0, true, false, true};
+  RunCase(c, seed++);
 }
 
 TEST(QuantizeGpuTest, RejectsWhatTheKernelsCannotDo) {

@@ -37,11 +37,35 @@ struct QuantizeParams {
   int32_t tile_off[kMaxGpuGroups + 1];  // prefix sum of ceil(m_g / tile_rows)
   int32_t row_scale_off[kMaxGpuGroups + 1];
   int32_t col_scale_off[kMaxGpuGroups + 1];
+  // The persistent quantize pass walks `num_items` work items. Without
+  // fuse_amax an item is one 128 x 128 tile (row tile item / col_tiles). With
+  // fuse_amax (current scaling, one launch) the items are the amax tiles and
+  // the quantize tiles of `num_batches` batches of whole groups, in phases:
+  // phase b holds batch b's amax tiles and batch b-1's quantize tiles, the
+  // amax ones first ("AAQ" interleaved), so a group's amax is done, and its
+  // rows still in L2, when its quantize tiles come up.
+  bool fuse_amax;
+  int num_items;
+  int num_batches;
+  int32_t* workspace;  // fuse_amax: QuantizeWorkspace, zero on entry, zero again on exit
+  int32_t batch_tile_off[kMaxGpuGroups + 1];  // first row tile of each batch
+  int32_t phase_item_off[kMaxGpuGroups + 2];  // first item of each phase
 };
 
-// Current scaling's first pass: per-group amax (float bits, atomicMax) into p.amax.
+// Device scratch of the fused current-scaling pass: a work counter, a
+// finished-blocks counter and per batch the count of amax tiles done. The
+// kernel's last block zeroes it again, so it is reused without a memset.
+struct QuantizeWorkspace {
+  int32_t next_item;
+  int32_t blocks_done;
+  int32_t amax_tiles_done[kMaxGpuGroups];
+};
+
+// Current scaling's separate first pass (when not fused): per-group amax
+// (float bits, atomicMax) into p.amax.
 cudaError_t LaunchGroupedAmax(const QuantizeParams& p, cudaStream_t stream);
-// The quantize pass (all groups, one launch).
+// The quantize pass (all groups, one persistent launch; with p.fuse_amax the
+// amax pass too).
 cudaError_t LaunchGroupedQuantize(const QuantizeParams& p, cudaStream_t stream);
 
 struct DequantizeParams {
