@@ -67,6 +67,8 @@ std::string BytesText(int64_t bytes) {
   return absl::StrCat(bytes, " B");
 }
 
+int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
 int64_t Numel(const std::vector<int64_t>& shape) {
   int64_t n = 1;
   for (int64_t d : shape) n *= d;
@@ -1219,13 +1221,9 @@ absl::StatusOr<Plan> PlanQuantize(const Context& ctx) {
                                   " rowwise scales need the column count (", kflat,
                                   ") to be a multiple of ", block));
     }
-    if (attrs.colwise && local_rows % block != 0) {
-      return Invalid(absl::StrCat(
-          "x dim 0: ", ScalingModeName(attrs.scaling_mode), " colwise scales cover ", block,
-          "-row blocks, but each of the ", R, " row shard(s) has ", local_rows,
-          " rows; a block would straddle shards, so the shard's scales would differ from the "
-          "unsharded quantize"));
-    }
+    // Colwise blocks run from each group's first row, so whether a shard's
+    // blocks are the unsharded op's depends on the group sizes' values: the
+    // coordinator checks them (server/quantize_assembly.h).
   }
 
   Strategy st;
@@ -1272,11 +1270,13 @@ absl::StatusOr<Plan> PlanQuantize(const Context& ctx) {
     const DType sdt = attrs.scaling_mode == ScalingMode::kMxfp8 ? DType::kE8M0 : DType::kF32;
     const PartitionSpec rows_spec{{*rows, {}}};
     if (attrs.rowwise) add_output("scale_inv", sdt, {mflat, kflat / block}, rows_spec);
-    if (attrs.colwise) add_output("colwise_scale_inv", sdt, {mflat / block, kflat}, rows_spec);
+    // Unpadded, as if each row shard were one group (colwise: a partial last block).
+    if (attrs.colwise) add_output("colwise_scale_inv", sdt, {R * CeilDiv(local_rows, block), kflat}, rows_spec);
     st.notes.push_back(absl::StrCat(
-        ScalingModeName(attrs.scaling_mode), ": ", block, "-element blocks; each shard's "
-        "(unpadded) scales are the unsharded quantize's scales for its rows; padding of the "
-        "scale arrays to the kernel's alignment is per shard"));
+        ScalingModeName(attrs.scaling_mode), ": ", block, "-element blocks from each group's "
+        "first row; the service returns the unsharded quantize's padded per-group scales, "
+        "which needs each shard's rows of a group to start at a block boundary of the group "
+        "when blocks run along rows (checked on the group sizes)"));
   }
   st.notes.push_back("outputs (data, scale_inv, amax) follow the rows");
   return Choose(ctx, common, {std::move(st)});

@@ -273,14 +273,17 @@ TensorMap QuantizeCast(const PlanRequest& req, const HostTensor& x, int64_t m,
   }
   if (a.colwise) {
     HostTensor cdata = Zeros(x.shape);
-    HostTensor scale = Zeros({m / block, k});
-    for (int64_t b = 0; b < m / block; ++b) {
+    // The shard's rows as one group; a partial last block, as the kernels do.
+    const int64_t blocks = (m + block - 1) / block;
+    HostTensor scale = Zeros({blocks, k});
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t end = std::min(m, (b + 1) * block);
       for (int64_t c = 0; c < k; ++c) {
         float am = 0.0f;
-        for (int64_t r = b * block; r < (b + 1) * block; ++r) am = std::max(am, std::fabs(x.data[r * k + c]));
+        for (int64_t r = b * block; r < end; ++r) am = std::max(am, std::fabs(x.data[r * k + c]));
         float s = ScaleInvFromAmax(am);
         scale.data[b * k + c] = s;
-        for (int64_t r = b * block; r < (b + 1) * block; ++r) cdata.data[r * k + c] = x.data[r * k + c] / s;
+        for (int64_t r = b * block; r < end; ++r) cdata.data[r * k + c] = x.data[r * k + c] / s;
       }
     }
     out["colwise_data"] = cdata;
