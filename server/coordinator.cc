@@ -1,5 +1,6 @@
 #include "server/coordinator.h"
 
+#include <map>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -9,6 +10,7 @@
 
 #include "absl/strings/str_join.h"
 #include "server/request_plan.h"
+#include "server/quantize_assembly.h"
 #include "server/row_routing.h"
 
 namespace shardgemm {
@@ -348,6 +350,112 @@ absl::Status CheckGroupSizes(const std::vector<int64_t>& sizes, const planner::P
   return absl::OkStatus();
 }
 
+// The response field of a quantize output.
+v1::Tensor* QuantizeField(const std::string& name, v1::GroupedQuantizeResponse* response) {
+  return name == "data"              ? response->mutable_rowwise_data()
+         : name == "colwise_data"    ? response->mutable_colwise_data()
+         : name == "scale_inv"       ? response->mutable_scale_inv()
+         : name == "amax"            ? response->mutable_amax()
+                                     : response->mutable_colwise_scale_inv();
+}
+
+// Output i of a worker's quantize step.
+absl::StatusOr<HostTensor> WorkerOutput(const v1::StepResult& result, int i, const std::string& name,
+                                        int rank) {
+  if (i >= result.extra_size()) {
+    return absl::InternalError(absl::StrCat("worker ", rank, " returned no '", name, "'"));
+  }
+  return HostTensorFromProto(result.extra(i), name);
+}
+
+// Block-scaled outputs laid out per group (scales, 1x128/128x128's transposed
+// colwise data) are assembled into the unsharded layout; the rest follow x's rows.
+bool IsBlockAssembled(ScalingMode mode, const std::string& name) {
+  return name == "scale_inv" || name == "colwise_scale_inv" ||
+         (name == "colwise_data" && mode != ScalingMode::kMxfp8);
+}
+
+// The plan's row shards in row order, each with the first rank holding it
+// (ranks that differ only on non-row axes hold the same rows).
+std::vector<std::pair<RowShard, int>> PlanRowShards(const planner::Plan& plan) {
+  std::map<int64_t, std::pair<RowShard, int>> by_begin;
+  for (const planner::WorkerPlan& w : plan.workers) {
+    by_begin.emplace(w.group_sizes_begin,
+                     std::make_pair(RowShard{w.group_sizes_begin, w.first_group}, static_cast<int>(w.rank)));
+  }
+  std::vector<std::pair<RowShard, int>> out;
+  for (auto& [begin, shard] : by_begin) out.push_back(shard);
+  return out;
+}
+
+// MXFP8 / BLOCK_FP8: the unsharded op's groups, checked for block alignment
+// (docs/quantization.md); fills `bq` with the unsharded op's shape.
+absl::StatusOr<GlobalGroups> CheckBlockQuantize(const v1::GroupedQuantizeRequest& request,
+                                                const planner::Plan& plan,
+                                                const std::vector<int64_t>& sizes,
+                                                const std::vector<int64_t>& x_shape, int flatten,
+                                                BlockQuantize* bq) {
+  bq->mode = request.scaling() == v1::MXFP8 ? ScalingMode::kMxfp8
+             : request.block_2d()           ? ScalingMode::kBlock128x128
+                                            : ScalingMode::kBlock1x128;
+  bq->m = 1;
+  bq->k = 1;
+  for (size_t d = 0; d < x_shape.size(); ++d) (static_cast<int>(d) < flatten ? bq->m : bq->k) *= x_shape[d];
+  bq->rowwise = request.rowwise() || !request.colwise();
+  bq->colwise = request.colwise();
+  bq->data_dtype = request.out_dtype() == v1::F8E5M2 ? DType::kF8E5M2 : DType::kF8E4M3;
+  std::vector<RowShard> shards;
+  for (const auto& [shard, rank] : PlanRowShards(plan)) shards.push_back(shard);
+  auto groups = MakeGlobalGroups(sizes, shards, plan.local_group_count, plan.num_groups);
+  if (!groups.ok()) return groups.status();
+  const std::string what = absl::StrCat(ScalingModeName(bq->mode),
+                                        bq->mode == ScalingMode::kBlock128x128 ? "" : " colwise", " scales");
+  if (auto s = CheckBlockAligned(sizes, *groups, ScaleRowBlock(bq->mode, bq->rowwise, bq->colwise), what);
+      !s.ok()) {
+    return s;
+  }
+  // The kernels' own shape rules (e.g. MXFP8's K % 32), before any worker runs.
+  auto layout = BlockLayout(bq->mode, bq->m, bq->k, bq->rowwise, bq->colwise, groups->sizes);
+  if (!layout.ok()) return absl::InvalidArgumentError(absl::StrCat("x: ", layout.status().message()));
+  return groups;
+}
+
+absl::Status AssembleBlockScaled(const planner::Plan& plan, const std::vector<v1::StepResult>& results,
+                                 const std::vector<int64_t>& sizes, const GlobalGroups& groups,
+                                 const BlockQuantize& bq, v1::GroupedQuantizeResponse* response) {
+  const auto row_shards = PlanRowShards(plan);
+  // Worker outputs, per row shard, by plan output name.
+  std::vector<std::map<std::string, HostTensor>> decoded(row_shards.size());
+  std::vector<ShardBlockOutputs> shards;
+  const int64_t shard_rows = bq.m / static_cast<int64_t>(row_shards.size());
+  for (size_t s = 0; s < row_shards.size(); ++s) {
+    const int rank = row_shards[s].second;
+    for (size_t i = 0; i < plan.outputs.size(); ++i) {
+      const std::string& name = plan.outputs[i].name;
+      if (!IsBlockAssembled(bq.mode, name)) continue;
+      auto t = WorkerOutput(results[rank], static_cast<int>(i), name, rank);
+      if (!t.ok()) return t.status();
+      decoded[s][name] = std::move(*t);
+    }
+    auto find = [&](const char* name) -> const HostTensor* {
+      auto it = decoded[s].find(name);
+      return it == decoded[s].end() ? nullptr : &it->second;
+    };
+    shards.push_back({row_shards[s].first, shard_rows, find("scale_inv"), find("colwise_scale_inv"),
+                      find("colwise_data")});
+  }
+  auto out = AssembleBlockOutputs(bq, sizes, plan.local_group_count, groups, shards);
+  if (!out.ok()) return out.status();
+  if (bq.rowwise) HostTensorToProto(out->scale_inv, response->mutable_scale_inv());
+  if (bq.colwise) HostTensorToProto(out->colwise_scale_inv, response->mutable_colwise_scale_inv());
+  if (bq.colwise && bq.mode != ScalingMode::kMxfp8) {
+    out->colwise_data.shape = FindOperand(plan, "x")->global_shape;  // [m, k] bytes, shaped like x
+    HostTensorToProto(out->colwise_data, response->mutable_colwise_data());
+  }
+  response->mutable_scale_group_sizes()->Assign(groups.sizes.begin(), groups.sizes.end());
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 TensorMeta Coordinator::MetaOf(const Resident& r) {
@@ -372,13 +480,6 @@ absl::StatusOr<TensorMeta> Coordinator::ResolveMeta(const v1::Tensor& t, const s
 absl::StatusOr<v1::GroupedQuantizeResponse> Coordinator::GroupedQuantize(
     const v1::GroupedQuantizeRequest& request) {
   if (auto s = CheckReady(); !s.ok()) return s;
-  if (request.scaling() != v1::SCALING_UNSPECIFIED && request.scaling() != v1::CURRENT &&
-      request.scaling() != v1::DELAYED) {
-    return absl::UnimplementedError(absl::StrCat(
-        "scaling ", v1::ScalingMode_Name(request.scaling()),
-        ": the service quantizes with per-group scales (CURRENT, DELAYED); MXFP8 and FP8 block "
-        "scaling are in the kernels (kernels/cpu/quantize.h, kernels/cuda/quantize.h) only"));
-  }
   absl::flat_hash_map<std::string, TensorMeta> metas;
   PinGuard guard{this, {}};
   auto resolve = [&](const v1::Tensor& t, const std::string& field) -> absl::StatusOr<TensorMeta> {
@@ -407,6 +508,14 @@ absl::StatusOr<v1::GroupedQuantizeResponse> Coordinator::GroupedQuantize(
   int64_t local_rows = 1;
   for (int d = 0; d < flatten && d < rank; ++d) local_rows *= x_op->input_local_shape[d];
   if (auto s = CheckGroupSizes(*sizes, *plan, local_rows, "x"); !s.ok()) return s;
+  const bool block = request.scaling() == v1::MXFP8 || request.scaling() == v1::BLOCK_FP8;
+  BlockQuantize bq;
+  GlobalGroups groups;
+  if (block) {
+    auto checked = CheckBlockQuantize(request, *plan, *sizes, x_op->global_shape, flatten, &bq);
+    if (!checked.ok()) return checked.status();
+    groups = std::move(*checked);
+  }
   std::vector<float> scales;
   if (request.scaling() == v1::DELAYED) {
     auto t = HostTensorFromProto(request.scales(), "scales");
@@ -446,6 +555,7 @@ absl::StatusOr<v1::GroupedQuantizeResponse> Coordinator::GroupedQuantize(
     q->set_rowwise(plan_request->attrs.rowwise);
     q->set_colwise(plan_request->attrs.colwise);
     q->set_flatten_axis(flatten);
+    q->set_block_2d(request.block_2d());
     for (const planner::Collective& c : plan->collectives) CollectiveToProto(c, q->add_collectives());
     q->set_agree(any_collective && num_workers_ > 1);
   }
@@ -455,20 +565,17 @@ absl::StatusOr<v1::GroupedQuantizeResponse> Coordinator::GroupedQuantize(
   v1::GroupedQuantizeResponse response;
   for (size_t i = 0; i < plan->outputs.size(); ++i) {
     const planner::PlanOutput& o = plan->outputs[i];
-    auto assembled = Assemble(o.dtype, o.global_shape, o.spec, [&](int r) -> absl::StatusOr<HostTensor> {
-      if (static_cast<int>(i) >= (*results)[r].extra_size()) {
-        return absl::InternalError(absl::StrCat("worker ", r, " returned no '", o.name, "'"));
-      }
-      return HostTensorFromProto((*results)[r].extra(static_cast<int>(i)), o.name);
+    if (block && IsBlockAssembled(bq.mode, o.name)) continue;
+    auto assembled = Assemble(o.dtype, o.global_shape, o.spec, [&](int r) {
+      return WorkerOutput((*results)[r], static_cast<int>(i), o.name, r);
     });
     if (!assembled.ok()) return assembled.status();
-    v1::Tensor* field = o.name == "data"           ? response.mutable_rowwise_data()
-                        : o.name == "colwise_data" ? response.mutable_colwise_data()
-                        : o.name == "scale_inv"    ? response.mutable_scale_inv()
-                        : o.name == "amax"         ? response.mutable_amax()
-                                                   : response.mutable_colwise_scale_inv();
+    v1::Tensor* field = QuantizeField(o.name, &response);
     HostTensorToProto(*assembled, field);
     field->set_spec(planner::FormatPartitionSpec(o.spec));
+  }
+  if (block) {
+    if (auto s = AssembleBlockScaled(*plan, *results, *sizes, groups, bq, &response); !s.ok()) return s;
   }
   if (request.include_plan()) PlanToProto(*plan, response.mutable_plan());
   return response;

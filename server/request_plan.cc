@@ -138,10 +138,18 @@ absl::StatusOr<planner::PlanRequest> QuantizePlanRequest(const v1::GroupedQuanti
     out.operands.push_back(std::move(*op));
   }
   switch (request.scaling()) {
+    case v1::SCALING_UNSPECIFIED:
+    case v1::CURRENT: out.attrs.scaling_mode = planner::ScalingMode::kCurrent; break;
     case v1::DELAYED: out.attrs.scaling_mode = planner::ScalingMode::kDelayed; break;
     case v1::MXFP8: out.attrs.scaling_mode = planner::ScalingMode::kMxfp8; break;
     case v1::BLOCK_FP8: out.attrs.scaling_mode = planner::ScalingMode::kBlock; break;
-    default: out.attrs.scaling_mode = planner::ScalingMode::kCurrent;
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat("scaling: unknown mode ", static_cast<int>(request.scaling())));
+  }
+  if (request.block_2d() && request.scaling() != v1::BLOCK_FP8) {
+    return absl::InvalidArgumentError(
+        "block_2d: 128x128 blocks are a BLOCK_FP8 layout; set scaling BLOCK_FP8 or clear block_2d");
   }
   out.attrs.rowwise = request.rowwise() || !request.colwise();
   out.attrs.colwise = request.colwise();

@@ -29,6 +29,52 @@ bool CudaDevicePresent(int device, std::string* why_not) {
 
 std::unique_ptr<Backend> MakeCudaBackend(int device, std::string* error);  // cuda_backend.cc
 
+GroupedQuantizeArgs QuantizeArgs(const LocalQuantize& q, const void* x) {
+  GroupedQuantizeArgs a;
+  a.x = x;
+  a.x_dtype = q.x->dtype;
+  a.m = q.m;
+  a.k = q.k;
+  a.group_sizes = q.group_sizes.data();
+  a.num_groups = static_cast<int64_t>(q.group_sizes.size());
+  a.mode = q.block_scaled() ? q.mode : q.scales != nullptr ? ScalingMode::kDelayed : ScalingMode::kCurrent;
+  a.format = q.out_dtype == DType::kF8E5M2 ? Fp8Format::kE5M2 : Fp8Format::kE4M3;
+  a.rowwise = q.rowwise;
+  a.colwise = q.colwise;
+  return a;
+}
+
+absl::StatusOr<QuantizeOutputs> AllocateQuantizeOutputs(const LocalQuantize& q) {
+  GroupedQuantizeArgs a = QuantizeArgs(q, nullptr);
+  auto layout = GetQuantizeLayout(a);
+  if (!layout.ok()) return layout.status();
+  QuantizeOutputs out;
+  if (q.rowwise) out.rowwise_data = *ZerosTensor(q.out_dtype, {q.m, q.k});
+  if (q.colwise) out.colwise_data = *ZerosTensor(q.out_dtype, {q.m, q.k});
+  if (q.block_scaled()) {
+    const DType sdt = q.mode == ScalingMode::kMxfp8 ? DType::kE8M0 : DType::kF32;
+    if (q.rowwise) out.scale_inv = *ZerosTensor(sdt, {layout->rowwise_scale_elems});
+    if (q.colwise) out.colwise_scale_inv = *ZerosTensor(sdt, {layout->colwise_scale_elems});
+    return out;
+  }
+  // One scale_inv per group serves both directions; the kernel writes the
+  // colwise copy too, which is not returned.
+  out.scale_inv = *ZerosTensor(DType::kF32, {a.num_groups});
+  out.colwise_scale_inv = *ZerosTensor(DType::kF32, {a.num_groups});
+  out.amax = *ZerosTensor(DType::kF32, {a.num_groups});
+  return out;
+}
+
+void PointQuantizeOutputs(const LocalQuantize& q, const QuantizeBuffers& b, GroupedQuantizeArgs* a) {
+  a->rowwise_data = q.rowwise ? static_cast<uint8_t*>(b.rowwise_data) : nullptr;
+  a->colwise_data = q.colwise ? static_cast<uint8_t*>(b.colwise_data) : nullptr;
+  a->rowwise_scale_inv = q.rowwise ? b.scale_inv : nullptr;
+  a->colwise_scale_inv = !q.colwise ? nullptr
+                         : q.block_scaled() || q.rowwise ? b.colwise_scale_inv
+                                                         : b.scale_inv;
+  a->amax = q.block_scaled() ? nullptr : static_cast<float*>(b.amax);
+}
+
 absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const std::string& requested, int device,
                                                      int cpu_threads, std::string* note) {
   if (requested == "cpu") return MakeCpuBackend(cpu_threads);

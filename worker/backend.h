@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "kernels/cpu/quantize.h"
 #include "kernels/host_tensor.h"
 
 namespace shardgemm {
@@ -25,21 +26,44 @@ struct LocalGemm {
   DType out_dtype = DType::kF32;
 };
 
-// Per-group (tensor) scaling of x [m, k] grouped by rows. With `scales`
-// (delayed scaling) the given per-group scales are used; otherwise each
-// group's scale comes from its amax (current scaling).
+// Grouped quantize of x [m, k] grouped by rows (kernels/cpu/quantize.h).
+// Per-group scaling: with `scales` (delayed scaling) the given per-group
+// scales are used, otherwise each group's comes from its amax (current).
+// MXFP8 and the FP8 block modes take `mode`.
 struct LocalQuantize {
   const HostTensor* x = nullptr;  // flattened to [m, k]
   int64_t m = 0, k = 0;
   std::vector<int64_t> group_sizes;
   DType out_dtype = DType::kF8E4M3;
   bool rowwise = true, colwise = false;
-  const std::vector<float>* scales = nullptr;
+  ScalingMode mode = ScalingMode::kCurrent;  // kCurrent, kMxfp8, kBlock1x128 or kBlock128x128
+  const std::vector<float>* scales = nullptr;  // kCurrent only: makes it delayed
+  bool block_scaled() const { return mode != ScalingMode::kCurrent && mode != ScalingMode::kDelayed; }
 };
 struct QuantizeOutputs {
   HostTensor rowwise_data, colwise_data;  // [m, k] bytes each when asked for
-  HostTensor scale_inv, amax;             // [num_groups] F32
+  // Per-group scaling: scale_inv and amax [num_groups] F32. Block modes:
+  // scale_inv (rowwise) and colwise_scale_inv in the kernels' padded layout,
+  // flat (E8M0 for MXFP8, else F32), as asked for; no amax.
+  HostTensor scale_inv, colwise_scale_inv, amax;
 };
+
+// The kernel arguments for `q` with input `x` (host or device memory) and
+// no outputs yet; group sizes stay in host memory (both kernels take them so).
+GroupedQuantizeArgs QuantizeArgs(const LocalQuantize& q, const void* x);
+// The host outputs `q` asks for, zero-filled, sized by the kernels' layout
+// (InvalidArgument naming the field when the shape does not fit the mode).
+absl::StatusOr<QuantizeOutputs> AllocateQuantizeOutputs(const LocalQuantize& q);
+// Where each output lives (host or device), in QuantizeOutputs' order.
+struct QuantizeBuffers {
+  void* rowwise_data = nullptr;
+  void* colwise_data = nullptr;
+  void* scale_inv = nullptr;
+  void* colwise_scale_inv = nullptr;
+  void* amax = nullptr;
+};
+// Points the kernel's output fields at `b`.
+void PointQuantizeOutputs(const LocalQuantize& q, const QuantizeBuffers& b, GroupedQuantizeArgs* a);
 
 class Backend {
  public:

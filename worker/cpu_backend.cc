@@ -53,35 +53,14 @@ class CpuBackend : public Backend {
   }
 
   absl::StatusOr<QuantizeOutputs> GroupedQuantize(const LocalQuantize& q) override {
-    GroupedQuantizeArgs a;
-    a.x = q.x->bytes.data();
-    a.x_dtype = q.x->dtype;
-    a.m = q.m;
-    a.k = q.k;
-    a.group_sizes = q.group_sizes.data();
-    a.num_groups = static_cast<int64_t>(q.group_sizes.size());
-    a.mode = q.scales != nullptr ? ScalingMode::kDelayed : ScalingMode::kCurrent;
-    a.format = q.out_dtype == DType::kF8E5M2 ? Fp8Format::kE5M2 : Fp8Format::kE4M3;
-    a.rowwise = q.rowwise;
-    a.colwise = q.colwise;
+    auto out = AllocateQuantizeOutputs(q);
+    if (!out.ok()) return out.status();
+    GroupedQuantizeArgs a = QuantizeArgs(q, q.x->bytes.data());
     a.scale = q.scales != nullptr ? q.scales->data() : nullptr;
-    QuantizeOutputs out;
-    const int64_t g = a.num_groups;
-    if (q.rowwise) out.rowwise_data = *ZerosTensor(q.out_dtype, {q.m, q.k});
-    if (q.colwise) out.colwise_data = *ZerosTensor(q.out_dtype, {q.m, q.k});
-    out.scale_inv = *ZerosTensor(DType::kF32, {g});
-    out.amax = *ZerosTensor(DType::kF32, {g});
-    auto data = [](HostTensor& t) {
-      return t.bytes.empty() ? nullptr : reinterpret_cast<uint8_t*>(&t.bytes[0]);
-    };
-    a.rowwise_data = data(out.rowwise_data);
-    a.colwise_data = data(out.colwise_data);
-    // Per-group scaling: one scale_inv per group serves both directions.
-    a.rowwise_scale_inv = q.rowwise && g > 0 ? out.scale_inv.data<float>() : nullptr;
-    std::vector<float> colwise_scale_inv(static_cast<size_t>(g));
-    a.colwise_scale_inv = q.colwise && g > 0 ? colwise_scale_inv.data() : nullptr;
-    if (!q.rowwise && g > 0) a.colwise_scale_inv = out.scale_inv.data<float>();
-    a.amax = g > 0 ? out.amax.data<float>() : nullptr;
+    // std::string::data() is never null, so empty outputs still pass validation.
+    auto at = [](HostTensor& t) -> void* { return t.bytes.data(); };
+    PointQuantizeOutputs(q, {at(out->rowwise_data), at(out->colwise_data), at(out->scale_inv),
+                             at(out->colwise_scale_inv), at(out->amax)}, &a);
     if (auto s = cpu::GroupedQuantize(a); !s.ok()) return s;
     return out;
   }

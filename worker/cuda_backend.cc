@@ -123,54 +123,38 @@ class CudaBackend : public Backend {
     // The GPU kernel wants K a multiple of 8; other shapes stay exact on the host.
     if (q.k % 8 != 0 || q.group_sizes.size() > 1024) return cpu_->GroupedQuantize(q);
     cudaSetDevice(device_);
-    const int64_t g = static_cast<int64_t>(q.group_sizes.size());
-    QuantizeOutputs out;
-    if (q.rowwise) out.rowwise_data = *ZerosTensor(q.out_dtype, {q.m, q.k});
-    if (q.colwise) out.colwise_data = *ZerosTensor(q.out_dtype, {q.m, q.k});
-    out.scale_inv = *ZerosTensor(DType::kF32, {g});
-    out.amax = *ZerosTensor(DType::kF32, {g});
+    auto out = AllocateQuantizeOutputs(q);
+    if (!out.ok()) return out.status();
     Scratch scratch(&runner_->pool());
     auto d_x = scratch.Upload(q.x->bytes.data(), q.x->NumBytes(), stream_);
-    auto d_row = scratch.Take(q.m * q.k);
-    auto d_col = scratch.Take(q.m * q.k);
-    auto d_sinv = scratch.Take(g * 4);
-    auto d_csinv = scratch.Take(g * 4);
-    auto d_amax = scratch.Take(g * 4);
-    for (const auto* s : {&d_x, &d_row, &d_col, &d_sinv, &d_csinv, &d_amax}) {
-      if (!s->ok()) return s->status();
+    if (!d_x.ok()) return d_x.status();
+    // One device buffer per host output (Take never returns null).
+    HostTensor* host[] = {&out->rowwise_data, &out->colwise_data, &out->scale_inv,
+                          &out->colwise_scale_inv, &out->amax};
+    void* device[5];
+    for (int i = 0; i < 5; ++i) {
+      auto d = scratch.Take(host[i]->NumBytes());
+      if (!d.ok()) return d.status();
+      device[i] = *d;
     }
     absl::StatusOr<void*> d_scale = nullptr;
     if (q.scales != nullptr) {
-      d_scale = scratch.Upload(q.scales->data(), g * 4, stream_);
+      d_scale = scratch.Upload(q.scales->data(), static_cast<int64_t>(q.scales->size()) * 4, stream_);
       if (!d_scale.ok()) return d_scale.status();
     }
-    GroupedQuantizeArgs a;
-    a.x = *d_x;
-    a.x_dtype = q.x->dtype;
-    a.m = q.m;
-    a.k = q.k;
-    a.group_sizes = q.group_sizes.data();  // the GPU quantize takes group sizes in host memory
-    a.num_groups = g;
-    a.mode = q.scales != nullptr ? ScalingMode::kDelayed : ScalingMode::kCurrent;
-    a.format = q.out_dtype == DType::kF8E5M2 ? Fp8Format::kE5M2 : Fp8Format::kE4M3;
-    a.rowwise = q.rowwise;
-    a.colwise = q.colwise;
+    // Group sizes stay on the host, as the GPU quantize takes them.
+    GroupedQuantizeArgs a = QuantizeArgs(q, *d_x);
     a.scale = static_cast<const float*>(*d_scale);
-    a.rowwise_data = q.rowwise ? static_cast<uint8_t*>(*d_row) : nullptr;
-    a.colwise_data = q.colwise ? static_cast<uint8_t*>(*d_col) : nullptr;
-    a.rowwise_scale_inv = q.rowwise ? *d_sinv : nullptr;
-    a.colwise_scale_inv = q.colwise ? (q.rowwise ? *d_csinv : *d_sinv) : nullptr;
-    a.amax = static_cast<float*>(*d_amax);
+    PointQuantizeOutputs(q, {device[0], device[1], device[2], device[3], device[4]}, &a);
     if (auto s = cuda::GroupedQuantize(a, stream_); !s.ok()) return s;
-    auto download = [&](HostTensor& t, void* src) -> absl::Status {
-      if (t.NumBytes() == 0) return absl::OkStatus();
-      return CudaStatus(cudaMemcpyAsync(&t.bytes[0], src, t.NumBytes(), cudaMemcpyDeviceToHost, stream_),
-                        "download");
-    };
-    if (q.rowwise) if (auto s = download(out.rowwise_data, *d_row); !s.ok()) return s;
-    if (q.colwise) if (auto s = download(out.colwise_data, *d_col); !s.ok()) return s;
-    if (auto s = download(out.scale_inv, *d_sinv); !s.ok()) return s;
-    if (auto s = download(out.amax, *d_amax); !s.ok()) return s;
+    for (int i = 0; i < 5; ++i) {
+      if (host[i]->NumBytes() == 0) continue;
+      if (auto s = CudaStatus(cudaMemcpyAsync(&host[i]->bytes[0], device[i], host[i]->NumBytes(),
+                                              cudaMemcpyDeviceToHost, stream_), "download");
+          !s.ok()) {
+        return s;
+      }
+    }
     if (auto s = CudaStatus(cudaStreamSynchronize(stream_), "grouped quantize"); !s.ok()) return s;
     return out;
   }

@@ -276,6 +276,23 @@ absl::StatusOr<v1::StepResult> Executor::RunGemm(v1::GemmStep& gemm) {
   return result;
 }
 
+namespace {
+
+// Delayed scaling is kCurrent with given scales (LocalQuantize::scales).
+absl::StatusOr<ScalingMode> KernelScalingMode(v1::ScalingMode scaling, bool block_2d) {
+  switch (scaling) {
+    case v1::SCALING_UNSPECIFIED:
+    case v1::CURRENT:
+    case v1::DELAYED: return ScalingMode::kCurrent;
+    case v1::MXFP8: return ScalingMode::kMxfp8;
+    case v1::BLOCK_FP8: return block_2d ? ScalingMode::kBlock128x128 : ScalingMode::kBlock1x128;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat("scaling: unknown mode ", static_cast<int>(scaling)));
+  }
+}
+
+}  // namespace
+
 absl::StatusOr<v1::StepResult> Executor::RunQuantize(v1::QuantizeStep& q) {
   const absl::Time start = absl::Now();
   auto out_dtype = DTypeFromProto(q.out_dtype(), "out_dtype");
@@ -315,13 +332,9 @@ absl::StatusOr<v1::StepResult> Executor::RunQuantize(v1::QuantizeStep& q) {
   for (size_t d = 0; d < x.tensor->shape.size(); ++d) {
     (static_cast<int>(d) < flatten ? local.m : local.k) *= x.tensor->shape[d];
   }
-  if (q.scaling() == v1::DELAYED || q.scaling() == v1::CURRENT ||
-      q.scaling() == v1::SCALING_UNSPECIFIED) {
-  } else {
-    status.Update(absl::UnimplementedError("the service quantizes with per-group (current or "
-                                           "delayed) scales; MXFP8 and FP8 block scaling are "
-                                           "kernels-only for now"));
-  }
+  auto mode = KernelScalingMode(q.scaling(), q.block_2d());
+  if (mode.ok()) local.mode = *mode;
+  else status.Update(mode.status());
   local.group_sizes.assign(q.group_sizes().begin(), q.group_sizes().end());
   local.out_dtype = out_dtype.value_or(DType::kF8E4M3);
   local.rowwise = q.rowwise();
@@ -374,8 +387,13 @@ absl::StatusOr<v1::StepResult> Executor::RunQuantize(v1::QuantizeStep& q) {
     out->colwise_data.shape = x.tensor->shape;
     add(std::move(out->colwise_data));
   }
-  add(std::move(out->scale_inv));
-  add(std::move(out->amax));
+  if (local.block_scaled()) {
+    if (local.rowwise) add(std::move(out->scale_inv));
+    if (local.colwise) add(std::move(out->colwise_scale_inv));
+  } else {
+    add(std::move(out->scale_inv));
+    add(std::move(out->amax));
+  }
   result.set_compute_seconds(absl::ToDoubleSeconds(absl::Now() - start));
   return result;
 }
