@@ -10,6 +10,7 @@
 //   shardgemm delete NAME
 //   shardgemm ls
 #include <fstream>
+#include <map>
 #include <iostream>
 #include <random>
 #include <sstream>
@@ -33,6 +34,7 @@
 #include "google/protobuf/util/json_util.h"
 #include "proto/tensor_codec.h"
 #include "server/planner/planner.h"
+#include "server/quantize_assembly.h"
 #include "server/request_plan.h"
 
 ABSL_FLAG(std::string, coordinator, "127.0.0.1:50051", "coordinator address");
@@ -61,6 +63,10 @@ ABSL_FLAG(std::string, data, "", "put: FILE.npy or SHAPE (random)");
 ABSL_FLAG(std::string, x, "", "quantize: x as FILE.npy or SHAPE (random), optionally @SPEC");
 ABSL_FLAG(std::string, format, "e4m3", "quantize: e4m3 or e5m2");
 ABSL_FLAG(bool, shared_scales, false, "quantize: one scale per group across the shards that split its rows");
+ABSL_FLAG(std::string, scaling, "current", "quantize: current | delayed | mxfp8 | block (1x128) | block128x128");
+ABSL_FLAG(std::string, scales, "", "quantize --scaling=delayed: one scale per --group-sizes entry, comma-separated");
+ABSL_FLAG(bool, colwise, false, "quantize: colwise output too");
+ABSL_FLAG(bool, colwise_only, false, "quantize: colwise output only");
 ABSL_FLAG(std::string, spec, "", "put: partition spec");
 ABSL_FLAG(bool, overwrite, false, "put: replace an existing tensor");
 
@@ -389,9 +395,165 @@ int Gemm() {
 }
 
 // Grouped quantize through the service. --check dequantizes every element
-// with its group's scale_inv and bounds the error by FP8 rounding: half an
-// ulp relative (2^-4 for E4M3, 2^-3 for E5M2), or half the smallest
-// subnormal times scale_inv near zero.
+// with its scale and bounds the error by FP8 rounding: half an ulp relative
+// (2^-4 for E4M3, 2^-3 for E5M2), or half the smallest subnormal times the
+// scale near zero, of the value saturated to the format's range (MXFP8's OCP
+// scale may clip a block's largest values).
+struct FormatBounds {
+  Fp8Format fmt;
+  double rel, tiny, max;
+};
+
+struct QuantizeCheck {
+  int64_t bad = 0;
+  double worst = 0;
+  void Add(const FormatBounds& f, double want, uint8_t q, double scale_inv) {
+    const double clipped = std::copysign(std::min(std::fabs(want), f.max * scale_inv), want);
+    const double err = std::fabs(Fp8ToFloat(q, f.fmt) * scale_inv - clipped);
+    const double bound = std::max(f.rel * std::fabs(clipped), f.tiny * scale_inv);
+    worst = std::max(worst, err / bound);
+    if (!(err <= bound * 1.0001)) ++bad;
+  }
+};
+
+absl::StatusOr<std::vector<int64_t>> ParseList(const std::string& text, const char* flag) {
+  std::vector<int64_t> out;
+  for (absl::string_view part : absl::StrSplit(text, ',', absl::SkipEmpty())) {
+    int64_t v;
+    if (!absl::SimpleAtoi(part, &v)) {
+      return absl::InvalidArgumentError(absl::StrCat(flag, ": '", part, "' is not an integer"));
+    }
+    out.push_back(v);
+  }
+  if (out.empty()) return absl::InvalidArgumentError(absl::StrCat(flag, " is required"));
+  return out;
+}
+
+// --scaling: current | delayed | mxfp8 | block (1x128) | block128x128.
+absl::Status SetScaling(const std::string& scaling, const std::string& scales_text, int64_t groups,
+                        v1::GroupedQuantizeRequest* request) {
+  if (scaling == "current") request->set_scaling(v1::CURRENT);
+  else if (scaling == "mxfp8") request->set_scaling(v1::MXFP8);
+  else if (scaling == "block") request->set_scaling(v1::BLOCK_FP8);
+  else if (scaling == "block128x128") request->set_scaling(v1::BLOCK_FP8), request->set_block_2d(true);
+  else if (scaling != "delayed") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--scaling must be current, delayed, mxfp8, block or block128x128, got '", scaling, "'"));
+  }
+  if (scaling != "delayed") return absl::OkStatus();
+  request->set_scaling(v1::DELAYED);
+  HostTensor scales = *ZerosTensor(DType::kF32, {groups});
+  std::vector<std::string> parts = absl::StrSplit(scales_text, ',', absl::SkipEmpty());
+  if (static_cast<int64_t>(parts.size()) != groups) {
+    return absl::InvalidArgumentError(absl::StrCat("--scales: delayed scaling needs one scale per "
+                                                   "--group-sizes entry (", groups, ")"));
+  }
+  for (int64_t i = 0; i < groups; ++i) {
+    if (!absl::SimpleAtof(parts[i], &scales.data<float>()[i])) {
+      return absl::InvalidArgumentError(absl::StrCat("--scales: '", parts[i], "' is not a number"));
+    }
+  }
+  HostTensorToProto(scales, request->mutable_scales());
+  return absl::OkStatus();
+}
+
+// Row shards in row order: (first group_sizes entry, first group).
+std::vector<RowShard> PlanRowShards(const v1::Plan& plan) {
+  std::map<int64_t, RowShard> by_begin;
+  for (const v1::WorkerPlan& w : plan.workers()) {
+    by_begin.emplace(w.group_sizes_begin(), RowShard{w.group_sizes_begin(), w.first_group()});
+  }
+  std::vector<RowShard> out;
+  for (const auto& [begin, shard] : by_begin) out.push_back(shard);
+  return out;
+}
+
+// Current / delayed: one scale_inv per group_sizes entry; colwise data is
+// per group the transpose [K, m_g] at the group's first row * K.
+void CheckPerGroup(const HostTensor& x, const HostTensor& data, bool transposed, const HostTensor& scale_inv,
+                   const std::vector<int64_t>& sizes, const v1::Plan& plan, const FormatBounds& f,
+                   QuantizeCheck* check) {
+  const int64_t local_groups = plan.workers_size() ? plan.workers(0).local_groups()
+                                                   : static_cast<int64_t>(sizes.size());
+  const int64_t shards = static_cast<int64_t>(sizes.size()) / std::max<int64_t>(local_groups, 1);
+  const int64_t cols = x.shape.back(), rows = x.NumElements() / std::max<int64_t>(cols, 1);
+  const int64_t shard_rows = rows / std::max<int64_t>(shards, 1);
+  for (int64_t s = 0; s < shards; ++s) {
+    int64_t row = s * shard_rows;
+    for (int64_t j = 0; j < local_groups; ++j) {
+      const int64_t entry = s * local_groups + j;
+      const int64_t n = sizes[entry];
+      for (int64_t i = 0; i < n * cols; ++i) {
+        const int64_t at = transposed ? row * cols + (i % cols) * n + i / cols : row * cols + i;
+        check->Add(f, LoadAsFloat(x, row * cols + i), static_cast<uint8_t>(data.bytes[at]),
+                   scale_inv.data<float>()[entry]);
+      }
+      row += sizes[entry];
+    }
+  }
+}
+
+// The scale of element (r, c) of group g (r counted within the group) in the
+// kernels' padded layout (docs/quantization.md).
+double BlockScale(ScalingMode mode, bool colwise, const QuantizeLayout& l, const HostTensor& scales,
+                  int64_t g, int64_t r, int64_t c) {
+  const int64_t cols = colwise ? l.colwise_scale_cols[g] : l.rowwise_scale_cols[g];
+  int64_t i = (colwise ? l.colwise_scale_offset : l.rowwise_scale_offset)[g];
+  switch (mode) {
+    case ScalingMode::kMxfp8: i += colwise ? (r / 32) * cols + c : r * cols + c / 32; break;
+    case ScalingMode::kBlock1x128: i += colwise ? (r / 128) * cols + c : (c / 128) * cols + r; break;
+    default: i += colwise ? (c / 128) * cols + r / 128 : (r / 128) * cols + c / 128; break;
+  }
+  if (mode == ScalingMode::kMxfp8) return E8M0ToFloat(static_cast<uint8_t>(scales.bytes[i]));
+  return scales.data<float>()[i];
+}
+
+// MXFP8 / block scaling: data follows x's rows, the scales (and block
+// scaling's transposed colwise data) are the unsharded op's for
+// response.scale_group_sizes, group g holding its rows of every row shard.
+absl::Status CheckBlockScaled(const HostTensor& x, const v1::GroupedQuantizeResponse& r,
+                              const v1::GroupedQuantizeRequest& request,
+                              const std::vector<int64_t>& sizes, const FormatBounds& f,
+                              QuantizeCheck* check) {
+  const ScalingMode mode = request.scaling() == v1::MXFP8 ? ScalingMode::kMxfp8
+                           : request.block_2d()          ? ScalingMode::kBlock128x128
+                                                         : ScalingMode::kBlock1x128;
+  const int64_t k = x.shape.back(), m = x.NumElements() / std::max<int64_t>(k, 1);
+  const int64_t local_groups = r.plan().workers(0).local_groups();
+  const std::vector<RowShard> shards = PlanRowShards(r.plan());
+  const std::vector<int64_t> global(r.scale_group_sizes().begin(), r.scale_group_sizes().end());
+  auto groups = MakeGlobalGroups(sizes, shards, local_groups, static_cast<int64_t>(global.size()));
+  if (!groups.ok()) return groups.status();
+  if (groups->sizes != global) return absl::InternalError("scale_group_sizes differ from the plan's groups");
+  auto layout = BlockLayout(mode, m, k, true, true, global);
+  if (!layout.ok()) return layout.status();
+  const int64_t shard_rows = m / static_cast<int64_t>(shards.size());
+  for (int dir = 0; dir < 2; ++dir) {
+    const bool colwise = dir == 1;
+    if (colwise ? !request.colwise() : !(request.rowwise() || !request.colwise())) continue;
+    auto data = HostTensorFromProto(colwise ? r.colwise_data() : r.rowwise_data(), "data");
+    auto scales = HostTensorFromProto(colwise ? r.colwise_scale_inv() : r.scale_inv(), "scale_inv");
+    if (!data.ok() || !scales.ok()) return absl::InternalError("malformed response");
+    const bool transposed = colwise && mode != ScalingMode::kMxfp8;
+    for (size_t s = 0; s < shards.size(); ++s) {
+      int64_t row = static_cast<int64_t>(s) * shard_rows;
+      for (int64_t j = 0; j < local_groups; ++j) {
+        const int64_t e = shards[s].sizes_begin + j, g = groups->group[e];
+        for (int64_t i = 0; i < sizes[e]; ++i) {
+          const int64_t gr = groups->piece_start[e] + i;  // row within group g
+          for (int64_t c = 0; c < k; ++c) {
+            const int64_t at = transposed ? layout->row_offset[g] * k + c * global[g] + gr : (row + i) * k + c;
+            check->Add(f, LoadAsFloat(x, (row + i) * k + c), static_cast<uint8_t>(data->bytes[at]),
+                       BlockScale(mode, colwise, *layout, *scales, g, gr, c));
+          }
+        }
+        row += sizes[e];
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
 int Quantize() {
   auto dtype = FlagDType(absl::GetFlag(FLAGS_dtype), "dtype");
   if (!dtype.ok()) return Fail(dtype.status());
@@ -401,17 +563,10 @@ int Quantize() {
   if (auto s = OperandFromFlag(absl::GetFlag(FLAGS_x), "--x", *dtype, absl::GetFlag(FLAGS_seed),
                                request.mutable_x(), &x); !s.ok()) return Fail(s);
   auto [sizes_text, sizes_spec] = SplitSpec(absl::GetFlag(FLAGS_group_sizes));
-  std::vector<int64_t> sizes;
-  for (absl::string_view part : absl::StrSplit(sizes_text, ',', absl::SkipEmpty())) {
-    int64_t v;
-    if (!absl::SimpleAtoi(part, &v)) {
-      return Fail(absl::InvalidArgumentError(absl::StrCat("--group-sizes: '", part, "' is not an integer")));
-    }
-    sizes.push_back(v);
-  }
-  if (sizes.empty()) return Fail(absl::InvalidArgumentError("--group-sizes is required"));
-  HostTensor gs = *ZerosTensor(DType::kI64, {static_cast<int64_t>(sizes.size())});
-  std::copy(sizes.begin(), sizes.end(), gs.data<int64_t>());
+  auto sizes = ParseList(sizes_text, "--group-sizes");
+  if (!sizes.ok()) return Fail(sizes.status());
+  HostTensor gs = *ZerosTensor(DType::kI64, {static_cast<int64_t>(sizes->size())});
+  std::copy(sizes->begin(), sizes->end(), gs.data<int64_t>());
   HostTensorToProto(gs, request.mutable_group_sizes());
   request.mutable_group_sizes()->set_spec(sizes_spec);
   const bool e5m2 = absl::GetFlag(FLAGS_format) == "e5m2";
@@ -419,8 +574,13 @@ int Quantize() {
     return Fail(absl::InvalidArgumentError("--format must be e4m3 or e5m2"));
   }
   request.set_out_dtype(e5m2 ? v1::F8E5M2 : v1::F8E4M3);
-  request.set_scaling(v1::CURRENT);
-  request.set_rowwise(true);
+  if (auto s = SetScaling(absl::GetFlag(FLAGS_scaling), absl::GetFlag(FLAGS_scales),
+                          static_cast<int64_t>(sizes->size()), &request);
+      !s.ok()) {
+    return Fail(s);
+  }
+  request.set_rowwise(!absl::GetFlag(FLAGS_colwise_only));
+  request.set_colwise(absl::GetFlag(FLAGS_colwise) || absl::GetFlag(FLAGS_colwise_only));
   request.set_shared_scales(absl::GetFlag(FLAGS_shared_scales));
   request.set_compat(CompatFlag());
   request.set_include_plan(true);
@@ -428,47 +588,39 @@ int Quantize() {
   auto r = client.GroupedQuantize(request);
   if (!r.ok()) return Fail(r.status());
   if (absl::GetFlag(FLAGS_show_plan)) PrintPlan(r->plan());
-  auto data = HostTensorFromProto(r->rowwise_data(), "rowwise_data");
-  auto scale_inv = HostTensorFromProto(r->scale_inv(), "scale_inv");
-  auto amax = HostTensorFromProto(r->amax(), "amax");
-  if (!data.ok() || !scale_inv.ok() || !amax.ok()) return Fail(absl::InternalError("malformed response"));
-  std::cout << "quantized " << ShapeToString(data->shape) << " to " << absl::GetFlag(FLAGS_format)
-            << "; amax per group entry: ";
-  for (int64_t i = 0; i < amax->NumElements(); ++i) std::cout << (i ? "," : "") << amax->data<float>()[i];
-  std::cout << "\n";
-  if (!absl::GetFlag(FLAGS_check)) return 0;
-  const Fp8Format fmt = e5m2 ? Fp8Format::kE5M2 : Fp8Format::kE4M3;
-  const double rel = e5m2 ? 0.125 : 0.0625, tiny = e5m2 ? std::ldexp(1.0, -17) : std::ldexp(1.0, -10);
-  const int64_t local_groups = r->plan().workers_size() ? r->plan().workers(0).local_groups()
-                                                         : static_cast<int64_t>(sizes.size());
-  const int64_t shards = static_cast<int64_t>(sizes.size()) / std::max<int64_t>(local_groups, 1);
-  const int64_t cols = x.shape.back(), rows = x.NumElements() / std::max<int64_t>(cols, 1);
-  const int64_t shard_rows = rows / std::max<int64_t>(shards, 1);
-  int64_t bad = 0;
-  double worst = 0;
-  for (int64_t s = 0; s < shards; ++s) {
-    int64_t row = s * shard_rows;
-    for (int64_t j = 0; j < local_groups; ++j) {
-      const int64_t entry = s * local_groups + j;
-      const double sinv = scale_inv->data<float>()[entry];
-      for (int64_t i = row * cols; i < (row + sizes[entry]) * cols; ++i) {
-        const double want = LoadAsFloat(x, i);
-        const double got = Fp8ToFloat(static_cast<uint8_t>(data->bytes[i]), fmt) * sinv;
-        const double err = std::fabs(got - want);
-        const double bound = std::max(rel * std::fabs(want), tiny * sinv);
-        worst = std::max(worst, err / bound);
-        if (!(err <= bound * 1.0001)) ++bad;
-      }
-      row += sizes[entry];
-    }
+  const bool block = request.scaling() == v1::MXFP8 || request.scaling() == v1::BLOCK_FP8;
+  const v1::Tensor& first = request.rowwise() ? r->rowwise_data() : r->colwise_data();
+  std::cout << "quantized " << ShapeToString(std::vector<int64_t>(first.shape().begin(), first.shape().end()))
+            << " to " << absl::GetFlag(FLAGS_format) << " (" << absl::GetFlag(FLAGS_scaling) << ")";
+  if (block) {
+    std::cout << "; scales for groups of " << absl::StrJoin(r->scale_group_sizes(), ",") << " rows\n";
+  } else {
+    auto amax = HostTensorFromProto(r->amax(), "amax");
+    if (!amax.ok()) return Fail(absl::InternalError("malformed response"));
+    std::cout << "; amax per group entry: ";
+    for (int64_t i = 0; i < amax->NumElements(); ++i) std::cout << (i ? "," : "") << amax->data<float>()[i];
+    std::cout << "\n";
   }
-  if (bad) {
-    std::cout << "result DOES NOT match reference: " << bad << " elements off\n";
+  if (!absl::GetFlag(FLAGS_check)) return 0;
+  const FormatBounds f = e5m2 ? FormatBounds{Fp8Format::kE5M2, 0.125, std::ldexp(1.0, -17), 57344.0}
+                              : FormatBounds{Fp8Format::kE4M3, 0.0625, std::ldexp(1.0, -10), 448.0};
+  QuantizeCheck check;
+  if (block) {
+    if (auto s = CheckBlockScaled(x, *r, request, *sizes, f, &check); !s.ok()) return Fail(s);
+  } else {
+    auto data = HostTensorFromProto(first, "data");
+    auto scale_inv = HostTensorFromProto(r->scale_inv(), "scale_inv");
+    if (!data.ok() || !scale_inv.ok()) return Fail(absl::InternalError("malformed response"));
+    CheckPerGroup(x, *data, !request.rowwise(), *scale_inv, *sizes, r->plan(), f, &check);
+  }
+  if (check.bad) {
+    std::cout << "result DOES NOT match reference: " << check.bad << " elements off\n";
     return 3;
   }
   std::cout << absl::StrFormat(
       "result matches reference: dequantized within FP8 rounding (worst error %.3g of its bound: "
-      "%.3g relative, or half the smallest subnormal times scale_inv)\n", worst, rel);
+      "%.3g relative, or half the smallest subnormal times the scale, of the value saturated to "
+      "the block's range)\n", check.worst, f.rel);
   return 0;
 }
 

@@ -39,3 +39,105 @@ def assert_close(got, ref, contracting):
     err = float(np.abs(np.asarray(got, np.float64) - ref).max(initial=0))
     assert err <= tol, f"max error {err} > tolerance {tol}"
     return err
+
+
+# --- grouped quantize with block scales (docs/quantization.md), in NumPy ---
+# An independent statement of the kernels' MXFP8 (OCP MX v1.0 §6.3) and FP8
+# block-scaling definitions and padded scale layouts, to check the service's
+# bytes against.
+
+def _fp8(fmt):
+    import ml_dtypes
+    return {"e4m3": (ml_dtypes.float8_e4m3fn, np.float32(448.0), 8),
+            "e5m2": (ml_dtypes.float8_e5m2, np.float32(57344.0), 15)}[fmt]
+
+
+def _round_up(a, b):
+    return -(-a // b) * b
+
+
+def _cast(v, fmt):
+    """Saturating round-to-nearest-even cast of float32 values to FP8 bytes."""
+    dtype, fmax, _ = _fp8(fmt)
+    return np.clip(np.asarray(v, np.float32), -fmax, fmax).astype(dtype).view(np.uint8)
+
+
+def _mx_block(v, fmt):
+    """One MXFP8 block: (E8M0 code, FP8 bytes). shared_exp = floor(log2 amax) - emax."""
+    amax = np.float32(np.abs(v).max(initial=0))
+    if amax == 0:
+        return 0, _cast(v, fmt)
+    e = int(np.frexp(amax)[1]) - 1 - _fp8(fmt)[2]
+    e = max(-127, min(127, e))
+    return e + 127, _cast(np.ldexp(v.astype(np.float64), -e).astype(np.float32), fmt)
+
+
+def _fp32_block(v, fmt):
+    """One FP32-scaled block: (scale_inv, FP8 bytes); scale = fp8_max / amax."""
+    fmax = _fp8(fmt)[1]
+    amax = np.float32(np.abs(v).max(initial=0))
+    with np.errstate(over="ignore"):
+        scale = fmax / amax if amax > 0 else np.float32(1)
+    if np.isinf(scale):
+        scale = np.finfo(np.float32).max
+    scale = np.float32(scale)
+    return np.float32(1) / scale, _cast(v * scale, fmt)
+
+
+def quantize_blocks(x, sizes, mode, fmt, rowwise=True, colwise=False):
+    """Grouped quantize of x [M, K] (any float dtype, as float32) with mode
+    'mxfp8', 'block' (1x128) or 'block2d' (128x128). Returns a dict with
+    data, colwise_data ([M, K] uint8) and scale_inv, colwise_scale_inv (flat,
+    the kernels' padded per-group layout; uint8 E8M0 or float32)."""
+    x = np.asarray(x, np.float32)
+    m, k = x.shape
+    sdt = np.uint8 if mode == "mxfp8" else np.float32
+    out = {"data": np.zeros((m, k), np.uint8), "colwise_data": np.zeros((m, k), np.uint8)}
+    row_scales, col_scales = [], []
+    off = 0
+    for mg in sizes:
+        g = x[off:off + mg]
+        if mode == "mxfp8":
+            rs = np.zeros((_round_up(mg, 128), _round_up(k // 32, 4)), sdt)
+            cs = np.zeros((_round_up(-(-mg // 32), 4), _round_up(k, 128)), sdt)
+            for r in range(mg):
+                for b in range(k // 32):
+                    rs[r, b], out["data"][off + r, 32 * b:32 * b + 32] = _mx_block(g[r, 32 * b:32 * b + 32], fmt)
+            for rb in range(-(-mg // 32)):
+                for c in range(k):
+                    cs[rb, c], out["colwise_data"][off + 32 * rb:off + min(mg, 32 * rb + 32), c] = \
+                        _mx_block(g[32 * rb:32 * rb + 32, c], fmt)
+        elif mode == "block":
+            kb, mb = -(-k // 128), -(-mg // 128)
+            rs = np.zeros((kb, _round_up(mg, 4)), sdt)
+            cs = np.zeros((mb, _round_up(k, 4)), sdt)
+            for r in range(mg):
+                for b in range(kb):
+                    rs[b, r], out["data"][off + r, 128 * b:128 * b + 128] = _fp32_block(g[r, 128 * b:128 * b + 128], fmt)
+            t = np.zeros((k, mg), np.uint8)
+            for rb in range(mb):
+                for c in range(k):
+                    cs[rb, c], t[c, 128 * rb:128 * rb + 128] = _fp32_block(g[128 * rb:128 * rb + 128, c], fmt)
+            out["colwise_data"].reshape(-1)[off * k:(off + mg) * k] = t.reshape(-1)
+        else:  # block2d
+            kb, mb = -(-k // 128), -(-mg // 128)
+            rs = np.zeros((mb, _round_up(kb, 4)), sdt)
+            cs = np.zeros((kb, _round_up(mb, 4)), sdt)
+            q = np.zeros((mg, k), np.uint8)
+            for rb in range(mb):
+                for b in range(kb):
+                    s, q[128 * rb:128 * rb + 128, 128 * b:128 * b + 128] = \
+                        _fp32_block(g[128 * rb:128 * rb + 128, 128 * b:128 * b + 128], fmt)
+                    rs[rb, b] = cs[b, rb] = s
+            out["data"][off:off + mg] = q
+            out["colwise_data"].reshape(-1)[off * k:(off + mg) * k] = q.T.reshape(-1)
+        row_scales.append(rs.reshape(-1))
+        col_scales.append(cs.reshape(-1))
+        off += mg
+    out["scale_inv"] = np.concatenate(row_scales) if row_scales else np.zeros(0, sdt)
+    out["colwise_scale_inv"] = np.concatenate(col_scales) if col_scales else np.zeros(0, sdt)
+    if not rowwise:
+        del out["data"], out["scale_inv"]
+    if not colwise:
+        del out["colwise_data"], out["colwise_scale_inv"]
+    return out
