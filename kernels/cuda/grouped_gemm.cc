@@ -5,15 +5,20 @@
 
 #include <algorithm>
 #include <array>
+#include <chrono>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <list>
 #include <map>
+#include <set>
 #include <tuple>
 #include <unordered_map>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "kernels/cuda/device_pool.h"
 #include "kernels/cuda/grouped_gemm_kernels.h"
 #include "kernels/cuda/sm90_grouped_gemm.h"
@@ -52,21 +57,9 @@ cudaDataType_t CudaType(DType t) {
   }
 }
 
-// A cached cuBLASLt problem: descriptors and the algorithm its heuristic picked.
-struct LtPlan {
-  cublasLtMatmulDesc_t desc = nullptr;
-  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
-  cublasLtMatmulAlgo_t algo;
-  std::vector<cublasLtMatmulAlgo_t> candidates;  // the heuristic's top few
-  bool tuned = false;
-  bool bias = false;
-  ~LtPlan() {
-    if (desc) cublasLtMatmulDescDestroy(desc);
-    if (a) cublasLtMatrixLayoutDestroy(a);
-    if (b) cublasLtMatrixLayoutDestroy(b);
-    if (c) cublasLtMatrixLayoutDestroy(c);
-  }
-};
+static_assert(kLtTryClusters[0] == CUBLASLT_CLUSTER_SHAPE_1x1x1 && kLtTryClusters[1] == CUBLASLT_CLUSTER_SHAPE_2x1x1 &&
+                  kLtTryClusters[2] == CUBLASLT_CLUSTER_SHAPE_1x2x1 && kLtTryClusters[3] == CUBLASLT_CLUSTER_SHAPE_2x2x1,
+              "heuristics_sm90.h's cluster shapes must match cublasLtClusterShape_t");
 
 // Column-major problem D (m x n) = op(A) (m x k) * op(B) (k x n).
 struct LtKey {
@@ -82,7 +75,130 @@ struct LtKey {
   }
 };
 
+// A cached cuBLASLt problem: descriptors and the algorithm it runs.
+struct LtPlan {
+  LtKey key;
+  cublasLtMatmulDesc_t desc = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
+  cublasLtMatmulAlgo_t algo;      // what runs
+  cublasLtMatmulAlgo_t fallback;  // the heuristic's first pick (also taken when `algo` is refused at run time)
+  bool algo_is_fallback = true;
+  std::vector<cublasLtMatmulAlgo_t> candidates;  // the heuristic's top few (narrow tuning)
+  int tune_level = 0;             // the LtTune reached
+  std::string tune_note = "heuristic's first pick";  // how `algo` was picked
+  bool bias = false;
+  ~LtPlan() {
+    if (desc) cublasLtMatmulDescDestroy(desc);
+    if (a) cublasLtMatrixLayoutDestroy(a);
+    if (b) cublasLtMatrixLayoutDestroy(b);
+    if (c) cublasLtMatrixLayoutDestroy(c);
+  }
+};
+
 int64_t ElemSize(DType t) { return DTypeSize(t); }
+
+// The knobs of one cuBLASLt algorithm (cublasLtMatmulAlgoConfigAttributes_t),
+// in the storage types cublasLt.h gives (Set/Get check the size).
+struct LtConfig {
+  int32_t id = -1;
+  uint32_t tile = 0, stages = 0;
+  int32_t splitk = 1;
+  uint32_t reduction = 0, swizzle = 0, custom = 0;
+  uint16_t inner = 0, cluster = 0;
+  auto Tie() const { return std::tie(id, tile, stages, splitk, reduction, swizzle, custom, inner, cluster); }
+  bool operator<(const LtConfig& o) const { return Tie() < o.Tie(); }
+  bool operator==(const LtConfig& o) const { return Tie() == o.Tie(); }
+};
+
+template <typename T>
+void GetConfigAttr(const cublasLtMatmulAlgo_t& algo, cublasLtMatmulAlgoConfigAttributes_t attr, T* v) {
+  T x{};
+  size_t written = 0;
+  if (cublasLtMatmulAlgoConfigGetAttribute(&algo, attr, &x, sizeof(x), &written) == CUBLAS_STATUS_SUCCESS &&
+      written == sizeof(x))
+    *v = x;
+}
+
+LtConfig ReadConfig(const cublasLtMatmulAlgo_t& algo) {
+  LtConfig c;
+  GetConfigAttr(algo, CUBLASLT_ALGO_CONFIG_ID, &c.id);
+  GetConfigAttr(algo, CUBLASLT_ALGO_CONFIG_TILE_ID, &c.tile);
+  GetConfigAttr(algo, CUBLASLT_ALGO_CONFIG_STAGES_ID, &c.stages);
+  GetConfigAttr(algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &c.splitk);
+  GetConfigAttr(algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, &c.reduction);
+  GetConfigAttr(algo, CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING, &c.swizzle);
+  GetConfigAttr(algo, CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION, &c.custom);
+  GetConfigAttr(algo, CUBLASLT_ALGO_CONFIG_INNER_SHAPE_ID, &c.inner);
+  GetConfigAttr(algo, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID, &c.cluster);
+  return c;
+}
+
+// Writes every knob but the id (which cublasLtMatmulAlgoInit fixes).
+bool WriteConfig(cublasLtMatmulAlgo_t* algo, const LtConfig& c) {
+  auto set = [&](cublasLtMatmulAlgoConfigAttributes_t attr, const auto& v) {
+    return cublasLtMatmulAlgoConfigSetAttribute(algo, attr, &v, sizeof(v)) == CUBLAS_STATUS_SUCCESS;
+  };
+  return set(CUBLASLT_ALGO_CONFIG_TILE_ID, c.tile) && set(CUBLASLT_ALGO_CONFIG_STAGES_ID, c.stages) &&
+         set(CUBLASLT_ALGO_CONFIG_SPLITK_NUM, c.splitk) && set(CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, c.reduction) &&
+         set(CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING, c.swizzle) && set(CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION, c.custom) &&
+         set(CUBLASLT_ALGO_CONFIG_INNER_SHAPE_ID, c.inner) && set(CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID, c.cluster);
+}
+
+std::string DescribeConfig(const LtConfig& c) {
+  std::string s = absl::StrCat("algo ", c.id, " tile ", LtTileName(c.tile), " stages ", LtStagesName(c.stages),
+                               " cluster ", LtClusterName(c.cluster), " swizzle ", c.swizzle, " custom ", c.custom);
+  if (c.splitk > 1) absl::StrAppend(&s, " splitK ", c.splitk, " reduction ", c.reduction);
+  return s;
+}
+
+template <typename T>
+bool GetCap(const cublasLtMatmulAlgo_t& algo, cublasLtMatmulAlgoCapAttributes_t attr, T* v) {
+  T x{};
+  size_t written = 0;
+  if (cublasLtMatmulAlgoCapGetAttribute(&algo, attr, &x, sizeof(x), &written) != CUBLAS_STATUS_SUCCESS) return false;
+  *v = x;
+  return true;
+}
+
+// An array capability (tile ids, stage ids): asked for its size first.
+std::vector<uint32_t> GetCapIds(const cublasLtMatmulAlgo_t& algo, cublasLtMatmulAlgoCapAttributes_t attr) {
+  size_t need = 0;
+  if (cublasLtMatmulAlgoCapGetAttribute(&algo, attr, nullptr, 0, &need) != CUBLAS_STATUS_SUCCESS || need == 0)
+    return {};
+  std::vector<uint32_t> ids((need + sizeof(uint32_t) - 1) / sizeof(uint32_t));
+  size_t written = 0;
+  if (cublasLtMatmulAlgoCapGetAttribute(&algo, attr, ids.data(), ids.size() * sizeof(uint32_t), &written) !=
+      CUBLAS_STATUS_SUCCESS)
+    return {};
+  ids.resize(std::min(ids.size(), written / sizeof(uint32_t)));
+  return ids;
+}
+
+// Whether the algorithm takes operands aligned to `bytes` (unknown: yes).
+bool AlignmentOk(const cublasLtMatmulAlgo_t& algo, uint32_t bytes) {
+  for (auto attr : {CUBLASLT_ALGO_CAP_MIN_ALIGNMENT_A_BYTES, CUBLASLT_ALGO_CAP_MIN_ALIGNMENT_B_BYTES,
+                    CUBLASLT_ALGO_CAP_MIN_ALIGNMENT_C_BYTES, CUBLASLT_ALGO_CAP_MIN_ALIGNMENT_D_BYTES}) {
+    uint32_t v = 0;
+    if (GetCap(algo, attr, &v) && v > bytes) return false;
+  }
+  return true;
+}
+
+float Median(std::vector<float> v) {
+  if (v.empty()) return std::numeric_limits<float>::infinity();
+  std::sort(v.begin(), v.end());
+  const size_t h = v.size() / 2;
+  return v.size() % 2 ? v[h] : 0.5f * (v[h - 1] + v[h]);
+}
+
+struct LtCandidate {
+  cublasLtMatmulAlgo_t algo;
+  LtConfig cfg;
+  std::string src;  // "h3": the heuristic's 4th; "h0+cluster 2x1x1": a neighbour; "enum id 21"
+};
+struct LtCounts {
+  int heuristic = 0, variants = 0, enumerated = 0, checks = 0;
+};
 
 }  // namespace
 
@@ -99,8 +215,8 @@ struct GroupedGemmRunner::Impl {
   std::vector<cudaEvent_t> join;
   cudaEvent_t fork = nullptr;
   cudaEvent_t tune_start = nullptr, tune_stop = nullptr;
-  static constexpr int kTuneCandidates = 8;
-  static constexpr double kTuneMinFlops = 2e9;  // tune only problems of >= 2 GFLOP
+  cudaEvent_t route_start = nullptr, route_stop = nullptr;
+  static constexpr int kTuneCandidates = 8;  // narrow tuning (heuristics_sm90.cc, T2)
   std::vector<void*> lt_ws;      // one per side stream
   void* blas_ws = nullptr;
   int64_t blas_ws_bytes = 32ll << 20;
@@ -127,6 +243,10 @@ struct GroupedGemmRunner::Impl {
   };
   std::list<GraphEntry> graphs;  // most recent first
   static constexpr size_t kMaxGraphs = 16;
+  // The last call, for LastRun().
+  Strategy last_strategy = Strategy::kAuto;
+  Choice last_choice;
+  const LtPlan* last_plan = nullptr;
 
   ~Impl() {
     for (auto& g : graphs) cudaGraphExecDestroy(g.exec);
@@ -138,6 +258,8 @@ struct GroupedGemmRunner::Impl {
     if (fork) cudaEventDestroy(fork);
     if (tune_start) cudaEventDestroy(tune_start);
     if (tune_stop) cudaEventDestroy(tune_stop);
+    if (route_start) cudaEventDestroy(route_start);
+    if (route_stop) cudaEventDestroy(route_stop);
     for (auto& s : slots) {
       if (s.host) cudaFreeHost(s.host);
       if (s.done) cudaEventDestroy(s.done);
@@ -179,6 +301,8 @@ struct GroupedGemmRunner::Impl {
     SG_CUDA(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
     SG_CUDA(cudaEventCreate(&tune_start));
     SG_CUDA(cudaEventCreate(&tune_stop));
+    SG_CUDA(cudaEventCreate(&route_start));
+    SG_CUDA(cudaEventCreate(&route_stop));
     for (auto& s : slots) SG_CUDA(cudaEventCreateWithFlags(&s.done, cudaEventDisableTiming));
     return absl::OkStatus();
   }
@@ -273,8 +397,9 @@ struct GroupedGemmRunner::Impl {
     return absl::InvalidArgumentError("unknown strategy");
   }
 
-  Choice ChooseCached(const DeviceGroupedGemmArgs& a, bool ragged_k) {
-    ShapeInfo s;
+  // The per-shape cache key of ChooseCached, and the shape it describes.
+  std::vector<int64_t> ChoiceKey(const DeviceGroupedGemmArgs& a, bool ragged_k, ShapeInfo* info) const {
+    ShapeInfo& s = *info;
     s.ragged_k = ragged_k;
     s.num_groups = a.num_groups;
     s.m = a.m;
@@ -290,13 +415,18 @@ struct GroupedGemmRunner::Impl {
         if (a.group_sizes_host[i] != a.group_sizes_host[0]) s.equal_groups = false;
       }
     }
-    std::vector<int64_t> key = {ragged_k, s.num_groups, s.m, s.k, s.n, s.rhs_transposed, s.has_host_sizes,
-                                s.equal_groups, s.max_group, static_cast<int64_t>(a.in_dtype),
-                                static_cast<int64_t>(a.out_dtype), a.bias != nullptr,
-                                static_cast<int64_t>(a.bias_dtype),
-                                static_cast<int64_t>(reinterpret_cast<uintptr_t>(a.lhs) & 15),
-                                static_cast<int64_t>(reinterpret_cast<uintptr_t>(a.rhs) & 15),
-                                static_cast<int64_t>(reinterpret_cast<uintptr_t>(a.out) & 15)};
+    return {ragged_k, s.num_groups, s.m, s.k, s.n, s.rhs_transposed, s.has_host_sizes,
+            s.equal_groups, s.max_group, static_cast<int64_t>(a.in_dtype),
+            static_cast<int64_t>(a.out_dtype), a.bias != nullptr,
+            static_cast<int64_t>(a.bias_dtype),
+            static_cast<int64_t>(reinterpret_cast<uintptr_t>(a.lhs) & 15),
+            static_cast<int64_t>(reinterpret_cast<uintptr_t>(a.rhs) & 15),
+            static_cast<int64_t>(reinterpret_cast<uintptr_t>(a.out) & 15)};
+  }
+
+  Choice ChooseCached(const DeviceGroupedGemmArgs& a, bool ragged_k) {
+    ShapeInfo s;
+    std::vector<int64_t> key = ChoiceKey(a, ragged_k, &s);
     auto it = choices.find(key);
     if (it != choices.end()) return it->second;
     for (int i = 1; i < kNumStrategies; ++i)
@@ -351,6 +481,7 @@ struct GroupedGemmRunner::Impl {
     auto it = plans.find(k);
     if (it != plans.end()) return it->second.get();
     auto plan = std::make_unique<LtPlan>();
+    plan->key = k;
     const cudaDataType_t in = CudaType(static_cast<DType>(k.in)), out = CudaType(static_cast<DType>(k.out));
     SG_CUBLAS(cublasLtMatmulDescCreate(&plan->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
     cublasOperation_t ta = k.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, tb = k.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
@@ -396,6 +527,7 @@ struct GroupedGemmRunner::Impl {
       return absl::UnimplementedError(absl::StrCat("cuBLASLt has no algorithm for m=", k.m, " n=", k.n,
                                                    " k=", k.k));
     plan->algo = results[0].algo;
+    plan->fallback = results[0].algo;
     for (int i = 0; i < found; ++i)
       if (results[i].state == CUBLAS_STATUS_SUCCESS) plan->candidates.push_back(results[i].algo);
     LtPlan* p = plan.get();
@@ -403,56 +535,358 @@ struct GroupedGemmRunner::Impl {
     return p;
   }
 
-  // Times the heuristic's candidates once for a big problem (first call of
-  // the shape; blocks the host for a few runs) and keeps the fastest.
+  // --- cuBLASLt autotuning (how much: ChooseLtTune in heuristics_sm90.cc) ---
+
+  // Tunes `plan` once per level (first call of the problem at that level;
+  // blocks the host while it times). Never while `stream` is being captured.
   absl::Status MaybeTune(LtPlan* plan, const void* a, const void* b, void* c, const void* bias, int ws_index,
-                         cudaStream_t stream, double flops) {
-    if (plan->tuned) return absl::OkStatus();
-    plan->tuned = true;
-    if (!options.autotune || plan->candidates.size() < 2 || flops < kTuneMinFlops) return absl::OkStatus();
+                         cudaStream_t stream, double flops, bool repeats) {
+    const LtTune want = ChooseLtTune(flops, repeats);
+    if (static_cast<int>(want) <= plan->tune_level) return absl::OkStatus();
     cudaStreamCaptureStatus cap;
     SG_CUDA(cudaStreamIsCapturing(stream, &cap));
-    if (cap != cudaStreamCaptureStatusNone) {
-      plan->tuned = false;
-      return absl::OkStatus();
-    }
+    if (cap != cudaStreamCaptureStatusNone) return absl::OkStatus();  // a later, uncaptured call tunes
+    plan->tune_level = static_cast<int>(want);
     if (plan->bias)
       SG_CUBLAS(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias,
                                                sizeof(bias)));
-    const float alpha = 1.f, beta = 0.f;
+    if (want == LtTune::kWide) return TuneWide(plan, a, b, c, ws_index, stream, flops);
+    // Narrow: the heuristic's top few, one warm-up and 3 timed calls each.
+    if (plan->candidates.size() < 2) return absl::OkStatus();
     float best = 1e30f;
     cublasLtMatmulAlgo_t best_algo = plan->algo;
     for (const cublasLtMatmulAlgo_t& algo : plan->candidates) {
-      bool ok = true;
-      for (int rep = 0; rep < 4 && ok; ++rep) {
-        if (rep == 1) SG_CUDA(cudaEventRecord(tune_start, stream));
-        ok = cublasLtMatmul(lt, plan->desc, &alpha, a, plan->a, b, plan->b, &beta, c, plan->c, c, plan->c, &algo,
-                            lt_ws[ws_index], options.lt_workspace_bytes, stream) == CUBLAS_STATUS_SUCCESS;
-      }
-      if (!ok) continue;
-      SG_CUDA(cudaEventRecord(tune_stop, stream));
-      SG_CUDA(cudaEventSynchronize(tune_stop));
-      float ms = 0;
-      SG_CUDA(cudaEventElapsedTime(&ms, tune_start, tune_stop));
-      if (ms < best) {
-        best = ms;
+      auto warm = TimeCalls(plan, algo, a, b, c, ws_index, stream, 1);
+      if (!warm.ok()) return warm.status();
+      if (*warm < 0) continue;
+      auto ms = TimeCalls(plan, algo, a, b, c, ws_index, stream, 3);
+      if (!ms.ok()) return ms.status();
+      if (*ms >= 0 && *ms < best) {
+        best = *ms;
         best_algo = algo;
       }
     }
     plan->algo = best_algo;
+    plan->algo_is_fallback = std::memcmp(&best_algo, &plan->fallback, sizeof(best_algo)) == 0;
+    plan->tune_note = absl::StrCat("narrow: fastest of the heuristic's top ", plan->candidates.size());
+    return absl::OkStatus();
+  }
+
+  // Milliseconds per call of `calls` back-to-back matmuls with `algo`; -1
+  // when cuBLASLt refuses the algorithm for these operands.
+  absl::StatusOr<float> TimeCalls(LtPlan* plan, const cublasLtMatmulAlgo_t& algo, const void* a, const void* b,
+                                  void* c, int ws_index, cudaStream_t stream, int calls) {
+    const float alpha = 1.f, beta = 0.f;
+    SG_CUDA(cudaEventRecord(tune_start, stream));
+    for (int i = 0; i < calls; ++i) {
+      if (cublasLtMatmul(lt, plan->desc, &alpha, a, plan->a, b, plan->b, &beta, c, plan->c, c, plan->c, &algo,
+                         lt_ws[ws_index], options.lt_workspace_bytes, stream) != CUBLAS_STATUS_SUCCESS) {
+        cudaGetLastError();  // a refused launch may leave a (non-sticky) launch error behind
+        SG_CUDA(cudaStreamSynchronize(stream));
+        return -1.f;
+      }
+    }
+    SG_CUDA(cudaEventRecord(tune_stop, stream));
+    SG_CUDA(cudaEventSynchronize(tune_stop));
+    float ms = 0;
+    SG_CUDA(cudaEventElapsedTime(&ms, tune_start, tune_stop));
+    return ms / calls;
+  }
+
+  // The wide tuning's candidates (heuristics_sm90.cc, T3), best guesses
+  // first: the heuristic's, then neighbours of its first picks, then
+  // configurations built from cublasLtMatmulAlgoGetIds. `built`: whether
+  // configurations of our own may be tried at all (16-byte-aligned operands).
+  std::vector<LtCandidate> CollectWide(LtPlan* plan, const LtTunePolicy& pol, bool built, LtCounts* n) {
+    std::vector<LtCandidate> out;
+    std::set<LtConfig> seen;  // every configuration met, refused ones included
+    const uint64_t ws = options.lt_workspace_bytes;
+    const LtKey& k = plan->key;
+    auto check = [&](const cublasLtMatmulAlgo_t& algo, float* waves) {
+      if (n->checks >= pol.max_checks) return false;
+      ++n->checks;
+      cublasLtMatmulHeuristicResult_t r;
+      std::memset(&r, 0, sizeof(r));
+      if (cublasLtMatmulAlgoCheck(lt, plan->desc, plan->a, plan->b, plan->c, plan->c, &algo, &r) !=
+          CUBLAS_STATUS_SUCCESS)
+        return false;
+      if (r.workspaceSize > ws || !AlignmentOk(algo, 16)) return false;
+      if (waves != nullptr) *waves = r.wavesCount;
+      return true;
+    };
+
+    // a. The heuristic's ranking.
+    std::vector<cublasLtMatmulHeuristicResult_t> res(pol.heuristic_candidates);
+    int found = 0;
+    cublasLtMatmulPreference_t pref;
+    if (cublasLtMatmulPreferenceCreate(&pref) == CUBLAS_STATUS_SUCCESS) {
+      if (cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)) !=
+              CUBLAS_STATUS_SUCCESS ||
+          cublasLtMatmulAlgoGetHeuristic(lt, plan->desc, plan->a, plan->b, plan->c, plan->c, pref,
+                                         pol.heuristic_candidates, res.data(), &found) != CUBLAS_STATUS_SUCCESS)
+        found = 0;
+      cublasLtMatmulPreferenceDestroy(pref);
+    }
+    for (int i = 0; i < found && n->heuristic < pol.max_heuristic; ++i) {
+      if (res[i].state != CUBLAS_STATUS_SUCCESS || res[i].workspaceSize > ws) continue;
+      const LtConfig cfg = ReadConfig(res[i].algo);
+      if (!seen.insert(cfg).second) continue;
+      out.push_back({res[i].algo, cfg, absl::StrCat("h", i)});
+      ++n->heuristic;
+    }
+    if (!built) return out;
+
+    // b. Neighbours of the first picks: one knob changed, split-K off.
+    const std::vector<LtCandidate> seeds(out.begin(), out.begin() + std::min<size_t>(out.size(), pol.seeds));
+    auto variant = [&](const LtCandidate& seed, LtConfig cfg, const std::string& tag) {
+      if (static_cast<int>(out.size()) >= pol.max_with_variants) return;
+      cfg.splitk = 1;
+      cfg.reduction = CUBLASLT_REDUCTION_SCHEME_NONE;
+      if (!seen.insert(cfg).second) return;
+      cublasLtMatmulAlgo_t algo = seed.algo;
+      if (!WriteConfig(&algo, cfg) || !check(algo, nullptr)) return;
+      out.push_back({algo, cfg, absl::StrCat(seed.src, "+", tag)});
+      ++n->variants;
+    };
+    // The first pick's neighbourhood first, then the next pick's, ...
+    for (const LtCandidate& s : seeds) {
+      variant(s, s.cfg, "splitK 1");
+      for (uint16_t cl : kLtTryClusters) {
+        LtConfig cfg = s.cfg;
+        cfg.cluster = cl;
+        variant(s, cfg, absl::StrCat("cluster ", LtClusterName(cl)));
+      }
+      uint32_t swz = 0;
+      if (GetCap(s.algo, CUBLASLT_ALGO_CAP_CTA_SWIZZLING_SUPPORT, &swz) && swz != 0) {
+        std::vector<uint16_t> clusters = {s.cfg.cluster};
+        clusters.insert(clusters.end(), std::begin(kLtTryClusters), std::end(kLtTryClusters));
+        for (uint16_t cl : clusters) {
+          LtConfig cfg = s.cfg;
+          cfg.swizzle = s.cfg.swizzle ? 0 : 1;
+          cfg.cluster = cl;
+          variant(s, cfg, absl::StrCat("swizzle ", cfg.swizzle, " cluster ", LtClusterName(cl)));
+        }
+      }
+      for (uint32_t t : GetCapIds(s.algo, CUBLASLT_ALGO_CAP_TILE_IDS)) {
+        int r, c;
+        LtTileDims(t, &r, &c);
+        if (r < pol.min_tile_side || c < pol.min_tile_side) continue;
+        LtConfig cfg = s.cfg;
+        cfg.tile = t;
+        variant(s, cfg, absl::StrCat("tile ", LtTileName(t)));
+      }
+      int32_t max_opt = 0;
+      if (GetCap(s.algo, CUBLASLT_ALGO_CAP_CUSTOM_OPTION_MAX, &max_opt)) {
+        for (int32_t o = 0; o <= std::min(max_opt, pol.max_custom_option); ++o) {
+          LtConfig cfg = s.cfg;
+          cfg.custom = static_cast<uint32_t>(o);
+          variant(s, cfg, absl::StrCat("custom ", o));
+        }
+      }
+      for (uint32_t st : GetCapIds(s.algo, CUBLASLT_ALGO_CAP_STAGES_IDS)) {
+        LtConfig cfg = s.cfg;
+        cfg.stages = st;
+        variant(s, cfg, absl::StrCat("stages ", LtStagesName(st)));
+      }
+    }
+    if (static_cast<int>(out.size()) >= pol.max_candidates) return out;
+
+    // c. The other tensor-core algorithms, one configuration per big tile
+    //    (the first stage setting accepted; cluster shape left to cuBLAS).
+    std::set<int32_t> seed_ids;
+    for (const LtCandidate& s : seeds) seed_ids.insert(s.cfg.id);
+    const cudaDataType_t in = CudaType(static_cast<DType>(k.in)), o = CudaType(static_cast<DType>(k.out));
+    int ids[256];
+    int num_ids = 0;
+    if (cublasLtMatmulAlgoGetIds(lt, CUBLAS_COMPUTE_32F, CUDA_R_32F, in, in, o, o, 256, ids, &num_ids) !=
+        CUBLAS_STATUS_SUCCESS)
+      num_ids = 0;
+    struct Ranked {
+      LtCandidate c;
+      double rank;
+    };
+    std::vector<Ranked> enumerated;
+    for (int i = 0; i < num_ids && n->checks < pol.max_checks; ++i) {
+      if (seed_ids.count(ids[i])) continue;
+      cublasLtMatmulAlgo_t base;
+      if (cublasLtMatmulAlgoInit(lt, CUBLAS_COMPUTE_32F, CUDA_R_32F, in, in, o, o, ids[i], &base) !=
+          CUBLAS_STATUS_SUCCESS)
+        continue;
+      uint64_t impl = 0;
+      if (GetCap(base, CUBLASLT_ALGO_CAP_NUMERICAL_IMPL_FLAGS, &impl) &&
+          (impl & CUBLASLT_NUMERICAL_IMPL_FLAGS_TENSOR_OP_MASK) == 0)
+        continue;
+      int32_t strided = 1;
+      if (k.batch > 1 && GetCap(base, CUBLASLT_ALGO_CAP_STRIDED_BATCH_SUPPORT, &strided) && strided == 0) continue;
+      uint32_t epilogues = 0;
+      if (plan->bias && GetCap(base, CUBLASLT_ALGO_CAP_EPILOGUE_MASK, &epilogues) &&
+          (epilogues & CUBLASLT_EPILOGUE_BIAS) != CUBLASLT_EPILOGUE_BIAS)
+        continue;
+      std::vector<uint32_t> tiles = GetCapIds(base, CUBLASLT_ALGO_CAP_TILE_IDS);
+      std::vector<uint32_t> stages = GetCapIds(base, CUBLASLT_ALGO_CAP_STAGES_IDS);
+      if (tiles.empty()) tiles.push_back(CUBLASLT_MATMUL_TILE_UNDEFINED);
+      if (stages.empty()) stages.push_back(CUBLASLT_MATMUL_STAGES_UNDEFINED);
+      const LtConfig base_cfg = ReadConfig(base);
+      for (uint32_t t : tiles) {
+        int r, c;
+        LtTileDims(t, &r, &c);
+        if (t != CUBLASLT_MATMUL_TILE_UNDEFINED && (r < pol.min_tile_side || c < pol.min_tile_side)) continue;
+        for (auto st = stages.rbegin(); st != stages.rend() && n->checks < pol.max_checks; ++st) {
+          LtConfig cfg = base_cfg;
+          cfg.tile = t;
+          cfg.stages = *st;
+          cfg.splitk = 1;
+          cfg.reduction = CUBLASLT_REDUCTION_SCHEME_NONE;
+          if (!seen.insert(cfg).second) continue;
+          cublasLtMatmulAlgo_t algo = base;
+          float waves = 0;
+          if (!WriteConfig(&algo, cfg) || !check(algo, &waves)) continue;
+          enumerated.push_back({{algo, cfg, absl::StrCat("enum id ", ids[i])}, LtEnumRank(t, waves)});
+          break;
+        }
+      }
+    }
+    std::stable_sort(enumerated.begin(), enumerated.end(),
+                     [](const Ranked& x, const Ranked& y) { return x.rank > y.rank; });
+    for (const Ranked& e : enumerated) {
+      if (static_cast<int>(out.size()) >= pol.max_candidates) break;
+      out.push_back(e.c);
+      ++n->enumerated;
+    }
+    return out;
+  }
+
+  // Wide tuning (heuristics_sm90.cc, T3): screen every candidate, re-time
+  // the fastest few in alternation, keep the lowest median (the heuristic's
+  // first pick unless beaten by keep_margin).
+  absl::Status TuneWide(LtPlan* plan, const void* a, const void* b, void* c, int ws_index, cudaStream_t stream,
+                        double flops) {
+    const LtTunePolicy& pol = WideLtTunePolicy();
+    const auto t0 = std::chrono::steady_clock::now();
+    const bool aligned =
+        ((reinterpret_cast<uintptr_t>(a) | reinterpret_cast<uintptr_t>(b) | reinterpret_cast<uintptr_t>(c)) & 15) == 0;
+    LtCounts counts;
+    std::vector<LtCandidate> cands = CollectWide(plan, pol, aligned, &counts);
+    // The incumbent: the heuristic's first pick, as the plan got it.
+    const LtConfig inc_cfg = ReadConfig(plan->fallback);
+    int inc = -1;
+    for (size_t i = 0; i < cands.size(); ++i)
+      if (cands[i].cfg == inc_cfg) inc = static_cast<int>(i);
+    if (inc < 0) {
+      cands.insert(cands.begin(), LtCandidate{plan->fallback, inc_cfg, "h0"});
+      inc = 0;
+    }
+    const double est_ms = std::max(1e-3, flops / (pol.assumed_tflops * 1e9));
+    const int calls = std::clamp(static_cast<int>(std::ceil(pol.sample_ms / est_ms)), 1, pol.max_sample_calls);
+    const float kInf = std::numeric_limits<float>::infinity();
+    std::vector<float> score(cands.size(), kInf);
+    std::vector<bool> ran(cands.size(), false);
+    float best = kInf;
+    double spent = 0;
+    int screened = 0, refused = 0, dropped = 0, skipped = 0;
+    for (size_t i = 0; i < cands.size(); ++i) {
+      if (spent > pol.budget_ms && static_cast<int>(i) != inc) {
+        ++skipped;
+        continue;
+      }
+      auto warm = TimeCalls(plan, cands[i].algo, a, b, c, ws_index, stream, 1);
+      if (!warm.ok()) return warm.status();
+      if (*warm < 0) {
+        ++refused;
+        continue;
+      }
+      spent += *warm;
+      auto s1 = TimeCalls(plan, cands[i].algo, a, b, c, ws_index, stream, calls);
+      if (!s1.ok()) return s1.status();
+      if (*s1 < 0) {
+        ++refused;
+        continue;
+      }
+      spent += *s1 * calls;
+      ++screened;
+      ran[i] = true;
+      if (*s1 > pol.drop_ratio * best) {
+        ++dropped;
+        continue;
+      }
+      auto s2 = TimeCalls(plan, cands[i].algo, a, b, c, ws_index, stream, calls);
+      if (!s2.ok()) return s2.status();
+      spent += std::max(0.f, *s2) * calls;
+      score[i] = *s2 < 0 ? *s1 : std::min(*s1, *s2);
+      best = std::min(best, score[i]);
+    }
+    // Finalists: the fastest few, and the incumbent whenever it ran.
+    std::vector<int> order;
+    for (size_t i = 0; i < cands.size(); ++i)
+      if (score[i] < kInf) order.push_back(static_cast<int>(i));
+    std::stable_sort(order.begin(), order.end(), [&](int x, int y) { return score[x] < score[y]; });
+    if (static_cast<int>(order.size()) > pol.finalists) order.resize(pol.finalists);
+    if (ran[inc] && std::find(order.begin(), order.end(), inc) == order.end()) order.push_back(inc);
+    if (order.empty()) {
+      plan->tune_note = "wide: no candidate ran; the heuristic's first pick";
+      return absl::OkStatus();
+    }
+    const int final_calls =
+        std::clamp(static_cast<int>(std::ceil(pol.final_sample_ms / est_ms)), 1, pol.max_final_calls);
+    std::vector<std::vector<float>> times(order.size());
+    for (int r = 0; r < pol.final_rounds; ++r) {
+      for (size_t j = 0; j < order.size(); ++j) {
+        const size_t f = (j + r) % order.size();  // each round starts with another finalist
+        auto t = TimeCalls(plan, cands[order[f]].algo, a, b, c, ws_index, stream, final_calls);
+        if (!t.ok()) return t.status();
+        times[f].push_back(*t < 0 ? kInf : *t);
+      }
+    }
+    size_t win = 0;
+    std::vector<float> med(order.size());
+    for (size_t f = 0; f < order.size(); ++f) {
+      med[f] = Median(times[f]);
+      if (med[f] < med[win]) win = f;
+    }
+    const auto inc_pos = std::find(order.begin(), order.end(), inc) - order.begin();
+    const bool have_inc = inc_pos < static_cast<long>(order.size()) && med[inc_pos] < kInf;
+    if (have_inc && med[win] > (1.0 - pol.keep_margin) * med[inc_pos]) win = inc_pos;
+    if (med[win] == kInf) {
+      plan->tune_note = "wide: every finalist refused; the heuristic's first pick";
+      return absl::OkStatus();
+    }
+    const LtCandidate& w = cands[order[win]];
+    plan->algo = w.algo;
+    plan->algo_is_fallback = order[win] == inc;
+    const double wall_ms =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    plan->tune_note = absl::StrFormat(
+        "wide: %d candidates (%d heuristic, %d neighbours, %d enumerated; %d checks), %d timed, %d refused, "
+        "%d dropped, %d skipped; won %s at %.1f us/call, heuristic's first %s; %.0f ms",
+        static_cast<int>(cands.size()), counts.heuristic, counts.variants, counts.enumerated, counts.checks, screened,
+        refused, dropped, skipped, w.src, med[win] * 1e3,
+        have_inc ? absl::StrFormat("%.1f us", med[inc_pos] * 1e3) : std::string("not timed"), wall_ms);
     return absl::OkStatus();
   }
 
   absl::Status LtMatmul(LtPlan* plan, const void* a, const void* b, void* c, const void* bias, int ws_index,
-                        cudaStream_t stream, double flops = 0) {
-    if (!plan->tuned) SG_RETURN_IF_ERROR(MaybeTune(plan, a, b, c, bias, ws_index, stream, flops));
+                        cudaStream_t stream, double flops = 0, bool repeats = false) {
+    if (options.autotune && plan->tune_level < static_cast<int>(LtTune::kWide))
+      SG_RETURN_IF_ERROR(MaybeTune(plan, a, b, c, bias, ws_index, stream, flops, repeats));
     if (plan->bias)
       SG_CUBLAS(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias,
                                                sizeof(bias)));
     const float alpha = 1.f, beta = 0.f;
-    SG_CUBLAS(cublasLtMatmul(lt, plan->desc, &alpha, a, plan->a, b, plan->b, &beta, c, plan->c, c, plan->c,
-                             &plan->algo, lt_ws[ws_index], options.lt_workspace_bytes, stream));
-    return absl::OkStatus();
+    cublasStatus_t st = cublasLtMatmul(lt, plan->desc, &alpha, a, plan->a, b, plan->b, &beta, c, plan->c, c, plan->c,
+                                       &plan->algo, lt_ws[ws_index], options.lt_workspace_bytes, stream);
+    if (st != CUBLAS_STATUS_SUCCESS && !plan->algo_is_fallback) {
+      // A tuned configuration refused for these operands (alignment, say):
+      // the heuristic's first pick from now on.
+      cudaGetLastError();
+      st = cublasLtMatmul(lt, plan->desc, &alpha, a, plan->a, b, plan->b, &beta, c, plan->c, c, plan->c,
+                          &plan->fallback, lt_ws[ws_index], options.lt_workspace_bytes, stream);
+      if (st == CUBLAS_STATUS_SUCCESS) {
+        plan->algo = plan->fallback;
+        plan->algo_is_fallback = true;
+        absl::StrAppend(&plan->tune_note, " (tuned pick refused at run time: back to the heuristic's first)");
+      }
+    }
+    return CublasStatus(st, "cublasLtMatmul");
   }
 
   // One group's column-major problem. Ragged M: D^T (N x m_g) = op(rhs_g) . lhs_g^T.
@@ -518,7 +952,14 @@ struct GroupedGemmRunner::Impl {
     const bool fuse = !ragged_k && LtCanFuseBias(a);
     SG_RETURN_IF_ERROR(ZeroTail(a, ragged_k, sizes, stream));
     int nonempty = 0;
-    for (int64_t s : sizes) nonempty += s > 0;
+    bool equal = true;  // every non-empty group the same size: the per-group problem repeats
+    int64_t first = 0, biggest = 0;
+    for (int64_t s : sizes) {
+      nonempty += s > 0;
+      if (s > 0 && first == 0) first = s;
+      if (s > 0 && s != first) equal = false;
+    }
+    last_plan = nullptr;
     const size_t streams = max_streams > 0 ? std::min<size_t>(side.size(), max_streams) : side.size();
     const bool fan = nonempty > 1 && streams > 1;
     const int ns = fan ? static_cast<int>(std::min<size_t>(streams, nonempty)) : 1;
@@ -537,6 +978,10 @@ struct GroupedGemmRunner::Impl {
       }
       auto plan = GetPlan(GroupKey(a, ragged_k, rows, fuse));
       if (!plan.ok()) return plan.status();
+      if (rows > biggest) {
+        biggest = rows;
+        last_plan = *plan;
+      }
       const int si = idx % ns;
       cudaStream_t st = fan ? side[si] : stream;
       const char* lhs = static_cast<const char*>(a.lhs) + row * a.k * es_in;
@@ -544,11 +989,11 @@ struct GroupedGemmRunner::Impl {
         const char* rhs = static_cast<const char*>(a.rhs) + g * a.k * a.n * es_in;
         char* out = static_cast<char*>(a.out) + row * a.n * es_out;
         const void* bias = fuse ? static_cast<const char*>(a.bias) + g * a.n * es_out : nullptr;
-        SG_RETURN_IF_ERROR(LtMatmul(*plan, rhs, lhs, out, bias, si, st, 2.0 * rows * a.k * a.n));
+        SG_RETURN_IF_ERROR(LtMatmul(*plan, rhs, lhs, out, bias, si, st, 2.0 * rows * a.k * a.n, equal));
       } else {
         const char* rhs = static_cast<const char*>(a.rhs) + row * a.n * es_in;
         char* out = static_cast<char*>(a.out) + g * a.k * a.n * es_out;
-        SG_RETURN_IF_ERROR(LtMatmul(*plan, rhs, lhs, out, nullptr, si, st, 2.0 * rows * a.k * a.n));
+        SG_RETURN_IF_ERROR(LtMatmul(*plan, rhs, lhs, out, nullptr, si, st, 2.0 * rows * a.k * a.n, equal));
       }
       row += rows;
       ++idx;
@@ -628,14 +1073,16 @@ struct GroupedGemmRunner::Impl {
     }
     auto plan = GetPlan(k);
     if (!plan.ok()) return plan.status();
+    last_plan = *plan;
     SG_RETURN_IF_ERROR(LtMatmul(*plan, a.rhs, a.lhs, a.out, fuse ? a.bias : nullptr, 0, stream,
-                                2.0 * rows * a.num_groups * a.k * a.n));
+                                2.0 * rows * a.num_groups * a.k * a.n, /*repeats=*/true));
     if (!ragged_k && a.bias != nullptr && !fuse) SG_RETURN_IF_ERROR(BiasAfter(a, stream));
     return absl::OkStatus();
   }
 
   absl::Status RunGroupedBatched(const DeviceGroupedGemmArgs& a, bool ragged_k, const std::vector<int64_t>& sizes,
                                  cudaStream_t stream) {
+    last_plan = nullptr;
     SG_RETURN_IF_ERROR(ZeroTail(a, ragged_k, sizes, stream));
     const int64_t es_in = ElemSize(a.in_dtype), es_out = ElemSize(a.out_dtype);
     std::vector<cublasOperation_t> ta, tb;
@@ -699,6 +1146,59 @@ struct GroupedGemmRunner::Impl {
     return absl::OkStatus();
   }
 
+  // Rule 2b (heuristics_sm90.cc): times lt_loop against lt_batched once per
+  // shape, each after a first run that tunes its cuBLASLt algorithm, in
+  // alternating rounds; caches the faster (the loop unless the batched call
+  // wins by kRouteMargin) with both timings. Not while capturing.
+  absl::Status TuneRoute(const DeviceGroupedGemmArgs& a, bool ragged_k, const std::vector<int64_t>& sizes,
+                         cudaStream_t stream, Choice* choice) {
+    cudaStreamCaptureStatus cap;
+    SG_CUDA(cudaStreamIsCapturing(stream, &cap));
+    if (cap != cudaStreamCaptureStatusNone) return absl::OkStatus();  // the loop, this time
+    SG_RETURN_IF_ERROR(RunLtLoop(a, ragged_k, sizes, stream, choice->lt_streams));
+    const bool batched_ok = Supports(a, ragged_k, Strategy::kLtBatched).ok() &&
+                            RunLtBatched(a, ragged_k, sizes, stream).ok();
+    Strategy winner = Strategy::kLtLoop;
+    float loop_ms = 0, batched_ms = 0;
+    if (batched_ok) {
+      double flops = 0;
+      for (int64_t rows : sizes) flops += 2.0 * rows * a.k * a.n;
+      const double est_ms = std::max(1e-3, flops / (WideLtTunePolicy().assumed_tflops * 1e9));
+      const int calls = std::clamp(static_cast<int>(std::ceil(kRouteSampleMs / est_ms)), 1, 5);
+      std::vector<float> tl, tb;
+      for (int r = 0; r < kRouteRounds; ++r) {
+        for (int half = 0; half < 2; ++half) {
+          const bool loop = (half == 0) == (r % 2 == 0);  // loop first in even rounds
+          SG_CUDA(cudaEventRecord(route_start, stream));
+          for (int i = 0; i < calls; ++i)
+            SG_RETURN_IF_ERROR(loop ? RunLtLoop(a, ragged_k, sizes, stream, choice->lt_streams)
+                                    : RunLtBatched(a, ragged_k, sizes, stream));
+          SG_CUDA(cudaEventRecord(route_stop, stream));
+          SG_CUDA(cudaEventSynchronize(route_stop));
+          float ms = 0;
+          SG_CUDA(cudaEventElapsedTime(&ms, route_start, route_stop));
+          (loop ? tl : tb).push_back(ms / calls);
+        }
+      }
+      loop_ms = Median(tl);
+      batched_ms = Median(tb);
+      if (batched_ms < loop_ms * (1.0 - kRouteMargin)) winner = Strategy::kLtBatched;
+    }
+    choice->strategy = winner;
+    choice->time_routes = false;
+    choice->route_loop_ms = loop_ms;
+    choice->route_batched_ms = batched_ms;
+    ShapeInfo info;
+    auto it = choices.find(ChoiceKey(a, ragged_k, &info));
+    if (it != choices.end()) {
+      it->second.strategy = winner;
+      it->second.time_routes = false;
+      it->second.route_loop_ms = loop_ms;
+      it->second.route_batched_ms = batched_ms;
+    }
+    return absl::OkStatus();
+  }
+
   absl::Status Run(const DeviceGroupedGemmArgs& in, bool ragged_k, cudaStream_t stream) {
     SG_RETURN_IF_ERROR(Validate(in, ragged_k));
     DeviceGroupedGemmArgs a = in;
@@ -724,6 +1224,9 @@ struct GroupedGemmRunner::Impl {
     if (a.sm90_cluster != 0) choice.sm90_cluster = a.sm90_cluster;
     if (choice.sm90_tile_m == 64) choice.sm90_tile_n = 256;
     if (choice.sm90_tile_m != 128 || choice.sm90_tile_n != 256 || sm90_no_cluster) choice.sm90_cluster = 1;
+    last_choice = choice;
+    last_plan = nullptr;
+    last_strategy = s;
     if (s == Strategy::kSm90 && a.k > 0 && a.m > 0) {
       const char* detail = nullptr;
       cudaError_t e = LaunchSm90GroupedGemm(
@@ -746,13 +1249,23 @@ struct GroupedGemmRunner::Impl {
         Choice c2 = ChooseCached(a, ragged_k);
         s = c2.strategy == Strategy::kSm90 ? Strategy::kLtLoop : c2.strategy;
         choice.lt_streams = c2.lt_streams;
+        choice.time_routes = c2.time_routes;
+        choice.route_loop_ms = c2.route_loop_ms;
+        choice.route_batched_ms = c2.route_batched_ms;
       }
     }
     if (s == Strategy::kSm90) s = Strategy::kLtLoop;  // k == 0 or m == 0
+    if (in.strategy == Strategy::kAuto && s == Strategy::kLtLoop && choice.time_routes && options.autotune) {
+      SG_RETURN_IF_ERROR(TuneRoute(a, ragged_k, sizes, stream, &choice));
+      s = choice.strategy;
+    }
+    last_choice = choice;
+    last_strategy = s;
     switch (s) {
       case Strategy::kLtLoopGraph: return RunLtLoopGraph(a, ragged_k, sizes, stream, choice.lt_streams);
       case Strategy::kLtBatched:
         if (Supports(a, ragged_k, s).ok()) return RunLtBatched(a, ragged_k, sizes, stream);
+        last_strategy = Strategy::kLtLoop;
         return RunLtLoop(a, ragged_k, sizes, stream, choice.lt_streams);
       case Strategy::kGroupedBatched: return RunGroupedBatched(a, ragged_k, sizes, stream);
       default: return RunLtLoop(a, ragged_k, sizes, stream, choice.lt_streams);
@@ -783,6 +1296,25 @@ absl::Status GroupedGemmRunner::Supports(const DeviceGroupedGemmArgs& args, bool
   absl::Status v = impl_->Validate(args, ragged_k);
   if (!v.ok()) return v;
   return impl_->Supports(args, ragged_k, s);
+}
+RunInfo GroupedGemmRunner::LastRun() const {
+  RunInfo r;
+  r.strategy = impl_->last_strategy;
+  const Choice& c = impl_->last_choice;
+  if (r.strategy == Strategy::kSm90) {
+    r.detail = absl::StrCat("tile ", c.sm90_tile_m, "x", c.sm90_tile_n, ", cluster ", c.sm90_cluster);
+  } else if (impl_->last_plan != nullptr) {
+    r.detail = absl::StrCat(DescribeConfig(ReadConfig(impl_->last_plan->algo)), " [", impl_->last_plan->tune_note,
+                            "]");
+  } else if (r.strategy == Strategy::kGroupedBatched) {
+    r.detail = "cublasGemmGroupedBatchedEx (cuBLAS's own algorithm)";
+  } else if (r.strategy == Strategy::kLtLoopGraph) {
+    r.detail = "graph replay";
+  }
+  if (c.route_loop_ms > 0)
+    absl::StrAppend(&r.detail, absl::StrFormat("; routes timed: lt_loop %.1f us, lt_batched %.1f us per call",
+                                               c.route_loop_ms * 1e3, c.route_batched_ms * 1e3));
+  return r;
 }
 DevicePool& GroupedGemmRunner::pool() { return impl_->pool; }
 int GroupedGemmRunner::num_sms() const { return impl_->num_sms; }

@@ -56,7 +56,19 @@ struct RunnerOptions {
   int device = 0;
   int side_streams = 4;                        // per-group cuBLASLt calls spread over these
   int64_t lt_workspace_bytes = 32ll << 20;     // per side stream
-  bool autotune = true;  // time cuBLASLt's top candidates once per big shape (first call blocks)
+  // Time cuBLASLt candidates once per big problem, and lt_loop against
+  // lt_batched once per big equal-groups shape (the first call of the shape
+  // blocks: up to ~1 s on the largest presets). heuristics_sm90.cc has the rules.
+  bool autotune = true;
+};
+
+// What the last RaggedM / RaggedK call ran (the bench reports it).
+struct RunInfo {
+  Strategy strategy = Strategy::kAuto;
+  // cuBLAS routes: the algorithm (id, tile, stages, cluster, swizzle, custom
+  // option, split-K) of the largest group's call, how it was tuned, and for
+  // rule 2b the two routes' timings; sm90: the tile.
+  std::string detail;
 };
 
 class DevicePool;
@@ -77,6 +89,9 @@ class GroupedGemmRunner {
   Strategy Choose(const DeviceGroupedGemmArgs& args, bool ragged_k);
   // Whether `s` can run these args at all; when not, why.
   absl::Status Supports(const DeviceGroupedGemmArgs& args, bool ragged_k, Strategy s) const;
+
+  // The last call's route and algorithm (formatted on demand).
+  RunInfo LastRun() const;
 
   DevicePool& pool();
   int num_sms() const;

@@ -1,11 +1,15 @@
 // Grouped-GEMM benchmark over the presets (anchors/presets.json format).
 //
 //   grouped_gemm_bench --presets presets.json [--iters 20] [--warmup 5] [--json out.jsonl]
+//                      [--only-auto] [--round N]
 //
 // Per preset and variant, one result line like nccl-tests: our TFLOP/s (the
-// strategy kAuto picks), that strategy, every strategy's TFLOP/s (- where it
-// cannot run the shape), and the sampled check against the naive reference
-// (relative L2 error of auto's output; "ok" when every strategy passed).
+// strategy kAuto picks, timed once, first), that strategy, every strategy's
+// TFLOP/s (- where it cannot run the shape), and the sampled check against
+// the naive reference (relative L2 error of auto's output; "ok" when every
+// strategy passed); then the cuBLASLt algorithm auto ran and how it was
+// tuned. --only-auto times auto alone (the later rounds of
+// tools/gpu/run_gemm_bench.sh); --round tags the JSON lines.
 // Variants: rhs [G,N,K] (as the peer script), rhs [G,K,N], unbalanced group
 // sizes (same rows, [G,N,K]), and device-only group sizes ([G,N,K]).
 // BF16 in and out; TFLOP/s = 2 * rows * K * N / time; time = CUDA events
@@ -73,7 +77,8 @@ const Strategy kStrategies[] = {Strategy::kLtLoop, Strategy::kLtLoopGraph, Strat
 
 int Main(int argc, char** argv) {
   std::string presets_path = "presets.json", json_path;
-  int iters = 20, warmup = 5;
+  int iters = 20, warmup = 5, round = 1;
+  bool only_auto = false;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     auto next = [&]() -> std::string { return i + 1 < argc ? argv[++i] : ""; };
@@ -81,9 +86,13 @@ int Main(int argc, char** argv) {
     else if (a == "--iters") iters = std::atoi(next().c_str());
     else if (a == "--warmup") warmup = std::atoi(next().c_str());
     else if (a == "--json") json_path = next();
+    else if (a == "--only-auto") only_auto = true;
+    else if (a == "--round") round = std::atoi(next().c_str());
     else if (a == "--local") continue;  // the GPU of this machine (the only mode for now)
     else {
-      std::fprintf(stderr, "usage: %s [--local] --presets PATH [--iters N] [--warmup N] [--json OUT]\n", argv[0]);
+      std::fprintf(stderr,
+                   "usage: %s [--local] --presets PATH [--iters N] [--warmup N] [--json OUT] [--only-auto] [--round N]\n",
+                   argv[0]);
       return 1;
     }
   }
@@ -121,8 +130,8 @@ int Main(int argc, char** argv) {
   CHECK_CUDA(cudaEventCreate(&e1));
   cudaDeviceProp prop;
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
-  std::printf("# device: %s, %d SMs; BF16 in/out, FP32 accumulate; %d warmup + %d timed calls\n", prop.name,
-              prop.multiProcessorCount, warmup, iters);
+  std::printf("# device: %s, %d SMs; BF16 in/out, FP32 accumulate; %d warmup + %d timed calls; round %d%s\n",
+              prop.name, prop.multiProcessorCount, warmup, iters, round, only_auto ? " (auto only)" : "");
   std::printf("# %-18s %4s %5s %5s %6s %-10s %8s  %-15s %8s %8s %8s %8s %8s  %9s %9s %s\n", "preset", "G", "m", "K",
               "N", "variant", "ours", "strategy", "lt_loop", "lt_graph", "lt_batch", "grp_bat", "sm90", "max_err",
               "rel_l2", "check");
@@ -170,15 +179,24 @@ int Main(int argc, char** argv) {
       const double flops = 2.0 * rows * p.k * p.n;
       std::map<Strategy, double> tf;
       std::map<Strategy, testing::CheckResult> checks;
+      std::map<std::string, std::string> algos;  // what each timed strategy ran (LastRun)
       bool all_ok = true;
       std::string errors;
-      auto measure = [&](Strategy st, GroupedGemmRunner& runner, int tile_n, int cluster = 0) -> double {
+      auto measure = [&](Strategy st, GroupedGemmRunner& runner, int tile_n, int cluster = 0,
+                         const char* label = nullptr) -> double {
         a.strategy = st;
         a.sm90_tile_n = tile_n;
         a.sm90_cluster = cluster;
         if (!runner.Supports(a, false, st).ok()) return -1;
-        CHECK_CUDA(testing::Poison(out, M * p.n * 2, s));
+        // The first call of a shape may tune (timing candidates writes the
+        // output many times), so the checked call is the second, on a
+        // poisoned output: what the chosen algorithm alone wrote.
         absl::Status status = runner.RaggedM(a, s);
+        if (status.ok()) {
+          CHECK_CUDA(cudaStreamSynchronize(s));
+          CHECK_CUDA(testing::Poison(out, M * p.n * 2, s));
+          status = runner.RaggedM(a, s);
+        }
         if (!status.ok()) {
           errors += absl::StrCat(" ", StrategyName(st), ": ", status.message());
           all_ok = false;
@@ -199,27 +217,32 @@ int Main(int argc, char** argv) {
         CHECK_CUDA(cudaEventSynchronize(e1));
         float ms = 0;
         CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
+        const RunInfo info = runner.LastRun();
+        algos[label != nullptr ? std::string(label) : std::string(StrategyName(st))] =
+            absl::StrCat(StrategyName(info.strategy), info.detail.empty() ? "" : ": ", info.detail);
         return flops / (ms / iters * 1e-3) / 1e12;
       };
-      // Ours (auto) first, in the same position as the peer's figure.
-      a.strategy = Strategy::kAuto;
-      const Strategy chosen = runner.Choose(a, false);
-      const double ours_first = measure(Strategy::kAuto, runner, 0);
+      // Ours (auto) first, in the same position as the peer's figure, and
+      // timed once: one figure per round on each side (run_gemm_bench.sh
+      // interleaves three rounds and takes each side's median). Its first
+      // call tunes (cuBLASLt algorithms, and lt_loop against lt_batched).
+      const double ours = measure(Strategy::kAuto, runner, 0);
+      const RunInfo ran = runner.LastRun();
+      const Strategy chosen = ran.strategy;
       std::map<std::string, double> extra;
-      for (Strategy st : kStrategies) {
-        if (!v.host && st != Strategy::kSm90 && st != Strategy::kLtLoop) continue;  // the rest need host sizes
-        tf[st] = measure(st, runner, 0);
+      if (!only_auto) {
+        for (Strategy st : kStrategies) {
+          if (!v.host && st != Strategy::kSm90 && st != Strategy::kLtLoop) continue;  // the rest need host sizes
+          tf[st] = measure(st, runner, 0);
+        }
+        extra["lt_loop_1stream"] = measure(Strategy::kLtLoop, runner1, 0, 0, "lt_loop_1stream");
+        extra["sm90_n128"] = measure(Strategy::kSm90, runner, 128, 0, "sm90_n128");
+        extra["sm90_n256"] = measure(Strategy::kSm90, runner, 256, 1, "sm90_n256");
+        extra["sm90_n256_cluster2"] = measure(Strategy::kSm90, runner, 256, 2, "sm90_n256_cluster2");
+        // Auto again at the end, for the drift within a run (not in the ratio).
+        extra["auto_first"] = ours;
+        extra["auto_last"] = measure(Strategy::kAuto, runner, 0, 0, "auto_last");
       }
-      extra["lt_loop_1stream"] = measure(Strategy::kLtLoop, runner1, 0);
-      extra["sm90_n128"] = measure(Strategy::kSm90, runner, 128);
-      extra["sm90_n256"] = measure(Strategy::kSm90, runner, 256, 1);
-      extra["sm90_n256_cluster2"] = measure(Strategy::kSm90, runner, 256, 2);
-      // Ours again at the end: the better of two runs, as the table keeps
-      // the better of the peer's two runs.
-      const double ours_last = measure(Strategy::kAuto, runner, 0);
-      const double ours = std::max(ours_first, ours_last);
-      extra["auto_first"] = ours_first;
-      extra["auto_last"] = ours_last;
       auto col = [&](Strategy st) -> std::string {
         auto it = tf.find(st);
         if (it == tf.end() || it->second < 0) return std::string("-");
@@ -237,16 +260,24 @@ int Main(int argc, char** argv) {
                   col(Strategy::kLtLoopGraph).c_str(), col(Strategy::kLtBatched).c_str(),
                   col(Strategy::kGroupedBatched).c_str(), col(Strategy::kSm90).c_str(), max_err, rel,
                   all_ok ? "ok" : "FAIL", errors.c_str());
-      std::printf("  %-18s %4s %5s %5s %6s %-10s   more: lt_loop 1 stream %.1f, sm90 128x128 %.1f, sm90 128x256 %.1f,"
-                  " sm90 128x256 2x1 cluster %.1f\n", "", "", "", "", "", "", extra["lt_loop_1stream"],
-                  extra["sm90_n128"], extra["sm90_n256"], extra["sm90_n256_cluster2"]);
+      if (!only_auto)
+        std::printf("  %-18s %4s %5s %5s %6s %-10s   more: lt_loop 1 stream %.1f, sm90 128x128 %.1f, sm90 128x256 %.1f,"
+                    " sm90 128x256 2x1 cluster %.1f, auto again %.1f\n", "", "", "", "", "", "",
+                    extra["lt_loop_1stream"], extra["sm90_n128"], extra["sm90_n256"], extra["sm90_n256_cluster2"],
+                    extra["auto_last"]);
+      std::printf("  %-18s %4s %5s %5s %6s %-10s   auto ran %s%s%s\n", "", "", "", "", "", "",
+                  std::string(StrategyName(chosen)).c_str(), ran.detail.empty() ? "" : ": ", ran.detail.c_str());
       std::fflush(stdout);
       if (jf) {
         nlohmann::json j;
         j["preset"] = p.name;
         j["variant"] = v.name;
+        j["round"] = round;
+        j["only_auto"] = only_auto;
         j["ours_tflops"] = ours;
         j["strategy"] = std::string(StrategyName(chosen));
+        j["algo"] = ran.detail;
+        for (auto& [name, d] : algos) j["algos"][name] = d;
         for (auto& [st, t] : tf) j["strategies"][std::string(StrategyName(st))] = t;
         for (auto& [name, t] : extra) j["strategies"][name] = t;
         j["sizes"] = v.sizes;

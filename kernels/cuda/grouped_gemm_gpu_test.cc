@@ -122,8 +122,13 @@ int RunRaggedM(GroupedGemmRunner* runner, cudaStream_t s, const Case& c, uint64_
             tm ? absl::StrCat(" tile=", tm, "x", tn, " cluster=", cl) : "",
             st == Strategy::kAuto ? absl::StrCat(" (auto picks ", StrategyName(runner->Choose(a, false)), ")")
                                   : "");
-        EXPECT_EQ(testing::Poison(out.p, c.m * c.n * es_out, s), cudaSuccess);
+        // A shape's first call may tune (timing candidates writes the output
+        // many times): the checked call is the next, on a poisoned output.
         absl::Status status = runner->RaggedM(a, s);
+        if (status.ok()) {
+          EXPECT_EQ(testing::Poison(out.p, c.m * c.n * es_out, s), cudaSuccess);
+          status = runner->RaggedM(a, s);
+        }
         EXPECT_TRUE(status.ok()) << what << ": " << status;
         if (!status.ok()) continue;
         EXPECT_EQ(cudaStreamSynchronize(s), cudaSuccess) << what;
@@ -163,8 +168,11 @@ int RunRaggedK(GroupedGemmRunner* runner, cudaStream_t s, const Case& c, uint64_
       a.strategy = st;
       if (!runner->Supports(a, true, st).ok()) continue;
       const std::string what = absl::StrCat(c.name, " ragged-K strategy=", StrategyName(st), " host_sizes=", host);
-      EXPECT_EQ(testing::Poison(out.p, g * c.k * c.n * es_out, s), cudaSuccess);
-      absl::Status status = runner->RaggedK(a, s);
+      absl::Status status = runner->RaggedK(a, s);  // may tune: check the next call
+      if (status.ok()) {
+        EXPECT_EQ(testing::Poison(out.p, g * c.k * c.n * es_out, s), cudaSuccess);
+        status = runner->RaggedK(a, s);
+      }
       EXPECT_TRUE(status.ok()) << what << ": " << status;
       if (!status.ok()) continue;
       EXPECT_EQ(cudaStreamSynchronize(s), cudaSuccess) << what;

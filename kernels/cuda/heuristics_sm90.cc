@@ -17,6 +17,14 @@
 //     calls go one after another on one stream: spread over 4 side streams
 //     two big GEMMs share the SMs and L2 and averaged 5-8% lower over four
 //     runs (mixtral 709 vs 757, deepseek-up 671 vs 732, deepseek-down equal).
+// 2b. Big groups that are also equal, with host sizes: the strided-batched
+//     call runs them too (one launch, no partial last wave per group, but
+//     one cuBLAS kernel for the whole batch). On mixtral the two routes tie
+//     within the noise (loop 740, batched 742; dense ceiling 795), and the
+//     winner depends on the algorithm each gets, so the runner times both
+//     once per shape, each with its widely tuned algorithm (LtTune::kWide),
+//     alternating 3 rounds and comparing medians, and caches the faster; the
+//     loop stays unless the batched call is at least 1% faster.
 //  3. Smaller groups, all equal (host sizes): one strided-batched cuBLASLt
 //     call, a single launch whose kernel cuBLAS tuned for the batch (qwen3
 //     G16 m512: 717 vs 573 for our kernel; G128 m128: 455 vs 406; G64 m64:
@@ -33,7 +41,43 @@
 //     takes groups of different sizes) for small groups, else the loop.
 // Ragged K (wgrad: out[g] is K x N, the group is the contracting dim)
 //  6. Equal groups: strided-batched cuBLASLt; else one call per group.
+//
+// cuBLASLt autotuning (ChooseLtTune; the runner does the timing)
+//  T1. Calls under 2 GFLOP run the heuristic's first pick: timing would cost
+//      more than it could win back.
+//  T2. Narrow: the heuristic's top 8, one warm-up and 3 timed calls each,
+//      once per problem. Used when the problem may not come back (unequal
+//      groups: every distinct group size is its own problem), so the first
+//      call's stall stays short (~30 calls).
+//  T3. Wide (>= 20 GFLOP per call, and the problem repeats: equal groups or
+//      one batched call): the mixtral groups (240 GFLOP each) sat at parity
+//      with torch using the top-8 pick, with the kernel's partial last wave
+//      (6.8 waves of 128x256 tiles) the suspected loss, so tile, cluster and
+//      raster (swizzle) choices are worth a wider search. Candidates, at
+//      most 48, deduplicated by their full configuration, in this order:
+//        a. the heuristic's top 32 (at most 16 kept), as ranked;
+//        b. neighbours of its first 4 picks, the first pick's all before
+//           the second's: split-K off; cluster shape 1x1/2x1/1x2/2x2;
+//           swizzle flipped (x those clusters); the algorithm's other output
+//           tiles (sides >= 64); custom options 0..3; other stage settings;
+//           one knob changed at a time; up to 40 candidates in all;
+//        c. algorithms of cublasLtMatmulAlgoGetIds the first 4 picks do not
+//           use (tensor-core ones only), each tile (sides >= 64) with the
+//           first stage setting cublasLtMatmulAlgoCheck accepts, cluster
+//           left to cuBLAS, ordered by LtEnumRank (fullest last wave, then
+//           larger tiles); up to 48.
+//      Every built config passes cublasLtMatmulAlgoCheck, fits the
+//      workspace and needs at most 16-byte alignment. Timing: one warm-up
+//      call, then samples of 1-5 calls (~1 ms); a candidate one sample 25%
+//      slower than the best so far is out, else its better of two samples
+//      counts. The 4 fastest (and the heuristic's first pick) are re-timed
+//      in 3 alternating rounds of ~2 ms; the lowest median wins, but the
+//      heuristic's pick stays unless beaten by 1% (so noise does not flip
+//      the choice from run to run). Screening stops after 1.5 s of GPU time.
+//      Mixtral: ~0.2 s per group shape, ~0.5 s for the batched call.
 #include "kernels/cuda/heuristics_sm90.h"
+
+#include <cmath>
 
 namespace shardgemm {
 namespace cuda {
@@ -79,6 +123,7 @@ Choice ChooseSm90(const ShapeInfo& s) {
   if (big_groups) {  // rule 2
     c.strategy = Strategy::kLtLoop;
     c.lt_streams = 1;
+    c.time_routes = s.equal_groups && Eligible(s, Strategy::kLtBatched);  // rule 2b
   } else if (s.equal_groups && Eligible(s, Strategy::kLtBatched)) {  // rule 3
     c.strategy = Strategy::kLtBatched;
   } else if (sm90) {  // rule 4
@@ -89,6 +134,56 @@ Choice ChooseSm90(const ShapeInfo& s) {
     c.strategy = Strategy::kLtLoop;
   }
   return c;
+}
+
+LtTune ChooseLtTune(double flops, bool repeats) {
+  if (flops < 2e9) return LtTune::kNone;                // T1
+  if (repeats && flops >= 20e9) return LtTune::kWide;   // T3
+  return LtTune::kNarrow;                               // T2
+}
+
+const LtTunePolicy& WideLtTunePolicy() {
+  static const LtTunePolicy p;
+  return p;
+}
+
+namespace {
+#include "kernels/cuda/cublaslt_names.inc"
+}  // namespace
+
+void LtTileDims(uint32_t tile, int* rows, int* cols) {
+  *rows = tile < static_cast<uint32_t>(kLtNumTiles) ? kLtTileDims[tile][0] : 0;
+  *cols = tile < static_cast<uint32_t>(kLtNumTiles) ? kLtTileDims[tile][1] : 0;
+}
+
+double LtEnumRank(uint32_t tile, float waves) {
+  // The fuller the last wave the better (a 6.2-wave kernel idles most SMs
+  // in its last wave, a 6.9-wave one few); among equals, larger tiles (fewer
+  // operand re-reads per FLOP). Unknown wave counts rank as full.
+  double fill = 1.0;
+  if (waves > 0) fill = waves / std::ceil(waves);
+  int r, c;
+  LtTileDims(tile, &r, &c);
+  return std::round(fill * 20) * 1e6 + static_cast<double>(r) * c;
+}
+
+std::string LtTileName(uint32_t tile) {
+  int r, c;
+  LtTileDims(tile, &r, &c);
+  if (r == 0) return tile == 0 ? "undefined" : "tile#" + std::to_string(tile);
+  return std::to_string(r) + "x" + std::to_string(c);
+}
+
+std::string LtStagesName(uint32_t stages) {
+  if (stages < static_cast<uint32_t>(kLtStagesNamesCount) && kLtStagesNames[stages] != nullptr)
+    return kLtStagesNames[stages];
+  return "stages#" + std::to_string(stages);
+}
+
+std::string LtClusterName(uint32_t cluster) {
+  if (cluster < static_cast<uint32_t>(kLtClusterNamesCount) && kLtClusterNames[cluster] != nullptr)
+    return kLtClusterNames[cluster];
+  return "cluster#" + std::to_string(cluster);
 }
 
 }  // namespace cuda

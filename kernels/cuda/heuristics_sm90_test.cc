@@ -35,6 +35,40 @@ TEST(HeuristicsSm90, BigGroupsLoopOverCublasLt) {
   EXPECT_EQ(ChooseSm90(Preset(8, 2048, 2048, 7168, true)).strategy, Strategy::kLtLoop);
 }
 
+TEST(HeuristicsSm90, BigEqualGroupsTimeBothRoutes) {
+  EXPECT_TRUE(ChooseSm90(Preset(8, 2048, 4096, 14336, true)).time_routes);
+  ShapeInfo s = Preset(8, 2048, 4096, 14336, true);
+  s.equal_groups = false;
+  EXPECT_FALSE(ChooseSm90(s).time_routes);
+  EXPECT_FALSE(ChooseSm90(Preset(8, 2048, 4096, 14336, false)).time_routes);
+  EXPECT_FALSE(ChooseSm90(Preset(16, 512, 2048, 1536, true)).time_routes);  // batched by rule 3 already
+}
+
+TEST(HeuristicsSm90, TuneLevels) {
+  EXPECT_EQ(ChooseLtTune(1e9, true), LtTune::kNone);
+  EXPECT_EQ(ChooseLtTune(240e9, false), LtTune::kNarrow);  // unequal groups: each size its own problem
+  EXPECT_EQ(ChooseLtTune(240e9, true), LtTune::kWide);     // a mixtral group
+  EXPECT_EQ(ChooseLtTune(8.6e9, true), LtTune::kNarrow);   // small-decode's batched call
+  EXPECT_LE(WideLtTunePolicy().max_candidates, 48);
+}
+
+TEST(HeuristicsSm90, CublasLtNames) {
+  int r, c;
+  LtTileDims(23, &r, &c);  // CUBLASLT_MATMUL_TILE_128x256
+  EXPECT_EQ(r, 128);
+  EXPECT_EQ(c, 256);
+  EXPECT_EQ(LtTileName(24), "256x128");
+  EXPECT_EQ(LtTileName(0), "undefined");
+  EXPECT_EQ(LtTileName(100000), "tile#100000");
+  EXPECT_EQ(LtStagesName(35), "64xAUTO");
+  EXPECT_EQ(LtStagesName(29), "stages#29");
+  EXPECT_EQ(LtClusterName(3), "2x1x1");
+  EXPECT_EQ(LtClusterName(0), "auto");
+  // Fuller last wave first, then the larger tile.
+  EXPECT_GT(LtEnumRank(20, 6.9f), LtEnumRank(23, 6.2f));
+  EXPECT_GT(LtEnumRank(23, 3.0f), LtEnumRank(20, 3.0f));
+}
+
 TEST(HeuristicsSm90, SmallEqualGroupsBatch) {
   EXPECT_EQ(ChooseSm90(Preset(128, 128, 2048, 1536, true)).strategy, Strategy::kLtBatched);
   EXPECT_EQ(ChooseSm90(Preset(16, 512, 2048, 1536, true)).strategy, Strategy::kLtBatched);
