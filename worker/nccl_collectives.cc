@@ -27,6 +27,13 @@ absl::Status Cuda(cudaError_t e, absl::string_view what) {
   return absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorString(e)));
 }
 
+// Rows before `dim` (the product of the leading dimensions).
+int64_t Outer(const std::vector<int64_t>& shape, int dim) {
+  int64_t outer = 1;
+  for (int d = 0; d < dim; ++d) outer *= shape[d];
+  return outer;
+}
+
 class NcclCollectives : public Collectives {
  public:
   NcclCollectives(MeshPosition position, int device, IdExchange exchange,
@@ -45,6 +52,9 @@ class NcclCollectives : public Collectives {
   absl::StatusOr<HostTensor> AllGather(const HostTensor& local, int dim,
                                        const std::vector<std::string>& axes) override {
     cudaSetDevice(device_);  // the current device is per thread; gRPC threads vary
+    if (dim < 0 || dim >= static_cast<int>(local.shape.size())) {
+      return absl::InvalidArgumentError(absl::StrCat("all_gather: dimension ", dim, " out of range"));
+    }
     auto comm = Comm(axes);
     if (!comm.ok()) return comm.status();
     if (*comm == nullptr) return local;
@@ -53,28 +63,29 @@ class NcclCollectives : public Collectives {
     auto send = Buffer(0, n), recv = Buffer(1, n * *size);
     if (!send.ok()) return send.status();
     if (!recv.ok()) return recv.status();
-    std::string gathered(n * *size, '\0');
+    HostTensor out;
+    out.dtype = local.dtype;
+    out.shape = local.shape;
+    out.shape[dim] *= *size;
+    out.bytes.resize(n * *size);
     absl::Status s = Cuda(cudaMemcpyAsync(*send, local.bytes.data(), n, cudaMemcpyHostToDevice, stream_), "upload");
     if (s.ok()) s = Nccl(ncclAllGather(*send, *recv, n, ncclUint8, *comm, stream_), "ncclAllGather");
     // Wait (watching for errors) before copying back: a copy into pageable
     // memory would block until the collective finished, past any timeout.
     if (s.ok()) s = Wait(axes, *comm);
-    if (s.ok()) s = Cuda(cudaMemcpy(&gathered[0], *recv, gathered.size(), cudaMemcpyDeviceToHost), "download");
-    if (!s.ok()) return s;
-    HostTensor out;
-    out.dtype = local.dtype;
-    out.shape = local.shape;
-    out.shape[dim] *= *size;
-    out.bytes.assign(gathered.size(), '\0');
-    for (int64_t i = 0; i < *size; ++i) {
-      HostTensor piece;
-      piece.dtype = local.dtype;
-      piece.shape = local.shape;
-      piece.bytes = gathered.substr(i * n, n);
-      std::vector<int64_t> offsets(local.shape.size(), 0);
-      offsets[dim] = i * local.shape[dim];
-      InsertBlock(piece, offsets, &out);
+    // The members' pieces arrive one after another; along `dim` they
+    // interleave every `outer` rows: place them with strided copies straight
+    // into the output instead of through host-side slices.
+    const int64_t outer = Outer(local.shape, dim), row = outer > 0 ? n / outer : 0;
+    for (int64_t i = 0; s.ok() && n > 0 && i < *size; ++i) {
+      char* dst = &out.bytes[0] + i * row;
+      const char* src = static_cast<const char*>(*recv) + i * n;
+      s = Cuda(outer == 1 ? cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToHost, stream_)
+                          : cudaMemcpy2DAsync(dst, row * *size, src, row, row, outer, cudaMemcpyDeviceToHost, stream_),
+               "download");
     }
+    if (s.ok()) s = Cuda(cudaStreamSynchronize(stream_), "download");
+    if (!s.ok()) return s;
     return out;
   }
 
@@ -112,32 +123,40 @@ class NcclCollectives : public Collectives {
     if (!size.ok()) return size.status();
     if (!index.ok()) return index.status();
     if (*size == 1) return t;
-    // ncclReduceScatter splits the flat buffer: bring `dim` to the front so
-    // each member's piece is contiguous, scatter, and restore the layout.
-    std::vector<HostTensor> pieces;
-    HostTensor flat = t;
-    flat.bytes.clear();
-    for (int64_t i = 0; i < *size; ++i) {
-      auto p = TakePiece(t, dim, i, *size, "reduce_scatter");
-      if (!p.ok()) return p.status();
-      flat.bytes += p->bytes;
-      pieces.push_back(std::move(*p));
+    if (dim < 0 || dim >= static_cast<int>(t.shape.size())) {
+      return absl::InvalidArgumentError(absl::StrCat("reduce_scatter: dimension ", dim, " out of range"));
     }
+    if (t.shape[dim] % *size != 0) {
+      return absl::InvalidArgumentError(absl::StrCat("reduce_scatter: dimension ", dim, " of size ", t.shape[dim],
+                                                     " does not split into ", *size));
+    }
+    if (t.dtype != DType::kF32) return absl::InvalidArgumentError("reduce-scatter runs on FP32 partial sums");
     auto comm = Comm(axes);
     if (!comm.ok()) return comm.status();
-    if (t.dtype != DType::kF32) {
-      return absl::InvalidArgumentError("reduce-scatter runs on FP32 partial sums");
-    }
-    const int64_t piece_elems = pieces[0].NumElements();
-    auto buf = Buffer(0, flat.NumBytes());
-    auto out = Buffer(1, piece_elems * 4);
+    HostTensor mine;
+    mine.dtype = t.dtype;
+    mine.shape = t.shape;
+    mine.shape[dim] /= *size;
+    const int64_t total = t.NumBytes(), piece = total / *size;
+    mine.bytes.resize(piece);
+    if (total == 0) return mine;
+    // ncclReduceScatter splits the flat buffer: bring `dim` to the front on
+    // the device (strided copies) so each member's piece is contiguous.
+    const int64_t outer = Outer(t.shape, dim), row = piece / outer;
+    auto in = Buffer(2, total), buf = Buffer(0, total), out = Buffer(1, piece);
+    if (!in.ok()) return in.status();
     if (!buf.ok()) return buf.status();
     if (!out.ok()) return out.status();
-    HostTensor mine = pieces[*index];
-    absl::Status s = Cuda(cudaMemcpyAsync(*buf, flat.bytes.data(), flat.bytes.size(), cudaMemcpyHostToDevice, stream_), "upload");
-    if (s.ok()) s = Nccl(ncclReduceScatter(*buf, *out, piece_elems, ncclFloat32, ncclSum, *comm, stream_), "ncclReduceScatter");
+    absl::Status s = Cuda(cudaMemcpyAsync(outer == 1 ? *buf : *in, t.bytes.data(), total, cudaMemcpyHostToDevice,
+                                          stream_), "upload");
+    for (int64_t i = 0; s.ok() && outer > 1 && i < *size; ++i) {
+      s = Cuda(cudaMemcpy2DAsync(static_cast<char*>(*buf) + i * piece, row, static_cast<const char*>(*in) + i * row,
+                                 row * *size, row, outer, cudaMemcpyDeviceToDevice, stream_),
+               "reduce_scatter layout");
+    }
+    if (s.ok()) s = Nccl(ncclReduceScatter(*buf, *out, piece / 4, ncclFloat32, ncclSum, *comm, stream_), "ncclReduceScatter");
     if (s.ok()) s = Wait(axes, *comm);
-    if (s.ok()) s = Cuda(cudaMemcpy(&mine.bytes[0], *out, mine.NumBytes(), cudaMemcpyDeviceToHost), "download");
+    if (s.ok()) s = Cuda(cudaMemcpy(&mine.bytes[0], *out, piece, cudaMemcpyDeviceToHost), "download");
     if (!s.ok()) return s;
     return mine;
   }

@@ -262,11 +262,15 @@ __device__ __forceinline__ uint64_t L2Policy(bool keep) {
   }
   return pol;
 }
-// 16 bytes global -> shared; zero-filled when !valid (nothing is read then).
+// 16 bytes global -> shared with an L2 eviction hint. (The hinted form takes
+// no src-size: zero-filling through it traps on sm_90, so padding is stored.)
 __device__ __forceinline__ void CpAsync16(void* smem, const void* gmem, bool valid, uint64_t pol) {
+  if (!valid) {
+    *static_cast<uint4*>(smem) = make_uint4(0, 0, 0, 0);
+    return;
+  }
   const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(s), "l"(gmem),
-               "r"(valid ? 16 : 0), "l"(pol)
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "l"(pol)
                : "memory");
 }
 __device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
