@@ -100,8 +100,10 @@ __device__ __forceinline__ uint32_t ChunkAbsMax(const Chunk<DT>& c) {
 
 constexpr int kTileRows = 128;  // every mode: a multiple of the MXFP8 (32) and block (128) heights
 
-// Blocks per SM the register budget is sized for (memory-bound: occupancy first).
-constexpr int MinBlocks(int dt) { return dt == 2 ? 2 : 3; }
+// Blocks per SM the register budget is sized for: three 64 KiB-buffered
+// blocks of 16-bit input fit an SM (80 registers); MXFP8's per-column scales
+// spill at 80, so it runs two (128); F32 tiles take 128 KiB, one block.
+constexpr int MinBlocks(int dt, int mode) { return dt == 2 ? 1 : mode == 2 ? 2 : 3; }
 
 // Two elements through the hardware conversion (x0 in the low byte), with the
 // shared NaN rule applied on the unscaled inputs.
@@ -253,24 +255,11 @@ constexpr int TileBytes() {
   return kTileRows * kTileCols * (DT == 2 ? 4 : 2);
 }
 
-__device__ __forceinline__ uint64_t L2Policy(bool keep) {
-  uint64_t pol;
-  if (keep) {
-    asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(pol));
-  } else {
-    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
-  }
-  return pol;
-}
-// 16 bytes global -> shared with an L2 eviction hint. (The hinted form takes
-// no src-size: zero-filling through it traps on sm_90, so padding is stored.)
-__device__ __forceinline__ void CpAsync16(void* smem, const void* gmem, bool valid, uint64_t pol) {
-  if (!valid) {
-    *static_cast<uint4*>(smem) = make_uint4(0, 0, 0, 0);
-    return;
-  }
+// 16 bytes global -> shared, L2 only; zero-filled when !valid (nothing is
+// read then). (The L2::cache_hint form of cp.async trapped on the H200.)
+__device__ __forceinline__ void CpAsync16(void* smem, const void* gmem, bool valid) {
   const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "l"(pol)
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(valid ? 16 : 0)
                : "memory");
 }
 __device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
@@ -354,8 +343,7 @@ __device__ __forceinline__ TileGeom GeomOf(const QuantizeParams& p, const Item& 
 // Issues the cp.async copies of a tile (rows past the group or columns past k
 // read as zeros).
 template <int DT>
-__device__ __forceinline__ void LoadTile(const QuantizeParams& p, const TileGeom& tg, unsigned char* buf,
-                                         uint64_t pol) {
+__device__ __forceinline__ void LoadTile(const QuantizeParams& p, const TileGeom& tg, unsigned char* buf) {
   using T = typename InType<DT>::T;
   constexpr int kEpv = 16 / static_cast<int>(sizeof(T));  // elements per 16 bytes
   constexpr int kCpr = kTileCols / kEpv;                  // 16-byte chunks per row
@@ -366,7 +354,7 @@ __device__ __forceinline__ void LoadTile(const QuantizeParams& p, const TileGeom
     const int ch = threadIdx.x + i * kThreads, rr = ch / kCpr, cc = ch % kCpr;
     const bool valid = rr < tg.nrows && cc * kEpv < tg.ncols;
     const T* src = valid ? x + (tg.r0 + rr) * p.k + tg.c0 + cc * kEpv : x;
-    CpAsync16(buf + ch * 16, src, valid, pol);
+    CpAsync16(buf + ch * 16, src, valid);
   }
 }
 
@@ -592,7 +580,7 @@ __device__ __forceinline__ void QuantizeTile(const QuantizeParams& p, const Tile
 }
 
 template <int DT, int MODE, int FMT>
-__global__ void __launch_bounds__(kThreads, MinBlocks(DT)) QuantizeKernel(const __grid_constant__ QuantizeParams p) {
+__global__ void __launch_bounds__(kThreads, MinBlocks(DT, MODE)) QuantizeKernel(const __grid_constant__ QuantizeParams p) {
   using T = typename InType<DT>::T;
   constexpr bool kTensor = MODE == kModeCurrent || MODE == kModeDelayed;
   extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -615,9 +603,6 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(DT)) QuantizeKernel(const 
   }
   const bool fused = MODE == kModeCurrent && p.fuse_amax;
   QuantizeWorkspace* ws = reinterpret_cast<QuantizeWorkspace*>(p.workspace);
-  // The x of an amax tile is read again by its quantize tile: keep it in L2;
-  // everything else is read once.
-  const uint64_t keep = L2Policy(true), once = L2Policy(false);
 
   int cur, nxt;
   if (fused) {
@@ -634,13 +619,13 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(DT)) QuantizeKernel(const 
   int buf = 0;
   if (cur < p.num_items) {
     it_cur = DecodeItem(p, cur);
-    LoadTile<DT>(p, GeomOf(p, it_cur), smem_raw, it_cur.amax ? keep : once);
+    LoadTile<DT>(p, GeomOf(p, it_cur), smem_raw);
   }
   CpAsyncCommit();
   while (cur < p.num_items) {
     if (nxt < p.num_items) {
       it_nxt = DecodeItem(p, nxt);
-      LoadTile<DT>(p, GeomOf(p, it_nxt), smem_raw + (buf ^ 1) * TileBytes<DT>(), it_nxt.amax ? keep : once);
+      LoadTile<DT>(p, GeomOf(p, it_nxt), smem_raw + (buf ^ 1) * TileBytes<DT>());
     }
     CpAsyncCommit();
     int claimed = 0;

@@ -154,7 +154,7 @@ int Main(int argc, char** argv) {
       const char* name;
       ScalingMode mode;
       bool row, col;
-      bool fused = true;
+      bool fused = false;
     };
     const Op ops[] = {
         {"current row+col", ScalingMode::kCurrent, true, true},
@@ -163,7 +163,7 @@ int Main(int argc, char** argv) {
         {"delayed row+col", ScalingMode::kDelayed, true, true},
         {"mxfp8 row", ScalingMode::kMxfp8, true, false},
         {"block1x128 row+col", ScalingMode::kBlock1x128, true, true},
-        {"current row+col 2-pass", ScalingMode::kCurrent, true, true, false},
+        {"current row+col fused", ScalingMode::kCurrent, true, true, true},
     };
     for (const Op& op : ops) {
       GroupedQuantizeArgs a;

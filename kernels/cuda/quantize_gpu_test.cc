@@ -104,7 +104,7 @@ struct Case {
   int64_t pad_rows;
   bool specials;
   bool software_cvt;
-  bool fused_current = true;
+  bool fused_current = false;
 };
 
 std::string Name(const Case& c) {

@@ -23,9 +23,9 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.g
 rc=0
 for r in $(seq 1 "$ROUNDS"); do
   echo "# round $r: torch._grouped_mm ($(date -u +%H:%M:%S))"
-  python3 "$B/peer_grouped_mm.py" --presets "$B/presets.json" | tee -a "$OUTD/peer.jsonl"
+  python3 "$HERE/warm_then_run.py" "$B/peer_grouped_mm.py" --presets "$B/presets.json" | tee -a "$OUTD/peer.jsonl"
   if [ "$r" -gt 1 ]; then
-    python3 "$HERE/peer_unbalanced.py" "$OUTD/ours.1.jsonl" | tee -a "$OUTD/peer.jsonl"
+    python3 "$HERE/warm_then_run.py" "$HERE/peer_unbalanced.py" "$OUTD/ours.1.jsonl" | tee -a "$OUTD/peer.jsonl"
   fi
   echo "# round $r: ours ($(date -u +%H:%M:%S))"
   only=""
@@ -35,7 +35,7 @@ for r in $(seq 1 "$ROUNDS"); do
   [ $brc -ne 0 ] && rc=$brc
 done
 echo "# torch on our unbalanced sizes, after our last round ($(date -u +%H:%M:%S))"
-python3 "$HERE/peer_unbalanced.py" "$OUTD/ours.1.jsonl" | tee -a "$OUTD/peer.jsonl"
+python3 "$HERE/warm_then_run.py" "$HERE/peer_unbalanced.py" "$OUTD/ours.1.jsonl" | tee -a "$OUTD/peer.jsonl"
 nvidia-smi --query-gpu=clocks.sm,temperature.gpu,power.draw --format=csv,noheader || true
 date -u +"# %Y-%m-%dT%H:%M:%SZ"
 python3 "$HERE/gemm_table.py" "$OUTD/peer.jsonl" "$OUTD"/ours.*.jsonl | tee "$OUTD/table.md"
