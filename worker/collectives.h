@@ -49,6 +49,21 @@ class Collectives {
   // Sum over the group, then this worker keeps its piece along `dim`.
   virtual absl::StatusOr<HostTensor> ReduceScatter(const HostTensor& t, int dim,
                                                    const std::vector<std::string>& axes) = 0;
+  // Device all-gather (the FSDP weight gather feeding a device GEMM): true
+  // where AllGatherDevice works on device memory of the backend's device.
+  virtual bool SupportsDeviceAllGather() const { return false; }
+  // AllGather's output layout (the members' pieces concatenated along `dim`
+  // in group-index order), on device memory: `send` holds this worker's
+  // piece of shape `local_shape` and `dtype`, `recv` has room for the piece's
+  // bytes times the group size. Runs on `stream` (a cudaStream_t of the
+  // backend's device, kept opaque here) and returns once `recv` is written,
+  // failing the same way as AllGather on an asynchronous error or timeout.
+  virtual absl::Status AllGatherDevice(const void* send, void* recv,
+                                       const std::vector<int64_t>& local_shape, DType dtype, int dim,
+                                       const std::vector<std::string>& axes, void* stream) {
+    (void)send, (void)recv, (void)local_shape, (void)dtype, (void)dim, (void)axes, (void)stream;
+    return absl::UnimplementedError("these collectives have no device all-gather");
+  }
   // Every worker of the mesh passes its own status; all get OK only if all
   // are OK. A worker that failed gets its own error back, the others ABORTED.
   // Steps call this before their collectives, so one worker's failure (a bad

@@ -42,6 +42,10 @@ class NcclCollectives : public Collectives {
         timeout_(timeout) {
     cudaSetDevice(device_);
     cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking);
+    int pitch = 0;
+    if (cudaDeviceGetAttribute(&pitch, cudaDevAttrMaxPitch, device_) == cudaSuccess && pitch > 0) {
+      max_pitch_ = pitch;
+    }
   }
   ~NcclCollectives() override {
     for (auto& [key, comm] : comms_) ncclCommDestroy(comm);
@@ -72,7 +76,7 @@ class NcclCollectives : public Collectives {
     if (s.ok()) s = Nccl(ncclAllGather(*send, *recv, n, ncclUint8, *comm, stream_), "ncclAllGather");
     // Wait (watching for errors) before copying back: a copy into pageable
     // memory would block until the collective finished, past any timeout.
-    if (s.ok()) s = Wait(axes, *comm);
+    if (s.ok()) s = Wait(axes, *comm, stream_);
     // The members' pieces arrive one after another; along `dim` they
     // interleave every `outer` rows: place them with strided copies straight
     // into the output instead of through host-side slices.
@@ -87,6 +91,62 @@ class NcclCollectives : public Collectives {
     if (s.ok()) s = Cuda(cudaStreamSynchronize(stream_), "download");
     if (!s.ok()) return s;
     return out;
+  }
+
+  bool SupportsDeviceAllGather() const override { return true; }
+
+  // The FSDP weight gather that stays on the device: ncclAllGather on the
+  // caller's stream, into `recv` directly when the pieces are contiguous
+  // along `dim` (every dimension before it is 1), otherwise into a scratch
+  // buffer and then placed along `dim` with strided device-to-device copies.
+  absl::Status AllGatherDevice(const void* send, void* recv, const std::vector<int64_t>& local_shape,
+                               DType dtype, int dim, const std::vector<std::string>& axes,
+                               void* stream_ptr) override {
+    cudaSetDevice(device_);
+    if (dim < 0 || dim >= static_cast<int>(local_shape.size())) {
+      return absl::InvalidArgumentError(absl::StrCat("all_gather: dimension ", dim, " out of range"));
+    }
+    cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
+    auto size = position_.GroupSize(axes);
+    if (!size.ok()) return size.status();
+    int64_t elements = 1;
+    for (int64_t d : local_shape) elements *= d;
+    const int64_t n = elements * DTypeSize(dtype);
+    auto comm = Comm(axes);
+    if (!comm.ok()) return comm.status();
+    if (*comm == nullptr) {  // a group of one: the piece is the whole
+      absl::Status s;
+      if (n > 0 && send != recv) s = Cuda(cudaMemcpyAsync(recv, send, n, cudaMemcpyDeviceToDevice, stream), "copy");
+      if (s.ok()) s = Cuda(cudaStreamSynchronize(stream), "copy");
+      return s;
+    }
+    if (n == 0) return absl::OkStatus();  // every member has the same (empty) piece
+    const int64_t outer = Outer(local_shape, dim), row = n / outer;
+    void* gathered = recv;
+    if (outer > 1) {
+      auto buf = Buffer(1, n * *size);
+      if (!buf.ok()) return buf.status();
+      gathered = *buf;
+    }
+    absl::Status s = Nccl(ncclAllGather(send, gathered, n, ncclUint8, *comm, stream), "ncclAllGather");
+    // Member i's piece is `outer` rows of `row` bytes; along `dim` they
+    // interleave: row j of piece i goes to row j * size + i of the output.
+    const int64_t dpitch = row * *size;
+    for (int64_t i = 0; s.ok() && outer > 1 && i < *size; ++i) {
+      char* dst = static_cast<char*>(recv) + i * row;
+      const char* src = static_cast<const char*>(gathered) + i * n;
+      if (dpitch <= max_pitch_) {
+        s = Cuda(cudaMemcpy2DAsync(dst, dpitch, src, row, row, outer, cudaMemcpyDeviceToDevice, stream),
+                 "all_gather placement");
+      } else {  // wider than a 2D copy allows: one copy per row
+        for (int64_t j = 0; s.ok() && j < outer; ++j) {
+          s = Cuda(cudaMemcpyAsync(dst + j * dpitch, src + j * row, row, cudaMemcpyDeviceToDevice, stream),
+                   "all_gather placement");
+        }
+      }
+    }
+    if (s.ok()) s = Wait(axes, *comm, stream);
+    return s;
   }
 
   absl::Status AllReduce(HostTensor* t, ReduceOp op, const std::vector<std::string>& axes) override {
@@ -110,7 +170,7 @@ class NcclCollectives : public Collectives {
       s = Nccl(ncclAllReduce(*buf, *buf, t->NumElements(), type, op == ReduceOp::kSum ? ncclSum : ncclMax,
                              *comm, stream_), "ncclAllReduce");
     }
-    if (s.ok()) s = Wait(axes, *comm);
+    if (s.ok()) s = Wait(axes, *comm, stream_);
     if (s.ok()) s = Cuda(cudaMemcpy(&t->bytes[0], *buf, t->NumBytes(), cudaMemcpyDeviceToHost), "download");
     return s;
   }
@@ -155,7 +215,7 @@ class NcclCollectives : public Collectives {
                "reduce_scatter layout");
     }
     if (s.ok()) s = Nccl(ncclReduceScatter(*buf, *out, piece / 4, ncclFloat32, ncclSum, *comm, stream_), "ncclReduceScatter");
-    if (s.ok()) s = Wait(axes, *comm);
+    if (s.ok()) s = Wait(axes, *comm, stream_);
     if (s.ok()) s = Cuda(cudaMemcpy(&mine.bytes[0], *out, piece, cudaMemcpyDeviceToHost), "download");
     if (!s.ok()) return s;
     return mine;
@@ -173,12 +233,12 @@ class NcclCollectives : public Collectives {
   }
 
  private:
-  // Polls the stream and the communicator's asynchronous error, so a peer
+  // Polls `stream` and the communicator's asynchronous error, so a peer
   // that never arrives fails the step instead of hanging it.
-  absl::Status Wait(const std::vector<std::string>& axes, ncclComm_t comm) {
+  absl::Status Wait(const std::vector<std::string>& axes, ncclComm_t comm, cudaStream_t stream) {
     const absl::Time deadline = absl::Now() + absl::FromChrono(timeout_);
     while (true) {
-      cudaError_t e = cudaStreamQuery(stream_);
+      cudaError_t e = cudaStreamQuery(stream);
       if (e == cudaSuccess) return absl::OkStatus();
       if (e != cudaErrorNotReady) return Cuda(e, "collective");
       ncclResult_t async;
@@ -259,6 +319,7 @@ class NcclCollectives : public Collectives {
   IdExchange exchange_;
   std::chrono::milliseconds timeout_;
   cudaStream_t stream_ = nullptr;
+  int64_t max_pitch_ = (int64_t{1} << 31) - 1;  // cudaDevAttrMaxPitch: the widest 2D copy
   std::mutex mu_;
   std::map<std::string, ncclComm_t> comms_;
   uint64_t step_ = 0;
