@@ -29,6 +29,23 @@ bool CudaDevicePresent(int device, std::string* why_not) {
 
 std::unique_ptr<Backend> MakeCudaBackend(int device, std::string* error);  // cuda_backend.cc
 
+absl::StatusOr<HostTensor> GroupedGemmAfterHostGather(Backend* backend, const LocalGemm& g) {
+  if (g.rhs_gather.collectives == nullptr || g.rhs == nullptr) {
+    return absl::InvalidArgumentError("rhs_gather without collectives or rhs");
+  }
+  auto gathered = g.rhs_gather.collectives->AllGather(*g.rhs, g.rhs_gather.dim, g.rhs_gather.axes);
+  if (!gathered.ok()) return gathered.status();
+  if (gathered->shape != g.rhs_gather.gathered_shape) {
+    return absl::InternalError(absl::StrCat("gathered rhs is ", ShapeToString(gathered->shape), ", expected ",
+                                            ShapeToString(g.rhs_gather.gathered_shape)));
+  }
+  LocalGemm h = g;
+  h.rhs = &*gathered;
+  h.resident_rhs = nullptr;
+  h.rhs_gather = LocalGemm::RhsGather();
+  return backend->GroupedGemm(h);
+}
+
 GroupedQuantizeArgs QuantizeArgs(const LocalQuantize& q, const void* x) {
   GroupedQuantizeArgs a;
   a.x = x;

@@ -10,6 +10,7 @@
 #include "absl/status/statusor.h"
 #include "kernels/cpu/quantize.h"
 #include "kernels/host_tensor.h"
+#include "worker/collectives.h"
 
 namespace shardgemm {
 
@@ -24,6 +25,21 @@ struct LocalGemm {
   std::vector<int64_t> group_sizes;  // this worker's local groups
   bool rhs_transposed = false;
   DType out_dtype = DType::kF32;
+  // The FSDP weight gather, handed to a backend that CanGatherOnDevice()
+  // (the executor decides; ragged M only): `rhs` (and `resident_rhs`) is then
+  // this worker's shard, and the GEMM runs on the members' shards gathered
+  // along `dim` over `axes`, of shape `gathered_shape`, as
+  // Collectives::AllGather would lay them out. A device backend gathers on
+  // the device (Collectives::AllGatherDevice) straight into the GEMM's
+  // operand; the gather is a collective, so every member of the group calls it.
+  struct RhsGather {
+    bool enabled = false;
+    int dim = 0;
+    std::vector<std::string> axes;
+    Collectives* collectives = nullptr;
+    std::vector<int64_t> gathered_shape;
+  };
+  RhsGather rhs_gather;
 };
 
 // Grouped quantize of x [m, k] grouped by rows (kernels/cpu/quantize.h).
@@ -72,7 +88,14 @@ class Backend {
   virtual std::string Device() const = 0;  // human-readable device description
   virtual absl::StatusOr<HostTensor> GroupedGemm(const LocalGemm& gemm) = 0;
   virtual absl::StatusOr<QuantizeOutputs> GroupedQuantize(const LocalQuantize& q) = 0;
+  // Whether GroupedGemm takes LocalGemm::rhs_gather and gathers on its device.
+  virtual bool CanGatherOnDevice() const { return false; }
 };
+
+// `g` with its rhs_gather done on the host (Collectives::AllGather), run by
+// `backend` on the gathered weight: for the calls a device backend keeps on
+// the host (the CPU fallback, ragged K).
+absl::StatusOr<HostTensor> GroupedGemmAfterHostGather(Backend* backend, const LocalGemm& g);
 
 std::unique_ptr<Backend> MakeCpuBackend(int num_threads);
 

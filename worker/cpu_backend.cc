@@ -18,6 +18,9 @@ class CpuBackend : public Backend {
   std::string Device() const override { return absl::StrCat("cpu (", num_threads_, " threads)"); }
 
   absl::StatusOr<HostTensor> GroupedGemm(const LocalGemm& g) override {
+    // Never asked for (CanGatherOnDevice is false), but a gather handed over
+    // still runs: on the host.
+    if (g.rhs_gather.enabled) return GroupedGemmAfterHostGather(this, g);
     const HostTensor& lhs = *g.lhs;
     const HostTensor& rhs = *g.rhs;
     cpu::GroupedGemmArgs a;

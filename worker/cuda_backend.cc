@@ -59,6 +59,7 @@ class CudaBackend : public Backend {
 
   std::string Name() const override { return "cuda"; }
   std::string Device() const override { return name_; }
+  bool CanGatherOnDevice() const override { return true; }
 
   absl::StatusOr<HostTensor> GroupedGemm(const LocalGemm& g) override {
     const HostTensor& lhs = *g.lhs;
@@ -66,7 +67,17 @@ class CudaBackend : public Backend {
     // The GPU kernels take BF16 or F16 operands of one dtype; F32 (and
     // mixed) inputs keep FP32 arithmetic on the host reference kernels.
     if (lhs.dtype != rhs.dtype || !(lhs.dtype == DType::kBF16 || lhs.dtype == DType::kF16)) {
-      return cpu_->GroupedGemm(g);
+      return g.rhs_gather.enabled ? GroupedGemmAfterHostGather(cpu_.get(), g) : cpu_->GroupedGemm(g);
+    }
+    // The weight gather stays on the device for ragged M (the forward GEMM);
+    // ragged K (wgrad) gathers on the host.
+    const bool gather = g.rhs_gather.enabled;
+    if (gather && (g.ragged_k || g.rhs_gather.collectives == nullptr)) return GroupedGemmAfterHostGather(this, g);
+    // The weight the GEMM reads: the gathered one when gathering.
+    const std::vector<int64_t>& rhs_shape = gather ? g.rhs_gather.gathered_shape : rhs.shape;
+    if (gather && (rhs_shape.size() != rhs.shape.size() || rhs_shape.size() != 3)) {
+      return absl::InvalidArgumentError(absl::StrCat("gathered rhs ", ShapeToString(rhs_shape),
+                                                     " does not match the shard ", ShapeToString(rhs.shape)));
     }
     cudaSetDevice(device_);
     cuda::DeviceGroupedGemmArgs a;
@@ -81,7 +92,7 @@ class CudaBackend : public Backend {
       a.n = rhs.shape[1];
       out_shape = {a.num_groups, a.k, a.n};
     } else {
-      a.n = g.rhs_transposed ? rhs.shape[1] : rhs.shape[2];
+      a.n = g.rhs_transposed ? rhs_shape[1] : rhs_shape[2];
       out_shape = {a.m, a.n};
     }
     auto out = ZerosTensor(g.out_dtype, out_shape);
@@ -94,6 +105,21 @@ class CudaBackend : public Backend {
     auto d_out = scratch.Take(out->NumBytes());
     for (const auto* s : {&d_lhs, &d_rhs, &d_sizes, &d_out}) {
       if (!s->ok()) return s->status();
+    }
+    // The FSDP weight gather, device to device on this stream, straight into
+    // the GEMM's operand (a group of one, gathered_shape == the shard's: the
+    // shard itself).
+    if (gather && rhs_shape != rhs.shape) {
+      int64_t gathered_bytes = DTypeSize(rhs.dtype);
+      for (int64_t d : rhs_shape) gathered_bytes *= d;
+      auto d_gathered = scratch.Take(gathered_bytes);
+      if (!d_gathered.ok()) return d_gathered.status();
+      if (auto st = g.rhs_gather.collectives->AllGatherDevice(*d_rhs, *d_gathered, rhs.shape, rhs.dtype,
+                                                              g.rhs_gather.dim, g.rhs_gather.axes, stream_);
+          !st.ok()) {
+        return st;
+      }
+      d_rhs = *d_gathered;
     }
     if (g.bias != nullptr && !g.ragged_k) {
       auto d_bias = scratch.Upload(g.bias->bytes.data(), g.bias->NumBytes(), stream_);

@@ -154,6 +154,32 @@ absl::StatusOr<v1::StepResult> Executor::RunGemm(v1::GemmStep& gemm) {
     if (in.ok()) *inputs[i] = *in;
     else prepared = in.status();
   }
+  // The FSDP weight gather (the one before-collective on rhs, an all-gather,
+  // ragged M) goes to a backend that gathers on its device (NCCL into the
+  // GEMM's operand): no host round trip. Every member decides alike (same
+  // plan, shapes and kind of backend), so the collectives still match.
+  const bool ragged_k = gemm.ragged() == v1::GroupedGemmRequest::RAGGED_K;
+  const v1::CollectivePlan* device_gather = nullptr;
+  std::vector<int64_t> gathered_rhs_shape;
+  if (prepared.ok() && !ragged_k && backend_->CanGatherOnDevice() && collectives_->SupportsDeviceAllGather()) {
+    const v1::CollectivePlan* candidate = nullptr;
+    int on_rhs = 0;
+    for (const auto& c : gemm.collectives()) {
+      if (c.phase() != "before" || c.tensor() != "rhs") continue;
+      ++on_rhs;
+      if (c.kind() == "all_gather") candidate = &c;
+    }
+    const std::vector<int64_t>& shape = rhs.tensor->shape;
+    if (on_rhs == 1 && candidate != nullptr && candidate->dim() >= 0 &&
+        candidate->dim() < static_cast<int>(shape.size())) {
+      auto n = position_.GroupSize(std::vector<std::string>(candidate->axes().begin(), candidate->axes().end()));
+      if (n.ok()) {
+        device_gather = candidate;
+        gathered_rhs_shape = shape;
+        gathered_rhs_shape[candidate->dim()] *= *n;
+      }
+    }
+  }
   bool reduces = false;
   for (const auto& c : gemm.collectives()) reduces |= c.phase() == "after" && IsReduction(c);
   // Partial sums stay in FP32 until reduced: one rounding, at the end.
@@ -161,15 +187,16 @@ absl::StatusOr<v1::StepResult> Executor::RunGemm(v1::GemmStep& gemm) {
   int64_t working_bytes = 0;
   if (prepared.ok()) {
     // Inline inputs (resident ones are already counted), gathered copies and
-    // the output.
+    // the output. A weight gathered on the device takes device memory, not
+    // this worker's host budget.
     for (int i = 0; i < 3; ++i) {
       if (inputs[i]->tensor != nullptr && !inputs[i]->resident) working_bytes += inputs[i]->tensor->NumBytes();
     }
     const HostTensor& l = *lhs.tensor;
-    const HostTensor& r = *rhs.tensor;
-    if (l.shape.size() == 2 && (r.shape.size() == 2 || r.shape.size() == 3)) {
-      const bool rk = gemm.ragged() == v1::GroupedGemmRequest::RAGGED_K;
-      const int64_t n = rk ? r.shape[1] : (gemm.rhs_transposed() ? r.shape[1] : r.shape.back());
+    const std::vector<int64_t>& rs = device_gather != nullptr ? gathered_rhs_shape : rhs.tensor->shape;
+    if (l.shape.size() == 2 && (rs.size() == 2 || rs.size() == 3)) {
+      const bool rk = ragged_k;
+      const int64_t n = rk ? rs[1] : (gemm.rhs_transposed() ? rs[1] : rs.back());
       const int64_t out_elems = rk ? gemm.group_sizes_size() * l.shape[1] * n : l.shape[0] * n;
       working_bytes += out_elems * 4;
     }
@@ -177,7 +204,7 @@ absl::StatusOr<v1::StepResult> Executor::RunGemm(v1::GemmStep& gemm) {
       std::vector<std::string> axes(c.axes().begin(), c.axes().end());
       auto n = position_.GroupSize(axes);
       if (!n.ok()) { prepared = n.status(); break; }
-      if (c.phase() == "before" && c.kind() == "all_gather") {
+      if (c.phase() == "before" && c.kind() == "all_gather" && &c != device_gather) {
         const Input* in = c.tensor() == "lhs" ? &lhs : c.tensor() == "rhs" ? &rhs : &bias;
         if (in->tensor != nullptr) working_bytes += in->tensor->NumBytes() * *n;
       }
@@ -192,7 +219,7 @@ absl::StatusOr<v1::StepResult> Executor::RunGemm(v1::GemmStep& gemm) {
   // Stage 2: before-collectives bring each operand to its compute layout.
   absl::Status status;
   for (const v1::CollectivePlan& c : gemm.collectives()) {
-    if (c.phase() != "before") continue;
+    if (c.phase() != "before" || &c == device_gather) continue;  // that one runs in the backend
     Input* target = nullptr;
     for (int i = 0; i < 3; ++i) {
       if (c.tensor() == names[i]) target = inputs[i];
@@ -213,16 +240,18 @@ absl::StatusOr<v1::StepResult> Executor::RunGemm(v1::GemmStep& gemm) {
   if (status.ok()) {
     const HostTensor& l = *lhs.tensor;
     const HostTensor& r = *rhs.tensor;
+    // With the gather in the backend, r is this worker's shard and the
+    // GEMM's weight has the gathered shape.
+    const std::vector<int64_t>& rs = device_gather != nullptr ? gathered_rhs_shape : r.shape;
     std::vector<int64_t> group_sizes(gemm.group_sizes().begin(), gemm.group_sizes().end());
-    const bool ragged_k = gemm.ragged() == v1::GroupedGemmRequest::RAGGED_K;
     const int64_t g = static_cast<int64_t>(group_sizes.size());
     if (l.shape.size() != 2) {
       status = absl::InvalidArgumentError("local lhs must be rank 2");
-    } else if (r.shape.size() != (ragged_k ? 2u : 3u)) {
+    } else if (rs.size() != (ragged_k ? 2u : 3u)) {
       status = absl::InvalidArgumentError(absl::StrCat("local rhs must be rank ", ragged_k ? 2 : 3));
-    } else if (!ragged_k && r.shape[0] != g) {
+    } else if (!ragged_k && rs[0] != g) {
       status = absl::InvalidArgumentError(
-          absl::StrCat("local rhs has ", r.shape[0], " groups but group_sizes has ", g));
+          absl::StrCat("local rhs has ", rs[0], " groups but group_sizes has ", g));
     } else {
       LocalGemm local;
       local.ragged_k = ragged_k;
@@ -234,6 +263,13 @@ absl::StatusOr<v1::StepResult> Executor::RunGemm(v1::GemmStep& gemm) {
       local.group_sizes = std::move(group_sizes);
       local.rhs_transposed = gemm.rhs_transposed();
       local.out_dtype = local_dtype;
+      if (device_gather != nullptr) {
+        local.rhs_gather.enabled = true;
+        local.rhs_gather.dim = device_gather->dim();
+        local.rhs_gather.axes.assign(device_gather->axes().begin(), device_gather->axes().end());
+        local.rhs_gather.collectives = collectives_.get();
+        local.rhs_gather.gathered_shape = gathered_rhs_shape;
+      }
       out = backend_->GroupedGemm(local);
       status = out.status();
     }
