@@ -2,7 +2,9 @@
 # On a machine with several GPUs: the collective benches (issue 7), NCCL alone
 # (--backend=nccl) beside our worker layer (--backend=ours_nccl: host tensors
 # in and out, as a worker's step calls it) on the same GPUs and sizes, 1 MiB to
-# 1 GiB by 4x; then the two busbw columns side by side. Writes to stdout and,
+# 1 GiB by 4x, and for all_gather also our layer's device path
+# (--backend=ours_nccl_device: AllGatherDevice on device buffers, how a CUDA
+# worker gathers an FSDP weight for its GEMM); then the busbw columns side by side. Writes to stdout and,
 # when $OUT is set, to $OUT/collective_bench.txt. Exit 1 if any output element
 # was wrong or a run failed.
 #   bash tools/gpu/run_collective_bench.sh [BUNDLE_DIR=.gpu_bundle/coll] [NGPUS=all]
@@ -31,9 +33,10 @@ nvidia-smi -L 2>&1 | head -n "$N" | sed 's/^/#   /' | tee -a "$log"
 nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>&1 | head -1 | sed 's/^/#   driver /' | tee -a "$log"
 nvidia-smi topo -m 2>&1 | sed 's/^/#   /' | tee -a "$log"
 fail=0
+backends_for() { [[ $1 == all_gather ]] && echo "nccl ours_nccl ours_nccl_device" || echo "nccl ours_nccl"; }
 for run in "all_gather bf16" "all_reduce f32" "reduce_scatter f32"; do
   set -- $run
-  for backend in nccl ours_nccl; do
+  for backend in $(backends_for "$1"); do
     say ""
     say "######## $1 --backend=$backend --dtype=$2 --ranks=$N"
     "$B/bin/$1_bench" --backend=$backend --ranks="$N" --dtype="$2" --min_bytes=1048576 \
@@ -46,18 +49,29 @@ done
 
 say ""
 say "######## busbw (GB/s), NCCL alone beside our layer, $N GPUs"
+# Columns: nccl, then each of our backends with its busbw as a percentage of nccl's.
 for c in all_gather all_reduce reduce_scatter; do
   say ""
   say "$c"
-  awk 'FNR == 1 { f++ } /^ +[0-9]/ { size[FNR] = $1; bw[f, $1] = $6; if (f == 1) order[++n] = $1 }
+  files=() j=0  # f=J before each file: an empty file (a failed run) keeps its column
+  for backend in $(backends_for "$c"); do files+=("f=$((++j))" "$work/$c.$backend.txt"); done
+  awk -v names="$(backends_for "$c")" '
+       /^ +[0-9]/ { bw[f, $1] = $6; if (f == 1) order[++n] = $1 }
        END {
-         printf "  %12s %12s %12s %8s\n", "size(B)", "nccl", "ours_nccl", "ours/nccl"
+         k = split(names, name, " ")
+         printf "  %12s %12s", "size(B)", name[1]
+         for (j = 2; j <= k; j++) printf " %16s %6s", name[j], "%nccl"
+         printf "\n"
          for (i = 1; i <= n; i++) {
-           s = order[i]; a = bw[1, s]; o = bw[2, s]
-           printf "  %12s %12s %12s %7s%%\n", s, a, (o == "" ? "-" : o),
-                  (a > 0 && o != "" ? sprintf("%.0f", 100 * o / a) : "-")
+           s = order[i]; a = bw[1, s]
+           printf "  %12s %12s", s, a
+           for (j = 2; j <= k; j++) {
+             o = bw[j, s]
+             printf " %16s %5s%%", (o == "" ? "-" : o), (a > 0 && o != "" ? sprintf("%.0f", 100 * o / a) : "-")
+           }
+           printf "\n"
          }
-       }' "$work/$c.nccl.txt" "$work/$c.ours_nccl.txt" | tee -a "$log"
+       }' "${files[@]}" | tee -a "$log"
 done
 say ""
 say "collective benches: $([[ $fail -eq 0 ]] && echo PASS || echo FAIL)"

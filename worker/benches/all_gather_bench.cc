@@ -1,7 +1,7 @@
 // All-gather bus bandwidth: NCCL alone beside our worker layer on the same
 // GPUs and sizes (issue 7: the FSDP weight all-gather). Size = the gathered
 // buffer; busbw = algbw * (n-1)/n. See collective_bench_harness.h.
-//   all_gather_bench --backend=nccl|ours_nccl|gloo [--ranks=N] [--dtype=bf16] ...
+//   all_gather_bench --backend=nccl|ours_nccl|ours_nccl_device|gloo [--ranks=N] [--dtype=bf16] ...
 #include "absl/strings/str_cat.h"
 #include "worker/benches/collective_bench_harness.h"
 
@@ -17,6 +17,11 @@ class AllGather : public Collective {
   int PiecesPerBuffer(int ranks) const override { return ranks; }
   bool Sums() const override { return false; }
   std::string OursPath(Backend b) const override {
+    if (b == Backend::kOursNcclDevice) {
+      return "Collectives::AllGatherDevice(device piece, dim 1, device output): ncclAllGather into a device "
+             "scratch buffer, each piece placed along dim 1 of the output with a strided D2D copy, wait (the "
+             "FSDP weight gather as a CUDA worker runs it, into the GEMM's operand)";
+    }
     return absl::StrCat("Collectives::AllGather(host piece, dim 1): ",
                         b == Backend::kGloo ? "gloo::allgather" : "H2D copy, ncclAllGather, wait, D2H copy",
                         ", each piece placed along dim 1 of a new host tensor (the FSDP weight gather)");
@@ -41,6 +46,11 @@ class AllGather : public Collective {
   absl::StatusOr<HostTensor> RunOurs(Collectives* c, const HostTensor& in,
                                      const std::vector<std::string>& axes) const override {
     return c->AllGather(in, 1, axes);
+  }
+  bool HasOursDevice() const override { return true; }
+  absl::Status RunOursDevice(Collectives* c, const void* send, void* recv, const Layout& l,
+                             const std::vector<std::string>& axes, cudaStream_t stream) const override {
+    return c->AllGatherDevice(send, recv, InputShape(l), l.dtype, 1, axes, stream);
   }
 };
 

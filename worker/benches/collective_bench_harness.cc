@@ -23,11 +23,13 @@
 
 ABSL_FLAG(std::string, backend, "nccl",
           "nccl: NCCL alone on device buffers | ours_nccl: our worker layer "
-          "(worker/nccl_collectives) on host tensors, as a worker's step calls it | gloo: our "
+          "(worker/nccl_collectives) on host tensors, as a worker's step calls it | "
+          "ours_nccl_device: our worker layer's device path (all_gather: AllGatherDevice on "
+          "device buffers, as a CUDA worker gathers an FSDP weight for its GEMM) | gloo: our "
           "worker layer over Gloo on CPU");
 ABSL_FLAG(int, ranks, 0,
-          "ranks, one thread each; nccl and ours_nccl put rank r on GPU r. 0: every visible GPU "
-          "(nccl, ours_nccl) or 2 (gloo)");
+          "ranks, one thread each; the GPU backends put rank r on GPU r. 0: every visible GPU "
+          "(nccl, ours_nccl, ours_nccl_device) or 2 (gloo)");
 ABSL_FLAG(int64_t, min_bytes, int64_t{1} << 20, "smallest size (bytes of the full buffer)");
 ABSL_FLAG(int64_t, max_bytes, int64_t{1} << 30, "largest size");
 ABSL_FLAG(int64_t, step_factor, 2, "each size is the previous one times this");
@@ -35,8 +37,8 @@ ABSL_FLAG(int, iters, 20, "timed calls per size");
 ABSL_FLAG(int, warmup, 5, "untimed calls per size before the timed ones");
 ABSL_FLAG(std::string, dtype, "f32", "f32 | bf16");
 ABSL_FLAG(int64_t, groups, 8,
-          "our layer (ours_nccl, gloo): a rank's piece is [groups, rows, cols] and the collective "
-          "runs along dim 1, as the FSDP all-gather of an expert weight [E, K/n, N] along K");
+          "our layer (ours_nccl, ours_nccl_device, gloo): a rank's piece is [groups, rows, cols] "
+          "and the collective runs along dim 1, as the FSDP all-gather of an expert weight [E, K/n, N] along K");
 ABSL_FLAG(int64_t, cols, 4096, "our layer: the piece's innermost dimension (at most; see --groups)");
 ABSL_FLAG(int, timeout_s, 300,
           "a size that does not finish within this ends the run (exit 1) instead of hanging; "
@@ -68,12 +70,18 @@ void Layout::Split(int64_t full, int* r, int64_t* i) const {
 
 absl::Status Collective::Supports(Backend, DType) const { return absl::OkStatus(); }
 
+absl::Status Collective::RunOursDevice(Collectives*, const void*, void*, const Layout&,
+                                       const std::vector<std::string>&, cudaStream_t) const {
+  return absl::UnimplementedError(absl::StrCat(Name(), ": our layer has no device path"));
+}
+
 namespace {
 
 const char* BackendName(Backend b) {
   switch (b) {
     case Backend::kNccl: return "nccl";
     case Backend::kOursNccl: return "ours_nccl";
+    case Backend::kOursNcclDevice: return "ours_nccl_device";
     case Backend::kGloo: return "gloo";
   }
   return "?";
@@ -106,8 +114,14 @@ absl::StatusOr<Config> ReadFlags(const Collective& c) {
   const std::string backend = absl::GetFlag(FLAGS_backend);
   if (backend == "nccl") cfg.backend = Backend::kNccl;
   else if (backend == "ours_nccl") cfg.backend = Backend::kOursNccl;
+  else if (backend == "ours_nccl_device") cfg.backend = Backend::kOursNcclDevice;
   else if (backend == "gloo") cfg.backend = Backend::kGloo;
-  else return absl::InvalidArgumentError(absl::StrCat("--backend=", backend, ": expected nccl, ours_nccl or gloo"));
+  else return absl::InvalidArgumentError(absl::StrCat("--backend=", backend,
+                                                      ": expected nccl, ours_nccl, ours_nccl_device or gloo"));
+  if (cfg.backend == Backend::kOursNcclDevice && !c.HasOursDevice()) {
+    return absl::InvalidArgumentError(absl::StrCat("--backend=ours_nccl_device: our layer has no device path for ",
+                                                   c.Name(), " (all_gather has: the FSDP weight gather)"));
+  }
   const std::string dtype = absl::GetFlag(FLAGS_dtype);
   if (dtype == "f32") cfg.dtype = DType::kF32;
   else if (dtype == "bf16") cfg.dtype = DType::kBF16;
@@ -134,7 +148,7 @@ absl::StatusOr<Config> ReadFlags(const Collective& c) {
   return cfg;
 }
 
-// nccl and ours_nccl need one GPU per rank; says why not when they are absent.
+// The GPU backends need one GPU per rank; says why not when they are absent.
 absl::Status CheckGpus(Config* cfg) {
   int n = 0;
   cudaError_t e = cudaGetDeviceCount(&n);
@@ -363,6 +377,71 @@ class OursRunner : public Runner {
   absl::StatusOr<HostTensor> out_ = absl::UnknownError("not run");
 };
 
+// Our layer's device path: the input uploaded once, each call gathers
+// device to device (what a CUDA worker's GEMM step does with an FSDP weight
+// shard already on its device), the output downloaded once for the check.
+class OursDeviceRunner : public Runner {
+ public:
+  OursDeviceRunner(const Collective& c, int device, std::unique_ptr<Collectives> coll)
+      : c_(c), device_(device), coll_(std::move(coll)) {}
+  ~OursDeviceRunner() override {
+    Free();
+    if (stream_ != nullptr) cudaStreamDestroy(stream_);
+  }
+
+  absl::Status Prepare(const Layout& l, HostTensor input) override {
+    if (auto s = Cuda(cudaSetDevice(device_), "cudaSetDevice"); !s.ok()) return s;
+    if (stream_ == nullptr) {
+      if (auto s = Cuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "stream"); !s.ok()) return s;
+    }
+    Free();
+    layout_ = l;
+    out_bytes_ = NumElements(c_.OutputShape(l)) * DTypeSize(l.dtype);
+    if (auto s = Cuda(cudaMalloc(&send_, std::max<int64_t>(input.NumBytes(), 1)), "cudaMalloc send"); !s.ok()) return s;
+    if (auto s = Cuda(cudaMalloc(&recv_, std::max<int64_t>(out_bytes_, 1)), "cudaMalloc recv"); !s.ok()) return s;
+    if (auto s = Cuda(cudaMemsetAsync(recv_, 0xff, out_bytes_, stream_), "cudaMemset"); !s.ok()) return s;  // NaN
+    if (auto s = Cuda(cudaMemcpyAsync(send_, input.bytes.data(), input.NumBytes(), cudaMemcpyHostToDevice, stream_),
+                      "upload");
+        !s.ok()) {
+      return s;
+    }
+    return Cuda(cudaStreamSynchronize(stream_), "upload");
+  }
+  absl::Status Launch() override {
+    return c_.RunOursDevice(coll_.get(), send_, recv_, layout_, {"fsdp"}, stream_);
+  }
+  absl::Status Sync() override { return absl::OkStatus(); }  // each call returns once done
+  absl::StatusOr<HostTensor> Output() override {
+    HostTensor out;
+    out.dtype = layout_.dtype;
+    out.shape = c_.OutputShape(layout_);
+    out.bytes.resize(out_bytes_);
+    if (out_bytes_ == 0) return out;
+    if (auto s = Cuda(cudaMemcpyAsync(&out.bytes[0], recv_, out_bytes_, cudaMemcpyDeviceToHost, stream_), "download");
+        !s.ok()) {
+      return s;
+    }
+    if (auto s = Cuda(cudaStreamSynchronize(stream_), "download"); !s.ok()) return s;
+    return out;
+  }
+
+ private:
+  void Free() {
+    if (send_ != nullptr) cudaFree(send_);
+    if (recv_ != nullptr) cudaFree(recv_);
+    send_ = recv_ = nullptr;
+  }
+
+  const Collective& c_;
+  int device_;
+  std::unique_ptr<Collectives> coll_;
+  cudaStream_t stream_ = nullptr;
+  Layout layout_;
+  void* send_ = nullptr;
+  void* recv_ = nullptr;
+  int64_t out_bytes_ = 0;
+};
+
 MeshPosition FsdpPosition(int rank, int ranks) {
   MeshPosition p;
   p.axis_names = {"fsdp"};
@@ -454,7 +533,7 @@ int BenchMain(int argc, char** argv, const Collective& c) {
   const std::string prog = absl::StrCat(c.Name(), "_bench");
   absl::SetProgramUsageMessage(absl::StrCat(
       c.Name(), " bus bandwidth and correctness, nccl-tests style, N ranks as threads.\n  ", prog,
-      " --backend=nccl|ours_nccl|gloo [--ranks=N] [--dtype=f32|bf16] [--min_bytes=B] "
+      " --backend=nccl|ours_nccl|ours_nccl_device|gloo [--ranks=N] [--dtype=f32|bf16] [--min_bytes=B] "
       "[--max_bytes=B] [--step_factor=F] [--iters=N] [--warmup=N]\nEvery flag: --help=collective_bench. "
       "Exit: 0 every output element right, 1 some wrong or a collective failed, 2 bad flags or no "
       "usable GPU."));
@@ -492,6 +571,7 @@ int BenchMain(int argc, char** argv, const Collective& c) {
                   "then one wait (as nccl-tests)\n", cfg.iters);
       break;
     case Backend::kOursNccl:
+    case Backend::kOursNcclDevice:
     case Backend::kGloo:
       std::printf("# path: our worker layer (%s), one blocking call at a time, as a worker's step makes it:\n"
                   "#       %s\n", cfg.backend == Backend::kGloo ? "worker/gloo_collectives.cc, TCP loopback" :
@@ -568,6 +648,11 @@ int BenchMain(int argc, char** argv, const Collective& c) {
         if (auto s = Cuda(cudaSetDevice(rank), "cudaSetDevice"); !s.ok()) Die(c, rank, s);
         runner = std::make_unique<OursRunner>(
             c, MakeNcclCollectives(FsdpPosition(rank, cfg.ranks), rank, ids, cfg.timeout));
+        break;
+      case Backend::kOursNcclDevice:
+        if (auto s = Cuda(cudaSetDevice(rank), "cudaSetDevice"); !s.ok()) Die(c, rank, s);
+        runner = std::make_unique<OursDeviceRunner>(
+            c, rank, MakeNcclCollectives(FsdpPosition(rank, cfg.ranks), rank, ids, cfg.timeout));
         break;
       case Backend::kGloo:
         runner = std::make_unique<OursRunner>(

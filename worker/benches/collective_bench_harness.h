@@ -9,6 +9,12 @@
 //              worker's step calls it: host tensors in and out, so the copies
 //              to and from the device are in the time, one blocking call at a
 //              time.
+//   ours_nccl_device
+//              our worker layer's device path (all-gather only):
+//              Collectives::AllGatherDevice on device buffers, as a CUDA
+//              worker gathers an FSDP weight into its GEMM's operand; one
+//              blocking call at a time (ncclAllGather, placement along the
+//              dim with device-to-device copies, the watched wait).
 //   gloo       our worker layer over Gloo (worker/gloo_collectives.cc) on CPU,
 //              so the harness and the checks run in CI without a GPU.
 // Exit status: 0 all outputs right, 1 some element wrong or a collective
@@ -31,7 +37,7 @@
 namespace shardgemm {
 namespace bench {
 
-enum class Backend { kNccl, kOursNccl, kGloo };
+enum class Backend { kNccl, kOursNccl, kOursNcclDevice, kGloo };
 
 // One measured size, the same on every rank. A "piece" is what one rank
 // contributes (all-gather) or keeps (reduce-scatter); for all-reduce it is the
@@ -66,7 +72,7 @@ class Collective {
   // output sums over ranks (bounds the input values).
   virtual int PiecesPerBuffer(int ranks) const = 0;
   virtual bool Sums() const = 0;
-  // What our layer does on `backend` (ours_nccl or gloo), for the header.
+  // What our layer does on `backend` (ours_nccl, ours_nccl_device or gloo), for the header.
   virtual std::string OursPath(Backend backend) const = 0;
   virtual absl::Status Supports(Backend backend, DType dtype) const;
 
@@ -81,6 +87,12 @@ class Collective {
   // Our layer: what worker/executor.cc's ApplyCollective does for this kind.
   virtual absl::StatusOr<HostTensor> RunOurs(Collectives* c, const HostTensor& in,
                                              const std::vector<std::string>& axes) const = 0;
+  // Our layer's device path (ours_nccl_device), where the collective has one:
+  // `send` holds the input (InputShape) and `recv` has room for the output
+  // (OutputShape), both device memory of the rank's GPU; one blocking call.
+  virtual bool HasOursDevice() const { return false; }
+  virtual absl::Status RunOursDevice(Collectives* c, const void* send, void* recv, const Layout& l,
+                                     const std::vector<std::string>& axes, cudaStream_t stream) const;
 };
 
 int64_t NumElements(const std::vector<int64_t>& shape);

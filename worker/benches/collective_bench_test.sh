@@ -32,6 +32,7 @@ for bench in "$@"; do
   # No machine has 1000 GPUs: a clear error and exit 2, with or without a GPU.
   expect 2 "$bench" --backend=nccl --ranks=1000
   expect 2 "$bench" --backend=ours_nccl --ranks=1000
+  expect 2 "$bench" --backend=ours_nccl_device --ranks=1000  # all_gather: GPUs; the others: no device path
   expect 2 "$bench" --backend=gloo --dtype=f16
 done
 echo "collective_bench_test: $([[ $fail -eq 0 ]] && echo PASS || echo FAIL)"
