@@ -838,6 +838,9 @@ absl::StatusOr<v1::GroupedGemmResponse> Coordinator::GroupedGemmPerShard(
     if (!out.ok()) return out.status();
     HostTensorToProto(*out, response.mutable_out());
   }
+  double worker_seconds = 0;
+  for (const v1::StepResult& r : *results) worker_seconds = std::max(worker_seconds, r.compute_seconds());
+  response.set_worker_seconds(worker_seconds);
   response.set_server_seconds(absl::ToDoubleSeconds(absl::Now() - start));
   return response;
 }

@@ -21,6 +21,8 @@ struct LocalGemm {
   // Set when rhs is a resident shard (immutable while referenced): a device
   // backend may keep its copy on the device and reuse it while the shard lives.
   std::shared_ptr<const HostTensor> resident_rhs;
+  // Likewise for a resident lhs (activations kept on the workers between requests).
+  std::shared_ptr<const HostTensor> resident_lhs;
   const HostTensor* bias = nullptr;  // may be null
   std::vector<int64_t> group_sizes;  // this worker's local groups
   bool rhs_transposed = false;

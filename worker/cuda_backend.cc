@@ -98,7 +98,8 @@ class CudaBackend : public Backend {
     auto out = ZerosTensor(g.out_dtype, out_shape);
     if (!out.ok()) return out.status();
     Scratch scratch(&runner_->pool());
-    auto d_lhs = scratch.Upload(lhs.bytes.data(), lhs.NumBytes(), stream_);
+    absl::StatusOr<void*> d_lhs = g.resident_lhs != nullptr ? DeviceCopy(g.resident_lhs)
+                                                             : scratch.Upload(lhs.bytes.data(), lhs.NumBytes(), stream_);
     absl::StatusOr<void*> d_rhs = g.resident_rhs != nullptr ? DeviceCopy(g.resident_rhs)
                                                              : scratch.Upload(rhs.bytes.data(), rhs.NumBytes(), stream_);
     auto d_sizes = scratch.Upload(g.group_sizes.data(), a.num_groups * 8, stream_);

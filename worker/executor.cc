@@ -259,6 +259,7 @@ absl::StatusOr<v1::StepResult> Executor::RunGemm(v1::GemmStep& gemm) {
       local.rhs = &r;
       // A resident weight may stay on the device between requests.
       if (rhs.resident) local.resident_rhs = rhs.tensor;
+      if (lhs.resident) local.resident_lhs = lhs.tensor;
       local.bias = gemm.apply_bias() ? bias.tensor.get() : nullptr;
       local.group_sizes = std::move(group_sizes);
       local.rhs_transposed = gemm.rhs_transposed();

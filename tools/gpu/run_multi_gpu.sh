@@ -46,12 +46,23 @@ run --lhs="2048x512@(None,tp)" --rhs="4x512x256@(None,tp,None)" --out_spec="(Non
 run --lhs=2048x512 --rhs="4x512x256@(None,None,tp)" --group-sizes=500,0,700,800 --dtype=bf16 --check
 stop
 
-echo; echo "######## EP weak scaling through the service: deepseek-v3-up per GPU (G8 m2048 K7168 N4096), weights resident"
+echo; echo "######## EP weak scaling: deepseek-v3-up per GPU (G8 m2048 K7168 N4096), weights resident"
+# Two ways in: activations sent with the request through the coordinator (x
+# and out cross the coordinator), and activations resident on the workers with
+# the output kept there (what a pipeline stage does); the slowest worker's
+# step time is printed beside the server time.
 for n in ${SCALING_SIZES-1 $N}; do
   start ep=$n $n
   $CLI put w --data=$((8*n))x7168x4096 --dtype=bf16 --spec="(ep,None,None)" >/dev/null || fail=1
   sizes=$(printf '2048,%.0s' $(seq $((8*n)))); sizes=${sizes%,}
+  echo "== $n GPU(s), activations through the coordinator"
   for i in 1 2 3; do $CLI gemm --show_plan=false --lhs="$((16384*n))x7168@(ep,None)" --rhs=resident:w --group-sizes="$sizes@(ep,)" --dtype=bf16 | grep result; done
+  $CLI put x --data=$((16384*n))x7168 --dtype=bf16 --spec="(ep,None)" >/dev/null || fail=1
+  echo "== $n GPU(s), activations resident, output kept resident"
+  for i in 1 2 3 4 5 6; do
+    $CLI gemm --show_plan=false --lhs=resident:x --rhs=resident:w --group-sizes="$sizes@(ep,)" --keep_as=y$i | grep result || fail=1
+    $CLI delete y$i >/dev/null
+  done
   stop
 done
 echo "multi-gpu: $([ $fail = 0 ] && echo PASS || echo FAIL)"
