@@ -3,6 +3,7 @@
 // stream, with device memory from the runner's pool.
 #include <cuda_runtime_api.h>
 
+#include <iostream>
 #include <map>
 #include <memory>
 #include <string>
@@ -121,6 +122,11 @@ class CudaBackend : public Backend {
         return st;
       }
       d_rhs = *d_gathered;
+      if (!said_device_gather_) {  // once: the logs show which path the weight gather takes
+        said_device_gather_ = true;
+        std::cerr << "shardgemm-worker: weight all-gather on the device (" << ShapeToString(rhs.shape) << " -> "
+                  << ShapeToString(rhs_shape) << " along dim " << g.rhs_gather.dim << "), no host round trip\n";
+      }
     }
     if (g.bias != nullptr && !g.ragged_k) {
       auto d_bias = scratch.Upload(g.bias->bytes.data(), g.bias->NumBytes(), stream_);
@@ -220,6 +226,7 @@ class CudaBackend : public Backend {
   }
 
   int device_;
+  bool said_device_gather_ = false;
   std::map<const HostTensor*, Cached> cache_;
   std::unique_ptr<cuda::GroupedGemmRunner> runner_;
   cudaStream_t stream_;
