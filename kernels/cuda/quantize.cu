@@ -101,9 +101,9 @@ __device__ __forceinline__ uint32_t ChunkAbsMax(const Chunk<DT>& c) {
 constexpr int kTileRows = 128;  // every mode: a multiple of the MXFP8 (32) and block (128) heights
 
 // Blocks per SM the register budget is sized for: three 64 KiB-buffered
-// blocks of 16-bit input fit an SM (80 registers); MXFP8's per-column scales
-// spill at 80, so it runs two (128); F32 tiles take 128 KiB, one block.
-constexpr int MinBlocks(int dt, int mode) { return dt == 2 ? 1 : mode == 2 ? 2 : 3; }
+// blocks of 16-bit input fit an SM (80 registers); F32 tiles take 128 KiB,
+// one block.
+constexpr int MinBlocks(int dt, int /*mode*/) { return dt == 2 ? 1 : 3; }
 
 // Two elements through the hardware conversion (x0 in the low byte), with the
 // shared NaN rule applied on the unscaled inputs.
@@ -520,9 +520,22 @@ __device__ __forceinline__ void QuantizeTile(const QuantizeParams& p, const Tile
     const int cg = tid % 32, rs = tid / 32;
     const int cb = cg * 4, rb = rs * 16;  // first column / row of this thread's 16 x 4 block
     const bool cvalid = cb < ncols;       // k % 8 == 0: four columns are valid together
-    Q q[16];
+    // Transposed outputs need the 16 rows together; MXFP8 reads each row from
+    // shared memory twice (amax, then convert) instead, which keeps it within
+    // 128 registers.
+    auto row = [&](int j) -> Q { return *reinterpret_cast<const Q*>(tile + (rb + j) * kTileCols + cb); };
+    Q q[MODE == kModeMx ? 1 : 16];
+    if constexpr (MODE != kModeMx) {
 #pragma unroll
-    for (int j = 0; j < 16; ++j) q[j] = *reinterpret_cast<const Q*>(tile + (rb + j) * kTileCols + cb);
+      for (int j = 0; j < 16; ++j) q[j] = row(j);
+    }
+    auto at = [&](int j) -> Q {
+      if constexpr (MODE == kModeMx) {
+        return row(j);
+      } else {
+        return q[j];
+      }
+    };
     float s[4] = {tscale, tscale, tscale, tscale};
     bool nanb[4] = {false, false, false, false};
     bool col_nan[4] = {tile_nan, tile_nan, tile_nan, tile_nan};
@@ -535,7 +548,7 @@ __device__ __forceinline__ void QuantizeTile(const QuantizeParams& p, const Tile
 #pragma unroll
       for (int j = 0; j < 16; ++j) {
 #pragma unroll
-        for (int i = 0; i < 4; ++i) cam[i] = max(cam[i], FloatBits(QuadElem<DT>(q[j], i)) & 0x7fffffffu);
+        for (int i = 0; i < 4; ++i) cam[i] = max(cam[i], FloatBits(QuadElem<DT>(at(j), i)) & 0x7fffffffu);
       }
 #pragma unroll
       for (int i = 0; i < 4; ++i) col_red[rs * kTileCols + cb + i] = cam[i];
@@ -573,10 +586,9 @@ __device__ __forceinline__ void QuantizeTile(const QuantizeParams& p, const Tile
 #pragma unroll
         for (int j = 0; j < 16; ++j) {
           if (rb + j < nrows) {
-            const uint32_t lo = Quant2s<FMT>(QuadElem<DT>(q[j], 0), s[0], nanb[0], QuadElem<DT>(q[j], 1), s[1],
-                                             nanb[1], sw);
-            const uint32_t hi = Quant2s<FMT>(QuadElem<DT>(q[j], 2), s[2], nanb[2], QuadElem<DT>(q[j], 3), s[3],
-                                             nanb[3], sw);
+            const Q v = at(j);
+            const uint32_t lo = Quant2s<FMT>(QuadElem<DT>(v, 0), s[0], nanb[0], QuadElem<DT>(v, 1), s[1], nanb[1], sw);
+            const uint32_t hi = Quant2s<FMT>(QuadElem<DT>(v, 2), s[2], nanb[2], QuadElem<DT>(v, 3), s[3], nanb[3], sw);
             __stcs(reinterpret_cast<unsigned int*>(p.col_data + (r0 + rb + j) * K + c0 + cb), lo | (hi << 16));
           }
         }
@@ -589,14 +601,14 @@ __device__ __forceinline__ void QuantizeTile(const QuantizeParams& p, const Tile
           if (aligned) {
             float f[16];
 #pragma unroll
-            for (int j = 0; j < 16; ++j) f[j] = QuadElem<DT>(q[j], i);
+            for (int j = 0; j < 16; ++j) f[j] = QuadElem<DT>(at(j), i);
             const uint2 lo = Quant8<FMT>(*reinterpret_cast<const float(*)[8]>(&f[0]), s[i], sw, false, col_nan[i]);
             const uint2 hi = Quant8<FMT>(*reinterpret_cast<const float(*)[8]>(&f[8]), s[i], sw, false, col_nan[i]);
             __stcs(reinterpret_cast<uint4*>(out), make_uint4(lo.x, lo.y, hi.x, hi.y));
           } else {
 #pragma unroll
             for (int j = 0; j < 16; ++j) {
-              if (rb + j < nrows) out[j] = Quant1<FMT>(QuadElem<DT>(q[j], i), s[i], sw, false);
+              if (rb + j < nrows) out[j] = Quant1<FMT>(QuadElem<DT>(at(j), i), s[i], sw, false);
             }
           }
         }
