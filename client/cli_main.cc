@@ -536,6 +536,13 @@ absl::Status CheckBlockScaled(const HostTensor& x, const v1::GroupedQuantizeResp
     auto data = HostTensorFromProto(colwise ? r.colwise_data() : r.rowwise_data(), "data");
     auto scales = HostTensorFromProto(colwise ? r.colwise_scale_inv() : r.scale_inv(), "scale_inv");
     if (!data.ok() || !scales.ok()) return absl::InternalError("malformed response");
+    // Every index below stays inside these sizes when the response is well formed.
+    const int64_t want_scales = colwise ? layout->colwise_scale_elems : layout->rowwise_scale_elems;
+    if (data->NumElements() != m * k || scales->NumElements() < want_scales) {
+      return absl::InternalError(absl::StrCat("malformed response: ", colwise ? "colwise" : "rowwise", " data has ",
+                                              data->NumElements(), " elements (want ", m * k, "), scales ",
+                                              scales->NumElements(), " (want ", want_scales, ")"));
+    }
     const bool transposed = colwise && mode != ScalingMode::kMxfp8;
     for (size_t s = 0; s < shards.size(); ++s) {
       int64_t row = static_cast<int64_t>(s) * shard_rows;
@@ -613,6 +620,13 @@ int Quantize() {
     auto data = HostTensorFromProto(first, "data");
     auto scale_inv = HostTensorFromProto(r->scale_inv(), "scale_inv");
     if (!data.ok() || !scale_inv.ok()) return Fail(absl::InternalError("malformed response"));
+    int64_t rows_in_groups = 0;
+    for (int64_t n : *sizes) rows_in_groups += n;
+    if (data->NumElements() != x.NumElements() || scale_inv->dtype != DType::kF32 ||
+        scale_inv->NumElements() < static_cast<int64_t>(sizes->size()) ||
+        rows_in_groups * x.shape.back() > x.NumElements()) {
+      return Fail(absl::InternalError("malformed response: data or scale_inv do not match x and group_sizes"));
+    }
     CheckPerGroup(x, *data, !request.rowwise(), *scale_inv, *sizes, r->plan(), f, &check);
   }
   if (check.bad) {

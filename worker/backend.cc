@@ -33,6 +33,9 @@ absl::StatusOr<HostTensor> GroupedGemmAfterHostGather(Backend* backend, const Lo
   if (g.rhs_gather.collectives == nullptr || g.rhs == nullptr) {
     return absl::InvalidArgumentError("rhs_gather without collectives or rhs");
   }
+  if (g.rhs_gather.agree) {
+    if (auto s = g.rhs_gather.collectives->Agree(absl::OkStatus()); !s.ok()) return s;
+  }
   auto gathered = g.rhs_gather.collectives->AllGather(*g.rhs, g.rhs_gather.dim, g.rhs_gather.axes);
   if (!gathered.ok()) return gathered.status();
   if (gathered->shape != g.rhs_gather.gathered_shape) {

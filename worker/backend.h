@@ -40,6 +40,10 @@ struct LocalGemm {
     std::vector<std::string> axes;
     Collectives* collectives = nullptr;
     std::vector<int64_t> gathered_shape;
+    // Set when the step agrees before its collectives: the backend then calls
+    // collectives->Agree exactly once, with its own status, before gathering
+    // (on every path, so all workers call it).
+    bool agree = false;
   };
   RhsGather rhs_gather;
 };

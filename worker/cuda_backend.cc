@@ -76,8 +76,12 @@ class CudaBackend : public Backend {
     if (gather && (g.ragged_k || g.rhs_gather.collectives == nullptr)) return GroupedGemmAfterHostGather(this, g);
     // The weight the GEMM reads: the gathered one when gathering.
     const std::vector<int64_t>& rhs_shape = gather ? g.rhs_gather.gathered_shape : rhs.shape;
+    // Everything that can fail on this worker alone comes before the gather
+    // and is collected in `prep`, so that (with rhs_gather.agree) every
+    // worker agrees on it before any of them enters the collective.
+    absl::Status prep;
     if (gather && (rhs_shape.size() != rhs.shape.size() || rhs_shape.size() != 3)) {
-      return absl::InvalidArgumentError(absl::StrCat("gathered rhs ", ShapeToString(rhs_shape),
+      prep = absl::InvalidArgumentError(absl::StrCat("gathered rhs ", ShapeToString(rhs_shape),
                                                      " does not match the shard ", ShapeToString(rhs.shape)));
     }
     cudaSetDevice(device_);
@@ -92,30 +96,40 @@ class CudaBackend : public Backend {
     if (g.ragged_k) {
       a.n = rhs.shape[1];
       out_shape = {a.num_groups, a.k, a.n};
-    } else {
+    } else if (prep.ok()) {
       a.n = g.rhs_transposed ? rhs_shape[1] : rhs_shape[2];
       out_shape = {a.m, a.n};
     }
-    auto out = ZerosTensor(g.out_dtype, out_shape);
-    if (!out.ok()) return out.status();
+    absl::StatusOr<HostTensor> out = prep.ok() ? ZerosTensor(g.out_dtype, out_shape) : prep;
     Scratch scratch(&runner_->pool());
-    absl::StatusOr<void*> d_lhs = g.resident_lhs != nullptr ? DeviceCopy(g.resident_lhs)
-                                                             : scratch.Upload(lhs.bytes.data(), lhs.NumBytes(), stream_);
-    absl::StatusOr<void*> d_rhs = g.resident_rhs != nullptr ? DeviceCopy(g.resident_rhs)
-                                                             : scratch.Upload(rhs.bytes.data(), rhs.NumBytes(), stream_);
-    auto d_sizes = scratch.Upload(g.group_sizes.data(), a.num_groups * 8, stream_);
-    auto d_out = scratch.Take(out->NumBytes());
-    for (const auto* s : {&d_lhs, &d_rhs, &d_sizes, &d_out}) {
-      if (!s->ok()) return s->status();
+    const absl::StatusOr<void*> unprepared = absl::FailedPreconditionError("not prepared");
+    absl::StatusOr<void*> d_lhs = unprepared, d_rhs = unprepared, d_sizes = unprepared, d_out = unprepared;
+    if (out.ok()) {
+      d_lhs = g.resident_lhs != nullptr ? DeviceCopy(g.resident_lhs, g.resident_rhs.get())
+                                        : scratch.Upload(lhs.bytes.data(), lhs.NumBytes(), stream_);
+      d_rhs = g.resident_rhs != nullptr ? DeviceCopy(g.resident_rhs, g.resident_lhs.get())
+                                        : scratch.Upload(rhs.bytes.data(), rhs.NumBytes(), stream_);
+      d_sizes = scratch.Upload(g.group_sizes.data(), a.num_groups * 8, stream_);
+      d_out = scratch.Take(out->NumBytes());
+    }
+    prep = out.status();
+    for (const auto* st : {&d_lhs, &d_rhs, &d_sizes, &d_out}) {
+      if (prep.ok() && !st->ok()) prep = st->status();
     }
     // The FSDP weight gather, device to device on this stream, straight into
     // the GEMM's operand (a group of one, gathered_shape == the shard's: the
     // shard itself).
-    if (gather && rhs_shape != rhs.shape) {
+    const bool gathering = gather && rhs_shape != rhs.shape;
+    absl::StatusOr<void*> d_gathered = nullptr;
+    if (prep.ok() && gathering) {
       int64_t gathered_bytes = DTypeSize(rhs.dtype);
       for (int64_t d : rhs_shape) gathered_bytes *= d;
-      auto d_gathered = scratch.Take(gathered_bytes);
-      if (!d_gathered.ok()) return d_gathered.status();
+      d_gathered = scratch.Take(gathered_bytes);
+      prep = d_gathered.status();
+    }
+    if (gather && g.rhs_gather.agree) prep = g.rhs_gather.collectives->Agree(prep);
+    if (!prep.ok()) return prep;
+    if (gathering) {
       if (auto st = g.rhs_gather.collectives->AllGatherDevice(*d_rhs, *d_gathered, rhs.shape, rhs.dtype,
                                                               g.rhs_gather.dim, g.rhs_gather.axes, stream_);
           !st.ok()) {
@@ -200,7 +214,10 @@ class CudaBackend : public Backend {
     std::weak_ptr<const HostTensor> host;
     void* device = nullptr;
   };
-  absl::StatusOr<void*> DeviceCopy(const std::shared_ptr<const HostTensor>& host) {
+  // The device copy of a resident shard, kept while the shard lives. When the
+  // device is full, copies of other live shards (all but `keep`, the other
+  // operand of this call) are dropped and made again when next used.
+  absl::StatusOr<void*> DeviceCopy(const std::shared_ptr<const HostTensor>& host, const HostTensor* keep = nullptr) {
     for (auto it = cache_.begin(); it != cache_.end();) {
       if (it->second.host.expired()) {
         runner_->pool().Free(it->second.device);
@@ -212,6 +229,17 @@ class CudaBackend : public Backend {
     auto it = cache_.find(host.get());
     if (it != cache_.end()) return it->second.device;
     auto d = runner_->pool().Allocate(std::max<int64_t>(host->NumBytes(), 256));
+    if (!d.ok() && cache_.size() > (keep != nullptr && cache_.count(keep) ? 1u : 0u)) {
+      for (auto e = cache_.begin(); e != cache_.end();) {
+        if (e->first == keep) {
+          ++e;
+          continue;
+        }
+        runner_->pool().Free(e->second.device);
+        e = cache_.erase(e);
+      }
+      d = runner_->pool().Allocate(std::max<int64_t>(host->NumBytes(), 256));
+    }
     if (!d.ok()) return d.status();
     if (host->NumBytes() > 0) {
       if (auto s = CudaStatus(cudaMemcpyAsync(*d, host->bytes.data(), host->NumBytes(),

@@ -161,7 +161,12 @@ absl::StatusOr<v1::StepResult> Executor::RunGemm(v1::GemmStep& gemm) {
   const bool ragged_k = gemm.ragged() == v1::GroupedGemmRequest::RAGGED_K;
   const v1::CollectivePlan* device_gather = nullptr;
   std::vector<int64_t> gathered_rhs_shape;
-  if (prepared.ok() && !ragged_k && backend_->CanGatherOnDevice() && collectives_->SupportsDeviceAllGather()) {
+  // Only where the device GEMM runs (BF16 or F16 operands of one dtype):
+  // other dtypes fall back to the host kernels, which need the host gather.
+  const bool device_gemm = prepared.ok() && lhs.tensor != nullptr && rhs.tensor != nullptr &&
+                           lhs.tensor->dtype == rhs.tensor->dtype &&
+                           (lhs.tensor->dtype == DType::kBF16 || lhs.tensor->dtype == DType::kF16);
+  if (device_gemm && !ragged_k && backend_->CanGatherOnDevice() && collectives_->SupportsDeviceAllGather()) {
     const v1::CollectivePlan* candidate = nullptr;
     int on_rhs = 0;
     for (const auto& c : gemm.collectives()) {
@@ -252,7 +257,20 @@ absl::StatusOr<v1::StepResult> Executor::RunGemm(v1::GemmStep& gemm) {
     } else if (!ragged_k && rs[0] != g) {
       status = absl::InvalidArgumentError(
           absl::StrCat("local rhs has ", rs[0], " groups but group_sizes has ", g));
-    } else {
+    }
+  }
+  // The weight gather now runs inside the backend, after steps that can fail
+  // on one worker only: agree on everything so far first (every worker, in
+  // every case), and the backend agrees again on its own preparation right
+  // before the gather, so a peer's failure never leaves a worker waiting in
+  // the collective until the timeout.
+  const bool agree_before_gather = device_gather != nullptr && gemm.agree();
+  if (agree_before_gather) status = collectives_->Agree(status);
+  if (status.ok()) {
+    const HostTensor& l = *lhs.tensor;
+    const HostTensor& r = *rhs.tensor;
+    std::vector<int64_t> group_sizes(gemm.group_sizes().begin(), gemm.group_sizes().end());
+    {
       LocalGemm local;
       local.ragged_k = ragged_k;
       local.lhs = &l;
@@ -270,6 +288,7 @@ absl::StatusOr<v1::StepResult> Executor::RunGemm(v1::GemmStep& gemm) {
         local.rhs_gather.axes.assign(device_gather->axes().begin(), device_gather->axes().end());
         local.rhs_gather.collectives = collectives_.get();
         local.rhs_gather.gathered_shape = gathered_rhs_shape;
+        local.rhs_gather.agree = agree_before_gather;
       }
       out = backend_->GroupedGemm(local);
       status = out.status();

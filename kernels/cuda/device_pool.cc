@@ -30,6 +30,17 @@ absl::StatusOr<void*> DevicePool::Allocate(int64_t bytes) {
     cached_ -= size;
   } else {
     cudaError_t e = cudaMalloc(&p, size);
+    if (e != cudaSuccess && cached_ > 0) {
+      // Out of memory with blocks of other sizes parked on the free lists:
+      // give those back (cudaFree waits for the device, so no queued work
+      // still uses them) and try once more.
+      cudaGetLastError();
+      for (auto& [sz, list] : free_)
+        for (void* q : list) cudaFree(q);
+      free_.clear();
+      cached_ = 0;
+      e = cudaMalloc(&p, size);
+    }
     if (e != cudaSuccess) {
       cudaGetLastError();
       return absl::ResourceExhaustedError(

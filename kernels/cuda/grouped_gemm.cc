@@ -83,6 +83,7 @@ struct LtPlan {
   cublasLtMatmulAlgo_t algo;      // what runs
   cublasLtMatmulAlgo_t fallback;  // the heuristic's first pick (also taken when `algo` is refused at run time)
   bool algo_is_fallback = true;
+  bool noted_refusal = false;  // tune_note already says a tuned pick was refused
   std::vector<cublasLtMatmulAlgo_t> candidates;  // the heuristic's top few (narrow tuning)
   int tune_level = 0;             // the LtTune reached
   std::string tune_note = "heuristic's first pick";  // how `algo` was picked
@@ -875,15 +876,15 @@ struct GroupedGemmRunner::Impl {
     cublasStatus_t st = cublasLtMatmul(lt, plan->desc, &alpha, a, plan->a, b, plan->b, &beta, c, plan->c, c, plan->c,
                                        &plan->algo, lt_ws[ws_index], options.lt_workspace_bytes, stream);
     if (st != CUBLAS_STATUS_SUCCESS && !plan->algo_is_fallback) {
-      // A tuned configuration refused for these operands (alignment, say):
-      // the heuristic's first pick from now on.
+      // A tuned configuration refused for these operands (the plan's key has
+      // no alignment, and a tuned pick may assume 16 bytes): the heuristic's
+      // first pick for this call; the tuned one stays for aligned calls.
       cudaGetLastError();
       st = cublasLtMatmul(lt, plan->desc, &alpha, a, plan->a, b, plan->b, &beta, c, plan->c, c, plan->c,
                           &plan->fallback, lt_ws[ws_index], options.lt_workspace_bytes, stream);
-      if (st == CUBLAS_STATUS_SUCCESS) {
-        plan->algo = plan->fallback;
-        plan->algo_is_fallback = true;
-        absl::StrAppend(&plan->tune_note, " (tuned pick refused at run time: back to the heuristic's first)");
+      if (st == CUBLAS_STATUS_SUCCESS && !plan->noted_refusal) {
+        plan->noted_refusal = true;
+        absl::StrAppend(&plan->tune_note, " (tuned pick refused for some operands: the heuristic's first for those)");
       }
     }
     return CublasStatus(st, "cublasLtMatmul");

@@ -44,32 +44,51 @@ absl::Status CheckGpuShape(int64_t m, int64_t k, int64_t num_groups) {
 // stay in L2 (50 MB on the H100/H200) between the two reads.
 constexpr int64_t kFusedBatchBytes = int64_t{8} << 20;
 
-// The fused pass's workspace, one per (device, stream): launches on one stream
-// run in order, and each launch leaves it zeroed. Allocated on first use
-// (never during stream capture) and kept for the life of the process.
-absl::StatusOr<int32_t*> FusedWorkspace(cudaStream_t stream) {
-  static std::mutex mu;
-  static auto* cache = new std::map<std::pair<int, cudaStream_t>, int32_t*>();
-  int device = 0;
-  cudaError_t e = cudaGetDevice(&device);
-  if (e != cudaSuccess) return CudaError(e, "cudaGetDevice");
-  std::lock_guard<std::mutex> lock(mu);
-  auto it = cache->find({device, stream});
-  if (it != cache->end()) return it->second;
+// The fused pass's workspace: the caller's (options.fused_workspace), or one
+// of ours per stream, keyed by the stream's process-unique id: launches on one
+// stream run in order, and each launch leaves the workspace zeroed. Ours only
+// for streams the caller created, outside capture: the default streams can be
+// shared between threads, and a captured graph may be replayed on another
+// stream, where two launches would share one workspace. Otherwise nullptr (the
+// two-pass path). Allocated on first use, kept for the life of the process.
+absl::StatusOr<int32_t*> FusedWorkspace(cudaStream_t stream, const GpuQuantizeOptions& options) {
+  if (options.fused_workspace != nullptr) return static_cast<int32_t*>(options.fused_workspace);
+  if (stream == nullptr || stream == cudaStreamLegacy || stream == cudaStreamPerThread) return nullptr;
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  if (stream != nullptr && cudaStreamIsCapturing(stream, &capture) == cudaSuccess &&
-      capture != cudaStreamCaptureStatusNone) {
-    return nullptr;  // no allocation inside a capture: the caller takes the two-launch path
-  }
+  cudaError_t e = cudaStreamIsCapturing(stream, &capture);
+  if (e != cudaSuccess) return CudaError(e, "cudaStreamIsCapturing");
+  if (capture != cudaStreamCaptureStatusNone) return nullptr;
+  unsigned long long id = 0;
+  if ((e = cudaStreamGetId(stream, &id)) != cudaSuccess) return CudaError(e, "cudaStreamGetId");
+  static std::mutex mu;
+  static auto* cache = new std::map<unsigned long long, int32_t*>();
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = cache->find(id);
+  if (it != cache->end()) return it->second;
   void* w = nullptr;
-  const size_t bytes = sizeof(cuda_internal::QuantizeWorkspace);
+  const size_t bytes = FusedQuantizeWorkspaceBytes();
   if ((e = cudaMalloc(&w, bytes)) != cudaSuccess) return CudaError(e, "cudaMalloc (quantize workspace)");
   if ((e = cudaMemset(w, 0, bytes)) != cudaSuccess) return CudaError(e, "cudaMemset (quantize workspace)");
-  (*cache)[{device, stream}] = static_cast<int32_t*>(w);
+  (*cache)[id] = static_cast<int32_t*>(w);
   return static_cast<int32_t*>(w);
 }
 
+// The choice GpuQuantizeOptions::current_pass documents.
+bool UseFusedPass(const GroupedQuantizeArgs& a, const GpuQuantizeOptions& options) {
+  using P = GpuQuantizeOptions::CurrentPass;
+  if (options.current_pass != P::kAuto) return options.current_pass == P::kFused;
+  int64_t rows = 0, nonempty = 0;
+  for (int64_t g = 0; g < a.num_groups; ++g) {
+    rows += a.group_sizes[g];
+    nonempty += a.group_sizes[g] > 0;
+  }
+  constexpr int64_t kFusedMinGroupBytes = int64_t{16} << 20;
+  return nonempty > 0 && rows * a.k * DTypeSize(a.x_dtype) >= kFusedMinGroupBytes * nonempty;
+}
+
 }  // namespace
+
+size_t FusedQuantizeWorkspaceBytes() { return sizeof(cuda_internal::QuantizeWorkspace); }
 
 absl::Status GroupedQuantize(const GroupedQuantizeArgs& a, cudaStream_t stream, const GpuQuantizeOptions& options) {
   if (absl::Status s = ValidateGroupedQuantizeArgs(a); !s.ok()) return s;
@@ -130,8 +149,8 @@ absl::Status GroupedQuantize(const GroupedQuantizeArgs& a, cudaStream_t stream, 
   }
   if (e != cudaSuccess) return CudaError(e, "cudaMemsetAsync");
   p->num_items = static_cast<int>(tiles * p->col_tiles);
-  if (a.mode == ScalingMode::kCurrent && tiles > 0 && options.fused_current) {
-    absl::StatusOr<int32_t*> ws = FusedWorkspace(stream);
+  if (a.mode == ScalingMode::kCurrent && tiles > 0 && UseFusedPass(a, options)) {
+    absl::StatusOr<int32_t*> ws = FusedWorkspace(stream, options);
     if (!ws.ok()) return ws.status();
     if (*ws != nullptr) {
       // Batches of whole groups of about kFusedBatchBytes of x (none empty).

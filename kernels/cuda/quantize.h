@@ -23,11 +23,22 @@ struct GpuQuantizeOptions {
   // Use fp8.h's software conversion instead of the hardware cvt (same bits;
   // kept for checking and as a fallback).
   bool software_cvt = false;
-  // Current scaling in one launch: per-group amax tiles run ahead of the
-  // quantize tiles that need them, which re-read x from L2 (see quantize.cu).
-  // Off by default: on the H200 it measured 10-30% slower than the separate
-  // streaming amax pass (docs/performance/quantize.md).
-  bool fused_current = false;
+  // How current scaling finds its per-group amax before converting:
+  //   kTwoPass: a separate streaming amax pass over x, then the quantize pass;
+  //   kFused:   one launch, each group's amax tiles a phase ahead of its
+  //             quantize tiles, which re-read x from L2 (see quantize.cu);
+  //   kAuto:    kFused when the groups average at least 16 MiB of x, where it
+  //             measured faster on the H200 (deepseek-v3-up 75% of copy
+  //             against 60%), else kTwoPass (fused lost 10-30% on smaller
+  //             groups; docs/performance/quantize.md).
+  // The fused pass needs a workspace no other launch uses at the same time:
+  // the library keeps one per stream the caller created (outside stream
+  // capture); on the default streams, or when capturing a graph, pass one
+  // here (FusedQuantizeWorkspaceBytes() of device memory, zeroed once; each
+  // launch leaves it zeroed) or the two-pass path runs.
+  enum class CurrentPass { kAuto, kTwoPass, kFused };
+  CurrentPass current_pass = CurrentPass::kAuto;
+  void* fused_workspace = nullptr;
 };
 
 // One persistent launch for every mode (current scaling: a streaming amax
@@ -36,6 +47,8 @@ struct GpuQuantizeOptions {
 // and padding rows.
 absl::Status GroupedQuantize(const GroupedQuantizeArgs& args, cudaStream_t stream,
                              const GpuQuantizeOptions& options = GpuQuantizeOptions());
+
+size_t FusedQuantizeWorkspaceBytes();
 
 // Same as cpu::GroupedDequantize; data, scale_inv and out in device memory.
 absl::Status GroupedDequantize(const GroupedDequantizeArgs& args, cudaStream_t stream);

@@ -115,6 +115,9 @@ int Main(int argc, char** argv) {
     CK(cudaFree(dst));
   }
 
+  void* workspace = nullptr;
+  CK(cudaMalloc(&workspace, cuda::FusedQuantizeWorkspaceBytes()));
+  CK(cudaMemset(workspace, 0, cuda::FusedQuantizeWorkspaceBytes()));
   std::printf("%-18s %-26s %8s %9s %10s %10s %9s %9s %9s %7s\n", "preset", "op", "M x K", "us(graph)", "GB/s logic",
               "GB/s moved", "copy GB/s", "moved/cp", "logic/cp", "us(eag)");
   for (const Preset& p : kPresets) {
@@ -154,7 +157,7 @@ int Main(int argc, char** argv) {
       const char* name;
       ScalingMode mode;
       bool row, col;
-      bool fused = false;
+      cuda::GpuQuantizeOptions::CurrentPass pass = cuda::GpuQuantizeOptions::CurrentPass::kAuto;
     };
     const Op ops[] = {
         {"current row+col", ScalingMode::kCurrent, true, true},
@@ -163,7 +166,8 @@ int Main(int argc, char** argv) {
         {"delayed row+col", ScalingMode::kDelayed, true, true},
         {"mxfp8 row", ScalingMode::kMxfp8, true, false},
         {"block1x128 row+col", ScalingMode::kBlock1x128, true, true},
-        {"current row+col fused", ScalingMode::kCurrent, true, true, true},
+        {"current row+col fused", ScalingMode::kCurrent, true, true, cuda::GpuQuantizeOptions::CurrentPass::kFused},
+        {"current row+col 2-pass", ScalingMode::kCurrent, true, true, cuda::GpuQuantizeOptions::CurrentPass::kTwoPass},
     };
     for (const Op& op : ops) {
       GroupedQuantizeArgs a;
@@ -186,7 +190,8 @@ int Main(int argc, char** argv) {
       Time(
           [&] {
             cuda::GpuQuantizeOptions opt;
-            opt.fused_current = op.fused;
+            opt.current_pass = op.pass;
+            opt.fused_workspace = workspace;  // graph capture: the library keeps none of its own
             absl::Status r = cuda::GroupedQuantize(a, s, opt);
             if (!r.ok()) st = r;
           },

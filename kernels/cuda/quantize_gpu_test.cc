@@ -104,7 +104,7 @@ struct Case {
   int64_t pad_rows;
   bool specials;
   bool software_cvt;
-  bool fused_current = false;
+  cuda::GpuQuantizeOptions::CurrentPass current_pass = cuda::GpuQuantizeOptions::CurrentPass::kAuto;
 };
 
 std::string Name(const Case& c) {
@@ -155,7 +155,11 @@ void RunCase(const Case& c, uint32_t seed) {
   ga.rowwise_scale_inv = drs.p, ga.colwise_scale_inv = dcs.p, ga.amax = damax.as<float>();
   cuda::GpuQuantizeOptions opt;
   opt.software_cvt = c.software_cvt;
-  opt.fused_current = c.fused_current;
+  opt.current_pass = c.current_pass;
+  // The null stream: the fused pass runs only with a workspace of ours.
+  DevBuf workspace(cuda::FusedQuantizeWorkspaceBytes());
+  workspace.Fill(0);
+  opt.fused_workspace = workspace.p;
   // Twice: the fused pass must leave its workspace ready for the next call.
   for (int rep = 0; rep < 2; ++rep) {
     absl::Status gs = cuda::GroupedQuantize(ga, nullptr, opt);
@@ -277,13 +281,18 @@ TEST(QuantizeGpuTest, CurrentScalingFusedAndTwoPassAgree) {
   // and the separate-amax-pass path on the same inputs.
   std::vector<int64_t> groups = {3000, 0, 1, 2047, 4096, 0, 777, 1500, 128, 129, 5000, 3};
   uint32_t seed = 500;
-  for (bool fused : {true, false}) {
+  using P = cuda::GpuQuantizeOptions::CurrentPass;
+  for (P pass : {P::kFused, P::kTwoPass}) {
     for (bool row : {true, false}) {
-      Case c{ScalingMode::kCurrent, Fp8Format::kE4M3, DType::kBF16, row, true, 1536, groups, 5, true, false, fused};
+      Case c{ScalingMode::kCurrent, Fp8Format::kE4M3, DType::kBF16, row, true, 1536, groups, 5, true, false, pass};
       RunCase(c, seed++);
     }
   }
-  Case c{ScalingMode::kCurrent, Fp8Format::kE5M2, DType::kF32, true, true, 512, groups, 0, true, false, true};
+  // Big groups: kAuto takes the fused pass.
+  RunCase(Case{ScalingMode::kCurrent, Fp8Format::kE4M3, DType::kBF16, true, true, 4096, {2048, 0, 2100}, 3, true,
+               false, P::kAuto},
+          seed++);
+  Case c{ScalingMode::kCurrent, Fp8Format::kE5M2, DType::kF32, true, true, 512, groups, 0, true, false, P::kFused};
   RunCase(c, seed++);
 }
 
