@@ -84,9 +84,8 @@ class NcclCollectives : public Collectives {
     for (int64_t i = 0; s.ok() && n > 0 && i < *size; ++i) {
       char* dst = &out.bytes[0] + i * row;
       const char* src = static_cast<const char*>(*recv) + i * n;
-      s = Cuda(outer == 1 ? cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToHost, stream_)
-                          : cudaMemcpy2DAsync(dst, row * *size, src, row, row, outer, cudaMemcpyDeviceToHost, stream_),
-               "download");
+      s = outer == 1 ? Cuda(cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToHost, stream_), "download")
+                     : CopyRows(dst, row * *size, src, row, row, outer, cudaMemcpyDeviceToHost, stream_, "download");
     }
     if (s.ok()) s = Cuda(cudaStreamSynchronize(stream_), "download");
     if (!s.ok()) return s;
@@ -135,15 +134,7 @@ class NcclCollectives : public Collectives {
     for (int64_t i = 0; s.ok() && outer > 1 && i < *size; ++i) {
       char* dst = static_cast<char*>(recv) + i * row;
       const char* src = static_cast<const char*>(gathered) + i * n;
-      if (dpitch <= max_pitch_) {
-        s = Cuda(cudaMemcpy2DAsync(dst, dpitch, src, row, row, outer, cudaMemcpyDeviceToDevice, stream),
-                 "all_gather placement");
-      } else {  // wider than a 2D copy allows: one copy per row
-        for (int64_t j = 0; s.ok() && j < outer; ++j) {
-          s = Cuda(cudaMemcpyAsync(dst + j * dpitch, src + j * row, row, cudaMemcpyDeviceToDevice, stream),
-                   "all_gather placement");
-        }
-      }
+      s = CopyRows(dst, dpitch, src, row, row, outer, cudaMemcpyDeviceToDevice, stream, "all_gather placement");
     }
     if (s.ok()) s = Wait(axes, *comm, stream);
     return s;
@@ -210,9 +201,8 @@ class NcclCollectives : public Collectives {
     absl::Status s = Cuda(cudaMemcpyAsync(outer == 1 ? *buf : *in, t.bytes.data(), total, cudaMemcpyHostToDevice,
                                           stream_), "upload");
     for (int64_t i = 0; s.ok() && outer > 1 && i < *size; ++i) {
-      s = Cuda(cudaMemcpy2DAsync(static_cast<char*>(*buf) + i * piece, row, static_cast<const char*>(*in) + i * row,
-                                 row * *size, row, outer, cudaMemcpyDeviceToDevice, stream_),
-               "reduce_scatter layout");
+      s = CopyRows(static_cast<char*>(*buf) + i * piece, row, static_cast<const char*>(*in) + i * row, row * *size,
+                   row, outer, cudaMemcpyDeviceToDevice, stream_, "reduce_scatter layout");
     }
     if (s.ok()) s = Nccl(ncclReduceScatter(*buf, *out, piece / 4, ncclFloat32, ncclSum, *comm, stream_), "ncclReduceScatter");
     if (s.ok()) s = Wait(axes, *comm, stream_);
@@ -320,6 +310,24 @@ class NcclCollectives : public Collectives {
   std::chrono::milliseconds timeout_;
   cudaStream_t stream_ = nullptr;
   int64_t max_pitch_ = (int64_t{1} << 31) - 1;  // cudaDevAttrMaxPitch: the widest 2D copy
+
+  // `rows` rows of `width` bytes from src (rows `spitch` apart) to dst (rows
+  // `dpitch` apart): one 2D copy, or a copy per row where a pitch is wider
+  // than a 2D copy allows.
+  absl::Status CopyRows(void* dst, int64_t dpitch, const void* src, int64_t spitch, int64_t width, int64_t rows,
+                        cudaMemcpyKind kind, cudaStream_t stream, const char* what) {
+    if (dpitch <= max_pitch_ && spitch <= max_pitch_) {
+      return Cuda(cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, rows, kind, stream), what);
+    }
+    for (int64_t j = 0; j < rows; ++j) {
+      if (auto st = Cuda(cudaMemcpyAsync(static_cast<char*>(dst) + j * dpitch, static_cast<const char*>(src) + j * spitch,
+                                         width, kind, stream), what);
+          !st.ok()) {
+        return st;
+      }
+    }
+    return absl::OkStatus();
+  }
   std::mutex mu_;
   std::map<std::string, ncclComm_t> comms_;
   uint64_t step_ = 0;
