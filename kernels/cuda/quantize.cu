@@ -617,7 +617,10 @@ __device__ __forceinline__ void QuantizeTile(const QuantizeParams& p, const Tile
   }
 }
 
-template <int DT, int MODE, int FMT>
+// FUSED (current scaling only): the amax tiles, the claim counter and the
+// waits are compiled in only where they run, which keeps the plain kernels'
+// registers free of them.
+template <int DT, int MODE, int FMT, bool FUSED>
 __global__ void __launch_bounds__(kThreads, MinBlocks(DT, MODE)) QuantizeKernel(const __grid_constant__ QuantizeParams p) {
   using T = typename InType<DT>::T;
   constexpr bool kTensor = MODE == kModeCurrent || MODE == kModeDelayed;
@@ -639,7 +642,7 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(DT, MODE)) QuantizeKernel(
       }
     }
   }
-  const bool fused = MODE == kModeCurrent && p.fuse_amax;
+  constexpr bool fused = MODE == kModeCurrent && FUSED;
   QuantizeWorkspace* ws = reinterpret_cast<QuantizeWorkspace*>(p.workspace);
 
   int cur, nxt;
@@ -720,7 +723,10 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(DT, MODE)) QuantizeKernel(
 
 template <int DT, int MODE, int FMT>
 cudaError_t LaunchQuantizeT(const QuantizeParams& p, cudaStream_t stream) {
-  auto kernel = QuantizeKernel<DT, MODE, FMT>;
+  auto kernel = QuantizeKernel<DT, MODE, FMT, false>;
+  if constexpr (MODE == kModeCurrent) {
+    if (p.fuse_amax) kernel = QuantizeKernel<DT, MODE, FMT, true>;
+  }
   const int smem = kPipe * TileBytes<DT>();
   cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (e != cudaSuccess) return e;
