@@ -426,7 +426,7 @@ __device__ __forceinline__ uint32_t Quant2s(float x0, float s0, bool n0, float x
 // Converts one tile held in shared memory. tscale: the tensor (per-group) scale.
 template <int DT, int MODE, int FMT>
 __device__ __forceinline__ void QuantizeTile(const QuantizeParams& p, const TileGeom& tg,
-                                             const typename InType<DT>::T* tile, float tscale,
+                                             typename InType<DT>::T* tile, float tscale,
                                              float tscale_amax, uint32_t* red, uint32_t* col_red) {
   using T = typename InType<DT>::T;
   constexpr bool kTensor = MODE == kModeCurrent || MODE == kModeDelayed;
@@ -472,8 +472,14 @@ __device__ __forceinline__ void QuantizeTile(const QuantizeParams& p, const Tile
     }
   }
 
+  // One scale for the whole tile (tensor and 128x128 scaling): an element's
+  // colwise byte is its rowwise byte, so the colwise output is the rowwise
+  // bytes transposed through shared memory instead of a second conversion.
+  constexpr bool kReuse = kTensor || MODE == kModeB128;
+  uint2 qv[NCH];
+
   // ---- rowwise ----
-  if (p.rowwise) {
+  if (p.rowwise || (kReuse && p.colwise)) {
 #pragma unroll
     for (int i = 0; i < NCH; ++i) {
       const int ch = tid + i * kThreads, rr = ch / 16, cc = ch % 16;
@@ -508,14 +514,58 @@ __device__ __forceinline__ void QuantizeTile(const QuantizeParams& p, const Tile
         float f[8];
 #pragma unroll
         for (int j = 0; j < 8; ++j) f[j] = Elem<DT>(v, j);
-        __stcs(reinterpret_cast<uint2*>(p.row_data + (r0 + rr) * K + c0 + cc * 8),
-               Quant8<FMT>(f, s, sw, nan_block, MODE == kModeMx ? false : MODE == kModeB1x128 ? row_nan : tile_nan));
+        const uint2 b =
+            Quant8<FMT>(f, s, sw, nan_block, MODE == kModeMx ? false : MODE == kModeB1x128 ? row_nan : tile_nan);
+        if (p.rowwise) __stcs(reinterpret_cast<uint2*>(p.row_data + (r0 + rr) * K + c0 + cc * 8), b);
+        if constexpr (kReuse) qv[i] = b;
+      } else if constexpr (kReuse) {
+        qv[i] = make_uint2(0, 0);
+      }
+    }
+  }
+
+  // ---- colwise, from the rowwise bytes ----
+  if (kReuse && p.colwise) {
+    uint8_t* qt = reinterpret_cast<uint8_t*>(tile);  // [128][128] bytes over this tile's own buffer
+    __syncthreads();  // every thread is done reading the input tile
+#pragma unroll
+    for (int i = 0; i < NCH; ++i) {
+      const int ch = tid + i * kThreads;
+      *reinterpret_cast<uint2*>(qt + (ch / 16) * kTileCols + (ch % 16) * 8) = qv[i];
+    }
+    __syncthreads();
+    const int cg = tid % 32, rs = tid / 32;
+    const int cb = cg * 4, rb = rs * 16;  // this thread's 4 columns and 16 rows
+    if (cb < ncols && rb < nrows) {
+      uint32_t w[16];  // row rb + j, columns cb .. cb + 3
+#pragma unroll
+      for (int j = 0; j < 16; ++j) w[j] = *reinterpret_cast<const uint32_t*>(qt + (rb + j) * kTileCols + cb);
+      // Transposed per group: (r, c) at off * K + c * mg + (r - off); 16 rows = one 16-byte store.
+      const bool aligned = ((off * K) % 16 == 0) && (mg % 16 == 0) && rb + 16 <= nrows;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        uint8_t* out = p.col_data + off * K + (c0 + cb + i) * mg + (r0 - off) + rb;
+        if (aligned) {
+          const uint32_t sel = static_cast<uint32_t>(i) | (static_cast<uint32_t>(i + 4) << 4);
+          uint32_t col[4];  // byte i of rows 4k .. 4k + 3
+#pragma unroll
+          for (int k = 0; k < 4; ++k) {
+            col[k] = __byte_perm(__byte_perm(w[4 * k], w[4 * k + 1], sel), __byte_perm(w[4 * k + 2], w[4 * k + 3], sel),
+                                 0x5410);
+          }
+          __stcs(reinterpret_cast<uint4*>(out), make_uint4(col[0], col[1], col[2], col[3]));
+        } else {
+#pragma unroll
+          for (int j = 0; j < 16; ++j) {
+            if (rb + j < nrows) out[j] = static_cast<uint8_t>(w[j] >> (8 * i));
+          }
+        }
       }
     }
   }
 
   // ---- colwise ----
-  if (p.colwise) {
+  if (!kReuse && p.colwise) {
     using Q = typename Quad<DT>::type;
     const int cg = tid % 32, rs = tid / 32;
     const int cb = cg * 4, rb = rs * 16;  // first column / row of this thread's 16 x 4 block
@@ -673,7 +723,7 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(DT, MODE)) QuantizeKernel(
     if (fused && tid == 0) claimed = atomicAdd(&ws->next_item, 1);  // two ahead: its latency hides here
     CpAsyncWait<1>();  // every group but the newest: the current tile is in
     __syncthreads();
-    const T* tile = reinterpret_cast<const T*>(smem_raw + buf * TileBytes<DT>());
+    T* tile = reinterpret_cast<T*>(smem_raw + buf * TileBytes<DT>());
     const TileGeom tg = GeomOf(p, it_cur);
     if (fused && it_cur.amax) {
       const uint32_t tam = BlockMax(TileAbsMaxPart<DT>(tile), red);
