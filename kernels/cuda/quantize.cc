@@ -82,7 +82,7 @@ bool UseFusedPass(const GroupedQuantizeArgs& a, const GpuQuantizeOptions& option
     rows += a.group_sizes[g];
     nonempty += a.group_sizes[g] > 0;
   }
-  constexpr int64_t kFusedMinGroupBytes = int64_t{16} << 20;
+  constexpr int64_t kFusedMinGroupBytes = int64_t{24} << 20;
   return nonempty > 0 && rows * a.k * DTypeSize(a.x_dtype) >= kFusedMinGroupBytes * nonempty;
 }
 

@@ -289,7 +289,7 @@ TEST(QuantizeGpuTest, CurrentScalingFusedAndTwoPassAgree) {
     }
   }
   // Big groups: kAuto takes the fused pass.
-  RunCase(Case{ScalingMode::kCurrent, Fp8Format::kE4M3, DType::kBF16, true, true, 4096, {2048, 0, 2100}, 3, true,
+  RunCase(Case{ScalingMode::kCurrent, Fp8Format::kE4M3, DType::kBF16, true, true, 8192, {2048, 0, 2100}, 3, true,
                false, P::kAuto},
           seed++);
   Case c{ScalingMode::kCurrent, Fp8Format::kE5M2, DType::kF32, true, true, 512, groups, 0, true, false, P::kFused};
