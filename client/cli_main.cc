@@ -611,8 +611,8 @@ int Quantize() {
     std::cout << "\n";
   }
   if (!absl::GetFlag(FLAGS_check)) return 0;
-  const FormatBounds f = e5m2 ? FormatBounds{Fp8Format::kE5M2, 0.125, std::ldexp(1.0, -17), 57344.0}
-                              : FormatBounds{Fp8Format::kE4M3, 0.0625, std::ldexp(1.0, -10), 448.0};
+  const FormatBounds f = e5m2 ? FormatBounds{Fp8Format::kE5M2, 0.125, std::ldexp(1.0, -17), Fp8Max(Fp8Format::kE5M2)}
+                              : FormatBounds{Fp8Format::kE4M3, 0.0625, std::ldexp(1.0, -10), Fp8Max(Fp8Format::kE4M3)};
   QuantizeCheck check;
   if (block) {
     if (auto s = CheckBlockScaled(x, *r, request, *sizes, f, &check); !s.ok()) return Fail(s);

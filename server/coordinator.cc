@@ -158,23 +158,25 @@ void Coordinator::Unpin(const std::vector<std::string>& pins) {
   for (const std::string& shard : to_delete) DeleteShardsBestEffort(shard);
 }
 
-bool Coordinator::Retire(const std::string& shard_name) {
+absl::Status Coordinator::Retire(const std::string& shard_name) {
   {
     absl::MutexLock lock(&registry_mu_);
     if (pin_counts_.contains(shard_name)) {
-      retired_.insert(shard_name);
-      return false;
+      retired_.insert(shard_name);  // requests still use it: deleted after the last one
+      return absl::OkStatus();
     }
   }
-  DeleteShardsBestEffort(shard_name);
-  return true;
+  return DeleteShards(shard_name);
 }
 
-void Coordinator::DeleteShardsBestEffort(const std::string& shard_name) {
+absl::Status Coordinator::DeleteShards(const std::string& shard_name) {
   std::vector<v1::Step> steps(num_workers_);
   for (v1::Step& s : steps) s.mutable_delete_shard()->set_name(shard_name);
-  (void)Dispatch(std::move(steps));
+  auto results = Dispatch(std::move(steps));
+  return results.ok() ? absl::OkStatus() : results.status();
 }
+
+void Coordinator::DeleteShardsBestEffort(const std::string& shard_name) { (void)DeleteShards(shard_name); }
 
 absl::StatusOr<v1::PutTensorResponse> Coordinator::PutTensor(const std::string& name,
                                                              HostTensor tensor,
@@ -230,7 +232,7 @@ absl::StatusOr<v1::PutTensorResponse> Coordinator::PutTensor(const std::string& 
     if (it != registry_.end()) replaced = it->second.shard_name;
     registry_[name] = resident;
   }
-  if (!replaced.empty()) Retire(replaced);
+  if (!replaced.empty()) (void)Retire(replaced);  // best effort: the new generation is in
   v1::PutTensorResponse response;
   response.set_name(name);
   response.set_bytes(tensor.NumBytes());
@@ -296,15 +298,8 @@ absl::Status Coordinator::DeleteTensor(const std::string& name) {
     }
     shard_name = it->second.shard_name;
     registry_.erase(it);
-    if (pin_counts_.contains(shard_name)) {
-      retired_.insert(shard_name);  // requests still use it: deleted after the last one
-      return absl::OkStatus();
-    }
   }
-  std::vector<v1::Step> steps(num_workers_);
-  for (v1::Step& s : steps) s.mutable_delete_shard()->set_name(shard_name);
-  auto results = Dispatch(std::move(steps));
-  return results.ok() ? absl::OkStatus() : results.status();
+  return Retire(shard_name);
 }
 
 v1::ListTensorsResponse Coordinator::ListTensors() const {
@@ -827,7 +822,7 @@ absl::StatusOr<v1::GroupedGemmResponse> Coordinator::GroupedGemmPerShard(
       if (it != registry_.end()) replaced = it->second.shard_name;
       registry_[request.keep_output_as()] = resident;
     }
-    if (!replaced.empty()) Retire(replaced);
+    if (!replaced.empty()) (void)Retire(replaced);  // best effort: the new generation is in
     response.mutable_out()->set_dtype(DTypeToProto(plan->out_dtype));
     response.mutable_out()->mutable_shape()->Assign(plan->out_shape.begin(), plan->out_shape.end());
     response.mutable_out()->set_resident(request.keep_output_as());

@@ -74,8 +74,9 @@ class Coordinator {
   // last request using them is done (not from under it).
   absl::StatusOr<Resident> FindAndPin(const std::string& name, std::vector<std::string>* pins);
   void Unpin(const std::vector<std::string>& pins);
-  // Deletes the shards now, or when their last pin goes; false if deferred.
-  bool Retire(const std::string& shard_name);
+  // Deletes the shards now (the delete step's status), or when their last
+  // pin goes (OK now).
+  absl::Status Retire(const std::string& shard_name);
   struct PinGuard {
     Coordinator* coordinator;
     std::vector<std::string> pins;
@@ -88,6 +89,7 @@ class Coordinator {
   absl::StatusOr<HostTensor> Assemble(DType dtype, const std::vector<int64_t>& shape,
                                       const planner::PartitionSpec& spec,
                                       const std::function<absl::StatusOr<HostTensor>(int)>& shard);
+  absl::Status DeleteShards(const std::string& shard_name);
   void DeleteShardsBestEffort(const std::string& shard_name);
 
   const planner::Mesh mesh_;

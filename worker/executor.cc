@@ -105,11 +105,6 @@ absl::StatusOr<Input> ResolveInput(v1::LocalTensor&& t, const ShardStore& store,
   return in;
 }
 
-
-}  // namespace
-
-namespace {
-
 bool IsReduction(const v1::CollectivePlan& c) {
   return c.kind() == "all_reduce_sum" || c.kind() == "reduce_scatter";
 }
@@ -248,8 +243,7 @@ absl::StatusOr<v1::StepResult> Executor::RunGemm(v1::GemmStep& gemm) {
     // With the gather in the backend, r is this worker's shard and the
     // GEMM's weight has the gathered shape.
     const std::vector<int64_t>& rs = device_gather != nullptr ? gathered_rhs_shape : r.shape;
-    std::vector<int64_t> group_sizes(gemm.group_sizes().begin(), gemm.group_sizes().end());
-    const int64_t g = static_cast<int64_t>(group_sizes.size());
+    const int64_t g = gemm.group_sizes_size();
     if (l.shape.size() != 2) {
       status = absl::InvalidArgumentError("local lhs must be rank 2");
     } else if (rs.size() != (ragged_k ? 2u : 3u)) {
@@ -267,32 +261,27 @@ absl::StatusOr<v1::StepResult> Executor::RunGemm(v1::GemmStep& gemm) {
   const bool agree_before_gather = device_gather != nullptr && gemm.agree();
   if (agree_before_gather) status = collectives_->Agree(status);
   if (status.ok()) {
-    const HostTensor& l = *lhs.tensor;
-    const HostTensor& r = *rhs.tensor;
-    std::vector<int64_t> group_sizes(gemm.group_sizes().begin(), gemm.group_sizes().end());
-    {
-      LocalGemm local;
-      local.ragged_k = ragged_k;
-      local.lhs = &l;
-      local.rhs = &r;
-      // A resident weight may stay on the device between requests.
-      if (rhs.resident) local.resident_rhs = rhs.tensor;
-      if (lhs.resident) local.resident_lhs = lhs.tensor;
-      local.bias = gemm.apply_bias() ? bias.tensor.get() : nullptr;
-      local.group_sizes = std::move(group_sizes);
-      local.rhs_transposed = gemm.rhs_transposed();
-      local.out_dtype = local_dtype;
-      if (device_gather != nullptr) {
-        local.rhs_gather.enabled = true;
-        local.rhs_gather.dim = device_gather->dim();
-        local.rhs_gather.axes.assign(device_gather->axes().begin(), device_gather->axes().end());
-        local.rhs_gather.collectives = collectives_.get();
-        local.rhs_gather.gathered_shape = gathered_rhs_shape;
-        local.rhs_gather.agree = agree_before_gather;
-      }
-      out = backend_->GroupedGemm(local);
-      status = out.status();
+    LocalGemm local;
+    local.ragged_k = ragged_k;
+    local.lhs = lhs.tensor.get();
+    local.rhs = rhs.tensor.get();
+    // A resident weight may stay on the device between requests.
+    if (rhs.resident) local.resident_rhs = rhs.tensor;
+    if (lhs.resident) local.resident_lhs = lhs.tensor;
+    local.bias = gemm.apply_bias() ? bias.tensor.get() : nullptr;
+    local.group_sizes.assign(gemm.group_sizes().begin(), gemm.group_sizes().end());
+    local.rhs_transposed = gemm.rhs_transposed();
+    local.out_dtype = local_dtype;
+    if (device_gather != nullptr) {
+      local.rhs_gather.enabled = true;
+      local.rhs_gather.dim = device_gather->dim();
+      local.rhs_gather.axes.assign(device_gather->axes().begin(), device_gather->axes().end());
+      local.rhs_gather.collectives = collectives_.get();
+      local.rhs_gather.gathered_shape = gathered_rhs_shape;
+      local.rhs_gather.agree = agree_before_gather;
     }
+    out = backend_->GroupedGemm(local);
+    status = out.status();
   }
   bool has_after = false;
   for (const auto& c : gemm.collectives()) has_after |= c.phase() == "after";
