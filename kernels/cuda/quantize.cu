@@ -170,6 +170,23 @@ __device__ __forceinline__ uint8_t Quant1(float x, float s, bool sw, bool nan_bl
   return static_cast<uint8_t>(HwQuant2<FMT>(x, 0.0f, s) & 0xffu);
 }
 
+// The E8M0 scale code of a block whose max |x| has float bits `abs`: fp8.h's
+// MxScaleFromAmax without its branches for the OCP recipe (floor(log2 amax)
+// - emax, clamped, is the exponent field minus emax, clamped at 0; subnormal
+// and zero amax give 0, Inf and NaN 0xff). Checked equal for every float by
+// LaunchExhaustiveCvtCheck.
+__device__ __forceinline__ uint32_t MxCode(uint32_t abs, Fp8Format fmt, int recipe) {
+  if (recipe != static_cast<int>(MxScaleRecipe::kOcp)) {
+    return MxScaleFromAmax(BitsToFloat(abs), fmt, static_cast<MxScaleRecipe>(recipe));
+  }
+  const int e = static_cast<int>(abs >> 23) - Fp8Emax(fmt);
+  return abs >= 0x7f800000u ? 0xffu : static_cast<uint32_t>(max(e, 0));
+}
+// E8M0ReciprocalToFloat(b) for b != 0xff: 2^(127 - b) as float bits.
+__device__ __forceinline__ float MxRecip(uint32_t b) {
+  return BitsToFloat(b == 254u ? 0x00400000u : (254u - b) << 23);
+}
+
 __device__ __forceinline__ uint32_t WarpMax(uint32_t v) { return __reduce_max_sync(0xffffffffu, v); }
 
 // Block-wide max; `red` holds kThreads / 32 words; all threads get the result.
@@ -263,7 +280,7 @@ __global__ void __launch_bounds__(kThreads) AmaxKernel(const __grid_constant__ Q
 // tiles (see QuantizeParams); work is claimed from an atomic counter, so a
 // quantize tile only ever waits for amax tiles that running blocks hold.
 
-constexpr int kPipe = 2;  // tile buffers per block
+// Tile buffers per block: p.stages (2 or 3); the fused pass takes 2.
 
 template <int DT>
 constexpr int TileBytes() {
@@ -281,6 +298,14 @@ __device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_
 template <int N>
 __device__ __forceinline__ void CpAsyncWait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+// Waits until at most n (1 or 2) of this thread's newest groups are pending.
+__device__ __forceinline__ void CpAsyncWaitAllBut(int n) {
+  if (n >= 2) {
+    CpAsyncWait<2>();
+  } else {
+    CpAsyncWait<1>();
+  }
 }
 __device__ __forceinline__ int LoadAcquire(const int32_t* p) {
   int v;
@@ -424,7 +449,10 @@ __device__ __forceinline__ uint32_t Quant2s(float x0, float s0, bool n0, float x
 }
 
 // Converts one tile held in shared memory. tscale: the tensor (per-group) scale.
-template <int DT, int MODE, int FMT>
+// FULL: a whole 128 x 128 tile of 16-bit input with the hardware conversion
+// (nearly every tile), compiled without the bounds checks and the software
+// path, and with MXFP8's colwise blocks held by single threads.
+template <int DT, int MODE, int FMT, bool FULL>
 __device__ __forceinline__ void QuantizeTile(const QuantizeParams& p, const TileGeom& tg,
                                              typename InType<DT>::T* tile, float tscale,
                                              float tscale_amax, uint32_t* red, uint32_t* col_red) {
@@ -433,9 +461,10 @@ __device__ __forceinline__ void QuantizeTile(const QuantizeParams& p, const Tile
   constexpr int NCH = kTileRows * (kTileCols / 8) / kThreads;  // rowwise 8-element chunks per thread
   const Fp8Format fmt = static_cast<Fp8Format>(FMT);
   const int tid = threadIdx.x;
-  const int g = tg.g, nrows = tg.nrows, ncols = tg.ncols, ct = tg.ct;
+  const int g = tg.g, ct = tg.ct;
+  const int nrows = FULL ? kTileRows : tg.nrows, ncols = FULL ? kTileCols : tg.ncols;
   const int64_t off = tg.off, mg = tg.mg, r0 = tg.r0, c0 = tg.c0, K = p.k;
-  const bool sw = p.software_cvt;
+  const bool sw = FULL ? false : p.software_cvt;
   const float fmax = Fp8Max(fmt);
 
   if constexpr (kTensor) {
@@ -491,13 +520,13 @@ __device__ __forceinline__ void QuantizeTile(const QuantizeParams& p, const Tile
         uint32_t m = ChunkAbsMax<DT>(v);
         m = max(m, __shfl_xor_sync(0xffffffffu, m, 1));
         m = max(m, __shfl_xor_sync(0xffffffffu, m, 2));
-        const uint8_t b = MxScaleFromAmax(BitsToFloat(m), fmt, static_cast<MxScaleRecipe>(p.mx_recipe));
+        const uint32_t b = MxCode(m, fmt, p.mx_recipe);
         if (valid && (cc & 3) == 0) {
           static_cast<uint8_t*>(p.row_scale)[p.row_scale_off[g] + (r0 + rr - off) * RoundUp(K / 32, 4) +
-                                             (c0 + cc * 8) / 32] = b;
+                                             (c0 + cc * 8) / 32] = static_cast<uint8_t>(b);
         }
         nan_block = b == kE8M0Nan;
-        s = nan_block ? 1.0f : E8M0ReciprocalToFloat(b);
+        s = nan_block ? 1.0f : MxRecip(b);
       }
       if constexpr (MODE == kModeB1x128) {  // 128-element block = 16 lanes
         uint32_t m = ChunkAbsMax<DT>(v);
@@ -564,8 +593,51 @@ __device__ __forceinline__ void QuantizeTile(const QuantizeParams& p, const Tile
     }
   }
 
+  // ---- colwise, MXFP8, whole tile: a thread holds a 32-row block of two
+  // columns, so each column's scale is its own (no join across warps) ----
+  if (FULL && MODE == kModeMx && p.colwise) {
+    const int w = tid / 32, lane = tid % 32;
+    const int rb = (w / 2) * 32;             // the warp's 32-row block
+    const int cp = (w % 2) * 32 + lane;      // columns 2cp, 2cp + 1 (one word per row)
+    uint32_t v[32];
+#pragma unroll
+    for (int j = 0; j < 32; ++j) v[j] = *reinterpret_cast<const uint32_t*>(tile + (rb + j) * kTileCols + 2 * cp);
+    uint32_t m2 = 0;  // 16-bit |x| bits order like the values (NaN above Inf)
+#pragma unroll
+    for (int j = 0; j < 32; ++j) m2 = __vmaxu2(m2, v[j] & 0x7fff7fffu);
+    const uint32_t b0 = MxCode(AbsBitsOf<DT>(static_cast<uint16_t>(m2 & 0xffffu)), fmt, p.mx_recipe);
+    const uint32_t b1 = MxCode(AbsBitsOf<DT>(static_cast<uint16_t>(m2 >> 16)), fmt, p.mx_recipe);
+    uint8_t* cs = static_cast<uint8_t*>(p.col_scale) + p.col_scale_off[g] + ((r0 - off + rb) / 32) * RoundUp(K, 128) +
+                  c0 + 2 * cp;
+    cs[0] = static_cast<uint8_t>(b0);
+    cs[1] = static_cast<uint8_t>(b1);
+    // Not transposed: (r, c) at r * K + c; a warp writes 64 contiguous bytes per row.
+    uint8_t* out = p.col_data + (r0 + rb) * K + c0 + 2 * cp;
+    const bool n0 = b0 == kE8M0Nan, n1 = b1 == kE8M0Nan;
+    const float s0 = n0 ? 1.0f : MxRecip(b0), s1 = n1 ? 1.0f : MxRecip(b1);
+    if (!n0 && !n1) {  // no NaN in either block: the bare conversion
+      const __nv_fp8_interpretation_t f = FMT == 0 ? __NV_E4M3 : __NV_E5M2;
+#pragma unroll
+      for (int j = 0; j < 32; ++j) {
+        const float x0 = ToFloat<DT>(static_cast<uint16_t>(v[j] & 0xffffu));
+        const float x1 = ToFloat<DT>(static_cast<uint16_t>(v[j] >> 16));
+        __stcs(reinterpret_cast<unsigned short*>(out + j * K),
+               static_cast<unsigned short>(__nv_cvt_float2_to_fp8x2(make_float2(x0 * s0, x1 * s1), __NV_SATFINITE, f)));
+      }
+    } else {  // a NaN block (rare): rows re-read from shared memory, keeping v[] in registers
+#pragma unroll 1
+      for (int j = 0; j < 32; ++j) {
+        const uint32_t vj = *reinterpret_cast<const uint32_t*>(tile + (rb + j) * kTileCols + 2 * cp);
+        const float x0 = ToFloat<DT>(static_cast<uint16_t>(vj & 0xffffu));
+        const float x1 = ToFloat<DT>(static_cast<uint16_t>(vj >> 16));
+        __stcs(reinterpret_cast<unsigned short*>(out + j * K),
+               static_cast<unsigned short>(Quant2s<FMT>(x0, s0, n0, x1, s1, n1, false)));
+      }
+    }
+  }
+
   // ---- colwise ----
-  if (!kReuse && p.colwise) {
+  if (!kReuse && !(FULL && MODE == kModeMx) && p.colwise) {
     using Q = typename Quad<DT>::type;
     const int cg = tid % 32, rs = tid / 32;
     const int cb = cg * 4, rb = rs * 16;  // first column / row of this thread's 16 x 4 block
@@ -607,12 +679,12 @@ __device__ __forceinline__ void QuantizeTile(const QuantizeParams& p, const Tile
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const uint32_t m = max(cam[i], col_red[(rs ^ 1) * kTileCols + cb + i]);
-          const uint8_t b = MxScaleFromAmax(BitsToFloat(m), fmt, static_cast<MxScaleRecipe>(p.mx_recipe));
+          const uint32_t b = MxCode(m, fmt, p.mx_recipe);
           nanb[i] = b == kE8M0Nan;
-          s[i] = nanb[i] ? 1.0f : E8M0ReciprocalToFloat(b);
+          s[i] = nanb[i] ? 1.0f : MxRecip(b);
           if ((rs & 1) == 0 && cvalid && rb < nrows) {
             static_cast<uint8_t*>(p.col_scale)[p.col_scale_off[g] + ((r0 - off + rb) / 32) * RoundUp(K, 128) + c0 +
-                                               cb + i] = b;
+                                               cb + i] = static_cast<uint8_t>(b);
           }
         }
       } else {  // one 128-row block: all eight warps
@@ -667,6 +739,21 @@ __device__ __forceinline__ void QuantizeTile(const QuantizeParams& p, const Tile
   }
 }
 
+// The whole-tile path where it applies, else the general one.
+template <int DT, int MODE, int FMT>
+__device__ __forceinline__ void QuantizeAnyTile(const QuantizeParams& p, const TileGeom& tg,
+                                                typename InType<DT>::T* tile, float tscale, float tscale_amax,
+                                                uint32_t* red, uint32_t* col_red) {
+  // (f16's 1x128 tile, whose software f16 decode is longer, would spill.)
+  if constexpr (DT == 0 || (DT == 1 && MODE != kModeB1x128)) {
+    if (tg.nrows == kTileRows && tg.ncols == kTileCols && !p.software_cvt) {
+      QuantizeTile<DT, MODE, FMT, true>(p, tg, tile, tscale, tscale_amax, red, col_red);
+      return;
+    }
+  }
+  QuantizeTile<DT, MODE, FMT, false>(p, tg, tile, tscale, tscale_amax, red, col_red);
+}
+
 // FUSED (current scaling only): the amax tiles, the claim counter and the
 // waits are compiled in only where they run, which keeps the plain kernels'
 // registers free of them.
@@ -694,6 +781,42 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(DT, MODE)) QuantizeKernel(
   }
   constexpr bool fused = MODE == kModeCurrent && FUSED;
   QuantizeWorkspace* ws = reinterpret_cast<QuantizeWorkspace*>(p.workspace);
+
+  if constexpr (!fused) {
+    // Item i + k * gridDim.x is this block's k-th; tiles stream p.stages - 1
+    // items ahead of the one being converted.
+    const int S = p.stages, stride = static_cast<int>(gridDim.x);
+#pragma unroll 1
+    for (int k = 0; k < S - 1; ++k) {
+      const int i = static_cast<int>(blockIdx.x) + k * stride;
+      if (i < p.num_items) LoadTile<DT>(p, GeomOf(p, DecodeItem(p, i)), smem_raw + k * TileBytes<DT>());
+      CpAsyncCommit();
+    }
+    int buf = 0;
+#pragma unroll 1
+    for (int i = static_cast<int>(blockIdx.x); i < p.num_items; i += stride) {
+      const int ahead = i + (S - 1) * stride;
+      if (ahead < p.num_items) {
+        const int abuf = buf == 0 ? S - 1 : buf - 1;  // the buffer the last iteration freed
+        LoadTile<DT>(p, GeomOf(p, DecodeItem(p, ahead)), smem_raw + abuf * TileBytes<DT>());
+      }
+      CpAsyncCommit();
+      const TileGeom tg = GeomOf(p, DecodeItem(p, i));
+      // The tile's scale is read before the wait, so its latency hides there.
+      float tscale = 1.0f, gamax = 0.0f;
+      if constexpr (MODE == kModeCurrent) gamax = __ldcg(p.amax + tg.g);  // final: the amax pass ran before
+      if constexpr (MODE == kModeDelayed) tscale = __ldg(p.scale + tg.g);
+      CpAsyncWaitAllBut(S - 1);  // this tile's group is in
+      __syncthreads();
+      if constexpr (MODE == kModeCurrent) tscale = ScaleFromAmax(gamax, Fp8Max(static_cast<Fp8Format>(FMT)), p.pow2);
+      QuantizeAnyTile<DT, MODE, FMT>(p, tg, reinterpret_cast<T*>(smem_raw + buf * TileBytes<DT>()), tscale, gamax, red,
+                                     col_red);
+      __syncthreads();  // this buffer is free again
+      buf = buf + 1 == S ? 0 : buf + 1;
+    }
+    CpAsyncWait<0>();
+    return;
+  }
 
   int cur, nxt;
   if (fused) {
@@ -745,8 +868,7 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(DT, MODE)) QuantizeKernel(
         gamax = __ldcg(p.amax + tg.g);
         tscale = ScaleFromAmax(gamax, Fp8Max(static_cast<Fp8Format>(FMT)), p.pow2);
       }
-      if constexpr (MODE == kModeDelayed) tscale = p.scale[tg.g];
-      QuantizeTile<DT, MODE, FMT>(p, tg, tile, tscale, gamax, red, col_red);
+      QuantizeAnyTile<DT, MODE, FMT>(p, tg, tile, tscale, gamax, red, col_red);
     }
     if (fused && tid == 0) s_claim = claimed;
     __syncthreads();  // this buffer is free again; s_claim is visible
@@ -777,7 +899,7 @@ cudaError_t LaunchQuantizeT(const QuantizeParams& p, cudaStream_t stream) {
   if constexpr (MODE == kModeCurrent) {
     if (p.fuse_amax) kernel = QuantizeKernel<DT, MODE, FMT, true>;
   }
-  const int smem = kPipe * TileBytes<DT>();
+  const int smem = (p.fuse_amax ? 2 : p.stages) * TileBytes<DT>();
   cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (e != cudaSuccess) return e;
   int device = 0, sms = 0, per_sm = 0;
@@ -862,6 +984,15 @@ __global__ void CvtCheckKernel(unsigned long long* mismatches) {
     if ((HwQuant2<1>(x, 0.0f, 1.0f) & 0xffu) != QuantizeScaled(x, 1.0f, Fp8Format::kE5M2)) ++bad[1];
     // The high byte of the pair too.
     if (((HwQuant2<0>(0.0f, x, 1.0f) >> 8) & 0xffu) != QuantizeScaled(x, 1.0f, Fp8Format::kE4M3)) ++bad[0];
+    // The branch-free E8M0 scale code (amax is non-negative: x's |bits|).
+    const uint32_t abs = static_cast<uint32_t>(i) & 0x7fffffffu;
+    const int ocp = static_cast<int>(MxScaleRecipe::kOcp);
+    if (MxCode(abs, Fp8Format::kE4M3, ocp) != MxScaleFromAmax(BitsToFloat(abs), Fp8Format::kE4M3)) ++bad[0];
+    if (MxCode(abs, Fp8Format::kE5M2, ocp) != MxScaleFromAmax(BitsToFloat(abs), Fp8Format::kE5M2)) ++bad[1];
+    if (i < 255 && FloatBits(MxRecip(static_cast<uint32_t>(i))) !=
+                       FloatBits(E8M0ReciprocalToFloat(static_cast<uint8_t>(i)))) {
+      ++bad[0];
+    }
   }
   if (bad[0]) atomicAdd(mismatches, bad[0]);
   if (bad[1]) atomicAdd(mismatches + 1, bad[1]);

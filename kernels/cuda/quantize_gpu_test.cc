@@ -105,12 +105,14 @@ struct Case {
   bool specials;
   bool software_cvt;
   cuda::GpuQuantizeOptions::CurrentPass current_pass = cuda::GpuQuantizeOptions::CurrentPass::kAuto;
+  int stages = 0;  // GpuQuantizeOptions::pipeline_stages
 };
 
 std::string Name(const Case& c) {
   std::string s = std::string(ScalingModeName(c.mode)) + "/" + Fp8FormatName(c.fmt) + "/" +
                   std::string(DTypeName(c.dt)) + (c.rowwise ? "/row" : "") + (c.colwise ? "/col" : "") +
-                  "/k=" + std::to_string(c.k) + (c.software_cvt ? "/swcvt" : "/hwcvt") + " groups=";
+                  "/k=" + std::to_string(c.k) + (c.software_cvt ? "/swcvt" : "/hwcvt") +
+                  "/stages=" + std::to_string(c.stages) + " groups=";
   for (int64_t g : c.groups) s += std::to_string(g) + ",";
   return s;
 }
@@ -156,6 +158,7 @@ void RunCase(const Case& c, uint32_t seed) {
   cuda::GpuQuantizeOptions opt;
   opt.software_cvt = c.software_cvt;
   opt.current_pass = c.current_pass;
+  opt.pipeline_stages = c.stages;
   // The null stream: the fused pass runs only with a workspace of ours.
   DevBuf workspace(cuda::FusedQuantizeWorkspaceBytes());
   workspace.Fill(0);
@@ -268,10 +271,17 @@ TEST(QuantizeGpuTest, LargeUnevenGroups) {
   // Many tiles, group boundaries inside tiles, a group of 1 and empties.
   std::vector<int64_t> groups = {3000, 1, 0, 2047, 4096, 0, 777, 1500};
   uint32_t seed = 77;
-  for (ScalingMode mode : {ScalingMode::kCurrent, ScalingMode::kDelayed, ScalingMode::kMxfp8,
-                           ScalingMode::kBlock1x128, ScalingMode::kBlock128x128}) {
-    Case c{mode, Fp8Format::kE4M3, DType::kBF16, true, true, 1024, groups, 64, true, false};
-    RunCase(c, seed++);
+  // Both pipeline depths; f16 too (its own whole-tile kernels).
+  for (int stages : {2, 3}) {
+    for (DType dt : {DType::kBF16, DType::kF16}) {
+      for (ScalingMode mode : {ScalingMode::kCurrent, ScalingMode::kDelayed, ScalingMode::kMxfp8,
+                               ScalingMode::kBlock1x128, ScalingMode::kBlock128x128}) {
+        Case c{mode, Fp8Format::kE4M3, dt, true, true, 1024, groups, 64, true, false};
+        c.stages = stages;
+        RunCase(c, seed++);
+        if (HasFatalFailure()) return;
+      }
+    }
   }
 }
 
@@ -306,6 +316,13 @@ TEST(QuantizeGpuTest, RejectsWhatTheKernelsCannotDo) {
   absl::Status st = cuda::GroupedQuantize(a, nullptr);
   EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(std::string(st.message()).find("k:"), std::string::npos) << st;
+  // A pipeline depth the kernels do not have.
+  a.k = 16;
+  cuda::GpuQuantizeOptions opt;
+  opt.pipeline_stages = 4;
+  st = cuda::GroupedQuantize(a, nullptr, opt);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(st.message()).find("pipeline_stages"), std::string::npos) << st;
 }
 
 // ---- FP8 grouped GEMM ---------------------------------------------------------
