@@ -557,18 +557,27 @@ __device__ __forceinline__ void QuantizeTile(const QuantizeParams& p, const Tile
   if (kReuse && p.colwise) {
     uint8_t* qt = reinterpret_cast<uint8_t*>(tile);  // [128][128] bytes over this tile's own buffer
     __syncthreads();  // every thread is done reading the input tile
+    // FULL: rows whose bit 4 is set are stored with their two 64-byte halves
+    // swapped, so the lanes reading rows r and r + 16 below hit other banks.
 #pragma unroll
     for (int i = 0; i < NCH; ++i) {
-      const int ch = tid + i * kThreads;
-      *reinterpret_cast<uint2*>(qt + (ch / 16) * kTileCols + (ch % 16) * 8) = qv[i];
+      const int ch = tid + i * kThreads, row = ch / 16;
+      const int swz = FULL ? ((row >> 4) & 1) * 64 : 0;
+      *reinterpret_cast<uint2*>(qt + row * kTileCols + (((ch % 16) * 8) ^ swz)) = qv[i];
     }
     __syncthreads();
-    const int cg = tid % 32, rs = tid / 32;
-    const int cb = cg * 4, rb = rs * 16;  // this thread's 4 columns and 16 rows
+    // A thread takes 4 columns x 16 rows. FULL: lanes 2k and 2k + 1 take the
+    // two 16-row halves of the same columns, so each pair's 16-byte stores
+    // fill one 32-byte sector (warp: 32 rows x 64 columns). Else warp rs
+    // takes rows 16rs .. 16rs + 15 of all 128 columns.
+    const int lane = tid % 32, wp = tid / 32;
+    const int cb = FULL ? 64 * (wp % 2) + 4 * (lane / 2) : lane * 4;
+    const int rb = FULL ? 32 * (wp / 2) + 16 * (lane % 2) : wp * 16;
+    const int rswz = FULL ? 64 * (lane % 2) : 0;  // rows rb .. rb + 15 share bit 4 = lane % 2
     if (cb < ncols && rb < nrows) {
       uint32_t w[16];  // row rb + j, columns cb .. cb + 3
 #pragma unroll
-      for (int j = 0; j < 16; ++j) w[j] = *reinterpret_cast<const uint32_t*>(qt + (rb + j) * kTileCols + cb);
+      for (int j = 0; j < 16; ++j) w[j] = *reinterpret_cast<const uint32_t*>(qt + (rb + j) * kTileCols + (cb ^ rswz));
       // Transposed per group: (r, c) at off * K + c * mg + (r - off); 16 rows = one 16-byte store.
       const bool aligned = ((off * K) % 16 == 0) && (mg % 16 == 0) && rb + 16 <= nrows;
 #pragma unroll
@@ -739,13 +748,14 @@ __device__ __forceinline__ void QuantizeTile(const QuantizeParams& p, const Tile
   }
 }
 
-// The whole-tile path where it applies, else the general one.
-template <int DT, int MODE, int FMT>
+// The whole-tile path where it applies, else the general one. ALLOW_FULL is
+// off in the fused kernel, whose claim and wait state would spill with it.
+template <int DT, int MODE, int FMT, bool ALLOW_FULL = true>
 __device__ __forceinline__ void QuantizeAnyTile(const QuantizeParams& p, const TileGeom& tg,
                                                 typename InType<DT>::T* tile, float tscale, float tscale_amax,
                                                 uint32_t* red, uint32_t* col_red) {
   // (f16's 1x128 tile, whose software f16 decode is longer, would spill.)
-  if constexpr (DT == 0 || (DT == 1 && MODE != kModeB1x128)) {
+  if constexpr (ALLOW_FULL && (DT == 0 || (DT == 1 && MODE != kModeB1x128))) {
     if (tg.nrows == kTileRows && tg.ncols == kTileCols && !p.software_cvt) {
       QuantizeTile<DT, MODE, FMT, true>(p, tg, tile, tscale, tscale_amax, red, col_red);
       return;
@@ -868,7 +878,7 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(DT, MODE)) QuantizeKernel(
         gamax = __ldcg(p.amax + tg.g);
         tscale = ScaleFromAmax(gamax, Fp8Max(static_cast<Fp8Format>(FMT)), p.pow2);
       }
-      QuantizeAnyTile<DT, MODE, FMT>(p, tg, tile, tscale, gamax, red, col_red);
+      QuantizeAnyTile<DT, MODE, FMT, !FUSED>(p, tg, tile, tscale, gamax, red, col_red);
     }
     if (fused && tid == 0) s_claim = claimed;
     __syncthreads();  // this buffer is free again; s_claim is visible
