@@ -76,16 +76,8 @@ absl::StatusOr<int32_t*> FusedWorkspace(cudaStream_t stream, const GpuQuantizeOp
 }
 
 // The choice GpuQuantizeOptions::current_pass documents.
-bool UseFusedPass(const GroupedQuantizeArgs& a, const GpuQuantizeOptions& options) {
-  using P = GpuQuantizeOptions::CurrentPass;
-  if (options.current_pass != P::kAuto) return options.current_pass == P::kFused;
-  int64_t rows = 0, nonempty = 0;
-  for (int64_t g = 0; g < a.num_groups; ++g) {
-    rows += a.group_sizes[g];
-    nonempty += a.group_sizes[g] > 0;
-  }
-  constexpr int64_t kFusedMinGroupBytes = int64_t{24} << 20;
-  return nonempty > 0 && rows * a.k * DTypeSize(a.x_dtype) >= kFusedMinGroupBytes * nonempty;
+bool UseFusedPass(const GpuQuantizeOptions& options) {
+  return options.current_pass == GpuQuantizeOptions::CurrentPass::kFused;
 }
 
 }  // namespace
@@ -156,7 +148,7 @@ absl::Status GroupedQuantize(const GroupedQuantizeArgs& a, cudaStream_t stream, 
   }
   if (e != cudaSuccess) return CudaError(e, "cudaMemsetAsync");
   p->num_items = static_cast<int>(tiles * p->col_tiles);
-  if (a.mode == ScalingMode::kCurrent && tiles > 0 && UseFusedPass(a, options)) {
+  if (a.mode == ScalingMode::kCurrent && tiles > 0 && UseFusedPass(options)) {
     absl::StatusOr<int32_t*> ws = FusedWorkspace(stream, options);
     if (!ws.ok()) return ws.status();
     if (*ws != nullptr) {

@@ -388,13 +388,17 @@ __device__ __forceinline__ void LoadTile(const QuantizeParams& p, const TileGeom
   constexpr int kEpv = 16 / static_cast<int>(sizeof(T));  // elements per 16 bytes
   constexpr int kCpr = kTileCols / kEpv;                  // 16-byte chunks per row
   constexpr int kN = kTileRows * kCpr / kThreads;
+  constexpr int kRowStep = kThreads / kCpr;  // rows between a thread's chunks
   const T* x = static_cast<const T*>(p.x);
+  const int rr0 = static_cast<int>(threadIdx.x) / kCpr, cc = static_cast<int>(threadIdx.x) % kCpr;
+  const bool col_valid = cc * kEpv < tg.ncols;
+  const T* src = x + (tg.r0 + rr0) * p.k + tg.c0 + cc * kEpv;  // a running pointer: one add per chunk
+  unsigned char* dst = buf + threadIdx.x * 16;
 #pragma unroll
   for (int i = 0; i < kN; ++i) {
-    const int ch = threadIdx.x + i * kThreads, rr = ch / kCpr, cc = ch % kCpr;
-    const bool valid = rr < tg.nrows && cc * kEpv < tg.ncols;
-    const T* src = valid ? x + (tg.r0 + rr) * p.k + tg.c0 + cc * kEpv : x;
-    CpAsync16(buf + ch * 16, src, valid);
+    const bool valid = col_valid && rr0 + i * kRowStep < tg.nrows;
+    CpAsync16(dst + i * kThreads * 16, valid ? src : x, valid);
+    src += kRowStep * p.k;
   }
 }
 
@@ -509,10 +513,18 @@ __device__ __forceinline__ void QuantizeTile(const QuantizeParams& p, const Tile
 
   // ---- rowwise ----
   if (p.rowwise || (kReuse && p.colwise)) {
+    // Chunk i of this thread: row rr0 + 16 i, columns cc * 8 .. + 8. Outputs
+    // through running pointers (one 64-bit add per chunk, not a product).
+    const int rr0 = tid / 16, cc = tid % 16;
+    uint8_t* row_out = p.row_data + (r0 + rr0) * K + c0 + cc * 8;
+    const int64_t mx_ld = RoundUp(K / 32, 4);
+    uint8_t* mx_scale = MODE == kModeMx && p.rowwise ? static_cast<uint8_t*>(p.row_scale) + p.row_scale_off[g] +
+                                                           (r0 + rr0 - off) * mx_ld + (c0 + cc * 8) / 32
+                                                     : nullptr;
 #pragma unroll
     for (int i = 0; i < NCH; ++i) {
-      const int ch = tid + i * kThreads, rr = ch / 16, cc = ch % 16;
-      const bool valid = rr < nrows && cc * 8 < ncols;
+      const int rr = rr0 + 16 * i;
+      const bool valid = FULL || (rr < nrows && cc * 8 < ncols);
       const Chunk<DT> v = *reinterpret_cast<const Chunk<DT>*>(tile + rr * kTileCols + cc * 8);
       float s = kTensor ? tscale : bscale;
       bool nan_block = false, row_nan = true;
@@ -521,10 +533,8 @@ __device__ __forceinline__ void QuantizeTile(const QuantizeParams& p, const Tile
         m = max(m, __shfl_xor_sync(0xffffffffu, m, 1));
         m = max(m, __shfl_xor_sync(0xffffffffu, m, 2));
         const uint32_t b = MxCode(m, fmt, p.mx_recipe);
-        if (valid && (cc & 3) == 0) {
-          static_cast<uint8_t*>(p.row_scale)[p.row_scale_off[g] + (r0 + rr - off) * RoundUp(K / 32, 4) +
-                                             (c0 + cc * 8) / 32] = static_cast<uint8_t>(b);
-        }
+        if (valid && (cc & 3) == 0) *mx_scale = static_cast<uint8_t>(b);
+        mx_scale += 16 * mx_ld;
         nan_block = b == kE8M0Nan;
         s = nan_block ? 1.0f : MxRecip(b);
       }
@@ -545,11 +555,12 @@ __device__ __forceinline__ void QuantizeTile(const QuantizeParams& p, const Tile
         for (int j = 0; j < 8; ++j) f[j] = Elem<DT>(v, j);
         const uint2 b =
             Quant8<FMT>(f, s, sw, nan_block, MODE == kModeMx ? false : MODE == kModeB1x128 ? row_nan : tile_nan);
-        if (p.rowwise) __stcs(reinterpret_cast<uint2*>(p.row_data + (r0 + rr) * K + c0 + cc * 8), b);
+        if (p.rowwise) __stcs(reinterpret_cast<uint2*>(row_out), b);
         if constexpr (kReuse) qv[i] = b;
       } else if constexpr (kReuse) {
         qv[i] = make_uint2(0, 0);
       }
+      row_out += 16 * K;
     }
   }
 

@@ -27,11 +27,11 @@ struct GpuQuantizeOptions {
   //   kTwoPass: a separate streaming amax pass over x, then the quantize pass;
   //   kFused:   one launch, each group's amax tiles a phase ahead of its
   //             quantize tiles, which re-read x from L2 (see quantize.cu);
-  //   kAuto:    kFused when the groups average at least 24 MiB of x, where it
-  //             measured faster on the H200 (deepseek-v3-up's 29 MiB groups:
-  //             80% of copy against 74%), else kTwoPass (mixtral's 16 MiB
-  //             groups: 67% against 72%, and worse below;
-  //             docs/performance/quantize.md).
+  //   kAuto:    kTwoPass, which measured faster on every preset on the H200
+  //             once the quantize pass took whole tiles without bounds checks
+  //             (deepseek-v3-up's 29 MiB groups: 86% of copy against 80%;
+  //             docs/performance/quantize.md). The fused pass stays for
+  //             callers who want x read from HBM once.
   // The fused pass needs a workspace no other launch uses at the same time:
   // the library keeps one per stream the caller created (outside stream
   // capture); on the default streams, or when capturing a graph, pass one

@@ -298,7 +298,7 @@ TEST(QuantizeGpuTest, CurrentScalingFusedAndTwoPassAgree) {
       RunCase(c, seed++);
     }
   }
-  // Big groups: kAuto takes the fused pass.
+  // Big groups, the default pass.
   RunCase(Case{ScalingMode::kCurrent, Fp8Format::kE4M3, DType::kBF16, true, true, 8192, {2048, 0, 2100}, 3, true,
                false, P::kAuto},
           seed++);
