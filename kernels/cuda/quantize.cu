@@ -182,6 +182,18 @@ __device__ __forceinline__ uint32_t MxCode(uint32_t abs, Fp8Format fmt, int reci
   const int e = static_cast<int>(abs >> 23) - Fp8Emax(fmt);
   return abs >= 0x7f800000u ? 0xffu : static_cast<uint32_t>(max(e, 0));
 }
+// MxCode for the OCP recipe from a 16-bit input's max |x| bits: for bf16
+// the float's exponent field is bits 7..14 (Inf/NaN from 0x7f80 up), with no
+// conversion; f16 goes through its float value.
+template <int DT>
+__device__ __forceinline__ uint32_t MxCodeOcp16(uint32_t m16, Fp8Format fmt) {
+  if constexpr (DT == 0) {
+    return m16 >= 0x7f80u ? 0xffu : static_cast<uint32_t>(max(static_cast<int>(m16 >> 7) - Fp8Emax(fmt), 0));
+  } else {
+    return MxCode(FloatBits(ToFloat<DT>(static_cast<uint16_t>(m16))) & 0x7fffffffu, fmt,
+                  static_cast<int>(MxScaleRecipe::kOcp));
+  }
+}
 // E8M0ReciprocalToFloat(b) for b != 0xff: 2^(127 - b) as float bits.
 __device__ __forceinline__ float MxRecip(uint32_t b) {
   return BitsToFloat(b == 254u ? 0x00400000u : (254u - b) << 23);
@@ -454,8 +466,9 @@ __device__ __forceinline__ uint32_t Quant2s(float x0, float s0, bool n0, float x
 
 // Converts one tile held in shared memory. tscale: the tensor (per-group) scale.
 // FULL: a whole 128 x 128 tile of 16-bit input with the hardware conversion
-// (nearly every tile), compiled without the bounds checks and the software
-// path, and with MXFP8's colwise blocks held by single threads.
+// (and, for MXFP8, the OCP recipe): nearly every tile, compiled without the
+// bounds checks, the software path and the recipe choice, and with MXFP8's
+// colwise blocks held by single threads.
 template <int DT, int MODE, int FMT, bool FULL>
 __device__ __forceinline__ void QuantizeTile(const QuantizeParams& p, const TileGeom& tg,
                                              typename InType<DT>::T* tile, float tscale,
@@ -529,10 +542,20 @@ __device__ __forceinline__ void QuantizeTile(const QuantizeParams& p, const Tile
       float s = kTensor ? tscale : bscale;
       bool nan_block = false, row_nan = true;
       if constexpr (MODE == kModeMx) {  // 32-element block = 4 adjacent lanes
-        uint32_t m = ChunkAbsMax<DT>(v);
-        m = max(m, __shfl_xor_sync(0xffffffffu, m, 1));
-        m = max(m, __shfl_xor_sync(0xffffffffu, m, 2));
-        const uint32_t b = MxCode(m, fmt, p.mx_recipe);
+        uint32_t b;
+        if constexpr (FULL) {  // 16-bit input, OCP recipe (QuantizeAnyTile)
+          const uint32_t m2 = __vmaxu2(__vmaxu2(v.w[0] & 0x7fff7fffu, v.w[1] & 0x7fff7fffu),
+                                       __vmaxu2(v.w[2] & 0x7fff7fffu, v.w[3] & 0x7fff7fffu));
+          uint32_t m = max(m2 & 0xffffu, m2 >> 16);
+          m = max(m, __shfl_xor_sync(0xffffffffu, m, 1));
+          m = max(m, __shfl_xor_sync(0xffffffffu, m, 2));
+          b = MxCodeOcp16<DT>(m, fmt);
+        } else {
+          uint32_t m = ChunkAbsMax<DT>(v);
+          m = max(m, __shfl_xor_sync(0xffffffffu, m, 1));
+          m = max(m, __shfl_xor_sync(0xffffffffu, m, 2));
+          b = MxCode(m, fmt, p.mx_recipe);
+        }
         if (valid && (cc & 3) == 0) *mx_scale = static_cast<uint8_t>(b);
         mx_scale += 16 * mx_ld;
         nan_block = b == kE8M0Nan;
@@ -625,8 +648,7 @@ __device__ __forceinline__ void QuantizeTile(const QuantizeParams& p, const Tile
     uint32_t m2 = 0;  // 16-bit |x| bits order like the values (NaN above Inf)
 #pragma unroll
     for (int j = 0; j < 32; ++j) m2 = __vmaxu2(m2, v[j] & 0x7fff7fffu);
-    const uint32_t b0 = MxCode(AbsBitsOf<DT>(static_cast<uint16_t>(m2 & 0xffffu)), fmt, p.mx_recipe);
-    const uint32_t b1 = MxCode(AbsBitsOf<DT>(static_cast<uint16_t>(m2 >> 16)), fmt, p.mx_recipe);
+    const uint32_t b0 = MxCodeOcp16<DT>(m2 & 0xffffu, fmt), b1 = MxCodeOcp16<DT>(m2 >> 16, fmt);
     uint8_t* cs = static_cast<uint8_t*>(p.col_scale) + p.col_scale_off[g] + ((r0 - off + rb) / 32) * RoundUp(K, 128) +
                   c0 + 2 * cp;
     cs[0] = static_cast<uint8_t>(b0);
@@ -767,7 +789,8 @@ __device__ __forceinline__ void QuantizeAnyTile(const QuantizeParams& p, const T
                                                 uint32_t* red, uint32_t* col_red) {
   // (f16's 1x128 tile, whose software f16 decode is longer, would spill.)
   if constexpr (ALLOW_FULL && (DT == 0 || (DT == 1 && MODE != kModeB1x128))) {
-    if (tg.nrows == kTileRows && tg.ncols == kTileCols && !p.software_cvt) {
+    if (tg.nrows == kTileRows && tg.ncols == kTileCols && !p.software_cvt &&
+        (MODE != kModeMx || p.mx_recipe == static_cast<int>(MxScaleRecipe::kOcp))) {
       QuantizeTile<DT, MODE, FMT, true>(p, tg, tile, tscale, tscale_amax, red, col_red);
       return;
     }
@@ -1010,6 +1033,14 @@ __global__ void CvtCheckKernel(unsigned long long* mismatches) {
     const int ocp = static_cast<int>(MxScaleRecipe::kOcp);
     if (MxCode(abs, Fp8Format::kE4M3, ocp) != MxScaleFromAmax(BitsToFloat(abs), Fp8Format::kE4M3)) ++bad[0];
     if (MxCode(abs, Fp8Format::kE5M2, ocp) != MxScaleFromAmax(BitsToFloat(abs), Fp8Format::kE5M2)) ++bad[1];
+    if (i < 0x8000) {  // every 16-bit |x|
+      const uint32_t h = static_cast<uint32_t>(i);
+      const float bf = Bf16BitsToFloat(static_cast<uint16_t>(h)), hf = F16BitsToFloat(static_cast<uint16_t>(h));
+      if (MxCodeOcp16<0>(h, Fp8Format::kE4M3) != MxScaleFromAmax(bf, Fp8Format::kE4M3)) ++bad[0];
+      if (MxCodeOcp16<0>(h, Fp8Format::kE5M2) != MxScaleFromAmax(bf, Fp8Format::kE5M2)) ++bad[1];
+      if (MxCodeOcp16<1>(h, Fp8Format::kE4M3) != MxScaleFromAmax(hf, Fp8Format::kE4M3)) ++bad[0];
+      if (MxCodeOcp16<1>(h, Fp8Format::kE5M2) != MxScaleFromAmax(hf, Fp8Format::kE5M2)) ++bad[1];
+    }
     if (i < 255 && FloatBits(MxRecip(static_cast<uint32_t>(i))) !=
                        FloatBits(E8M0ReciprocalToFloat(static_cast<uint8_t>(i)))) {
       ++bad[0];

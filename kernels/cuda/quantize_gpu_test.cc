@@ -106,13 +106,15 @@ struct Case {
   bool software_cvt;
   cuda::GpuQuantizeOptions::CurrentPass current_pass = cuda::GpuQuantizeOptions::CurrentPass::kAuto;
   int stages = 0;  // GpuQuantizeOptions::pipeline_stages
+  MxScaleRecipe recipe = MxScaleRecipe::kOcp;
 };
 
 std::string Name(const Case& c) {
   std::string s = std::string(ScalingModeName(c.mode)) + "/" + Fp8FormatName(c.fmt) + "/" +
                   std::string(DTypeName(c.dt)) + (c.rowwise ? "/row" : "") + (c.colwise ? "/col" : "") +
                   "/k=" + std::to_string(c.k) + (c.software_cvt ? "/swcvt" : "/hwcvt") +
-                  "/stages=" + std::to_string(c.stages) + " groups=";
+                  "/stages=" + std::to_string(c.stages) +
+                  (c.recipe == MxScaleRecipe::kOcp ? "" : "/nv-recipe") + " groups=";
   for (int64_t g : c.groups) s += std::to_string(g) + ",";
   return s;
 }
@@ -129,6 +131,7 @@ void RunCase(const Case& c, uint32_t seed) {
   GroupedQuantizeArgs a;
   a.x_dtype = c.dt, a.m = m, a.k = k, a.group_sizes = c.groups.data(), a.num_groups = G;
   a.mode = c.mode, a.format = c.fmt, a.rowwise = c.rowwise, a.colwise = c.colwise;
+  a.mx_recipe = c.recipe;
   absl::StatusOr<QuantizeLayout> l = GetQuantizeLayout(a);
   ASSERT_TRUE(l.ok()) << l.status();
   const size_t data_bytes = static_cast<size_t>(m * k);
@@ -282,6 +285,12 @@ TEST(QuantizeGpuTest, LargeUnevenGroups) {
         if (HasFatalFailure()) return;
       }
     }
+  }
+  // MXFP8's other recipe (whole tiles take the general path for it), E5M2 too.
+  for (Fp8Format fmt : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
+    Case c{ScalingMode::kMxfp8, fmt, DType::kBF16, true, true, 1024, groups, 64, true, false};
+    c.recipe = MxScaleRecipe::kNvidiaRoundUp;
+    RunCase(c, seed++);
   }
 }
 

@@ -26,5 +26,5 @@ done
 for f in "$LOG"/k*.ncu-rep; do
   "$NCU" --import "$f" --page source --csv --print-source sass >"${f%.ncu-rep}.src.csv" 2>&1 || true
 done
-[ -n "${KEEP_REPORTS:-}" ] || rm -f "$LOG"/*.ncu-rep "$LOG"/k1.src.csv; tail -3 "$LOG"/*.run.log; rm -f "$LOG"/*.run.log
+[ -n "${KEEP_REPORTS:-}" ] || rm -f "$LOG"/*.ncu-rep "$LOG"/*.run.log
 ls -la "$LOG"
