@@ -26,8 +26,6 @@ absl::Status CudaError(cudaError_t e, const char* what) {
 int DTypeCode(DType d) { return d == DType::kBF16 ? 0 : d == DType::kF16 ? 1 : 2; }
 
 constexpr int kTileRows = 128;  // quantize.cu's tile height, every mode
-// Tile buffers per block when options leave it to us (see GpuQuantizeOptions).
-constexpr int kDefaultStages = 2;
 
 bool Aligned(const void* p, uintptr_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; }
 
@@ -90,10 +88,6 @@ absl::Status GroupedQuantize(const GroupedQuantizeArgs& a, cudaStream_t stream, 
   if (!Aligned(a.x, 16)) return absl::InvalidArgumentError("x: not 16-byte aligned");
   if (a.rowwise && !Aligned(a.rowwise_data, 16)) return absl::InvalidArgumentError("rowwise_data: not 16-byte aligned");
   if (a.colwise && !Aligned(a.colwise_data, 16)) return absl::InvalidArgumentError("colwise_data: not 16-byte aligned");
-  if (options.pipeline_stages != 0 && options.pipeline_stages != 2 && options.pipeline_stages != 3) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("pipeline_stages: ", options.pipeline_stages, " is not 0 (default), 2 or 3"));
-  }
   absl::StatusOr<QuantizeLayout> layout = GetQuantizeLayout(a);
   if (!layout.ok()) return layout.status();
   const QuantizeLayout& l = *layout;
@@ -110,7 +104,6 @@ absl::Status GroupedQuantize(const GroupedQuantizeArgs& a, cudaStream_t stream, 
   p->mx_recipe = static_cast<int>(a.mx_recipe);
   p->rowwise = a.rowwise, p->colwise = a.colwise, p->pow2 = a.pow2_scales;
   p->software_cvt = options.software_cvt;
-  p->stages = options.pipeline_stages != 0 ? options.pipeline_stages : kDefaultStages;
   p->fuse_amax = false;
   p->m = a.m, p->k = a.k;
   p->num_groups = static_cast<int>(a.num_groups);

@@ -10,10 +10,11 @@
 // the MXFP8 and FP8-block heights), find a tile's group by binary search in
 // the per-group tile prefix sums (__grid_constant__ parameters), stream the
 // next tile into shared memory with cp.async while converting the current
-// one, and write rowwise outputs from 8-byte and colwise outputs from 16- or
-// 4-byte vector stores. Current scaling fuses its per-group amax pass into the
-// same launch (see "the quantize pass" below); AmaxKernel is the unfused
-// alternative, kept for comparison.
+// one, and write outputs with 8- and 16-byte vector stores. Whole tiles of
+// 16-bit input (nearly all) take a path compiled without bounds checks
+// (QuantizeTile's FULL). Current scaling runs AmaxKernel first (the default),
+// or fuses its amax pass into the same launch (GpuQuantizeOptions::kFused;
+// see "the quantize pass" below).
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
@@ -100,9 +101,9 @@ __device__ __forceinline__ uint32_t ChunkAbsMax(const Chunk<DT>& c) {
 
 constexpr int kTileRows = 128;  // every mode: a multiple of the MXFP8 (32) and block (128) heights
 
-// Blocks per SM the register budget is sized for: three 64 KiB-buffered
-// blocks of 16-bit input fit an SM (80 registers); F32 tiles take 128 KiB,
-// one block.
+// Blocks per SM the register budget is sized for: three blocks of 16-bit
+// input (kStages x 32 KiB tiles) fit an SM (80 registers); F32 tiles take
+// 128 KiB, one block.
 constexpr int MinBlocks(int dt, int /*mode*/) { return dt == 2 ? 1 : 3; }
 
 // Two elements through the hardware conversion (x0 in the low byte), with the
@@ -283,16 +284,19 @@ __global__ void __launch_bounds__(kThreads) AmaxKernel(const __grid_constant__ Q
 // x 128 columns of x, row-major in shared memory.
 //   rowwise: thread tid takes the 8-element chunks tid + i * 256 (row ch / 16,
 //            columns (ch % 16) * 8 .. + 8): 8-byte stores;
-//   colwise: thread (cg = lane, rs = warp) takes columns 4cg .. 4cg + 3 over
-//            rows 16rs .. 16rs + 15 (8-byte shared reads per row). Transposed
-//            outputs (tensor, 1x128 and 128x128 scaling) get one 16-byte store
-//            per column, the MXFP8 output (not transposed) one 4-byte store
-//            per row, a warp writing 128 contiguous bytes.
+//   colwise: where one scale covers the tile (tensor, 128x128) the rowwise
+//            bytes are transposed through shared memory (16-byte stores, a
+//            lane pair filling a 32-byte sector in whole tiles); MXFP8's
+//            output (not transposed) is written by the rowwise chunk loop
+//            once the column scales are known (QuantizeMxTileFull); 1x128 and
+//            partial tiles: a thread takes 4 columns x 16 rows.
 // Fused current scaling (p.fuse_amax): the items are amax tiles and quantize
 // tiles (see QuantizeParams); work is claimed from an atomic counter, so a
 // quantize tile only ever waits for amax tiles that running blocks hold.
 
-// Tile buffers per block: p.stages (2 or 3); the fused pass takes 2.
+// Tile buffers per block. (Three measured slower on every preset: 96 KiB
+// blocks fit two to an SM, not three.)
+constexpr int kStages = 2;
 
 template <int DT>
 constexpr int TileBytes() {
@@ -311,14 +315,7 @@ template <int N>
 __device__ __forceinline__ void CpAsyncWait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
-// Waits until at most n (1 or 2) of this thread's newest groups are pending.
-__device__ __forceinline__ void CpAsyncWaitAllBut(int n) {
-  if (n >= 2) {
-    CpAsyncWait<2>();
-  } else {
-    CpAsyncWait<1>();
-  }
-}
+
 __device__ __forceinline__ int LoadAcquire(const int32_t* p) {
   int v;
   asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
@@ -464,6 +461,101 @@ __device__ __forceinline__ uint32_t Quant2s(float x0, float s0, bool n0, float x
   return b0 | (b1 << 8);
 }
 
+// MXFP8, a whole tile of 16-bit input, OCP recipe (QuantizeAnyTile). Both
+// outputs are row-major, so one pass over rowwise chunks writes both, once
+// the colwise scales are known:
+//   1. each thread takes a 32-row block of two columns, finds their amax and
+//      E8M0 codes, writes the codes and keeps 2^-e in col_recip (shared,
+//      [4 row blocks][128 columns]; a NaN marks a NaN code);
+//   2. thread tid converts the 8-element chunks tid + 256 i (row tid / 16 +
+//      16 i, columns (tid % 16) * 8 ..): rowwise with its 32-element block's
+//      scale (4 lanes), colwise with its 8 columns' scales, one 8-byte store
+//      each.
+template <int DT, int FMT>
+__device__ __forceinline__ void QuantizeMxTileFull(const QuantizeParams& p, const TileGeom& tg,
+                                                   const typename InType<DT>::T* tile, float* col_recip) {
+  const Fp8Format fmt = static_cast<Fp8Format>(FMT);
+  const __nv_fp8_interpretation_t cvt_fmt = FMT == 0 ? __NV_E4M3 : __NV_E5M2;
+  const int tid = threadIdx.x;
+  const int g = tg.g;
+  const int64_t off = tg.off, r0 = tg.r0, c0 = tg.c0, K = p.k;
+
+  bool col_nan = false;  // a NaN code among the tile's column blocks
+  if (p.colwise) {
+    const int w = tid / 32, lane = tid % 32;
+    const int rb = (w / 2) * 32, cp = (w % 2) * 32 + lane;  // rows rb .. rb + 31, columns 2cp, 2cp + 1
+    uint32_t m2 = 0;  // 16-bit |x| bits order like the values (NaN above Inf)
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      m2 = __vmaxu2(m2, *reinterpret_cast<const uint32_t*>(tile + (rb + j) * kTileCols + 2 * cp) & 0x7fff7fffu);
+    }
+    const uint32_t b0 = MxCodeOcp16<DT>(m2 & 0xffffu, fmt), b1 = MxCodeOcp16<DT>(m2 >> 16, fmt);
+    uint8_t* cs = static_cast<uint8_t*>(p.col_scale) + p.col_scale_off[g] + ((r0 - off + rb) / 32) * RoundUp(K, 128) +
+                  c0 + 2 * cp;
+    cs[0] = static_cast<uint8_t>(b0);
+    cs[1] = static_cast<uint8_t>(b1);
+    const bool n0 = b0 == kE8M0Nan, n1 = b1 == kE8M0Nan;
+    col_recip[(rb / 32) * kTileCols + 2 * cp] = n0 ? BitsToFloat(0x7fc00000u) : MxRecip(b0);
+    col_recip[(rb / 32) * kTileCols + 2 * cp + 1] = n1 ? BitsToFloat(0x7fc00000u) : MxRecip(b1);
+    col_nan = n0 || n1;
+  }
+  col_nan = __syncthreads_or(col_nan);  // also: col_recip is complete
+
+  constexpr int NCH = kTileRows * (kTileCols / 8) / kThreads;
+  const int rr0 = tid / 16, cc = tid % 16;
+  const int64_t mx_ld = RoundUp(K / 32, 4);
+  uint8_t* row_out = p.row_data + (r0 + rr0) * K + c0 + cc * 8;
+  uint8_t* col_out = p.col_data + (r0 + rr0) * K + c0 + cc * 8;
+  uint8_t* row_scale =
+      p.rowwise ? static_cast<uint8_t*>(p.row_scale) + p.row_scale_off[g] + (r0 + rr0 - off) * mx_ld + (c0 + cc * 8) / 32
+                : nullptr;
+#pragma unroll
+  for (int i = 0; i < NCH; ++i) {
+    const int rr = rr0 + 16 * i;
+    const Chunk<DT> v = *reinterpret_cast<const Chunk<DT>*>(tile + rr * kTileCols + cc * 8);
+    float f[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) f[j] = Elem<DT>(v, j);
+    if (p.rowwise) {  // 32-element block = 4 adjacent lanes
+      const uint32_t m2 = __vmaxu2(__vmaxu2(v.w[0] & 0x7fff7fffu, v.w[1] & 0x7fff7fffu),
+                                   __vmaxu2(v.w[2] & 0x7fff7fffu, v.w[3] & 0x7fff7fffu));
+      uint32_t m = max(m2 & 0xffffu, m2 >> 16);
+      m = max(m, __shfl_xor_sync(0xffffffffu, m, 1));
+      m = max(m, __shfl_xor_sync(0xffffffffu, m, 2));
+      const uint32_t b = MxCodeOcp16<DT>(m, fmt);
+      if ((cc & 3) == 0) *row_scale = static_cast<uint8_t>(b);
+      row_scale += 16 * mx_ld;
+      const bool nan_block = b == kE8M0Nan;  // a block that holds no NaN needs no NaN rule
+      __stcs(reinterpret_cast<uint2*>(row_out), Quant8<FMT>(f, nan_block ? 1.0f : MxRecip(b), false, nan_block, false));
+    }
+    if (p.colwise) {
+      const float4 slo = *reinterpret_cast<const float4*>(col_recip + (rr / 32) * kTileCols + cc * 8);
+      const float4 shi = *reinterpret_cast<const float4*>(col_recip + (rr / 32) * kTileCols + cc * 8 + 4);
+      const float sc[8] = {slo.x, slo.y, slo.z, slo.w, shi.x, shi.y, shi.z, shi.w};
+      uint32_t q[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        q[j] = __nv_cvt_float2_to_fp8x2(make_float2(f[2 * j] * sc[2 * j], f[2 * j + 1] * sc[2 * j + 1]), __NV_SATFINITE,
+                                        cvt_fmt);
+      }
+      uint2 out = make_uint2(q[0] | (q[1] << 16), q[2] | (q[3] << 16));
+      if (col_nan) {  // rare: a NaN code's column gets NaN with each element's sign
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          if (IsNanBits(sc[j])) {
+            uint32_t& word = j < 4 ? out.x : out.y;
+            const int sh = 8 * (j % 4);
+            word = (word & ~(0xffu << sh)) | (static_cast<uint32_t>(Fp8NanWithSignOf(f[j], fmt)) << sh);
+          }
+        }
+      }
+      __stcs(reinterpret_cast<uint2*>(col_out), out);
+    }
+    row_out += 16 * K;
+    col_out += 16 * K;
+  }
+}
+
 // Converts one tile held in shared memory. tscale: the tensor (per-group) scale.
 // FULL: a whole 128 x 128 tile of 16-bit input with the hardware conversion
 // (and, for MXFP8, the OCP recipe): nearly every tile, compiled without the
@@ -516,6 +608,11 @@ __device__ __forceinline__ void QuantizeTile(const QuantizeParams& p, const Tile
         }
       }
     }
+  }
+
+  if constexpr (FULL && MODE == kModeMx) {
+    QuantizeMxTileFull<DT, FMT>(p, tg, tile, reinterpret_cast<float*>(col_red));
+    return;
   }
 
   // One scale for the whole tile (tensor and 128x128 scaling): an element's
@@ -636,50 +733,8 @@ __device__ __forceinline__ void QuantizeTile(const QuantizeParams& p, const Tile
     }
   }
 
-  // ---- colwise, MXFP8, whole tile: a thread holds a 32-row block of two
-  // columns, so each column's scale is its own (no join across warps) ----
-  if (FULL && MODE == kModeMx && p.colwise) {
-    const int w = tid / 32, lane = tid % 32;
-    const int rb = (w / 2) * 32;             // the warp's 32-row block
-    const int cp = (w % 2) * 32 + lane;      // columns 2cp, 2cp + 1 (one word per row)
-    uint32_t v[32];
-#pragma unroll
-    for (int j = 0; j < 32; ++j) v[j] = *reinterpret_cast<const uint32_t*>(tile + (rb + j) * kTileCols + 2 * cp);
-    uint32_t m2 = 0;  // 16-bit |x| bits order like the values (NaN above Inf)
-#pragma unroll
-    for (int j = 0; j < 32; ++j) m2 = __vmaxu2(m2, v[j] & 0x7fff7fffu);
-    const uint32_t b0 = MxCodeOcp16<DT>(m2 & 0xffffu, fmt), b1 = MxCodeOcp16<DT>(m2 >> 16, fmt);
-    uint8_t* cs = static_cast<uint8_t*>(p.col_scale) + p.col_scale_off[g] + ((r0 - off + rb) / 32) * RoundUp(K, 128) +
-                  c0 + 2 * cp;
-    cs[0] = static_cast<uint8_t>(b0);
-    cs[1] = static_cast<uint8_t>(b1);
-    // Not transposed: (r, c) at r * K + c; a warp writes 64 contiguous bytes per row.
-    uint8_t* out = p.col_data + (r0 + rb) * K + c0 + 2 * cp;
-    const bool n0 = b0 == kE8M0Nan, n1 = b1 == kE8M0Nan;
-    const float s0 = n0 ? 1.0f : MxRecip(b0), s1 = n1 ? 1.0f : MxRecip(b1);
-    if (!n0 && !n1) {  // no NaN in either block: the bare conversion
-      const __nv_fp8_interpretation_t f = FMT == 0 ? __NV_E4M3 : __NV_E5M2;
-#pragma unroll
-      for (int j = 0; j < 32; ++j) {
-        const float x0 = ToFloat<DT>(static_cast<uint16_t>(v[j] & 0xffffu));
-        const float x1 = ToFloat<DT>(static_cast<uint16_t>(v[j] >> 16));
-        __stcs(reinterpret_cast<unsigned short*>(out + j * K),
-               static_cast<unsigned short>(__nv_cvt_float2_to_fp8x2(make_float2(x0 * s0, x1 * s1), __NV_SATFINITE, f)));
-      }
-    } else {  // a NaN block (rare): rows re-read from shared memory, keeping v[] in registers
-#pragma unroll 1
-      for (int j = 0; j < 32; ++j) {
-        const uint32_t vj = *reinterpret_cast<const uint32_t*>(tile + (rb + j) * kTileCols + 2 * cp);
-        const float x0 = ToFloat<DT>(static_cast<uint16_t>(vj & 0xffffu));
-        const float x1 = ToFloat<DT>(static_cast<uint16_t>(vj >> 16));
-        __stcs(reinterpret_cast<unsigned short*>(out + j * K),
-               static_cast<unsigned short>(Quant2s<FMT>(x0, s0, n0, x1, s1, n1, false)));
-      }
-    }
-  }
-
   // ---- colwise ----
-  if (!kReuse && !(FULL && MODE == kModeMx) && p.colwise) {
+  if (!kReuse && p.colwise) {
     using Q = typename Quad<DT>::type;
     const int cg = tid % 32, rs = tid / 32;
     const int cb = cg * 4, rb = rs * 16;  // first column / row of this thread's 16 x 4 block
@@ -827,9 +882,10 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(DT, MODE)) QuantizeKernel(
   QuantizeWorkspace* ws = reinterpret_cast<QuantizeWorkspace*>(p.workspace);
 
   if constexpr (!fused) {
-    // Item i + k * gridDim.x is this block's k-th; tiles stream p.stages - 1
+    // Item i + k * gridDim.x is this block's k-th; tiles stream kStages - 1
     // items ahead of the one being converted.
-    const int S = p.stages, stride = static_cast<int>(gridDim.x);
+    constexpr int S = kStages;
+    const int stride = static_cast<int>(gridDim.x);
 #pragma unroll 1
     for (int k = 0; k < S - 1; ++k) {
       const int i = static_cast<int>(blockIdx.x) + k * stride;
@@ -850,7 +906,7 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(DT, MODE)) QuantizeKernel(
       float tscale = 1.0f, gamax = 0.0f;
       if constexpr (MODE == kModeCurrent) gamax = __ldcg(p.amax + tg.g);  // final: the amax pass ran before
       if constexpr (MODE == kModeDelayed) tscale = __ldg(p.scale + tg.g);
-      CpAsyncWaitAllBut(S - 1);  // this tile's group is in
+      CpAsyncWait<S - 1>();  // this tile's group is in
       __syncthreads();
       if constexpr (MODE == kModeCurrent) tscale = ScaleFromAmax(gamax, Fp8Max(static_cast<Fp8Format>(FMT)), p.pow2);
       QuantizeAnyTile<DT, MODE, FMT>(p, tg, reinterpret_cast<T*>(smem_raw + buf * TileBytes<DT>()), tscale, gamax, red,
@@ -943,7 +999,7 @@ cudaError_t LaunchQuantizeT(const QuantizeParams& p, cudaStream_t stream) {
   if constexpr (MODE == kModeCurrent) {
     if (p.fuse_amax) kernel = QuantizeKernel<DT, MODE, FMT, true>;
   }
-  const int smem = (p.fuse_amax ? 2 : p.stages) * TileBytes<DT>();
+  const int smem = kStages * TileBytes<DT>();
   cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (e != cudaSuccess) return e;
   int device = 0, sms = 0, per_sm = 0;

@@ -40,10 +40,6 @@ struct GpuQuantizeOptions {
   enum class CurrentPass { kAuto, kTwoPass, kFused };
   CurrentPass current_pass = CurrentPass::kAuto;
   void* fused_workspace = nullptr;
-  // Tile buffers per block of the (unfused) quantize pass: 2 or 3; 0 picks
-  // the default (quantize.cc's kDefaultStages, chosen by the H200 bench). The
-  // fused current-scaling pass always takes 2.
-  int pipeline_stages = 0;
 };
 
 // One persistent launch for every mode (current scaling: a streaming amax

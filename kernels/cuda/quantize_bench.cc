@@ -7,7 +7,7 @@
 //            the amax pass, then the quantize pass).
 // Timing: CUDA events around kIters calls captured in one CUDA graph (device
 // time, no host launch overhead), and around kIters eager calls.
-//   quantize_bench [--iters N] [--stages 2|3]  (GpuQuantizeOptions::pipeline_stages; default the library's)
+//   quantize_bench [--iters N]
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -86,10 +86,9 @@ void Time(F fn, int iters, cudaStream_t s, double* graph_s, double* eager_s) {
 }
 
 int Main(int argc, char** argv) {
-  int iters = 20, stages = 0;
+  int iters = 20;
   for (int i = 1; i < argc; ++i) {
     if (std::string(argv[i]) == "--iters" && i + 1 < argc) iters = std::atoi(argv[++i]);
-    if (std::string(argv[i]) == "--stages" && i + 1 < argc) stages = std::atoi(argv[++i]);
   }
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
@@ -98,8 +97,7 @@ int Main(int argc, char** argv) {
   }
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));
-  std::printf("device: %s, %d SMs; pipeline stages: %s\n", prop.name, prop.multiProcessorCount,
-              stages == 0 ? "library default" : std::to_string(stages).c_str());
+  std::printf("device: %s, %d SMs\n", prop.name, prop.multiProcessorCount);
   cudaStream_t s;
   CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
 
@@ -193,7 +191,6 @@ int Main(int argc, char** argv) {
           [&] {
             cuda::GpuQuantizeOptions opt;
             opt.current_pass = op.pass;
-            opt.pipeline_stages = stages;
             opt.fused_workspace = workspace;  // graph capture: the library keeps none of its own
             absl::Status r = cuda::GroupedQuantize(a, s, opt);
             if (!r.ok()) st = r;

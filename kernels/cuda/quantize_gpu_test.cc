@@ -105,16 +105,15 @@ struct Case {
   bool specials;
   bool software_cvt;
   cuda::GpuQuantizeOptions::CurrentPass current_pass = cuda::GpuQuantizeOptions::CurrentPass::kAuto;
-  int stages = 0;  // GpuQuantizeOptions::pipeline_stages
   MxScaleRecipe recipe = MxScaleRecipe::kOcp;
+  bool amax_out = true;  // ask for amax (optional for MXFP8 and block scaling)
 };
 
 std::string Name(const Case& c) {
   std::string s = std::string(ScalingModeName(c.mode)) + "/" + Fp8FormatName(c.fmt) + "/" +
                   std::string(DTypeName(c.dt)) + (c.rowwise ? "/row" : "") + (c.colwise ? "/col" : "") +
                   "/k=" + std::to_string(c.k) + (c.software_cvt ? "/swcvt" : "/hwcvt") +
-                  "/stages=" + std::to_string(c.stages) +
-                  (c.recipe == MxScaleRecipe::kOcp ? "" : "/nv-recipe") + " groups=";
+                  (c.amax_out ? "" : "/no-amax") + (c.recipe == MxScaleRecipe::kOcp ? "" : "/nv-recipe") + " groups=";
   for (int64_t g : c.groups) s += std::to_string(g) + ",";
   return s;
 }
@@ -144,7 +143,8 @@ void RunCase(const Case& c, uint32_t seed) {
   GroupedQuantizeArgs ca = a;
   ca.x = x.data(), ca.scale = scale.data();
   ca.rowwise_data = hr.data(), ca.colwise_data = hc.data();
-  ca.rowwise_scale_inv = hrs.data(), ca.colwise_scale_inv = hcs.data(), ca.amax = hamax.data();
+  ca.rowwise_scale_inv = hrs.data(), ca.colwise_scale_inv = hcs.data();
+  ca.amax = c.amax_out ? hamax.data() : nullptr;
   absl::Status cs = cpu::GroupedQuantize(ca);
   ASSERT_TRUE(cs.ok()) << cs;
 
@@ -157,11 +157,11 @@ void RunCase(const Case& c, uint32_t seed) {
   GroupedQuantizeArgs ga = a;
   ga.x = dx.p, ga.scale = dscale.as<float>();
   ga.rowwise_data = dr.as<uint8_t>(), ga.colwise_data = dc.as<uint8_t>();
-  ga.rowwise_scale_inv = drs.p, ga.colwise_scale_inv = dcs.p, ga.amax = damax.as<float>();
+  ga.rowwise_scale_inv = drs.p, ga.colwise_scale_inv = dcs.p;
+  ga.amax = c.amax_out ? damax.as<float>() : nullptr;
   cuda::GpuQuantizeOptions opt;
   opt.software_cvt = c.software_cvt;
   opt.current_pass = c.current_pass;
-  opt.pipeline_stages = c.stages;
   // The null stream: the fused pass runs only with a workspace of ours.
   DevBuf workspace(cuda::FusedQuantizeWorkspaceBytes());
   workspace.Fill(0);
@@ -194,9 +194,11 @@ void RunCase(const Case& c, uint32_t seed) {
     expect_same(hc, dc.Download(), "colwise_data");
     expect_same(hcs, dcs.Download(), "colwise_scale_inv");
   }
-  std::vector<uint8_t> hamax_bytes(reinterpret_cast<uint8_t*>(hamax.data()),
-                                   reinterpret_cast<uint8_t*>(hamax.data()) + G * 4);
-  expect_same(hamax_bytes, damax.Download(), "amax");
+  if (c.amax_out) {
+    std::vector<uint8_t> hamax_bytes(reinterpret_cast<uint8_t*>(hamax.data()),
+                                     reinterpret_cast<uint8_t*>(hamax.data()) + G * 4);
+    expect_same(hamax_bytes, damax.Download(), "amax");
+  }
 
   // Dequantize on the GPU vs the CPU, every output dtype, rowwise and colwise.
   for (bool colwise : {false, true}) {
@@ -274,16 +276,22 @@ TEST(QuantizeGpuTest, LargeUnevenGroups) {
   // Many tiles, group boundaries inside tiles, a group of 1 and empties.
   std::vector<int64_t> groups = {3000, 1, 0, 2047, 4096, 0, 777, 1500};
   uint32_t seed = 77;
-  // Both pipeline depths; f16 too (its own whole-tile kernels).
-  for (int stages : {2, 3}) {
-    for (DType dt : {DType::kBF16, DType::kF16}) {
-      for (ScalingMode mode : {ScalingMode::kCurrent, ScalingMode::kDelayed, ScalingMode::kMxfp8,
-                               ScalingMode::kBlock1x128, ScalingMode::kBlock128x128}) {
-        Case c{mode, Fp8Format::kE4M3, dt, true, true, 1024, groups, 64, true, false};
-        c.stages = stages;
-        RunCase(c, seed++);
-        if (HasFatalFailure()) return;
-      }
+  // f16 too (its own whole-tile kernels).
+  for (DType dt : {DType::kBF16, DType::kF16}) {
+    for (ScalingMode mode : {ScalingMode::kCurrent, ScalingMode::kDelayed, ScalingMode::kMxfp8,
+                             ScalingMode::kBlock1x128, ScalingMode::kBlock128x128}) {
+      Case c{mode, Fp8Format::kE4M3, dt, true, true, 1024, groups, 64, true, false};
+      RunCase(c, seed++);
+      if (HasFatalFailure()) return;
+    }
+  }
+  // Without the optional amax output (no tile amax pass); one output at a time too.
+  for (ScalingMode mode : {ScalingMode::kMxfp8, ScalingMode::kBlock1x128, ScalingMode::kBlock128x128}) {
+    for (int rc = 0; rc < 3; ++rc) {
+      Case c{mode, Fp8Format::kE5M2, DType::kBF16, rc != 1, rc != 0, 1024, groups, 64, true, false};
+      c.amax_out = false;
+      RunCase(c, seed++);
+      if (HasFatalFailure()) return;
     }
   }
   // MXFP8's other recipe (whole tiles take the general path for it), E5M2 too.
@@ -291,6 +299,7 @@ TEST(QuantizeGpuTest, LargeUnevenGroups) {
     Case c{ScalingMode::kMxfp8, fmt, DType::kBF16, true, true, 1024, groups, 64, true, false};
     c.recipe = MxScaleRecipe::kNvidiaRoundUp;
     RunCase(c, seed++);
+    if (HasFatalFailure()) return;
   }
 }
 
@@ -307,10 +316,12 @@ TEST(QuantizeGpuTest, CurrentScalingFusedAndTwoPassAgree) {
       RunCase(c, seed++);
     }
   }
-  // Big groups, the default pass.
-  RunCase(Case{ScalingMode::kCurrent, Fp8Format::kE4M3, DType::kBF16, true, true, 8192, {2048, 0, 2100}, 3, true,
-               false, P::kAuto},
-          seed++);
+  // Big groups: the fused pass and the default.
+  for (P pass : {P::kFused, P::kAuto}) {
+    RunCase(Case{ScalingMode::kCurrent, Fp8Format::kE4M3, DType::kBF16, true, true, 8192, {2048, 0, 2100}, 3, true,
+                 false, pass},
+            seed++);
+  }
   Case c{ScalingMode::kCurrent, Fp8Format::kE5M2, DType::kF32, true, true, 512, groups, 0, true, false, P::kFused};
   RunCase(c, seed++);
 }
@@ -325,13 +336,6 @@ TEST(QuantizeGpuTest, RejectsWhatTheKernelsCannotDo) {
   absl::Status st = cuda::GroupedQuantize(a, nullptr);
   EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(std::string(st.message()).find("k:"), std::string::npos) << st;
-  // A pipeline depth the kernels do not have.
-  a.k = 16;
-  cuda::GpuQuantizeOptions opt;
-  opt.pipeline_stages = 4;
-  st = cuda::GroupedQuantize(a, nullptr, opt);
-  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(std::string(st.message()).find("pipeline_stages"), std::string::npos) << st;
 }
 
 // ---- FP8 grouped GEMM ---------------------------------------------------------

@@ -27,7 +27,6 @@ struct QuantizeParams {
   int tile_rows;    // rows per tile of this launch
   int col_tiles;    // ceil(k / 128)
   int total_tiles;  // row tiles over all groups
-  int stages;       // tile buffers per block (2 or 3; the fused pass takes 2)
   const float* scale;  // delayed: [G] device
   uint8_t* row_data;
   uint8_t* col_data;
@@ -86,8 +85,8 @@ cudaError_t LaunchGroupedDequantize(const DequantizeParams& p, cudaStream_t stre
 // Test hook: compares the kernels' FP8 conversion (hardware cvt.rn.satfinite
 // plus the NaN rule) with the shared software one for every float bit pattern;
 // returns the number of mismatches (per format) in mismatches[2] (device).
-// It also compares the kernels' branch-free E8M0 scale code with fp8.h's
-// MxScaleFromAmax for every float amax (both formats, both recipes).
+// It also compares the kernels' branch-free E8M0 scale codes (the OCP
+// recipe) with fp8.h's MxScaleFromAmax for every float and 16-bit amax.
 cudaError_t LaunchExhaustiveCvtCheck(unsigned long long* mismatches, cudaStream_t stream);
 
 }  // namespace cuda_internal
