@@ -214,6 +214,15 @@ __device__ __forceinline__ uint32_t BlockMax(uint32_t v, uint32_t* red) {
   return r;
 }
 
+// The tile's amax from the per-warp maxima in red (after a barrier): one
+// atomicMax into the group's amax.
+__device__ __forceinline__ void FlushTileAmax(const QuantizeParams& p, int g, const uint32_t* red) {
+  uint32_t t = 0;
+#pragma unroll
+  for (int i = 0; i < kThreads / 32; ++i) t = max(t, red[i]);
+  if (t != 0) atomicMax(reinterpret_cast<unsigned int*>(p.amax) + g, t);
+}
+
 __device__ __forceinline__ int FindGroup(const QuantizeParams& p, int t) {
   int lo = 0, hi = p.num_groups;
   while (hi - lo > 1) {
@@ -473,7 +482,8 @@ __device__ __forceinline__ uint32_t Quant2s(float x0, float s0, bool n0, float x
 //      each.
 template <int DT, int FMT>
 __device__ __forceinline__ void QuantizeMxTileFull(const QuantizeParams& p, const TileGeom& tg,
-                                                   const typename InType<DT>::T* tile, float* col_recip) {
+                                                   const typename InType<DT>::T* tile, float* col_recip,
+                                                   uint32_t* red) {
   const Fp8Format fmt = static_cast<Fp8Format>(FMT);
   const __nv_fp8_interpretation_t cvt_fmt = FMT == 0 ? __NV_E4M3 : __NV_E5M2;
   const int tid = threadIdx.x;
@@ -498,8 +508,13 @@ __device__ __forceinline__ void QuantizeMxTileFull(const QuantizeParams& p, cons
     col_recip[(rb / 32) * kTileCols + 2 * cp] = n0 ? BitsToFloat(0x7fc00000u) : MxRecip(b0);
     col_recip[(rb / 32) * kTileCols + 2 * cp + 1] = n1 ? BitsToFloat(0x7fc00000u) : MxRecip(b1);
     col_nan = n0 || n1;
+    if (p.amax != nullptr) {  // the tile amax from the column maxima (QuantizeTile skipped its pass)
+      const uint32_t wm = WarpMax(AbsBitsOf<DT>(static_cast<uint16_t>(max(m2 & 0xffffu, m2 >> 16))));
+      if (lane == 0) red[w] = wm;
+    }
   }
-  col_nan = __syncthreads_or(col_nan);  // also: col_recip is complete
+  col_nan = __syncthreads_or(col_nan);  // also: col_recip and red are complete
+  if (p.colwise && p.amax != nullptr && tid == 0) FlushTileAmax(p, tg.g, red);
 
   constexpr int NCH = kTileRows * (kTileCols / 8) / kThreads;
   const int rr0 = tid / 16, cc = tid % 16;
@@ -586,9 +601,12 @@ __device__ __forceinline__ void QuantizeTile(const QuantizeParams& p, const Tile
   // Tile amax: the 128x128 block's scale, the fused per-group amax, and
   // whether the tile holds a NaN (max |x| bits are NaN-propagating); current
   // scaling knows that from the group's amax.
+  // Whole delayed and MXFP8 row+col tiles find it in a pass that reads the
+  // tile anyway (the rowwise chunks, the column maxima), with no pass of its own.
   float bscale = 1.0f;
   bool tile_nan = MODE == kModeCurrent && (FloatBits(tscale_amax) & 0x7fffffffu) > 0x7f800000u;
-  if (MODE == kModeB128 || MODE == kModeDelayed || (MODE != kModeCurrent && p.amax != nullptr)) {
+  const bool amax_in_pass = FULL && (MODE == kModeDelayed || (MODE == kModeMx && p.colwise));
+  if (!amax_in_pass && (MODE == kModeB128 || MODE == kModeDelayed || (MODE != kModeCurrent && p.amax != nullptr))) {
     const uint32_t tam = BlockMax(TileAbsMaxPart<DT>(tile), red);
     tile_nan = tam > 0x7f800000u;
     if (MODE != kModeCurrent && p.amax != nullptr && tid == 0 && tam != 0) {
@@ -611,7 +629,7 @@ __device__ __forceinline__ void QuantizeTile(const QuantizeParams& p, const Tile
   }
 
   if constexpr (FULL && MODE == kModeMx) {
-    QuantizeMxTileFull<DT, FMT>(p, tg, tile, reinterpret_cast<float*>(col_red));
+    QuantizeMxTileFull<DT, FMT>(p, tg, tile, reinterpret_cast<float*>(col_red), red);
     return;
   }
 
@@ -626,6 +644,7 @@ __device__ __forceinline__ void QuantizeTile(const QuantizeParams& p, const Tile
     // Chunk i of this thread: row rr0 + 16 i, columns cc * 8 .. + 8. Outputs
     // through running pointers (one 64-bit add per chunk, not a product).
     const int rr0 = tid / 16, cc = tid % 16;
+    uint32_t run_amax = 0;  // FULL delayed: this thread's chunks' max |x| bits
     uint8_t* row_out = p.row_data + (r0 + rr0) * K + c0 + cc * 8;
     const int64_t mx_ld = RoundUp(K / 32, 4);
     uint8_t* mx_scale = MODE == kModeMx && p.rowwise ? static_cast<uint8_t*>(p.row_scale) + p.row_scale_off[g] +
@@ -637,7 +656,12 @@ __device__ __forceinline__ void QuantizeTile(const QuantizeParams& p, const Tile
       const bool valid = FULL || (rr < nrows && cc * 8 < ncols);
       const Chunk<DT> v = *reinterpret_cast<const Chunk<DT>*>(tile + rr * kTileCols + cc * 8);
       float s = kTensor ? tscale : bscale;
-      bool nan_block = false, row_nan = true;
+      bool nan_block = false, row_nan = true, chunk_nan = tile_nan;
+      if constexpr (FULL && MODE == kModeDelayed) {  // the tile amax, chunk by chunk
+        const uint32_t cm = ChunkAbsMax<DT>(v);
+        run_amax = max(run_amax, cm);
+        chunk_nan = cm > 0x7f800000u;
+      }
       if constexpr (MODE == kModeMx) {  // 32-element block = 4 adjacent lanes
         uint32_t b;
         if constexpr (FULL) {  // 16-bit input, OCP recipe (QuantizeAnyTile)
@@ -674,7 +698,7 @@ __device__ __forceinline__ void QuantizeTile(const QuantizeParams& p, const Tile
 #pragma unroll
         for (int j = 0; j < 8; ++j) f[j] = Elem<DT>(v, j);
         const uint2 b =
-            Quant8<FMT>(f, s, sw, nan_block, MODE == kModeMx ? false : MODE == kModeB1x128 ? row_nan : tile_nan);
+            Quant8<FMT>(f, s, sw, nan_block, MODE == kModeMx ? false : MODE == kModeB1x128 ? row_nan : chunk_nan);
         if (p.rowwise) __stcs(reinterpret_cast<uint2*>(row_out), b);
         if constexpr (kReuse) qv[i] = b;
       } else if constexpr (kReuse) {
@@ -682,12 +706,23 @@ __device__ __forceinline__ void QuantizeTile(const QuantizeParams& p, const Tile
       }
       row_out += 16 * K;
     }
+    if constexpr (FULL && MODE == kModeDelayed) {
+      const uint32_t wm = WarpMax(run_amax);
+      if (tid % 32 == 0) red[tid / 32] = wm;
+      if (!p.colwise) {  // else after the colwise block's first barrier
+        __syncthreads();
+        if (tid == 0) FlushTileAmax(p, g, red);
+      }
+    }
   }
 
   // ---- colwise, from the rowwise bytes ----
   if (kReuse && p.colwise) {
     uint8_t* qt = reinterpret_cast<uint8_t*>(tile);  // [128][128] bytes over this tile's own buffer
     __syncthreads();  // every thread is done reading the input tile
+    if constexpr (FULL && MODE == kModeDelayed) {
+      if (tid == 0) FlushTileAmax(p, g, red);
+    }
     // FULL: rows whose bit 4 is set are stored with their two 64-byte halves
     // swapped, so the lanes reading rows r and r + 16 below hit other banks.
 #pragma unroll
