@@ -29,7 +29,7 @@ struct GpuQuantizeOptions {
   //             quantize tiles, which re-read x from L2 (see quantize.cu);
   //   kAuto:    kTwoPass, which measured faster on every preset on the H200
   //             once the quantize pass took whole tiles without bounds checks
-  //             (deepseek-v3-up's 29 MiB groups: 86% of copy against 80%;
+  //             (deepseek-v3-up's 29 MiB groups: 88% of copy against 81%;
   //             docs/performance/quantize.md). The fused pass stays for
   //             callers who want x read from HBM once.
   // The fused pass needs a workspace no other launch uses at the same time:
