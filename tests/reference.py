@@ -84,6 +84,26 @@ def _fp32_block(v, fmt):
     return np.float32(1) / scale, _cast(v * scale, fmt)
 
 
+def quantize_current(x, sizes, fmt):
+    """Current per-group scaling of x [M, K] rows grouped by `sizes`: amax ->
+    scale = fp8_max / amax (1 for amax 0), saturating RNE cast. Returns
+    (data [M, K] uint8, scale_inv [G] float32, amax [G] float32)."""
+    fmax = _fp8(fmt)[1]
+    x = np.asarray(x, np.float32)
+    data = np.zeros(x.shape, np.uint8)
+    scale_inv, amax = [], []
+    row = 0
+    for s in sizes:
+        g = x[row:row + s]
+        a = np.float32(np.abs(g).max(initial=0))
+        scale = np.float32(fmax / a) if a > 0 else np.float32(1)
+        data[row:row + s] = _cast(g * scale, fmt)
+        scale_inv.append(np.float32(1) / scale)
+        amax.append(a)
+        row += s
+    return data, np.array(scale_inv, np.float32), np.array(amax, np.float32)
+
+
 def quantize_blocks(x, sizes, mode, fmt, rowwise=True, colwise=False):
     """Grouped quantize of x [M, K] (any float dtype, as float32) with mode
     'mxfp8', 'block' (1x128) or 'block2d' (128x128). Returns a dict with

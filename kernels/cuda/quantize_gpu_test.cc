@@ -549,7 +549,9 @@ TEST(Fp8GemmGpuTest, GroupSizeProbe) {
         EXPECT_LT(r->rel_err_vs_dequant, 5e-3);
       }
       std::printf("\n");
-      if (!block) EXPECT_TRUE(r.ok()) << r.status();
+      if (!block) {
+        EXPECT_TRUE(r.ok()) << r.status();
+      }
     }
   }
 }
