@@ -40,7 +40,9 @@ struct DevBuf {
   void* p = nullptr;
   size_t n = 0;
   explicit DevBuf(size_t bytes) : n(bytes) {
-    if (bytes) EXPECT_EQ(cudaMalloc(&p, bytes), cudaSuccess);
+    if (bytes) {
+      EXPECT_EQ(cudaMalloc(&p, bytes), cudaSuccess);
+    }
   }
   ~DevBuf() {
     if (p) cudaFree(p);
@@ -53,11 +55,15 @@ struct DevBuf {
   void Upload(const void* h) { EXPECT_EQ(cudaMemcpy(p, h, n, cudaMemcpyHostToDevice), cudaSuccess); }
   std::vector<uint8_t> Download() const {
     std::vector<uint8_t> h(n);
-    if (n) EXPECT_EQ(cudaMemcpy(h.data(), p, n, cudaMemcpyDeviceToHost), cudaSuccess);
+    if (n) {
+      EXPECT_EQ(cudaMemcpy(h.data(), p, n, cudaMemcpyDeviceToHost), cudaSuccess);
+    }
     return h;
   }
   void Fill(uint8_t v) {
-    if (n) EXPECT_EQ(cudaMemset(p, v, n), cudaSuccess);
+    if (n) {
+      EXPECT_EQ(cudaMemset(p, v, n), cudaSuccess);
+    }
   }
 };
 
