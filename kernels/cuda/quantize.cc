@@ -73,11 +73,6 @@ absl::StatusOr<int32_t*> FusedWorkspace(cudaStream_t stream, const GpuQuantizeOp
   return static_cast<int32_t*>(w);
 }
 
-// The choice GpuQuantizeOptions::current_pass documents.
-bool UseFusedPass(const GpuQuantizeOptions& options) {
-  return options.current_pass == GpuQuantizeOptions::CurrentPass::kFused;
-}
-
 }  // namespace
 
 size_t FusedQuantizeWorkspaceBytes() { return sizeof(cuda_internal::QuantizeWorkspace); }
@@ -141,7 +136,8 @@ absl::Status GroupedQuantize(const GroupedQuantizeArgs& a, cudaStream_t stream, 
   }
   if (e != cudaSuccess) return CudaError(e, "cudaMemsetAsync");
   p->num_items = static_cast<int>(tiles * p->col_tiles);
-  if (a.mode == ScalingMode::kCurrent && tiles > 0 && UseFusedPass(options)) {
+  const bool fused = options.current_pass == GpuQuantizeOptions::CurrentPass::kFused;
+  if (a.mode == ScalingMode::kCurrent && tiles > 0 && fused) {
     absl::StatusOr<int32_t*> ws = FusedWorkspace(stream, options);
     if (!ws.ok()) return ws.status();
     if (*ws != nullptr) {

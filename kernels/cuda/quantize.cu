@@ -102,7 +102,7 @@ __device__ __forceinline__ uint32_t ChunkAbsMax(const Chunk<DT>& c) {
 constexpr int kTileRows = 128;  // every mode: a multiple of the MXFP8 (32) and block (128) heights
 
 // Blocks per SM the register budget is sized for: three blocks of 16-bit
-// input (kStages x 32 KiB tiles) fit an SM (80 registers); F32 tiles take
+// input (kTileBuffers x 32 KiB tiles) fit an SM (80 registers); F32 tiles take
 // 128 KiB, one block.
 constexpr int MinBlocks(int dt, int /*mode*/) { return dt == 2 ? 1 : 3; }
 
@@ -303,9 +303,9 @@ __global__ void __launch_bounds__(kThreads) AmaxKernel(const __grid_constant__ Q
 // tiles (see QuantizeParams); work is claimed from an atomic counter, so a
 // quantize tile only ever waits for amax tiles that running blocks hold.
 
-// Tile buffers per block. (Three measured slower on every preset: 96 KiB
-// blocks fit two to an SM, not three.)
-constexpr int kStages = 2;
+// Two tile buffers per block. (Three measured no faster on any preset:
+// 96 KiB blocks fit two to an SM, not three; docs/performance/quantize.md.)
+constexpr int kTileBuffers = 2;
 
 template <int DT>
 constexpr int TileBytes() {
@@ -769,7 +769,7 @@ __device__ __forceinline__ void QuantizeTile(const QuantizeParams& p, const Tile
   }
 
   // ---- colwise ----
-  if (!kReuse && p.colwise) {
+  if (!kReuse && p.colwise) {  // MXFP8 and 1x128: per-column scales, found below
     using Q = typename Quad<DT>::type;
     const int cg = tid % 32, rs = tid / 32;
     const int cb = cg * 4, rb = rs * 16;  // first column / row of this thread's 16 x 4 block
@@ -790,14 +790,10 @@ __device__ __forceinline__ void QuantizeTile(const QuantizeParams& p, const Tile
         return q[j];
       }
     };
-    float s[4] = {tscale, tscale, tscale, tscale};
+    float s[4] = {1.0f, 1.0f, 1.0f, 1.0f};
     bool nanb[4] = {false, false, false, false};
-    bool col_nan[4] = {tile_nan, tile_nan, tile_nan, tile_nan};
-    if constexpr (!kTensor) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) s[i] = bscale;
-    }
-    if constexpr (MODE == kModeMx || MODE == kModeB1x128) {
+    bool col_nan[4] = {false, false, false, false};
+    {  // the columns' amax -> their scales
       uint32_t cam[4] = {0, 0, 0, 0};
 #pragma unroll
       for (int j = 0; j < 16; ++j) {
@@ -917,37 +913,39 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(DT, MODE)) QuantizeKernel(
   QuantizeWorkspace* ws = reinterpret_cast<QuantizeWorkspace*>(p.workspace);
 
   if constexpr (!fused) {
-    // Item i + k * gridDim.x is this block's k-th; tiles stream kStages - 1
-    // items ahead of the one being converted.
-    constexpr int S = kStages;
+    // Item i + k * gridDim.x is this block's k-th; the next one streams into
+    // the other buffer while this one is converted. Its geometry, found when
+    // its load is issued, is carried to its own iteration.
+    static_assert(kTileBuffers == 2, "the loop alternates two buffers");
     const int stride = static_cast<int>(gridDim.x);
-#pragma unroll 1
-    for (int k = 0; k < S - 1; ++k) {
-      const int i = static_cast<int>(blockIdx.x) + k * stride;
-      if (i < p.num_items) LoadTile<DT>(p, GeomOf(p, DecodeItem(p, i)), smem_raw + k * TileBytes<DT>());
-      CpAsyncCommit();
+    int i = static_cast<int>(blockIdx.x);
+    TileGeom tg{};
+    if (i < p.num_items) {
+      tg = GeomOf(p, DecodeItem(p, i));
+      LoadTile<DT>(p, tg, smem_raw);
     }
+    CpAsyncCommit();
     int buf = 0;
 #pragma unroll 1
-    for (int i = static_cast<int>(blockIdx.x); i < p.num_items; i += stride) {
-      const int ahead = i + (S - 1) * stride;
-      if (ahead < p.num_items) {
-        const int abuf = buf == 0 ? S - 1 : buf - 1;  // the buffer the last iteration freed
-        LoadTile<DT>(p, GeomOf(p, DecodeItem(p, ahead)), smem_raw + abuf * TileBytes<DT>());
+    for (; i < p.num_items; i += stride) {
+      TileGeom next{};
+      if (i + stride < p.num_items) {
+        next = GeomOf(p, DecodeItem(p, i + stride));
+        LoadTile<DT>(p, next, smem_raw + (buf ^ 1) * TileBytes<DT>());
       }
       CpAsyncCommit();
-      const TileGeom tg = GeomOf(p, DecodeItem(p, i));
       // The tile's scale is read before the wait, so its latency hides there.
       float tscale = 1.0f, gamax = 0.0f;
       if constexpr (MODE == kModeCurrent) gamax = __ldcg(p.amax + tg.g);  // final: the amax pass ran before
       if constexpr (MODE == kModeDelayed) tscale = __ldg(p.scale + tg.g);
-      CpAsyncWait<S - 1>();  // this tile's group is in
+      CpAsyncWait<1>();  // this tile's group is in
       __syncthreads();
       if constexpr (MODE == kModeCurrent) tscale = ScaleFromAmax(gamax, Fp8Max(static_cast<Fp8Format>(FMT)), p.pow2);
       QuantizeAnyTile<DT, MODE, FMT>(p, tg, reinterpret_cast<T*>(smem_raw + buf * TileBytes<DT>()), tscale, gamax, red,
                                      col_red);
       __syncthreads();  // this buffer is free again
-      buf = buf + 1 == S ? 0 : buf + 1;
+      tg = next;
+      buf ^= 1;
     }
     CpAsyncWait<0>();
     return;
@@ -1034,7 +1032,7 @@ cudaError_t LaunchQuantizeT(const QuantizeParams& p, cudaStream_t stream) {
   if constexpr (MODE == kModeCurrent) {
     if (p.fuse_amax) kernel = QuantizeKernel<DT, MODE, FMT, true>;
   }
-  const int smem = kStages * TileBytes<DT>();
+  const int smem = kTileBuffers * TileBytes<DT>();
   cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (e != cudaSuccess) return e;
   int device = 0, sms = 0, per_sm = 0;
