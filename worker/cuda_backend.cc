@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/cpu/quantize.h"
+#include "kernels/cuda/cuda_status.h"
 #include "kernels/cuda/device_pool.h"
 #include "kernels/cuda/grouped_gemm.h"
 #include "kernels/cuda/quantize.h"
@@ -17,11 +18,6 @@
 
 namespace shardgemm {
 namespace {
-
-absl::Status CudaStatus(cudaError_t err, absl::string_view what) {
-  if (err == cudaSuccess) return absl::OkStatus();
-  return absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorString(err)));
-}
 
 // Device buffers taken from the pool for one call, returned on scope exit.
 class Scratch {

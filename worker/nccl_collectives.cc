@@ -11,21 +11,13 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "grpcpp/grpcpp.h"
+#include "kernels/cuda/cuda_status.h"
 #include "proto/shardgemm.grpc.pb.h"
+#include "worker/nccl_status.h"
 
 namespace shardgemm {
 namespace {
 
-absl::Status Nccl(ncclResult_t r, absl::string_view what) {
-  if (r == ncclSuccess) return absl::OkStatus();
-  return absl::InternalError(absl::StrCat(what, ": NCCL ", ncclGetErrorString(r), " (",
-                                          ncclGetLastError(nullptr), ")"));
-}
-
-absl::Status Cuda(cudaError_t e, absl::string_view what) {
-  if (e == cudaSuccess) return absl::OkStatus();
-  return absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorString(e)));
-}
 
 // Rows before `dim` (the product of the leading dimensions).
 int64_t Outer(const std::vector<int64_t>& shape, int dim) {
@@ -72,8 +64,8 @@ class NcclCollectives : public Collectives {
     out.shape = local.shape;
     out.shape[dim] *= *size;
     out.bytes.resize(n * *size);
-    absl::Status s = Cuda(cudaMemcpyAsync(*send, local.bytes.data(), n, cudaMemcpyHostToDevice, stream_), "upload");
-    if (s.ok()) s = Nccl(ncclAllGather(*send, *recv, n, ncclUint8, *comm, stream_), "ncclAllGather");
+    absl::Status s = CudaStatus(cudaMemcpyAsync(*send, local.bytes.data(), n, cudaMemcpyHostToDevice, stream_), "upload");
+    if (s.ok()) s = NcclStatus(ncclAllGather(*send, *recv, n, ncclUint8, *comm, stream_), "ncclAllGather");
     // Wait (watching for errors) before copying back: a copy into pageable
     // memory would block until the collective finished, past any timeout.
     if (s.ok()) s = Wait(axes, *comm, stream_);
@@ -84,10 +76,10 @@ class NcclCollectives : public Collectives {
     for (int64_t i = 0; s.ok() && n > 0 && i < *size; ++i) {
       char* dst = &out.bytes[0] + i * row;
       const char* src = static_cast<const char*>(*recv) + i * n;
-      s = outer == 1 ? Cuda(cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToHost, stream_), "download")
+      s = outer == 1 ? CudaStatus(cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToHost, stream_), "download")
                      : CopyRows(dst, row * *size, src, row, row, outer, cudaMemcpyDeviceToHost, stream_, "download");
     }
-    if (s.ok()) s = Cuda(cudaStreamSynchronize(stream_), "download");
+    if (s.ok()) s = CudaStatus(cudaStreamSynchronize(stream_), "download");
     if (!s.ok()) return s;
     return out;
   }
@@ -115,8 +107,8 @@ class NcclCollectives : public Collectives {
     if (!comm.ok()) return comm.status();
     if (*comm == nullptr) {  // a group of one: the piece is the whole
       absl::Status s;
-      if (n > 0 && send != recv) s = Cuda(cudaMemcpyAsync(recv, send, n, cudaMemcpyDeviceToDevice, stream), "copy");
-      if (s.ok()) s = Cuda(cudaStreamSynchronize(stream), "copy");
+      if (n > 0 && send != recv) s = CudaStatus(cudaMemcpyAsync(recv, send, n, cudaMemcpyDeviceToDevice, stream), "copy");
+      if (s.ok()) s = CudaStatus(cudaStreamSynchronize(stream), "copy");
       return s;
     }
     if (n == 0) return absl::OkStatus();  // every member has the same (empty) piece
@@ -127,7 +119,7 @@ class NcclCollectives : public Collectives {
       if (!buf.ok()) return buf.status();
       gathered = *buf;
     }
-    absl::Status s = Nccl(ncclAllGather(send, gathered, n, ncclUint8, *comm, stream), "ncclAllGather");
+    absl::Status s = NcclStatus(ncclAllGather(send, gathered, n, ncclUint8, *comm, stream), "ncclAllGather");
     // Member i's piece is `outer` rows of `row` bytes; along `dim` they
     // interleave: row j of piece i goes to row j * size + i of the output.
     const int64_t dpitch = row * *size;
@@ -156,13 +148,13 @@ class NcclCollectives : public Collectives {
     }
     auto buf = Buffer(0, t->NumBytes());
     if (!buf.ok()) return buf.status();
-    absl::Status s = Cuda(cudaMemcpyAsync(*buf, t->bytes.data(), t->NumBytes(), cudaMemcpyHostToDevice, stream_), "upload");
+    absl::Status s = CudaStatus(cudaMemcpyAsync(*buf, t->bytes.data(), t->NumBytes(), cudaMemcpyHostToDevice, stream_), "upload");
     if (s.ok()) {
-      s = Nccl(ncclAllReduce(*buf, *buf, t->NumElements(), type, op == ReduceOp::kSum ? ncclSum : ncclMax,
+      s = NcclStatus(ncclAllReduce(*buf, *buf, t->NumElements(), type, op == ReduceOp::kSum ? ncclSum : ncclMax,
                              *comm, stream_), "ncclAllReduce");
     }
     if (s.ok()) s = Wait(axes, *comm, stream_);
-    if (s.ok()) s = Cuda(cudaMemcpy(&t->bytes[0], *buf, t->NumBytes(), cudaMemcpyDeviceToHost), "download");
+    if (s.ok()) s = CudaStatus(cudaMemcpy(&t->bytes[0], *buf, t->NumBytes(), cudaMemcpyDeviceToHost), "download");
     return s;
   }
 
@@ -198,15 +190,15 @@ class NcclCollectives : public Collectives {
     if (!in.ok()) return in.status();
     if (!buf.ok()) return buf.status();
     if (!out.ok()) return out.status();
-    absl::Status s = Cuda(cudaMemcpyAsync(outer == 1 ? *buf : *in, t.bytes.data(), total, cudaMemcpyHostToDevice,
+    absl::Status s = CudaStatus(cudaMemcpyAsync(outer == 1 ? *buf : *in, t.bytes.data(), total, cudaMemcpyHostToDevice,
                                           stream_), "upload");
     for (int64_t i = 0; s.ok() && outer > 1 && i < *size; ++i) {
       s = CopyRows(static_cast<char*>(*buf) + i * piece, row, static_cast<const char*>(*in) + i * row, row * *size,
                    row, outer, cudaMemcpyDeviceToDevice, stream_, "reduce_scatter layout");
     }
-    if (s.ok()) s = Nccl(ncclReduceScatter(*buf, *out, piece / 4, ncclFloat32, ncclSum, *comm, stream_), "ncclReduceScatter");
+    if (s.ok()) s = NcclStatus(ncclReduceScatter(*buf, *out, piece / 4, ncclFloat32, ncclSum, *comm, stream_), "ncclReduceScatter");
     if (s.ok()) s = Wait(axes, *comm, stream_);
-    if (s.ok()) s = Cuda(cudaMemcpy(&mine.bytes[0], *out, piece, cudaMemcpyDeviceToHost), "download");
+    if (s.ok()) s = CudaStatus(cudaMemcpy(&mine.bytes[0], *out, piece, cudaMemcpyDeviceToHost), "download");
     if (!s.ok()) return s;
     return mine;
   }
@@ -230,12 +222,12 @@ class NcclCollectives : public Collectives {
     while (true) {
       cudaError_t e = cudaStreamQuery(stream);
       if (e == cudaSuccess) return absl::OkStatus();
-      if (e != cudaErrorNotReady) return Cuda(e, "collective");
+      if (e != cudaErrorNotReady) return CudaStatus(e, "collective");
       ncclResult_t async;
       ncclCommGetAsyncError(comm, &async);
       if (async != ncclSuccess && async != ncclInProgress) {
         Abort(axes);
-        return Nccl(async, "collective failed asynchronously");
+        return NcclStatus(async, "collective failed asynchronously");
       }
       if (absl::Now() > deadline) {
         Abort(axes);
@@ -263,7 +255,7 @@ class NcclCollectives : public Collectives {
     if (size < bytes) {
       if (ptr != nullptr) cudaFree(ptr);
       ptr = nullptr;
-      if (auto s = Cuda(cudaMalloc(&ptr, std::max<int64_t>(bytes, 256)), "collective buffer"); !s.ok()) {
+      if (auto s = CudaStatus(cudaMalloc(&ptr, std::max<int64_t>(bytes, 256)), "collective buffer"); !s.ok()) {
         size = 0;
         return s;
       }
@@ -285,7 +277,7 @@ class NcclCollectives : public Collectives {
     const std::string id_key = absl::StrCat("nccl/", position_.GroupName(axes), "/", step_);
     ncclUniqueId id;
     if (*index == 0) {
-      if (auto s = Nccl(ncclGetUniqueId(&id), "ncclGetUniqueId"); !s.ok()) return s;
+      if (auto s = NcclStatus(ncclGetUniqueId(&id), "ncclGetUniqueId"); !s.ok()) return s;
       if (auto s = exchange_.set(id_key, std::string(id.internal, sizeof(id.internal))); !s.ok()) return s;
     } else {
       auto v = exchange_.get(id_key);
@@ -295,7 +287,7 @@ class NcclCollectives : public Collectives {
     }
     cudaSetDevice(device_);
     ncclComm_t comm;
-    if (auto s = Nccl(ncclCommInitRank(&comm, static_cast<int>(*size), id, static_cast<int>(*index)),
+    if (auto s = NcclStatus(ncclCommInitRank(&comm, static_cast<int>(*size), id, static_cast<int>(*index)),
                       absl::StrCat("ncclCommInitRank (", key, ")"));
         !s.ok()) {
       return s;
@@ -317,10 +309,10 @@ class NcclCollectives : public Collectives {
   absl::Status CopyRows(void* dst, int64_t dpitch, const void* src, int64_t spitch, int64_t width, int64_t rows,
                         cudaMemcpyKind kind, cudaStream_t stream, const char* what) {
     if (dpitch <= max_pitch_ && spitch <= max_pitch_) {
-      return Cuda(cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, rows, kind, stream), what);
+      return CudaStatus(cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, rows, kind, stream), what);
     }
     for (int64_t j = 0; j < rows; ++j) {
-      if (auto st = Cuda(cudaMemcpyAsync(static_cast<char*>(dst) + j * dpitch, static_cast<const char*>(src) + j * spitch,
+      if (auto st = CudaStatus(cudaMemcpyAsync(static_cast<char*>(dst) + j * dpitch, static_cast<const char*>(src) + j * spitch,
                                          width, kind, stream), what);
           !st.ok()) {
         return st;

@@ -19,6 +19,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "kernels/cuda/cuda_status.h"
 #include "kernels/cuda/device_pool.h"
 #include "kernels/cuda/grouped_gemm_kernels.h"
 #include "kernels/cuda/sm90_grouped_gemm.h"
@@ -31,11 +32,6 @@ static_assert(ToCu(DType::kF32) == CuDType::kF32 && ToCu(DType::kBF16) == CuDTyp
                   ToCu(DType::kF16) == CuDType::kF16 && ToCu(DType::kInvalid) == CuDType::kInvalid,
               "cu_dtype.h must match kernels/dtype.h");
 
-absl::Status CudaStatus(cudaError_t e, absl::string_view what) {
-  if (e == cudaSuccess) return absl::OkStatus();
-  cudaGetLastError();  // clear a sticky-free error so the next call starts clean
-  return absl::InternalError(absl::StrCat(what, ": CUDA error ", cudaGetErrorName(e), ": ", cudaGetErrorString(e)));
-}
 absl::Status CublasStatus(cublasStatus_t e, absl::string_view what) {
   if (e == CUBLAS_STATUS_SUCCESS) return absl::OkStatus();
   what = what.substr(0, what.find('('));  // the function's name

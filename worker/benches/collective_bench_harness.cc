@@ -18,8 +18,10 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "gloo/rendezvous/hash_store.h"
+#include "kernels/cuda/cuda_status.h"
 #include "worker/gloo_collectives.h"
 #include "worker/nccl_collectives.h"
+#include "worker/nccl_status.h"
 
 ABSL_FLAG(std::string, backend, "nccl",
           "nccl: NCCL alone on device buffers | ours_nccl: our worker layer "
@@ -253,16 +255,6 @@ IdExchange InProcessIdExchange(std::chrono::seconds timeout) {
   std::_Exit(1);  // peers may be stuck inside a collective: do not wait for them
 }
 
-absl::Status Cuda(cudaError_t e, absl::string_view what) {
-  if (e == cudaSuccess) return absl::OkStatus();
-  return absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorString(e)));
-}
-
-absl::Status Nccl(ncclResult_t r, absl::string_view what) {
-  if (r == ncclSuccess) return absl::OkStatus();
-  return absl::InternalError(absl::StrCat(what, ": NCCL ", ncclGetErrorString(r), " (",
-                                          ncclGetLastError(nullptr), ")"));
-}
 
 // One rank's side of a backend.
 class Runner {
@@ -283,29 +275,29 @@ class NcclRunner : public Runner {
   }
 
   absl::Status Prepare(const Layout& l, HostTensor input) override {
-    if (auto s = Cuda(cudaSetDevice(device_), "cudaSetDevice"); !s.ok()) return s;
+    if (auto s = CudaStatus(cudaSetDevice(device_), "cudaSetDevice"); !s.ok()) return s;
     if (stream_ == nullptr) {
-      if (auto s = Cuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "stream"); !s.ok()) return s;
+      if (auto s = CudaStatus(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "stream"); !s.ok()) return s;
     }
     Free();
     layout_ = l;
     out_bytes_ = NumElements(c_.OutputShape(l)) * DTypeSize(l.dtype);
-    if (auto s = Cuda(cudaMalloc(&send_, std::max<int64_t>(input.NumBytes(), 1)), "cudaMalloc send"); !s.ok()) return s;
-    if (auto s = Cuda(cudaMalloc(&recv_, std::max<int64_t>(out_bytes_, 1)), "cudaMalloc recv"); !s.ok()) return s;
+    if (auto s = CudaStatus(cudaMalloc(&send_, std::max<int64_t>(input.NumBytes(), 1)), "cudaMalloc send"); !s.ok()) return s;
+    if (auto s = CudaStatus(cudaMalloc(&recv_, std::max<int64_t>(out_bytes_, 1)), "cudaMalloc recv"); !s.ok()) return s;
     // On the rank's stream: a non-blocking stream does not wait for the
     // legacy default stream's copies and memsets.
-    if (auto s = Cuda(cudaMemsetAsync(recv_, 0xff, out_bytes_, stream_), "cudaMemset"); !s.ok()) return s;  // NaN
-    if (auto s = Cuda(cudaMemcpyAsync(send_, input.bytes.data(), input.NumBytes(), cudaMemcpyHostToDevice, stream_),
+    if (auto s = CudaStatus(cudaMemsetAsync(recv_, 0xff, out_bytes_, stream_), "cudaMemset"); !s.ok()) return s;  // NaN
+    if (auto s = CudaStatus(cudaMemcpyAsync(send_, input.bytes.data(), input.NumBytes(), cudaMemcpyHostToDevice, stream_),
                       "upload");
         !s.ok()) {
       return s;
     }
-    return Cuda(cudaStreamSynchronize(stream_), "upload");
+    return CudaStatus(cudaStreamSynchronize(stream_), "upload");
   }
 
   absl::Status Launch() override {
     const ncclDataType_t type = layout_.dtype == DType::kBF16 ? ncclBfloat16 : ncclFloat32;
-    return Nccl(c_.RunNccl(send_, recv_, layout_, type, comm_, stream_), c_.Name());
+    return NcclStatus(c_.RunNccl(send_, recv_, layout_, type, comm_, stream_), c_.Name());
   }
 
   // Spins on the stream and the communicator's error, as nccl-tests does.
@@ -313,10 +305,10 @@ class NcclRunner : public Runner {
     while (true) {
       cudaError_t e = cudaStreamQuery(stream_);
       if (e == cudaSuccess) return absl::OkStatus();
-      if (e != cudaErrorNotReady) return Cuda(e, "collective");
+      if (e != cudaErrorNotReady) return CudaStatus(e, "collective");
       ncclResult_t async;
-      if (auto s = Nccl(ncclCommGetAsyncError(comm_, &async), "ncclCommGetAsyncError"); !s.ok()) return s;
-      if (async != ncclSuccess && async != ncclInProgress) return Nccl(async, "asynchronous error");
+      if (auto s = NcclStatus(ncclCommGetAsyncError(comm_, &async), "ncclCommGetAsyncError"); !s.ok()) return s;
+      if (async != ncclSuccess && async != ncclInProgress) return NcclStatus(async, "asynchronous error");
     }
   }
 
@@ -325,11 +317,11 @@ class NcclRunner : public Runner {
     out.dtype = layout_.dtype;
     out.shape = c_.OutputShape(layout_);
     out.bytes.resize(out_bytes_);
-    if (auto s = Cuda(cudaMemcpyAsync(&out.bytes[0], recv_, out_bytes_, cudaMemcpyDeviceToHost, stream_), "download");
+    if (auto s = CudaStatus(cudaMemcpyAsync(&out.bytes[0], recv_, out_bytes_, cudaMemcpyDeviceToHost, stream_), "download");
         !s.ok()) {
       return s;
     }
-    if (auto s = Cuda(cudaStreamSynchronize(stream_), "download"); !s.ok()) return s;
+    if (auto s = CudaStatus(cudaStreamSynchronize(stream_), "download"); !s.ok()) return s;
     return out;
   }
 
@@ -390,22 +382,22 @@ class OursDeviceRunner : public Runner {
   }
 
   absl::Status Prepare(const Layout& l, HostTensor input) override {
-    if (auto s = Cuda(cudaSetDevice(device_), "cudaSetDevice"); !s.ok()) return s;
+    if (auto s = CudaStatus(cudaSetDevice(device_), "cudaSetDevice"); !s.ok()) return s;
     if (stream_ == nullptr) {
-      if (auto s = Cuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "stream"); !s.ok()) return s;
+      if (auto s = CudaStatus(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "stream"); !s.ok()) return s;
     }
     Free();
     layout_ = l;
     out_bytes_ = NumElements(c_.OutputShape(l)) * DTypeSize(l.dtype);
-    if (auto s = Cuda(cudaMalloc(&send_, std::max<int64_t>(input.NumBytes(), 1)), "cudaMalloc send"); !s.ok()) return s;
-    if (auto s = Cuda(cudaMalloc(&recv_, std::max<int64_t>(out_bytes_, 1)), "cudaMalloc recv"); !s.ok()) return s;
-    if (auto s = Cuda(cudaMemsetAsync(recv_, 0xff, out_bytes_, stream_), "cudaMemset"); !s.ok()) return s;  // NaN
-    if (auto s = Cuda(cudaMemcpyAsync(send_, input.bytes.data(), input.NumBytes(), cudaMemcpyHostToDevice, stream_),
+    if (auto s = CudaStatus(cudaMalloc(&send_, std::max<int64_t>(input.NumBytes(), 1)), "cudaMalloc send"); !s.ok()) return s;
+    if (auto s = CudaStatus(cudaMalloc(&recv_, std::max<int64_t>(out_bytes_, 1)), "cudaMalloc recv"); !s.ok()) return s;
+    if (auto s = CudaStatus(cudaMemsetAsync(recv_, 0xff, out_bytes_, stream_), "cudaMemset"); !s.ok()) return s;  // NaN
+    if (auto s = CudaStatus(cudaMemcpyAsync(send_, input.bytes.data(), input.NumBytes(), cudaMemcpyHostToDevice, stream_),
                       "upload");
         !s.ok()) {
       return s;
     }
-    return Cuda(cudaStreamSynchronize(stream_), "upload");
+    return CudaStatus(cudaStreamSynchronize(stream_), "upload");
   }
   absl::Status Launch() override {
     return c_.RunOursDevice(coll_.get(), send_, recv_, layout_, {"fsdp"}, stream_);
@@ -417,11 +409,11 @@ class OursDeviceRunner : public Runner {
     out.shape = c_.OutputShape(layout_);
     out.bytes.resize(out_bytes_);
     if (out_bytes_ == 0) return out;
-    if (auto s = Cuda(cudaMemcpyAsync(&out.bytes[0], recv_, out_bytes_, cudaMemcpyDeviceToHost, stream_), "download");
+    if (auto s = CudaStatus(cudaMemcpyAsync(&out.bytes[0], recv_, out_bytes_, cudaMemcpyDeviceToHost, stream_), "download");
         !s.ok()) {
       return s;
     }
-    if (auto s = Cuda(cudaStreamSynchronize(stream_), "download"); !s.ok()) return s;
+    if (auto s = CudaStatus(cudaStreamSynchronize(stream_), "download"); !s.ok()) return s;
     return out;
   }
 
@@ -604,7 +596,7 @@ int BenchMain(int argc, char** argv, const Collective& c) {
     comms.resize(cfg.ranks);
     std::vector<int> devices(cfg.ranks);
     std::iota(devices.begin(), devices.end(), 0);
-    if (auto s = Nccl(ncclCommInitAll(comms.data(), cfg.ranks, devices.data()), "ncclCommInitAll"); !s.ok()) {
+    if (auto s = NcclStatus(ncclCommInitAll(comms.data(), cfg.ranks, devices.data()), "ncclCommInitAll"); !s.ok()) {
       std::fprintf(stderr, "%s: %s\n", prog.c_str(), std::string(s.message()).c_str());
       return 1;
     }
@@ -645,12 +637,12 @@ int BenchMain(int argc, char** argv, const Collective& c) {
         runner = std::make_unique<NcclRunner>(c, rank, comms[rank]);
         break;
       case Backend::kOursNccl:
-        if (auto s = Cuda(cudaSetDevice(rank), "cudaSetDevice"); !s.ok()) Die(c, rank, s);
+        if (auto s = CudaStatus(cudaSetDevice(rank), "cudaSetDevice"); !s.ok()) Die(c, rank, s);
         runner = std::make_unique<OursRunner>(
             c, MakeNcclCollectives(FsdpPosition(rank, cfg.ranks), rank, ids, cfg.timeout));
         break;
       case Backend::kOursNcclDevice:
-        if (auto s = Cuda(cudaSetDevice(rank), "cudaSetDevice"); !s.ok()) Die(c, rank, s);
+        if (auto s = CudaStatus(cudaSetDevice(rank), "cudaSetDevice"); !s.ok()) Die(c, rank, s);
         runner = std::make_unique<OursDeviceRunner>(
             c, rank, MakeNcclCollectives(FsdpPosition(rank, cfg.ranks), rank, ids, cfg.timeout));
         break;
