@@ -29,8 +29,7 @@ class Scratch {
   absl::StatusOr<void*> Upload(const void* host, int64_t bytes, cudaStream_t stream) {
     auto p = Take(bytes);
     if (!p.ok() || bytes == 0) return p;
-    if (auto s = CudaStatus(cudaMemcpyAsync(*p, host, bytes, cudaMemcpyHostToDevice, stream), "upload");
-        !s.ok()) {
+    if (auto s = CudaStatus(cudaMemcpyAsync(*p, host, bytes, cudaMemcpyHostToDevice, stream), "upload"); !s.ok()) {
       return s;
     }
     return p;
@@ -152,8 +151,8 @@ class CudaBackend : public Backend {
     absl::Status s = g.ragged_k ? runner_->RaggedK(a, stream_) : runner_->RaggedM(a, stream_);
     if (!s.ok()) return s;
     if (out->NumBytes() > 0) {
-      if (auto st = CudaStatus(cudaMemcpyAsync(&out->bytes[0], *d_out, out->NumBytes(),
-                                               cudaMemcpyDeviceToHost, stream_), "download");
+      if (auto st = CudaStatus(
+              cudaMemcpyAsync(&out->bytes[0], *d_out, out->NumBytes(), cudaMemcpyDeviceToHost, stream_), "download");
           !st.ok()) {
         return st;
       }
@@ -192,8 +191,9 @@ class CudaBackend : public Backend {
     if (auto s = cuda::GroupedQuantize(a, stream_); !s.ok()) return s;
     for (int i = 0; i < 5; ++i) {
       if (host[i]->NumBytes() == 0) continue;
-      if (auto s = CudaStatus(cudaMemcpyAsync(&host[i]->bytes[0], device[i], host[i]->NumBytes(),
-                                              cudaMemcpyDeviceToHost, stream_), "download");
+      if (auto s = CudaStatus(
+              cudaMemcpyAsync(&host[i]->bytes[0], device[i], host[i]->NumBytes(), cudaMemcpyDeviceToHost, stream_),
+              "download");
           !s.ok()) {
         return s;
       }
@@ -238,8 +238,9 @@ class CudaBackend : public Backend {
     }
     if (!d.ok()) return d.status();
     if (host->NumBytes() > 0) {
-      if (auto s = CudaStatus(cudaMemcpyAsync(*d, host->bytes.data(), host->NumBytes(),
-                                              cudaMemcpyHostToDevice, stream_), "upload resident");
+      if (auto s =
+              CudaStatus(cudaMemcpyAsync(*d, host->bytes.data(), host->NumBytes(), cudaMemcpyHostToDevice, stream_),
+                         "upload resident");
           !s.ok()) {
         runner_->pool().Free(*d);
         return s;

@@ -64,7 +64,8 @@ class NcclCollectives : public Collectives {
     out.shape = local.shape;
     out.shape[dim] *= *size;
     out.bytes.resize(n * *size);
-    absl::Status s = CudaStatus(cudaMemcpyAsync(*send, local.bytes.data(), n, cudaMemcpyHostToDevice, stream_), "upload");
+    absl::Status s =
+        CudaStatus(cudaMemcpyAsync(*send, local.bytes.data(), n, cudaMemcpyHostToDevice, stream_), "upload");
     if (s.ok()) s = NcclStatus(ncclAllGather(*send, *recv, n, ncclUint8, *comm, stream_), "ncclAllGather");
     // Wait (watching for errors) before copying back: a copy into pageable
     // memory would block until the collective finished, past any timeout.
@@ -107,7 +108,8 @@ class NcclCollectives : public Collectives {
     if (!comm.ok()) return comm.status();
     if (*comm == nullptr) {  // a group of one: the piece is the whole
       absl::Status s;
-      if (n > 0 && send != recv) s = CudaStatus(cudaMemcpyAsync(recv, send, n, cudaMemcpyDeviceToDevice, stream), "copy");
+      if (n > 0 && send != recv)
+        s = CudaStatus(cudaMemcpyAsync(recv, send, n, cudaMemcpyDeviceToDevice, stream), "copy");
       if (s.ok()) s = CudaStatus(cudaStreamSynchronize(stream), "copy");
       return s;
     }
@@ -148,10 +150,12 @@ class NcclCollectives : public Collectives {
     }
     auto buf = Buffer(0, t->NumBytes());
     if (!buf.ok()) return buf.status();
-    absl::Status s = CudaStatus(cudaMemcpyAsync(*buf, t->bytes.data(), t->NumBytes(), cudaMemcpyHostToDevice, stream_), "upload");
+    absl::Status s =
+        CudaStatus(cudaMemcpyAsync(*buf, t->bytes.data(), t->NumBytes(), cudaMemcpyHostToDevice, stream_), "upload");
     if (s.ok()) {
-      s = NcclStatus(ncclAllReduce(*buf, *buf, t->NumElements(), type, op == ReduceOp::kSum ? ncclSum : ncclMax,
-                             *comm, stream_), "ncclAllReduce");
+      s = NcclStatus(
+          ncclAllReduce(*buf, *buf, t->NumElements(), type, op == ReduceOp::kSum ? ncclSum : ncclMax, *comm, stream_),
+          "ncclAllReduce");
     }
     if (s.ok()) s = Wait(axes, *comm, stream_);
     if (s.ok()) s = CudaStatus(cudaMemcpy(&t->bytes[0], *buf, t->NumBytes(), cudaMemcpyDeviceToHost), "download");
@@ -190,13 +194,15 @@ class NcclCollectives : public Collectives {
     if (!in.ok()) return in.status();
     if (!buf.ok()) return buf.status();
     if (!out.ok()) return out.status();
-    absl::Status s = CudaStatus(cudaMemcpyAsync(outer == 1 ? *buf : *in, t.bytes.data(), total, cudaMemcpyHostToDevice,
-                                          stream_), "upload");
+    absl::Status s = CudaStatus(
+        cudaMemcpyAsync(outer == 1 ? *buf : *in, t.bytes.data(), total, cudaMemcpyHostToDevice, stream_), "upload");
     for (int64_t i = 0; s.ok() && outer > 1 && i < *size; ++i) {
-      s = CopyRows(static_cast<char*>(*buf) + i * piece, row, static_cast<const char*>(*in) + i * row, row * *size,
-                   row, outer, cudaMemcpyDeviceToDevice, stream_, "reduce_scatter layout");
+      s = CopyRows(static_cast<char*>(*buf) + i * piece, row, static_cast<const char*>(*in) + i * row, row * *size, row,
+                   outer, cudaMemcpyDeviceToDevice, stream_, "reduce_scatter layout");
     }
-    if (s.ok()) s = NcclStatus(ncclReduceScatter(*buf, *out, piece / 4, ncclFloat32, ncclSum, *comm, stream_), "ncclReduceScatter");
+    if (s.ok())
+      s = NcclStatus(ncclReduceScatter(*buf, *out, piece / 4, ncclFloat32, ncclSum, *comm, stream_),
+                     "ncclReduceScatter");
     if (s.ok()) s = Wait(axes, *comm, stream_);
     if (s.ok()) s = CudaStatus(cudaMemcpy(&mine.bytes[0], *out, piece, cudaMemcpyDeviceToHost), "download");
     if (!s.ok()) return s;
@@ -288,7 +294,7 @@ class NcclCollectives : public Collectives {
     cudaSetDevice(device_);
     ncclComm_t comm;
     if (auto s = NcclStatus(ncclCommInitRank(&comm, static_cast<int>(*size), id, static_cast<int>(*index)),
-                      absl::StrCat("ncclCommInitRank (", key, ")"));
+                            absl::StrCat("ncclCommInitRank (", key, ")"));
         !s.ok()) {
       return s;
     }
@@ -312,8 +318,9 @@ class NcclCollectives : public Collectives {
       return CudaStatus(cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, rows, kind, stream), what);
     }
     for (int64_t j = 0; j < rows; ++j) {
-      if (auto st = CudaStatus(cudaMemcpyAsync(static_cast<char*>(dst) + j * dpitch, static_cast<const char*>(src) + j * spitch,
-                                         width, kind, stream), what);
+      if (auto st = CudaStatus(cudaMemcpyAsync(static_cast<char*>(dst) + j * dpitch,
+                                               static_cast<const char*>(src) + j * spitch, width, kind, stream),
+                               what);
           !st.ok()) {
         return st;
       }

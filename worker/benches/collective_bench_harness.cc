@@ -266,10 +266,13 @@ class Runner {
   virtual absl::StatusOr<HostTensor> Output() = 0;
 };
 
-class NcclRunner : public Runner {
+// A rank's input and output in device memory on its own stream: uploaded in
+// Prepare (the output filled with NaN), downloaded in Output. Launch and
+// Sync are the backend's.
+class DeviceBuffersRunner : public Runner {
  public:
-  NcclRunner(const Collective& c, int device, ncclComm_t comm) : c_(c), device_(device), comm_(comm) {}
-  ~NcclRunner() override {
+  DeviceBuffersRunner(const Collective& c, int device) : c_(c), device_(device) {}
+  ~DeviceBuffersRunner() override {
     Free();
     if (stream_ != nullptr) cudaStreamDestroy(stream_);
   }
@@ -277,23 +280,67 @@ class NcclRunner : public Runner {
   absl::Status Prepare(const Layout& l, HostTensor input) override {
     if (auto s = CudaStatus(cudaSetDevice(device_), "cudaSetDevice"); !s.ok()) return s;
     if (stream_ == nullptr) {
-      if (auto s = CudaStatus(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "stream"); !s.ok()) return s;
+      if (auto s = CudaStatus(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "stream"); !s.ok()) {
+        return s;
+      }
     }
     Free();
     layout_ = l;
     out_bytes_ = NumElements(c_.OutputShape(l)) * DTypeSize(l.dtype);
-    if (auto s = CudaStatus(cudaMalloc(&send_, std::max<int64_t>(input.NumBytes(), 1)), "cudaMalloc send"); !s.ok()) return s;
-    if (auto s = CudaStatus(cudaMalloc(&recv_, std::max<int64_t>(out_bytes_, 1)), "cudaMalloc recv"); !s.ok()) return s;
+    if (auto s = CudaStatus(cudaMalloc(&send_, std::max<int64_t>(input.NumBytes(), 1)), "cudaMalloc send"); !s.ok()) {
+      return s;
+    }
+    if (auto s = CudaStatus(cudaMalloc(&recv_, std::max<int64_t>(out_bytes_, 1)), "cudaMalloc recv"); !s.ok()) {
+      return s;
+    }
     // On the rank's stream: a non-blocking stream does not wait for the
     // legacy default stream's copies and memsets.
     if (auto s = CudaStatus(cudaMemsetAsync(recv_, 0xff, out_bytes_, stream_), "cudaMemset"); !s.ok()) return s;  // NaN
-    if (auto s = CudaStatus(cudaMemcpyAsync(send_, input.bytes.data(), input.NumBytes(), cudaMemcpyHostToDevice, stream_),
-                      "upload");
+    if (auto s = CudaStatus(
+            cudaMemcpyAsync(send_, input.bytes.data(), input.NumBytes(), cudaMemcpyHostToDevice, stream_), "upload");
         !s.ok()) {
       return s;
     }
     return CudaStatus(cudaStreamSynchronize(stream_), "upload");
   }
+
+  absl::StatusOr<HostTensor> Output() override {
+    HostTensor out;
+    out.dtype = layout_.dtype;
+    out.shape = c_.OutputShape(layout_);
+    out.bytes.resize(out_bytes_);
+    if (out_bytes_ == 0) return out;
+    if (auto s =
+            CudaStatus(cudaMemcpyAsync(&out.bytes[0], recv_, out_bytes_, cudaMemcpyDeviceToHost, stream_), "download");
+        !s.ok()) {
+      return s;
+    }
+    if (auto s = CudaStatus(cudaStreamSynchronize(stream_), "download"); !s.ok()) return s;
+    return out;
+  }
+
+ protected:
+  const Collective& c_;
+  cudaStream_t stream_ = nullptr;
+  Layout layout_;
+  void* send_ = nullptr;
+  void* recv_ = nullptr;
+
+ private:
+  void Free() {
+    if (send_ != nullptr) cudaFree(send_);
+    if (recv_ != nullptr) cudaFree(recv_);
+    send_ = recv_ = nullptr;
+  }
+
+  int device_;
+  int64_t out_bytes_ = 0;
+};
+
+// NCCL alone, on the same buffers.
+class NcclRunner : public DeviceBuffersRunner {
+ public:
+  NcclRunner(const Collective& c, int device, ncclComm_t comm) : DeviceBuffersRunner(c, device), comm_(comm) {}
 
   absl::Status Launch() override {
     const ncclDataType_t type = layout_.dtype == DType::kBF16 ? ncclBfloat16 : ncclFloat32;
@@ -312,34 +359,8 @@ class NcclRunner : public Runner {
     }
   }
 
-  absl::StatusOr<HostTensor> Output() override {
-    HostTensor out;
-    out.dtype = layout_.dtype;
-    out.shape = c_.OutputShape(layout_);
-    out.bytes.resize(out_bytes_);
-    if (auto s = CudaStatus(cudaMemcpyAsync(&out.bytes[0], recv_, out_bytes_, cudaMemcpyDeviceToHost, stream_), "download");
-        !s.ok()) {
-      return s;
-    }
-    if (auto s = CudaStatus(cudaStreamSynchronize(stream_), "download"); !s.ok()) return s;
-    return out;
-  }
-
  private:
-  void Free() {
-    if (send_ != nullptr) cudaFree(send_);
-    if (recv_ != nullptr) cudaFree(recv_);
-    send_ = recv_ = nullptr;
-  }
-
-  const Collective& c_;
-  int device_;
   ncclComm_t comm_;
-  cudaStream_t stream_ = nullptr;
-  Layout layout_;
-  void* send_ = nullptr;
-  void* recv_ = nullptr;
-  int64_t out_bytes_ = 0;
 };
 
 // Our worker layer, over the mesh `fsdp=ranks` (the axis the weight gather
@@ -372,66 +393,18 @@ class OursRunner : public Runner {
 // Our layer's device path: the input uploaded once, each call gathers
 // device to device (what a CUDA worker's GEMM step does with an FSDP weight
 // shard already on its device), the output downloaded once for the check.
-class OursDeviceRunner : public Runner {
+class OursDeviceRunner : public DeviceBuffersRunner {
  public:
   OursDeviceRunner(const Collective& c, int device, std::unique_ptr<Collectives> coll)
-      : c_(c), device_(device), coll_(std::move(coll)) {}
-  ~OursDeviceRunner() override {
-    Free();
-    if (stream_ != nullptr) cudaStreamDestroy(stream_);
-  }
+      : DeviceBuffersRunner(c, device), coll_(std::move(coll)) {}
 
-  absl::Status Prepare(const Layout& l, HostTensor input) override {
-    if (auto s = CudaStatus(cudaSetDevice(device_), "cudaSetDevice"); !s.ok()) return s;
-    if (stream_ == nullptr) {
-      if (auto s = CudaStatus(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "stream"); !s.ok()) return s;
-    }
-    Free();
-    layout_ = l;
-    out_bytes_ = NumElements(c_.OutputShape(l)) * DTypeSize(l.dtype);
-    if (auto s = CudaStatus(cudaMalloc(&send_, std::max<int64_t>(input.NumBytes(), 1)), "cudaMalloc send"); !s.ok()) return s;
-    if (auto s = CudaStatus(cudaMalloc(&recv_, std::max<int64_t>(out_bytes_, 1)), "cudaMalloc recv"); !s.ok()) return s;
-    if (auto s = CudaStatus(cudaMemsetAsync(recv_, 0xff, out_bytes_, stream_), "cudaMemset"); !s.ok()) return s;  // NaN
-    if (auto s = CudaStatus(cudaMemcpyAsync(send_, input.bytes.data(), input.NumBytes(), cudaMemcpyHostToDevice, stream_),
-                      "upload");
-        !s.ok()) {
-      return s;
-    }
-    return CudaStatus(cudaStreamSynchronize(stream_), "upload");
-  }
   absl::Status Launch() override {
     return c_.RunOursDevice(coll_.get(), send_, recv_, layout_, {"fsdp"}, stream_);
   }
   absl::Status Sync() override { return absl::OkStatus(); }  // each call returns once done
-  absl::StatusOr<HostTensor> Output() override {
-    HostTensor out;
-    out.dtype = layout_.dtype;
-    out.shape = c_.OutputShape(layout_);
-    out.bytes.resize(out_bytes_);
-    if (out_bytes_ == 0) return out;
-    if (auto s = CudaStatus(cudaMemcpyAsync(&out.bytes[0], recv_, out_bytes_, cudaMemcpyDeviceToHost, stream_), "download");
-        !s.ok()) {
-      return s;
-    }
-    if (auto s = CudaStatus(cudaStreamSynchronize(stream_), "download"); !s.ok()) return s;
-    return out;
-  }
 
  private:
-  void Free() {
-    if (send_ != nullptr) cudaFree(send_);
-    if (recv_ != nullptr) cudaFree(recv_);
-    send_ = recv_ = nullptr;
-  }
-
-  const Collective& c_;
-  int device_;
   std::unique_ptr<Collectives> coll_;
-  cudaStream_t stream_ = nullptr;
-  Layout layout_;
-  void* send_ = nullptr;
-  void* recv_ = nullptr;
-  int64_t out_bytes_ = 0;
 };
 
 MeshPosition FsdpPosition(int rank, int ranks) {
@@ -638,8 +611,8 @@ int BenchMain(int argc, char** argv, const Collective& c) {
         break;
       case Backend::kOursNccl:
         if (auto s = CudaStatus(cudaSetDevice(rank), "cudaSetDevice"); !s.ok()) Die(c, rank, s);
-        runner = std::make_unique<OursRunner>(
-            c, MakeNcclCollectives(FsdpPosition(rank, cfg.ranks), rank, ids, cfg.timeout));
+        runner =
+            std::make_unique<OursRunner>(c, MakeNcclCollectives(FsdpPosition(rank, cfg.ranks), rank, ids, cfg.timeout));
         break;
       case Backend::kOursNcclDevice:
         if (auto s = CudaStatus(cudaSetDevice(rank), "cudaSetDevice"); !s.ok()) Die(c, rank, s);
