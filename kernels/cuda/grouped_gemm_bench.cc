@@ -72,6 +72,53 @@ std::vector<int64_t> Unbalanced(int64_t g, int64_t total, uint64_t seed) {
   return s;
 }
 
+// The layouts every preset is run in: rhs [G,N,K] or [G,K,N], equal or
+// skewed group sizes, group sizes on the host or only on the device.
+struct Variant {
+  std::string name;
+  bool transposed;
+  bool host;
+  std::vector<int64_t> sizes;
+};
+std::vector<Variant> Variants(const Preset& p) {
+  const std::vector<int64_t> equal(p.g, p.m);
+  return {{"[G,N,K]", true, true, equal},
+          {"[G,K,N]", false, true, equal},
+          {"unbalanced", true, true, Unbalanced(p.g, p.g * p.m, 77 + p.g)},
+          {"dev-sizes", true, false, equal}};
+}
+
+// One preset's operands in device memory (random BF16), freed on scope exit.
+struct PresetBuffers {
+  void *lhs = nullptr, *rhs = nullptr, *out = nullptr, *sizes_dev = nullptr;
+  PresetBuffers(const Preset& p, uint64_t lhs_seed, uint64_t rhs_seed, cudaStream_t s) {
+    const int64_t M = p.g * p.m;
+    CHECK_CUDA(cudaMalloc(&lhs, M * p.k * 2));
+    CHECK_CUDA(cudaMalloc(&rhs, p.g * p.k * p.n * 2));
+    CHECK_CUDA(cudaMalloc(&out, M * p.n * 2));
+    CHECK_CUDA(cudaMalloc(&sizes_dev, p.g * 8));
+    CHECK_CUDA(testing::FillRandom(lhs, CuDType::kBF16, M * p.k, lhs_seed, 1.f, s));
+    CHECK_CUDA(testing::FillRandom(rhs, CuDType::kBF16, p.g * p.k * p.n, rhs_seed, 1.f, s));
+  }
+  ~PresetBuffers() {
+    for (void* b : {lhs, rhs, out, sizes_dev}) cudaFree(b);
+  }
+  PresetBuffers(const PresetBuffers&) = delete;
+
+  // The variant's arguments; its group sizes are uploaded (and synchronized).
+  DeviceGroupedGemmArgs Args(const Preset& p, const Variant& v, cudaStream_t s) const {
+    CHECK_CUDA(cudaMemcpyAsync(sizes_dev, v.sizes.data(), p.g * 8, cudaMemcpyHostToDevice, s));
+    CHECK_CUDA(cudaStreamSynchronize(s));
+    DeviceGroupedGemmArgs a;
+    a.lhs = lhs, a.rhs = rhs, a.out = out;
+    a.m = p.g * p.m, a.k = p.k, a.n = p.n, a.num_groups = p.g;
+    a.rhs_transposed = v.transposed;
+    a.group_sizes_device = static_cast<const int64_t*>(sizes_dev);
+    a.group_sizes_host = v.host ? v.sizes.data() : nullptr;
+    return a;
+  }
+};
+
 const Strategy kStrategies[] = {Strategy::kLtLoop, Strategy::kLtLoopGraph, Strategy::kLtBatched,
                                 Strategy::kGroupedBatched, Strategy::kSm90};
 
@@ -147,62 +194,21 @@ int Main(int argc, char** argv) {
   // working clocks, as tools/gpu/warm_then_run.py does for the peer script:
   // an idle H200 sits at 345 MHz and ramps up over the first calls.
   for (const Preset& p : presets) {
-    const int64_t M = p.g * p.m;
-    void *lhs, *rhs, *out, *sizes_dev;
-    CHECK_CUDA(cudaMalloc(&lhs, M * p.k * 2));
-    CHECK_CUDA(cudaMalloc(&rhs, p.g * p.k * p.n * 2));
-    CHECK_CUDA(cudaMalloc(&out, M * p.n * 2));
-    CHECK_CUDA(cudaMalloc(&sizes_dev, p.g * 8));
-    CHECK_CUDA(testing::FillRandom(lhs, CuDType::kBF16, M * p.k, 999, 1.f, s));
-    CHECK_CUDA(testing::FillRandom(rhs, CuDType::kBF16, p.g * p.k * p.n, 998, 1.f, s));
-    const std::vector<int64_t> equal(p.g, p.m), unbalanced = Unbalanced(p.g, M, 77 + p.g);
-    for (int variant = 0; variant < 4; ++variant) {
-      const std::vector<int64_t>& sizes = variant == 2 ? unbalanced : equal;
-      CHECK_CUDA(cudaMemcpyAsync(sizes_dev, sizes.data(), p.g * 8, cudaMemcpyHostToDevice, s));
-      DeviceGroupedGemmArgs a;
-      a.lhs = lhs, a.rhs = rhs, a.out = out, a.m = M, a.k = p.k, a.n = p.n, a.num_groups = p.g;
-      a.rhs_transposed = variant != 1;
-      a.group_sizes_device = static_cast<const int64_t*>(sizes_dev);
-      a.group_sizes_host = variant == 3 ? nullptr : sizes.data();
+    PresetBuffers b(p, 999, 998, s);
+    for (const Variant& v : Variants(p)) {
+      DeviceGroupedGemmArgs a = b.Args(p, v, s);
       a.strategy = Strategy::kAuto;
       (void)runner.RaggedM(a, s);
       CHECK_CUDA(cudaStreamSynchronize(s));
     }
-    for (void* b : {lhs, rhs, out, sizes_dev}) CHECK_CUDA(cudaFree(b));
   }
   for (const Preset& p : presets) {
     const int64_t M = p.g * p.m;
-    void *lhs, *rhs, *out, *sizes_dev;
-    CHECK_CUDA(cudaMalloc(&lhs, M * p.k * 2));
-    CHECK_CUDA(cudaMalloc(&rhs, p.g * p.k * p.n * 2));
-    CHECK_CUDA(cudaMalloc(&out, M * p.n * 2));
-    CHECK_CUDA(cudaMalloc(&sizes_dev, p.g * 8));
-    CHECK_CUDA(testing::FillRandom(lhs, CuDType::kBF16, M * p.k, seed++, 1.f, s));
-    CHECK_CUDA(testing::FillRandom(rhs, CuDType::kBF16, p.g * p.k * p.n, seed++, 1.f, s));
-    struct Variant {
-      std::string name;
-      bool transposed;
-      bool host;
-      std::vector<int64_t> sizes;
-    };
-    std::vector<Variant> variants = {{"[G,N,K]", true, true, std::vector<int64_t>(p.g, p.m)},
-                                     {"[G,K,N]", false, true, std::vector<int64_t>(p.g, p.m)},
-                                     {"unbalanced", true, true, Unbalanced(p.g, M, 77 + p.g)},
-                                     {"dev-sizes", true, false, std::vector<int64_t>(p.g, p.m)}};
-    for (const Variant& v : variants) {
-      CHECK_CUDA(cudaMemcpyAsync(sizes_dev, v.sizes.data(), p.g * 8, cudaMemcpyHostToDevice, s));
-      CHECK_CUDA(cudaStreamSynchronize(s));
-      DeviceGroupedGemmArgs a;
-      a.lhs = lhs;
-      a.rhs = rhs;
-      a.out = out;
-      a.m = M;
-      a.k = p.k;
-      a.n = p.n;
-      a.num_groups = p.g;
-      a.rhs_transposed = v.transposed;
-      a.group_sizes_device = static_cast<const int64_t*>(sizes_dev);
-      a.group_sizes_host = v.host ? v.sizes.data() : nullptr;
+    const uint64_t lhs_seed = seed++, rhs_seed = seed++;
+    PresetBuffers b(p, lhs_seed, rhs_seed, s);
+    void* out = b.out;
+    for (const Variant& v : Variants(p)) {
+      DeviceGroupedGemmArgs a = b.Args(p, v, s);
       int64_t rows = 0;
       for (int64_t x : v.sizes) rows += x;
       const double flops = 2.0 * rows * p.k * p.n;
@@ -319,10 +325,6 @@ int Main(int argc, char** argv) {
         std::fflush(jf);
       }
     }
-    cudaFree(lhs);
-    cudaFree(rhs);
-    cudaFree(out);
-    cudaFree(sizes_dev);
   }
   if (jf) std::fclose(jf);
   std::printf("# %s\n", failures ? "SOME CHECKS FAILED" : "all checks passed");
