@@ -1,16 +1,17 @@
 #include "server/coordinator.h"
 
+#include <cstring>
 #include <map>
 #include <thread>
+#include <tuple>
 
 #include "absl/strings/str_cat.h"
-#include "absl/time/clock.h"
-#include "proto/tensor_codec.h"
-#include <cstring>
-
 #include "absl/strings/str_join.h"
-#include "server/request_plan.h"
+#include "absl/time/clock.h"
+#include "kernels/cpu/quantize.h"
+#include "proto/tensor_codec.h"
 #include "server/quantize_assembly.h"
+#include "server/request_plan.h"
 #include "server/row_routing.h"
 
 namespace shardgemm {
@@ -393,9 +394,9 @@ absl::StatusOr<GlobalGroups> CheckBlockQuantize(const v1::GroupedQuantizeRequest
   bq->mode = request.scaling() == v1::MXFP8 ? ScalingMode::kMxfp8
              : request.block_2d()           ? ScalingMode::kBlock128x128
                                             : ScalingMode::kBlock1x128;
-  bq->m = 1;
-  bq->k = 1;
-  for (size_t d = 0; d < x_shape.size(); ++d) (static_cast<int>(d) < flatten ? bq->m : bq->k) *= x_shape[d];
+  auto mk = FlattenToMatrix(x_shape, flatten);
+  if (!mk.ok()) return mk.status();
+  std::tie(bq->m, bq->k) = *mk;
   bq->rowwise = request.rowwise() || !request.colwise();
   bq->colwise = request.colwise();
   bq->data_dtype = request.out_dtype() == v1::F8E5M2 ? DType::kF8E5M2 : DType::kF8E4M3;
@@ -500,9 +501,9 @@ absl::StatusOr<v1::GroupedQuantizeResponse> Coordinator::GroupedQuantize(
   const planner::PlanOperand* x_op = FindOperand(*plan, "x");
   const int rank = static_cast<int>(x_op->global_shape.size());
   const int flatten = request.flatten_axis() > 0 ? request.flatten_axis() : std::max(1, rank - 1);
-  int64_t local_rows = 1;
-  for (int d = 0; d < flatten && d < rank; ++d) local_rows *= x_op->input_local_shape[d];
-  if (auto s = CheckGroupSizes(*sizes, *plan, local_rows, "x"); !s.ok()) return s;
+  auto local = FlattenToMatrix(x_op->input_local_shape, flatten);  // the planner checked flatten_axis
+  if (!local.ok()) return local.status();
+  if (auto s = CheckGroupSizes(*sizes, *plan, local->first, "x"); !s.ok()) return s;
   const bool block = request.scaling() == v1::MXFP8 || request.scaling() == v1::BLOCK_FP8;
   BlockQuantize bq;
   GlobalGroups groups;
