@@ -25,8 +25,6 @@ absl::Status CudaError(cudaError_t e, const char* what) {
 
 int DTypeCode(DType d) { return d == DType::kBF16 ? 0 : d == DType::kF16 ? 1 : 2; }
 
-constexpr int kTileRows = 128;  // quantize.cu's tile height, every mode
-
 bool Aligned(const void* p, uintptr_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; }
 
 absl::Status CheckGpuShape(int64_t m, int64_t k, int64_t num_groups) {
@@ -73,6 +71,28 @@ absl::StatusOr<int32_t*> FusedWorkspace(cudaStream_t stream, const GpuQuantizeOp
   return static_cast<int32_t*>(w);
 }
 
+// The quantize pass's tile height (quantize.cu: tiles of 16384 elements,
+// rows x 16384 / rows). Block scaling needs 128 rows (its blocks are 128
+// tall), and so does the fused pass (its batches count 128-row tiles).
+// Otherwise, unless the caller asks, from the H200 runs of quantize_bench
+// (docs/performance/quantize.md): MXFP8 takes 64 x 256 on every preset (up
+// to 4 points ahead on the large ones, twice as fast on 64-row groups);
+// current and delayed scaling keep 128 x 128 (2-5 points ahead on big groups)
+// unless 128-row tiles would be under 7/8 full, as with 64-row groups.
+int QuantizeTileRows(const GroupedQuantizeArgs& a, bool fused, const GpuQuantizeOptions& options) {
+  const bool short_ok = !fused && (a.mode == ScalingMode::kCurrent || a.mode == ScalingMode::kDelayed ||
+                                   a.mode == ScalingMode::kMxfp8);
+  if (!short_ok) return 128;
+  if (options.tile_rows != 0) return options.tile_rows;
+  if (a.mode == ScalingMode::kMxfp8) return 64;
+  int64_t used = 0, tile_rows_128 = 0;
+  for (int64_t g = 0; g < a.num_groups; ++g) {
+    used += a.group_sizes[g];
+    tile_rows_128 += (a.group_sizes[g] + 127) / 128 * 128;
+  }
+  return used * 8 < tile_rows_128 * 7 ? 64 : 128;
+}
+
 }  // namespace
 
 size_t FusedQuantizeWorkspaceBytes() { return sizeof(cuda_internal::QuantizeWorkspace); }
@@ -80,6 +100,9 @@ size_t FusedQuantizeWorkspaceBytes() { return sizeof(cuda_internal::QuantizeWork
 absl::Status GroupedQuantize(const GroupedQuantizeArgs& a, cudaStream_t stream, const GpuQuantizeOptions& options) {
   if (absl::Status s = ValidateGroupedQuantizeArgs(a); !s.ok()) return s;
   if (absl::Status s = CheckGpuShape(a.m, a.k, a.num_groups); !s.ok()) return s;
+  if (options.tile_rows != 0 && options.tile_rows != 64 && options.tile_rows != 128) {
+    return absl::InvalidArgumentError(absl::StrCat("tile_rows: ", options.tile_rows, " is not 0, 64 or 128"));
+  }
   if (!Aligned(a.x, 16)) return absl::InvalidArgumentError("x: not 16-byte aligned");
   if (a.rowwise && !Aligned(a.rowwise_data, 16)) return absl::InvalidArgumentError("rowwise_data: not 16-byte aligned");
   if (a.colwise && !Aligned(a.colwise_data, 16)) return absl::InvalidArgumentError("colwise_data: not 16-byte aligned");
@@ -102,8 +125,11 @@ absl::Status GroupedQuantize(const GroupedQuantizeArgs& a, cudaStream_t stream, 
   p->fuse_amax = false;
   p->m = a.m, p->k = a.k;
   p->num_groups = static_cast<int>(a.num_groups);
-  p->tile_rows = kTileRows;
-  p->col_tiles = static_cast<int>((a.k + 127) / 128);
+  const bool fused = a.mode == ScalingMode::kCurrent &&
+                     options.current_pass == GpuQuantizeOptions::CurrentPass::kFused;
+  p->tile_rows = QuantizeTileRows(a, fused, options);
+  const int64_t tile_cols = 16384 / p->tile_rows;
+  p->col_tiles = static_cast<int>((a.k + tile_cols - 1) / tile_cols);
   p->scale = a.scale;
   p->row_data = a.rowwise ? a.rowwise_data : nullptr;
   p->col_data = a.colwise ? a.colwise_data : nullptr;
@@ -136,8 +162,7 @@ absl::Status GroupedQuantize(const GroupedQuantizeArgs& a, cudaStream_t stream, 
   }
   if (e != cudaSuccess) return CudaError(e, "cudaMemsetAsync");
   p->num_items = static_cast<int>(tiles * p->col_tiles);
-  const bool fused = options.current_pass == GpuQuantizeOptions::CurrentPass::kFused;
-  if (a.mode == ScalingMode::kCurrent && tiles > 0 && fused) {
+  if (tiles > 0 && fused) {
     absl::StatusOr<int32_t*> ws = FusedWorkspace(stream, options);
     if (!ws.ok()) return ws.status();
     if (*ws != nullptr) {

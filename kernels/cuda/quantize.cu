@@ -5,9 +5,10 @@
 // conversion for every float by LaunchExhaustiveCvtCheck (and a software path
 // is kept behind QuantizeParams::software_cvt).
 //
-// One persistent launch covers all groups: blocks walk 128-row x 128-column
-// tiles (rows counted from each group's first row, so tiles are a multiple of
-// the MXFP8 and FP8-block heights), find a tile's group by binary search in
+// One persistent launch covers all groups: blocks walk tiles of 16384
+// elements, 128 x 128 or 64 x 256 (rows counted from each group's first row,
+// so tiles are a multiple of the MXFP8 and FP8-block heights; see Tile), find
+// a tile's group by binary search in
 // the per-group tile prefix sums (__grid_constant__ parameters), stream the
 // next tile into shared memory with cp.async while converting the current
 // one, and write outputs with 8- and 16-byte vector stores. Whole tiles of
@@ -30,7 +31,6 @@ namespace cuda_internal {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kTileCols = 128;
 constexpr int kModeCurrent = 0, kModeDelayed = 1, kModeMx = 2, kModeB1x128 = 3, kModeB128 = 4;
 
 template <int DT> struct InType;
@@ -99,7 +99,19 @@ __device__ __forceinline__ uint32_t ChunkAbsMax(const Chunk<DT>& c) {
   }
 }
 
-constexpr int kTileRows = 128;  // every mode: a multiple of the MXFP8 (32) and block (128) heights
+// A tile is 16384 elements: TR rows (from the group's first row) x 16384 / TR
+// columns, TR = 128 (every mode: a multiple of the MXFP8 and block heights) or
+// 64 (current, delayed, MXFP8: rows of 512 contiguous bytes, and whole tiles
+// for groups of 64 rows; quantize.cc picks, see QuantizeTileRows).
+template <int TR>
+struct Tile {
+  static_assert(TR == 64 || TR == 128, "tile heights: 64 or 128 rows");
+  static constexpr int kRows = TR;
+  static constexpr int kCols = 16384 / TR;
+  static constexpr int kChunksPerRow = kCols / 8;            // 8-element chunks
+  static constexpr int kChunkRowStep = kThreads / kChunksPerRow;  // rows between a thread's chunks
+  static constexpr int kChunksPerThread = TR * kChunksPerRow / kThreads;
+};
 
 // Blocks per SM the register budget is sized for: three blocks of 16-bit
 // input (kTileBuffers x 32 KiB tiles) fit an SM (80 registers); F32 tiles take
@@ -289,10 +301,11 @@ __global__ void __launch_bounds__(kThreads) AmaxKernel(const __grid_constant__ Q
 // Persistent blocks walk the work items. Each block streams its next tile into
 // shared memory with cp.async (two buffers) while it converts the current one,
 // so loads stay in flight through the conversion, and outputs are written with
-// streaming (evict-first) stores. Tile: 128 rows (from the group's first row)
-// x 128 columns of x, row-major in shared memory.
-//   rowwise: thread tid takes the 8-element chunks tid + i * 256 (row ch / 16,
-//            columns (ch % 16) * 8 .. + 8): 8-byte stores;
+// streaming (evict-first) stores. Tile: TR rows (from the group's first row)
+// x 16384 / TR columns of x, row-major in shared memory.
+//   rowwise: thread tid takes the 8-element chunks ch = tid + i * 256 (row
+//            ch / (kCols / 8), columns (ch % (kCols / 8)) * 8 .. + 8): 8-byte
+//            stores;
 //   colwise: where one scale covers the tile (tensor, 128x128) the rowwise
 //            bytes are transposed through shared memory (16-byte stores, a
 //            lane pair filling a 32-byte sector in whole tiles); MXFP8's
@@ -309,7 +322,7 @@ constexpr int kTileBuffers = 2;
 
 template <int DT>
 constexpr int TileBytes() {
-  return kTileRows * kTileCols * (DT == 2 ? 4 : 2);
+  return 16384 * (DT == 2 ? 4 : 2);
 }
 
 // 16 bytes global -> shared, L2 only; zero-filled when !valid (nothing is
@@ -385,27 +398,29 @@ struct TileGeom {
   int64_t off, mg, r0, c0;
   int nrows, ncols;
 };
+template <int TR>
 __device__ __forceinline__ TileGeom GeomOf(const QuantizeParams& p, const Item& it) {
+  using TS = Tile<TR>;
   TileGeom tg;
   tg.t = it.t, tg.ct = it.ct;
   tg.g = FindGroup(p, it.t);
   tg.off = p.row_off[tg.g];
   tg.mg = p.row_off[tg.g + 1] - tg.off;
-  tg.r0 = tg.off + static_cast<int64_t>(it.t - p.tile_off[tg.g]) * kTileRows;
-  tg.nrows = static_cast<int>(min(static_cast<int64_t>(kTileRows), tg.off + tg.mg - tg.r0));
-  tg.c0 = static_cast<int64_t>(it.ct) * kTileCols;
-  tg.ncols = static_cast<int>(min(static_cast<int64_t>(kTileCols), p.k - tg.c0));
+  tg.r0 = tg.off + static_cast<int64_t>(it.t - p.tile_off[tg.g]) * TS::kRows;
+  tg.nrows = static_cast<int>(min(static_cast<int64_t>(TS::kRows), tg.off + tg.mg - tg.r0));
+  tg.c0 = static_cast<int64_t>(it.ct) * TS::kCols;
+  tg.ncols = static_cast<int>(min(static_cast<int64_t>(TS::kCols), p.k - tg.c0));
   return tg;
 }
 
 // Issues the cp.async copies of a tile (rows past the group or columns past k
 // read as zeros).
-template <int DT>
+template <int DT, int TR>
 __device__ __forceinline__ void LoadTile(const QuantizeParams& p, const TileGeom& tg, unsigned char* buf) {
   using T = typename InType<DT>::T;
   constexpr int kEpv = 16 / static_cast<int>(sizeof(T));  // elements per 16 bytes
-  constexpr int kCpr = kTileCols / kEpv;                  // 16-byte chunks per row
-  constexpr int kN = kTileRows * kCpr / kThreads;
+  constexpr int kCpr = Tile<TR>::kCols / kEpv;            // 16-byte chunks per row
+  constexpr int kN = TR * kCpr / kThreads;
   constexpr int kRowStep = kThreads / kCpr;  // rows between a thread's chunks
   const T* x = static_cast<const T*>(p.x);
   const int rr0 = static_cast<int>(threadIdx.x) / kCpr, cc = static_cast<int>(threadIdx.x) % kCpr;
@@ -421,13 +436,15 @@ __device__ __forceinline__ void LoadTile(const QuantizeParams& p, const TileGeom
 }
 
 // max |x| bits over this thread's rowwise chunks of the tile.
-template <int DT>
+template <int DT, int TR>
 __device__ __forceinline__ uint32_t TileAbsMaxPart(const typename InType<DT>::T* tile) {
+  using TS = Tile<TR>;
   uint32_t am = 0;
 #pragma unroll
-  for (int i = 0; i < kTileRows * (kTileCols / 8) / kThreads; ++i) {
+  for (int i = 0; i < TS::kChunksPerThread; ++i) {
     const int ch = threadIdx.x + i * kThreads;
-    am = max(am, ChunkAbsMax<DT>(*reinterpret_cast<const Chunk<DT>*>(tile + (ch / 16) * kTileCols + (ch % 16) * 8)));
+    am = max(am, ChunkAbsMax<DT>(*reinterpret_cast<const Chunk<DT>*>(tile + (ch / TS::kChunksPerRow) * TS::kCols +
+                                                                      (ch % TS::kChunksPerRow) * 8)));
   }
   return am;
 }
@@ -475,12 +492,11 @@ __device__ __forceinline__ uint32_t Quant2s(float x0, float s0, bool n0, float x
 // the colwise scales are known:
 //   1. each thread takes a 32-row block of two columns, finds their amax and
 //      E8M0 codes, writes the codes and keeps 2^-e in col_recip (shared,
-//      [4 row blocks][128 columns]; a NaN marks a NaN code);
-//   2. thread tid converts the 8-element chunks tid + 256 i (row tid / 16 +
-//      16 i, columns (tid % 16) * 8 ..): rowwise with its 32-element block's
-//      scale (4 lanes), colwise with its 8 columns' scales, one 8-byte store
-//      each.
-template <int DT, int FMT>
+//      [TR / 32 row blocks][columns]; a NaN marks a NaN code);
+//   2. thread tid converts the 8-element chunks tid + 256 i (a row's chunks
+//      are consecutive): rowwise with its 32-element block's scale (4 lanes),
+//      colwise with its 8 columns' scales, one 8-byte store each.
+template <int DT, int FMT, int TR>
 __device__ __forceinline__ void QuantizeMxTileFull(const QuantizeParams& p, const TileGeom& tg,
                                                    const typename InType<DT>::T* tile, float* col_recip,
                                                    uint32_t* red) {
@@ -489,24 +505,27 @@ __device__ __forceinline__ void QuantizeMxTileFull(const QuantizeParams& p, cons
   const int tid = threadIdx.x;
   const int g = tg.g;
   const int64_t off = tg.off, r0 = tg.r0, c0 = tg.c0, K = p.k;
+  using TS = Tile<TR>;
+  constexpr int kWarpsPerRowBlock = TS::kCols / 64;  // a warp: 64 columns of one 32-row block
 
   bool col_nan = false;  // a NaN code among the tile's column blocks
   if (p.colwise) {
     const int w = tid / 32, lane = tid % 32;
-    const int rb = (w / 2) * 32, cp = (w % 2) * 32 + lane;  // rows rb .. rb + 31, columns 2cp, 2cp + 1
+    // rows rb .. rb + 31, columns 2cp, 2cp + 1
+    const int rb = (w / kWarpsPerRowBlock) * 32, cp = (w % kWarpsPerRowBlock) * 32 + lane;
     uint32_t m2 = 0;  // 16-bit |x| bits order like the values (NaN above Inf)
 #pragma unroll
     for (int j = 0; j < 32; ++j) {
-      m2 = __vmaxu2(m2, *reinterpret_cast<const uint32_t*>(tile + (rb + j) * kTileCols + 2 * cp) & 0x7fff7fffu);
+      m2 = __vmaxu2(m2, *reinterpret_cast<const uint32_t*>(tile + (rb + j) * TS::kCols + 2 * cp) & 0x7fff7fffu);
     }
     const uint32_t b0 = MxCodeOcp16<DT>(m2 & 0xffffu, fmt), b1 = MxCodeOcp16<DT>(m2 >> 16, fmt);
     uint8_t* cs = static_cast<uint8_t*>(p.col_scale) + p.col_scale_off[g] + ((r0 - off + rb) / 32) * RoundUp(K, 128) +
                   c0 + 2 * cp;
-    cs[0] = static_cast<uint8_t>(b0);
+    cs[0] = static_cast<uint8_t>(b0);  // (byte stores: the caller's scale buffer may sit at any address)
     cs[1] = static_cast<uint8_t>(b1);
     const bool n0 = b0 == kE8M0Nan, n1 = b1 == kE8M0Nan;
-    col_recip[(rb / 32) * kTileCols + 2 * cp] = n0 ? BitsToFloat(0x7fc00000u) : MxRecip(b0);
-    col_recip[(rb / 32) * kTileCols + 2 * cp + 1] = n1 ? BitsToFloat(0x7fc00000u) : MxRecip(b1);
+    *reinterpret_cast<float2*>(col_recip + (rb / 32) * TS::kCols + 2 * cp) =
+        make_float2(n0 ? BitsToFloat(0x7fc00000u) : MxRecip(b0), n1 ? BitsToFloat(0x7fc00000u) : MxRecip(b1));
     col_nan = n0 || n1;
     if (p.amax != nullptr) {  // the tile amax from the column maxima (QuantizeTile skipped its pass)
       const uint32_t wm = WarpMax(AbsBitsOf<DT>(static_cast<uint16_t>(max(m2 & 0xffffu, m2 >> 16))));
@@ -516,8 +535,8 @@ __device__ __forceinline__ void QuantizeMxTileFull(const QuantizeParams& p, cons
   col_nan = __syncthreads_or(col_nan);  // also: col_recip and red are complete
   if (p.colwise && p.amax != nullptr && tid == 0) FlushTileAmax(p, tg.g, red);
 
-  constexpr int NCH = kTileRows * (kTileCols / 8) / kThreads;
-  const int rr0 = tid / 16, cc = tid % 16;
+  constexpr int NCH = TS::kChunksPerThread, kStep = TS::kChunkRowStep;
+  const int rr0 = tid / TS::kChunksPerRow, cc = tid % TS::kChunksPerRow;
   const int64_t mx_ld = RoundUp(K / 32, 4);
   uint8_t* row_out = p.row_data + (r0 + rr0) * K + c0 + cc * 8;
   uint8_t* col_out = p.col_data + (r0 + rr0) * K + c0 + cc * 8;
@@ -526,8 +545,8 @@ __device__ __forceinline__ void QuantizeMxTileFull(const QuantizeParams& p, cons
                 : nullptr;
 #pragma unroll
   for (int i = 0; i < NCH; ++i) {
-    const int rr = rr0 + 16 * i;
-    const Chunk<DT> v = *reinterpret_cast<const Chunk<DT>*>(tile + rr * kTileCols + cc * 8);
+    const int rr = rr0 + kStep * i;
+    const Chunk<DT> v = *reinterpret_cast<const Chunk<DT>*>(tile + rr * TS::kCols + cc * 8);
     float f[8];
 #pragma unroll
     for (int j = 0; j < 8; ++j) f[j] = Elem<DT>(v, j);
@@ -539,13 +558,13 @@ __device__ __forceinline__ void QuantizeMxTileFull(const QuantizeParams& p, cons
       m = max(m, __shfl_xor_sync(0xffffffffu, m, 2));
       const uint32_t b = MxCodeOcp16<DT>(m, fmt);
       if ((cc & 3) == 0) *row_scale = static_cast<uint8_t>(b);
-      row_scale += 16 * mx_ld;
+      row_scale += kStep * mx_ld;
       const bool nan_block = b == kE8M0Nan;  // a block that holds no NaN needs no NaN rule
       __stcs(reinterpret_cast<uint2*>(row_out), Quant8<FMT>(f, nan_block ? 1.0f : MxRecip(b), false, nan_block, false));
     }
     if (p.colwise) {
-      const float4 slo = *reinterpret_cast<const float4*>(col_recip + (rr / 32) * kTileCols + cc * 8);
-      const float4 shi = *reinterpret_cast<const float4*>(col_recip + (rr / 32) * kTileCols + cc * 8 + 4);
+      const float4 slo = *reinterpret_cast<const float4*>(col_recip + (rr / 32) * TS::kCols + cc * 8);
+      const float4 shi = *reinterpret_cast<const float4*>(col_recip + (rr / 32) * TS::kCols + cc * 8 + 4);
       const float sc[8] = {slo.x, slo.y, slo.z, slo.w, shi.x, shi.y, shi.z, shi.w};
       uint32_t q[4];
 #pragma unroll
@@ -566,27 +585,30 @@ __device__ __forceinline__ void QuantizeMxTileFull(const QuantizeParams& p, cons
       }
       __stcs(reinterpret_cast<uint2*>(col_out), out);
     }
-    row_out += 16 * K;
-    col_out += 16 * K;
+    row_out += kStep * K;
+    col_out += kStep * K;
   }
 }
 
 // Converts one tile held in shared memory. tscale: the tensor (per-group) scale.
-// FULL: a whole 128 x 128 tile of 16-bit input with the hardware conversion
+// FULL: a whole tile of 16-bit input with the hardware conversion
 // (and, for MXFP8, the OCP recipe): nearly every tile, compiled without the
 // bounds checks, the software path and the recipe choice, and with MXFP8's
 // colwise blocks held by single threads.
-template <int DT, int MODE, int FMT, bool FULL>
+template <int DT, int MODE, int FMT, bool FULL, int TR>
 __device__ __forceinline__ void QuantizeTile(const QuantizeParams& p, const TileGeom& tg,
                                              typename InType<DT>::T* tile, float tscale,
                                              float tscale_amax, uint32_t* red, uint32_t* col_red) {
   using T = typename InType<DT>::T;
+  using TS = Tile<TR>;
+  static_assert(TR == 128 || (MODE != kModeB1x128 && MODE != kModeB128), "block scaling: 128-row tiles");
   constexpr bool kTensor = MODE == kModeCurrent || MODE == kModeDelayed;
-  constexpr int NCH = kTileRows * (kTileCols / 8) / kThreads;  // rowwise 8-element chunks per thread
+  constexpr int NCH = TS::kChunksPerThread;  // rowwise 8-element chunks per thread
+  constexpr int kCols = TS::kCols, kCpr = TS::kChunksPerRow, kStep = TS::kChunkRowStep;
   const Fp8Format fmt = static_cast<Fp8Format>(FMT);
   const int tid = threadIdx.x;
   const int g = tg.g, ct = tg.ct;
-  const int nrows = FULL ? kTileRows : tg.nrows, ncols = FULL ? kTileCols : tg.ncols;
+  const int nrows = FULL ? TR : tg.nrows, ncols = FULL ? kCols : tg.ncols;
   const int64_t off = tg.off, mg = tg.mg, r0 = tg.r0, c0 = tg.c0, K = p.k;
   const bool sw = FULL ? false : p.software_cvt;
   const float fmax = Fp8Max(fmt);
@@ -607,7 +629,7 @@ __device__ __forceinline__ void QuantizeTile(const QuantizeParams& p, const Tile
   bool tile_nan = MODE == kModeCurrent && (FloatBits(tscale_amax) & 0x7fffffffu) > 0x7f800000u;
   const bool amax_in_pass = FULL && (MODE == kModeDelayed || (MODE == kModeMx && p.colwise));
   if (!amax_in_pass && (MODE == kModeB128 || MODE == kModeDelayed || (MODE != kModeCurrent && p.amax != nullptr))) {
-    const uint32_t tam = BlockMax(TileAbsMaxPart<DT>(tile), red);
+    const uint32_t tam = BlockMax(TileAbsMaxPart<DT, TR>(tile), red);
     tile_nan = tam > 0x7f800000u;
     if (MODE != kModeCurrent && p.amax != nullptr && tid == 0 && tam != 0) {
       atomicMax(reinterpret_cast<unsigned int*>(p.amax) + g, tam);
@@ -629,7 +651,7 @@ __device__ __forceinline__ void QuantizeTile(const QuantizeParams& p, const Tile
   }
 
   if constexpr (FULL && MODE == kModeMx) {
-    QuantizeMxTileFull<DT, FMT>(p, tg, tile, reinterpret_cast<float*>(col_red), red);
+    QuantizeMxTileFull<DT, FMT, TR>(p, tg, tile, reinterpret_cast<float*>(col_red), red);
     return;
   }
 
@@ -641,9 +663,9 @@ __device__ __forceinline__ void QuantizeTile(const QuantizeParams& p, const Tile
 
   // ---- rowwise ----
   if (p.rowwise || (kReuse && p.colwise)) {
-    // Chunk i of this thread: row rr0 + 16 i, columns cc * 8 .. + 8. Outputs
+    // Chunk i of this thread: row rr0 + kStep i, columns cc * 8 .. + 8. Outputs
     // through running pointers (one 64-bit add per chunk, not a product).
-    const int rr0 = tid / 16, cc = tid % 16;
+    const int rr0 = tid / kCpr, cc = tid % kCpr;
     uint32_t run_amax = 0;  // FULL delayed: this thread's chunks' max |x| bits
     uint8_t* row_out = p.row_data + (r0 + rr0) * K + c0 + cc * 8;
     const int64_t mx_ld = RoundUp(K / 32, 4);
@@ -652,9 +674,9 @@ __device__ __forceinline__ void QuantizeTile(const QuantizeParams& p, const Tile
                                                      : nullptr;
 #pragma unroll
     for (int i = 0; i < NCH; ++i) {
-      const int rr = rr0 + 16 * i;
+      const int rr = rr0 + kStep * i;
       const bool valid = FULL || (rr < nrows && cc * 8 < ncols);
-      const Chunk<DT> v = *reinterpret_cast<const Chunk<DT>*>(tile + rr * kTileCols + cc * 8);
+      const Chunk<DT> v = *reinterpret_cast<const Chunk<DT>*>(tile + rr * kCols + cc * 8);
       float s = kTensor ? tscale : bscale;
       bool nan_block = false, row_nan = true, chunk_nan = tile_nan;
       if constexpr (FULL && MODE == kModeDelayed) {  // the tile amax, chunk by chunk
@@ -678,7 +700,7 @@ __device__ __forceinline__ void QuantizeTile(const QuantizeParams& p, const Tile
           b = MxCode(m, fmt, p.mx_recipe);
         }
         if (valid && (cc & 3) == 0) *mx_scale = static_cast<uint8_t>(b);
-        mx_scale += 16 * mx_ld;
+        mx_scale += kStep * mx_ld;
         nan_block = b == kE8M0Nan;
         s = nan_block ? 1.0f : MxRecip(b);
       }
@@ -704,7 +726,7 @@ __device__ __forceinline__ void QuantizeTile(const QuantizeParams& p, const Tile
       } else if constexpr (kReuse) {
         qv[i] = make_uint2(0, 0);
       }
-      row_out += 16 * K;
+      row_out += kStep * K;
     }
     if constexpr (FULL && MODE == kModeDelayed) {
       const uint32_t wm = WarpMax(run_amax);
@@ -718,7 +740,7 @@ __device__ __forceinline__ void QuantizeTile(const QuantizeParams& p, const Tile
 
   // ---- colwise, from the rowwise bytes ----
   if (kReuse && p.colwise) {
-    uint8_t* qt = reinterpret_cast<uint8_t*>(tile);  // [128][128] bytes over this tile's own buffer
+    uint8_t* qt = reinterpret_cast<uint8_t*>(tile);  // [TR][kCols] bytes over this tile's own buffer
     __syncthreads();  // every thread is done reading the input tile
     if constexpr (FULL && MODE == kModeDelayed) {
       if (tid == 0) FlushTileAmax(p, g, red);
@@ -727,23 +749,24 @@ __device__ __forceinline__ void QuantizeTile(const QuantizeParams& p, const Tile
     // swapped, so the lanes reading rows r and r + 16 below hit other banks.
 #pragma unroll
     for (int i = 0; i < NCH; ++i) {
-      const int ch = tid + i * kThreads, row = ch / 16;
+      const int ch = tid + i * kThreads, row = ch / kCpr;
       const int swz = FULL ? ((row >> 4) & 1) * 64 : 0;
-      *reinterpret_cast<uint2*>(qt + row * kTileCols + (((ch % 16) * 8) ^ swz)) = qv[i];
+      *reinterpret_cast<uint2*>(qt + row * kCols + (((ch % kCpr) * 8) ^ swz)) = qv[i];
     }
     __syncthreads();
     // A thread takes 4 columns x 16 rows. FULL: lanes 2k and 2k + 1 take the
     // two 16-row halves of the same columns, so each pair's 16-byte stores
-    // fill one 32-byte sector (warp: 32 rows x 64 columns). Else warp rs
-    // takes rows 16rs .. 16rs + 15 of all 128 columns.
+    // fill one 32-byte sector (warp: 32 rows x 64 columns). Else kCols / 4
+    // threads take rows 16 q .. 16 q + 15 of all columns.
     const int lane = tid % 32, wp = tid / 32;
-    const int cb = FULL ? 64 * (wp % 2) + 4 * (lane / 2) : lane * 4;
-    const int rb = FULL ? 32 * (wp / 2) + 16 * (lane % 2) : wp * 16;
+    constexpr int kWarpsPerBand = kCols / 64;  // FULL: warps per 32-row band
+    const int cb = FULL ? 64 * (wp % kWarpsPerBand) + 4 * (lane / 2) : (tid % (kCols / 4)) * 4;
+    const int rb = FULL ? 32 * (wp / kWarpsPerBand) + 16 * (lane % 2) : (tid / (kCols / 4)) * 16;
     const int rswz = FULL ? 64 * (lane % 2) : 0;  // rows rb .. rb + 15 share bit 4 = lane % 2
     if (cb < ncols && rb < nrows) {
       uint32_t w[16];  // row rb + j, columns cb .. cb + 3
 #pragma unroll
-      for (int j = 0; j < 16; ++j) w[j] = *reinterpret_cast<const uint32_t*>(qt + (rb + j) * kTileCols + (cb ^ rswz));
+      for (int j = 0; j < 16; ++j) w[j] = *reinterpret_cast<const uint32_t*>(qt + (rb + j) * kCols + (cb ^ rswz));
       // Transposed per group: (r, c) at off * K + c * mg + (r - off); 16 rows = one 16-byte store.
       const bool aligned = ((off * K) % 16 == 0) && (mg % 16 == 0) && rb + 16 <= nrows;
 #pragma unroll
@@ -771,13 +794,13 @@ __device__ __forceinline__ void QuantizeTile(const QuantizeParams& p, const Tile
   // ---- colwise ----
   if (!kReuse && p.colwise) {  // MXFP8 and 1x128: per-column scales, found below
     using Q = typename Quad<DT>::type;
-    const int cg = tid % 32, rs = tid / 32;
+    const int cg = tid % (kCols / 4), rs = tid / (kCols / 4);  // rs: a 16-row band
     const int cb = cg * 4, rb = rs * 16;  // first column / row of this thread's 16 x 4 block
     const bool cvalid = cb < ncols;       // k % 8 == 0: four columns are valid together
     // Transposed outputs need the 16 rows together; MXFP8 reads each row from
     // shared memory twice (amax, then convert) instead, which keeps it within
     // 128 registers.
-    auto row = [&](int j) -> Q { return *reinterpret_cast<const Q*>(tile + (rb + j) * kTileCols + cb); };
+    auto row = [&](int j) -> Q { return *reinterpret_cast<const Q*>(tile + (rb + j) * kCols + cb); };
     Q q[MODE == kModeMx ? 1 : 16];
     if constexpr (MODE != kModeMx) {
 #pragma unroll
@@ -801,12 +824,12 @@ __device__ __forceinline__ void QuantizeTile(const QuantizeParams& p, const Tile
         for (int i = 0; i < 4; ++i) cam[i] = max(cam[i], FloatBits(QuadElem<DT>(at(j), i)) & 0x7fffffffu);
       }
 #pragma unroll
-      for (int i = 0; i < 4; ++i) col_red[rs * kTileCols + cb + i] = cam[i];
+      for (int i = 0; i < 4; ++i) col_red[rs * kCols + cb + i] = cam[i];
       __syncthreads();
-      if constexpr (MODE == kModeMx) {  // 32-row blocks: warps rs and rs ^ 1
+      if constexpr (MODE == kModeMx) {  // 32-row blocks: bands rs and rs ^ 1
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-          const uint32_t m = max(cam[i], col_red[(rs ^ 1) * kTileCols + cb + i]);
+          const uint32_t m = max(cam[i], col_red[(rs ^ 1) * kCols + cb + i]);
           const uint32_t b = MxCode(m, fmt, p.mx_recipe);
           nanb[i] = b == kE8M0Nan;
           s[i] = nanb[i] ? 1.0f : MxRecip(b);
@@ -815,12 +838,12 @@ __device__ __forceinline__ void QuantizeTile(const QuantizeParams& p, const Tile
                                                cb + i] = static_cast<uint8_t>(b);
           }
         }
-      } else {  // one 128-row block: all eight warps
+      } else {  // one 128-row block: all eight bands
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           uint32_t m = 0;
 #pragma unroll
-          for (int w = 0; w < kThreads / 32; ++w) m = max(m, col_red[w * kTileCols + cb + i]);
+          for (int w = 0; w < TR / 16; ++w) m = max(m, col_red[w * kCols + cb + i]);
           s[i] = ScaleFromAmax(BitsToFloat(m), fmax, p.pow2);
           col_nan[i] = m > 0x7f800000u;
           if (rs == 0 && cvalid) {
@@ -869,31 +892,31 @@ __device__ __forceinline__ void QuantizeTile(const QuantizeParams& p, const Tile
 
 // The whole-tile path where it applies, else the general one. ALLOW_FULL is
 // off in the fused kernel, whose claim and wait state would spill with it.
-template <int DT, int MODE, int FMT, bool ALLOW_FULL = true>
+template <int DT, int MODE, int FMT, int TR, bool ALLOW_FULL = true>
 __device__ __forceinline__ void QuantizeAnyTile(const QuantizeParams& p, const TileGeom& tg,
                                                 typename InType<DT>::T* tile, float tscale, float tscale_amax,
                                                 uint32_t* red, uint32_t* col_red) {
   // (f16's 1x128 tile, whose software f16 decode is longer, would spill.)
   if constexpr (ALLOW_FULL && (DT == 0 || (DT == 1 && MODE != kModeB1x128))) {
-    if (tg.nrows == kTileRows && tg.ncols == kTileCols && !p.software_cvt &&
+    if (tg.nrows == TR && tg.ncols == Tile<TR>::kCols && !p.software_cvt &&
         (MODE != kModeMx || p.mx_recipe == static_cast<int>(MxScaleRecipe::kOcp))) {
-      QuantizeTile<DT, MODE, FMT, true>(p, tg, tile, tscale, tscale_amax, red, col_red);
+      QuantizeTile<DT, MODE, FMT, true, TR>(p, tg, tile, tscale, tscale_amax, red, col_red);
       return;
     }
   }
-  QuantizeTile<DT, MODE, FMT, false>(p, tg, tile, tscale, tscale_amax, red, col_red);
+  QuantizeTile<DT, MODE, FMT, false, TR>(p, tg, tile, tscale, tscale_amax, red, col_red);
 }
 
 // FUSED (current scaling only): the amax tiles, the claim counter and the
 // waits are compiled in only where they run, which keeps the plain kernels'
 // registers free of them.
-template <int DT, int MODE, int FMT, bool FUSED>
+template <int DT, int MODE, int FMT, bool FUSED, int TR>
 __global__ void __launch_bounds__(kThreads, MinBlocks(DT, MODE)) QuantizeKernel(const __grid_constant__ QuantizeParams p) {
   using T = typename InType<DT>::T;
   constexpr bool kTensor = MODE == kModeCurrent || MODE == kModeDelayed;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   __shared__ uint32_t red[kThreads / 32];
-  __shared__ uint32_t col_red[(kThreads / 32) * kTileCols];
+  __shared__ uint32_t col_red[16384 / 16];  // a word per column per 16-row band
   __shared__ int s_claim;
   __shared__ int s_last;
   const int tid = threadIdx.x;
@@ -921,8 +944,8 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(DT, MODE)) QuantizeKernel(
     int i = static_cast<int>(blockIdx.x);
     TileGeom tg{};
     if (i < p.num_items) {
-      tg = GeomOf(p, DecodeItem(p, i));
-      LoadTile<DT>(p, tg, smem_raw);
+      tg = GeomOf<TR>(p, DecodeItem(p, i));
+      LoadTile<DT, TR>(p, tg, smem_raw);
     }
     CpAsyncCommit();
     int buf = 0;
@@ -930,8 +953,8 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(DT, MODE)) QuantizeKernel(
     for (; i < p.num_items; i += stride) {
       TileGeom next{};
       if (i + stride < p.num_items) {
-        next = GeomOf(p, DecodeItem(p, i + stride));
-        LoadTile<DT>(p, next, smem_raw + (buf ^ 1) * TileBytes<DT>());
+        next = GeomOf<TR>(p, DecodeItem(p, i + stride));
+        LoadTile<DT, TR>(p, next, smem_raw + (buf ^ 1) * TileBytes<DT>());
       }
       CpAsyncCommit();
       // The tile's scale is read before the wait, so its latency hides there.
@@ -941,7 +964,7 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(DT, MODE)) QuantizeKernel(
       CpAsyncWait<1>();  // this tile's group is in
       __syncthreads();
       if constexpr (MODE == kModeCurrent) tscale = ScaleFromAmax(gamax, Fp8Max(static_cast<Fp8Format>(FMT)), p.pow2);
-      QuantizeAnyTile<DT, MODE, FMT>(p, tg, reinterpret_cast<T*>(smem_raw + buf * TileBytes<DT>()), tscale, gamax, red,
+      QuantizeAnyTile<DT, MODE, FMT, TR>(p, tg, reinterpret_cast<T*>(smem_raw + buf * TileBytes<DT>()), tscale, gamax, red,
                                      col_red);
       __syncthreads();  // this buffer is free again
       tg = next;
@@ -966,13 +989,13 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(DT, MODE)) QuantizeKernel(
   int buf = 0;
   if (cur < p.num_items) {
     it_cur = DecodeItem(p, cur);
-    LoadTile<DT>(p, GeomOf(p, it_cur), smem_raw);
+    LoadTile<DT, TR>(p, GeomOf<TR>(p, it_cur), smem_raw);
   }
   CpAsyncCommit();
   while (cur < p.num_items) {
     if (nxt < p.num_items) {
       it_nxt = DecodeItem(p, nxt);
-      LoadTile<DT>(p, GeomOf(p, it_nxt), smem_raw + (buf ^ 1) * TileBytes<DT>());
+      LoadTile<DT, TR>(p, GeomOf<TR>(p, it_nxt), smem_raw + (buf ^ 1) * TileBytes<DT>());
     }
     CpAsyncCommit();
     int claimed = 0;
@@ -980,9 +1003,9 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(DT, MODE)) QuantizeKernel(
     CpAsyncWait<1>();  // every group but the newest: the current tile is in
     __syncthreads();
     T* tile = reinterpret_cast<T*>(smem_raw + buf * TileBytes<DT>());
-    const TileGeom tg = GeomOf(p, it_cur);
+    const TileGeom tg = GeomOf<TR>(p, it_cur);
     if (fused && it_cur.amax) {
-      const uint32_t tam = BlockMax(TileAbsMaxPart<DT>(tile), red);
+      const uint32_t tam = BlockMax(TileAbsMaxPart<DT, TR>(tile), red);
       if (tid == 0) {
         if (tam != 0) atomicMax(reinterpret_cast<unsigned int*>(p.amax) + tg.g, tam);
         __threadfence();
@@ -1001,7 +1024,7 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(DT, MODE)) QuantizeKernel(
         gamax = __ldcg(p.amax + tg.g);
         tscale = ScaleFromAmax(gamax, Fp8Max(static_cast<Fp8Format>(FMT)), p.pow2);
       }
-      QuantizeAnyTile<DT, MODE, FMT, !FUSED>(p, tg, tile, tscale, gamax, red, col_red);
+      QuantizeAnyTile<DT, MODE, FMT, TR, !FUSED>(p, tg, tile, tscale, gamax, red, col_red);
     }
     if (fused && tid == 0) s_claim = claimed;
     __syncthreads();  // this buffer is free again; s_claim is visible
@@ -1028,9 +1051,16 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(DT, MODE)) QuantizeKernel(
 
 template <int DT, int MODE, int FMT>
 cudaError_t LaunchQuantizeT(const QuantizeParams& p, cudaStream_t stream) {
-  auto kernel = QuantizeKernel<DT, MODE, FMT, false>;
+  // quantize.cc picks the tile height (QuantizeTileRows): 64 rows for the
+  // modes whose blocks are at most 32 rows tall, outside the fused pass.
+  constexpr bool kShort = MODE == kModeCurrent || MODE == kModeDelayed || MODE == kModeMx;
+  if (p.tile_rows != 128 && !(kShort && p.tile_rows == 64 && !p.fuse_amax)) return cudaErrorInvalidValue;
+  auto kernel = QuantizeKernel<DT, MODE, FMT, false, 128>;
+  if constexpr (kShort) {
+    if (p.tile_rows == 64) kernel = QuantizeKernel<DT, MODE, FMT, false, 64>;
+  }
   if constexpr (MODE == kModeCurrent) {
-    if (p.fuse_amax) kernel = QuantizeKernel<DT, MODE, FMT, true>;
+    if (p.fuse_amax) kernel = QuantizeKernel<DT, MODE, FMT, true, 128>;
   }
   const int smem = kTileBuffers * TileBytes<DT>();
   cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);

@@ -40,6 +40,11 @@ struct GpuQuantizeOptions {
   enum class CurrentPass { kAuto, kTwoPass, kFused };
   CurrentPass current_pass = CurrentPass::kAuto;
   void* fused_workspace = nullptr;
+  // Rows per tile of the quantize pass for current, delayed and MXFP8 scaling
+  // outside the fused pass: 64 (64 x 256 tiles), 128 (128 x 128), or 0 (the
+  // default: what measured faster, see QuantizeTileRows in quantize.cc).
+  // Block scaling and the fused pass always take 128.
+  int tile_rows = 0;
 };
 
 // One persistent launch for every mode (current scaling: a streaming amax

@@ -158,7 +158,9 @@ int Main(int argc, char** argv) {
       ScalingMode mode;
       bool row, col;
       cuda::GpuQuantizeOptions::CurrentPass pass = cuda::GpuQuantizeOptions::CurrentPass::kAuto;
+      int tile_rows = 0;  // GpuQuantizeOptions::tile_rows
     };
+    using Pass = cuda::GpuQuantizeOptions::CurrentPass;
     const Op ops[] = {
         {"current row+col", ScalingMode::kCurrent, true, true},
         {"mxfp8 row+col", ScalingMode::kMxfp8, true, true},
@@ -166,8 +168,11 @@ int Main(int argc, char** argv) {
         {"delayed row+col", ScalingMode::kDelayed, true, true},
         {"mxfp8 row", ScalingMode::kMxfp8, true, false},
         {"block1x128 row+col", ScalingMode::kBlock1x128, true, true},
-        {"current row+col fused", ScalingMode::kCurrent, true, true, cuda::GpuQuantizeOptions::CurrentPass::kFused},
-        {"current row+col 2-pass", ScalingMode::kCurrent, true, true, cuda::GpuQuantizeOptions::CurrentPass::kTwoPass},
+        {"current row+col fused", ScalingMode::kCurrent, true, true, Pass::kFused},
+        // The tile shape the default does not pick for these presets (QuantizeTileRows).
+        {"current row+col 64x256", ScalingMode::kCurrent, true, true, Pass::kTwoPass, 64},
+        {"delayed row+col 64x256", ScalingMode::kDelayed, true, true, Pass::kAuto, 64},
+        {"mxfp8 row+col 128x128", ScalingMode::kMxfp8, true, true, Pass::kAuto, 128},
     };
     for (const Op& op : ops) {
       GroupedQuantizeArgs a;
@@ -191,6 +196,7 @@ int Main(int argc, char** argv) {
           [&] {
             cuda::GpuQuantizeOptions opt;
             opt.current_pass = op.pass;
+            opt.tile_rows = op.tile_rows;
             opt.fused_workspace = workspace;  // graph capture: the library keeps none of its own
             absl::Status r = cuda::GroupedQuantize(a, s, opt);
             if (!r.ok()) st = r;

@@ -113,13 +113,15 @@ struct Case {
   cuda::GpuQuantizeOptions::CurrentPass current_pass = cuda::GpuQuantizeOptions::CurrentPass::kAuto;
   MxScaleRecipe recipe = MxScaleRecipe::kOcp;
   bool amax_out = true;  // ask for amax (optional for MXFP8 and block scaling)
+  int tile_rows = 0;     // GpuQuantizeOptions::tile_rows (0: the default)
 };
 
 std::string Name(const Case& c) {
   std::string s = std::string(ScalingModeName(c.mode)) + "/" + Fp8FormatName(c.fmt) + "/" +
                   std::string(DTypeName(c.dt)) + (c.rowwise ? "/row" : "") + (c.colwise ? "/col" : "") +
                   "/k=" + std::to_string(c.k) + (c.software_cvt ? "/swcvt" : "/hwcvt") +
-                  (c.amax_out ? "" : "/no-amax") + (c.recipe == MxScaleRecipe::kOcp ? "" : "/nv-recipe") + " groups=";
+                  (c.amax_out ? "" : "/no-amax") + (c.recipe == MxScaleRecipe::kOcp ? "" : "/nv-recipe") +
+                  (c.tile_rows ? "/tile_rows=" + std::to_string(c.tile_rows) : "") + " groups=";
   for (int64_t g : c.groups) s += std::to_string(g) + ",";
   return s;
 }
@@ -168,6 +170,7 @@ void RunCase(const Case& c, uint32_t seed) {
   cuda::GpuQuantizeOptions opt;
   opt.software_cvt = c.software_cvt;
   opt.current_pass = c.current_pass;
+  opt.tile_rows = c.tile_rows;
   // The null stream: the fused pass runs only with a workspace of ours.
   DevBuf workspace(cuda::FusedQuantizeWorkspaceBytes());
   workspace.Fill(0);
@@ -300,6 +303,18 @@ TEST(QuantizeGpuTest, LargeUnevenGroups) {
       if (HasFatalFailure()) return;
     }
   }
+  // Both tile shapes of the modes that have two (64 x 256 and 128 x 128), with
+  // k = 1024 (whole column tiles of both) and 384 (a half 256-column tile).
+  for (int tile_rows : {64, 128}) {
+    for (ScalingMode mode : {ScalingMode::kCurrent, ScalingMode::kDelayed, ScalingMode::kMxfp8}) {
+      for (int64_t k : {int64_t{1024}, int64_t{384}}) {
+        Case c{mode, Fp8Format::kE4M3, DType::kBF16, true, true, k, groups, 64, true, false};
+        c.tile_rows = tile_rows;
+        RunCase(c, seed++);
+        if (HasFatalFailure()) return;
+      }
+    }
+  }
   // MXFP8's other recipe (whole tiles take the general path for it), E5M2 too.
   for (Fp8Format fmt : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
     Case c{ScalingMode::kMxfp8, fmt, DType::kBF16, true, true, 1024, groups, 64, true, false};
@@ -342,6 +357,12 @@ TEST(QuantizeGpuTest, RejectsWhatTheKernelsCannotDo) {
   absl::Status st = cuda::GroupedQuantize(a, nullptr);
   EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(std::string(st.message()).find("k:"), std::string::npos) << st;
+  a.k = 16;
+  cuda::GpuQuantizeOptions opt;
+  opt.tile_rows = 96;
+  st = cuda::GroupedQuantize(a, nullptr, opt);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(st.message()).find("tile_rows:"), std::string::npos) << st;
 }
 
 // ---- FP8 grouped GEMM ---------------------------------------------------------
