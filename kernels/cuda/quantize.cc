@@ -42,15 +42,17 @@ absl::Status CheckGpuShape(int64_t m, int64_t k, int64_t num_groups) {
 // stay in L2 (50 MB on the H100/H200) between the two reads.
 constexpr int64_t kFusedBatchBytes = int64_t{8} << 20;
 
-// The fused pass's workspace: the caller's (options.fused_workspace), or one
-// of ours per stream, keyed by the stream's process-unique id: launches on one
-// stream run in order, and each launch leaves the workspace zeroed. Ours only
-// for streams the caller created, outside capture: the default streams can be
-// shared between threads, and a captured graph may be replayed on another
-// stream, where two launches would share one workspace. Otherwise nullptr (the
-// two-pass path). Allocated on first use, kept for the life of the process.
-absl::StatusOr<int32_t*> FusedWorkspace(cudaStream_t stream, const GpuQuantizeOptions& options) {
-  if (options.fused_workspace != nullptr) return static_cast<int32_t*>(options.fused_workspace);
+// The launch's workspace (QuantizeWorkspace): the caller's
+// (options.workspace), or one of ours per stream, keyed by the stream's
+// process-unique id: launches on one stream run in order, and each launch
+// leaves the workspace zeroed. Ours only for streams the caller created,
+// outside capture: the default streams can be shared between threads, and a
+// captured graph may be replayed on another stream, where two launches would
+// share one workspace. Otherwise nullptr (a memset of amax before the launch,
+// and the two-pass path). Allocated on first use, kept for the life of the
+// process.
+absl::StatusOr<int32_t*> LaunchWorkspace(cudaStream_t stream, const GpuQuantizeOptions& options) {
+  if (options.workspace != nullptr) return static_cast<int32_t*>(options.workspace);
   if (stream == nullptr || stream == cudaStreamLegacy || stream == cudaStreamPerThread) return nullptr;
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   cudaError_t e = cudaStreamIsCapturing(stream, &capture);
@@ -64,7 +66,7 @@ absl::StatusOr<int32_t*> FusedWorkspace(cudaStream_t stream, const GpuQuantizeOp
   auto it = cache->find(id);
   if (it != cache->end()) return it->second;
   void* w = nullptr;
-  const size_t bytes = FusedQuantizeWorkspaceBytes();
+  const size_t bytes = QuantizeWorkspaceBytes();
   if ((e = cudaMalloc(&w, bytes)) != cudaSuccess) return CudaError(e, "cudaMalloc (quantize workspace)");
   if ((e = cudaMemset(w, 0, bytes)) != cudaSuccess) return CudaError(e, "cudaMemset (quantize workspace)");
   (*cache)[id] = static_cast<int32_t*>(w);
@@ -95,7 +97,7 @@ int QuantizeTileRows(const GroupedQuantizeArgs& a, bool fused, const GpuQuantize
 
 }  // namespace
 
-size_t FusedQuantizeWorkspaceBytes() { return sizeof(cuda_internal::QuantizeWorkspace); }
+size_t QuantizeWorkspaceBytes() { return sizeof(cuda_internal::QuantizeWorkspace); }
 
 absl::Status GroupedQuantize(const GroupedQuantizeArgs& a, cudaStream_t stream, const GpuQuantizeOptions& options) {
   if (absl::Status s = ValidateGroupedQuantizeArgs(a); !s.ok()) return s;
@@ -135,7 +137,20 @@ absl::Status GroupedQuantize(const GroupedQuantizeArgs& a, cudaStream_t stream, 
   p->col_data = a.colwise ? a.colwise_data : nullptr;
   p->row_scale = a.rowwise ? a.rowwise_scale_inv : nullptr;
   p->col_scale = a.colwise ? a.colwise_scale_inv : nullptr;
-  p->amax = a.amax;
+  absl::StatusOr<int32_t*> ws = LaunchWorkspace(stream, options);
+  if (!ws.ok()) return ws.status();
+  // With a workspace, tiles reduce amax into it and the last block writes
+  // a.amax: no memset of a.amax first (one graph node or launch fewer).
+  const bool amax_in_workspace = *ws != nullptr && a.amax != nullptr && a.num_groups > 0;
+  if (amax_in_workspace) {
+    p->workspace = *ws;
+    p->amax = reinterpret_cast<float*>(reinterpret_cast<cuda_internal::QuantizeWorkspace*>(*ws)->amax);
+    p->amax_out = a.amax;
+  } else {
+    p->amax = a.amax;
+  }
+  // MXFP8's scale padding is written by the kernel (no memsets either).
+  p->pad_mx_scales = a.mode == ScalingMode::kMxfp8;
   int64_t tiles = 0;
   for (int64_t g = 0; g <= a.num_groups; ++g) {
     p->row_off[g] = static_cast<int32_t>(l.row_offset[g]);
@@ -150,21 +165,22 @@ absl::Status GroupedQuantize(const GroupedQuantizeArgs& a, cudaStream_t stream, 
   const int64_t used = l.row_offset[a.num_groups];
   const size_t tail = static_cast<size_t>((a.m - used) * a.k);
   cudaError_t e = cudaSuccess;
-  if (a.amax != nullptr && a.num_groups > 0) e = cudaMemsetAsync(a.amax, 0, sizeof(float) * a.num_groups, stream);
-  const bool tensor = a.mode == ScalingMode::kCurrent || a.mode == ScalingMode::kDelayed;
+  if (a.amax != nullptr && a.num_groups > 0 && !amax_in_workspace) {
+    e = cudaMemsetAsync(a.amax, 0, sizeof(float) * a.num_groups, stream);
+  }
+  // Scales the tiles do not write: block scaling's padding.
+  const bool scales_need_zeroing = a.mode == ScalingMode::kBlock1x128 || a.mode == ScalingMode::kBlock128x128;
   if (e == cudaSuccess && a.rowwise && tail) e = cudaMemsetAsync(a.rowwise_data + used * a.k, 0, tail, stream);
   if (e == cudaSuccess && a.colwise && tail) e = cudaMemsetAsync(a.colwise_data + used * a.k, 0, tail, stream);
-  if (e == cudaSuccess && !tensor && a.rowwise && l.rowwise_scale_elems) {
+  if (e == cudaSuccess && scales_need_zeroing && a.rowwise && l.rowwise_scale_elems) {
     e = cudaMemsetAsync(a.rowwise_scale_inv, 0, static_cast<size_t>(l.rowwise_scale_elems * l.scale_bytes), stream);
   }
-  if (e == cudaSuccess && !tensor && a.colwise && l.colwise_scale_elems) {
+  if (e == cudaSuccess && scales_need_zeroing && a.colwise && l.colwise_scale_elems) {
     e = cudaMemsetAsync(a.colwise_scale_inv, 0, static_cast<size_t>(l.colwise_scale_elems * l.scale_bytes), stream);
   }
   if (e != cudaSuccess) return CudaError(e, "cudaMemsetAsync");
   p->num_items = static_cast<int>(tiles * p->col_tiles);
   if (tiles > 0 && fused) {
-    absl::StatusOr<int32_t*> ws = FusedWorkspace(stream, options);
-    if (!ws.ok()) return ws.status();
     if (*ws != nullptr) {
       // Batches of whole groups of about kFusedBatchBytes of x (none empty).
       const int64_t row_bytes = a.k * DTypeSize(a.x_dtype);
@@ -211,7 +227,12 @@ absl::Status GroupedQuantize(const GroupedQuantizeArgs& a, cudaStream_t stream, 
     if (e != cudaSuccess) return CudaError(e, "grouped amax kernel");
   }
   e = cuda_internal::LaunchGroupedQuantize(*p, stream);
-  if (e != cudaSuccess) return CudaError(e, "grouped quantize kernel");
+  if (e != cudaSuccess) {
+    // The amax pass may have reduced into the workspace: leave it zeroed for
+    // the next launch (best effort; the launch error is what the caller gets).
+    if (p->workspace != nullptr) (void)cudaMemsetAsync(p->workspace, 0, QuantizeWorkspaceBytes(), stream);
+    return CudaError(e, "grouped quantize kernel");
+  }
   return absl::OkStatus();
 }
 

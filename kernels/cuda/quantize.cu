@@ -907,6 +907,58 @@ __device__ __forceinline__ void QuantizeAnyTile(const QuantizeParams& p, const T
   QuantizeTile<DT, MODE, FMT, false, TR>(p, tg, tile, tscale, tscale_amax, red, col_red);
 }
 
+// MXFP8 with p.pad_mx_scales: the zeros of the scale tensors' padding (the
+// layout of kernels/cpu/quantize.h), which no tile writes. Block b takes
+// groups b, b + gridDim.x, ...; empty groups have no scale rows.
+//   rowwise [RoundUp(m_g, 128)][RoundUp(k / 32, 4)]: rows m_g.., and the
+//           columns past k / 32 of every row;
+//   colwise [RoundUp(ceil(m_g / 32), 4)][RoundUp(k, 128)]: rows past
+//           ceil(m_g / 32), and the columns past k of every row.
+__device__ void ZeroMxScalePadding(const QuantizeParams& p) {
+  const int64_t K = p.k;
+  for (int g = blockIdx.x; g < p.num_groups; g += gridDim.x) {
+    const int64_t mg = p.row_off[g + 1] - p.row_off[g];
+    if (mg == 0) continue;
+    for (int dir = 0; dir < 2; ++dir) {
+      if (dir == 0 ? !p.rowwise : !p.colwise) continue;
+      uint8_t* base = static_cast<uint8_t*>(dir == 0 ? p.row_scale : p.col_scale) +
+                      (dir == 0 ? p.row_scale_off[g] : p.col_scale_off[g]);
+      const int64_t rows = dir == 0 ? mg : (mg + 31) / 32;              // rows written by tiles
+      const int64_t all_rows = dir == 0 ? RoundUp(mg, 128) : RoundUp(rows, 4);
+      const int64_t cols = dir == 0 ? K / 32 : K;                      // columns written by tiles
+      const int64_t ld = dir == 0 ? RoundUp(K / 32, 4) : RoundUp(K, 128);
+      for (int64_t i = rows * ld + threadIdx.x; i < all_rows * ld; i += kThreads) base[i] = 0;
+      const int64_t pad = ld - cols;
+      for (int64_t i = threadIdx.x; pad > 0 && i < rows * pad; i += kThreads) base[(i / pad) * ld + cols + i % pad] = 0;
+    }
+  }
+}
+
+// With a workspace: the last block out publishes the per-group amax the
+// tiles reduced into the workspace, and zeroes every field the launch used,
+// for the next launch on the stream.
+__device__ void FinishWithWorkspace(const QuantizeParams& p, int* s_last) {
+  QuantizeWorkspace* ws = reinterpret_cast<QuantizeWorkspace*>(p.workspace);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    *s_last = atomicAdd(&ws->blocks_done, 1) == static_cast<int>(gridDim.x) - 1;
+  }
+  __syncthreads();
+  if (!*s_last) return;
+  __threadfence();
+  if (p.amax_out != nullptr) {
+    for (int g = threadIdx.x; g < p.num_groups; g += kThreads) {
+      p.amax_out[g] = BitsToFloat(__ldcg(ws->amax + g));
+      ws->amax[g] = 0;
+    }
+  }
+  if (p.fuse_amax) {
+    for (int b = threadIdx.x; b < p.num_batches; b += kThreads) ws->amax_tiles_done[b] = 0;
+  }
+  if (threadIdx.x == 0) ws->next_item = 0, ws->blocks_done = 0;
+}
+
 // FUSED (current scaling only): the amax tiles, the claim counter and the
 // waits are compiled in only where they run, which keeps the plain kernels'
 // registers free of them.
@@ -948,6 +1000,9 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(DT, MODE)) QuantizeKernel(
       LoadTile<DT, TR>(p, tg, smem_raw);
     }
     CpAsyncCommit();
+    if constexpr (MODE == kModeMx) {
+      if (p.pad_mx_scales) ZeroMxScalePadding(p);  // while the first tile streams in
+    }
     int buf = 0;
 #pragma unroll 1
     for (; i < p.num_items; i += stride) {
@@ -971,6 +1026,7 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(DT, MODE)) QuantizeKernel(
       buf ^= 1;
     }
     CpAsyncWait<0>();
+    if (p.workspace != nullptr) FinishWithWorkspace(p, &s_last);
     return;
   }
 
@@ -1033,20 +1089,7 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(DT, MODE)) QuantizeKernel(
     buf ^= 1;
   }
   CpAsyncWait<0>();
-  if (fused) {
-    // The last block out zeroes the workspace for the next launch on this stream.
-    __syncthreads();
-    if (tid == 0) {
-      __threadfence();
-      s_last = atomicAdd(&ws->blocks_done, 1) == static_cast<int>(gridDim.x) - 1;
-    }
-    __syncthreads();
-    if (s_last) {
-      __threadfence();
-      for (int b = tid; b < p.num_batches; b += kThreads) ws->amax_tiles_done[b] = 0;
-      if (tid == 0) ws->next_item = 0, ws->blocks_done = 0;
-    }
-  }
+  if (p.workspace != nullptr) FinishWithWorkspace(p, &s_last);
 }
 
 template <int DT, int MODE, int FMT>

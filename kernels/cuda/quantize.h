@@ -32,14 +32,16 @@ struct GpuQuantizeOptions {
   //             (deepseek-v3-up's 29 MiB groups: 88% of copy against 81%;
   //             docs/performance/quantize.md). The fused pass stays for
   //             callers who want x read from HBM once.
-  // The fused pass needs a workspace no other launch uses at the same time:
-  // the library keeps one per stream the caller created (outside stream
-  // capture); on the default streams, or when capturing a graph, pass one
-  // here (FusedQuantizeWorkspaceBytes() of device memory, zeroed once; each
-  // launch leaves it zeroed) or the two-pass path runs.
   enum class CurrentPass { kAuto, kTwoPass, kFused };
   CurrentPass current_pass = CurrentPass::kAuto;
-  void* fused_workspace = nullptr;
+  // A workspace no other launch uses at the same time: QuantizeWorkspaceBytes()
+  // of device memory, zeroed once (each launch leaves it zeroed). With one,
+  // the per-group amax is reduced in it (no memset of args.amax before the
+  // kernels), and the fused pass can run. The library keeps one per stream
+  // the caller created (outside stream capture); on the default streams, or
+  // when capturing a graph, pass one here, or a memset of amax runs first and
+  // kFused falls back to the two-pass path.
+  void* workspace = nullptr;
   // Rows per tile of the quantize pass for current, delayed and MXFP8 scaling
   // outside the fused pass: 64 (64 x 256 tiles), 128 (128 x 128), or 0 (the
   // default: what measured faster, see QuantizeTileRows in quantize.cc).
@@ -49,12 +51,12 @@ struct GpuQuantizeOptions {
 
 // One persistent launch for every mode (current scaling: a streaming amax
 // pass first, or fused into the same launch when options ask), with amax
-// fused where the mode has one. Plus cudaMemsetAsync for amax, scale padding
-// and padding rows.
+// fused where the mode has one. Plus cudaMemsetAsync for amax (without a
+// workspace), block scaling's scale padding, and rows past the groups.
 absl::Status GroupedQuantize(const GroupedQuantizeArgs& args, cudaStream_t stream,
                              const GpuQuantizeOptions& options = GpuQuantizeOptions());
 
-size_t FusedQuantizeWorkspaceBytes();
+size_t QuantizeWorkspaceBytes();
 
 // Same as cpu::GroupedDequantize; data, scale_inv and out in device memory.
 absl::Status GroupedDequantize(const GroupedDequantizeArgs& args, cudaStream_t stream);

@@ -116,8 +116,8 @@ int Main(int argc, char** argv) {
   }
 
   void* workspace = nullptr;
-  CK(cudaMalloc(&workspace, cuda::FusedQuantizeWorkspaceBytes()));
-  CK(cudaMemset(workspace, 0, cuda::FusedQuantizeWorkspaceBytes()));
+  CK(cudaMalloc(&workspace, cuda::QuantizeWorkspaceBytes()));
+  CK(cudaMemset(workspace, 0, cuda::QuantizeWorkspaceBytes()));
   std::printf("%-18s %-26s %8s %9s %10s %10s %9s %9s %9s %7s\n", "preset", "op", "M x K", "us(graph)", "GB/s logic",
               "GB/s moved", "copy GB/s", "moved/cp", "logic/cp", "us(eag)");
   for (const Preset& p : kPresets) {
@@ -197,7 +197,7 @@ int Main(int argc, char** argv) {
             cuda::GpuQuantizeOptions opt;
             opt.current_pass = op.pass;
             opt.tile_rows = op.tile_rows;
-            opt.fused_workspace = workspace;  // graph capture: the library keeps none of its own
+            opt.workspace = workspace;  // graph capture: the library keeps none of its own
             absl::Status r = cuda::GroupedQuantize(a, s, opt);
             if (!r.ok()) st = r;
           },

@@ -114,6 +114,8 @@ struct Case {
   MxScaleRecipe recipe = MxScaleRecipe::kOcp;
   bool amax_out = true;  // ask for amax (optional for MXFP8 and block scaling)
   int tile_rows = 0;     // GpuQuantizeOptions::tile_rows (0: the default)
+  bool workspace = true;  // pass GpuQuantizeOptions::workspace (else amax is zeroed by a memset first)
+  bool own_stream = false;  // a stream of the test's, no workspace: the library's per-stream one
 };
 
 std::string Name(const Case& c) {
@@ -121,7 +123,8 @@ std::string Name(const Case& c) {
                   std::string(DTypeName(c.dt)) + (c.rowwise ? "/row" : "") + (c.colwise ? "/col" : "") +
                   "/k=" + std::to_string(c.k) + (c.software_cvt ? "/swcvt" : "/hwcvt") +
                   (c.amax_out ? "" : "/no-amax") + (c.recipe == MxScaleRecipe::kOcp ? "" : "/nv-recipe") +
-                  (c.tile_rows ? "/tile_rows=" + std::to_string(c.tile_rows) : "") + " groups=";
+                  (c.tile_rows ? "/tile_rows=" + std::to_string(c.tile_rows) : "") +
+                  (c.workspace ? "" : "/no-workspace") + (c.own_stream ? "/own-stream" : "") + " groups=";
   for (int64_t g : c.groups) s += std::to_string(g) + ",";
   return s;
 }
@@ -171,16 +174,23 @@ void RunCase(const Case& c, uint32_t seed) {
   opt.software_cvt = c.software_cvt;
   opt.current_pass = c.current_pass;
   opt.tile_rows = c.tile_rows;
-  // The null stream: the fused pass runs only with a workspace of ours.
-  DevBuf workspace(cuda::FusedQuantizeWorkspaceBytes());
+  // The null stream: the library keeps no workspace of its own for it.
+  DevBuf workspace(cuda::QuantizeWorkspaceBytes());
   workspace.Fill(0);
-  opt.fused_workspace = workspace.p;
-  // Twice: the fused pass must leave its workspace ready for the next call.
+  if (c.workspace && !c.own_stream) opt.workspace = workspace.p;
+  cudaStream_t stream = nullptr;
+  if (c.own_stream) {
+    CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  }
+  // Twice: each launch must leave the workspace ready for the next call.
   for (int rep = 0; rep < 2; ++rep) {
-    absl::Status gs = cuda::GroupedQuantize(ga, nullptr, opt);
+    absl::Status gs = cuda::GroupedQuantize(ga, stream, opt);
     ASSERT_TRUE(gs.ok()) << gs;
   }
   CK(cudaDeviceSynchronize());
+  if (stream != nullptr) {
+    CK(cudaStreamDestroy(stream));
+  }
 
   auto expect_same = [](const std::vector<uint8_t>& want, const std::vector<uint8_t>& got, const char* what) {
     ASSERT_EQ(want.size(), got.size()) << what;
@@ -313,6 +323,17 @@ TEST(QuantizeGpuTest, LargeUnevenGroups) {
         RunCase(c, seed++);
         if (HasFatalFailure()) return;
       }
+    }
+  }
+  // Without a workspace (amax zeroed by a memset before the kernels), and
+  // on a stream of ours (the library's own workspace for it).
+  for (ScalingMode mode : {ScalingMode::kCurrent, ScalingMode::kDelayed, ScalingMode::kMxfp8}) {
+    for (int how = 0; how < 2; ++how) {
+      Case c{mode, Fp8Format::kE4M3, DType::kBF16, true, true, 1024, groups, 64, true, false};
+      c.workspace = how == 1;
+      c.own_stream = how == 1;
+      RunCase(c, seed++);
+      if (HasFatalFailure()) return;
     }
   }
   // MXFP8's other recipe (whole tiles take the general path for it), E5M2 too.

@@ -32,7 +32,16 @@ struct QuantizeParams {
   uint8_t* col_data;
   void* row_scale;
   void* col_scale;
-  float* amax;  // [G] device, zeroed before the launch; may be null (MX / block)
+  // [G] device, where tiles max-reduce the per-group amax (atomicMax of float
+  // bits): zeroed before the launch, or the workspace's amax; may be null
+  // (MX / block scaling without the amax output).
+  float* amax;
+  // With a workspace (amax above is the workspace's): the caller's amax, which
+  // the launch's last block writes. Null otherwise.
+  float* amax_out;
+  // MXFP8: the kernel writes the scale tensors' padding (zeros) itself, so no
+  // memset runs before it.
+  bool pad_mx_scales;
   int32_t row_off[kMaxGpuGroups + 1];
   int32_t tile_off[kMaxGpuGroups + 1];  // prefix sum of ceil(m_g / tile_rows)
   int32_t row_scale_off[kMaxGpuGroups + 1];
@@ -47,18 +56,24 @@ struct QuantizeParams {
   bool fuse_amax;
   int num_items;
   int num_batches;
-  int32_t* workspace;  // fuse_amax: QuantizeWorkspace, zero on entry, zero again on exit
+  // QuantizeWorkspace, zero on entry, zero again on exit (the launch's last
+  // block resets it): for fuse_amax and amax_out. Null when neither is used.
+  int32_t* workspace;
   int32_t batch_tile_off[kMaxGpuGroups + 1];  // first row tile of each batch
   int32_t phase_item_off[kMaxGpuGroups + 2];  // first item of each phase
 };
 
-// Device scratch of the fused current-scaling pass: a work counter, a
-// finished-blocks counter and per batch the count of amax tiles done. The
-// kernel's last block zeroes it again, so it is reused without a memset.
+// Device scratch of a quantize launch: a finished-blocks counter, the
+// per-group amax the tiles reduce into (so no memset of the caller's amax runs
+// before the launch), and for the fused current-scaling pass a work counter
+// and per batch the count of amax tiles done. The kernel's last block
+// publishes the amax and zeroes what it used, so the workspace is reused
+// without a memset.
 struct QuantizeWorkspace {
   int32_t next_item;
   int32_t blocks_done;
   int32_t amax_tiles_done[kMaxGpuGroups];
+  uint32_t amax[kMaxGpuGroups];  // float bits
 };
 
 // Current scaling's separate first pass (when not fused): per-group amax
