@@ -488,35 +488,47 @@ __device__ __forceinline__ uint32_t Quant2s(float x0, float s0, bool n0, float x
 }
 
 // MXFP8, a whole tile of 16-bit input, OCP recipe (QuantizeAnyTile). Both
-// outputs are row-major, so one pass over rowwise chunks writes both, once
-// the colwise scales are known:
-//   1. each thread takes a 32-row block of two columns, finds their amax and
-//      E8M0 codes, writes the codes and keeps 2^-e in col_recip (shared,
-//      [TR / 32 row blocks][columns]; a NaN marks a NaN code);
-//   2. thread tid converts the 8-element chunks tid + 256 i (a row's chunks
-//      are consecutive): rowwise with its 32-element block's scale (4 lanes),
-//      colwise with its 8 columns' scales, one 8-byte store each.
+// outputs are row-major, so one pass over the tile's 8-element chunks writes
+// both once every block's scale is known. Two pre-passes find the scales, then
+// one barrier:
+//   columns: each thread takes a 32-row block of two columns, finds their
+//            amax and E8M0 codes, writes the codes and keeps 2^-e in
+//            col_recip ([TR / 32][columns] floats in shared memory);
+//   rows:    each thread takes two 32-element row blocks (four 16-byte reads
+//            each, in a rotated order that keeps a quarter warp on distinct
+//            banks), writes their codes and keeps 2^-e in row_recip
+//            ([TR][columns / 32]).
+// A NaN in a recip marks a NaN code (a block holding Inf or NaN). The chunk
+// loop then only multiplies and converts: no shuffles or scale math per
+// chunk (the rowwise scale used to be found per chunk, four lanes a block).
 template <int DT, int FMT, int TR>
 __device__ __forceinline__ void QuantizeMxTileFull(const QuantizeParams& p, const TileGeom& tg,
-                                                   const typename InType<DT>::T* tile, float* col_recip,
+                                                   const typename InType<DT>::T* tile, float* recips,
                                                    uint32_t* red) {
+  using TS = Tile<TR>;
+  constexpr int kCols = TS::kCols;
+  constexpr int kRowBlocks = kCols / 32;             // 32-element row blocks per tile row
+  constexpr int kWarpsPerRowBlock = kCols / 64;      // column pass: a warp takes 64 columns of 32 rows
+  static_assert(TR * kRowBlocks == 2 * kThreads, "row pass: two row blocks per thread");
+  static_assert((TR / 32) * kCols + TR * kRowBlocks <= 16384 / 16, "recips fit the block's col_red");
   const Fp8Format fmt = static_cast<Fp8Format>(FMT);
   const __nv_fp8_interpretation_t cvt_fmt = FMT == 0 ? __NV_E4M3 : __NV_E5M2;
-  const int tid = threadIdx.x;
+  const int tid = threadIdx.x, w = tid / 32, lane = tid % 32;
   const int g = tg.g;
   const int64_t off = tg.off, r0 = tg.r0, c0 = tg.c0, K = p.k;
-  using TS = Tile<TR>;
-  constexpr int kWarpsPerRowBlock = TS::kCols / 64;  // a warp: 64 columns of one 32-row block
+  float* col_recip = recips;                        // [TR / 32][kCols]
+  float* row_recip = recips + (TR / 32) * kCols;    // [TR][kRowBlocks]
+  const float kNanMark = BitsToFloat(0x7fc00000u);
 
-  bool col_nan = false;  // a NaN code among the tile's column blocks
+  bool nan_code = false;  // a NaN code among the tile's blocks
+  uint32_t am16 = 0;      // this thread's max |x| bits (16-bit), for the tile amax
   if (p.colwise) {
-    const int w = tid / 32, lane = tid % 32;
     // rows rb .. rb + 31, columns 2cp, 2cp + 1
     const int rb = (w / kWarpsPerRowBlock) * 32, cp = (w % kWarpsPerRowBlock) * 32 + lane;
     uint32_t m2 = 0;  // 16-bit |x| bits order like the values (NaN above Inf)
 #pragma unroll
     for (int j = 0; j < 32; ++j) {
-      m2 = __vmaxu2(m2, *reinterpret_cast<const uint32_t*>(tile + (rb + j) * TS::kCols + 2 * cp) & 0x7fff7fffu);
+      m2 = __vmaxu2(m2, *reinterpret_cast<const uint32_t*>(tile + (rb + j) * kCols + 2 * cp) & 0x7fff7fffu);
     }
     const uint32_t b0 = MxCodeOcp16<DT>(m2 & 0xffffu, fmt), b1 = MxCodeOcp16<DT>(m2 >> 16, fmt);
     uint8_t* cs = static_cast<uint8_t*>(p.col_scale) + p.col_scale_off[g] + ((r0 - off + rb) / 32) * RoundUp(K, 128) +
@@ -524,67 +536,81 @@ __device__ __forceinline__ void QuantizeMxTileFull(const QuantizeParams& p, cons
     cs[0] = static_cast<uint8_t>(b0);  // (byte stores: the caller's scale buffer may sit at any address)
     cs[1] = static_cast<uint8_t>(b1);
     const bool n0 = b0 == kE8M0Nan, n1 = b1 == kE8M0Nan;
-    *reinterpret_cast<float2*>(col_recip + (rb / 32) * TS::kCols + 2 * cp) =
-        make_float2(n0 ? BitsToFloat(0x7fc00000u) : MxRecip(b0), n1 ? BitsToFloat(0x7fc00000u) : MxRecip(b1));
-    col_nan = n0 || n1;
-    if (p.amax != nullptr) {  // the tile amax from the column maxima (QuantizeTile skipped its pass)
-      const uint32_t wm = WarpMax(AbsBitsOf<DT>(static_cast<uint16_t>(max(m2 & 0xffffu, m2 >> 16))));
-      if (lane == 0) red[w] = wm;
+    *reinterpret_cast<float2*>(col_recip + (rb / 32) * kCols + 2 * cp) =
+        make_float2(n0 ? kNanMark : MxRecip(b0), n1 ? kNanMark : MxRecip(b1));
+    nan_code = n0 || n1;
+    am16 = max(m2 & 0xffffu, m2 >> 16);
+  }
+  if (p.rowwise) {
+    const int64_t mx_ld = RoundUp(K / 32, 4);
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int q = tid + i * kThreads;  // row block q: row q / kRowBlocks, 64 bytes at q * 64
+      const unsigned char* blk = reinterpret_cast<const unsigned char*>(tile) + q * 64;
+      uint32_t m2 = 0;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const uint4 u = *reinterpret_cast<const uint4*>(blk + ((j + ((q & 7) >> 1)) & 3) * 16);
+        m2 = __vmaxu2(m2, __vmaxu2(__vmaxu2(u.x & 0x7fff7fffu, u.y & 0x7fff7fffu),
+                                   __vmaxu2(u.z & 0x7fff7fffu, u.w & 0x7fff7fffu)));
+      }
+      const uint32_t m = max(m2 & 0xffffu, m2 >> 16);
+      const uint32_t b = MxCodeOcp16<DT>(m, fmt);
+      const int r = q / kRowBlocks, cb = q % kRowBlocks;
+      static_cast<uint8_t*>(p.row_scale)[p.row_scale_off[g] + (r0 - off + r) * mx_ld + c0 / 32 + cb] =
+          static_cast<uint8_t>(b);
+      const bool n = b == kE8M0Nan;
+      row_recip[q] = n ? kNanMark : MxRecip(b);
+      nan_code = nan_code || n;
+      am16 = max(am16, m);
     }
   }
-  col_nan = __syncthreads_or(col_nan);  // also: col_recip and red are complete
-  if (p.colwise && p.amax != nullptr && tid == 0) FlushTileAmax(p, tg.g, red);
+  if (p.amax != nullptr) {  // the tile amax from the pre-passes (QuantizeTile skipped its pass)
+    const uint32_t wm = WarpMax(AbsBitsOf<DT>(static_cast<uint16_t>(am16)));
+    if (lane == 0) red[w] = wm;
+  }
+  nan_code = __syncthreads_or(nan_code);  // also: the recips and red are complete
+  if (p.amax != nullptr && tid == 0) FlushTileAmax(p, g, red);
 
   constexpr int NCH = TS::kChunksPerThread, kStep = TS::kChunkRowStep;
   const int rr0 = tid / TS::kChunksPerRow, cc = tid % TS::kChunksPerRow;
-  const int64_t mx_ld = RoundUp(K / 32, 4);
   uint8_t* row_out = p.row_data + (r0 + rr0) * K + c0 + cc * 8;
   uint8_t* col_out = p.col_data + (r0 + rr0) * K + c0 + cc * 8;
-  uint8_t* row_scale =
-      p.rowwise ? static_cast<uint8_t*>(p.row_scale) + p.row_scale_off[g] + (r0 + rr0 - off) * mx_ld + (c0 + cc * 8) / 32
-                : nullptr;
 #pragma unroll
   for (int i = 0; i < NCH; ++i) {
     const int rr = rr0 + kStep * i;
-    const Chunk<DT> v = *reinterpret_cast<const Chunk<DT>*>(tile + rr * TS::kCols + cc * 8);
-    float f[8];
-#pragma unroll
-    for (int j = 0; j < 8; ++j) f[j] = Elem<DT>(v, j);
-    if (p.rowwise) {  // 32-element block = 4 adjacent lanes
-      const uint32_t m2 = __vmaxu2(__vmaxu2(v.w[0] & 0x7fff7fffu, v.w[1] & 0x7fff7fffu),
-                                   __vmaxu2(v.w[2] & 0x7fff7fffu, v.w[3] & 0x7fff7fffu));
-      uint32_t m = max(m2 & 0xffffu, m2 >> 16);
-      m = max(m, __shfl_xor_sync(0xffffffffu, m, 1));
-      m = max(m, __shfl_xor_sync(0xffffffffu, m, 2));
-      const uint32_t b = MxCodeOcp16<DT>(m, fmt);
-      if ((cc & 3) == 0) *row_scale = static_cast<uint8_t>(b);
-      row_scale += kStep * mx_ld;
-      const bool nan_block = b == kE8M0Nan;  // a block that holds no NaN needs no NaN rule
-      __stcs(reinterpret_cast<uint2*>(row_out), Quant8<FMT>(f, nan_block ? 1.0f : MxRecip(b), false, nan_block, false));
-    }
+    const Chunk<DT> v = *reinterpret_cast<const Chunk<DT>*>(tile + rr * kCols + cc * 8);
+    const float rs = p.rowwise ? row_recip[rr * kRowBlocks + cc / 4] : 1.0f;
+    float sc[8];
     if (p.colwise) {
-      const float4 slo = *reinterpret_cast<const float4*>(col_recip + (rr / 32) * TS::kCols + cc * 8);
-      const float4 shi = *reinterpret_cast<const float4*>(col_recip + (rr / 32) * TS::kCols + cc * 8 + 4);
-      const float sc[8] = {slo.x, slo.y, slo.z, slo.w, shi.x, shi.y, shi.z, shi.w};
-      uint32_t q[4];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        q[j] = __nv_cvt_float2_to_fp8x2(make_float2(f[2 * j] * sc[2 * j], f[2 * j + 1] * sc[2 * j + 1]), __NV_SATFINITE,
-                                        cvt_fmt);
-      }
-      uint2 out = make_uint2(q[0] | (q[1] << 16), q[2] | (q[3] << 16));
-      if (col_nan) {  // rare: a NaN code's column gets NaN with each element's sign
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          if (IsNanBits(sc[j])) {
-            uint32_t& word = j < 4 ? out.x : out.y;
-            const int sh = 8 * (j % 4);
-            word = (word & ~(0xffu << sh)) | (static_cast<uint32_t>(Fp8NanWithSignOf(f[j], fmt)) << sh);
-          }
-        }
-      }
-      __stcs(reinterpret_cast<uint2*>(col_out), out);
+      const float4 slo = *reinterpret_cast<const float4*>(col_recip + (rr / 32) * kCols + cc * 8);
+      const float4 shi = *reinterpret_cast<const float4*>(col_recip + (rr / 32) * kCols + cc * 8 + 4);
+      sc[0] = slo.x, sc[1] = slo.y, sc[2] = slo.z, sc[3] = slo.w, sc[4] = shi.x, sc[5] = shi.y, sc[6] = shi.z,
+      sc[7] = shi.w;
     }
+    // Pair by pair, both directions: each element is decoded once.
+    uint32_t rq[4], cq[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float x0 = Elem<DT>(v, 2 * j), x1 = Elem<DT>(v, 2 * j + 1);
+      if (p.rowwise) rq[j] = __nv_cvt_float2_to_fp8x2(make_float2(x0 * rs, x1 * rs), __NV_SATFINITE, cvt_fmt);
+      if (p.colwise) {
+        cq[j] = __nv_cvt_float2_to_fp8x2(make_float2(x0 * sc[2 * j], x1 * sc[2 * j + 1]), __NV_SATFINITE, cvt_fmt);
+      }
+    }
+    uint2 rout = make_uint2(rq[0] | (rq[1] << 16), rq[2] | (rq[3] << 16));
+    uint2 cout = make_uint2(cq[0] | (cq[1] << 16), cq[2] | (cq[3] << 16));
+    if (nan_code) {  // rare: a NaN code's elements get NaN with each element's sign
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const uint32_t nan_byte = static_cast<uint32_t>(Fp8NanWithSignOf(Elem<DT>(v, j), fmt)) << (8 * (j % 4));
+        const uint32_t keep = ~(0xffu << (8 * (j % 4)));
+        if (p.rowwise && IsNanBits(rs)) (j < 4 ? rout.x : rout.y) = ((j < 4 ? rout.x : rout.y) & keep) | nan_byte;
+        if (p.colwise && IsNanBits(sc[j])) (j < 4 ? cout.x : cout.y) = ((j < 4 ? cout.x : cout.y) & keep) | nan_byte;
+      }
+    }
+    if (p.rowwise) __stcs(reinterpret_cast<uint2*>(row_out), rout);
+    if (p.colwise) __stcs(reinterpret_cast<uint2*>(col_out), cout);
     row_out += kStep * K;
     col_out += kStep * K;
   }
@@ -623,11 +649,11 @@ __device__ __forceinline__ void QuantizeTile(const QuantizeParams& p, const Tile
   // Tile amax: the 128x128 block's scale, the fused per-group amax, and
   // whether the tile holds a NaN (max |x| bits are NaN-propagating); current
   // scaling knows that from the group's amax.
-  // Whole delayed and MXFP8 row+col tiles find it in a pass that reads the
+  // Whole delayed and MXFP8 tiles find it in a pass that reads the
   // tile anyway (the rowwise chunks, the column maxima), with no pass of its own.
   float bscale = 1.0f;
   bool tile_nan = MODE == kModeCurrent && (FloatBits(tscale_amax) & 0x7fffffffu) > 0x7f800000u;
-  const bool amax_in_pass = FULL && (MODE == kModeDelayed || (MODE == kModeMx && p.colwise));
+  const bool amax_in_pass = FULL && (MODE == kModeDelayed || MODE == kModeMx);
   if (!amax_in_pass && (MODE == kModeB128 || MODE == kModeDelayed || (MODE != kModeCurrent && p.amax != nullptr))) {
     const uint32_t tam = BlockMax(TileAbsMaxPart<DT, TR>(tile), red);
     tile_nan = tam > 0x7f800000u;
@@ -1113,7 +1139,12 @@ cudaError_t LaunchQuantizeT(const QuantizeParams& p, cudaStream_t stream) {
   if ((e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device)) != cudaSuccess) return e;
   if ((e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem)) != cudaSuccess) return e;
   // Enough blocks to fill the GPU once; an empty launch still writes empty groups' scales.
-  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(p.num_items, static_cast<int64_t>(sms) * std::max(1, per_sm)));
+  if (p.grid_policy == 1) per_sm = std::min(per_sm, 2);
+  int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(p.num_items, static_cast<int64_t>(sms) * std::max(1, per_sm)));
+  if (p.grid_policy == 2 && p.num_items > 0) {
+    const int64_t waves = (p.num_items + blocks - 1) / blocks;
+    blocks = (p.num_items + waves - 1) / waves;
+  }
   kernel<<<static_cast<unsigned>(blocks), kThreads, smem, stream>>>(p);
   return cudaGetLastError();
 }
