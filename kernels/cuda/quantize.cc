@@ -151,7 +151,6 @@ absl::Status GroupedQuantize(const GroupedQuantizeArgs& a, cudaStream_t stream, 
   }
   // MXFP8's scale padding is written by the kernel (no memsets either).
   p->pad_mx_scales = a.mode == ScalingMode::kMxfp8;
-  p->grid_policy = options.grid_policy;
   int64_t tiles = 0;
   for (int64_t g = 0; g <= a.num_groups; ++g) {
     p->row_off[g] = static_cast<int32_t>(l.row_offset[g]);

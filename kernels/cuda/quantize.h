@@ -47,8 +47,6 @@ struct GpuQuantizeOptions {
   // default: what measured faster, see QuantizeTileRows in quantize.cc).
   // Block scaling and the fused pass always take 128.
   int tile_rows = 0;
-  // Experimental: the quantize pass's grid (QuantizeParams::grid_policy).
-  int grid_policy = 0;
 };
 
 // One persistent launch for every mode (current scaling: a streaming amax

@@ -31,6 +31,9 @@ struct Preset {
 const Preset kPresets[] = {
     {"mixtral-8x7b-up", 8, 2048, 4096},  {"deepseek-v3-up", 8, 2048, 7168}, {"deepseek-v3-down", 8, 2048, 2048},
     {"qwen3-30b-up-ep8", 16, 512, 2048}, {"qwen3-30b-up", 128, 128, 2048},  {"small-decode", 64, 64, 1024},
+    // Not a preset: one 64 x 256 tile, the floor a launch sets (how far
+    // small-decode is from its copy).
+    {"one-tile", 1, 64, 256},
 };
 
 #define CK(x)                                                                          \
@@ -159,7 +162,6 @@ int Main(int argc, char** argv) {
       bool row, col;
       cuda::GpuQuantizeOptions::CurrentPass pass = cuda::GpuQuantizeOptions::CurrentPass::kAuto;
       int tile_rows = 0;  // GpuQuantizeOptions::tile_rows
-      int grid_policy = 0;
     };
     using Pass = cuda::GpuQuantizeOptions::CurrentPass;
     const Op ops[] = {
@@ -174,10 +176,6 @@ int Main(int argc, char** argv) {
         {"current row+col 64x256", ScalingMode::kCurrent, true, true, Pass::kTwoPass, 64},
         {"delayed row+col 64x256", ScalingMode::kDelayed, true, true, Pass::kAuto, 64},
         {"mxfp8 row+col 128x128", ScalingMode::kMxfp8, true, true, Pass::kAuto, 128},
-        {"mxfp8 row+col grid 2/SM", ScalingMode::kMxfp8, true, true, Pass::kAuto, 0, 1},
-        {"mxfp8 row+col grid bal", ScalingMode::kMxfp8, true, true, Pass::kAuto, 0, 2},
-        {"current row+col grid 2/SM", ScalingMode::kCurrent, true, true, Pass::kAuto, 0, 1},
-        {"current row+col grid bal", ScalingMode::kCurrent, true, true, Pass::kAuto, 0, 2},
     };
     for (const Op& op : ops) {
       GroupedQuantizeArgs a;
@@ -202,7 +200,6 @@ int Main(int argc, char** argv) {
             cuda::GpuQuantizeOptions opt;
             opt.current_pass = op.pass;
             opt.tile_rows = op.tile_rows;
-            opt.grid_policy = op.grid_policy;
             opt.workspace = workspace;  // graph capture: the library keeps none of its own
             absl::Status r = cuda::GroupedQuantize(a, s, opt);
             if (!r.ok()) st = r;

@@ -42,9 +42,6 @@ struct QuantizeParams {
   // MXFP8: the kernel writes the scale tensors' padding (zeros) itself, so no
   // memset runs before it.
   bool pad_mx_scales;
-  // Grid of the persistent quantize pass: 0 fills the GPU (occupancy), 1 two
-  // blocks per SM, 2 the fewest blocks that keep the same number of waves.
-  int grid_policy;
   int32_t row_off[kMaxGpuGroups + 1];
   int32_t tile_off[kMaxGpuGroups + 1];  // prefix sum of ceil(m_g / tile_rows)
   int32_t row_scale_off[kMaxGpuGroups + 1];
