@@ -77,16 +77,18 @@ absl::StatusOr<int32_t*> LaunchWorkspace(cudaStream_t stream, const GpuQuantizeO
 // rows x 16384 / rows). Block scaling needs 128 rows (its blocks are 128
 // tall), and so does the fused pass (its batches count 128-row tiles).
 // Otherwise, unless the caller asks, from the H200 runs of quantize_bench
-// (docs/performance/quantize.md): MXFP8 takes 64 x 256 on every preset (up
-// to 4 points ahead on the large ones, twice as fast on 64-row groups);
-// current and delayed scaling keep 128 x 128 (2-5 points ahead on big groups)
-// unless 128-row tiles would be under 7/8 full, as with 64-row groups.
+// (docs/performance/quantize.md): MXFP8 takes 32 x 512 where k fills whole
+// 512-column tiles (even or up to 3 points ahead of 64 x 256, 5-8 ahead of
+// 128 x 128), else 64 x 256 (twice as fast as 128 x 128 on 64-row groups);
+// current and delayed scaling keep 128 x 128 (2-5 points ahead of 64 x 256 on
+// big groups, more ahead of 32 x 512) unless 128-row tiles would be under 7/8
+// full, as with 64-row groups.
 int QuantizeTileRows(const GroupedQuantizeArgs& a, bool fused, const GpuQuantizeOptions& options) {
   const bool short_ok = !fused && (a.mode == ScalingMode::kCurrent || a.mode == ScalingMode::kDelayed ||
                                    a.mode == ScalingMode::kMxfp8);
   if (!short_ok) return 128;
   if (options.tile_rows != 0) return options.tile_rows;
-  if (a.mode == ScalingMode::kMxfp8) return 64;
+  if (a.mode == ScalingMode::kMxfp8) return a.k % 512 == 0 ? 32 : 64;
   int64_t used = 0, tile_rows_128 = 0;
   for (int64_t g = 0; g < a.num_groups; ++g) {
     used += a.group_sizes[g];
@@ -102,8 +104,8 @@ size_t QuantizeWorkspaceBytes() { return sizeof(cuda_internal::QuantizeWorkspace
 absl::Status GroupedQuantize(const GroupedQuantizeArgs& a, cudaStream_t stream, const GpuQuantizeOptions& options) {
   if (absl::Status s = ValidateGroupedQuantizeArgs(a); !s.ok()) return s;
   if (absl::Status s = CheckGpuShape(a.m, a.k, a.num_groups); !s.ok()) return s;
-  if (options.tile_rows != 0 && options.tile_rows != 64 && options.tile_rows != 128) {
-    return absl::InvalidArgumentError(absl::StrCat("tile_rows: ", options.tile_rows, " is not 0, 64 or 128"));
+  if (options.tile_rows != 0 && options.tile_rows != 32 && options.tile_rows != 64 && options.tile_rows != 128) {
+    return absl::InvalidArgumentError(absl::StrCat("tile_rows: ", options.tile_rows, " is not 0, 32, 64 or 128"));
   }
   if (!Aligned(a.x, 16)) return absl::InvalidArgumentError("x: not 16-byte aligned");
   if (a.rowwise && !Aligned(a.rowwise_data, 16)) return absl::InvalidArgumentError("rowwise_data: not 16-byte aligned");

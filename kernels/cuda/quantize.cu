@@ -6,7 +6,7 @@
 // is kept behind QuantizeParams::software_cvt).
 //
 // One persistent launch covers all groups: blocks walk tiles of 16384
-// elements, 128 x 128 or 64 x 256 (rows counted from each group's first row,
+// elements, 128 x 128, 64 x 256 or 32 x 512 (rows counted from each group's first row,
 // so tiles are a multiple of the MXFP8 and FP8-block heights; see Tile), find
 // a tile's group by binary search in
 // the per-group tile prefix sums (__grid_constant__ parameters), stream the
@@ -100,12 +100,13 @@ __device__ __forceinline__ uint32_t ChunkAbsMax(const Chunk<DT>& c) {
 }
 
 // A tile is 16384 elements: TR rows (from the group's first row) x 16384 / TR
-// columns, TR = 128 (every mode: a multiple of the MXFP8 and block heights) or
-// 64 (current, delayed, MXFP8: rows of 512 contiguous bytes, and whole tiles
-// for groups of 64 rows; quantize.cc picks, see QuantizeTileRows).
+// columns, TR = 128 (every mode: a multiple of the MXFP8 and block heights),
+// or 64 or 32 (current, delayed, MXFP8: rows of 512 or 1024 contiguous bytes,
+// and whole tiles for groups of 64 or 32 rows). quantize.cc picks (see
+// QuantizeTileRows).
 template <int TR>
 struct Tile {
-  static_assert(TR == 64 || TR == 128, "tile heights: 64 or 128 rows");
+  static_assert(TR == 32 || TR == 64 || TR == 128, "tile heights: 32, 64 or 128 rows");
   static constexpr int kRows = TR;
   static constexpr int kCols = 16384 / TR;
   static constexpr int kChunksPerRow = kCols / 8;            // 8-element chunks
@@ -1132,10 +1133,13 @@ cudaError_t LaunchQuantizeT(const QuantizeParams& p, cudaStream_t stream) {
   // quantize.cc picks the tile height (QuantizeTileRows): 64 rows for the
   // modes whose blocks are at most 32 rows tall, outside the fused pass.
   constexpr bool kShort = MODE == kModeCurrent || MODE == kModeDelayed || MODE == kModeMx;
-  if (p.tile_rows != 128 && !(kShort && p.tile_rows == 64 && !p.fuse_amax)) return cudaErrorInvalidValue;
+  if (p.tile_rows != 128 && !(kShort && (p.tile_rows == 64 || p.tile_rows == 32) && !p.fuse_amax)) {
+    return cudaErrorInvalidValue;
+  }
   auto kernel = QuantizeKernel<DT, MODE, FMT, false, 128>;
   if constexpr (kShort) {
     if (p.tile_rows == 64) kernel = QuantizeKernel<DT, MODE, FMT, false, 64>;
+    if (p.tile_rows == 32) kernel = QuantizeKernel<DT, MODE, FMT, false, 32>;
   }
   if constexpr (MODE == kModeCurrent) {
     if (p.fuse_amax) kernel = QuantizeKernel<DT, MODE, FMT, true, 128>;

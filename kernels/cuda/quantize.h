@@ -43,8 +43,9 @@ struct GpuQuantizeOptions {
   // kFused falls back to the two-pass path.
   void* workspace = nullptr;
   // Rows per tile of the quantize pass for current, delayed and MXFP8 scaling
-  // outside the fused pass: 64 (64 x 256 tiles), 128 (128 x 128), or 0 (the
-  // default: what measured faster, see QuantizeTileRows in quantize.cc).
+  // outside the fused pass: 32 (32 x 512 tiles), 64 (64 x 256), 128
+  // (128 x 128), or 0 (the default: what measured faster, see
+  // QuantizeTileRows in quantize.cc).
   // Block scaling and the fused pass always take 128.
   int tile_rows = 0;
 };

@@ -172,9 +172,10 @@ int Main(int argc, char** argv) {
         {"mxfp8 row", ScalingMode::kMxfp8, true, false},
         {"block1x128 row+col", ScalingMode::kBlock1x128, true, true},
         {"current row+col fused", ScalingMode::kCurrent, true, true, Pass::kFused},
-        // The tile shape the default does not pick for these presets (QuantizeTileRows).
+        // Tile shapes the default does not pick for these presets (QuantizeTileRows).
         {"current row+col 64x256", ScalingMode::kCurrent, true, true, Pass::kTwoPass, 64},
         {"delayed row+col 64x256", ScalingMode::kDelayed, true, true, Pass::kAuto, 64},
+        {"mxfp8 row+col 64x256", ScalingMode::kMxfp8, true, true, Pass::kAuto, 64},
         {"mxfp8 row+col 128x128", ScalingMode::kMxfp8, true, true, Pass::kAuto, 128},
     };
     for (const Op& op : ops) {

@@ -313,9 +313,10 @@ TEST(QuantizeGpuTest, LargeUnevenGroups) {
       if (HasFatalFailure()) return;
     }
   }
-  // Both tile shapes of the modes that have two (64 x 256 and 128 x 128), with
-  // k = 1024 (whole column tiles of both) and 384 (a half 256-column tile).
-  for (int tile_rows : {64, 128}) {
+  // Every tile shape of the modes that have three (32 x 512, 64 x 256 and
+  // 128 x 128), with k = 1024 (whole column tiles of all) and 384 (partial
+  // 256- and 512-column tiles).
+  for (int tile_rows : {32, 64, 128}) {
     for (ScalingMode mode : {ScalingMode::kCurrent, ScalingMode::kDelayed, ScalingMode::kMxfp8}) {
       for (int64_t k : {int64_t{1024}, int64_t{384}}) {
         Case c{mode, Fp8Format::kE4M3, DType::kBF16, true, true, k, groups, 64, true, false};
