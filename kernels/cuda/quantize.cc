@@ -68,7 +68,12 @@ absl::StatusOr<int32_t*> LaunchWorkspace(cudaStream_t stream, const GpuQuantizeO
   void* w = nullptr;
   const size_t bytes = QuantizeWorkspaceBytes();
   if ((e = cudaMalloc(&w, bytes)) != cudaSuccess) return CudaError(e, "cudaMalloc (quantize workspace)");
-  if ((e = cudaMemset(w, 0, bytes)) != cudaSuccess) return CudaError(e, "cudaMemset (quantize workspace)");
+  // On the stream itself: a plain cudaMemset runs on the legacy stream, which
+  // does not order against a non-blocking stream's first launch.
+  if ((e = cudaMemsetAsync(w, 0, bytes, stream)) != cudaSuccess) {
+    cudaFree(w);
+    return CudaError(e, "cudaMemsetAsync (quantize workspace)");
+  }
   (*cache)[id] = static_cast<int32_t*>(w);
   return static_cast<int32_t*>(w);
 }
@@ -182,6 +187,14 @@ absl::Status GroupedQuantize(const GroupedQuantizeArgs& a, cudaStream_t stream, 
   }
   if (e != cudaSuccess) return CudaError(e, "cudaMemsetAsync");
   p->num_items = static_cast<int>(tiles * p->col_tiles);
+  // A failed launch may follow one that reduced into the workspace (or the
+  // error may be an earlier call's, reported by cudaGetLastError with the
+  // kernel having run): zero the workspace for the next launch on the stream
+  // (best effort; the launch error is what the caller gets).
+  auto fail_launch = [&](cudaError_t err, const char* what) {
+    if (p->workspace != nullptr) (void)cudaMemsetAsync(p->workspace, 0, QuantizeWorkspaceBytes(), stream);
+    return CudaError(err, what);
+  };
   if (tiles > 0 && fused) {
     if (*ws != nullptr) {
       // Batches of whole groups of about kFusedBatchBytes of x (none empty).
@@ -226,15 +239,10 @@ absl::Status GroupedQuantize(const GroupedQuantizeArgs& a, cudaStream_t stream, 
     }
     pa->total_tiles = static_cast<int>(at);
     e = cuda_internal::LaunchGroupedAmax(*pa, stream);
-    if (e != cudaSuccess) return CudaError(e, "grouped amax kernel");
+    if (e != cudaSuccess) return fail_launch(e, "grouped amax kernel");
   }
   e = cuda_internal::LaunchGroupedQuantize(*p, stream);
-  if (e != cudaSuccess) {
-    // The amax pass may have reduced into the workspace: leave it zeroed for
-    // the next launch (best effort; the launch error is what the caller gets).
-    if (p->workspace != nullptr) (void)cudaMemsetAsync(p->workspace, 0, QuantizeWorkspaceBytes(), stream);
-    return CudaError(e, "grouped quantize kernel");
-  }
+  if (e != cudaSuccess) return fail_launch(e, "grouped quantize kernel");
   return absl::OkStatus();
 }
 

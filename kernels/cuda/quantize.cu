@@ -6,9 +6,9 @@
 // is kept behind QuantizeParams::software_cvt).
 //
 // One persistent launch covers all groups: blocks walk tiles of 16384
-// elements, 128 x 128, 64 x 256 or 32 x 512 (rows counted from each group's first row,
-// so tiles are a multiple of the MXFP8 and FP8-block heights; see Tile), find
-// a tile's group by binary search in
+// elements, 128 x 128, 64 x 256 or 32 x 512 (rows counted from each group's
+// first row, so a tile's height is a multiple of its mode's block height;
+// see Tile), find a tile's group by binary search in
 // the per-group tile prefix sums (__grid_constant__ parameters), stream the
 // next tile into shared memory with cp.async while converting the current
 // one, and write outputs with 8- and 16-byte vector stores. Whole tiles of
@@ -781,8 +781,9 @@ __device__ __forceinline__ void QuantizeTile(const QuantizeParams& p, const Tile
     if constexpr (FULL && MODE == kModeDelayed) {
       if (tid == 0) FlushTileAmax(p, g, red);
     }
-    // FULL: rows whose bit 4 is set are stored with their two 64-byte halves
-    // swapped, so the lanes reading rows r and r + 16 below hit other banks.
+    // FULL: rows whose bit 4 is set are stored with byte offsets XOR 64 (the
+    // 64-byte halves of each 128 bytes swapped), so the lanes reading rows r
+    // and r + 16 below hit other banks.
 #pragma unroll
     for (int i = 0; i < NCH; ++i) {
       const int ch = tid + i * kThreads, row = ch / kCpr;
@@ -1004,7 +1005,8 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(DT, MODE)) QuantizeKernel(
   constexpr bool kTensor = MODE == kModeCurrent || MODE == kModeDelayed;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   __shared__ uint32_t red[kThreads / 32];
-  __shared__ uint32_t col_red[16384 / 16];  // a word per column per 16-row band
+  // A word per column per 16-row band; read as float4 (MXFP8's recips).
+  __shared__ __align__(16) uint32_t col_red[16384 / 16];
   __shared__ int s_claim;
   __shared__ int s_last;
   const int tid = threadIdx.x;
@@ -1130,8 +1132,9 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(DT, MODE)) QuantizeKernel(
 
 template <int DT, int MODE, int FMT>
 cudaError_t LaunchQuantizeT(const QuantizeParams& p, cudaStream_t stream) {
-  // quantize.cc picks the tile height (QuantizeTileRows): 64 rows for the
-  // modes whose blocks are at most 32 rows tall, outside the fused pass.
+  // quantize.cc picks the tile height (QuantizeTileRows): 32 or 64 rows only
+  // for the modes whose blocks are at most 32 rows tall, outside the fused
+  // pass.
   constexpr bool kShort = MODE == kModeCurrent || MODE == kModeDelayed || MODE == kModeMx;
   if (p.tile_rows != 128 && !(kShort && (p.tile_rows == 64 || p.tile_rows == 32) && !p.fuse_amax)) {
     return cudaErrorInvalidValue;

@@ -5,7 +5,9 @@
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <random>
@@ -69,6 +71,20 @@ struct DevBuf {
 
 // Random input of the given dtype, with NaN, +-Inf, zeros, subnormals and
 // large values sprinkled in when `specials`.
+// count elements of value v in dtype dt.
+std::vector<uint8_t> ConstantInput(DType dt, int64_t count, float v) {
+  std::vector<uint8_t> r(static_cast<size_t>(count * DTypeSize(dt)));
+  for (int64_t i = 0; i < count; ++i) {
+    if (dt == DType::kF32) {
+      std::memcpy(r.data() + 4 * i, &v, 4);
+    } else {
+      const uint16_t h = dt == DType::kBF16 ? FloatToBf16Bits(v) : FloatToF16Bits(v);
+      std::memcpy(r.data() + 2 * i, &h, 2);
+    }
+  }
+  return r;
+}
+
 std::vector<uint8_t> RandomInput(DType dt, int64_t count, uint32_t seed, bool specials) {
   std::mt19937 rng(seed);
   std::normal_distribution<float> nd(0.0f, 1.0f);
@@ -182,12 +198,26 @@ void RunCase(const Case& c, uint32_t seed) {
   if (c.own_stream) {
     CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   }
-  // Twice: each launch must leave the workspace ready for the next call.
+  // Twice: first on a decoy of larger magnitude, then (outputs filled with
+  // garbage again) on x. A workspace the first launch left dirty (amax, the
+  // finished-blocks count, the fused pass's counters) shows in the outputs.
+  DevBuf decoy(x.size());
+  decoy.Upload(ConstantInput(c.dt, m * k, 30000.0f).data());
   for (int rep = 0; rep < 2; ++rep) {
+    if (rep == 1) {
+      CK(cudaStreamSynchronize(stream));
+      for (DevBuf* b : {&dr, &dc, &drs, &dcs, &damax}) b->Fill(0xa5);
+    }
+    ga.x = rep == 0 ? decoy.p : dx.p;
     absl::Status gs = cuda::GroupedQuantize(ga, stream, opt);
     ASSERT_TRUE(gs.ok()) << gs;
   }
   CK(cudaDeviceSynchronize());
+  if (opt.workspace != nullptr) {
+    const std::vector<uint8_t> ws = workspace.Download();
+    EXPECT_EQ(std::count(ws.begin(), ws.end(), 0), static_cast<std::ptrdiff_t>(ws.size()))
+        << "the workspace is not zero after the launch";
+  }
   if (stream != nullptr) {
     CK(cudaStreamDestroy(stream));
   }
@@ -325,6 +355,25 @@ TEST(QuantizeGpuTest, LargeUnevenGroups) {
         if (HasFatalFailure()) return;
       }
     }
+  }
+  // 32 x 512 tiles with the other input types (f16's and f32's own loads and
+  // decodes), E5M2, and one output at a time.
+  for (DType dt : {DType::kF16, DType::kF32}) {
+    for (ScalingMode mode : {ScalingMode::kCurrent, ScalingMode::kDelayed, ScalingMode::kMxfp8}) {
+      for (int rc = 0; rc < 2; ++rc) {
+        Case c{mode, Fp8Format::kE5M2, dt, rc == 0, rc == 1, 1024, groups, 64, true, false};
+        c.tile_rows = 32;
+        RunCase(c, seed++);
+        if (HasFatalFailure()) return;
+      }
+    }
+  }
+  // Every group empty: the one-block launch still publishes amax (zeros)
+  // and the tensor scales.
+  for (ScalingMode mode : {ScalingMode::kCurrent, ScalingMode::kDelayed, ScalingMode::kMxfp8}) {
+    Case c{mode, Fp8Format::kE4M3, DType::kBF16, true, true, 1024, {0, 0, 0}, 5, false, false};
+    RunCase(c, seed++);
+    if (HasFatalFailure()) return;
   }
   // Without a workspace (amax zeroed by a memset before the kernels), and
   // on a stream of ours (the library's own workspace for it).

@@ -25,7 +25,7 @@ struct QuantizeParams {
   int64_t m, k;
   int num_groups;
   int tile_rows;    // rows per tile of this launch
-  int col_tiles;    // ceil(k / 128)
+  int col_tiles;    // ceil(k / (16384 / tile_rows))
   int total_tiles;  // row tiles over all groups
   const float* scale;  // delayed: [G] device
   uint8_t* row_data;
@@ -47,7 +47,8 @@ struct QuantizeParams {
   int32_t row_scale_off[kMaxGpuGroups + 1];
   int32_t col_scale_off[kMaxGpuGroups + 1];
   // The persistent quantize pass walks `num_items` work items. Without
-  // fuse_amax an item is one 128 x 128 tile (row tile item / col_tiles). With
+  // fuse_amax an item is one tile_rows x 16384 / tile_rows tile (row tile
+  // item / col_tiles; the fused pass has 128 x 128 tiles only). With
   // fuse_amax (current scaling, one launch) the items are the amax tiles and
   // the quantize tiles of `num_batches` batches of whole groups, in phases:
   // phase b holds batch b's amax tiles and batch b-1's quantize tiles, the
