@@ -137,13 +137,20 @@ absl::StatusOr<QuantizeLayout> GetQuantizeLayout(const GroupedQuantizeArgs& a) {
 absl::Status ValidateGroupedQuantizeArgs(const GroupedQuantizeArgs& a) {
   auto layout = GetQuantizeLayout(a);
   if (!layout.ok()) return layout.status();
+  // A pointer may be null only where its tensor has no elements (no rows;
+  // no scale entries, as with MXFP8 or block scaling when every group is
+  // empty).
   if (a.x == nullptr && a.m > 0) return absl::InvalidArgumentError("x: null");
-  if (a.rowwise && a.rowwise_data == nullptr) return absl::InvalidArgumentError("rowwise_data: null with rowwise");
-  if (a.rowwise && a.rowwise_scale_inv == nullptr) {
+  if (a.rowwise && a.rowwise_data == nullptr && a.m > 0) {
+    return absl::InvalidArgumentError("rowwise_data: null with rowwise");
+  }
+  if (a.rowwise && a.rowwise_scale_inv == nullptr && layout->rowwise_scale_elems > 0) {
     return absl::InvalidArgumentError("rowwise_scale_inv: null with rowwise");
   }
-  if (a.colwise && a.colwise_data == nullptr) return absl::InvalidArgumentError("colwise_data: null with colwise");
-  if (a.colwise && a.colwise_scale_inv == nullptr) {
+  if (a.colwise && a.colwise_data == nullptr && a.m > 0) {
+    return absl::InvalidArgumentError("colwise_data: null with colwise");
+  }
+  if (a.colwise && a.colwise_scale_inv == nullptr && layout->colwise_scale_elems > 0) {
     return absl::InvalidArgumentError("colwise_scale_inv: null with colwise");
   }
   if (IsTensorMode(a.mode) && a.amax == nullptr && a.num_groups > 0) {
@@ -303,7 +310,8 @@ absl::Status GroupedDequantize(const GroupedDequantizeArgs& d) {
   auto layout = GetQuantizeLayout(a);
   if (!layout.ok()) return layout.status();
   if (d.data == nullptr && d.m > 0) return absl::InvalidArgumentError("data: null");
-  if (d.scale_inv == nullptr && d.num_groups > 0) return absl::InvalidArgumentError("scale_inv: null");
+  const int64_t scale_elems = d.colwise ? layout->colwise_scale_elems : layout->rowwise_scale_elems;
+  if (d.scale_inv == nullptr && scale_elems > 0) return absl::InvalidArgumentError("scale_inv: null");
   if (d.out == nullptr && d.m > 0) return absl::InvalidArgumentError("out: null");
   if (!IsQuantizeInput(d.out_dtype)) {
     return absl::InvalidArgumentError(absl::StrCat("out_dtype: ", DTypeName(d.out_dtype), " is not bf16, f16 or f32"));

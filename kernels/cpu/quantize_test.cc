@@ -1,5 +1,6 @@
 #include "kernels/cpu/quantize.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -145,6 +146,37 @@ TEST(QuantizeValidationTest, NamesTheField) {
   expect(b, "rowwise/colwise");
   b = a, b.x = nullptr;
   expect(b, "x");
+  b = a, b.rowwise_scale_inv = nullptr;
+  expect(b, "rowwise_scale_inv");
+}
+
+// Tensors with no elements may come as null pointers: MXFP8 with every group
+// empty has no scale entries, and its rows past the groups are zeroed.
+TEST(QuantizeValidationTest, EmptyTensorsMayBeNull) {
+  std::vector<int64_t> gs = {0, 0};
+  std::vector<uint16_t> x(3 * 64, 0x3f80);  // 1.0 in bf16
+  std::vector<uint8_t> row(3 * 64, 0x5a), col(3 * 64, 0x5a);
+  GroupedQuantizeArgs a;
+  a.x = x.data(), a.x_dtype = DType::kBF16, a.m = 3, a.k = 64, a.group_sizes = gs.data(), a.num_groups = 2;
+  a.mode = ScalingMode::kMxfp8, a.rowwise = true, a.colwise = true;
+  a.rowwise_data = row.data(), a.colwise_data = col.data();
+  absl::StatusOr<QuantizeLayout> l = GetQuantizeLayout(a);
+  ASSERT_TRUE(l.ok()) << l.status();
+  EXPECT_EQ(l->rowwise_scale_elems, 0);
+  EXPECT_EQ(l->colwise_scale_elems, 0);
+  ASSERT_TRUE(cpu::GroupedQuantize(a).ok());
+  EXPECT_EQ(std::count(row.begin(), row.end(), 0), 3 * 64);
+  EXPECT_EQ(std::count(col.begin(), col.end(), 0), 3 * 64);
+  // So may dequantize's scales.
+  GroupedDequantizeArgs d;
+  std::vector<float> out(3 * 64, 7.0f);
+  d.data = row.data(), d.m = 3, d.k = 64, d.group_sizes = gs.data(), d.num_groups = 2;
+  d.mode = ScalingMode::kMxfp8, d.out_dtype = DType::kF32, d.out = out.data();
+  ASSERT_TRUE(cpu::GroupedDequantize(d).ok());
+  EXPECT_EQ(std::count(out.begin(), out.end(), 0.0f), 3 * 64);
+  // With rows, a null data pointer is still an error.
+  a.rowwise_data = nullptr;
+  EXPECT_THAT(std::string(ValidateGroupedQuantizeArgs(a).message()), HasSubstr("rowwise_data"));
 }
 
 TEST(QuantizeLayoutTest, FlattenHigherRank) {

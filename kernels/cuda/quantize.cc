@@ -255,7 +255,8 @@ absl::Status GroupedDequantize(const GroupedDequantizeArgs& d, cudaStream_t stre
   if (!layout.ok()) return layout.status();
   if (absl::Status s = CheckGpuShape(d.m, d.k, d.num_groups); !s.ok()) return s;
   if (d.data == nullptr && d.m > 0) return absl::InvalidArgumentError("data: null");
-  if (d.scale_inv == nullptr && d.num_groups > 0) return absl::InvalidArgumentError("scale_inv: null");
+  const int64_t scale_elems = d.colwise ? layout->colwise_scale_elems : layout->rowwise_scale_elems;
+  if (d.scale_inv == nullptr && scale_elems > 0) return absl::InvalidArgumentError("scale_inv: null");
   if (d.out == nullptr && d.m > 0) return absl::InvalidArgumentError("out: null");
   if (d.out_dtype != DType::kBF16 && d.out_dtype != DType::kF16 && d.out_dtype != DType::kF32) {
     return absl::InvalidArgumentError(absl::StrCat("out_dtype: ", DTypeName(d.out_dtype), " is not bf16, f16 or f32"));

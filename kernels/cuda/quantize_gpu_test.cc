@@ -369,9 +369,8 @@ TEST(QuantizeGpuTest, LargeUnevenGroups) {
     }
   }
   // Every group empty: the one-block launch still publishes amax (zeros)
-  // and the tensor scales. (MXFP8 has no scale entries then; the reference
-  // rejects the null pointers of the empty scale tensors.)
-  for (ScalingMode mode : {ScalingMode::kCurrent, ScalingMode::kDelayed}) {
+  // and the tensor scales (MXFP8: no scale entries, null pointers).
+  for (ScalingMode mode : {ScalingMode::kCurrent, ScalingMode::kDelayed, ScalingMode::kMxfp8}) {
     Case c{mode, Fp8Format::kE4M3, DType::kBF16, true, true, 1024, {0, 0, 0}, 5, false, false};
     RunCase(c, seed++);
     if (HasFatalFailure()) return;
