@@ -184,14 +184,18 @@ absl::Status GroupedQuantize(const GroupedQuantizeArgs& a) {
   const float fmax = Fp8Max(a.format);
   
   auto x_at = [&](int64_t r, int64_t c) { return LoadFloat(a.x, a.x_dtype, r * k + c); };
-  // Padding: zero everything first (data tail rows, scale padding).
+  // Padding: zero everything first (data tail rows, scale padding). Empty
+  // tensors may come as null pointers: nothing is written to them.
+  auto zero = [](void* p, int64_t bytes) {
+    if (bytes > 0) std::memset(p, 0, static_cast<size_t>(bytes));
+  };
   if (a.rowwise) {
-    std::memset(a.rowwise_data + used_rows * k, 0, static_cast<size_t>((a.m - used_rows) * k));
-    std::memset(a.rowwise_scale_inv, 0, static_cast<size_t>(l.rowwise_scale_elems * l.scale_bytes));
+    zero(a.rowwise_data + used_rows * k, (a.m - used_rows) * k);
+    zero(a.rowwise_scale_inv, l.rowwise_scale_elems * l.scale_bytes);
   }
   if (a.colwise) {
-    std::memset(a.colwise_data + used_rows * k, 0, static_cast<size_t>((a.m - used_rows) * k));
-    std::memset(a.colwise_scale_inv, 0, static_cast<size_t>(l.colwise_scale_elems * l.scale_bytes));
+    zero(a.colwise_data + used_rows * k, (a.m - used_rows) * k);
+    zero(a.colwise_scale_inv, l.colwise_scale_elems * l.scale_bytes);
   }
   float* rs = static_cast<float*>(a.rowwise_scale_inv);
   float* cs = static_cast<float*>(a.colwise_scale_inv);
