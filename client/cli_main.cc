@@ -402,14 +402,14 @@ int Gemm() {
 // scale may clip a block's largest values).
 struct FormatBounds {
   Fp8Format fmt;
-  double rel, tiny, max;
+  double rel, tiny;
 };
 
 struct QuantizeCheck {
   int64_t bad = 0;
   double worst = 0;
   void Add(const FormatBounds& f, double want, uint8_t q, double scale_inv) {
-    const double clipped = std::copysign(std::min(std::fabs(want), f.max * scale_inv), want);
+    const double clipped = std::copysign(std::min(std::fabs(want), Fp8Max(f.fmt) * scale_inv), want);
     const double err = std::fabs(Fp8ToFloat(q, f.fmt) * scale_inv - clipped);
     const double bound = std::max(f.rel * std::fabs(clipped), f.tiny * scale_inv);
     worst = std::max(worst, err / bound);
@@ -611,8 +611,8 @@ int Quantize() {
     std::cout << "\n";
   }
   if (!absl::GetFlag(FLAGS_check)) return 0;
-  const FormatBounds f = e5m2 ? FormatBounds{Fp8Format::kE5M2, 0.125, std::ldexp(1.0, -17), Fp8Max(Fp8Format::kE5M2)}
-                              : FormatBounds{Fp8Format::kE4M3, 0.0625, std::ldexp(1.0, -10), Fp8Max(Fp8Format::kE4M3)};
+  const FormatBounds f = e5m2 ? FormatBounds{Fp8Format::kE5M2, 0.125, std::ldexp(1.0, -17)}
+                              : FormatBounds{Fp8Format::kE4M3, 0.0625, std::ldexp(1.0, -10)};
   QuantizeCheck check;
   if (block) {
     if (auto s = CheckBlockScaled(x, *r, request, *sizes, f, &check); !s.ok()) return Fail(s);

@@ -10,7 +10,7 @@ import reference
 from shardgemm_client import from_tensor, pb, to_tensor
 
 rng = np.random.default_rng(5)
-FMT = {pb.F8E4M3: "e4m3", pb.F8E5M2: "e5m2"}
+FORMATS = {"e4m3": pb.F8E4M3, "e5m2": pb.F8E5M2}
 
 
 def quantize(client, x, sizes, spec="", gs_spec="", out=pb.F8E4M3, scaling=pb.CURRENT,
@@ -24,12 +24,12 @@ def quantize(client, x, sizes, spec="", gs_spec="", out=pb.F8E4M3, scaling=pb.CU
     return client.stub.GroupedQuantize(req, timeout=60)
 
 
-@pytest.mark.parametrize("out", [pb.F8E4M3, pb.F8E5M2])
-def test_single_worker_current_scaling_matches_numpy(cluster, out):
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_single_worker_current_scaling_matches_numpy(cluster, fmt):
     x = (rng.standard_normal((64, 32)) * 3).astype(ml_dtypes.bfloat16)
     sizes = [20, 0, 30, 10]
-    r = quantize(cluster.client, x, sizes, out=out)
-    data, scale_inv, amax = reference.quantize_current(x, sizes, FMT[out])
+    r = quantize(cluster.client, x, sizes, out=FORMATS[fmt])
+    data, scale_inv, amax = reference.quantize_current(x, sizes, fmt)
     got = from_tensor(r.rowwise_data)
     assert np.array_equal(got.view(np.uint8), data)
     assert np.array_equal(from_tensor(r.scale_inv), scale_inv)
@@ -116,7 +116,6 @@ def test_cli_quantize_sharded_with_check(cluster_factory):
 
 BLOCK_MODES = {"mxfp8": (pb.MXFP8, False, 32), "block": (pb.BLOCK_FP8, False, 128),
                "block2d": (pb.BLOCK_FP8, True, 128)}
-FORMATS = {"e4m3": pb.F8E4M3, "e5m2": pb.F8E5M2}
 DIRECTIONS = [(True, False), (False, True), (True, True)]
 
 

@@ -18,7 +18,6 @@
 namespace shardgemm {
 namespace {
 
-
 // Rows before `dim` (the product of the leading dimensions).
 int64_t Outer(const std::vector<int64_t>& shape, int dim) {
   int64_t outer = 1;

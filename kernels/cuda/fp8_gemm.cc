@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/cuda/cuda_status.h"
 
 namespace shardgemm {
 namespace cuda {
@@ -74,13 +75,10 @@ absl::Status Fp8GroupedGemm(const Fp8GroupedGemmArgs& a, cublasLtHandle_t handle
 
   const int64_t used = ll->row_offset[a.num_groups];
   const int es = DTypeSize(a.out_dtype);
-  auto cuda_err = [](cudaError_t e, const char* what) {
-    return absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorString(e)));
-  };
   if (used < a.m) {
     cudaError_t e = cudaMemsetAsync(static_cast<char*>(a.out) + used * a.n * es, 0,
                                     static_cast<size_t>((a.m - used) * a.n * es), stream);
-    if (e != cudaSuccess) return cuda_err(e, "cudaMemsetAsync");
+    if (e != cudaSuccess) return CudaStatus(e, "cudaMemsetAsync");
   }
   const cudaDataType_t out_type =
       a.out_dtype == DType::kBF16 ? CUDA_R_16BF : a.out_dtype == DType::kF16 ? CUDA_R_16F : CUDA_R_32F;
@@ -102,7 +100,7 @@ absl::Status Fp8GroupedGemm(const Fp8GroupedGemmArgs& a, cublasLtHandle_t handle
   const int64_t scratch_bytes = lslot[a.num_groups] + rslot[a.num_groups];
   if (scratch_bytes > 0) {
     cudaError_t e = cudaMallocAsync(reinterpret_cast<void**>(&scratch), static_cast<size_t>(scratch_bytes), stream);
-    if (e != cudaSuccess) return cuda_err(e, "cudaMallocAsync");
+    if (e != cudaSuccess) return CudaStatus(e, "cudaMallocAsync");
   }
   struct Freer {
     void* p;
@@ -130,7 +128,7 @@ absl::Status Fp8GroupedGemm(const Fp8GroupedGemmArgs& a, cublasLtHandle_t handle
         }
       }
     }
-    if (e != cudaSuccess) return cuda_err(e, "scale copy");
+    if (e != cudaSuccess) return CudaStatus(e, "scale copy");
   }
 
   // One FP8 matmul: D [n x cols] = A^T [n x k] * B [k x cols], trying cuBLASLt's top algorithms in turn.
@@ -206,7 +204,7 @@ absl::Status Fp8GroupedGemm(const Fp8GroupedGemmArgs& a, cublasLtHandle_t handle
     const int64_t b_bytes = slot_bytes(mp * a.k), d_bytes = slot_bytes(mp * a.n * es), s_bytes = kb * mp * 4;
     cudaError_t e = cudaMallocAsync(reinterpret_cast<void**>(&pad), static_cast<size_t>(b_bytes + d_bytes + s_bytes),
                                     stream);
-    if (e != cudaSuccess) return cuda_err(e, "cudaMallocAsync");
+    if (e != cudaSuccess) return CudaStatus(e, "cudaMallocAsync");
     Freer free_pad{pad, stream};
     char* pb = pad;
     char* pd = pad + b_bytes;
@@ -221,7 +219,7 @@ absl::Status Fp8GroupedGemm(const Fp8GroupedGemmArgs& a, cublasLtHandle_t handle
                               static_cast<size_t>(mg * 4), static_cast<size_t>(kb), cudaMemcpyDeviceToDevice, stream);
       }
     }
-    if (e != cudaSuccess) return cuda_err(e, "padding copy");
+    if (e != cudaSuccess) return CudaStatus(e, "padding copy");
     if (!matmul(A, pb, pd, mp, a_scale, tensor ? b_scale : ps)) {
       return absl::UnimplementedError(absl::StrCat(mode_name, " FP8 GEMM (", Fp8FormatName(a.rhs_format), " x ",
                                                    Fp8FormatName(a.lhs_format), ", n=", a.n, " k=", a.k,
@@ -229,7 +227,7 @@ absl::Status Fp8GroupedGemm(const Fp8GroupedGemmArgs& a, cublasLtHandle_t handle
                                                    last_error));
     }
     e = cudaMemcpyAsync(D, pd, static_cast<size_t>(mg * a.n * es), cudaMemcpyDeviceToDevice, stream);
-    if (e != cudaSuccess) return cuda_err(e, "padding copy back");
+    if (e != cudaSuccess) return CudaStatus(e, "padding copy back");
     if (a.stats) ++a.stats->padded_groups;
   }
   return absl::OkStatus();

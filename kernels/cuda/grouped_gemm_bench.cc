@@ -203,10 +203,8 @@ int Main(int argc, char** argv) {
     }
   }
   for (const Preset& p : presets) {
-    const int64_t M = p.g * p.m;
     const uint64_t lhs_seed = seed++, rhs_seed = seed++;
     PresetBuffers b(p, lhs_seed, rhs_seed, s);
-    void* out = b.out;
     for (const Variant& v : Variants(p)) {
       DeviceGroupedGemmArgs a = b.Args(p, v, s);
       int64_t rows = 0;
@@ -229,7 +227,7 @@ int Main(int argc, char** argv) {
         absl::Status status = runner.RaggedM(a, s);
         if (status.ok()) {
           CHECK_CUDA(cudaStreamSynchronize(s));
-          CHECK_CUDA(testing::Poison(out, M * p.n * 2, s));
+          CHECK_CUDA(testing::Poison(b.out, p.g * p.m * p.n * 2, s));
           status = runner.RaggedM(a, s);
         }
         if (!status.ok()) {

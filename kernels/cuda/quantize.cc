@@ -11,6 +11,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "kernels/cuda/cuda_status.h"
 #include "kernels/cuda/quantize_kernels.cuh"
 
 namespace shardgemm {
@@ -18,10 +19,6 @@ namespace cuda {
 namespace {
 
 using cuda_internal::kMaxGpuGroups;
-
-absl::Status CudaError(cudaError_t e, const char* what) {
-  return absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorString(e)));
-}
 
 int DTypeCode(DType d) { return d == DType::kBF16 ? 0 : d == DType::kF16 ? 1 : 2; }
 
@@ -56,10 +53,10 @@ absl::StatusOr<int32_t*> LaunchWorkspace(cudaStream_t stream, const GpuQuantizeO
   if (stream == nullptr || stream == cudaStreamLegacy || stream == cudaStreamPerThread) return nullptr;
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   cudaError_t e = cudaStreamIsCapturing(stream, &capture);
-  if (e != cudaSuccess) return CudaError(e, "cudaStreamIsCapturing");
+  if (e != cudaSuccess) return CudaStatus(e, "cudaStreamIsCapturing");
   if (capture != cudaStreamCaptureStatusNone) return nullptr;
   unsigned long long id = 0;
-  if ((e = cudaStreamGetId(stream, &id)) != cudaSuccess) return CudaError(e, "cudaStreamGetId");
+  if ((e = cudaStreamGetId(stream, &id)) != cudaSuccess) return CudaStatus(e, "cudaStreamGetId");
   static std::mutex mu;
   static auto* cache = new std::map<unsigned long long, int32_t*>();
   std::lock_guard<std::mutex> lock(mu);
@@ -67,12 +64,12 @@ absl::StatusOr<int32_t*> LaunchWorkspace(cudaStream_t stream, const GpuQuantizeO
   if (it != cache->end()) return it->second;
   void* w = nullptr;
   const size_t bytes = QuantizeWorkspaceBytes();
-  if ((e = cudaMalloc(&w, bytes)) != cudaSuccess) return CudaError(e, "cudaMalloc (quantize workspace)");
+  if ((e = cudaMalloc(&w, bytes)) != cudaSuccess) return CudaStatus(e, "cudaMalloc (quantize workspace)");
   // On the stream itself: a plain cudaMemset runs on the legacy stream, which
   // does not order against a non-blocking stream's first launch.
   if ((e = cudaMemsetAsync(w, 0, bytes, stream)) != cudaSuccess) {
     cudaFree(w);
-    return CudaError(e, "cudaMemsetAsync (quantize workspace)");
+    return CudaStatus(e, "cudaMemsetAsync (quantize workspace)");
   }
   (*cache)[id] = static_cast<int32_t*>(w);
   return static_cast<int32_t*>(w);
@@ -156,8 +153,6 @@ absl::Status GroupedQuantize(const GroupedQuantizeArgs& a, cudaStream_t stream, 
   } else {
     p->amax = a.amax;
   }
-  // MXFP8's scale padding is written by the kernel (no memsets either).
-  p->pad_mx_scales = a.mode == ScalingMode::kMxfp8;
   int64_t tiles = 0;
   for (int64_t g = 0; g <= a.num_groups; ++g) {
     p->row_off[g] = static_cast<int32_t>(l.row_offset[g]);
@@ -175,7 +170,7 @@ absl::Status GroupedQuantize(const GroupedQuantizeArgs& a, cudaStream_t stream, 
   if (a.amax != nullptr && a.num_groups > 0 && !amax_in_workspace) {
     e = cudaMemsetAsync(a.amax, 0, sizeof(float) * a.num_groups, stream);
   }
-  // Scales the tiles do not write: block scaling's padding.
+  // Scales no kernel writes: block scaling's padding (MXFP8's kernel zeroes its own).
   const bool scales_need_zeroing = a.mode == ScalingMode::kBlock1x128 || a.mode == ScalingMode::kBlock128x128;
   if (e == cudaSuccess && a.rowwise && tail) e = cudaMemsetAsync(a.rowwise_data + used * a.k, 0, tail, stream);
   if (e == cudaSuccess && a.colwise && tail) e = cudaMemsetAsync(a.colwise_data + used * a.k, 0, tail, stream);
@@ -185,7 +180,7 @@ absl::Status GroupedQuantize(const GroupedQuantizeArgs& a, cudaStream_t stream, 
   if (e == cudaSuccess && scales_need_zeroing && a.colwise && l.colwise_scale_elems) {
     e = cudaMemsetAsync(a.colwise_scale_inv, 0, static_cast<size_t>(l.colwise_scale_elems * l.scale_bytes), stream);
   }
-  if (e != cudaSuccess) return CudaError(e, "cudaMemsetAsync");
+  if (e != cudaSuccess) return CudaStatus(e, "cudaMemsetAsync");
   p->num_items = static_cast<int>(tiles * p->col_tiles);
   // A failed launch may follow one that reduced into the workspace (or the
   // error may be an earlier call's, reported by cudaGetLastError with the
@@ -193,7 +188,7 @@ absl::Status GroupedQuantize(const GroupedQuantizeArgs& a, cudaStream_t stream, 
   // (best effort; the launch error is what the caller gets).
   auto fail_launch = [&](cudaError_t err, const char* what) {
     if (p->workspace != nullptr) (void)cudaMemsetAsync(p->workspace, 0, QuantizeWorkspaceBytes(), stream);
-    return CudaError(err, what);
+    return CudaStatus(err, what);
   };
   if (tiles > 0 && fused) {
     if (*ws != nullptr) {
@@ -275,21 +270,21 @@ absl::Status GroupedDequantize(const GroupedDequantizeArgs& d, cudaStream_t stre
     }
   }
   cudaError_t e = cuda_internal::LaunchGroupedDequantize(*p, stream);
-  if (e != cudaSuccess) return CudaError(e, "grouped dequantize kernel");
+  if (e != cudaSuccess) return CudaStatus(e, "grouped dequantize kernel");
   return absl::OkStatus();
 }
 
 absl::StatusOr<unsigned long long> ExhaustiveConversionMismatches(cudaStream_t stream) {
   unsigned long long* d = nullptr;
   cudaError_t e = cudaMalloc(reinterpret_cast<void**>(&d), 2 * sizeof(unsigned long long));
-  if (e != cudaSuccess) return CudaError(e, "cudaMalloc");
+  if (e != cudaSuccess) return CudaStatus(e, "cudaMalloc");
   unsigned long long h[2] = {0, 0};
   e = cudaMemsetAsync(d, 0, sizeof(h), stream);
   if (e == cudaSuccess) e = cuda_internal::LaunchExhaustiveCvtCheck(d, stream);
   if (e == cudaSuccess) e = cudaMemcpyAsync(h, d, sizeof(h), cudaMemcpyDeviceToHost, stream);
   if (e == cudaSuccess) e = cudaStreamSynchronize(stream);
   cudaFree(d);
-  if (e != cudaSuccess) return CudaError(e, "conversion check");
+  if (e != cudaSuccess) return CudaStatus(e, "conversion check");
   return h[0] + h[1];
 }
 

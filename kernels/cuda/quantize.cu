@@ -659,8 +659,8 @@ __device__ __forceinline__ void QuantizeTile(const QuantizeParams& p, const Tile
   // Tile amax: the 128x128 block's scale, the fused per-group amax, and
   // whether the tile holds a NaN (max |x| bits are NaN-propagating); current
   // scaling knows that from the group's amax.
-  // Whole delayed and MXFP8 tiles find it in a pass that reads the
-  // tile anyway (the rowwise chunks, the column maxima), with no pass of its own.
+  // Whole delayed and MXFP8 tiles find it in a pass that reads the tile
+  // anyway (delayed: the rowwise chunks; MXFP8: its scale pre-passes).
   float bscale = 1.0f;
   bool tile_nan = MODE == kModeCurrent && (FloatBits(tscale_amax) & 0x7fffffffu) > 0x7f800000u;
   const bool amax_in_pass = FULL && (MODE == kModeDelayed || MODE == kModeMx);
@@ -720,21 +720,11 @@ __device__ __forceinline__ void QuantizeTile(const QuantizeParams& p, const Tile
         run_amax = max(run_amax, cm);
         chunk_nan = cm > 0x7f800000u;
       }
-      if constexpr (MODE == kModeMx) {  // 32-element block = 4 adjacent lanes
-        uint32_t b;
-        if constexpr (FULL) {  // 16-bit input, OCP recipe (QuantizeAnyTile)
-          const uint32_t m2 = __vmaxu2(__vmaxu2(v.w[0] & 0x7fff7fffu, v.w[1] & 0x7fff7fffu),
-                                       __vmaxu2(v.w[2] & 0x7fff7fffu, v.w[3] & 0x7fff7fffu));
-          uint32_t m = max(m2 & 0xffffu, m2 >> 16);
-          m = max(m, __shfl_xor_sync(0xffffffffu, m, 1));
-          m = max(m, __shfl_xor_sync(0xffffffffu, m, 2));
-          b = MxCodeOcp16<DT>(m, fmt);
-        } else {
-          uint32_t m = ChunkAbsMax<DT>(v);
-          m = max(m, __shfl_xor_sync(0xffffffffu, m, 1));
-          m = max(m, __shfl_xor_sync(0xffffffffu, m, 2));
-          b = MxCode(m, fmt, p.mx_recipe);
-        }
+      if constexpr (MODE == kModeMx) {  // 32-element block = 4 adjacent lanes (whole tiles: QuantizeMxTileFull)
+        uint32_t m = ChunkAbsMax<DT>(v);
+        m = max(m, __shfl_xor_sync(0xffffffffu, m, 1));
+        m = max(m, __shfl_xor_sync(0xffffffffu, m, 2));
+        const uint32_t b = MxCode(m, fmt, p.mx_recipe);
         if (valid && (cc & 3) == 0) *mx_scale = static_cast<uint8_t>(b);
         mx_scale += kStep * mx_ld;
         nan_block = b == kE8M0Nan;
@@ -944,8 +934,8 @@ __device__ __forceinline__ void QuantizeAnyTile(const QuantizeParams& p, const T
   QuantizeTile<DT, MODE, FMT, false, TR>(p, tg, tile, tscale, tscale_amax, red, col_red);
 }
 
-// MXFP8 with p.pad_mx_scales: the zeros of the scale tensors' padding (the
-// layout of kernels/cpu/quantize.h), which no tile writes. Block b takes
+// MXFP8: the zeros of the scale tensors' padding (the layout of
+// kernels/cpu/quantize.h), which no tile writes (so no memset runs first). Block b takes
 // groups b, b + gridDim.x, ...; empty groups have no scale rows.
 //   rowwise [RoundUp(m_g, 128)][RoundUp(k / 32, 4)]: rows m_g.., and the
 //           columns past k / 32 of every row;
@@ -1038,9 +1028,7 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(DT, MODE)) QuantizeKernel(
       LoadTile<DT, TR>(p, tg, smem_raw);
     }
     CpAsyncCommit();
-    if constexpr (MODE == kModeMx) {
-      if (p.pad_mx_scales) ZeroMxScalePadding(p);  // while the first tile streams in
-    }
+    if constexpr (MODE == kModeMx) ZeroMxScalePadding(p);  // while the first tile streams in
     int buf = 0;
 #pragma unroll 1
     for (; i < p.num_items; i += stride) {
@@ -1065,69 +1053,60 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(DT, MODE)) QuantizeKernel(
     }
     CpAsyncWait<0>();
     if (p.workspace != nullptr) FinishWithWorkspace(p, &s_last);
-    return;
-  }
-
-  int cur, nxt;
-  if (fused) {
+  } else {
+    // The fused pass: items are claimed from the workspace's counter, two
+    // ahead, so a block only waits on amax tiles that running blocks hold.
     if (tid == 0) {
       s_claim = atomicAdd(&ws->next_item, 1);
       s_last = atomicAdd(&ws->next_item, 1);
     }
     __syncthreads();
-    cur = s_claim, nxt = s_last;
-  } else {
-    cur = blockIdx.x, nxt = cur + gridDim.x;
-  }
-  Item it_cur, it_nxt;
-  int buf = 0;
-  if (cur < p.num_items) {
-    it_cur = DecodeItem(p, cur);
-    LoadTile<DT, TR>(p, GeomOf<TR>(p, it_cur), smem_raw);
-  }
-  CpAsyncCommit();
-  while (cur < p.num_items) {
-    if (nxt < p.num_items) {
-      it_nxt = DecodeItem(p, nxt);
-      LoadTile<DT, TR>(p, GeomOf<TR>(p, it_nxt), smem_raw + (buf ^ 1) * TileBytes<DT>());
+    int cur = s_claim, nxt = s_last;
+    Item it_cur, it_nxt;
+    int buf = 0;
+    if (cur < p.num_items) {
+      it_cur = DecodeItem(p, cur);
+      LoadTile<DT, TR>(p, GeomOf<TR>(p, it_cur), smem_raw);
     }
     CpAsyncCommit();
-    int claimed = 0;
-    if (fused && tid == 0) claimed = atomicAdd(&ws->next_item, 1);  // two ahead: its latency hides here
-    CpAsyncWait<1>();  // every group but the newest: the current tile is in
-    __syncthreads();
-    T* tile = reinterpret_cast<T*>(smem_raw + buf * TileBytes<DT>());
-    const TileGeom tg = GeomOf<TR>(p, it_cur);
-    if (fused && it_cur.amax) {
-      const uint32_t tam = BlockMax(TileAbsMaxPart<DT, TR>(tile), red);
-      if (tid == 0) {
-        if (tam != 0) atomicMax(reinterpret_cast<unsigned int*>(p.amax) + tg.g, tam);
-        __threadfence();
-        atomicAdd(&ws->amax_tiles_done[it_cur.batch], 1);
+    while (cur < p.num_items) {
+      if (nxt < p.num_items) {
+        it_nxt = DecodeItem(p, nxt);
+        LoadTile<DT, TR>(p, GeomOf<TR>(p, it_nxt), smem_raw + (buf ^ 1) * TileBytes<DT>());
       }
-    } else {
-      float tscale = 1.0f, gamax = 0.0f;
-      if constexpr (MODE == kModeCurrent) {
-        if (fused) {
-          if (tid == 0) {
-            const int need = (p.batch_tile_off[it_cur.batch + 1] - p.batch_tile_off[it_cur.batch]) * p.col_tiles;
-            while (LoadAcquire(&ws->amax_tiles_done[it_cur.batch]) < need) __nanosleep(64);
-          }
-          __syncthreads();
+      CpAsyncCommit();
+      int claimed = 0;
+      if (tid == 0) claimed = atomicAdd(&ws->next_item, 1);  // two ahead: its latency hides here
+      CpAsyncWait<1>();  // every group but the newest: the current tile is in
+      __syncthreads();
+      T* tile = reinterpret_cast<T*>(smem_raw + buf * TileBytes<DT>());
+      const TileGeom tg = GeomOf<TR>(p, it_cur);
+      if (it_cur.amax) {
+        const uint32_t tam = BlockMax(TileAbsMaxPart<DT, TR>(tile), red);
+        if (tid == 0) {
+          if (tam != 0) atomicMax(reinterpret_cast<unsigned int*>(p.amax) + tg.g, tam);
+          __threadfence();
+          atomicAdd(&ws->amax_tiles_done[it_cur.batch], 1);
         }
-        gamax = __ldcg(p.amax + tg.g);
-        tscale = ScaleFromAmax(gamax, Fp8Max(static_cast<Fp8Format>(FMT)), p.pow2);
+      } else {
+        if (tid == 0) {
+          const int need = (p.batch_tile_off[it_cur.batch + 1] - p.batch_tile_off[it_cur.batch]) * p.col_tiles;
+          while (LoadAcquire(&ws->amax_tiles_done[it_cur.batch]) < need) __nanosleep(64);
+        }
+        __syncthreads();
+        const float gamax = __ldcg(p.amax + tg.g);
+        const float tscale = ScaleFromAmax(gamax, Fp8Max(static_cast<Fp8Format>(FMT)), p.pow2);
+        QuantizeAnyTile<DT, MODE, FMT, TR, false>(p, tg, tile, tscale, gamax, red, col_red);
       }
-      QuantizeAnyTile<DT, MODE, FMT, TR, !FUSED>(p, tg, tile, tscale, gamax, red, col_red);
+      if (tid == 0) s_claim = claimed;
+      __syncthreads();  // this buffer is free again; s_claim is visible
+      cur = nxt, it_cur = it_nxt;
+      nxt = s_claim;
+      buf ^= 1;
     }
-    if (fused && tid == 0) s_claim = claimed;
-    __syncthreads();  // this buffer is free again; s_claim is visible
-    cur = nxt, it_cur = it_nxt;
-    nxt = fused ? s_claim : nxt + static_cast<int>(gridDim.x);
-    buf ^= 1;
+    CpAsyncWait<0>();
+    FinishWithWorkspace(p, &s_last);  // the fused pass always has a workspace
   }
-  CpAsyncWait<0>();
-  if (p.workspace != nullptr) FinishWithWorkspace(p, &s_last);
 }
 
 template <int DT, int MODE, int FMT>

@@ -39,9 +39,6 @@ struct QuantizeParams {
   // With a workspace (amax above is the workspace's): the caller's amax, which
   // the launch's last block writes. Null otherwise.
   float* amax_out;
-  // MXFP8: the kernel writes the scale tensors' padding (zeros) itself, so no
-  // memset runs before it.
-  bool pad_mx_scales;
   int32_t row_off[kMaxGpuGroups + 1];
   int32_t tile_off[kMaxGpuGroups + 1];  // prefix sum of ceil(m_g / tile_rows)
   int32_t row_scale_off[kMaxGpuGroups + 1];

@@ -255,7 +255,6 @@ IdExchange InProcessIdExchange(std::chrono::seconds timeout) {
   std::_Exit(1);  // peers may be stuck inside a collective: do not wait for them
 }
 
-
 // One rank's side of a backend.
 class Runner {
  public:
