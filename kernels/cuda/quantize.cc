@@ -86,8 +86,8 @@ absl::StatusOr<int32_t*> LaunchWorkspace(cudaStream_t stream, const GpuQuantizeO
 // big groups, more ahead of 32 x 512) unless 128-row tiles would be under 7/8
 // full, as with 64-row groups.
 int QuantizeTileRows(const GroupedQuantizeArgs& a, bool fused, const GpuQuantizeOptions& options) {
-  const bool short_ok = !fused && (a.mode == ScalingMode::kCurrent || a.mode == ScalingMode::kDelayed ||
-                                   a.mode == ScalingMode::kMxfp8);
+  const bool short_ok =
+      !fused && (a.mode == ScalingMode::kCurrent || a.mode == ScalingMode::kDelayed || a.mode == ScalingMode::kMxfp8);
   if (!short_ok) return 128;
   if (options.tile_rows != 0) return options.tile_rows;
   if (a.mode == ScalingMode::kMxfp8) return a.k % 512 == 0 ? 32 : 64;
@@ -131,8 +131,7 @@ absl::Status GroupedQuantize(const GroupedQuantizeArgs& a, cudaStream_t stream, 
   p->fuse_amax = false;
   p->m = a.m, p->k = a.k;
   p->num_groups = static_cast<int>(a.num_groups);
-  const bool fused = a.mode == ScalingMode::kCurrent &&
-                     options.current_pass == GpuQuantizeOptions::CurrentPass::kFused;
+  const bool fused = a.mode == ScalingMode::kCurrent && options.current_pass == GpuQuantizeOptions::CurrentPass::kFused;
   p->tile_rows = QuantizeTileRows(a, fused, options);
   const int64_t tile_cols = 16384 / p->tile_rows;
   p->col_tiles = static_cast<int>((a.k + tile_cols - 1) / tile_cols);
