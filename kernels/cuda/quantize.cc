@@ -99,6 +99,39 @@ int QuantizeTileRows(const GroupedQuantizeArgs& a, bool fused, const GpuQuantize
   return used * 8 < tile_rows_128 * 7 ? 64 : 128;
 }
 
+// Why the one-shot kernel (quantize_oneshot.cu) cannot take the call, or OK
+// (GpuQuantizeOptions::Kernel lists what it takes). A request for it that
+// fails here is the caller's INVALID_ARGUMENT; kAuto takes the tiled kernels.
+absl::Status OneShotFits(const GroupedQuantizeArgs& a, const GpuQuantizeOptions& options, bool have_workspace,
+                         const cuda_internal::QuantizeParams& p) {
+  auto no = [](auto... why) { return absl::InvalidArgumentError(absl::StrCat("kernel: one-shot ", why...)); };
+  if (options.tile_rows != 0) return no("has no tile_rows (", options.tile_rows, ")");
+  if (options.software_cvt) return no("has no software conversion");
+  if (a.x_dtype != DType::kBF16 && a.x_dtype != DType::kF16) return no("takes bf16 or f16 x, not ", DTypeName(a.x_dtype));
+  if (a.mode == ScalingMode::kCurrent) {
+    if (options.current_pass != GpuQuantizeOptions::CurrentPass::kAuto) return no("has its own current_pass");
+    if (!have_workspace) return no("current scaling needs a workspace (its blocks meet at a grid barrier)");
+  } else if (a.mode == ScalingMode::kMxfp8) {
+    if (a.mx_recipe != MxScaleRecipe::kOcp) return no("takes the OCP MX recipe only");
+  } else if (a.mode != ScalingMode::kDelayed) {
+    return no("takes current, delayed or MXFP8 scaling, not ", ScalingModeName(a.mode));
+  }
+  if (a.k % 256 != 0) return no("needs k a multiple of 256, not ", a.k);
+  int64_t slabs = 0;
+  for (int64_t g = 0; g < a.num_groups; ++g) {
+    if (a.group_sizes[g] % 32 != 0) return no("needs groups of a multiple of 32 rows: group_sizes[", g, "] is ", a.group_sizes[g]);
+    slabs += a.group_sizes[g] / 32 * (a.k / 256);
+  }
+  if (slabs == 0) return no("needs a row to convert");
+  if (a.mode == ScalingMode::kCurrent || options.kernel == GpuQuantizeOptions::Kernel::kAuto) {
+    int capacity = 0;
+    cudaError_t e = cuda_internal::OneShotCapacity(p, &capacity);
+    if (e != cudaSuccess) return CudaStatus(e, "cudaOccupancyMaxActiveBlocksPerMultiprocessor (one-shot quantize)");
+    if (slabs > capacity) return no("holds ", capacity, " 32 x 256 slabs at once on this GPU; the call has ", slabs);
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 size_t QuantizeWorkspaceBytes() { return sizeof(cuda_internal::QuantizeWorkspace); }
@@ -132,16 +165,25 @@ absl::Status GroupedQuantize(const GroupedQuantizeArgs& a, cudaStream_t stream, 
   p->m = a.m, p->k = a.k;
   p->num_groups = static_cast<int>(a.num_groups);
   const bool fused = a.mode == ScalingMode::kCurrent && options.current_pass == GpuQuantizeOptions::CurrentPass::kFused;
-  p->tile_rows = QuantizeTileRows(a, fused, options);
-  const int64_t tile_cols = 16384 / p->tile_rows;
+  absl::StatusOr<int32_t*> ws = LaunchWorkspace(stream, options);
+  if (!ws.ok()) return ws.status();
+  // The one-shot kernel's slabs are 32 x 256 (its tiles, in p's tables).
+  bool one_shot = false;
+  if (options.kernel != GpuQuantizeOptions::Kernel::kTiled) {
+    absl::Status fits = OneShotFits(a, options, *ws != nullptr, *p);
+    if (!fits.ok() && (options.kernel == GpuQuantizeOptions::Kernel::kOneShot || !absl::IsInvalidArgument(fits))) {
+      return fits;
+    }
+    one_shot = fits.ok();
+  }
+  p->tile_rows = one_shot ? 32 : QuantizeTileRows(a, fused, options);
+  const int64_t tile_cols = one_shot ? 256 : 16384 / p->tile_rows;
   p->col_tiles = static_cast<int>((a.k + tile_cols - 1) / tile_cols);
   p->scale = a.scale;
   p->row_data = a.rowwise ? a.rowwise_data : nullptr;
   p->col_data = a.colwise ? a.colwise_data : nullptr;
   p->row_scale = a.rowwise ? a.rowwise_scale_inv : nullptr;
   p->col_scale = a.colwise ? a.colwise_scale_inv : nullptr;
-  absl::StatusOr<int32_t*> ws = LaunchWorkspace(stream, options);
-  if (!ws.ok()) return ws.status();
   // With a workspace, tiles reduce amax into it and the last block writes
   // a.amax: no memset of a.amax first (one graph node or launch fewer).
   const bool amax_in_workspace = *ws != nullptr && a.amax != nullptr && a.num_groups > 0;
@@ -189,6 +231,11 @@ absl::Status GroupedQuantize(const GroupedQuantizeArgs& a, cudaStream_t stream, 
     if (p->workspace != nullptr) (void)cudaMemsetAsync(p->workspace, 0, QuantizeWorkspaceBytes(), stream);
     return CudaStatus(err, what);
   };
+  if (one_shot) {
+    e = cuda_internal::LaunchOneShotQuantize(*p, stream);
+    if (e != cudaSuccess) return fail_launch(e, "one-shot grouped quantize kernel");
+    return absl::OkStatus();
+  }
   if (tiles > 0 && fused) {
     if (*ws != nullptr) {
       // Batches of whole groups of about kFusedBatchBytes of x (none empty).

@@ -48,10 +48,26 @@ struct GpuQuantizeOptions {
   // QuantizeTileRows in quantize.cc).
   // Block scaling and the fused pass always take 128.
   int tile_rows = 0;
+  // Which kernel converts:
+  //   kTiled:   the persistent kernels of quantize.cu, which stage tiles of
+  //             16384 elements in shared memory (every shape and mode);
+  //   kOneShot: quantize_oneshot.cu's, a block per 32 x 256 slab held in
+  //             registers. Where it applies: 16-bit x, current, delayed or
+  //             MXFP8 (OCP recipe) scaling, k a multiple of 256, every group a
+  //             multiple of 32 rows, the hardware conversion, tile_rows 0,
+  //             current_pass kAuto; current scaling also needs a workspace
+  //             and at most as many slabs as the GPU holds at once (its blocks
+  //             meet at a grid barrier). Asked for elsewhere, it is an
+  //             InvalidArgument naming what does not fit.
+  //   kAuto:    the one-shot kernel where it applies and its slabs fit the
+  //             GPU at once (short inputs, where a tile's latency dominates;
+  //             docs/performance/quantize.md), else the tiled kernels.
+  enum class Kernel { kAuto, kTiled, kOneShot };
+  Kernel kernel = Kernel::kAuto;
 };
 
-// One persistent launch for every mode (current scaling: a streaming amax
-// pass first, or fused into the same launch when options ask), with amax
+// One launch for every mode (the tiled kernels' current scaling: a streaming
+// amax pass first, or fused into the same launch when options ask), with amax
 // fused where the mode has one. Plus cudaMemsetAsync for amax (without a
 // workspace), block scaling's scale padding, and rows past the groups.
 absl::Status GroupedQuantize(const GroupedQuantizeArgs& args, cudaStream_t stream,

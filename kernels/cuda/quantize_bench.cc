@@ -162,7 +162,9 @@ int Main(int argc, char** argv) {
       bool row, col;
       cuda::GpuQuantizeOptions::CurrentPass pass = cuda::GpuQuantizeOptions::CurrentPass::kAuto;
       int tile_rows = 0;  // GpuQuantizeOptions::tile_rows
+      cuda::GpuQuantizeOptions::Kernel kernel = cuda::GpuQuantizeOptions::Kernel::kAuto;
     };
+    using Kernel = cuda::GpuQuantizeOptions::Kernel;
     using Pass = cuda::GpuQuantizeOptions::CurrentPass;
     const Op ops[] = {
         {"current row+col", ScalingMode::kCurrent, true, true},
@@ -177,6 +179,13 @@ int Main(int argc, char** argv) {
         {"delayed row+col 64x256", ScalingMode::kDelayed, true, true, Pass::kAuto, 64},
         {"mxfp8 row+col 64x256", ScalingMode::kMxfp8, true, true, Pass::kAuto, 64},
         {"mxfp8 row+col 128x128", ScalingMode::kMxfp8, true, true, Pass::kAuto, 128},
+        // Each kernel forced, where the default picks the other (current
+        // scaling's one-shot kernel only fits the GPU's resident blocks).
+        {"current row+col tiled", ScalingMode::kCurrent, true, true, Pass::kAuto, 0, Kernel::kTiled},
+        {"mxfp8 row+col tiled", ScalingMode::kMxfp8, true, true, Pass::kAuto, 0, Kernel::kTiled},
+        {"delayed row+col tiled", ScalingMode::kDelayed, true, true, Pass::kAuto, 0, Kernel::kTiled},
+        {"mxfp8 row+col one-shot", ScalingMode::kMxfp8, true, true, Pass::kAuto, 0, Kernel::kOneShot},
+        {"delayed row+col one-shot", ScalingMode::kDelayed, true, true, Pass::kAuto, 0, Kernel::kOneShot},
     };
     for (const Op& op : ops) {
       GroupedQuantizeArgs a;
@@ -201,6 +210,7 @@ int Main(int argc, char** argv) {
             cuda::GpuQuantizeOptions opt;
             opt.current_pass = op.pass;
             opt.tile_rows = op.tile_rows;
+            opt.kernel = op.kernel;
             opt.workspace = workspace;  // graph capture: the library keeps none of its own
             absl::Status r = cuda::GroupedQuantize(a, s, opt);
             if (!r.ok()) st = r;

@@ -12,6 +12,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -132,6 +133,7 @@ struct Case {
   int tile_rows = 0;     // GpuQuantizeOptions::tile_rows (0: the default)
   bool workspace = true;  // pass GpuQuantizeOptions::workspace (else amax is zeroed by a memset first)
   bool own_stream = false;  // a stream of the test's, no workspace: the library's per-stream one
+  cuda::GpuQuantizeOptions::Kernel kernel = cuda::GpuQuantizeOptions::Kernel::kAuto;
 };
 
 std::string Name(const Case& c) {
@@ -140,7 +142,11 @@ std::string Name(const Case& c) {
                   "/k=" + std::to_string(c.k) + (c.software_cvt ? "/swcvt" : "/hwcvt") +
                   (c.amax_out ? "" : "/no-amax") + (c.recipe == MxScaleRecipe::kOcp ? "" : "/nv-recipe") +
                   (c.tile_rows ? "/tile_rows=" + std::to_string(c.tile_rows) : "") +
-                  (c.workspace ? "" : "/no-workspace") + (c.own_stream ? "/own-stream" : "") + " groups=";
+                  (c.workspace ? "" : "/no-workspace") + (c.own_stream ? "/own-stream" : "") +
+                  (c.kernel == cuda::GpuQuantizeOptions::Kernel::kTiled     ? "/tiled"
+                   : c.kernel == cuda::GpuQuantizeOptions::Kernel::kOneShot ? "/one-shot"
+                                                                            : "") +
+                  " groups=";
   for (int64_t g : c.groups) s += std::to_string(g) + ",";
   return s;
 }
@@ -190,6 +196,7 @@ void RunCase(const Case& c, uint32_t seed) {
   opt.software_cvt = c.software_cvt;
   opt.current_pass = c.current_pass;
   opt.tile_rows = c.tile_rows;
+  opt.kernel = c.kernel;
   // The null stream: the library keeps no workspace of its own for it.
   DevBuf workspace(cuda::QuantizeWorkspaceBytes());
   workspace.Fill(0);
@@ -301,6 +308,11 @@ TEST(QuantizeGpuTest, BitIdenticalToCpuOnRandomInputs) {
               Case c{mode, fmt, dt, row, col, k, shapes[si], si == 0 ? 3 : 0, si != 2, false};
               RunCase(c, seed++);
               if (HasFatalFailure()) return;
+              // The tile-aligned shape takes the one-shot kernel by default
+              // where it applies: the tiled kernels on it too.
+              c.kernel = cuda::GpuQuantizeOptions::Kernel::kTiled;
+              if (si == 2) RunCase(c, seed++);
+              if (HasFatalFailure()) return;
             }
           }
         }
@@ -393,6 +405,81 @@ TEST(QuantizeGpuTest, LargeUnevenGroups) {
     RunCase(c, seed++);
     if (HasFatalFailure()) return;
   }
+}
+
+TEST(QuantizeGpuTest, OneShotKernelIsBitIdenticalToo) {
+  SKIP_WITHOUT_GPU();
+  using Kernel = cuda::GpuQuantizeOptions::Kernel;
+  // Groups of multiples of 32 rows with empties between; padding rows; k of
+  // one and of several 256-column slabs; small-decode's shape (64 groups of
+  // 64 rows, k = 1024: 512 slabs, one wave on the H200).
+  std::vector<int64_t> small_decode(64, 64);
+  const std::vector<std::pair<std::vector<int64_t>, int64_t>> shapes = {
+      {{64, 0, 32, 96, 0}, 256}, {{0, 128}, 768}, {small_decode, 1024}};
+  uint32_t seed = 5000;
+  for (ScalingMode mode : {ScalingMode::kCurrent, ScalingMode::kDelayed, ScalingMode::kMxfp8}) {
+    for (Fp8Format fmt : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
+      for (DType dt : {DType::kBF16, DType::kF16}) {
+        for (int rc = 0; rc < 3; ++rc) {
+          for (size_t si = 0; si < shapes.size(); ++si) {
+            Case c{mode, fmt, dt, rc != 1, rc != 0, shapes[si].second, shapes[si].first, si == 0 ? 7 : 0, si != 2,
+                   false};
+            c.kernel = Kernel::kOneShot;
+            RunCase(c, seed++);
+            if (HasFatalFailure()) return;
+          }
+        }
+      }
+    }
+  }
+  // Without the optional amax (MXFP8), without a workspace (delayed and
+  // MXFP8: amax zeroed by a memset first), on a stream of ours.
+  for (ScalingMode mode : {ScalingMode::kDelayed, ScalingMode::kMxfp8}) {
+    Case c{mode, Fp8Format::kE4M3, DType::kBF16, true, true, 512, {96, 0, 64}, 0, true, false};
+    c.kernel = Kernel::kOneShot;
+    c.workspace = false;
+    c.amax_out = mode == ScalingMode::kDelayed;
+    RunCase(c, seed++);
+    if (HasFatalFailure()) return;
+  }
+  Case c{ScalingMode::kCurrent, Fp8Format::kE4M3, DType::kBF16, true, true, 512, {96, 0, 64}, 0, true, false};
+  c.kernel = Kernel::kOneShot;
+  c.workspace = false, c.own_stream = true;
+  RunCase(c, seed++);
+}
+
+TEST(QuantizeGpuTest, OneShotKernelSaysWhyItCannotTakeACall) {
+  SKIP_WITHOUT_GPU();
+  std::vector<int64_t> gs = {64, 40};
+  GroupedQuantizeArgs a;
+  a.m = 104, a.k = 512, a.group_sizes = gs.data(), a.num_groups = 2, a.mode = ScalingMode::kDelayed;
+  a.rowwise = true;
+  DevBuf x(104 * 512 * 2), d(104 * 512), s(8), am(8);
+  a.x = x.p, a.rowwise_data = d.as<uint8_t>(), a.rowwise_scale_inv = s.p, a.amax = am.as<float>(), a.scale = s.as<float>();
+  cuda::GpuQuantizeOptions opt;
+  opt.kernel = cuda::GpuQuantizeOptions::Kernel::kOneShot;
+  auto expect_rejected = [&](const char* why) {
+    absl::Status st = cuda::GroupedQuantize(a, nullptr, opt);
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+    EXPECT_NE(std::string(st.message()).find(why), std::string::npos) << st;
+  };
+  expect_rejected("group_sizes[1] is 40");
+  gs[1] = 32;
+  a.k = 384;
+  expect_rejected("k a multiple of 256");
+  a.k = 512;
+  a.x_dtype = DType::kF32;
+  expect_rejected("not f32");
+  a.x_dtype = DType::kBF16;
+  a.mode = ScalingMode::kCurrent;  // the null stream: no workspace of the library's
+  expect_rejected("needs a workspace");
+  // Auto takes the tiled kernels for all of these, and kOneShot the call that fits.
+  opt.kernel = cuda::GpuQuantizeOptions::Kernel::kAuto;
+  EXPECT_TRUE(cuda::GroupedQuantize(a, nullptr, opt).ok());
+  a.mode = ScalingMode::kDelayed;
+  opt.kernel = cuda::GpuQuantizeOptions::Kernel::kOneShot;
+  EXPECT_TRUE(cuda::GroupedQuantize(a, nullptr, opt).ok());
+  CK(cudaDeviceSynchronize());
 }
 
 TEST(QuantizeGpuTest, CurrentScalingFusedAndTwoPassAgree) {

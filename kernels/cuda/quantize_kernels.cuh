@@ -70,6 +70,7 @@ struct QuantizeParams {
 struct QuantizeWorkspace {
   int32_t next_item;
   int32_t blocks_done;
+  int32_t grid_barrier;  // the one-shot kernel's current scaling: blocks arrived
   int32_t amax_tiles_done[kMaxGpuGroups];
   uint32_t amax[kMaxGpuGroups];  // float bits
 };
@@ -80,6 +81,18 @@ cudaError_t LaunchGroupedAmax(const QuantizeParams& p, cudaStream_t stream);
 // The quantize pass (all groups, one persistent launch; with p.fuse_amax the
 // amax pass too).
 cudaError_t LaunchGroupedQuantize(const QuantizeParams& p, cudaStream_t stream);
+
+// The one-shot kernel (quantize_oneshot.cu): a block per 32-row x 256-column
+// slab of 16-bit x (p.tile_rows = 32, p.col_tiles = k / 256, p.tile_off in
+// slabs, p.num_items slabs), converted from registers; current, delayed and
+// MXFP8 (OCP recipe, hardware conversion) scaling; every group a multiple of
+// 32 rows. Current scaling needs p.workspace: its blocks wait for each other
+// (every group's amax) at a grid barrier, so it is a cooperative launch of at
+// most OneShotCapacity blocks.
+cudaError_t LaunchOneShotQuantize(const QuantizeParams& p, cudaStream_t stream);
+// How many one-shot blocks of p's input type, mode and format fit the device
+// at once.
+cudaError_t OneShotCapacity(const QuantizeParams& p, int* blocks);
 
 struct DequantizeParams {
   const uint8_t* data;

@@ -1,0 +1,284 @@
+// Device helpers shared by the grouped quantize kernels (quantize.cu: the
+// tiled persistent kernels; quantize_oneshot.cu: the register-resident one):
+// element decoding, the FP8 and E8M0 conversions, reductions, and the
+// workspace protocol. The math is kernels/fp8.h's, so every kernel's bytes
+// equal the CPU reference's.
+#ifndef SHARDGEMM_KERNELS_CUDA_QUANTIZE_DEVICE_CUH_
+#define SHARDGEMM_KERNELS_CUDA_QUANTIZE_DEVICE_CUH_
+
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/cuda/quantize_kernels.cuh"
+#include "kernels/fp8.h"
+
+namespace shardgemm {
+namespace cuda_internal {
+namespace {
+
+// Threads per block of every quantize kernel.
+constexpr int kThreads = 256;
+constexpr int kModeCurrent = 0, kModeDelayed = 1, kModeMx = 2, kModeB1x128 = 3, kModeB128 = 4;
+
+template <int DT> struct InType;
+template <> struct InType<0> { using T = uint16_t; };
+template <> struct InType<1> { using T = uint16_t; };
+template <> struct InType<2> { using T = float; };
+
+template <int DT, typename T>
+__device__ __forceinline__ float ToFloat(T v) {
+  if constexpr (DT == 0) {
+    return Bf16BitsToFloat(v);
+  } else if constexpr (DT == 1) {
+    return F16BitsToFloat(v);
+  } else {
+    return v;
+  }
+}
+
+// Eight elements as raw 32-bit words (16-bit types stay packed two to a word,
+// which keeps register use down).
+template <int DT>
+struct alignas(16) Chunk {
+  uint32_t w[DT == 2 ? 8 : 4];
+};
+
+template <int DT>
+__device__ __forceinline__ Chunk<DT> LoadChunk(const void* p) {
+  Chunk<DT> r;
+  const uint4* s = static_cast<const uint4*>(p);
+  uint4* d = reinterpret_cast<uint4*>(&r);
+#pragma unroll
+  for (int i = 0; i < static_cast<int>(sizeof(Chunk<DT>) / 16); ++i) d[i] = __ldg(s + i);
+  return r;
+}
+template <int DT>
+__device__ __forceinline__ Chunk<DT> ZeroChunk() {
+  Chunk<DT> r;
+#pragma unroll
+  for (int i = 0; i < static_cast<int>(sizeof(Chunk<DT>) / 4); ++i) r.w[i] = 0;
+  return r;
+}
+// Element j as float.
+template <int DT>
+__device__ __forceinline__ float Elem(const Chunk<DT>& c, int j) {
+  if constexpr (DT == 0) {
+    return BitsToFloat((j & 1) ? (c.w[j / 2] & 0xffff0000u) : (c.w[j / 2] << 16));
+  } else if constexpr (DT == 1) {
+    return F16BitsToFloat(static_cast<uint16_t>((j & 1) ? (c.w[j / 2] >> 16) : (c.w[j / 2] & 0xffffu)));
+  } else {
+    return BitsToFloat(c.w[j]);
+  }
+}
+// max |x| over the chunk, as float bits (NaN-propagating).
+template <int DT>
+__device__ __forceinline__ uint32_t ChunkAbsMax(const Chunk<DT>& c) {
+  if constexpr (DT == 2) {
+    uint32_t m = 0;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) m = max(m, c.w[j] & 0x7fffffffu);
+    return m;
+  } else {
+    uint32_t m2 = __vmaxu2(__vmaxu2(c.w[0] & 0x7fff7fffu, c.w[1] & 0x7fff7fffu),
+                           __vmaxu2(c.w[2] & 0x7fff7fffu, c.w[3] & 0x7fff7fffu));
+    const uint16_t m16 = static_cast<uint16_t>(max(m2 & 0xffffu, m2 >> 16));
+    return FloatBits(ToFloat<DT>(m16));
+  }
+}
+
+// Two elements through the hardware conversion (x0 in the low byte), with the
+// shared NaN rule applied on the unscaled inputs.
+template <int FMT>
+__device__ __forceinline__ uint32_t HwQuant2(float x0, float x1, float s) {
+  __nv_fp8x2_storage_t r = __nv_cvt_float2_to_fp8x2(make_float2(x0 * s, x1 * s), __NV_SATFINITE,
+                                                      FMT == 0 ? __NV_E4M3 : __NV_E5M2);
+  uint32_t b0 = r & 0xffu, b1 = (r >> 8) & 0xffu;
+  const Fp8Format fmt = static_cast<Fp8Format>(FMT);
+  if (IsNanBits(x0)) b0 = Fp8NanWithSignOf(x0, fmt);
+  if (IsNanBits(x1)) b1 = Fp8NanWithSignOf(x1, fmt);
+  return b0 | (b1 << 8);
+}
+
+// Two pairs through the hardware conversion, no NaN rule: for inputs known
+// to hold no NaN, where it equals HwQuant2 (the cvt maps only NaN inputs
+// differently) at a third of the instructions.
+template <int FMT>
+__device__ __forceinline__ uint32_t HwQuant4NoNan(float x0, float x1, float x2, float x3, float s) {
+  const __nv_fp8_interpretation_t f = FMT == 0 ? __NV_E4M3 : __NV_E5M2;
+  const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(x0 * s, x1 * s), __NV_SATFINITE, f);
+  const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(x2 * s, x3 * s), __NV_SATFINITE, f);
+  return lo | (hi << 16);
+}
+
+// Quantizes 8 elements with scale s into 8 bytes (element 0 in the low byte).
+// nan_block: the MX block's scale is NaN -> every element is NaN.
+// may_nan: an element may be NaN (else the conversion skips the NaN rule).
+template <int FMT>
+__device__ __forceinline__ uint2 Quant8(const float (&f)[8], float s, bool sw, bool nan_block, bool may_nan = true) {
+  const Fp8Format fmt = static_cast<Fp8Format>(FMT);
+  uint32_t w[2];
+  if (!nan_block && !sw && !may_nan) {
+    return make_uint2(HwQuant4NoNan<FMT>(f[0], f[1], f[2], f[3], s), HwQuant4NoNan<FMT>(f[4], f[5], f[6], f[7], s));
+  }
+  if (nan_block) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      w[h] = 0;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) w[h] |= static_cast<uint32_t>(Fp8NanWithSignOf(f[h * 4 + j], fmt)) << (8 * j);
+    }
+  } else if (sw) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      w[h] = 0;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) w[h] |= static_cast<uint32_t>(QuantizeScaled(f[h * 4 + j], s, fmt)) << (8 * j);
+    }
+  } else {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      w[h] = HwQuant2<FMT>(f[h * 4], f[h * 4 + 1], s) | (HwQuant2<FMT>(f[h * 4 + 2], f[h * 4 + 3], s) << 16);
+    }
+  }
+  return make_uint2(w[0], w[1]);
+}
+
+template <int FMT>
+__device__ __forceinline__ uint8_t Quant1(float x, float s, bool sw, bool nan_block) {
+  const Fp8Format fmt = static_cast<Fp8Format>(FMT);
+  if (nan_block) return Fp8NanWithSignOf(x, fmt);
+  if (sw) return QuantizeScaled(x, s, fmt);
+  return static_cast<uint8_t>(HwQuant2<FMT>(x, 0.0f, s) & 0xffu);
+}
+
+// The E8M0 scale code of a block whose max |x| has float bits `abs`: fp8.h's
+// MxScaleFromAmax without its branches for the OCP recipe (floor(log2 amax)
+// - emax, clamped, is the exponent field minus emax, clamped at 0; subnormal
+// and zero amax give 0, Inf and NaN 0xff). Checked equal for every float by
+// LaunchExhaustiveCvtCheck.
+__device__ __forceinline__ uint32_t MxCode(uint32_t abs, Fp8Format fmt, int recipe) {
+  if (recipe != static_cast<int>(MxScaleRecipe::kOcp)) {
+    return MxScaleFromAmax(BitsToFloat(abs), fmt, static_cast<MxScaleRecipe>(recipe));
+  }
+  const int e = static_cast<int>(abs >> 23) - Fp8Emax(fmt);
+  return abs >= 0x7f800000u ? 0xffu : static_cast<uint32_t>(max(e, 0));
+}
+// MxCode for the OCP recipe from a 16-bit input's max |x| bits: for bf16
+// the float's exponent field is bits 7..14 (Inf/NaN from 0x7f80 up), with no
+// conversion; f16 goes through its float value.
+template <int DT>
+__device__ __forceinline__ uint32_t MxCodeOcp16(uint32_t m16, Fp8Format fmt) {
+  if constexpr (DT == 0) {
+    return m16 >= 0x7f80u ? 0xffu : static_cast<uint32_t>(max(static_cast<int>(m16 >> 7) - Fp8Emax(fmt), 0));
+  } else {
+    return MxCode(FloatBits(ToFloat<DT>(static_cast<uint16_t>(m16))) & 0x7fffffffu, fmt,
+                  static_cast<int>(MxScaleRecipe::kOcp));
+  }
+}
+// E8M0ReciprocalToFloat(b) for b != 0xff: 2^(127 - b) as float bits.
+__device__ __forceinline__ float MxRecip(uint32_t b) {
+  return BitsToFloat(b == 254u ? 0x00400000u : (254u - b) << 23);
+}
+
+__device__ __forceinline__ uint32_t WarpMax(uint32_t v) { return __reduce_max_sync(0xffffffffu, v); }
+
+// Block-wide max; `red` holds kThreads / 32 words; all threads get the result.
+__device__ __forceinline__ uint32_t BlockMax(uint32_t v, uint32_t* red) {
+  v = WarpMax(v);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  uint32_t r = 0;
+#pragma unroll
+  for (int i = 0; i < kThreads / 32; ++i) r = max(r, red[i]);
+  return r;
+}
+
+// The tile's amax from the per-warp maxima in red (after a barrier): one
+// atomicMax into the group's amax.
+__device__ __forceinline__ void FlushTileAmax(const QuantizeParams& p, int g, const uint32_t* red) {
+  uint32_t t = 0;
+#pragma unroll
+  for (int i = 0; i < kThreads / 32; ++i) t = max(t, red[i]);
+  if (t != 0) atomicMax(reinterpret_cast<unsigned int*>(p.amax) + g, t);
+}
+
+__device__ __forceinline__ int FindGroup(const QuantizeParams& p, int t) {
+  int lo = 0, hi = p.num_groups;
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) / 2;
+    if (p.tile_off[mid] <= t) {
+      lo = mid;
+    } else {
+      hi = mid;
+    }
+  }
+  return lo;
+}
+
+__device__ __forceinline__ int64_t RoundUp(int64_t a, int64_t b) { return (a + b - 1) / b * b; }
+
+template <int DT, typename T>
+__device__ __forceinline__ uint32_t AbsBitsOf(T v) {
+  return FloatBits(ToFloat<DT>(v)) & 0x7fffffffu;
+}
+
+// MXFP8: the zeros of the scale tensors' padding (the layout of
+// kernels/cpu/quantize.h), which no tile writes (so no memset runs first). Block b takes
+// groups b, b + gridDim.x, ...; empty groups have no scale rows.
+//   rowwise [RoundUp(m_g, 128)][RoundUp(k / 32, 4)]: rows m_g.., and the
+//           columns past k / 32 of every row;
+//   colwise [RoundUp(ceil(m_g / 32), 4)][RoundUp(k, 128)]: rows past
+//           ceil(m_g / 32), and the columns past k of every row.
+__device__ void ZeroMxScalePadding(const QuantizeParams& p) {
+  const int64_t K = p.k;
+  for (int g = blockIdx.x; g < p.num_groups; g += gridDim.x) {
+    const int64_t mg = p.row_off[g + 1] - p.row_off[g];
+    if (mg == 0) continue;
+    for (int dir = 0; dir < 2; ++dir) {
+      if (dir == 0 ? !p.rowwise : !p.colwise) continue;
+      uint8_t* base = static_cast<uint8_t*>(dir == 0 ? p.row_scale : p.col_scale) +
+                      (dir == 0 ? p.row_scale_off[g] : p.col_scale_off[g]);
+      const int64_t rows = dir == 0 ? mg : (mg + 31) / 32;              // rows written by tiles
+      const int64_t all_rows = dir == 0 ? RoundUp(mg, 128) : RoundUp(rows, 4);
+      const int64_t cols = dir == 0 ? K / 32 : K;                      // columns written by tiles
+      const int64_t ld = dir == 0 ? RoundUp(K / 32, 4) : RoundUp(K, 128);
+      for (int64_t i = rows * ld + threadIdx.x; i < all_rows * ld; i += kThreads) base[i] = 0;
+      const int64_t pad = ld - cols;
+      for (int64_t i = threadIdx.x; pad > 0 && i < rows * pad; i += kThreads) base[(i / pad) * ld + cols + i % pad] = 0;
+    }
+  }
+}
+
+// With a workspace: the last block out publishes the per-group amax the
+// tiles reduced into the workspace, and zeroes every field the launch used,
+// for the next launch on the stream.
+__device__ void FinishWithWorkspace(const QuantizeParams& p, int* s_last) {
+  QuantizeWorkspace* ws = reinterpret_cast<QuantizeWorkspace*>(p.workspace);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    *s_last = atomicAdd(&ws->blocks_done, 1) == static_cast<int>(gridDim.x) - 1;
+  }
+  __syncthreads();
+  if (!*s_last) return;
+  __threadfence();
+  if (p.amax_out != nullptr) {
+    for (int g = threadIdx.x; g < p.num_groups; g += kThreads) {
+      p.amax_out[g] = BitsToFloat(__ldcg(ws->amax + g));
+      ws->amax[g] = 0;
+    }
+  }
+  if (p.fuse_amax) {
+    for (int b = threadIdx.x; b < p.num_batches; b += kThreads) ws->amax_tiles_done[b] = 0;
+  }
+  if (threadIdx.x == 0) ws->next_item = 0, ws->blocks_done = 0, ws->grid_barrier = 0;
+}
+
+}  // namespace
+}  // namespace cuda_internal
+}  // namespace shardgemm
+
+#endif  // SHARDGEMM_KERNELS_CUDA_QUANTIZE_DEVICE_CUH_
