@@ -107,7 +107,9 @@ absl::Status OneShotFits(const GroupedQuantizeArgs& a, const GpuQuantizeOptions&
   auto no = [](auto... why) { return absl::InvalidArgumentError(absl::StrCat("kernel: one-shot ", why...)); };
   if (options.tile_rows != 0) return no("has no tile_rows (", options.tile_rows, ")");
   if (options.software_cvt) return no("has no software conversion");
-  if (a.x_dtype != DType::kBF16 && a.x_dtype != DType::kF16) return no("takes bf16 or f16 x, not ", DTypeName(a.x_dtype));
+  if (a.x_dtype != DType::kBF16 && a.x_dtype != DType::kF16) {
+    return no("takes bf16 or f16 x, not ", DTypeName(a.x_dtype));
+  }
   if (a.mode == ScalingMode::kCurrent) {
     if (options.current_pass != GpuQuantizeOptions::CurrentPass::kAuto) return no("has its own current_pass");
     if (!have_workspace) return no("current scaling needs a workspace (its blocks meet at a grid barrier)");
@@ -119,15 +121,25 @@ absl::Status OneShotFits(const GroupedQuantizeArgs& a, const GpuQuantizeOptions&
   if (a.k % 256 != 0) return no("needs k a multiple of 256, not ", a.k);
   int64_t slabs = 0;
   for (int64_t g = 0; g < a.num_groups; ++g) {
-    if (a.group_sizes[g] % 32 != 0) return no("needs groups of a multiple of 32 rows: group_sizes[", g, "] is ", a.group_sizes[g]);
+    if (a.group_sizes[g] % 32 != 0) {
+      return no("needs groups of a multiple of 32 rows: group_sizes[", g, "] is ", a.group_sizes[g]);
+    }
     slabs += a.group_sizes[g] / 32 * (a.k / 256);
   }
   if (slabs == 0) return no("needs a row to convert");
   if (a.mode == ScalingMode::kCurrent || options.kernel == GpuQuantizeOptions::Kernel::kAuto) {
-    int capacity = 0;
-    cudaError_t e = cuda_internal::OneShotCapacity(p, &capacity);
+    int capacity = 0, sms = 0;
+    cudaError_t e = cuda_internal::OneShotCapacity(p, &capacity, &sms);
     if (e != cudaSuccess) return CudaStatus(e, "cudaOccupancyMaxActiveBlocksPerMultiprocessor (one-shot quantize)");
     if (slabs > capacity) return no("holds ", capacity, " 32 x 256 slabs at once on this GPU; the call has ", slabs);
+    // kAuto: only where the tiled kernels would give each SM at most one
+    // 16384-element tile (two slabs), whose latency then is the whole launch
+    // (one tile: 3.6 us against 5.2 for MXFP8); at small-decode's 512 slabs
+    // on 132 SMs the tiled kernels measured as fast or faster
+    // (docs/performance/quantize.md).
+    if (options.kernel == GpuQuantizeOptions::Kernel::kAuto && slabs > 2 * int64_t{sms}) {
+      return no("is picked for at most ", 2 * int64_t{sms}, " slabs; the call has ", slabs);
+    }
   }
   return absl::OkStatus();
 }

@@ -743,6 +743,7 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(DT, MODE)) QuantizeKernel(
   __shared__ int s_claim;
   __shared__ int s_last;
   const int tid = threadIdx.x;
+  if (tid == 0) s_last = -1;  // not counted in yet (FinishWithWorkspace)
 
   if constexpr (kTensor) {
     if (blockIdx.x == 0) {  // empty groups have no tiles: their scale_inv here
@@ -795,7 +796,9 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(DT, MODE)) QuantizeKernel(
       buf ^= 1;
     }
     CpAsyncWait<0>();
-    if (p.workspace != nullptr) FinishWithWorkspace(p, &s_last);
+    // Two-pass current scaling made no amax contribution here (its first
+    // pass did): its count needs no ordering.
+    if (p.workspace != nullptr) FinishWithWorkspace(p, &s_last, /*release=*/MODE != kModeCurrent);
   } else {
     // The fused pass: items are claimed from the workspace's counter, two
     // ahead, so a block only waits on amax tiles that running blocks hold.
@@ -848,6 +851,7 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(DT, MODE)) QuantizeKernel(
       buf ^= 1;
     }
     CpAsyncWait<0>();
+    if (tid == 0) s_last = -1;  // (it held the first claim) not counted in yet
     FinishWithWorkspace(p, &s_last);  // the fused pass always has a workspace
   }
 }

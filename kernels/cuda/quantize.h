@@ -59,9 +59,10 @@ struct GpuQuantizeOptions {
   //             and at most as many slabs as the GPU holds at once (its blocks
   //             meet at a grid barrier). Asked for elsewhere, it is an
   //             InvalidArgument naming what does not fit.
-  //   kAuto:    the one-shot kernel where it applies and its slabs fit the
-  //             GPU at once (short inputs, where a tile's latency dominates;
-  //             docs/performance/quantize.md), else the tiled kernels.
+  //   kAuto:    the one-shot kernel where it applies and the input is at
+  //             most two slabs per SM (one tiled tile per SM, where a tile's
+  //             latency is the whole launch; docs/performance/quantize.md),
+  //             else the tiled kernels.
   enum class Kernel { kAuto, kTiled, kOneShot };
   Kernel kernel = Kernel::kAuto;
 };

@@ -34,6 +34,9 @@ const Preset kPresets[] = {
     // Not a preset: one 64 x 256 tile, the floor a launch sets (how far
     // small-decode is from its copy).
     {"one-tile", 1, 64, 256},
+    // Not a preset: a decode step with few tokens per expert (64 slabs of
+    // 32 x 256, where the default takes the one-shot kernel).
+    {"tiny-decode", 8, 32, 2048},
 };
 
 #define CK(x)                                                                          \
@@ -163,6 +166,7 @@ int Main(int argc, char** argv) {
       cuda::GpuQuantizeOptions::CurrentPass pass = cuda::GpuQuantizeOptions::CurrentPass::kAuto;
       int tile_rows = 0;  // GpuQuantizeOptions::tile_rows
       cuda::GpuQuantizeOptions::Kernel kernel = cuda::GpuQuantizeOptions::Kernel::kAuto;
+      bool amax = true;  // ask for amax (optional for MXFP8)
     };
     using Kernel = cuda::GpuQuantizeOptions::Kernel;
     using Pass = cuda::GpuQuantizeOptions::CurrentPass;
@@ -186,6 +190,9 @@ int Main(int argc, char** argv) {
         {"delayed row+col tiled", ScalingMode::kDelayed, true, true, Pass::kAuto, 0, Kernel::kTiled},
         {"mxfp8 row+col one-shot", ScalingMode::kMxfp8, true, true, Pass::kAuto, 0, Kernel::kOneShot},
         {"delayed row+col one-shot", ScalingMode::kDelayed, true, true, Pass::kAuto, 0, Kernel::kOneShot},
+        // Without the optional amax: no per-group reduction to publish.
+        {"mxfp8 row+col no amax", ScalingMode::kMxfp8, true, true, Pass::kAuto, 0, Kernel::kAuto, false},
+        {"mxfp8 row+col no amax tiled", ScalingMode::kMxfp8, true, true, Pass::kAuto, 0, Kernel::kTiled, false},
     };
     for (const Op& op : ops) {
       GroupedQuantizeArgs a;
@@ -193,14 +200,14 @@ int Main(int argc, char** argv) {
       a.mode = op.mode, a.format = Fp8Format::kE4M3, a.rowwise = op.row, a.colwise = op.col;
       a.scale = static_cast<float*>(scale);
       a.rowwise_data = static_cast<uint8_t*>(row), a.colwise_data = static_cast<uint8_t*>(col);
-      a.rowwise_scale_inv = rs, a.colwise_scale_inv = cs, a.amax = static_cast<float*>(amax);
+      a.rowwise_scale_inv = rs, a.colwise_scale_inv = cs, a.amax = op.amax ? static_cast<float*>(amax) : nullptr;
       absl::StatusOr<QuantizeLayout> l = GetQuantizeLayout(a);
       if (!l.ok()) {
         std::printf("%s\n", l.status().ToString().c_str());
         return 1;
       }
       const double out_bytes = (op.row ? m * k + l->rowwise_scale_elems * l->scale_bytes : 0) +
-                               (op.col ? m * k + l->colwise_scale_elems * l->scale_bytes : 0) + p.groups * 4.0;
+                               (op.col ? m * k + l->colwise_scale_elems * l->scale_bytes : 0) + (op.amax ? p.groups * 4.0 : 0.0);
       const double logical = xbytes + out_bytes;
       const double moved = logical + (op.mode == ScalingMode::kCurrent ? xbytes : 0);
       double g, e;

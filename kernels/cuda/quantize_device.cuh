@@ -252,19 +252,30 @@ __device__ void ZeroMxScalePadding(const QuantizeParams& p) {
   }
 }
 
-// With a workspace: the last block out publishes the per-group amax the
-// tiles reduced into the workspace, and zeroes every field the launch used,
-// for the next launch on the stream.
-__device__ void FinishWithWorkspace(const QuantizeParams& p, int* s_last) {
-  QuantizeWorkspace* ws = reinterpret_cast<QuantizeWorkspace*>(p.workspace);
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    *s_last = atomicAdd(&ws->blocks_done, 1) == static_cast<int>(gridDim.x) - 1;
+// The workspace protocol. Each block counts itself in once its amax
+// contributions (atomicMax into the workspace) are made; the block that
+// counts last publishes the per-group amax to the caller's and zeroes every
+// field the launch used, for the next launch on the stream.
+//
+// Thread 0 counts the block in. With release (acq_rel) semantics where the
+// block made amax contributions: they are then performed before the count,
+// and the last block's reads after it see them all. A block that counts in
+// right after its last contribution, before converting (ArriveAfterAmax),
+// waits for that atomic only; counting in at the end waits for every store
+// the thread has made.
+__device__ __forceinline__ bool CountBlockIn(QuantizeWorkspace* ws, bool release) {
+  int old;
+  if (release) {
+    asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;\n" : "=r"(old) : "l"(&ws->blocks_done) : "memory");
+  } else {
+    old = atomicAdd(&ws->blocks_done, 1);
   }
-  __syncthreads();
-  if (!*s_last) return;
-  __threadfence();
+  return old == static_cast<int>(gridDim.x) - 1;
+}
+__device__ __forceinline__ bool ArriveAfterAmax(QuantizeWorkspace* ws) { return CountBlockIn(ws, true); }
+
+// The last block (every thread): the caller's amax, and the workspace zeroed.
+__device__ __forceinline__ void PublishAndReset(const QuantizeParams& p, QuantizeWorkspace* ws) {
   if (p.amax_out != nullptr) {
     for (int g = threadIdx.x; g < p.num_groups; g += kThreads) {
       p.amax_out[g] = BitsToFloat(__ldcg(ws->amax + g));
@@ -275,6 +286,19 @@ __device__ void FinishWithWorkspace(const QuantizeParams& p, int* s_last) {
     for (int b = threadIdx.x; b < p.num_batches; b += kThreads) ws->amax_tiles_done[b] = 0;
   }
   if (threadIdx.x == 0) ws->next_item = 0, ws->blocks_done = 0, ws->grid_barrier = 0;
+}
+
+// The end of a launch with a workspace. *s_last: -1 where the block has not
+// counted itself in yet (it does here), else ArriveAfterAmax's answer.
+// release (where it counts in here): whether it made amax contributions;
+// false for the two-pass current scaling's quantize launch, which only reads
+// the amax its first pass reduced.
+__device__ __forceinline__ void FinishWithWorkspace(const QuantizeParams& p, int* s_last, bool release = true) {
+  QuantizeWorkspace* ws = reinterpret_cast<QuantizeWorkspace*>(p.workspace);
+  __syncthreads();
+  if (threadIdx.x == 0 && *s_last < 0) *s_last = CountBlockIn(ws, release);
+  __syncthreads();
+  if (*s_last == 1) PublishAndReset(p, ws);
 }
 
 }  // namespace

@@ -91,8 +91,8 @@ cudaError_t LaunchGroupedQuantize(const QuantizeParams& p, cudaStream_t stream);
 // most OneShotCapacity blocks.
 cudaError_t LaunchOneShotQuantize(const QuantizeParams& p, cudaStream_t stream);
 // How many one-shot blocks of p's input type, mode and format fit the device
-// at once.
-cudaError_t OneShotCapacity(const QuantizeParams& p, int* blocks);
+// at once, and its SM count.
+cudaError_t OneShotCapacity(const QuantizeParams& p, int* blocks, int* sms);
 
 struct DequantizeParams {
   const uint8_t* data;

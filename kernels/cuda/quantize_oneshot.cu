@@ -104,6 +104,7 @@ __global__ void __launch_bounds__(kThreads, kOneShotMinBlocks) OneShotKernel(con
   __shared__ int s_last;
   const int tid = threadIdx.x, w = tid / 32, lane = tid % 32;
   QuantizeWorkspace* ws = reinterpret_cast<QuantizeWorkspace*>(p.workspace);
+  if (tid == 0) s_last = -1;  // not counted in yet (FinishWithWorkspace)
 
   if constexpr (kTensor) {
     if (blockIdx.x == 0) {  // empty groups have no slabs: their scale_inv here
@@ -125,7 +126,7 @@ __global__ void __launch_bounds__(kThreads, kOneShotMinBlocks) OneShotKernel(con
   const int64_t c0 = static_cast<int64_t>(ct) * kSlabCols;
   const int64_t my = (r0 + 4 * w) * K + c0 + 8 * lane;  // element offset of this thread's first row
 
-  Chunk<0> v[4];  // 16-bit input: 8 elements as 4 words
+  Chunk<0> v[4];                       // 16-bit input: 8 elements as 4 words
   uint32_t row_m16[4] = {0, 0, 0, 0};  // per row: max |x| bits of the 8 elements
   uint32_t col_m2[4] = {0, 0, 0, 0};   // per column pair: max |x| bits over the 4 rows (two 16-bit halves)
   if (has_slab) {
@@ -167,8 +168,8 @@ __global__ void __launch_bounds__(kThreads, kOneShotMinBlocks) OneShotKernel(con
       }
       const uint32_t bm[4] = {r01 & 0xffffu, r01 >> 16, r23 & 0xffffu, r23 >> 16};
       const int64_t mx_ld = RoundUp(K / 32, 4);
-      uint8_t* rsc = static_cast<uint8_t*>(p.row_scale) + p.row_scale_off[g] + (r0 - off + 4 * w) * mx_ld + c0 / 32 +
-                     lane / 4;
+      uint8_t* rsc =
+          static_cast<uint8_t*>(p.row_scale) + p.row_scale_off[g] + (r0 - off + 4 * w) * mx_ld + c0 / 32 + lane / 4;
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const uint32_t b = MxCodeOcp16<DT>(bm[i], fmt);
@@ -179,7 +180,10 @@ __global__ void __launch_bounds__(kThreads, kOneShotMinBlocks) OneShotKernel(con
     }
     if (p.colwise) reinterpret_cast<uint4*>(exchange)[tid] = make_uint4(col_m2[0], col_m2[1], col_m2[2], col_m2[3]);
     __syncthreads();  // the column maxima and red are complete
-    if (p.amax != nullptr && tid == 0 && has_slab) FlushTileAmax(p, g, red);
+    if (tid == 0) {
+      if (p.amax != nullptr && has_slab) FlushTileAmax(p, g, red);
+      if (ws != nullptr) s_last = ArriveAfterAmax(ws);
+    }
     float sc[8] = {1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f};
     if (p.colwise) {
       uint4 m = reinterpret_cast<const uint4*>(exchange)[lane];
@@ -189,8 +193,8 @@ __global__ void __launch_bounds__(kThreads, kOneShotMinBlocks) OneShotKernel(con
         m.x = __vmaxu2(m.x, o.x), m.y = __vmaxu2(m.y, o.y), m.z = __vmaxu2(m.z, o.z), m.w = __vmaxu2(m.w, o.w);
       }
       const uint32_t cm[4] = {m.x, m.y, m.z, m.w};
-      uint8_t* csc = static_cast<uint8_t*>(p.col_scale) + p.col_scale_off[g] + ((r0 - off) / 32) * RoundUp(K, 128) +
-                     c0 + 8 * lane;
+      uint8_t* csc =
+          static_cast<uint8_t*>(p.col_scale) + p.col_scale_off[g] + ((r0 - off) / 32) * RoundUp(K, 128) + c0 + 8 * lane;
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         const uint32_t b = MxCodeOcp16<DT>((j & 1) ? cm[j / 2] >> 16 : cm[j / 2] & 0xffffu, fmt);
@@ -206,9 +210,11 @@ __global__ void __launch_bounds__(kThreads, kOneShotMinBlocks) OneShotKernel(con
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
           const float2 x = Pair<DT>(reinterpret_cast<const Chunk<DT>&>(v[i]), j);
-          if (p.rowwise) rq[j] = __nv_cvt_float2_to_fp8x2(make_float2(x.x * rs[i], x.y * rs[i]), __NV_SATFINITE, cvt_fmt);
+          if (p.rowwise)
+            rq[j] = __nv_cvt_float2_to_fp8x2(make_float2(x.x * rs[i], x.y * rs[i]), __NV_SATFINITE, cvt_fmt);
           if (p.colwise) {
-            cq[j] = __nv_cvt_float2_to_fp8x2(make_float2(x.x * sc[2 * j], x.y * sc[2 * j + 1]), __NV_SATFINITE, cvt_fmt);
+            cq[j] =
+                __nv_cvt_float2_to_fp8x2(make_float2(x.x * sc[2 * j], x.y * sc[2 * j + 1]), __NV_SATFINITE, cvt_fmt);
           }
         }
         uint2 rout = make_uint2(rq[0] | (rq[1] << 16), rq[2] | (rq[3] << 16));
@@ -239,6 +245,11 @@ __global__ void __launch_bounds__(kThreads, kOneShotMinBlocks) OneShotKernel(con
     } else {
       s = __ldg(p.scale + g);
       may_nan = thread_amax > 0x7f800000u;
+      __syncthreads();  // red
+      if (tid == 0) {
+        if (has_slab) FlushTileAmax(p, g, red);
+        if (ws != nullptr) s_last = ArriveAfterAmax(ws);
+      }
     }
     if (has_slab && st == p.tile_off[g] && ct == 0 && tid == 0) {  // the group's first slab
       const float sinv = ScaleInv(s);
@@ -251,7 +262,10 @@ __global__ void __launch_bounds__(kThreads, kOneShotMinBlocks) OneShotKernel(con
       float f[8];
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        const float2 x = Pair<DT>(reinterpret_cast<const Chunk<DT>&>(v[i]), j);
+        // (f16 NaN through the hardware conversion loses its sign, which
+        // the NaN rule keeps: the software decode where NaN may be.)
+        const Chunk<DT>& c = reinterpret_cast<const Chunk<DT>&>(v[i]);
+        const float2 x = may_nan ? make_float2(Elem<DT>(c, 2 * j), Elem<DT>(c, 2 * j + 1)) : Pair<DT>(c, j);
         f[2 * j] = x.x, f[2 * j + 1] = x.y;
       }
       q[i] = Quant8<FMT>(f, s, false, false, may_nan);
@@ -273,12 +287,7 @@ __global__ void __launch_bounds__(kThreads, kOneShotMinBlocks) OneShotKernel(con
         for (int j = 0; j < 4; ++j) exchange[(8 * lane + 4 * h + j) * kTransposeStride + slot] = col[j];
       }
     }
-    if constexpr (MODE == kModeDelayed) {
-      __syncthreads();  // red, and the transpose
-      if (p.amax != nullptr && tid == 0 && has_slab) FlushTileAmax(p, g, red);
-    } else {
-      if (p.colwise) __syncthreads();  // the transpose
-    }
+    if (p.colwise) __syncthreads();  // the transpose
     if (p.colwise && has_slab) {
       // Thread t writes column t's 32 bytes: rows r0 .. r0 + 31 of the group's [k][m_g].
       const int t = tid, wlane_group = ((t / 8) >> 2) & 7;
@@ -291,7 +300,10 @@ __global__ void __launch_bounds__(kThreads, kOneShotMinBlocks) OneShotKernel(con
       __stcs(dst + 1, make_uint4(col[4], col[5], col[6], col[7]));
     }
   }
-  if (p.workspace != nullptr) FinishWithWorkspace(p, &s_last);
+  // Delayed and MXFP8 counted in once their amax was in (ArriveAfterAmax).
+  // Current scaling counts in here: every block read the amax after the
+  // barrier, and made no contribution since, so nothing needs ordering.
+  if (ws != nullptr) FinishWithWorkspace(p, &s_last, /*release=*/false);
 }
 
 template <int DT, int MODE, int FMT>
@@ -318,12 +330,14 @@ cudaError_t LaunchT(const QuantizeParams& p, cudaStream_t stream) {
 }
 
 template <int DT, int MODE, int FMT>
-cudaError_t CapacityT(int* blocks) {
-  int device = 0, sms = 0, per_sm = 0;
+cudaError_t CapacityT(int* blocks, int* sms) {
+  int device = 0, per_sm = 0;
+  *sms = 0;
   cudaError_t e = cudaGetDevice(&device);
-  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  if (e == cudaSuccess) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, OneShotKernel<DT, MODE, FMT>, kThreads, 0);
-  *blocks = e == cudaSuccess ? sms * per_sm : 0;
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, device);
+  if (e == cudaSuccess)
+    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, OneShotKernel<DT, MODE, FMT>, kThreads, 0);
+  *blocks = e == cudaSuccess ? *sms * per_sm : 0;
   return e;
 }
 
@@ -332,19 +346,24 @@ template <template <int, int, int> class F, typename... A>
 cudaError_t Dispatch(const QuantizeParams& p, A... args) {
   auto by_fmt = [&](auto dt, auto mode) {
     return p.format == 0 ? F<decltype(dt)::value, decltype(mode)::value, 0>::Run(args...)
-                          : F<decltype(dt)::value, decltype(mode)::value, 1>::Run(args...);
+                         : F<decltype(dt)::value, decltype(mode)::value, 1>::Run(args...);
   };
   auto by_mode = [&](auto dt) {
     switch (p.mode) {
-      case kModeCurrent: return by_fmt(dt, std::integral_constant<int, kModeCurrent>());
-      case kModeDelayed: return by_fmt(dt, std::integral_constant<int, kModeDelayed>());
-      case kModeMx: return by_fmt(dt, std::integral_constant<int, kModeMx>());
+      case kModeCurrent:
+        return by_fmt(dt, std::integral_constant<int, kModeCurrent>());
+      case kModeDelayed:
+        return by_fmt(dt, std::integral_constant<int, kModeDelayed>());
+      case kModeMx:
+        return by_fmt(dt, std::integral_constant<int, kModeMx>());
     }
     return cudaErrorInvalidValue;
   };
   switch (p.x_dtype) {
-    case 0: return by_mode(std::integral_constant<int, 0>());
-    case 1: return by_mode(std::integral_constant<int, 1>());
+    case 0:
+      return by_mode(std::integral_constant<int, 0>());
+    case 1:
+      return by_mode(std::integral_constant<int, 1>());
   }
   return cudaErrorInvalidValue;
 }
@@ -355,7 +374,7 @@ struct LaunchF {
 };
 template <int DT, int MODE, int FMT>
 struct CapacityF {
-  static cudaError_t Run(int* blocks) { return CapacityT<DT, MODE, FMT>(blocks); }
+  static cudaError_t Run(int* blocks, int* sms) { return CapacityT<DT, MODE, FMT>(blocks, sms); }
 };
 
 }  // namespace
@@ -365,7 +384,9 @@ cudaError_t LaunchOneShotQuantize(const QuantizeParams& p, cudaStream_t stream) 
   return Dispatch<LaunchF>(p, &p, stream);
 }
 
-cudaError_t OneShotCapacity(const QuantizeParams& p, int* blocks) { return Dispatch<CapacityF>(p, blocks); }
+cudaError_t OneShotCapacity(const QuantizeParams& p, int* blocks, int* sms) {
+  return Dispatch<CapacityF>(p, blocks, sms);
+}
 
 }  // namespace cuda_internal
 }  // namespace shardgemm
