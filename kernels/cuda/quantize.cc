@@ -7,6 +7,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <tuple>
 #include <utility>
 
 #include "absl/status/statusor.h"
@@ -99,6 +100,27 @@ int QuantizeTileRows(const GroupedQuantizeArgs& a, bool fused, const GpuQuantize
   return used * 8 < tile_rows_128 * 7 ? 64 : 128;
 }
 
+// OneShotCapacity per device and kernel: the occupancy query costs host time
+// on every call otherwise, and the answer does not change.
+absl::Status CachedOneShotCapacity(const cuda_internal::QuantizeParams& p, int* capacity, int* sms) {
+  int device = 0;
+  cudaError_t e = cudaGetDevice(&device);
+  if (e != cudaSuccess) return CudaStatus(e, "cudaGetDevice");
+  static std::mutex mu;
+  static auto* cache = new std::map<std::tuple<int, int, int, int>, std::pair<int, int>>();
+  const auto key = std::make_tuple(device, p.x_dtype, p.mode, p.format);
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = cache->find(key);
+  if (it == cache->end()) {
+    std::pair<int, int> v;
+    e = cuda_internal::OneShotCapacity(p, &v.first, &v.second);
+    if (e != cudaSuccess) return CudaStatus(e, "cudaOccupancyMaxActiveBlocksPerMultiprocessor (one-shot quantize)");
+    it = cache->emplace(key, v).first;
+  }
+  *capacity = it->second.first, *sms = it->second.second;
+  return absl::OkStatus();
+}
+
 // Why the one-shot kernel (quantize_oneshot.cu) cannot take the call, or OK
 // (GpuQuantizeOptions::Kernel lists what it takes). A request for it that
 // fails here is the caller's INVALID_ARGUMENT; kAuto takes the tiled kernels.
@@ -126,11 +148,9 @@ absl::Status OneShotFits(const GroupedQuantizeArgs& a, const GpuQuantizeOptions&
     }
     slabs += a.group_sizes[g] / 32 * (a.k / 256);
   }
-  if (slabs == 0) return no("needs a row to convert");
   if (a.mode == ScalingMode::kCurrent || options.kernel == GpuQuantizeOptions::Kernel::kAuto) {
     int capacity = 0, sms = 0;
-    cudaError_t e = cuda_internal::OneShotCapacity(p, &capacity, &sms);
-    if (e != cudaSuccess) return CudaStatus(e, "cudaOccupancyMaxActiveBlocksPerMultiprocessor (one-shot quantize)");
+    if (absl::Status st = CachedOneShotCapacity(p, &capacity, &sms); !st.ok()) return st;
     if (slabs > capacity) return no("holds ", capacity, " 32 x 256 slabs at once on this GPU; the call has ", slabs);
     // kAuto: only where the tiled kernels would give each SM at most one
     // 16384-element tile (two slabs), whose latency then is the whole launch
@@ -179,9 +199,11 @@ absl::Status GroupedQuantize(const GroupedQuantizeArgs& a, cudaStream_t stream, 
   const bool fused = a.mode == ScalingMode::kCurrent && options.current_pass == GpuQuantizeOptions::CurrentPass::kFused;
   absl::StatusOr<int32_t*> ws = LaunchWorkspace(stream, options);
   if (!ws.ok()) return ws.status();
-  // The one-shot kernel's slabs are 32 x 256 (its tiles, in p's tables).
+  // The one-shot kernel's slabs are 32 x 256 (its tiles, in p's tables). A
+  // call with no rows takes the tiled kernels' one-block launch, which writes
+  // the empty groups' scales and amax.
   bool one_shot = false;
-  if (options.kernel != GpuQuantizeOptions::Kernel::kTiled) {
+  if (options.kernel != GpuQuantizeOptions::Kernel::kTiled && l.row_offset[a.num_groups] > 0) {
     absl::Status fits = OneShotFits(a, options, *ws != nullptr, *p);
     if (!fits.ok() && (options.kernel == GpuQuantizeOptions::Kernel::kOneShot || !absl::IsInvalidArgument(fits))) {
       return fits;

@@ -740,7 +740,7 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(DT, MODE)) QuantizeKernel(
   __shared__ uint32_t red[kThreads / 32];
   // A word per column per 16-row band; read as float4 (MXFP8's recips).
   __shared__ __align__(16) uint32_t col_red[16384 / 16];
-  __shared__ int s_claim;
+  __shared__ int s_claim, s_next;  // the fused pass's claims
   __shared__ int s_last;
   const int tid = threadIdx.x;
   if (tid == 0) s_last = -1;  // not counted in yet (FinishWithWorkspace)
@@ -804,10 +804,10 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(DT, MODE)) QuantizeKernel(
     // ahead, so a block only waits on amax tiles that running blocks hold.
     if (tid == 0) {
       s_claim = atomicAdd(&ws->next_item, 1);
-      s_last = atomicAdd(&ws->next_item, 1);
+      s_next = atomicAdd(&ws->next_item, 1);
     }
     __syncthreads();
-    int cur = s_claim, nxt = s_last;
+    int cur = s_claim, nxt = s_next;
     Item it_cur, it_nxt;
     int buf = 0;
     if (cur < p.num_items) {
@@ -851,7 +851,6 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(DT, MODE)) QuantizeKernel(
       buf ^= 1;
     }
     CpAsyncWait<0>();
-    if (tid == 0) s_last = -1;  // (it held the first claim) not counted in yet
     FinishWithWorkspace(p, &s_last);  // the fused pass always has a workspace
   }
 }

@@ -57,8 +57,9 @@ struct GpuQuantizeOptions {
   //             multiple of 32 rows, the hardware conversion, tile_rows 0,
   //             current_pass kAuto; current scaling also needs a workspace
   //             and at most as many slabs as the GPU holds at once (its blocks
-  //             meet at a grid barrier). Asked for elsewhere, it is an
-  //             InvalidArgument naming what does not fit.
+  //             meet at a grid barrier, in a cooperative launch). Asked
+  //             for elsewhere, it is an InvalidArgument naming what does not
+  //             fit; a call with no rows takes the tiled kernels.
   //   kAuto:    the one-shot kernel where it applies and the input is at
   //             most two slabs per SM (one tiled tile per SM, where a tile's
   //             latency is the whole launch; docs/performance/quantize.md),

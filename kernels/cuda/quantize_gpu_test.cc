@@ -412,16 +412,20 @@ TEST(QuantizeGpuTest, OneShotKernelIsBitIdenticalToo) {
   using Kernel = cuda::GpuQuantizeOptions::Kernel;
   // Groups of multiples of 32 rows with empties between; padding rows; k of
   // one and of several 256-column slabs; small-decode's shape (64 groups of
-  // 64 rows, k = 1024: 512 slabs, one wave on the H200).
-  std::vector<int64_t> small_decode(64, 64);
-  const std::vector<std::pair<std::vector<int64_t>, int64_t>> shapes = {
-      {{64, 0, 32, 96, 0}, 256}, {{0, 128}, 768}, {small_decode, 1024}};
+  // 64 rows, k = 1024: 512 slabs). Current scaling's launch must fit the GPU
+  // at once (4 blocks per SM on the H200): it takes 64 groups of 32 rows
+  // (256 slabs, two per SM on a 128-SM GPU).
+  std::vector<int64_t> small_decode(64, 64), small_decode_32(64, 32);
   uint32_t seed = 5000;
   for (ScalingMode mode : {ScalingMode::kCurrent, ScalingMode::kDelayed, ScalingMode::kMxfp8}) {
     for (Fp8Format fmt : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
       for (DType dt : {DType::kBF16, DType::kF16}) {
         for (int rc = 0; rc < 3; ++rc) {
-          for (size_t si = 0; si < shapes.size(); ++si) {
+          for (size_t si = 0; si < 3; ++si) {
+            const std::vector<std::pair<std::vector<int64_t>, int64_t>> shapes = {
+                {{64, 0, 32, 96, 0}, 256},
+                {{0, 128}, 768},
+                {mode == ScalingMode::kCurrent ? small_decode_32 : small_decode, 1024}};
             Case c{mode, fmt, dt, rc != 1, rc != 0, shapes[si].second, shapes[si].first, si == 0 ? 7 : 0, si != 2,
                    false};
             c.kernel = Kernel::kOneShot;
@@ -473,6 +477,13 @@ TEST(QuantizeGpuTest, OneShotKernelSaysWhyItCannotTakeACall) {
   a.x_dtype = DType::kBF16;
   a.mode = ScalingMode::kCurrent;  // the null stream: no workspace of the library's
   expect_rejected("needs a workspace");
+  // A call with no rows takes the tiled kernels' one-block launch (the
+  // empty groups' scales and amax), asked for the one-shot kernel or not.
+  gs[0] = 0, gs[1] = 0;
+  a.mode = ScalingMode::kDelayed;
+  EXPECT_TRUE(cuda::GroupedQuantize(a, nullptr, opt).ok());
+  gs[0] = 64, gs[1] = 32;
+  a.mode = ScalingMode::kCurrent;
   // Auto takes the tiled kernels for all of these, and kOneShot the call that fits.
   opt.kernel = cuda::GpuQuantizeOptions::Kernel::kAuto;
   EXPECT_TRUE(cuda::GroupedQuantize(a, nullptr, opt).ok());

@@ -206,7 +206,7 @@ __global__ void __launch_bounds__(kThreads, kOneShotMinBlocks) OneShotKernel(con
     if (has_slab) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        uint32_t rq[4], cq[4];
+        uint32_t rq[4] = {0, 0, 0, 0}, cq[4] = {0, 0, 0, 0};
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
           const float2 x = Pair<DT>(reinterpret_cast<const Chunk<DT>&>(v[i]), j);
@@ -331,13 +331,16 @@ cudaError_t LaunchT(const QuantizeParams& p, cudaStream_t stream) {
 
 template <int DT, int MODE, int FMT>
 cudaError_t CapacityT(int* blocks, int* sms) {
-  int device = 0, per_sm = 0;
-  *sms = 0;
+  int device = 0, per_sm = 0, cooperative = 0;
+  *sms = 0, *blocks = 0;
   cudaError_t e = cudaGetDevice(&device);
   if (e == cudaSuccess) e = cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, device);
-  if (e == cudaSuccess)
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&cooperative, cudaDevAttrCooperativeLaunch, device);
+  if (e == cudaSuccess) {
     e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, OneShotKernel<DT, MODE, FMT>, kThreads, 0);
-  *blocks = e == cudaSuccess ? *sms * per_sm : 0;
+  }
+  // Current scaling's grid barrier needs a cooperative launch.
+  if (e == cudaSuccess && (MODE != kModeCurrent || cooperative)) *blocks = *sms * per_sm;
   return e;
 }
 
