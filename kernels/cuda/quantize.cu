@@ -745,17 +745,7 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(DT, MODE)) QuantizeKernel(
   const int tid = threadIdx.x;
   if (tid == 0) s_last = -1;  // not counted in yet (FinishWithWorkspace)
 
-  if constexpr (kTensor) {
-    if (blockIdx.x == 0) {  // empty groups have no tiles: their scale_inv here
-      for (int h = tid; h < p.num_groups; h += kThreads) {
-        if (p.row_off[h + 1] == p.row_off[h]) {
-          const float sinv = MODE == kModeCurrent ? 1.0f : ScaleInv(p.scale[h]);
-          if (p.rowwise) static_cast<float*>(p.row_scale)[h] = sinv;
-          if (p.colwise) static_cast<float*>(p.col_scale)[h] = sinv;
-        }
-      }
-    }
-  }
+  if constexpr (kTensor) WriteEmptyGroupScales<MODE>(p);
   constexpr bool fused = MODE == kModeCurrent && FUSED;
   QuantizeWorkspace* ws = reinterpret_cast<QuantizeWorkspace*>(p.workspace);
 

@@ -252,6 +252,20 @@ __device__ void ZeroMxScalePadding(const QuantizeParams& p) {
   }
 }
 
+// Tensor scaling: the scale_inv of empty groups, which have no tiles or
+// slabs to write it (block 0 of the launch does).
+template <int MODE>
+__device__ __forceinline__ void WriteEmptyGroupScales(const QuantizeParams& p) {
+  if (blockIdx.x != 0) return;
+  for (int h = threadIdx.x; h < p.num_groups; h += kThreads) {
+    if (p.row_off[h + 1] == p.row_off[h]) {
+      const float sinv = MODE == kModeCurrent ? 1.0f : ScaleInv(p.scale[h]);
+      if (p.rowwise) static_cast<float*>(p.row_scale)[h] = sinv;
+      if (p.colwise) static_cast<float*>(p.col_scale)[h] = sinv;
+    }
+  }
+}
+
 // The workspace protocol. Each block counts itself in once its amax
 // contributions (atomicMax into the workspace) are made; the block that
 // counts last publishes the per-group amax to the caller's and zeroes every

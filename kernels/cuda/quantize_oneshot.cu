@@ -106,17 +106,7 @@ __global__ void __launch_bounds__(kThreads, kOneShotMinBlocks) OneShotKernel(con
   QuantizeWorkspace* ws = reinterpret_cast<QuantizeWorkspace*>(p.workspace);
   if (tid == 0) s_last = -1;  // not counted in yet (FinishWithWorkspace)
 
-  if constexpr (kTensor) {
-    if (blockIdx.x == 0) {  // empty groups have no slabs: their scale_inv here
-      for (int h = tid; h < p.num_groups; h += kThreads) {
-        if (p.row_off[h + 1] == p.row_off[h]) {
-          const float sinv = MODE == kModeCurrent ? 1.0f : ScaleInv(p.scale[h]);
-          if (p.rowwise) static_cast<float*>(p.row_scale)[h] = sinv;
-          if (p.colwise) static_cast<float*>(p.col_scale)[h] = sinv;
-        }
-      }
-    }
-  }
+  if constexpr (kTensor) WriteEmptyGroupScales<MODE>(p);
   const bool has_slab = static_cast<int>(blockIdx.x) < p.num_items;  // a launch of no slabs has one block
   const int st = has_slab ? static_cast<int>(blockIdx.x) / p.col_tiles : 0;
   const int ct = has_slab ? static_cast<int>(blockIdx.x) - st * p.col_tiles : 0;
