@@ -49,13 +49,23 @@ constexpr int64_t kFusedBatchBytes = int64_t{8} << 20;
 // share one workspace. Otherwise nullptr (a memset of amax before the launch,
 // and the two-pass path). Allocated on first use, kept for the life of the
 // process.
-absl::StatusOr<int32_t*> LaunchWorkspace(cudaStream_t stream, const GpuQuantizeOptions& options) {
-  if (options.workspace != nullptr) return static_cast<int32_t*>(options.workspace);
-  if (stream == nullptr || stream == cudaStreamLegacy || stream == cudaStreamPerThread) return nullptr;
+// Whether a launch on `stream` with `options` has a workspace (before ours is
+// allocated).
+absl::StatusOr<bool> HasWorkspace(cudaStream_t stream, const GpuQuantizeOptions& options) {
+  if (options.workspace != nullptr) return true;
+  if (stream == nullptr || stream == cudaStreamLegacy || stream == cudaStreamPerThread) return false;
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   cudaError_t e = cudaStreamIsCapturing(stream, &capture);
   if (e != cudaSuccess) return CudaStatus(e, "cudaStreamIsCapturing");
-  if (capture != cudaStreamCaptureStatusNone) return nullptr;
+  return capture == cudaStreamCaptureStatusNone;
+}
+
+absl::StatusOr<int32_t*> LaunchWorkspace(cudaStream_t stream, const GpuQuantizeOptions& options) {
+  if (options.workspace != nullptr) return static_cast<int32_t*>(options.workspace);
+  absl::StatusOr<bool> has = HasWorkspace(stream, options);
+  if (!has.ok()) return has.status();
+  if (!*has) return nullptr;
+  cudaError_t e = cudaSuccess;
   unsigned long long id = 0;
   if ((e = cudaStreamGetId(stream, &id)) != cudaSuccess) return CudaStatus(e, "cudaStreamGetId");
   static std::mutex mu;
@@ -102,18 +112,18 @@ int QuantizeTileRows(const GroupedQuantizeArgs& a, bool fused, const GpuQuantize
 
 // OneShotCapacity per device and kernel: the occupancy query costs host time
 // on every call otherwise, and the answer does not change.
-absl::Status CachedOneShotCapacity(const cuda_internal::QuantizeParams& p, int* capacity, int* sms) {
+absl::Status CachedOneShotCapacity(const GroupedQuantizeArgs& a, int* capacity, int* sms) {
   int device = 0;
   cudaError_t e = cudaGetDevice(&device);
   if (e != cudaSuccess) return CudaStatus(e, "cudaGetDevice");
   static std::mutex mu;
   static auto* cache = new std::map<std::tuple<int, int, int, int>, std::pair<int, int>>();
-  const auto key = std::make_tuple(device, p.x_dtype, p.mode, p.format);
+  const auto key = std::make_tuple(device, DTypeCode(a.x_dtype), static_cast<int>(a.mode), static_cast<int>(a.format));
   std::lock_guard<std::mutex> lock(mu);
   auto it = cache->find(key);
   if (it == cache->end()) {
     std::pair<int, int> v;
-    e = cuda_internal::OneShotCapacity(p, &v.first, &v.second);
+    e = cuda_internal::OneShotCapacity(std::get<1>(key), std::get<2>(key), std::get<3>(key), &v.first, &v.second);
     if (e != cudaSuccess) return CudaStatus(e, "cudaOccupancyMaxActiveBlocksPerMultiprocessor (one-shot quantize)");
     it = cache->emplace(key, v).first;
   }
@@ -124,8 +134,7 @@ absl::Status CachedOneShotCapacity(const cuda_internal::QuantizeParams& p, int* 
 // Why the one-shot kernel (quantize_oneshot.cu) cannot take the call, or OK
 // (GpuQuantizeOptions::Kernel lists what it takes). A request for it that
 // fails here is the caller's INVALID_ARGUMENT; kAuto takes the tiled kernels.
-absl::Status OneShotFits(const GroupedQuantizeArgs& a, const GpuQuantizeOptions& options, bool have_workspace,
-                         const cuda_internal::QuantizeParams& p) {
+absl::Status OneShotFits(const GroupedQuantizeArgs& a, const GpuQuantizeOptions& options, bool have_workspace) {
   auto no = [](auto... why) { return absl::InvalidArgumentError(absl::StrCat("kernel: one-shot ", why...)); };
   if (options.tile_rows != 0) return no("has no tile_rows (", options.tile_rows, ")");
   if (options.software_cvt) return no("has no software conversion");
@@ -150,7 +159,7 @@ absl::Status OneShotFits(const GroupedQuantizeArgs& a, const GpuQuantizeOptions&
   }
   if (a.mode == ScalingMode::kCurrent || options.kernel == GpuQuantizeOptions::Kernel::kAuto) {
     int capacity = 0, sms = 0;
-    if (absl::Status st = CachedOneShotCapacity(p, &capacity, &sms); !st.ok()) return st;
+    if (absl::Status st = CachedOneShotCapacity(a, &capacity, &sms); !st.ok()) return st;
     if (slabs > capacity) return no("holds ", capacity, " 32 x 256 slabs at once on this GPU; the call has ", slabs);
     // kAuto: only where the tiled kernels would give each SM at most one
     // 16384-element tile (two slabs), whose latency then is the whole launch
@@ -164,11 +173,23 @@ absl::Status OneShotFits(const GroupedQuantizeArgs& a, const GpuQuantizeOptions&
   return absl::OkStatus();
 }
 
-}  // namespace
+// Whether the call takes the one-shot kernel (GpuQuantizeOptions::Kernel).
+// A call with no rows takes the tiled kernels' one-block launch, which writes
+// the empty groups' scales and amax.
+absl::StatusOr<bool> UseOneShot(const GroupedQuantizeArgs& a, const GpuQuantizeOptions& options,
+                                bool have_workspace) {
+  if (options.kernel == GpuQuantizeOptions::Kernel::kTiled) return false;
+  int64_t rows = 0;
+  for (int64_t g = 0; g < a.num_groups; ++g) rows += a.group_sizes[g];
+  if (rows == 0) return false;
+  absl::Status fits = OneShotFits(a, options, have_workspace);
+  if (!fits.ok() && (options.kernel == GpuQuantizeOptions::Kernel::kOneShot || !absl::IsInvalidArgument(fits))) {
+    return fits;
+  }
+  return fits.ok();
+}
 
-size_t QuantizeWorkspaceBytes() { return sizeof(cuda_internal::QuantizeWorkspace); }
-
-absl::Status GroupedQuantize(const GroupedQuantizeArgs& a, cudaStream_t stream, const GpuQuantizeOptions& options) {
+absl::Status CheckGpuArgs(const GroupedQuantizeArgs& a, const GpuQuantizeOptions& options) {
   if (absl::Status s = ValidateGroupedQuantizeArgs(a); !s.ok()) return s;
   if (absl::Status s = CheckGpuShape(a.m, a.k, a.num_groups); !s.ok()) return s;
   if (options.tile_rows != 0 && options.tile_rows != 32 && options.tile_rows != 64 && options.tile_rows != 128) {
@@ -177,6 +198,25 @@ absl::Status GroupedQuantize(const GroupedQuantizeArgs& a, cudaStream_t stream, 
   if (!Aligned(a.x, 16)) return absl::InvalidArgumentError("x: not 16-byte aligned");
   if (a.rowwise && !Aligned(a.rowwise_data, 16)) return absl::InvalidArgumentError("rowwise_data: not 16-byte aligned");
   if (a.colwise && !Aligned(a.colwise_data, 16)) return absl::InvalidArgumentError("colwise_data: not 16-byte aligned");
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<GpuQuantizeOptions::Kernel> ChosenQuantizeKernel(const GroupedQuantizeArgs& args, cudaStream_t stream,
+                                                                const GpuQuantizeOptions& options) {
+  if (absl::Status s = CheckGpuArgs(args, options); !s.ok()) return s;
+  absl::StatusOr<bool> has_workspace = HasWorkspace(stream, options);
+  if (!has_workspace.ok()) return has_workspace.status();
+  absl::StatusOr<bool> one_shot = UseOneShot(args, options, *has_workspace);
+  if (!one_shot.ok()) return one_shot.status();
+  return *one_shot ? GpuQuantizeOptions::Kernel::kOneShot : GpuQuantizeOptions::Kernel::kTiled;
+}
+
+size_t QuantizeWorkspaceBytes() { return sizeof(cuda_internal::QuantizeWorkspace); }
+
+absl::Status GroupedQuantize(const GroupedQuantizeArgs& a, cudaStream_t stream, const GpuQuantizeOptions& options) {
+  if (absl::Status s = CheckGpuArgs(a, options); !s.ok()) return s;
   absl::StatusOr<QuantizeLayout> layout = GetQuantizeLayout(a);
   if (!layout.ok()) return layout.status();
   const QuantizeLayout& l = *layout;
@@ -199,17 +239,10 @@ absl::Status GroupedQuantize(const GroupedQuantizeArgs& a, cudaStream_t stream, 
   const bool fused = a.mode == ScalingMode::kCurrent && options.current_pass == GpuQuantizeOptions::CurrentPass::kFused;
   absl::StatusOr<int32_t*> ws = LaunchWorkspace(stream, options);
   if (!ws.ok()) return ws.status();
-  // The one-shot kernel's slabs are 32 x 256 (its tiles, in p's tables). A
-  // call with no rows takes the tiled kernels' one-block launch, which writes
-  // the empty groups' scales and amax.
-  bool one_shot = false;
-  if (options.kernel != GpuQuantizeOptions::Kernel::kTiled && l.row_offset[a.num_groups] > 0) {
-    absl::Status fits = OneShotFits(a, options, *ws != nullptr, *p);
-    if (!fits.ok() && (options.kernel == GpuQuantizeOptions::Kernel::kOneShot || !absl::IsInvalidArgument(fits))) {
-      return fits;
-    }
-    one_shot = fits.ok();
-  }
+  // The one-shot kernel's slabs are 32 x 256 (its tiles, in p's tables).
+  absl::StatusOr<bool> use_one_shot = UseOneShot(a, options, *ws != nullptr);
+  if (!use_one_shot.ok()) return use_one_shot.status();
+  const bool one_shot = *use_one_shot;
   p->tile_rows = one_shot ? 32 : QuantizeTileRows(a, fused, options);
   const int64_t tile_cols = one_shot ? 256 : 16384 / p->tile_rows;
   p->col_tiles = static_cast<int>((a.k + tile_cols - 1) / tile_cols);

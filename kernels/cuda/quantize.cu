@@ -21,7 +21,10 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <map>
+#include <mutex>
 #include <type_traits>
+#include <utility>
 
 #include "kernels/cuda/quantize_device.cuh"
 #include "kernels/cuda/quantize_kernels.cuh"
@@ -845,6 +848,28 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(DT, MODE)) QuantizeKernel(
   }
 }
 
+// A kernel's SM count and resident blocks per SM on the current device, with
+// its dynamic shared memory allowed there: set and queried once per kernel
+// and device (each is host time on every call otherwise).
+cudaError_t KernelResidency(const void* kernel, int smem, int* sms, int* per_sm) {
+  int device = 0;
+  cudaError_t e = cudaGetDevice(&device);
+  if (e != cudaSuccess) return e;
+  static std::mutex mu;
+  static auto* cache = new std::map<std::pair<const void*, int>, std::pair<int, int>>();
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = cache->find({kernel, device});
+  if (it == cache->end()) {
+    std::pair<int, int> v{0, 0};
+    if ((e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem)) != cudaSuccess) return e;
+    if ((e = cudaDeviceGetAttribute(&v.first, cudaDevAttrMultiProcessorCount, device)) != cudaSuccess) return e;
+    if ((e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&v.second, kernel, kThreads, smem)) != cudaSuccess) return e;
+    it = cache->emplace(std::make_pair(kernel, device), v).first;
+  }
+  *sms = it->second.first, *per_sm = it->second.second;
+  return cudaSuccess;
+}
+
 template <int DT, int MODE, int FMT>
 cudaError_t LaunchQuantizeT(const QuantizeParams& p, cudaStream_t stream) {
   // quantize.cc picks the tile height (QuantizeTileRows): 32 or 64 rows only
@@ -863,12 +888,9 @@ cudaError_t LaunchQuantizeT(const QuantizeParams& p, cudaStream_t stream) {
     if (p.fuse_amax) kernel = QuantizeKernel<DT, MODE, FMT, true, 128>;
   }
   const int smem = kTileBuffers * TileBytes<DT>();
-  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  int sms = 0, per_sm = 0;
+  cudaError_t e = KernelResidency(reinterpret_cast<const void*>(kernel), smem, &sms, &per_sm);
   if (e != cudaSuccess) return e;
-  int device = 0, sms = 0, per_sm = 0;
-  if ((e = cudaGetDevice(&device)) != cudaSuccess) return e;
-  if ((e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device)) != cudaSuccess) return e;
-  if ((e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem)) != cudaSuccess) return e;
   // Enough blocks to fill the GPU once; an empty launch still writes empty groups' scales.
   // (Two blocks per SM, or the fewest blocks for the same number of waves,
   // measured no faster on any preset: docs/performance/quantize.md.)

@@ -77,6 +77,12 @@ absl::Status GroupedQuantize(const GroupedQuantizeArgs& args, cudaStream_t strea
 
 size_t QuantizeWorkspaceBytes();
 
+// Which kernel GroupedQuantize(args, stream, options) runs, kTiled or
+// kOneShot (GpuQuantizeOptions::Kernel), or the error it would return for
+// the arguments or the asked-for kernel. Allocates nothing, launches nothing.
+absl::StatusOr<GpuQuantizeOptions::Kernel> ChosenQuantizeKernel(const GroupedQuantizeArgs& args, cudaStream_t stream,
+                                                                const GpuQuantizeOptions& options = GpuQuantizeOptions());
+
 // Same as cpu::GroupedDequantize; data, scale_inv and out in device memory.
 absl::Status GroupedDequantize(const GroupedDequantizeArgs& args, cudaStream_t stream);
 

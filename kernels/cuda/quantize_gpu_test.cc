@@ -493,6 +493,57 @@ TEST(QuantizeGpuTest, OneShotKernelSaysWhyItCannotTakeACall) {
   CK(cudaDeviceSynchronize());
 }
 
+TEST(QuantizeGpuTest, AutoPicksTheOneShotKernelForShortInputsOnly) {
+  SKIP_WITHOUT_GPU();
+  using Kernel = cuda::GpuQuantizeOptions::Kernel;
+  int device = 0, sms = 0;
+  CK(cudaGetDevice(&device));
+  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  // Shapes only: nothing is launched (the pointers are never read).
+  DevBuf x(16), d(16), s(16), am(16);
+  auto chosen = [&](ScalingMode mode, std::vector<int64_t> gs, int64_t k, const cuda::GpuQuantizeOptions& opt) {
+    int64_t m = 0;
+    for (int64_t g : gs) m += g;
+    GroupedQuantizeArgs a;
+    a.x = x.p, a.m = m, a.k = k, a.group_sizes = gs.data(), a.num_groups = static_cast<int64_t>(gs.size());
+    a.mode = mode, a.rowwise = true, a.colwise = true;
+    a.rowwise_data = d.as<uint8_t>(), a.colwise_data = d.as<uint8_t>();
+    a.rowwise_scale_inv = s.p, a.colwise_scale_inv = s.p, a.amax = am.as<float>(), a.scale = s.as<float>();
+    return cuda::ChosenQuantizeKernel(a, nullptr, opt);
+  };
+  cuda::GpuQuantizeOptions with_ws;
+  with_ws.workspace = am.p;  // (a stand-in: only its presence counts here)
+  const cuda::GpuQuantizeOptions none;
+  // A decode step of 8 experts x 32 tokens (64 slabs): the one-shot kernel,
+  // for current scaling only with a workspace (the null stream has none of
+  // the library's).
+  const std::vector<int64_t> tiny(8, 32);
+  for (ScalingMode mode : {ScalingMode::kDelayed, ScalingMode::kMxfp8}) {
+    EXPECT_EQ(*chosen(mode, tiny, 2048, none), Kernel::kOneShot) << ScalingModeName(mode);
+  }
+  EXPECT_EQ(*chosen(ScalingMode::kCurrent, tiny, 2048, with_ws), Kernel::kOneShot);
+  EXPECT_EQ(*chosen(ScalingMode::kCurrent, tiny, 2048, none), Kernel::kTiled);
+  // Up to two slabs per SM, then the tiled kernels (small-decode: 512 slabs).
+  const int64_t rows_at_limit = (2 * sms / 8) * 32;  // k = 2048: 8 slabs per 32 rows
+  EXPECT_EQ(*chosen(ScalingMode::kMxfp8, {rows_at_limit}, 2048, none), Kernel::kOneShot);
+  EXPECT_EQ(*chosen(ScalingMode::kMxfp8, {rows_at_limit + 32}, 2048, none), Kernel::kTiled);
+  EXPECT_EQ(*chosen(ScalingMode::kMxfp8, std::vector<int64_t>(64, 64), 1024, none), Kernel::kTiled);
+  // What the one-shot kernel does not take goes to the tiled kernels.
+  EXPECT_EQ(*chosen(ScalingMode::kMxfp8, {40}, 2048, none), Kernel::kTiled);
+  EXPECT_EQ(*chosen(ScalingMode::kMxfp8, {32}, 384, none), Kernel::kTiled);
+  EXPECT_EQ(*chosen(ScalingMode::kBlock1x128, {128}, 256, none), Kernel::kTiled);
+  EXPECT_EQ(*chosen(ScalingMode::kMxfp8, {0, 0}, 256, none), Kernel::kTiled);
+  cuda::GpuQuantizeOptions tiled;
+  tiled.kernel = Kernel::kTiled;
+  EXPECT_EQ(*chosen(ScalingMode::kMxfp8, tiny, 2048, tiled), Kernel::kTiled);
+  // Asked for where it cannot run: the error GroupedQuantize returns.
+  cuda::GpuQuantizeOptions one_shot;
+  one_shot.kernel = Kernel::kOneShot;
+  absl::StatusOr<Kernel> no = chosen(ScalingMode::kMxfp8, {32}, 384, one_shot);
+  EXPECT_EQ(no.status().code(), absl::StatusCode::kInvalidArgument) << no.status();
+  EXPECT_EQ(*chosen(ScalingMode::kMxfp8, std::vector<int64_t>(64, 64), 1024, one_shot), Kernel::kOneShot);
+}
+
 TEST(QuantizeGpuTest, CurrentScalingFusedAndTwoPassAgree) {
   SKIP_WITHOUT_GPU();
   // Several fused batches (x is ~46 MB), groups inside and across batches,

@@ -90,9 +90,9 @@ cudaError_t LaunchGroupedQuantize(const QuantizeParams& p, cudaStream_t stream);
 // (every group's amax) at a grid barrier, so it is a cooperative launch of at
 // most OneShotCapacity blocks.
 cudaError_t LaunchOneShotQuantize(const QuantizeParams& p, cudaStream_t stream);
-// How many one-shot blocks of p's input type, mode and format fit the device
-// at once, and its SM count.
-cudaError_t OneShotCapacity(const QuantizeParams& p, int* blocks, int* sms);
+// How many one-shot blocks of an input type, mode and format (QuantizeParams'
+// codes) fit the device at once, and its SM count.
+cudaError_t OneShotCapacity(int x_dtype, int mode, int format, int* blocks, int* sms);
 
 struct DequantizeParams {
   const uint8_t* data;

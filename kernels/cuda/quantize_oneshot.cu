@@ -334,15 +334,15 @@ cudaError_t CapacityT(int* blocks, int* sms) {
   return e;
 }
 
-// Dispatch on p's input type, mode and format.
+// Dispatch on the input type, mode and format (QuantizeParams' codes).
 template <template <int, int, int> class F, typename... A>
-cudaError_t Dispatch(const QuantizeParams& p, A... args) {
+cudaError_t Dispatch(int x_dtype, int mode_code, int format, A... args) {
   auto by_fmt = [&](auto dt, auto mode) {
-    return p.format == 0 ? F<decltype(dt)::value, decltype(mode)::value, 0>::Run(args...)
+    return format == 0 ? F<decltype(dt)::value, decltype(mode)::value, 0>::Run(args...)
                          : F<decltype(dt)::value, decltype(mode)::value, 1>::Run(args...);
   };
   auto by_mode = [&](auto dt) {
-    switch (p.mode) {
+    switch (mode_code) {
       case kModeCurrent:
         return by_fmt(dt, std::integral_constant<int, kModeCurrent>());
       case kModeDelayed:
@@ -352,7 +352,7 @@ cudaError_t Dispatch(const QuantizeParams& p, A... args) {
     }
     return cudaErrorInvalidValue;
   };
-  switch (p.x_dtype) {
+  switch (x_dtype) {
     case 0:
       return by_mode(std::integral_constant<int, 0>());
     case 1:
@@ -374,11 +374,11 @@ struct CapacityF {
 
 cudaError_t LaunchOneShotQuantize(const QuantizeParams& p, cudaStream_t stream) {
   if (p.tile_rows != kSlabRows || p.k % kSlabCols != 0) return cudaErrorInvalidValue;
-  return Dispatch<LaunchF>(p, &p, stream);
+  return Dispatch<LaunchF>(p.x_dtype, p.mode, p.format, &p, stream);
 }
 
-cudaError_t OneShotCapacity(const QuantizeParams& p, int* blocks, int* sms) {
-  return Dispatch<CapacityF>(p, blocks, sms);
+cudaError_t OneShotCapacity(int x_dtype, int mode, int format, int* blocks, int* sms) {
+  return Dispatch<CapacityF>(x_dtype, mode, format, blocks, sms);
 }
 
 }  // namespace cuda_internal
