@@ -176,8 +176,7 @@ absl::Status OneShotFits(const GroupedQuantizeArgs& a, const GpuQuantizeOptions&
 // Whether the call takes the one-shot kernel (GpuQuantizeOptions::Kernel).
 // A call with no rows takes the tiled kernels' one-block launch, which writes
 // the empty groups' scales and amax.
-absl::StatusOr<bool> UseOneShot(const GroupedQuantizeArgs& a, const GpuQuantizeOptions& options,
-                                bool have_workspace) {
+absl::StatusOr<bool> UseOneShot(const GroupedQuantizeArgs& a, const GpuQuantizeOptions& options, bool have_workspace) {
   if (options.kernel == GpuQuantizeOptions::Kernel::kTiled) return false;
   int64_t rows = 0;
   for (int64_t g = 0; g < a.num_groups; ++g) rows += a.group_sizes[g];
