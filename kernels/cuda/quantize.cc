@@ -7,7 +7,6 @@
 #include <map>
 #include <memory>
 #include <mutex>
-#include <tuple>
 #include <utility>
 
 #include "absl/status/statusor.h"
@@ -110,27 +109,6 @@ int QuantizeTileRows(const GroupedQuantizeArgs& a, bool fused, const GpuQuantize
   return used * 8 < tile_rows_128 * 7 ? 64 : 128;
 }
 
-// OneShotCapacity per device and kernel: the occupancy query costs host time
-// on every call otherwise, and the answer does not change.
-absl::Status CachedOneShotCapacity(const GroupedQuantizeArgs& a, int* capacity, int* sms) {
-  int device = 0;
-  cudaError_t e = cudaGetDevice(&device);
-  if (e != cudaSuccess) return CudaStatus(e, "cudaGetDevice");
-  static std::mutex mu;
-  static auto* cache = new std::map<std::tuple<int, int, int, int>, std::pair<int, int>>();
-  const auto key = std::make_tuple(device, DTypeCode(a.x_dtype), static_cast<int>(a.mode), static_cast<int>(a.format));
-  std::lock_guard<std::mutex> lock(mu);
-  auto it = cache->find(key);
-  if (it == cache->end()) {
-    std::pair<int, int> v;
-    e = cuda_internal::OneShotCapacity(std::get<1>(key), std::get<2>(key), std::get<3>(key), &v.first, &v.second);
-    if (e != cudaSuccess) return CudaStatus(e, "cudaOccupancyMaxActiveBlocksPerMultiprocessor (one-shot quantize)");
-    it = cache->emplace(key, v).first;
-  }
-  *capacity = it->second.first, *sms = it->second.second;
-  return absl::OkStatus();
-}
-
 // Why the one-shot kernel (quantize_oneshot.cu) cannot take the call, or OK
 // (GpuQuantizeOptions::Kernel lists what it takes). A request for it that
 // fails here is the caller's INVALID_ARGUMENT; kAuto takes the tiled kernels.
@@ -159,7 +137,9 @@ absl::Status OneShotFits(const GroupedQuantizeArgs& a, const GpuQuantizeOptions&
   }
   if (a.mode == ScalingMode::kCurrent || options.kernel == GpuQuantizeOptions::Kernel::kAuto) {
     int capacity = 0, sms = 0;
-    if (absl::Status st = CachedOneShotCapacity(a, &capacity, &sms); !st.ok()) return st;
+    cudaError_t e = cuda_internal::OneShotCapacity(DTypeCode(a.x_dtype), static_cast<int>(a.mode),
+                                                   static_cast<int>(a.format), &capacity, &sms);
+    if (e != cudaSuccess) return CudaStatus(e, "cudaOccupancyMaxActiveBlocksPerMultiprocessor (one-shot quantize)");
     if (slabs > capacity) return no("holds ", capacity, " 32 x 256 slabs at once on this GPU; the call has ", slabs);
     // kAuto: only where the tiled kernels would give each SM at most one
     // 16384-element tile (two slabs), whose latency then is the whole launch

@@ -137,11 +137,6 @@ __device__ __forceinline__ void CpAsyncWait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
-__device__ __forceinline__ int LoadAcquire(const int32_t* p) {
-  int v;
-  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
 
 struct Item {
   int t = 0, ct = 0;     // row tile (numbered over all groups), column tile
@@ -393,13 +388,8 @@ __device__ __forceinline__ void QuantizeMxTileFull(const QuantizeParams& p, cons
     uint32_t rq[4], cq[4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      float x0, x1;
-      if constexpr (DT == 1) {
-        const float2 x = __half22float2(*reinterpret_cast<const __half2*>(&v.w[j]));
-        x0 = x.x, x1 = x.y;
-      } else {
-        x0 = Elem<DT>(v, 2 * j), x1 = Elem<DT>(v, 2 * j + 1);
-      }
+      const float2 x = Pair<DT>(v, j);
+      const float x0 = x.x, x1 = x.y;
       if (p.rowwise) rq[j] = __nv_cvt_float2_to_fp8x2(make_float2(x0 * rs, x1 * rs), __NV_SATFINITE, cvt_fmt);
       if (p.colwise) {
         cq[j] = __nv_cvt_float2_to_fp8x2(make_float2(x0 * sc[2 * j], x1 * sc[2 * j + 1]), __NV_SATFINITE, cvt_fmt);
@@ -408,14 +398,11 @@ __device__ __forceinline__ void QuantizeMxTileFull(const QuantizeParams& p, cons
     uint2 rout = make_uint2(rq[0] | (rq[1] << 16), rq[2] | (rq[3] << 16));
     uint2 cout = make_uint2(cq[0] | (cq[1] << 16), cq[2] | (cq[3] << 16));
     if (nan_code) {  // rare: a NaN code's elements get NaN with each element's sign
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const uint32_t sign = (v.w[j / 2] >> (16 * (j % 2) + 15)) & 1u;
-        const uint32_t nan_byte = static_cast<uint32_t>(Fp8NanWithSignOf(BitsToFloat(sign << 31), fmt)) << (8 * (j % 4));
-        const uint32_t keep = ~(0xffu << (8 * (j % 4)));
-        if (p.rowwise && IsNanBits(rs)) (j < 4 ? rout.x : rout.y) = ((j < 4 ? rout.x : rout.y) & keep) | nan_byte;
-        if (p.colwise && IsNanBits(sc[j])) (j < 4 ? cout.x : cout.y) = ((j < 4 ? cout.x : cout.y) & keep) | nan_byte;
+      if (p.rowwise) {
+        const float rsi[8] = {rs, rs, rs, rs, rs, rs, rs, rs};
+        rout = NanFix<FMT>(rout, v, rsi);
       }
+      if (p.colwise) cout = NanFix<FMT>(cout, v, sc);
     }
     if (p.rowwise) __stcs(reinterpret_cast<uint2*>(row_out), rout);
     if (p.colwise) __stcs(reinterpret_cast<uint2*>(col_out), cout);
@@ -848,28 +835,6 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(DT, MODE)) QuantizeKernel(
   }
 }
 
-// A kernel's SM count and resident blocks per SM on the current device, with
-// its dynamic shared memory allowed there: set and queried once per kernel
-// and device (each is host time on every call otherwise).
-cudaError_t KernelResidency(const void* kernel, int smem, int* sms, int* per_sm) {
-  int device = 0;
-  cudaError_t e = cudaGetDevice(&device);
-  if (e != cudaSuccess) return e;
-  static std::mutex mu;
-  static auto* cache = new std::map<std::pair<const void*, int>, std::pair<int, int>>();
-  std::lock_guard<std::mutex> lock(mu);
-  auto it = cache->find({kernel, device});
-  if (it == cache->end()) {
-    std::pair<int, int> v{0, 0};
-    if ((e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem)) != cudaSuccess) return e;
-    if ((e = cudaDeviceGetAttribute(&v.first, cudaDevAttrMultiProcessorCount, device)) != cudaSuccess) return e;
-    if ((e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&v.second, kernel, kThreads, smem)) != cudaSuccess) return e;
-    it = cache->emplace(std::make_pair(kernel, device), v).first;
-  }
-  *sms = it->second.first, *per_sm = it->second.second;
-  return cudaSuccess;
-}
-
 template <int DT, int MODE, int FMT>
 cudaError_t LaunchQuantizeT(const QuantizeParams& p, cudaStream_t stream) {
   // quantize.cc picks the tile height (QuantizeTileRows): 32 or 64 rows only
@@ -994,6 +959,28 @@ __global__ void CvtCheckKernel(unsigned long long* mismatches) {
 }
 
 }  // namespace
+
+// A kernel's SM count and resident blocks per SM on the current device, with
+// its dynamic shared memory allowed there: set and queried once per kernel
+// and device (each is host time on every call otherwise).
+cudaError_t KernelResidency(const void* kernel, int smem, int* sms, int* per_sm) {
+  int device = 0;
+  cudaError_t e = cudaGetDevice(&device);
+  if (e != cudaSuccess) return e;
+  static std::mutex mu;
+  static auto* cache = new std::map<std::pair<const void*, int>, std::pair<int, int>>();
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = cache->find({kernel, device});
+  if (it == cache->end()) {
+    std::pair<int, int> v{0, 0};
+    if ((e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem)) != cudaSuccess) return e;
+    if ((e = cudaDeviceGetAttribute(&v.first, cudaDevAttrMultiProcessorCount, device)) != cudaSuccess) return e;
+    if ((e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&v.second, kernel, kThreads, smem)) != cudaSuccess) return e;
+    it = cache->emplace(std::make_pair(kernel, device), v).first;
+  }
+  *sms = it->second.first, *per_sm = it->second.second;
+  return cudaSuccess;
+}
 
 cudaError_t LaunchGroupedAmax(const QuantizeParams& p, cudaStream_t stream) {
   const int64_t blocks = p.total_tiles;  // whole-row tiles

@@ -88,6 +88,41 @@ __device__ __forceinline__ uint32_t ChunkAbsMax(const Chunk<DT>& c) {
   }
 }
 
+// Elements 2j and 2j + 1 of a chunk as floats (f16 through the hardware
+// conversion: exact for every non-NaN, but a NaN loses its sign).
+template <int DT>
+__device__ __forceinline__ float2 Pair(const Chunk<DT>& c, int j) {
+  if constexpr (DT == 1) {
+    return __half22float2(*reinterpret_cast<const __half2*>(&c.w[j]));
+  } else {
+    return make_float2(Elem<DT>(c, 2 * j), Elem<DT>(c, 2 * j + 1));
+  }
+}
+
+// The bytes of elements whose scale is a NaN mark (MXFP8 blocks with a NaN
+// code): NaN with each element's sign, as the CPU reference writes them.
+template <int FMT, int DT>
+__device__ __forceinline__ uint2 NanFix(uint2 out, const Chunk<DT>& v, const float (&s)[8]) {
+  static_assert(DT == 0 || DT == 1, "16-bit input: the sign is bit 15 of each half word");
+  const Fp8Format fmt = static_cast<Fp8Format>(FMT);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    if (!IsNanBits(s[j])) continue;
+    const uint32_t sign = (v.w[j / 2] >> (16 * (j % 2) + 15)) & 1u;
+    const uint32_t nan_byte = static_cast<uint32_t>(Fp8NanWithSignOf(BitsToFloat(sign << 31), fmt)) << (8 * (j % 4));
+    uint32_t& word = j < 4 ? out.x : out.y;
+    word = (word & ~(0xffu << (8 * (j % 4)))) | nan_byte;
+  }
+  return out;
+}
+
+// An acquire load at GPU scope (a counter another block releases).
+__device__ __forceinline__ int LoadAcquire(const int32_t* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
 // Two elements through the hardware conversion (x0 in the low byte), with the
 // shared NaN rule applied on the unscaled inputs.
 template <int FMT>

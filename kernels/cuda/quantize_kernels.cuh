@@ -90,6 +90,10 @@ cudaError_t LaunchGroupedQuantize(const QuantizeParams& p, cudaStream_t stream);
 // (every group's amax) at a grid barrier, so it is a cooperative launch of at
 // most OneShotCapacity blocks.
 cudaError_t LaunchOneShotQuantize(const QuantizeParams& p, cudaStream_t stream);
+// A kernel's SM count and resident blocks per SM on the current device, with
+// `smem` bytes of dynamic shared memory allowed it there (quantize.cu; set
+// and queried once per kernel and device).
+cudaError_t KernelResidency(const void* kernel, int smem, int* sms, int* per_sm);
 // How many one-shot blocks of an input type, mode and format (QuantizeParams'
 // codes) fit the device at once, and its SM count.
 cudaError_t OneShotCapacity(int x_dtype, int mode, int format, int* blocks, int* sms);

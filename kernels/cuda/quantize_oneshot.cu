@@ -45,12 +45,6 @@ constexpr int kTransposeStride = 9;
 // blocks of 64 registers allow (small-decode's 512 slabs in one wave).
 constexpr int kOneShotMinBlocks = 4;
 
-__device__ __forceinline__ int LoadAcquireGpu(const int32_t* p) {
-  int v;
-  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
 // Every block of the (cooperative) launch arrives before any goes on; the
 // launch's last block resets the counter (FinishWithWorkspace).
 __device__ __forceinline__ void GridBarrier(QuantizeWorkspace* ws) {
@@ -58,36 +52,10 @@ __device__ __forceinline__ void GridBarrier(QuantizeWorkspace* ws) {
   if (threadIdx.x == 0) {
     __threadfence();
     atomicAdd(&ws->grid_barrier, 1);
-    while (LoadAcquireGpu(&ws->grid_barrier) < static_cast<int>(gridDim.x)) __nanosleep(32);
+    while (LoadAcquire(&ws->grid_barrier) < static_cast<int>(gridDim.x)) __nanosleep(32);
     __threadfence();
   }
   __syncthreads();
-}
-
-// Elements 2j and 2j + 1 of a chunk as floats.
-template <int DT>
-__device__ __forceinline__ float2 Pair(const Chunk<DT>& c, int j) {
-  if constexpr (DT == 1) {
-    return __half22float2(*reinterpret_cast<const __half2*>(&c.w[j]));
-  } else {
-    return make_float2(Elem<DT>(c, 2 * j), Elem<DT>(c, 2 * j + 1));
-  }
-}
-
-// The bytes of elements whose scale is a NaN mark (MXFP8 blocks with a NaN
-// code): NaN with each element's sign, as the CPU reference writes them.
-template <int FMT>
-__device__ __forceinline__ uint2 NanFix(uint2 out, const Chunk<0>& v, const float (&s)[8]) {
-  const Fp8Format fmt = static_cast<Fp8Format>(FMT);
-#pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    if (!IsNanBits(s[j])) continue;
-    const uint32_t sign = (v.w[j / 2] >> (16 * (j % 2) + 15)) & 1u;
-    const uint32_t nan_byte = static_cast<uint32_t>(Fp8NanWithSignOf(BitsToFloat(sign << 31), fmt)) << (8 * (j % 4));
-    uint32_t& word = j < 4 ? out.x : out.y;
-    word = (word & ~(0xffu << (8 * (j % 4)))) | nan_byte;
-  }
-  return out;
 }
 
 template <int DT, int MODE, int FMT>
@@ -323,12 +291,9 @@ template <int DT, int MODE, int FMT>
 cudaError_t CapacityT(int* blocks, int* sms) {
   int device = 0, per_sm = 0, cooperative = 0;
   *sms = 0, *blocks = 0;
-  cudaError_t e = cudaGetDevice(&device);
-  if (e == cudaSuccess) e = cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, device);
+  cudaError_t e = KernelResidency(reinterpret_cast<const void*>(OneShotKernel<DT, MODE, FMT>), 0, sms, &per_sm);
+  if (e == cudaSuccess) e = cudaGetDevice(&device);
   if (e == cudaSuccess) e = cudaDeviceGetAttribute(&cooperative, cudaDevAttrCooperativeLaunch, device);
-  if (e == cudaSuccess) {
-    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, OneShotKernel<DT, MODE, FMT>, kThreads, 0);
-  }
   // Current scaling's grid barrier needs a cooperative launch.
   if (e == cudaSuccess && (MODE != kModeCurrent || cooperative)) *blocks = *sms * per_sm;
   return e;
@@ -339,7 +304,7 @@ template <template <int, int, int> class F, typename... A>
 cudaError_t Dispatch(int x_dtype, int mode_code, int format, A... args) {
   auto by_fmt = [&](auto dt, auto mode) {
     return format == 0 ? F<decltype(dt)::value, decltype(mode)::value, 0>::Run(args...)
-                         : F<decltype(dt)::value, decltype(mode)::value, 1>::Run(args...);
+                       : F<decltype(dt)::value, decltype(mode)::value, 1>::Run(args...);
   };
   auto by_mode = [&](auto dt) {
     switch (mode_code) {
