@@ -1,3 +1,6 @@
+#include <chrono>
+
+#include "absl/strings/str_cat.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/shardgemm.grpc.pb.h"
 #include "proto/transport.h"
@@ -7,15 +10,23 @@
 namespace shardgemm {
 namespace {
 
+// How long a call waits for a worker's channel to connect. A registered
+// worker is listening, but a first connect attempt can still fail
+// transiently (seen under load in CI), and a call on a channel in transient
+// failure fails at once; a worker that stays unreachable is an UNAVAILABLE
+// error after this, never a hang.
+constexpr std::chrono::seconds kConnectTimeout{10};
+
 class GrpcWorkerChannel : public WorkerChannel {
  public:
-  explicit GrpcWorkerChannel(const std::string& address) {
+  explicit GrpcWorkerChannel(const std::string& address) : address_(address) {
     grpc::ChannelArguments args = TensorChannelArguments();
-    stub_ = v1::Worker::NewStub(
-        grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args));
+    channel_ = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+    stub_ = v1::Worker::NewStub(channel_);
   }
 
   absl::StatusOr<v1::StepResult> Execute(const v1::Step& step) override {
+    if (absl::Status c = Connected(); !c.ok()) return c;
     grpc::ClientContext ctx;
     v1::StepResult result;
     grpc::Status s = stub_->Execute(&ctx, step, &result);
@@ -24,6 +35,7 @@ class GrpcWorkerChannel : public WorkerChannel {
   }
 
   absl::StatusOr<v1::LocalTensor> GetShard(const std::string& name) override {
+    if (absl::Status c = Connected(); !c.ok()) return c;
     grpc::ClientContext ctx;
     v1::GetShardRequest request;
     request.set_name(name);
@@ -34,6 +46,15 @@ class GrpcWorkerChannel : public WorkerChannel {
   }
 
  private:
+  absl::Status Connected() {
+    if (channel_->GetState(/*try_to_connect=*/true) == GRPC_CHANNEL_READY) return absl::OkStatus();
+    if (channel_->WaitForConnected(std::chrono::system_clock::now() + kConnectTimeout)) return absl::OkStatus();
+    return absl::UnavailableError(
+        absl::StrCat("worker at ", address_, ": not connected within ", kConnectTimeout.count(), " s"));
+  }
+
+  std::string address_;
+  std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Worker::Stub> stub_;
 };
 
