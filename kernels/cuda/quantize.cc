@@ -230,21 +230,15 @@ absl::Status GroupedQuantize(const GroupedQuantizeArgs& a, cudaStream_t stream, 
   p->col_data = a.colwise ? a.colwise_data : nullptr;
   p->row_scale = a.rowwise ? a.rowwise_scale_inv : nullptr;
   p->col_scale = a.colwise ? a.colwise_scale_inv : nullptr;
-  // With a workspace no memset of a.amax runs first (one graph node or launch
-  // fewer): current scaling, whose launch reads the amax it reduces, reduces
-  // into the workspace and its last block writes a.amax; the other modes
-  // reduce straight into a.amax, which the launch's first block zeroes (the
-  // direct protocol, quantize_device.cuh).
+  // With a workspace, tiles reduce amax into it and the last block writes
+  // a.amax: no memset of a.amax first (one graph node or launch fewer).
   const bool amax_in_workspace = *ws != nullptr && a.amax != nullptr && a.num_groups > 0;
-  p->amax = a.amax;
   if (amax_in_workspace) {
     p->workspace = *ws;
-    if (a.mode == ScalingMode::kCurrent) {
-      p->amax = reinterpret_cast<float*>(reinterpret_cast<cuda_internal::QuantizeWorkspace*>(*ws)->amax);
-      p->amax_out = a.amax;
-    } else {
-      p->amax_direct = true;
-    }
+    p->amax = reinterpret_cast<float*>(reinterpret_cast<cuda_internal::QuantizeWorkspace*>(*ws)->amax);
+    p->amax_out = a.amax;
+  } else {
+    p->amax = a.amax;
   }
   int64_t tiles = 0;
   for (int64_t g = 0; g <= a.num_groups; ++g) {

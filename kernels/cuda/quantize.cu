@@ -452,7 +452,9 @@ __device__ __forceinline__ void QuantizeTile(const QuantizeParams& p, const Tile
   if (!amax_in_pass && (MODE == kModeB128 || MODE == kModeDelayed || (MODE != kModeCurrent && p.amax != nullptr))) {
     const uint32_t tam = BlockMax(TileAbsMaxPart<DT, TR>(tile), red);
     tile_nan = tam > 0x7f800000u;
-    if (MODE != kModeCurrent && p.amax != nullptr && tid == 0) ContributeAmax(p, g, tam);
+    if (MODE != kModeCurrent && p.amax != nullptr && tid == 0 && tam != 0) {
+      atomicMax(reinterpret_cast<unsigned int*>(p.amax) + g, tam);
+    }
     if constexpr (MODE == kModeB128) {
       bscale = ScaleFromAmax(BitsToFloat(tam), fmax, p.pow2);
       if (tid == 0) {
@@ -736,9 +738,6 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(DT, MODE)) QuantizeKernel(
   if constexpr (kTensor) WriteEmptyGroupScales<MODE>(p);
   constexpr bool fused = MODE == kModeCurrent && FUSED;
   QuantizeWorkspace* ws = reinterpret_cast<QuantizeWorkspace*>(p.workspace);
-  __shared__ int s_amax_seen;
-  AmaxSink sink{&s_amax_seen};  // thread 0's
-  InitAmaxSink(p, &sink);
 
   if constexpr (!fused) {
     // Item i + k * gridDim.x is this block's k-th; the next one streams into
@@ -763,8 +762,6 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(DT, MODE)) QuantizeKernel(
         LoadTile<DT, TR>(p, next, smem_raw + (buf ^ 1) * TileBytes<DT>());
       }
       CpAsyncCommit();
-      // The direct amax protocol: in before the first contribution.
-      if (MODE != kModeCurrent && tid == 0) DirectAmaxSee(p, &sink);
       // The tile's scale is read before the wait, so its latency hides there.
       float tscale = 1.0f, gamax = 0.0f;
       if constexpr (MODE == kModeCurrent) gamax = __ldcg(p.amax + tg.g);  // final: the amax pass ran before
@@ -773,20 +770,15 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(DT, MODE)) QuantizeKernel(
       __syncthreads();
       if constexpr (MODE == kModeCurrent) tscale = ScaleFromAmax(gamax, Fp8Max(static_cast<Fp8Format>(FMT)), p.pow2);
       QuantizeAnyTile<DT, MODE, FMT, TR>(p, tg, reinterpret_cast<T*>(smem_raw + buf * TileBytes<DT>()), tscale, gamax, red,
-                                         col_red);
+                                     col_red);
       __syncthreads();  // this buffer is free again
       tg = next;
       buf ^= 1;
     }
     CpAsyncWait<0>();
     // Two-pass current scaling made no amax contribution here (its first
-    // pass did): its count needs no ordering. The other modes' workspace is
-    // the direct protocol's.
-    if (MODE != kModeCurrent && p.amax_direct) {
-      if (tid == 0) DirectAmaxFinish(p, &sink);
-    } else if (p.workspace != nullptr) {
-      FinishWithWorkspace(p, &s_last, /*release=*/MODE != kModeCurrent);
-    }
+    // pass did): its count needs no ordering.
+    if (p.workspace != nullptr) FinishWithWorkspace(p, &s_last, /*release=*/MODE != kModeCurrent);
   } else {
     // The fused pass: items are claimed from the workspace's counter, two
     // ahead, so a block only waits on amax tiles that running blocks hold.

@@ -22,20 +22,10 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kModeCurrent = 0, kModeDelayed = 1, kModeMx = 2, kModeB1x128 = 3, kModeB128 = 4;
 
-template <int DT>
-struct InType;
-template <>
-struct InType<0> {
-  using T = uint16_t;
-};
-template <>
-struct InType<1> {
-  using T = uint16_t;
-};
-template <>
-struct InType<2> {
-  using T = float;
-};
+template <int DT> struct InType;
+template <> struct InType<0> { using T = uint16_t; };
+template <> struct InType<1> { using T = uint16_t; };
+template <> struct InType<2> { using T = float; };
 
 template <int DT, typename T>
 __device__ __forceinline__ float ToFloat(T v) {
@@ -137,8 +127,8 @@ __device__ __forceinline__ int LoadAcquire(const int32_t* p) {
 // shared NaN rule applied on the unscaled inputs.
 template <int FMT>
 __device__ __forceinline__ uint32_t HwQuant2(float x0, float x1, float s) {
-  __nv_fp8x2_storage_t r =
-      __nv_cvt_float2_to_fp8x2(make_float2(x0 * s, x1 * s), __NV_SATFINITE, FMT == 0 ? __NV_E4M3 : __NV_E5M2);
+  __nv_fp8x2_storage_t r = __nv_cvt_float2_to_fp8x2(make_float2(x0 * s, x1 * s), __NV_SATFINITE,
+                                                      FMT == 0 ? __NV_E4M3 : __NV_E5M2);
   uint32_t b0 = r & 0xffu, b1 = (r >> 8) & 0xffu;
   const Fp8Format fmt = static_cast<Fp8Format>(FMT);
   if (IsNanBits(x0)) b0 = Fp8NanWithSignOf(x0, fmt);
@@ -223,7 +213,9 @@ __device__ __forceinline__ uint32_t MxCodeOcp16(uint32_t m16, Fp8Format fmt) {
   }
 }
 // E8M0ReciprocalToFloat(b) for b != 0xff: 2^(127 - b) as float bits.
-__device__ __forceinline__ float MxRecip(uint32_t b) { return BitsToFloat(b == 254u ? 0x00400000u : (254u - b) << 23); }
+__device__ __forceinline__ float MxRecip(uint32_t b) {
+  return BitsToFloat(b == 254u ? 0x00400000u : (254u - b) << 23);
+}
 
 __device__ __forceinline__ uint32_t WarpMax(uint32_t v) { return __reduce_max_sync(0xffffffffu, v); }
 
@@ -239,74 +231,13 @@ __device__ __forceinline__ uint32_t BlockMax(uint32_t v, uint32_t* red) {
   return r;
 }
 
-// ---- The direct amax protocol (p.amax_direct) ----
-// Delayed, MXFP8 and block scaling only contribute to amax, nothing in the
-// launch reads it: their contributions go straight into the caller's amax,
-// which no memset zeroed and no last block publishes. Each block takes a
-// ticket before its first contribution; the first (so the zeroing block is
-// one that runs) zeroes the amax and raises amax_zeroed, the others wait for
-// that flag. A block counts itself in once it has seen the flag, and the
-// last to count resets the workspace: by then every block has taken its
-// ticket and seen the flag. So no block ends on a fence or a round trip (the
-// publication cost about 1 us per launch: docs/performance/quantize.md).
-//
-// AmaxSink is thread 0's state (the only thread that contributes): whether
-// it has seen the flag in shared memory (a register held through the tile
-// loop made the tiled kernels spill), its count in a register (read at the
-// block's end: stored to shared memory, thread 0 would wait for the atomic
-// right away).
-struct AmaxSink {
-  int* seen;         // shared: may contribute (always, outside the protocol)
-  int counted = -1;  // blocks_done before this block's count, once counted
-};
-__device__ __forceinline__ void InitAmaxSink(const QuantizeParams& p, AmaxSink* sink) {
-  if (threadIdx.x == 0) *sink->seen = !p.amax_direct;
-}
-
-__device__ __forceinline__ void StoreRelease(int32_t* p, int v) {
-  asm volatile("st.release.gpu.global.s32 [%0], %1;" : : "l"(p), "r"(v) : "memory");
-}
-
-// Thread 0, before the block's first contribution (the kernels call it before
-// converting, where the loads' wait hides its round trips) and at its end:
-// the ticket, the zeroing or the wait for it, and the count.
-__device__ __forceinline__ void DirectAmaxSee(const QuantizeParams& p, AmaxSink* sink) {
-  if (*sink->seen) return;
-  QuantizeWorkspace* ws = reinterpret_cast<QuantizeWorkspace*>(p.workspace);
-  if (atomicAdd(&ws->amax_arrivals, 1) == 0) {
-    for (int g = 0; g < p.num_groups; ++g) p.amax[g] = 0.0f;
-    __threadfence();
-    StoreRelease(&ws->amax_zeroed, 1);
-  } else {
-    while (LoadAcquire(&ws->amax_zeroed) == 0) __nanosleep(32);
-  }
-  *sink->seen = 1;
-  sink->counted = atomicAdd(&ws->blocks_done, 1);
-}
-
-// Thread 0: max-reduces float bits into group g's amax. Under the direct
-// protocol the kernels call DirectAmaxSee before converting a tile or slab
-// (not here, where a wait loop made the tile code spill).
-__device__ __forceinline__ void ContributeAmax(const QuantizeParams& p, int g, uint32_t bits) {
-  if (bits != 0) atomicMax(reinterpret_cast<unsigned int*>(p.amax) + g, bits);
-}
-
-// Thread 0, at the block's end: the last block to count resets the workspace.
-__device__ __forceinline__ void DirectAmaxFinish(const QuantizeParams& p, AmaxSink* sink) {
-  DirectAmaxSee(p, sink);
-  if (sink->counted == static_cast<int>(gridDim.x) - 1) {
-    QuantizeWorkspace* ws = reinterpret_cast<QuantizeWorkspace*>(p.workspace);
-    ws->amax_arrivals = 0, ws->amax_zeroed = 0, ws->blocks_done = 0;
-  }
-}
-
 // The tile's amax from the per-warp maxima in red (after a barrier): one
-// atomicMax into the group's amax (thread 0).
+// atomicMax into the group's amax.
 __device__ __forceinline__ void FlushTileAmax(const QuantizeParams& p, int g, const uint32_t* red) {
   uint32_t t = 0;
 #pragma unroll
   for (int i = 0; i < kThreads / 32; ++i) t = max(t, red[i]);
-  ContributeAmax(p, g, t);
+  if (t != 0) atomicMax(reinterpret_cast<unsigned int*>(p.amax) + g, t);
 }
 
 __device__ __forceinline__ int FindGroup(const QuantizeParams& p, int t) {
@@ -345,9 +276,9 @@ __device__ void ZeroMxScalePadding(const QuantizeParams& p) {
       if (dir == 0 ? !p.rowwise : !p.colwise) continue;
       uint8_t* base = static_cast<uint8_t*>(dir == 0 ? p.row_scale : p.col_scale) +
                       (dir == 0 ? p.row_scale_off[g] : p.col_scale_off[g]);
-      const int64_t rows = dir == 0 ? mg : (mg + 31) / 32;  // rows written by tiles
+      const int64_t rows = dir == 0 ? mg : (mg + 31) / 32;              // rows written by tiles
       const int64_t all_rows = dir == 0 ? RoundUp(mg, 128) : RoundUp(rows, 4);
-      const int64_t cols = dir == 0 ? K / 32 : K;  // columns written by tiles
+      const int64_t cols = dir == 0 ? K / 32 : K;                      // columns written by tiles
       const int64_t ld = dir == 0 ? RoundUp(K / 32, 4) : RoundUp(K, 128);
       for (int64_t i = rows * ld + threadIdx.x; i < all_rows * ld; i += kThreads) base[i] = 0;
       const int64_t pad = ld - cols;
@@ -370,15 +301,17 @@ __device__ __forceinline__ void WriteEmptyGroupScales(const QuantizeParams& p) {
   }
 }
 
-// The publishing workspace protocol (current scaling, whose launch reads the
-// amax it reduces; the other modes take the direct one above). Each block
-// counts itself in at its end; the block that counts last publishes the
-// per-group amax to the caller's and zeroes every field the launch used, for
-// the next launch on the stream.
+// The workspace protocol. Each block counts itself in once its amax
+// contributions (atomicMax into the workspace) are made; the block that
+// counts last publishes the per-group amax to the caller's and zeroes every
+// field the launch used, for the next launch on the stream.
 //
 // Thread 0 counts the block in. With release (acq_rel) semantics where the
 // block made amax contributions: they are then performed before the count,
-// and the last block's reads after it see them all.
+// and the last block's reads after it see them all. A block that counts in
+// right after its last contribution, before converting (ArriveAfterAmax),
+// waits for that atomic only; counting in at the end waits for every store
+// the thread has made.
 __device__ __forceinline__ bool CountBlockIn(QuantizeWorkspace* ws, bool release) {
   int old;
   if (release) {
@@ -388,6 +321,7 @@ __device__ __forceinline__ bool CountBlockIn(QuantizeWorkspace* ws, bool release
   }
   return old == static_cast<int>(gridDim.x) - 1;
 }
+__device__ __forceinline__ bool ArriveAfterAmax(QuantizeWorkspace* ws) { return CountBlockIn(ws, true); }
 
 // The last block (every thread): the caller's amax, and the workspace zeroed.
 __device__ __forceinline__ void PublishAndReset(const QuantizeParams& p, QuantizeWorkspace* ws) {
@@ -400,13 +334,12 @@ __device__ __forceinline__ void PublishAndReset(const QuantizeParams& p, Quantiz
   if (p.fuse_amax) {
     for (int b = threadIdx.x; b < p.num_batches; b += kThreads) ws->amax_tiles_done[b] = 0;
   }
-  if (threadIdx.x == 0) {
-    ws->next_item = 0, ws->blocks_done = 0, ws->grid_barrier = 0, ws->amax_arrivals = 0, ws->amax_zeroed = 0;
-  }
+  if (threadIdx.x == 0) ws->next_item = 0, ws->blocks_done = 0, ws->grid_barrier = 0;
 }
 
-// The end of a launch with the publishing protocol. *s_last: -1 (the block
-// counts itself in here). release: whether it made amax contributions;
+// The end of a launch with a workspace. *s_last: -1 where the block has not
+// counted itself in yet (it does here), else ArriveAfterAmax's answer.
+// release (where it counts in here): whether it made amax contributions;
 // false for the two-pass current scaling's quantize launch, which only reads
 // the amax its first pass reduced.
 __device__ __forceinline__ void FinishWithWorkspace(const QuantizeParams& p, int* s_last, bool release = true) {

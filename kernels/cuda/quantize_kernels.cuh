@@ -39,11 +39,6 @@ struct QuantizeParams {
   // With a workspace (amax above is the workspace's): the caller's amax, which
   // the launch's last block writes. Null otherwise.
   float* amax_out;
-  // With a workspace, where the launch only contributes to amax (delayed,
-  // MXFP8 and block scaling): amax above is the caller's, zeroed inside the
-  // launch by its first block (the direct protocol, quantize_device.cuh), and
-  // amax_out is null.
-  bool amax_direct;
   int32_t row_off[kMaxGpuGroups + 1];
   int32_t tile_off[kMaxGpuGroups + 1];  // prefix sum of ceil(m_g / tile_rows)
   int32_t row_scale_off[kMaxGpuGroups + 1];
@@ -68,16 +63,14 @@ struct QuantizeParams {
 
 // Device scratch of a quantize launch: a finished-blocks counter, the
 // per-group amax the tiles reduce into (so no memset of the caller's amax runs
-// before the launch) or the direct protocol's flags, and for the fused current-scaling pass a work counter
+// before the launch), and for the fused current-scaling pass a work counter
 // and per batch the count of amax tiles done. The kernel's last block
 // publishes the amax and zeroes what it used, so the workspace is reused
 // without a memset.
 struct QuantizeWorkspace {
   int32_t next_item;
   int32_t blocks_done;
-  int32_t grid_barrier;   // the one-shot kernel's current scaling: blocks arrived
-  int32_t amax_arrivals;  // the direct protocol: blocks arrived (the first zeroes amax)
-  int32_t amax_zeroed;    // the direct protocol: amax is zeroed
+  int32_t grid_barrier;  // the one-shot kernel's current scaling: blocks arrived
   int32_t amax_tiles_done[kMaxGpuGroups];
   uint32_t amax[kMaxGpuGroups];  // float bits
 };

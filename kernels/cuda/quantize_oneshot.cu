@@ -72,9 +72,6 @@ __global__ void __launch_bounds__(kThreads, kOneShotMinBlocks) OneShotKernel(con
   __shared__ int s_last;
   const int tid = threadIdx.x, w = tid / 32, lane = tid % 32;
   QuantizeWorkspace* ws = reinterpret_cast<QuantizeWorkspace*>(p.workspace);
-  __shared__ int s_amax_seen;
-  AmaxSink sink{&s_amax_seen};  // thread 0's
-  InitAmaxSink(p, &sink);
   if (tid == 0) s_last = -1;  // not counted in yet (FinishWithWorkspace)
 
   if constexpr (kTensor) WriteEmptyGroupScales<MODE>(p);
@@ -97,10 +94,6 @@ __global__ void __launch_bounds__(kThreads, kOneShotMinBlocks) OneShotKernel(con
       const uint4 u = __ldg(reinterpret_cast<const uint4*>(src + i * K));
       v[i].w[0] = u.x, v[i].w[1] = u.y, v[i].w[2] = u.z, v[i].w[3] = u.w;
     }
-  }
-  // The direct amax protocol: in before the contribution, while the loads fly.
-  if (MODE != kModeCurrent && tid == 0) DirectAmaxSee(p, &sink);
-  if (has_slab) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       uint32_t m2 = 0;
@@ -145,7 +138,10 @@ __global__ void __launch_bounds__(kThreads, kOneShotMinBlocks) OneShotKernel(con
     }
     if (p.colwise) reinterpret_cast<uint4*>(exchange)[tid] = make_uint4(col_m2[0], col_m2[1], col_m2[2], col_m2[3]);
     __syncthreads();  // the column maxima and red are complete
-    if (tid == 0 && p.amax != nullptr && has_slab) FlushTileAmax(p, g, red);
+    if (tid == 0) {
+      if (p.amax != nullptr && has_slab) FlushTileAmax(p, g, red);
+      if (ws != nullptr) s_last = ArriveAfterAmax(ws);
+    }
     float sc[8] = {1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f};
     if (p.colwise) {
       uint4 m = reinterpret_cast<const uint4*>(exchange)[lane];
@@ -208,7 +204,10 @@ __global__ void __launch_bounds__(kThreads, kOneShotMinBlocks) OneShotKernel(con
       s = __ldg(p.scale + g);
       may_nan = thread_amax > 0x7f800000u;
       __syncthreads();  // red
-      if (tid == 0 && p.amax != nullptr && has_slab) FlushTileAmax(p, g, red);
+      if (tid == 0) {
+        if (has_slab) FlushTileAmax(p, g, red);
+        if (ws != nullptr) s_last = ArriveAfterAmax(ws);
+      }
     }
     if (has_slab && st == p.tile_off[g] && ct == 0 && tid == 0) {  // the group's first slab
       const float sinv = ScaleInv(s);
@@ -259,14 +258,10 @@ __global__ void __launch_bounds__(kThreads, kOneShotMinBlocks) OneShotKernel(con
       __stcs(dst + 1, make_uint4(col[4], col[5], col[6], col[7]));
     }
   }
-  // Delayed and MXFP8: the direct amax protocol. Current scaling counts in
-  // here: every block read the amax after the barrier, and made no
-  // contribution since, so nothing needs ordering.
-  if (MODE != kModeCurrent) {
-    if (p.amax_direct && tid == 0) DirectAmaxFinish(p, &sink);
-  } else {
-    FinishWithWorkspace(p, &s_last, /*release=*/false);
-  }
+  // Delayed and MXFP8 counted in once their amax was in (ArriveAfterAmax).
+  // Current scaling counts in here: every block read the amax after the
+  // barrier, and made no contribution since, so nothing needs ordering.
+  if (ws != nullptr) FinishWithWorkspace(p, &s_last, /*release=*/false);
 }
 
 template <int DT, int MODE, int FMT>
