@@ -306,7 +306,6 @@ __device__ __forceinline__ void QuantizeMxTileFull(const QuantizeParams& p, cons
   static_assert(TR * kRowBlocks == 2 * kThreads, "row pass: two row blocks per thread");
   static_assert((TR / 32) * kCols + TR * kRowBlocks <= 16384 / 16, "recips fit the block's col_red");
   const Fp8Format fmt = static_cast<Fp8Format>(FMT);
-  const __nv_fp8_interpretation_t cvt_fmt = FMT == 0 ? __NV_E4M3 : __NV_E5M2;
   const int tid = threadIdx.x, w = tid / 32, lane = tid % 32;
   const int g = tg.g;
   const int64_t off = tg.off, r0 = tg.r0, c0 = tg.c0, K = p.k;
@@ -385,18 +384,21 @@ __device__ __forceinline__ void QuantizeMxTileFull(const QuantizeParams& p, cons
     // Pair by pair, both directions: each element is decoded once (f16 by the
     // hardware conversion, exact for every non-NaN; NaN only sits in NaN-code
     // blocks, whose bytes come from the sign bit below).
-    uint32_t rq[4], cq[4];
+    float x[8];
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      const float2 x = Pair<DT>(v, j);
-      const float x0 = x.x, x1 = x.y;
-      if (p.rowwise) rq[j] = __nv_cvt_float2_to_fp8x2(make_float2(x0 * rs, x1 * rs), __NV_SATFINITE, cvt_fmt);
-      if (p.colwise) {
-        cq[j] = __nv_cvt_float2_to_fp8x2(make_float2(x0 * sc[2 * j], x1 * sc[2 * j + 1]), __NV_SATFINITE, cvt_fmt);
-      }
+      const float2 e = Pair<DT>(v, j);
+      x[2 * j] = e.x, x[2 * j + 1] = e.y;
     }
-    uint2 rout = make_uint2(rq[0] | (rq[1] << 16), rq[2] | (rq[3] << 16));
-    uint2 cout = make_uint2(cq[0] | (cq[1] << 16), cq[2] | (cq[3] << 16));
+    uint2 rout = make_uint2(0, 0), cout = make_uint2(0, 0);
+    if (p.rowwise) {
+      rout = make_uint2(Cvt4<FMT>(x[0] * rs, x[1] * rs, x[2] * rs, x[3] * rs),
+                        Cvt4<FMT>(x[4] * rs, x[5] * rs, x[6] * rs, x[7] * rs));
+    }
+    if (p.colwise) {
+      cout = make_uint2(Cvt4<FMT>(x[0] * sc[0], x[1] * sc[1], x[2] * sc[2], x[3] * sc[3]),
+                        Cvt4<FMT>(x[4] * sc[4], x[5] * sc[5], x[6] * sc[6], x[7] * sc[7]));
+    }
     if (nan_code) {  // rare: a NaN code's elements get NaN with each element's sign
       if (p.rowwise) {
         const float rsi[8] = {rs, rs, rs, rs, rs, rs, rs, rs};
@@ -731,9 +733,7 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(DT, MODE)) QuantizeKernel(
   // A word per column per 16-row band; read as float4 (MXFP8's recips).
   __shared__ __align__(16) uint32_t col_red[16384 / 16];
   __shared__ int s_claim, s_next;  // the fused pass's claims
-  __shared__ int s_last;
   const int tid = threadIdx.x;
-  if (tid == 0) s_last = -1;  // not counted in yet (FinishWithWorkspace)
 
   if constexpr (kTensor) WriteEmptyGroupScales<MODE>(p);
   constexpr bool fused = MODE == kModeCurrent && FUSED;
@@ -778,7 +778,7 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(DT, MODE)) QuantizeKernel(
     CpAsyncWait<0>();
     // Two-pass current scaling made no amax contribution here (its first
     // pass did): its count needs no ordering.
-    if (p.workspace != nullptr) FinishWithWorkspace(p, &s_last, /*release=*/MODE != kModeCurrent);
+    if (p.workspace != nullptr) FinishWithWorkspace(p, /*last=*/-1, /*release=*/MODE != kModeCurrent);
   } else {
     // The fused pass: items are claimed from the workspace's counter, two
     // ahead, so a block only waits on amax tiles that running blocks hold.
@@ -831,7 +831,7 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(DT, MODE)) QuantizeKernel(
       buf ^= 1;
     }
     CpAsyncWait<0>();
-    FinishWithWorkspace(p, &s_last);  // the fused pass always has a workspace
+    FinishWithWorkspace(p, /*last=*/-1);  // the fused pass always has a workspace
   }
 }
 
@@ -936,6 +936,12 @@ __global__ void CvtCheckKernel(unsigned long long* mismatches) {
     if ((HwQuant2<1>(x, 0.0f, 1.0f) & 0xffu) != QuantizeScaled(x, 1.0f, Fp8Format::kE5M2)) ++bad[1];
     // The high byte of the pair too.
     if (((HwQuant2<0>(0.0f, x, 1.0f) >> 8) & 0xffu) != QuantizeScaled(x, 1.0f, Fp8Format::kE4M3)) ++bad[0];
+    // Cvt4 (no NaN rule: every non-NaN float), every byte position.
+    if (!IsNanBits(x)) {
+      const uint32_t e4 = QuantizeScaled(x, 1.0f, Fp8Format::kE4M3), e5 = QuantizeScaled(x, 1.0f, Fp8Format::kE5M2);
+      if (Cvt4<0>(x, 0.0f, x, 0.0f) != (e4 | e4 << 16) || Cvt4<0>(0.0f, x, 0.0f, x) != (e4 << 8 | e4 << 24)) ++bad[0];
+      if (Cvt4<1>(x, 0.0f, x, 0.0f) != (e5 | e5 << 16) || Cvt4<1>(0.0f, x, 0.0f, x) != (e5 << 8 | e5 << 24)) ++bad[1];
+    }
     // The branch-free E8M0 scale code (amax is non-negative: x's |bits|).
     const uint32_t abs = static_cast<uint32_t>(i) & 0x7fffffffu;
     const int ocp = static_cast<int>(MxScaleRecipe::kOcp);

@@ -136,15 +136,36 @@ __device__ __forceinline__ uint32_t HwQuant2(float x0, float x1, float s) {
   return b0 | (b1 << 8);
 }
 
+// Four floats to FP8 through the hardware conversion (cvt.rn.satfinite,
+// what __nv_cvt_float2_to_fp8x2 with __NV_SATFINITE issues), x0 in the low
+// byte, packed by the conversions themselves: the intrinsic's 16-bit result
+// took a mask, a shift and an or per word to pack, about a tenth of the
+// MXFP8 tile's instructions (ncu on the H200), and those kernels are
+// issue-bound. No NaN rule (the callers apply it where a NaN may be).
+template <int FMT>
+__device__ __forceinline__ uint32_t Cvt4(float x0, float x1, float x2, float x3) {
+  uint32_t r;
+  // cvt's first source lands in the upper byte of its 16-bit result.
+  if constexpr (FMT == 0) {
+    asm("{\n .reg .b16 lo, hi;\n cvt.rn.satfinite.e4m3x2.f32 lo, %2, %1;\n cvt.rn.satfinite.e4m3x2.f32 hi, %4, %3;\n"
+        " mov.b32 %0, {lo, hi};\n}"
+        : "=r"(r)
+        : "f"(x0), "f"(x1), "f"(x2), "f"(x3));
+  } else {
+    asm("{\n .reg .b16 lo, hi;\n cvt.rn.satfinite.e5m2x2.f32 lo, %2, %1;\n cvt.rn.satfinite.e5m2x2.f32 hi, %4, %3;\n"
+        " mov.b32 %0, {lo, hi};\n}"
+        : "=r"(r)
+        : "f"(x0), "f"(x1), "f"(x2), "f"(x3));
+  }
+  return r;
+}
+
 // Two pairs through the hardware conversion, no NaN rule: for inputs known
 // to hold no NaN, where it equals HwQuant2 (the cvt maps only NaN inputs
-// differently) at a third of the instructions.
+// differently) at a fraction of the instructions.
 template <int FMT>
 __device__ __forceinline__ uint32_t HwQuant4NoNan(float x0, float x1, float x2, float x3, float s) {
-  const __nv_fp8_interpretation_t f = FMT == 0 ? __NV_E4M3 : __NV_E5M2;
-  const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(x0 * s, x1 * s), __NV_SATFINITE, f);
-  const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(x2 * s, x3 * s), __NV_SATFINITE, f);
-  return lo | (hi << 16);
+  return Cvt4<FMT>(x0 * s, x1 * s, x2 * s, x3 * s);
 }
 
 // Quantizes 8 elements with scale s into 8 bytes (element 0 in the low byte).
@@ -312,7 +333,7 @@ __device__ __forceinline__ void WriteEmptyGroupScales(const QuantizeParams& p) {
 // right after its last contribution, before converting (ArriveAfterAmax),
 // waits for that atomic only; counting in at the end waits for every store
 // the thread has made.
-__device__ __forceinline__ bool CountBlockIn(QuantizeWorkspace* ws, bool release) {
+__device__ __forceinline__ int CountBlockIn(QuantizeWorkspace* ws, bool release) {
   int old;
   if (release) {
     asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;\n" : "=r"(old) : "l"(&ws->blocks_done) : "memory");
@@ -321,7 +342,7 @@ __device__ __forceinline__ bool CountBlockIn(QuantizeWorkspace* ws, bool release
   }
   return old == static_cast<int>(gridDim.x) - 1;
 }
-__device__ __forceinline__ bool ArriveAfterAmax(QuantizeWorkspace* ws) { return CountBlockIn(ws, true); }
+__device__ __forceinline__ int ArriveAfterAmax(QuantizeWorkspace* ws) { return CountBlockIn(ws, true); }
 
 // The last block (every thread): the caller's amax, and the workspace zeroed.
 __device__ __forceinline__ void PublishAndReset(const QuantizeParams& p, QuantizeWorkspace* ws) {
@@ -337,17 +358,20 @@ __device__ __forceinline__ void PublishAndReset(const QuantizeParams& p, Quantiz
   if (threadIdx.x == 0) ws->next_item = 0, ws->blocks_done = 0, ws->grid_barrier = 0;
 }
 
-// The end of a launch with a workspace. *s_last: -1 where the block has not
-// counted itself in yet (it does here), else ArriveAfterAmax's answer.
-// release (where it counts in here): whether it made amax contributions;
-// false for the two-pass current scaling's quantize launch, which only reads
-// the amax its first pass reduced.
-__device__ __forceinline__ void FinishWithWorkspace(const QuantizeParams& p, int* s_last, bool release = true) {
+// The end of a launch with a workspace. last: thread 0's -1 where the block
+// has not counted itself in yet (it does here), else ArriveAfterAmax's answer
+// (other threads' values are not read). release (where it counts in here):
+// whether it made amax contributions; false for the two-pass current
+// scaling's quantize launch, which only reads the amax its first pass reduced.
+// Only thread 0 touches s_last between the barriers (racecheck flagged a
+// read of the word by every thread while thread 0 wrote it).
+__device__ __forceinline__ void FinishWithWorkspace(const QuantizeParams& p, int last, bool release = true) {
+  __shared__ int s_last;
   QuantizeWorkspace* ws = reinterpret_cast<QuantizeWorkspace*>(p.workspace);
   __syncthreads();
-  if (threadIdx.x == 0 && *s_last < 0) *s_last = CountBlockIn(ws, release);
+  if (threadIdx.x == 0) s_last = last >= 0 ? last : CountBlockIn(ws, release);
   __syncthreads();
-  if (*s_last == 1) PublishAndReset(p, ws);
+  if (s_last == 1) PublishAndReset(p, ws);
 }
 
 }  // namespace

@@ -63,16 +63,14 @@ __global__ void __launch_bounds__(kThreads, kOneShotMinBlocks) OneShotKernel(con
   static_assert(DT == 0 || DT == 1, "16-bit input only");
   constexpr bool kTensor = MODE == kModeCurrent || MODE == kModeDelayed;
   const Fp8Format fmt = static_cast<Fp8Format>(FMT);
-  const __nv_fp8_interpretation_t cvt_fmt = FMT == 0 ? __NV_E4M3 : __NV_E5M2;
   // MXFP8: the threads' column maxima (kThreads uint4); tensor scaling: the
   // colwise transpose (kSlabCols x kTransposeStride words).
   __shared__ __align__(16) uint32_t exchange[kSlabCols * kTransposeStride];
   static_assert(kSlabCols * kTransposeStride >= kThreads * 4, "the exchange holds either");
   __shared__ uint32_t red[kThreads / 32];
-  __shared__ int s_last;
   const int tid = threadIdx.x, w = tid / 32, lane = tid % 32;
   QuantizeWorkspace* ws = reinterpret_cast<QuantizeWorkspace*>(p.workspace);
-  if (tid == 0) s_last = -1;  // not counted in yet (FinishWithWorkspace)
+  int last = -1;  // thread 0's count (FinishWithWorkspace): not yet
 
   if constexpr (kTensor) WriteEmptyGroupScales<MODE>(p);
   const bool has_slab = static_cast<int>(blockIdx.x) < p.num_items;  // a launch of no slabs has one block
@@ -140,7 +138,7 @@ __global__ void __launch_bounds__(kThreads, kOneShotMinBlocks) OneShotKernel(con
     __syncthreads();  // the column maxima and red are complete
     if (tid == 0) {
       if (p.amax != nullptr && has_slab) FlushTileAmax(p, g, red);
-      if (ws != nullptr) s_last = ArriveAfterAmax(ws);
+      if (ws != nullptr) last = ArriveAfterAmax(ws);
     }
     float sc[8] = {1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f};
     if (p.colwise) {
@@ -164,19 +162,22 @@ __global__ void __launch_bounds__(kThreads, kOneShotMinBlocks) OneShotKernel(con
     if (has_slab) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        uint32_t rq[4] = {0, 0, 0, 0}, cq[4] = {0, 0, 0, 0};
+        float x[8];
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-          const float2 x = Pair<DT>(reinterpret_cast<const Chunk<DT>&>(v[i]), j);
-          if (p.rowwise)
-            rq[j] = __nv_cvt_float2_to_fp8x2(make_float2(x.x * rs[i], x.y * rs[i]), __NV_SATFINITE, cvt_fmt);
-          if (p.colwise) {
-            cq[j] =
-                __nv_cvt_float2_to_fp8x2(make_float2(x.x * sc[2 * j], x.y * sc[2 * j + 1]), __NV_SATFINITE, cvt_fmt);
-          }
+          const float2 e = Pair<DT>(reinterpret_cast<const Chunk<DT>&>(v[i]), j);
+          x[2 * j] = e.x, x[2 * j + 1] = e.y;
         }
-        uint2 rout = make_uint2(rq[0] | (rq[1] << 16), rq[2] | (rq[3] << 16));
-        uint2 cout = make_uint2(cq[0] | (cq[1] << 16), cq[2] | (cq[3] << 16));
+        const float r = rs[i];
+        uint2 rout = make_uint2(0, 0), cout = make_uint2(0, 0);
+        if (p.rowwise) {
+          rout = make_uint2(Cvt4<FMT>(x[0] * r, x[1] * r, x[2] * r, x[3] * r),
+                            Cvt4<FMT>(x[4] * r, x[5] * r, x[6] * r, x[7] * r));
+        }
+        if (p.colwise) {
+          cout = make_uint2(Cvt4<FMT>(x[0] * sc[0], x[1] * sc[1], x[2] * sc[2], x[3] * sc[3]),
+                            Cvt4<FMT>(x[4] * sc[4], x[5] * sc[5], x[6] * sc[6], x[7] * sc[7]));
+        }
         if (nan_code) {  // rare: NaN codes (blocks holding Inf or NaN)
           if (p.rowwise) {
             const float rsi[8] = {rs[i], rs[i], rs[i], rs[i], rs[i], rs[i], rs[i], rs[i]};
@@ -206,7 +207,7 @@ __global__ void __launch_bounds__(kThreads, kOneShotMinBlocks) OneShotKernel(con
       __syncthreads();  // red
       if (tid == 0) {
         if (has_slab) FlushTileAmax(p, g, red);
-        if (ws != nullptr) s_last = ArriveAfterAmax(ws);
+        if (ws != nullptr) last = ArriveAfterAmax(ws);
       }
     }
     if (has_slab && st == p.tile_off[g] && ct == 0 && tid == 0) {  // the group's first slab
@@ -261,7 +262,7 @@ __global__ void __launch_bounds__(kThreads, kOneShotMinBlocks) OneShotKernel(con
   // Delayed and MXFP8 counted in once their amax was in (ArriveAfterAmax).
   // Current scaling counts in here: every block read the amax after the
   // barrier, and made no contribution since, so nothing needs ordering.
-  if (ws != nullptr) FinishWithWorkspace(p, &s_last, /*release=*/false);
+  if (ws != nullptr) FinishWithWorkspace(p, last, /*release=*/false);
 }
 
 template <int DT, int MODE, int FMT>

@@ -33,6 +33,13 @@ if command -v compute-sanitizer >/dev/null; then
     --gtest_filter='*SoftwareConversion*:*Rejects*:*LargeUnevenGroups*:*OneShot*:Fp8GemmGpuTest.TensorScalingE4M3' \
     >"$LOG/memcheck.log" 2>&1
   echo "memcheck rc=$?"; tail -4 "$LOG/memcheck.log"
+  # Shared-memory races and barrier misuse: the one-shot kernel's exchange and
+  # transpose, the tiled kernels' staging (software-conversion cases).
+  for tool in racecheck synccheck; do
+    timeout 200 compute-sanitizer --tool $tool --error-exitcode 3 "$B/bin/quantize_gpu_test" \
+      --gtest_filter='*OneShot*:*SoftwareConversion*' >"$LOG/$tool.log" 2>&1
+    echo "$tool rc=$?"; tail -2 "$LOG/$tool.log"
+  done
 fi
 echo "test rc=$test_rc bench rc=$bench_rc"
 exit $(( test_rc | bench_rc ))
