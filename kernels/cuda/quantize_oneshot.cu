@@ -73,9 +73,9 @@ __global__ void __launch_bounds__(kThreads, kOneShotMinBlocks) OneShotKernel(con
   int last = -1;  // thread 0's count (FinishWithWorkspace): not yet
 
   if constexpr (kTensor) WriteEmptyGroupScales<MODE>(p);
-  const bool has_slab = static_cast<int>(blockIdx.x) < p.num_items;  // a launch of no slabs has one block
-  const int st = has_slab ? static_cast<int>(blockIdx.x) / p.col_tiles : 0;
-  const int ct = has_slab ? static_cast<int>(blockIdx.x) - st * p.col_tiles : 0;
+  // A block per slab (quantize.cc sends calls with no rows to the tiled kernels).
+  const int st = static_cast<int>(blockIdx.x) / p.col_tiles;
+  const int ct = static_cast<int>(blockIdx.x) - st * p.col_tiles;
   const int g = FindGroup(p, st);
   const int64_t off = p.row_off[g], K = p.k;
   const int64_t r0 = off + static_cast<int64_t>(st - p.tile_off[g]) * kSlabRows;  // the slab's first row
@@ -85,7 +85,7 @@ __global__ void __launch_bounds__(kThreads, kOneShotMinBlocks) OneShotKernel(con
   Chunk<0> v[4];                       // 16-bit input: 8 elements as 4 words
   uint32_t row_m16[4] = {0, 0, 0, 0};  // per row: max |x| bits of the 8 elements
   uint32_t col_m2[4] = {0, 0, 0, 0};   // per column pair: max |x| bits over the 4 rows (two 16-bit halves)
-  if (has_slab) {
+  {
     const uint16_t* src = static_cast<const uint16_t*>(p.x) + my;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
@@ -129,7 +129,7 @@ __global__ void __launch_bounds__(kThreads, kOneShotMinBlocks) OneShotKernel(con
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const uint32_t b = MxCodeOcp16<DT>(bm[i], fmt);
-        if (has_slab && (lane & 3) == 0) rsc[i * mx_ld] = static_cast<uint8_t>(b);
+        if ((lane & 3) == 0) rsc[i * mx_ld] = static_cast<uint8_t>(b);
         nan_code = nan_code || b == kE8M0Nan;
         rs[i] = b == kE8M0Nan ? BitsToFloat(0x7fc00000u) : MxRecip(b);
       }
@@ -137,7 +137,7 @@ __global__ void __launch_bounds__(kThreads, kOneShotMinBlocks) OneShotKernel(con
     if (p.colwise) reinterpret_cast<uint4*>(exchange)[tid] = make_uint4(col_m2[0], col_m2[1], col_m2[2], col_m2[3]);
     __syncthreads();  // the column maxima and red are complete
     if (tid == 0) {
-      if (p.amax != nullptr && has_slab) FlushTileAmax(p, g, red);
+      if (p.amax != nullptr) FlushTileAmax(p, g, red);
       if (ws != nullptr) last = ArriveAfterAmax(ws);
     }
     float sc[8] = {1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f};
@@ -154,12 +154,12 @@ __global__ void __launch_bounds__(kThreads, kOneShotMinBlocks) OneShotKernel(con
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         const uint32_t b = MxCodeOcp16<DT>((j & 1) ? cm[j / 2] >> 16 : cm[j / 2] & 0xffffu, fmt);
-        if (has_slab && w == 0) csc[j] = static_cast<uint8_t>(b);  // (the caller's scales may sit at any address)
+        if (w == 0) csc[j] = static_cast<uint8_t>(b);  // (the caller's scales may sit at any address)
         nan_code = nan_code || b == kE8M0Nan;
         sc[j] = b == kE8M0Nan ? BitsToFloat(0x7fc00000u) : MxRecip(b);
       }
     }
-    if (has_slab) {
+    {
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         float x[8];
@@ -196,7 +196,7 @@ __global__ void __launch_bounds__(kThreads, kOneShotMinBlocks) OneShotKernel(con
     if constexpr (MODE == kModeCurrent) {
       // The group's amax from every block that holds its rows.
       __syncthreads();
-      if (tid == 0 && has_slab) FlushTileAmax(p, g, red);
+      if (tid == 0) FlushTileAmax(p, g, red);
       GridBarrier(ws);
       const float gamax = __ldcg(p.amax + g);
       s = ScaleFromAmax(gamax, Fp8Max(fmt), p.pow2);
@@ -206,11 +206,11 @@ __global__ void __launch_bounds__(kThreads, kOneShotMinBlocks) OneShotKernel(con
       may_nan = thread_amax > 0x7f800000u;
       __syncthreads();  // red
       if (tid == 0) {
-        if (has_slab) FlushTileAmax(p, g, red);
+        FlushTileAmax(p, g, red);
         if (ws != nullptr) last = ArriveAfterAmax(ws);
       }
     }
-    if (has_slab && st == p.tile_off[g] && ct == 0 && tid == 0) {  // the group's first slab
+    if (st == p.tile_off[g] && ct == 0 && tid == 0) {  // the group's first slab
       const float sinv = ScaleInv(s);
       if (p.rowwise) static_cast<float*>(p.row_scale)[g] = sinv;
       if (p.colwise) static_cast<float*>(p.col_scale)[g] = sinv;
@@ -228,7 +228,7 @@ __global__ void __launch_bounds__(kThreads, kOneShotMinBlocks) OneShotKernel(con
         f[2 * j] = x.x, f[2 * j + 1] = x.y;
       }
       q[i] = Quant8<FMT>(f, s, false, false, may_nan);
-      if (p.rowwise && has_slab) __stcs(reinterpret_cast<uint2*>(p.row_data + my + i * K), q[i]);
+      if (p.rowwise) __stcs(reinterpret_cast<uint2*>(p.row_data + my + i * K), q[i]);
     }
     if (p.colwise) {
       // Column j of this thread: its 4 rows' bytes in one word (a 4 x 4 byte
@@ -247,7 +247,7 @@ __global__ void __launch_bounds__(kThreads, kOneShotMinBlocks) OneShotKernel(con
       }
     }
     if (p.colwise) __syncthreads();  // the transpose
-    if (p.colwise && has_slab) {
+    if (p.colwise) {
       // Thread t writes column t's 32 bytes: rows r0 .. r0 + 31 of the group's [k][m_g].
       const int t = tid, wlane_group = ((t / 8) >> 2) & 7;
       uint32_t col[8];
@@ -267,7 +267,8 @@ __global__ void __launch_bounds__(kThreads, kOneShotMinBlocks) OneShotKernel(con
 
 template <int DT, int MODE, int FMT>
 cudaError_t LaunchT(const QuantizeParams& p, cudaStream_t stream) {
-  const unsigned blocks = static_cast<unsigned>(p.num_items > 0 ? p.num_items : 1);
+  if (p.num_items <= 0) return cudaErrorInvalidValue;  // (no rows: the tiled kernels' launch)
+  const unsigned blocks = static_cast<unsigned>(p.num_items);
   auto kernel = OneShotKernel<DT, MODE, FMT>;
   if constexpr (MODE != kModeCurrent) {
     kernel<<<blocks, kThreads, 0, stream>>>(p);
