@@ -936,11 +936,17 @@ __global__ void CvtCheckKernel(unsigned long long* mismatches) {
     if ((HwQuant2<1>(x, 0.0f, 1.0f) & 0xffu) != QuantizeScaled(x, 1.0f, Fp8Format::kE5M2)) ++bad[1];
     // The high byte of the pair too.
     if (((HwQuant2<0>(0.0f, x, 1.0f) >> 8) & 0xffu) != QuantizeScaled(x, 1.0f, Fp8Format::kE4M3)) ++bad[0];
-    // Cvt4 (no NaN rule: every non-NaN float), every byte position.
+    // Cvt4 (no NaN rule: every non-NaN float), each byte position alone.
     if (!IsNanBits(x)) {
       const uint32_t e4 = QuantizeScaled(x, 1.0f, Fp8Format::kE4M3), e5 = QuantizeScaled(x, 1.0f, Fp8Format::kE5M2);
-      if (Cvt4<0>(x, 0.0f, x, 0.0f) != (e4 | e4 << 16) || Cvt4<0>(0.0f, x, 0.0f, x) != (e4 << 8 | e4 << 24)) ++bad[0];
-      if (Cvt4<1>(x, 0.0f, x, 0.0f) != (e5 | e5 << 16) || Cvt4<1>(0.0f, x, 0.0f, x) != (e5 << 8 | e5 << 24)) ++bad[1];
+      if (Cvt4<0>(x, 0.0f, 0.0f, 0.0f) != e4 || Cvt4<0>(0.0f, x, 0.0f, 0.0f) != e4 << 8 ||
+          Cvt4<0>(0.0f, 0.0f, x, 0.0f) != e4 << 16 || Cvt4<0>(0.0f, 0.0f, 0.0f, x) != e4 << 24) {
+        ++bad[0];
+      }
+      if (Cvt4<1>(x, 0.0f, 0.0f, 0.0f) != e5 || Cvt4<1>(0.0f, x, 0.0f, 0.0f) != e5 << 8 ||
+          Cvt4<1>(0.0f, 0.0f, x, 0.0f) != e5 << 16 || Cvt4<1>(0.0f, 0.0f, 0.0f, x) != e5 << 24) {
+        ++bad[1];
+      }
     }
     // The branch-free E8M0 scale code (amax is non-negative: x's |bits|).
     const uint32_t abs = static_cast<uint32_t>(i) & 0x7fffffffu;

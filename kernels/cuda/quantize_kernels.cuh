@@ -88,7 +88,8 @@ cudaError_t LaunchGroupedQuantize(const QuantizeParams& p, cudaStream_t stream);
 // MXFP8 (OCP recipe, hardware conversion) scaling; every group a multiple of
 // 32 rows. Current scaling needs p.workspace: its blocks wait for each other
 // (every group's amax) at a grid barrier, so it is a cooperative launch of at
-// most OneShotCapacity blocks.
+// most OneShotCapacity blocks. The grid is 2-D: p.total_tiles slab rows (at
+// least one: calls with no rows take the tiled kernels) by p.col_tiles.
 cudaError_t LaunchOneShotQuantize(const QuantizeParams& p, cudaStream_t stream);
 // A kernel's SM count and resident blocks per SM on the current device, with
 // `smem` bytes of dynamic shared memory allowed it there (quantize.cu; set

@@ -52,7 +52,7 @@ __device__ __forceinline__ void GridBarrier(QuantizeWorkspace* ws) {
   if (threadIdx.x == 0) {
     __threadfence();
     atomicAdd(&ws->grid_barrier, 1);
-    while (LoadAcquire(&ws->grid_barrier) < static_cast<int>(gridDim.x)) __nanosleep(32);
+    while (LoadAcquire(&ws->grid_barrier) < static_cast<int>(gridDim.x * gridDim.y)) __nanosleep(32);
     __threadfence();
   }
   __syncthreads();
@@ -73,10 +73,10 @@ __global__ void __launch_bounds__(kThreads, kOneShotMinBlocks) OneShotKernel(con
   int last = -1;  // thread 0's count (FinishWithWorkspace): not yet
 
   if constexpr (kTensor) WriteEmptyGroupScales<MODE>(p);
-  // A block per slab (quantize.cc sends calls with no rows to the tiled kernels).
-  const int st = static_cast<int>(blockIdx.x) / p.col_tiles;
-  const int ct = static_cast<int>(blockIdx.x) - st * p.col_tiles;
-  const int g = FindGroup(p, st);
+  // A block per slab: slab row blockIdx.x, column blockIdx.y (quantize.cc
+  // sends calls with no rows to the tiled kernels).
+  const int st = static_cast<int>(blockIdx.x), ct = static_cast<int>(blockIdx.y);
+  const int g = FindGroupFromGuess(p, st);
   const int64_t off = p.row_off[g], K = p.k;
   const int64_t r0 = off + static_cast<int64_t>(st - p.tile_off[g]) * kSlabRows;  // the slab's first row
   const int64_t c0 = static_cast<int64_t>(ct) * kSlabCols;
@@ -123,16 +123,19 @@ __global__ void __launch_bounds__(kThreads, kOneShotMinBlocks) OneShotKernel(con
         r23 = __vmaxu2(r23, __shfl_xor_sync(0xffffffffu, r23, o));
       }
       const uint32_t bm[4] = {r01 & 0xffffu, r01 >> 16, r23 & 0xffffu, r23 >> 16};
+      // Lane 4q + i of the quad writes row i's code (one byte store each).
       const int64_t mx_ld = RoundUp(K / 32, 4);
-      uint8_t* rsc =
-          static_cast<uint8_t*>(p.row_scale) + p.row_scale_off[g] + (r0 - off + 4 * w) * mx_ld + c0 / 32 + lane / 4;
+      uint8_t* rsc = static_cast<uint8_t*>(p.row_scale) + p.row_scale_off[g] + (r0 - off + 4 * w + (lane & 3)) * mx_ld +
+                     c0 / 32 + lane / 4;
+      uint32_t mine = 0;
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const uint32_t b = MxCodeOcp16<DT>(bm[i], fmt);
-        if ((lane & 3) == 0) rsc[i * mx_ld] = static_cast<uint8_t>(b);
+        if ((lane & 3) == i) mine = b;
         nan_code = nan_code || b == kE8M0Nan;
         rs[i] = b == kE8M0Nan ? BitsToFloat(0x7fc00000u) : MxRecip(b);
       }
+      *rsc = static_cast<uint8_t>(mine);
     }
     if (p.colwise) reinterpret_cast<uint4*>(exchange)[tid] = make_uint4(col_m2[0], col_m2[1], col_m2[2], col_m2[3]);
     __syncthreads();  // the column maxima and red are complete
@@ -189,7 +192,11 @@ __global__ void __launch_bounds__(kThreads, kOneShotMinBlocks) OneShotKernel(con
         if (p.colwise) __stcs(reinterpret_cast<uint2*>(p.col_data + my + i * K), cout);
       }
     }
-    ZeroMxScalePadding(p);
+    // The group's scale padding, shared among its slabs (one block per group
+    // made those blocks the launch's slowest).
+    const int parts = (p.tile_off[g + 1] - p.tile_off[g]) * p.col_tiles;
+    const int part = (st - p.tile_off[g]) * p.col_tiles + ct;
+    ZeroMxGroupPadding(p, g, int64_t{part} * kThreads, int64_t{parts} * kThreads);
   } else {
     float s;
     bool may_nan;
@@ -267,8 +274,9 @@ __global__ void __launch_bounds__(kThreads, kOneShotMinBlocks) OneShotKernel(con
 
 template <int DT, int MODE, int FMT>
 cudaError_t LaunchT(const QuantizeParams& p, cudaStream_t stream) {
-  if (p.num_items <= 0) return cudaErrorInvalidValue;  // (no rows: the tiled kernels' launch)
-  const unsigned blocks = static_cast<unsigned>(p.num_items);
+  // (No rows: the tiled kernels' launch.) A slab row per x, column per y.
+  if (p.total_tiles <= 0 || p.col_tiles <= 0 || p.col_tiles > 65535) return cudaErrorInvalidValue;
+  const dim3 blocks(static_cast<unsigned>(p.total_tiles), static_cast<unsigned>(p.col_tiles));
   auto kernel = OneShotKernel<DT, MODE, FMT>;
   if constexpr (MODE != kModeCurrent) {
     kernel<<<blocks, kThreads, 0, stream>>>(p);
@@ -276,7 +284,7 @@ cudaError_t LaunchT(const QuantizeParams& p, cudaStream_t stream) {
   } else {
     if (p.workspace == nullptr) return cudaErrorInvalidValue;
     cudaLaunchConfig_t config = {};
-    config.gridDim = dim3(blocks);
+    config.gridDim = blocks;
     config.blockDim = dim3(kThreads);
     config.dynamicSmemBytes = 0;
     config.stream = stream;
