@@ -18,8 +18,8 @@ ONLY_ARGS=()
 if [ -n "${TABLE:-}" ]; then
   "$NCU" --clock-control none --profile-from-start off --csv --page raw --metrics \
     gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_bytes.sum,launch__grid_size,launch__registers_per_thread,sm__warps_active.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum \
-    "$B/bin/quantize_bench" --profile "${ONLY_ARGS[@]}" >"$LOG/table.csv" 2>"$LOG/table.err"
-  echo "table rc=$? ($(grep -c '^"' "$LOG/table.csv") rows)"
+    --log-file "$LOG/table.csv" "$B/bin/quantize_bench" --profile "${ONLY_ARGS[@]}" >"$LOG/table.bench.txt" 2>&1
+  echo "table rc=$? ($(( $(grep -c '^"' "$LOG/table.csv") - 2 )) kernels)"
 fi
 IFS=';' read -ra KS <<<"${KERNELS:-AmaxKernelILi0E;QuantizeKernelILi0ELi0ELi0ELb0E;QuantizeKernelILi0ELi2ELi0ELb0E;QuantizeKernelILi0ELi1ELi0ELb0E}"
 i=0
