@@ -385,20 +385,9 @@ __device__ __forceinline__ void QuantizeMxTileFull(const QuantizeParams& p, cons
     // hardware conversion, exact for every non-NaN; NaN only sits in NaN-code
     // blocks, whose bytes come from the sign bit below).
     float x[8];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const float2 e = Pair<DT>(v, j);
-      x[2 * j] = e.x, x[2 * j + 1] = e.y;
-    }
-    uint2 rout = make_uint2(0, 0), cout = make_uint2(0, 0);
-    if (p.rowwise) {
-      rout = make_uint2(Cvt4<FMT>(x[0] * rs, x[1] * rs, x[2] * rs, x[3] * rs),
-                        Cvt4<FMT>(x[4] * rs, x[5] * rs, x[6] * rs, x[7] * rs));
-    }
-    if (p.colwise) {
-      cout = make_uint2(Cvt4<FMT>(x[0] * sc[0], x[1] * sc[1], x[2] * sc[2], x[3] * sc[3]),
-                        Cvt4<FMT>(x[4] * sc[4], x[5] * sc[5], x[6] * sc[6], x[7] * sc[7]));
-    }
+    ChunkFloats<DT>(v, x);
+    uint2 rout = p.rowwise ? Cvt8<FMT>(x, rs) : make_uint2(0, 0);
+    uint2 cout = p.colwise ? Cvt8<FMT>(x, sc) : make_uint2(0, 0);
     if (nan_code) {  // rare: a NaN code's elements get NaN with each element's sign
       if (p.rowwise) {
         const float rsi[8] = {rs, rs, rs, rs, rs, rs, rs, rs};

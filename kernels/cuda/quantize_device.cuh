@@ -160,6 +160,26 @@ __device__ __forceinline__ uint32_t Cvt4(float x0, float x1, float x2, float x3)
   return r;
 }
 
+// An 8-element chunk as floats (Pair's decode) and its FP8 bytes under one
+// scale or one per element (MXFP8's rowwise and colwise blocks), by Cvt4.
+template <int DT>
+__device__ __forceinline__ void ChunkFloats(const Chunk<DT>& v, float (&x)[8]) {
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float2 e = Pair<DT>(v, j);
+    x[2 * j] = e.x, x[2 * j + 1] = e.y;
+  }
+}
+template <int FMT>
+__device__ __forceinline__ uint2 Cvt8(const float (&x)[8], float s) {
+  return make_uint2(Cvt4<FMT>(x[0] * s, x[1] * s, x[2] * s, x[3] * s), Cvt4<FMT>(x[4] * s, x[5] * s, x[6] * s, x[7] * s));
+}
+template <int FMT>
+__device__ __forceinline__ uint2 Cvt8(const float (&x)[8], const float (&s)[8]) {
+  return make_uint2(Cvt4<FMT>(x[0] * s[0], x[1] * s[1], x[2] * s[2], x[3] * s[3]),
+                    Cvt4<FMT>(x[4] * s[4], x[5] * s[5], x[6] * s[6], x[7] * s[7]));
+}
+
 // Two pairs through the hardware conversion, no NaN rule: for inputs known
 // to hold no NaN, where it equals HwQuant2 (the cvt maps only NaN inputs
 // differently) at a fraction of the instructions.

@@ -166,21 +166,9 @@ __global__ void __launch_bounds__(kThreads, kOneShotMinBlocks) OneShotKernel(con
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         float x[8];
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const float2 e = Pair<DT>(reinterpret_cast<const Chunk<DT>&>(v[i]), j);
-          x[2 * j] = e.x, x[2 * j + 1] = e.y;
-        }
-        const float r = rs[i];
-        uint2 rout = make_uint2(0, 0), cout = make_uint2(0, 0);
-        if (p.rowwise) {
-          rout = make_uint2(Cvt4<FMT>(x[0] * r, x[1] * r, x[2] * r, x[3] * r),
-                            Cvt4<FMT>(x[4] * r, x[5] * r, x[6] * r, x[7] * r));
-        }
-        if (p.colwise) {
-          cout = make_uint2(Cvt4<FMT>(x[0] * sc[0], x[1] * sc[1], x[2] * sc[2], x[3] * sc[3]),
-                            Cvt4<FMT>(x[4] * sc[4], x[5] * sc[5], x[6] * sc[6], x[7] * sc[7]));
-        }
+        ChunkFloats<DT>(reinterpret_cast<const Chunk<DT>&>(v[i]), x);
+        uint2 rout = p.rowwise ? Cvt8<FMT>(x, rs[i]) : make_uint2(0, 0);
+        uint2 cout = p.colwise ? Cvt8<FMT>(x, sc) : make_uint2(0, 0);
         if (nan_code) {  // rare: NaN codes (blocks holding Inf or NaN)
           if (p.rowwise) {
             const float rsi[8] = {rs[i], rs[i], rs[i], rs[i], rs[i], rs[i], rs[i], rs[i]};
