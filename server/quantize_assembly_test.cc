@@ -94,10 +94,16 @@ void ExpectAssembledEqualsUnsharded(ScalingMode mode, bool rowwise, bool colwise
   q.colwise = colwise;
   auto got = AssembleBlockOutputs(q, sizes, local_groups, *groups, outs);
   ASSERT_TRUE(got.ok()) << got.status();
-  if (rowwise) EXPECT_EQ(got->scale_inv.bytes, want.scale_inv.bytes);
-  if (colwise) EXPECT_EQ(got->colwise_scale_inv.bytes, want.colwise_scale_inv.bytes);
-  if (colwise && mode != ScalingMode::kMxfp8) EXPECT_EQ(got->colwise_data.bytes, want.colwise_data.bytes);
-  if (rowwise) EXPECT_GT(got->scale_inv.NumElements(), 0);
+  if (rowwise) {
+    EXPECT_EQ(got->scale_inv.bytes, want.scale_inv.bytes);
+    EXPECT_GT(got->scale_inv.NumElements(), 0);
+  }
+  if (colwise) {
+    EXPECT_EQ(got->colwise_scale_inv.bytes, want.colwise_scale_inv.bytes);
+  }
+  if (colwise && mode != ScalingMode::kMxfp8) {
+    EXPECT_EQ(got->colwise_data.bytes, want.colwise_data.bytes);
+  }
 }
 
 TEST(QuantizeAssemblyTest, Mxfp8TwoShardsAlignedEqualsUnsharded) {

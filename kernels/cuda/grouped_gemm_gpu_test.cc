@@ -85,8 +85,9 @@ int RunRaggedM(GroupedGemmRunner* runner, cudaStream_t s, const Case& c, uint64_
       bias(g * c.n * 4);
   EXPECT_EQ(testing::FillRandom(lhs.p, ToCu(c.in), c.m * c.k, seed, 1.f, s), cudaSuccess);
   EXPECT_EQ(testing::FillRandom(rhs.p, ToCu(c.in), g * c.k * c.n, seed + 1, 1.f, s), cudaSuccess);
-  if (c.bias != DType::kInvalid)
+  if (c.bias != DType::kInvalid) {
     EXPECT_EQ(testing::FillRandom(bias.p, ToCu(c.bias), g * c.n, seed + 2, 4.f, s), cudaSuccess);
+  }
   EXPECT_EQ(cudaMemcpyAsync(sizes.p, c.sizes.data(), g * 8, cudaMemcpyHostToDevice, s), cudaSuccess);
   DeviceGroupedGemmArgs a;
   a.in_dtype = c.in;

@@ -1,7 +1,7 @@
 // Prints a plan as text; used to produce the worked examples in
 // docs/sharding.md. Usage:
 //   plan_text_main MESH ROLES OP COMPAT OUT_SPEC|- name=SHAPE@SPEC ... [attr=value ...]
-// e.g. plan_text_main dp=2,fsdp=2,ep=2 '' ragged_m te - \
+// e.g. (one command line) plan_text_main dp=2,fsdp=2,ep=2 '' ragged_m te -
 //        'lhs=64x32@((fsdp,ep),None)' 'rhs=4x32x16@(None,fsdp,None)' 'group_sizes=8@((fsdp,ep),)'
 // Attributes: transposed=1 bias=1 flatten_axis=N scaling=current|delayed|mxfp8|block
 //             shared=1 rowwise=0|1 colwise=0|1 fp8=1 (f8e4m3 lhs/rhs; give
