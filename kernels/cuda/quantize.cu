@@ -197,7 +197,7 @@ __device__ __forceinline__ TileGeom GeomOf(const QuantizeParams& p, const Item& 
   using TS = Tile<TR>;
   TileGeom tg;
   tg.t = it.t, tg.ct = it.ct;
-  tg.g = FindGroup(p, it.t);
+  tg.g = FindGroupFromGuess(p, it.t);
   tg.off = p.row_off[tg.g];
   tg.mg = p.row_off[tg.g + 1] - tg.off;
   tg.r0 = tg.off + static_cast<int64_t>(it.t - p.tile_off[tg.g]) * TS::kRows;
@@ -208,8 +208,8 @@ __device__ __forceinline__ TileGeom GeomOf(const QuantizeParams& p, const Item& 
 }
 
 // Issues the cp.async copies of a tile (rows past the group or columns past k
-// read as zeros).
-template <int DT, int TR>
+// read as zeros). WHOLE: a whole tile, no bounds to check (see LoadAnyTile).
+template <int DT, int TR, bool WHOLE>
 __device__ __forceinline__ void LoadTile(const QuantizeParams& p, const TileGeom& tg, unsigned char* buf) {
   using T = typename InType<DT>::T;
   constexpr int kEpv = 16 / static_cast<int>(sizeof(T));  // elements per 16 bytes
@@ -218,14 +218,24 @@ __device__ __forceinline__ void LoadTile(const QuantizeParams& p, const TileGeom
   constexpr int kRowStep = kThreads / kCpr;  // rows between a thread's chunks
   const T* x = static_cast<const T*>(p.x);
   const int rr0 = static_cast<int>(threadIdx.x) / kCpr, cc = static_cast<int>(threadIdx.x) % kCpr;
-  const bool col_valid = cc * kEpv < tg.ncols;
+  const bool col_valid = WHOLE || cc * kEpv < tg.ncols;
   const T* src = x + (tg.r0 + rr0) * p.k + tg.c0 + cc * kEpv;  // a running pointer: one add per chunk
   unsigned char* dst = buf + threadIdx.x * 16;
 #pragma unroll
   for (int i = 0; i < kN; ++i) {
-    const bool valid = col_valid && rr0 + i * kRowStep < tg.nrows;
+    const bool valid = WHOLE || (col_valid && rr0 + i * kRowStep < tg.nrows);
     CpAsync16(dst + i * kThreads * 16, valid ? src : x, valid);
     src += kRowStep * p.k;
+  }
+}
+// Nearly every tile is whole: its copies skip the per-chunk bounds (about
+// 20 instructions a tile).
+template <int DT, int TR>
+__device__ __forceinline__ void LoadAnyTile(const QuantizeParams& p, const TileGeom& tg, unsigned char* buf) {
+  if (tg.nrows == TR && tg.ncols == Tile<TR>::kCols) {
+    LoadTile<DT, TR, true>(p, tg, buf);
+  } else {
+    LoadTile<DT, TR, false>(p, tg, buf);
   }
 }
 
@@ -279,6 +289,74 @@ __device__ __forceinline__ uint32_t Quant2s(float x0, float s0, bool n0, float x
   if (n0) b0 = Fp8NanWithSignOf(x0, fmt);
   if (n1) b1 = Fp8NanWithSignOf(x1, fmt);
   return b0 | (b1 << 8);
+}
+
+// The chunk loop of QuantizeMxTileFull: each thread's 8-element chunks,
+// decoded once, scaled by the row block's and each column block's 2^-e, and
+// converted for both outputs. ROW, COL: the outputs; NAN_CODES: the tile has
+// NaN codes (blocks holding Inf or NaN), whose elements get NaN with each
+// element's sign. (Runtime flags here cost a chunk about 12 of its 48
+// instructions in branches, moves and reloaded column recips.)
+template <int DT, int FMT, int TR, bool ROW, bool COL, bool NAN_CODES>
+__device__ __forceinline__ void MxTileChunks(const QuantizeParams& p, const TileGeom& tg,
+                                             const typename InType<DT>::T* tile, const float* col_recip,
+                                             const float* row_recip) {
+  using TS = Tile<TR>;
+  constexpr int kCols = TS::kCols, kRowBlocks = kCols / 32;
+  constexpr int NCH = TS::kChunksPerThread, kStep = TS::kChunkRowStep;
+  // Chunk i's row rr0 + kStep i (rr0 < kStep) lies in the 32-row band
+  // kStep i / 32, known at compile time: the column recips are read once a band.
+  static_assert(32 % kStep == 0, "a thread's chunks do not straddle a 32-row band");
+  const int tid = threadIdx.x;
+  const int rr0 = tid / TS::kChunksPerRow, cc = tid % TS::kChunksPerRow;
+  const int64_t K = p.k;
+  uint8_t* row_out = p.row_data + (tg.r0 + rr0) * K + tg.c0 + cc * 8;
+  uint8_t* col_out = p.col_data + (tg.r0 + rr0) * K + tg.c0 + cc * 8;
+  float sc[8];
+#pragma unroll
+  for (int i = 0; i < NCH; ++i) {
+    if (COL && (kStep * i) % 32 == 0) {
+      const float* cr = col_recip + ((kStep * i) / 32) * kCols + cc * 8;
+      const float4 slo = *reinterpret_cast<const float4*>(cr);
+      const float4 shi = *reinterpret_cast<const float4*>(cr + 4);
+      sc[0] = slo.x, sc[1] = slo.y, sc[2] = slo.z, sc[3] = slo.w, sc[4] = shi.x, sc[5] = shi.y, sc[6] = shi.z,
+      sc[7] = shi.w;
+    }
+    const int rr = rr0 + kStep * i;
+    const Chunk<DT> v = *reinterpret_cast<const Chunk<DT>*>(tile + rr * kCols + cc * 8);
+    // Each element decoded once (f16 by the hardware conversion, exact for
+    // every non-NaN; NaN only sits in NaN-code blocks, fixed from the sign).
+    float x[8];
+    ChunkFloats<DT>(v, x);
+    if constexpr (ROW) {
+      const float rs = row_recip[rr * kRowBlocks + cc / 4];
+      uint2 rout = Cvt8<FMT>(x, rs);
+      if constexpr (NAN_CODES) {
+        const float rsi[8] = {rs, rs, rs, rs, rs, rs, rs, rs};
+        rout = NanFix<FMT>(rout, v, rsi);
+      }
+      __stcs(reinterpret_cast<uint2*>(row_out), rout);
+    }
+    if constexpr (COL) {
+      uint2 cout = Cvt8<FMT>(x, sc);
+      if constexpr (NAN_CODES) cout = NanFix<FMT>(cout, v, sc);
+      __stcs(reinterpret_cast<uint2*>(col_out), cout);
+    }
+    row_out += kStep * K;
+    col_out += kStep * K;
+  }
+}
+template <int DT, int FMT, int TR, bool NAN_CODES>
+__device__ __forceinline__ void MxTileChunksFor(const QuantizeParams& p, const TileGeom& tg,
+                                                const typename InType<DT>::T* tile, const float* col_recip,
+                                                const float* row_recip) {
+  if (p.rowwise && p.colwise) {
+    MxTileChunks<DT, FMT, TR, true, true, NAN_CODES>(p, tg, tile, col_recip, row_recip);
+  } else if (p.rowwise) {
+    MxTileChunks<DT, FMT, TR, true, false, NAN_CODES>(p, tg, tile, col_recip, row_recip);
+  } else {
+    MxTileChunks<DT, FMT, TR, false, true, NAN_CODES>(p, tg, tile, col_recip, row_recip);
+  }
 }
 
 // MXFP8, a whole tile of 16-bit input, OCP recipe (QuantizeAnyTile). Both
@@ -365,40 +443,12 @@ __device__ __forceinline__ void QuantizeMxTileFull(const QuantizeParams& p, cons
   nan_code = __syncthreads_or(nan_code);  // also: the recips and red are complete
   if (p.amax != nullptr && tid == 0) FlushTileAmax(p, g, red);
 
-  constexpr int NCH = TS::kChunksPerThread, kStep = TS::kChunkRowStep;
-  const int rr0 = tid / TS::kChunksPerRow, cc = tid % TS::kChunksPerRow;
-  uint8_t* row_out = p.row_data + (r0 + rr0) * K + c0 + cc * 8;
-  uint8_t* col_out = p.col_data + (r0 + rr0) * K + c0 + cc * 8;
-#pragma unroll
-  for (int i = 0; i < NCH; ++i) {
-    const int rr = rr0 + kStep * i;
-    const Chunk<DT> v = *reinterpret_cast<const Chunk<DT>*>(tile + rr * kCols + cc * 8);
-    const float rs = p.rowwise ? row_recip[rr * kRowBlocks + cc / 4] : 1.0f;
-    float sc[8];
-    if (p.colwise) {
-      const float4 slo = *reinterpret_cast<const float4*>(col_recip + (rr / 32) * kCols + cc * 8);
-      const float4 shi = *reinterpret_cast<const float4*>(col_recip + (rr / 32) * kCols + cc * 8 + 4);
-      sc[0] = slo.x, sc[1] = slo.y, sc[2] = slo.z, sc[3] = slo.w, sc[4] = shi.x, sc[5] = shi.y, sc[6] = shi.z,
-      sc[7] = shi.w;
-    }
-    // Pair by pair, both directions: each element is decoded once (f16 by the
-    // hardware conversion, exact for every non-NaN; NaN only sits in NaN-code
-    // blocks, whose bytes come from the sign bit below).
-    float x[8];
-    ChunkFloats<DT>(v, x);
-    uint2 rout = p.rowwise ? Cvt8<FMT>(x, rs) : make_uint2(0, 0);
-    uint2 cout = p.colwise ? Cvt8<FMT>(x, sc) : make_uint2(0, 0);
-    if (nan_code) {  // rare: a NaN code's elements get NaN with each element's sign
-      if (p.rowwise) {
-        const float rsi[8] = {rs, rs, rs, rs, rs, rs, rs, rs};
-        rout = NanFix<FMT>(rout, v, rsi);
-      }
-      if (p.colwise) cout = NanFix<FMT>(cout, v, sc);
-    }
-    if (p.rowwise) __stcs(reinterpret_cast<uint2*>(row_out), rout);
-    if (p.colwise) __stcs(reinterpret_cast<uint2*>(col_out), cout);
-    row_out += kStep * K;
-    col_out += kStep * K;
+  // The chunk loop, compiled per output set and apart for tiles with NaN
+  // codes, so no chunk branches on them.
+  if (nan_code) {
+    MxTileChunksFor<DT, FMT, TR, true>(p, tg, tile, col_recip, row_recip);
+  } else {
+    MxTileChunksFor<DT, FMT, TR, false>(p, tg, tile, col_recip, row_recip);
   }
 }
 
@@ -735,10 +785,16 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(DT, MODE)) QuantizeKernel(
     static_assert(kTileBuffers == 2, "the loop alternates two buffers");
     const int stride = static_cast<int>(gridDim.x);
     int i = static_cast<int>(blockIdx.x);
+    // Item (row tile t, column tile ct) = (i / col_tiles, i % col_tiles), the
+    // next one's kept by adding the stride's quotient and remainder (a
+    // division per tile was 30 of its instructions).
+    Item it;
+    it.t = i / p.col_tiles, it.ct = i % p.col_tiles;
+    const int stride_t = stride / p.col_tiles, stride_ct = stride % p.col_tiles;
     TileGeom tg{};
     if (i < p.num_items) {
-      tg = GeomOf<TR>(p, DecodeItem(p, i));
-      LoadTile<DT, TR>(p, tg, smem_raw);
+      tg = GeomOf<TR>(p, it);
+      LoadAnyTile<DT, TR>(p, tg, smem_raw);
     }
     CpAsyncCommit();
     if constexpr (MODE == kModeMx) ZeroMxScalePadding(p);  // while the first tile streams in
@@ -746,9 +802,11 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(DT, MODE)) QuantizeKernel(
 #pragma unroll 1
     for (; i < p.num_items; i += stride) {
       TileGeom next{};
+      it.t += stride_t, it.ct += stride_ct;
+      if (it.ct >= p.col_tiles) it.t += 1, it.ct -= p.col_tiles;
       if (i + stride < p.num_items) {
-        next = GeomOf<TR>(p, DecodeItem(p, i + stride));
-        LoadTile<DT, TR>(p, next, smem_raw + (buf ^ 1) * TileBytes<DT>());
+        next = GeomOf<TR>(p, it);
+        LoadAnyTile<DT, TR>(p, next, smem_raw + (buf ^ 1) * TileBytes<DT>());
       }
       CpAsyncCommit();
       // The tile's scale is read before the wait, so its latency hides there.
@@ -759,7 +817,7 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(DT, MODE)) QuantizeKernel(
       __syncthreads();
       if constexpr (MODE == kModeCurrent) tscale = ScaleFromAmax(gamax, Fp8Max(static_cast<Fp8Format>(FMT)), p.pow2);
       QuantizeAnyTile<DT, MODE, FMT, TR>(p, tg, reinterpret_cast<T*>(smem_raw + buf * TileBytes<DT>()), tscale, gamax, red,
-                                     col_red);
+                                         col_red);
       __syncthreads();  // this buffer is free again
       tg = next;
       buf ^= 1;
@@ -781,13 +839,13 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(DT, MODE)) QuantizeKernel(
     int buf = 0;
     if (cur < p.num_items) {
       it_cur = DecodeItem(p, cur);
-      LoadTile<DT, TR>(p, GeomOf<TR>(p, it_cur), smem_raw);
+      LoadAnyTile<DT, TR>(p, GeomOf<TR>(p, it_cur), smem_raw);
     }
     CpAsyncCommit();
     while (cur < p.num_items) {
       if (nxt < p.num_items) {
         it_nxt = DecodeItem(p, nxt);
-        LoadTile<DT, TR>(p, GeomOf<TR>(p, it_nxt), smem_raw + (buf ^ 1) * TileBytes<DT>());
+        LoadAnyTile<DT, TR>(p, GeomOf<TR>(p, it_nxt), smem_raw + (buf ^ 1) * TileBytes<DT>());
       }
       CpAsyncCommit();
       int claimed = 0;
