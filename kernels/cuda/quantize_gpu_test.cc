@@ -134,6 +134,7 @@ struct Case {
   bool workspace = true;  // pass GpuQuantizeOptions::workspace (else amax is zeroed by a memset first)
   bool own_stream = false;  // a stream of the test's, no workspace: the library's per-stream one
   cuda::GpuQuantizeOptions::Kernel kernel = cuda::GpuQuantizeOptions::Kernel::kAuto;
+  int scale_offset = 0;  // scale buffers this many bytes past a 256-byte boundary (MXFP8's are byte arrays)
 };
 
 std::string Name(const Case& c) {
@@ -146,7 +147,7 @@ std::string Name(const Case& c) {
                   (c.kernel == cuda::GpuQuantizeOptions::Kernel::kTiled     ? "/tiled"
                    : c.kernel == cuda::GpuQuantizeOptions::Kernel::kOneShot ? "/one-shot"
                                                                             : "") +
-                  " groups=";
+                  (c.scale_offset ? "/scale_offset=" + std::to_string(c.scale_offset) : "") + " groups=";
   for (int64_t g : c.groups) s += std::to_string(g) + ",";
   return s;
 }
@@ -182,7 +183,8 @@ void RunCase(const Case& c, uint32_t seed) {
   ASSERT_TRUE(cs.ok()) << cs;
 
   // GPU, outputs pre-filled with garbage.
-  DevBuf dx(x.size()), dscale(scale.size() * 4), dr(data_bytes), dc(data_bytes), drs(rs_bytes), dcs(cs_bytes),
+  DevBuf dx(x.size()), dscale(scale.size() * 4), dr(data_bytes), dc(data_bytes), drs(rs_bytes + c.scale_offset),
+      dcs(cs_bytes + c.scale_offset),
       damax(static_cast<size_t>(G) * 4);
   dx.Upload(x.data());
   dscale.Upload(scale.data());
@@ -190,7 +192,9 @@ void RunCase(const Case& c, uint32_t seed) {
   GroupedQuantizeArgs ga = a;
   ga.x = dx.p, ga.scale = dscale.as<float>();
   ga.rowwise_data = dr.as<uint8_t>(), ga.colwise_data = dc.as<uint8_t>();
-  ga.rowwise_scale_inv = drs.p, ga.colwise_scale_inv = dcs.p;
+  void* const drs_p = drs.as<uint8_t>() + c.scale_offset;
+  void* const dcs_p = dcs.as<uint8_t>() + c.scale_offset;
+  ga.rowwise_scale_inv = drs_p, ga.colwise_scale_inv = dcs_p;
   ga.amax = c.amax_out ? damax.as<float>() : nullptr;
   cuda::GpuQuantizeOptions opt;
   opt.software_cvt = c.software_cvt;
@@ -242,13 +246,21 @@ void RunCase(const Case& c, uint32_t seed) {
                       << " (cpu 0x" << std::hex << (first >= 0 ? int(want[first]) : 0) << ", gpu 0x"
                       << (first >= 0 ? int(got[first]) : 0) << ")";
   };
+  // The scales after the offset; the bytes before it untouched.
+  auto scales_of = [&](const DevBuf& b, const std::vector<uint8_t>& want, const char* what) {
+    std::vector<uint8_t> got = b.Download();
+    const std::vector<uint8_t> before(got.begin(), got.begin() + c.scale_offset);
+    EXPECT_EQ(before, std::vector<uint8_t>(static_cast<size_t>(c.scale_offset), 0xa5)) << what << ": written before";
+    got.erase(got.begin(), got.begin() + c.scale_offset);
+    expect_same(want, got, what);
+  };
   if (c.rowwise) {
     expect_same(hr, dr.Download(), "rowwise_data");
-    expect_same(hrs, drs.Download(), "rowwise_scale_inv");
+    scales_of(drs, hrs, "rowwise_scale_inv");
   }
   if (c.colwise) {
     expect_same(hc, dc.Download(), "colwise_data");
-    expect_same(hcs, dcs.Download(), "colwise_scale_inv");
+    scales_of(dcs, hcs, "colwise_scale_inv");
   }
   if (c.amax_out) {
     std::vector<uint8_t> hamax_bytes(reinterpret_cast<uint8_t*>(hamax.data()),
@@ -271,7 +283,7 @@ void RunCase(const Case& c, uint32_t seed) {
       DevBuf dout(hout.size());
       dout.Fill(0x77);
       d.data = colwise ? dc.as<uint8_t>() : dr.as<uint8_t>();
-      d.scale_inv = colwise ? dcs.p : drs.p;
+      d.scale_inv = colwise ? dcs_p : drs_p;
       d.out = dout.p;
       absl::Status ds = cuda::GroupedDequantize(d, nullptr);
       ASSERT_TRUE(ds.ok()) << ds;
@@ -398,6 +410,14 @@ TEST(QuantizeGpuTest, LargeUnevenGroups) {
       if (HasFatalFailure()) return;
     }
   }
+  // MXFP8 scales at odd addresses (E8M0 byte arrays may sit anywhere): the
+  // codes and the padding's zeros land there, nothing before.
+  for (int offset : {1, 7}) {
+    Case c{ScalingMode::kMxfp8, Fp8Format::kE4M3, DType::kBF16, true, true, 1024, groups, 64, true, false};
+    c.scale_offset = offset;
+    RunCase(c, seed++);
+    if (HasFatalFailure()) return;
+  }
   // MXFP8's other recipe (whole tiles take the general path for it), E5M2 too.
   for (Fp8Format fmt : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
     Case c{ScalingMode::kMxfp8, fmt, DType::kBF16, true, true, 1024, groups, 64, true, false};
@@ -450,6 +470,12 @@ TEST(QuantizeGpuTest, OneShotKernelIsBitIdenticalToo) {
   c.kernel = Kernel::kOneShot;
   c.workspace = false, c.own_stream = true;
   RunCase(c, seed++);
+  if (HasFatalFailure()) return;
+  // MXFP8 scales at an odd address.
+  Case m{ScalingMode::kMxfp8, Fp8Format::kE4M3, DType::kBF16, true, true, 512, {96, 0, 64, 32}, 0, true, false};
+  m.kernel = Kernel::kOneShot;
+  m.scale_offset = 3;
+  RunCase(m, seed++);
 }
 
 TEST(QuantizeGpuTest, OneShotKernelSaysWhyItCannotTakeACall) {
