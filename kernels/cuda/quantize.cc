@@ -174,6 +174,10 @@ absl::Status CheckGpuArgs(const GroupedQuantizeArgs& a, const GpuQuantizeOptions
   if (options.tile_rows != 0 && options.tile_rows != 32 && options.tile_rows != 64 && options.tile_rows != 128) {
     return absl::InvalidArgumentError(absl::StrCat("tile_rows: ", options.tile_rows, " is not 0, 32, 64 or 128"));
   }
+  if (options.amax_accumulate && a.mode == ScalingMode::kCurrent) {
+    return absl::InvalidArgumentError(
+        "amax_accumulate: current scaling's scales come from this call's amax, which it cannot accumulate into");
+  }
   if (!Aligned(a.x, 16)) return absl::InvalidArgumentError("x: not 16-byte aligned");
   if (a.rowwise && !Aligned(a.rowwise_data, 16)) return absl::InvalidArgumentError("rowwise_data: not 16-byte aligned");
   if (a.colwise && !Aligned(a.colwise_data, 16)) return absl::InvalidArgumentError("colwise_data: not 16-byte aligned");
@@ -232,7 +236,8 @@ absl::Status GroupedQuantize(const GroupedQuantizeArgs& a, cudaStream_t stream, 
   p->col_scale = a.colwise ? a.colwise_scale_inv : nullptr;
   // With a workspace, tiles reduce amax into it and the last block writes
   // a.amax: no memset of a.amax first (one graph node or launch fewer).
-  const bool amax_in_workspace = *ws != nullptr && a.amax != nullptr && a.num_groups > 0;
+  // Accumulating, they reduce into a.amax itself, as it stands.
+  const bool amax_in_workspace = *ws != nullptr && a.amax != nullptr && a.num_groups > 0 && !options.amax_accumulate;
   if (amax_in_workspace) {
     p->workspace = *ws;
     p->amax = reinterpret_cast<float*>(reinterpret_cast<cuda_internal::QuantizeWorkspace*>(*ws)->amax);
@@ -254,7 +259,7 @@ absl::Status GroupedQuantize(const GroupedQuantizeArgs& a, cudaStream_t stream, 
   const int64_t used = l.row_offset[a.num_groups];
   const size_t tail = static_cast<size_t>((a.m - used) * a.k);
   cudaError_t e = cudaSuccess;
-  if (a.amax != nullptr && a.num_groups > 0 && !amax_in_workspace) {
+  if (a.amax != nullptr && a.num_groups > 0 && !amax_in_workspace && !options.amax_accumulate) {
     e = cudaMemsetAsync(a.amax, 0, sizeof(float) * a.num_groups, stream);
   }
   // Scales no kernel writes: block scaling's padding (MXFP8's kernel zeroes its own).

@@ -212,6 +212,7 @@ int Main(int argc, char** argv) {
       int tile_rows = 0;  // GpuQuantizeOptions::tile_rows
       cuda::GpuQuantizeOptions::Kernel kernel = cuda::GpuQuantizeOptions::Kernel::kAuto;
       bool amax = true;  // ask for amax (optional for MXFP8)
+      bool amax_accumulate = false;  // GpuQuantizeOptions::amax_accumulate
     };
     using Kernel = cuda::GpuQuantizeOptions::Kernel;
     using Pass = cuda::GpuQuantizeOptions::CurrentPass;
@@ -240,6 +241,9 @@ int Main(int argc, char** argv) {
         // Without the optional amax: no per-group reduction to publish.
         {"mxfp8 row+col no amax", ScalingMode::kMxfp8, true, true, Pass::kAuto, 0, Kernel::kAuto, false},
         {"mxfp8 row+col no amax tiled", ScalingMode::kMxfp8, true, true, Pass::kAuto, 0, Kernel::kTiled, false},
+        // amax max-reduced into the caller's buffer as it stands (no publication).
+        {"mxfp8 row+col amax accum", ScalingMode::kMxfp8, true, true, Pass::kAuto, 0, Kernel::kAuto, true, true},
+        {"delayed row+col amax accum", ScalingMode::kDelayed, true, true, Pass::kAuto, 0, Kernel::kAuto, true, true},
     };
     for (const Op& op : ops) {
       GroupedQuantizeArgs a;
@@ -261,6 +265,7 @@ int Main(int argc, char** argv) {
       opt.tile_rows = op.tile_rows;
       opt.kernel = op.kernel;
       opt.workspace = workspace;  // graph capture: the library keeps none of its own
+      opt.amax_accumulate = op.amax_accumulate;
       absl::StatusOr<Kernel> chosen = cuda::ChosenQuantizeKernel(a, s, opt);
       if (!chosen.ok()) {
         if (op.kernel == Kernel::kOneShot && op.mode == ScalingMode::kCurrent) {  // too many slabs for the GPU

@@ -611,6 +611,71 @@ TEST(QuantizeGpuTest, RejectsWhatTheKernelsCannotDo) {
   EXPECT_NE(std::string(st.message()).find("tile_rows:"), std::string::npos) << st;
 }
 
+// amax_accumulate: the tiles max-reduce into the caller's amax as it stands
+// (a running max over calls), on both kernels; the data are the same bytes.
+TEST(QuantizeGpuTest, AmaxAccumulateMaxReducesIntoTheCallersAmax) {
+  SKIP_WITHOUT_GPU();
+  using Kernel = cuda::GpuQuantizeOptions::Kernel;
+  std::vector<int64_t> gs = {64, 0, 96, 32};
+  const int64_t G = static_cast<int64_t>(gs.size()), m = 192, k = 512;
+  const std::vector<uint8_t> x = RandomInput(DType::kBF16, m * k, 91, false);
+  const std::vector<float> scale(static_cast<size_t>(G), 2.0f);
+  // Below every group's amax, above it, on the empty group, zero.
+  const std::vector<float> before = {0.0f, 7.0f, 1e30f, 1e-30f};
+  DevBuf dx(x.size()), ds(scale.size() * 4), dd(static_cast<size_t>(m * k)), dam(static_cast<size_t>(G) * 4);
+  dx.Upload(x.data());
+  ds.Upload(scale.data());
+  for (ScalingMode mode : {ScalingMode::kDelayed, ScalingMode::kMxfp8, ScalingMode::kBlock1x128}) {
+    for (Kernel kernel : {Kernel::kTiled, Kernel::kOneShot}) {
+      if (mode == ScalingMode::kBlock1x128 && kernel == Kernel::kOneShot) continue;
+      SCOPED_TRACE(std::string(ScalingModeName(mode)) + (kernel == Kernel::kTiled ? " tiled" : " one-shot"));
+      GroupedQuantizeArgs a;
+      a.x_dtype = DType::kBF16, a.m = m, a.k = k, a.group_sizes = gs.data(), a.num_groups = G;
+      a.mode = mode, a.format = Fp8Format::kE4M3, a.rowwise = true, a.colwise = false;
+      absl::StatusOr<QuantizeLayout> l = GetQuantizeLayout(a);
+      ASSERT_TRUE(l.ok()) << l.status();
+      const size_t sb = static_cast<size_t>(l->rowwise_scale_elems * l->scale_bytes);
+      std::vector<uint8_t> hd(static_cast<size_t>(m * k)), hs(sb);
+      std::vector<float> hamax(static_cast<size_t>(G));
+      GroupedQuantizeArgs ca = a;
+      ca.x = x.data(), ca.scale = scale.data(), ca.rowwise_data = hd.data(), ca.rowwise_scale_inv = hs.data();
+      ca.amax = hamax.data();
+      ASSERT_TRUE(cpu::GroupedQuantize(ca).ok());
+
+      DevBuf dsc(sb);
+      GroupedQuantizeArgs ga = a;
+      ga.x = dx.p, ga.scale = ds.as<float>(), ga.rowwise_data = dd.as<uint8_t>(), ga.rowwise_scale_inv = dsc.p;
+      ga.amax = dam.as<float>();
+      cuda::GpuQuantizeOptions opt;
+      opt.kernel = kernel;
+      opt.amax_accumulate = true;
+      CK(cudaMemcpy(dam.p, before.data(), before.size() * 4, cudaMemcpyHostToDevice));
+      absl::Status st = cuda::GroupedQuantize(ga, nullptr, opt);
+      ASSERT_TRUE(st.ok()) << st;
+      CK(cudaDeviceSynchronize());
+      std::vector<float> got(static_cast<size_t>(G));
+      CK(cudaMemcpy(got.data(), dam.p, got.size() * 4, cudaMemcpyDeviceToHost));
+      for (int64_t g = 0; g < G; ++g) {
+        const float want = gs[g] == 0 ? before[g] : std::max(before[g], hamax[g]);
+        EXPECT_EQ(got[g], want) << "group " << g << ": before " << before[g] << ", this call's amax " << hamax[g];
+      }
+      EXPECT_EQ(dd.Download(), hd) << "rowwise_data";
+      EXPECT_EQ(dsc.Download(), hs) << "rowwise_scale_inv";
+    }
+  }
+  // Current scaling's scales come from this call's amax: refused, by name.
+  GroupedQuantizeArgs a;
+  a.x_dtype = DType::kBF16, a.m = m, a.k = k, a.group_sizes = gs.data(), a.num_groups = G;
+  a.mode = ScalingMode::kCurrent, a.rowwise = true, a.x = dx.p, a.rowwise_data = dd.as<uint8_t>();
+  DevBuf dsc(static_cast<size_t>(G) * 4);
+  a.rowwise_scale_inv = dsc.p, a.amax = dam.as<float>();
+  cuda::GpuQuantizeOptions opt;
+  opt.amax_accumulate = true;
+  absl::Status st = cuda::GroupedQuantize(a, nullptr, opt);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  EXPECT_NE(std::string(st.message()).find("amax_accumulate:"), std::string::npos) << st;
+}
+
 // ---- FP8 grouped GEMM ---------------------------------------------------------
 
 struct GemmResult {
