@@ -178,6 +178,9 @@ absl::Status CheckGpuArgs(const GroupedQuantizeArgs& a, const GpuQuantizeOptions
     return absl::InvalidArgumentError(
         "amax_accumulate: current scaling's scales come from this call's amax, which it cannot accumulate into");
   }
+  if (options.amax_accumulate && a.amax == nullptr) {
+    return absl::InvalidArgumentError("amax_accumulate: amax is null (nothing to accumulate into)");
+  }
   if (!Aligned(a.x, 16)) return absl::InvalidArgumentError("x: not 16-byte aligned");
   if (a.rowwise && !Aligned(a.rowwise_data, 16)) return absl::InvalidArgumentError("rowwise_data: not 16-byte aligned");
   if (a.colwise && !Aligned(a.colwise_data, 16)) return absl::InvalidArgumentError("colwise_data: not 16-byte aligned");
@@ -332,6 +335,7 @@ absl::Status GroupedQuantize(const GroupedQuantizeArgs& a, cudaStream_t stream, 
     pa->total_tiles = static_cast<int>(at);
     e = cuda_internal::LaunchGroupedAmax(*pa, stream);
     if (e != cudaSuccess) return fail_launch(e, "grouped amax kernel");
+    p->after_amax_pass = true;
   }
   e = cuda_internal::LaunchGroupedQuantize(*p, stream);
   if (e != cudaSuccess) return fail_launch(e, "grouped quantize kernel");

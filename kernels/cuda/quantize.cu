@@ -74,6 +74,10 @@ template <int DT>
 __global__ void __launch_bounds__(kThreads) AmaxKernel(const __grid_constant__ QuantizeParams p) {
   using T = typename InType<DT>::T;
   __shared__ uint32_t red[kThreads / 32];
+  // The quantize pass (launched as this grid's programmatic dependent) may
+  // start once every block of this one has: it loads its first tiles while
+  // these finish, and waits for their amax (griddepcontrol.wait there).
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   const int t = blockIdx.x;
   const int g = FindGroup(p, t);
   const int64_t off = p.row_off[g];
@@ -798,6 +802,10 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(DT, MODE)) QuantizeKernel(
     }
     CpAsyncCommit();
     if constexpr (MODE == kModeMx) ZeroMxScalePadding(p);  // while the first tile streams in
+    // Two-pass current scaling: the amax pass before this launch has
+    // finished, and its amax is visible, past this point (a no-op where the
+    // launch is not a programmatic dependent; LaunchQuantizeT).
+    if constexpr (MODE == kModeCurrent) asm volatile("griddepcontrol.wait;" ::: "memory");
     int buf = 0;
 #pragma unroll 1
     for (; i < p.num_items; i += stride) {
@@ -907,6 +915,24 @@ cudaError_t LaunchQuantizeT(const QuantizeParams& p, cudaStream_t stream) {
   // (Two blocks per SM, or the fewest blocks for the same number of waves,
   // measured no faster on any preset: docs/performance/quantize.md.)
   const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(p.num_items, static_cast<int64_t>(sms) * std::max(1, per_sm)));
+  if (MODE == kModeCurrent && p.after_amax_pass) {
+    // The two-pass quantize launch follows its amax pass as a programmatic
+    // dependent (PDL): its blocks start, and stream their first tiles in,
+    // while the amax pass's last blocks run; they read amax only after
+    // griddepcontrol.wait. (Stream capture keeps the edge in the graph.)
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(static_cast<unsigned>(blocks));
+    cfg.blockDim = dim3(kThreads);
+    cfg.dynamicSmemBytes = static_cast<size_t>(smem);
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    if (cudaLaunchKernelEx(&cfg, kernel, p) == cudaSuccess) return cudaSuccess;
+    (void)cudaGetLastError();  // no PDL here: a plain launch after the amax pass
+  }
   kernel<<<static_cast<unsigned>(blocks), kThreads, smem, stream>>>(p);
   return cudaGetLastError();
 }

@@ -66,15 +66,17 @@ struct GpuQuantizeOptions {
   //             else the tiled kernels.
   enum class Kernel { kAuto, kTiled, kOneShot };
   Kernel kernel = Kernel::kAuto;
-  // args.amax already holds a lower bound for each group (zeros, or an
+  // args.amax already holds a lower bound for each group (+0.0, or an
   // earlier call's amax, to keep a running max over micro-batches as
   // Transformer Engine's delayed scaling does): the tiles max-reduce into it,
   // so amax[g] becomes max(amax[g], max |x| over group g's rows) and empty
-  // groups keep theirs. No memset runs first and no workspace publishes
-  // amax at the launch's end (MXFP8 row+col: 1.2-1.7 us less per call on
-  // small-decode and qwen3-ep8, docs/performance/quantize.md). Delayed,
-  // MXFP8 and block scaling; current scaling computes its scale from this
-  // call's amax, so asking there is an InvalidArgument.
+  // groups keep theirs. The max is over float bits, so the starting values
+  // must be non-negative: -0.0, a negative value or NaN would stay. No
+  // memset runs first and no workspace publishes amax at the launch's end
+  // (MXFP8 row+col: 0.7-1.7 us less per call on small-decode and qwen3-ep8,
+  // docs/performance/quantize.md). Delayed, MXFP8 and block scaling, with
+  // amax given; current scaling computes its scale from this call's amax,
+  // so asking there (or without amax) is an InvalidArgument.
   bool amax_accumulate = false;
 };
 

@@ -4,8 +4,9 @@
 // the same run. GB/s counts bytes read + written:
 //   logical: x once + every output (data, scales, amax) once;
 //   moved:   what the kernels actually move (current scaling on the tiled
-//            kernels reads x twice: the amax pass, then the quantize pass;
-//            its one-shot kernel reads x once).
+//            kernels reads x twice: the amax pass, then the quantize pass,
+//            or in the fused pass a re-read from L2; its one-shot kernel
+//            reads x once).
 // Timing: CUDA events around kIters calls captured in one CUDA graph (device
 // time, no host launch overhead), and around kIters eager calls.
 //   quantize_bench [--iters N] [--only PRESET,...] [--profile]

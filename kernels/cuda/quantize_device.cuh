@@ -299,8 +299,9 @@ __device__ __forceinline__ uint32_t AbsBitsOf(T v) {
 // exact for them (the one-shot kernel's binary search cost its warps 66
 // instructions of about 870 at small-decode), then the search. The guess is
 // taken at the tile's middle, (t + 1/2) G / T, half a tile from either edge
-// of an equal group, so the float division's error cannot move it (a wrong
-// guess only costs the search).
+// of an equal group, which the float division's error does not cross while
+// t is below about 2^21; past that, or for unequal groups, a wrong guess
+// only costs the search.
 __device__ __forceinline__ int FindGroupFromGuess(const QuantizeParams& p, int t) {
   const int guess = static_cast<int>(
       __fdividef((static_cast<float>(t) + 0.5f) * static_cast<float>(p.num_groups), static_cast<float>(p.total_tiles)));

@@ -612,7 +612,9 @@ TEST(QuantizeGpuTest, RejectsWhatTheKernelsCannotDo) {
 }
 
 // amax_accumulate: the tiles max-reduce into the caller's amax as it stands
-// (a running max over calls), on both kernels; the data are the same bytes.
+// (a running max over calls), on both kernels, with and without a workspace
+// (which must then not publish over the caller's values), row+col; the data
+// are the same bytes; a second call leaves the running max where it is.
 TEST(QuantizeGpuTest, AmaxAccumulateMaxReducesIntoTheCallersAmax) {
   SKIP_WITHOUT_GPU();
   using Kernel = cuda::GpuQuantizeOptions::Kernel;
@@ -620,47 +622,61 @@ TEST(QuantizeGpuTest, AmaxAccumulateMaxReducesIntoTheCallersAmax) {
   const int64_t G = static_cast<int64_t>(gs.size()), m = 192, k = 512;
   const std::vector<uint8_t> x = RandomInput(DType::kBF16, m * k, 91, false);
   const std::vector<float> scale(static_cast<size_t>(G), 2.0f);
-  // Below every group's amax, above it, on the empty group, zero.
+  // Per group: zero, on the empty group, above the group's amax, below it.
   const std::vector<float> before = {0.0f, 7.0f, 1e30f, 1e-30f};
-  DevBuf dx(x.size()), ds(scale.size() * 4), dd(static_cast<size_t>(m * k)), dam(static_cast<size_t>(G) * 4);
+  DevBuf dx(x.size()), ds(scale.size() * 4), dd(static_cast<size_t>(m * k)), dcd(static_cast<size_t>(m * k)),
+      dam(static_cast<size_t>(G) * 4), workspace(cuda::QuantizeWorkspaceBytes());
   dx.Upload(x.data());
   ds.Upload(scale.data());
+  workspace.Fill(0);
   for (ScalingMode mode : {ScalingMode::kDelayed, ScalingMode::kMxfp8, ScalingMode::kBlock1x128}) {
     for (Kernel kernel : {Kernel::kTiled, Kernel::kOneShot}) {
-      if (mode == ScalingMode::kBlock1x128 && kernel == Kernel::kOneShot) continue;
-      SCOPED_TRACE(std::string(ScalingModeName(mode)) + (kernel == Kernel::kTiled ? " tiled" : " one-shot"));
-      GroupedQuantizeArgs a;
-      a.x_dtype = DType::kBF16, a.m = m, a.k = k, a.group_sizes = gs.data(), a.num_groups = G;
-      a.mode = mode, a.format = Fp8Format::kE4M3, a.rowwise = true, a.colwise = false;
-      absl::StatusOr<QuantizeLayout> l = GetQuantizeLayout(a);
-      ASSERT_TRUE(l.ok()) << l.status();
-      const size_t sb = static_cast<size_t>(l->rowwise_scale_elems * l->scale_bytes);
-      std::vector<uint8_t> hd(static_cast<size_t>(m * k)), hs(sb);
-      std::vector<float> hamax(static_cast<size_t>(G));
-      GroupedQuantizeArgs ca = a;
-      ca.x = x.data(), ca.scale = scale.data(), ca.rowwise_data = hd.data(), ca.rowwise_scale_inv = hs.data();
-      ca.amax = hamax.data();
-      ASSERT_TRUE(cpu::GroupedQuantize(ca).ok());
+      for (bool with_workspace : {false, true}) {
+        if (mode == ScalingMode::kBlock1x128 && kernel == Kernel::kOneShot) continue;
+        SCOPED_TRACE(std::string(ScalingModeName(mode)) + (kernel == Kernel::kTiled ? " tiled" : " one-shot") +
+                     (with_workspace ? " workspace" : ""));
+        GroupedQuantizeArgs a;
+        a.x_dtype = DType::kBF16, a.m = m, a.k = k, a.group_sizes = gs.data(), a.num_groups = G;
+        a.mode = mode, a.format = Fp8Format::kE4M3, a.rowwise = true, a.colwise = true;
+        absl::StatusOr<QuantizeLayout> l = GetQuantizeLayout(a);
+        ASSERT_TRUE(l.ok()) << l.status();
+        const size_t rsb = static_cast<size_t>(l->rowwise_scale_elems * l->scale_bytes);
+        const size_t csb = static_cast<size_t>(l->colwise_scale_elems * l->scale_bytes);
+        std::vector<uint8_t> hd(static_cast<size_t>(m * k)), hcd(static_cast<size_t>(m * k)), hs(rsb), hcs(csb);
+        std::vector<float> hamax(static_cast<size_t>(G));
+        GroupedQuantizeArgs ca = a;
+        ca.x = x.data(), ca.scale = scale.data(), ca.rowwise_data = hd.data(), ca.rowwise_scale_inv = hs.data();
+        ca.colwise_data = hcd.data(), ca.colwise_scale_inv = hcs.data(), ca.amax = hamax.data();
+        ASSERT_TRUE(cpu::GroupedQuantize(ca).ok());
 
-      DevBuf dsc(sb);
-      GroupedQuantizeArgs ga = a;
-      ga.x = dx.p, ga.scale = ds.as<float>(), ga.rowwise_data = dd.as<uint8_t>(), ga.rowwise_scale_inv = dsc.p;
-      ga.amax = dam.as<float>();
-      cuda::GpuQuantizeOptions opt;
-      opt.kernel = kernel;
-      opt.amax_accumulate = true;
-      CK(cudaMemcpy(dam.p, before.data(), before.size() * 4, cudaMemcpyHostToDevice));
-      absl::Status st = cuda::GroupedQuantize(ga, nullptr, opt);
-      ASSERT_TRUE(st.ok()) << st;
-      CK(cudaDeviceSynchronize());
-      std::vector<float> got(static_cast<size_t>(G));
-      CK(cudaMemcpy(got.data(), dam.p, got.size() * 4, cudaMemcpyDeviceToHost));
-      for (int64_t g = 0; g < G; ++g) {
-        const float want = gs[g] == 0 ? before[g] : std::max(before[g], hamax[g]);
-        EXPECT_EQ(got[g], want) << "group " << g << ": before " << before[g] << ", this call's amax " << hamax[g];
+        DevBuf dsc(rsb), dcsc(csb);
+        GroupedQuantizeArgs ga = a;
+        ga.x = dx.p, ga.scale = ds.as<float>(), ga.rowwise_data = dd.as<uint8_t>(), ga.rowwise_scale_inv = dsc.p;
+        ga.colwise_data = dcd.as<uint8_t>(), ga.colwise_scale_inv = dcsc.p, ga.amax = dam.as<float>();
+        cuda::GpuQuantizeOptions opt;
+        opt.kernel = kernel;
+        opt.amax_accumulate = true;
+        if (with_workspace) opt.workspace = workspace.p;
+        CK(cudaMemcpy(dam.p, before.data(), before.size() * 4, cudaMemcpyHostToDevice));
+        for (int call = 0; call < 2; ++call) {  // the second: the running max stays
+          absl::Status st = cuda::GroupedQuantize(ga, nullptr, opt);
+          ASSERT_TRUE(st.ok()) << st;
+          CK(cudaDeviceSynchronize());
+          std::vector<float> got(static_cast<size_t>(G));
+          CK(cudaMemcpy(got.data(), dam.p, got.size() * 4, cudaMemcpyDeviceToHost));
+          for (int64_t g = 0; g < G; ++g) {
+            const float want = gs[g] == 0 ? before[g] : std::max(before[g], hamax[g]);
+            EXPECT_EQ(got[g], want) << "call " << call << ", group " << g << ": before " << before[g]
+                                    << ", the group's amax " << hamax[g];
+          }
+        }
+        EXPECT_EQ(dd.Download(), hd) << "rowwise_data";
+        EXPECT_EQ(dsc.Download(), hs) << "rowwise_scale_inv";
+        EXPECT_EQ(dcd.Download(), hcd) << "colwise_data";
+        EXPECT_EQ(dcsc.Download(), hcs) << "colwise_scale_inv";
+        const std::vector<uint8_t> ws = workspace.Download();
+        EXPECT_EQ(std::count(ws.begin(), ws.end(), 0), static_cast<std::ptrdiff_t>(ws.size())) << "workspace";
       }
-      EXPECT_EQ(dd.Download(), hd) << "rowwise_data";
-      EXPECT_EQ(dsc.Download(), hs) << "rowwise_scale_inv";
     }
   }
   // Current scaling's scales come from this call's amax: refused, by name.
@@ -672,6 +688,13 @@ TEST(QuantizeGpuTest, AmaxAccumulateMaxReducesIntoTheCallersAmax) {
   cuda::GpuQuantizeOptions opt;
   opt.amax_accumulate = true;
   absl::Status st = cuda::GroupedQuantize(a, nullptr, opt);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  EXPECT_NE(std::string(st.message()).find("amax_accumulate:"), std::string::npos) << st;
+  // Nothing to accumulate into: refused too.
+  a.mode = ScalingMode::kMxfp8, a.amax = nullptr;
+  DevBuf dmx(static_cast<size_t>(m * k / 32 + 4096));
+  a.rowwise_scale_inv = dmx.p;
+  st = cuda::GroupedQuantize(a, nullptr, opt);
   EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
   EXPECT_NE(std::string(st.message()).find("amax_accumulate:"), std::string::npos) << st;
 }

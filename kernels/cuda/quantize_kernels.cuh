@@ -33,8 +33,9 @@ struct QuantizeParams {
   void* row_scale;
   void* col_scale;
   // [G] device, where tiles max-reduce the per-group amax (atomicMax of float
-  // bits): zeroed before the launch, or the workspace's amax; may be null
-  // (MX / block scaling without the amax output).
+  // bits): zeroed before the launch, the workspace's amax, or the caller's
+  // running amax as it stands (GpuQuantizeOptions::amax_accumulate); may be
+  // null (MX / block scaling without the amax output).
   float* amax;
   // With a workspace (amax above is the workspace's): the caller's amax, which
   // the launch's last block writes. Null otherwise.
@@ -52,6 +53,9 @@ struct QuantizeParams {
   // amax ones first ("AAQ" interleaved), so a group's amax is done, and its
   // rows still in L2, when its quantize tiles come up.
   bool fuse_amax;
+  // Two-pass current scaling: the amax pass was launched on the stream right
+  // before this launch, which follows it as a programmatic dependent.
+  bool after_amax_pass;
   int num_items;
   int num_batches;
   // QuantizeWorkspace, zero on entry, zero again on exit (the launch's last
