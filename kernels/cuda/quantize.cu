@@ -920,17 +920,12 @@ cudaError_t LaunchQuantizeT(const QuantizeParams& p, cudaStream_t stream) {
     // dependent (PDL): its blocks start, and stream their first tiles in,
     // while the amax pass's last blocks run; they read amax only after
     // griddepcontrol.wait. (Stream capture keeps the edge in the graph.)
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(static_cast<unsigned>(blocks));
-    cfg.blockDim = dim3(kThreads);
-    cfg.dynamicSmemBytes = static_cast<size_t>(smem);
-    cfg.stream = stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    if (cudaLaunchKernelEx(&cfg, kernel, p) == cudaSuccess) return cudaSuccess;
+    cudaLaunchAttribute pdl = {};
+    pdl.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    pdl.val.programmaticStreamSerializationAllowed = 1;
+    if (LaunchWithAttribute(kernel, dim3(static_cast<unsigned>(blocks)), smem, stream, pdl, p) == cudaSuccess) {
+      return cudaSuccess;
+    }
     (void)cudaGetLastError();  // no PDL here: a plain launch after the amax pass
   }
   kernel<<<static_cast<unsigned>(blocks), kThreads, smem, stream>>>(p);

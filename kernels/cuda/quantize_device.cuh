@@ -356,6 +356,22 @@ __device__ __forceinline__ void WriteEmptyGroupScales(const QuantizeParams& p) {
   }
 }
 
+// A launch of kThreads-thread blocks with one launch attribute (the one-shot
+// kernel's cooperative launch, the two-pass quantize launch's PDL).
+template <typename... Args>
+cudaError_t LaunchWithAttribute(void (*kernel)(Args...), dim3 grid, int smem, cudaStream_t stream,
+                                const cudaLaunchAttribute& attribute, const QuantizeParams& p) {
+  cudaLaunchAttribute attrs[1] = {attribute};
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = static_cast<size_t>(smem);
+  config.stream = stream;
+  config.attrs = attrs;
+  config.numAttrs = 1;
+  return cudaLaunchKernelEx(&config, kernel, p);
+}
+
 // The workspace protocol. Each block counts itself in once its amax
 // contributions (atomicMax into the workspace) are made; the block that
 // counts last publishes the per-group amax to the caller's and zeroes every

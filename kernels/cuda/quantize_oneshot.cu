@@ -271,17 +271,10 @@ cudaError_t LaunchT(const QuantizeParams& p, cudaStream_t stream) {
     return cudaGetLastError();
   } else {
     if (p.workspace == nullptr) return cudaErrorInvalidValue;
-    cudaLaunchConfig_t config = {};
-    config.gridDim = blocks;
-    config.blockDim = dim3(kThreads);
-    config.dynamicSmemBytes = 0;
-    config.stream = stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeCooperative;
-    attr[0].val.cooperative = 1;
-    config.attrs = attr;
-    config.numAttrs = 1;
-    return cudaLaunchKernelEx(&config, kernel, p);
+    cudaLaunchAttribute cooperative = {};
+    cooperative.id = cudaLaunchAttributeCooperative;
+    cooperative.val.cooperative = 1;
+    return LaunchWithAttribute(kernel, blocks, 0, stream, cooperative, p);
   }
 }
 
