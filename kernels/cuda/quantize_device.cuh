@@ -142,23 +142,22 @@ __device__ __forceinline__ uint32_t HwQuant2(float x0, float x1, float s) {
 // took a mask, a shift and an or per word to pack, about a tenth of the
 // MXFP8 tile's instructions (ncu on the H200), and those kernels are
 // issue-bound. No NaN rule (the callers apply it where a NaN may be).
+// cvt's first source lands in the upper byte of its 16-bit result. (One
+// string for both formats: inline asm takes a literal, so a macro.)
+#define SHARDGEMM_CVT4_ASM(FMT_NAME)                                                           \
+  "{\n .reg .b16 lo, hi;\n cvt.rn.satfinite." FMT_NAME "x2.f32 lo, %2, %1;\n cvt.rn.satfinite." \
+  FMT_NAME "x2.f32 hi, %4, %3;\n mov.b32 %0, {lo, hi};\n}"
 template <int FMT>
 __device__ __forceinline__ uint32_t Cvt4(float x0, float x1, float x2, float x3) {
   uint32_t r;
-  // cvt's first source lands in the upper byte of its 16-bit result.
   if constexpr (FMT == 0) {
-    asm("{\n .reg .b16 lo, hi;\n cvt.rn.satfinite.e4m3x2.f32 lo, %2, %1;\n cvt.rn.satfinite.e4m3x2.f32 hi, %4, %3;\n"
-        " mov.b32 %0, {lo, hi};\n}"
-        : "=r"(r)
-        : "f"(x0), "f"(x1), "f"(x2), "f"(x3));
+    asm(SHARDGEMM_CVT4_ASM("e4m3") : "=r"(r) : "f"(x0), "f"(x1), "f"(x2), "f"(x3));
   } else {
-    asm("{\n .reg .b16 lo, hi;\n cvt.rn.satfinite.e5m2x2.f32 lo, %2, %1;\n cvt.rn.satfinite.e5m2x2.f32 hi, %4, %3;\n"
-        " mov.b32 %0, {lo, hi};\n}"
-        : "=r"(r)
-        : "f"(x0), "f"(x1), "f"(x2), "f"(x3));
+    asm(SHARDGEMM_CVT4_ASM("e5m2") : "=r"(r) : "f"(x0), "f"(x1), "f"(x2), "f"(x3));
   }
   return r;
 }
+#undef SHARDGEMM_CVT4_ASM
 
 // An 8-element chunk as floats (Pair's decode) and its FP8 bytes under one
 // scale or one per element (MXFP8's rowwise and colwise blocks), by Cvt4.
