@@ -335,7 +335,6 @@ absl::Status GroupedQuantize(const GroupedQuantizeArgs& a, cudaStream_t stream, 
     pa->total_tiles = static_cast<int>(at);
     e = cuda_internal::LaunchGroupedAmax(*pa, stream);
     if (e != cudaSuccess) return fail_launch(e, "grouped amax kernel");
-    p->after_amax_pass = true;
   }
   e = cuda_internal::LaunchGroupedQuantize(*p, stream);
   if (e != cudaSuccess) return fail_launch(e, "grouped quantize kernel");

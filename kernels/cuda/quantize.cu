@@ -74,10 +74,6 @@ template <int DT>
 __global__ void __launch_bounds__(kThreads) AmaxKernel(const __grid_constant__ QuantizeParams p) {
   using T = typename InType<DT>::T;
   __shared__ uint32_t red[kThreads / 32];
-  // The quantize pass (launched as this grid's programmatic dependent) may
-  // start once every block of this one has: it loads its first tiles while
-  // these finish, and waits for their amax (griddepcontrol.wait there).
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   const int t = blockIdx.x;
   const int g = FindGroup(p, t);
   const int64_t off = p.row_off[g];
@@ -85,6 +81,11 @@ __global__ void __launch_bounds__(kThreads) AmaxKernel(const __grid_constant__ Q
   const int64_t nrows = min(static_cast<int64_t>(p.tile_rows), p.row_off[g + 1] - r0);
   const uint4* base = reinterpret_cast<const uint4*>(static_cast<const T*>(p.x) + r0 * p.k);
   const int64_t nvec = nrows * p.k * static_cast<int64_t>(sizeof(T)) / 16;
+  // The quantize pass (this grid's programmatic dependent) may start once
+  // every block has got here: it loads its first tiles while these finish,
+  // and waits for their amax (WaitForPrecedingGrid there).
+  WaitForPrecedingGrid();
+  AllowDependentLaunch();
   uint32_t am = 0;
   for (int64_t i = threadIdx.x; i < nvec; i += 4 * kThreads) {
     uint4 w[4];
@@ -778,8 +779,12 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(DT, MODE)) QuantizeKernel(
   __shared__ int s_claim, s_next;  // the fused pass's claims
   const int tid = threadIdx.x;
 
-  if constexpr (kTensor) WriteEmptyGroupScales<MODE>(p);
   constexpr bool fused = MODE == kModeCurrent && FUSED;
+  // The two-pass current scaling's quantize launch follows its amax pass,
+  // which let it launch only once everything before that pass had finished
+  // (AmaxKernel): its first tiles may load before its wait, which is for the
+  // amax.
+  constexpr bool kFirstTileBeforeWait = MODE == kModeCurrent && !fused;
   QuantizeWorkspace* ws = reinterpret_cast<QuantizeWorkspace*>(p.workspace);
 
   if constexpr (!fused) {
@@ -796,16 +801,15 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(DT, MODE)) QuantizeKernel(
     it.t = i / p.col_tiles, it.ct = i % p.col_tiles;
     const int stride_t = stride / p.col_tiles, stride_ct = stride % p.col_tiles;
     TileGeom tg{};
-    if (i < p.num_items) {
-      tg = GeomOf<TR>(p, it);
-      LoadAnyTile<DT, TR>(p, tg, smem_raw);
-    }
+    if (i < p.num_items) tg = GeomOf<TR>(p, it);
+    if constexpr (!kFirstTileBeforeWait) WaitForPrecedingGrid();
+    if (i < p.num_items) LoadAnyTile<DT, TR>(p, tg, smem_raw);
     CpAsyncCommit();
+    // Two-pass current scaling: the amax pass has finished, and its amax is
+    // visible, past this point.
+    if constexpr (kFirstTileBeforeWait) WaitForPrecedingGrid();
+    if constexpr (kTensor) WriteEmptyGroupScales<MODE>(p);
     if constexpr (MODE == kModeMx) ZeroMxScalePadding(p);  // while the first tile streams in
-    // Two-pass current scaling: the amax pass before this launch has
-    // finished, and its amax is visible, past this point (a no-op where the
-    // launch is not a programmatic dependent; LaunchQuantizeT).
-    if constexpr (MODE == kModeCurrent) asm volatile("griddepcontrol.wait;" ::: "memory");
     int buf = 0;
 #pragma unroll 1
     for (; i < p.num_items; i += stride) {
@@ -831,12 +835,15 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(DT, MODE)) QuantizeKernel(
       buf ^= 1;
     }
     CpAsyncWait<0>();
+    AllowDependentLaunch();
     // Two-pass current scaling made no amax contribution here (its first
     // pass did): its count needs no ordering.
     if (p.workspace != nullptr) FinishWithWorkspace(p, /*last=*/-1, /*release=*/MODE != kModeCurrent);
   } else {
     // The fused pass: items are claimed from the workspace's counter, two
     // ahead, so a block only waits on amax tiles that running blocks hold.
+    WaitForPrecedingGrid();
+    WriteEmptyGroupScales<MODE>(p);
     if (tid == 0) {
       s_claim = atomicAdd(&ws->next_item, 1);
       s_next = atomicAdd(&ws->next_item, 1);
@@ -886,6 +893,7 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(DT, MODE)) QuantizeKernel(
       buf ^= 1;
     }
     CpAsyncWait<0>();
+    AllowDependentLaunch();
     FinishWithWorkspace(p, /*last=*/-1);  // the fused pass always has a workspace
   }
 }
@@ -915,21 +923,7 @@ cudaError_t LaunchQuantizeT(const QuantizeParams& p, cudaStream_t stream) {
   // (Two blocks per SM, or the fewest blocks for the same number of waves,
   // measured no faster on any preset: docs/performance/quantize.md.)
   const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(p.num_items, static_cast<int64_t>(sms) * std::max(1, per_sm)));
-  if (MODE == kModeCurrent && p.after_amax_pass) {
-    // The two-pass quantize launch follows its amax pass as a programmatic
-    // dependent (PDL): its blocks start, and stream their first tiles in,
-    // while the amax pass's last blocks run; they read amax only after
-    // griddepcontrol.wait. (Stream capture keeps the edge in the graph.)
-    cudaLaunchAttribute pdl = {};
-    pdl.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    pdl.val.programmaticStreamSerializationAllowed = 1;
-    if (LaunchWithAttribute(kernel, dim3(static_cast<unsigned>(blocks)), smem, stream, pdl, p) == cudaSuccess) {
-      return cudaSuccess;
-    }
-    (void)cudaGetLastError();  // no PDL here: a plain launch after the amax pass
-  }
-  kernel<<<static_cast<unsigned>(blocks), kThreads, smem, stream>>>(p);
-  return cudaGetLastError();
+  return LaunchAsDependent(kernel, dim3(static_cast<unsigned>(blocks)), smem, stream, p);
 }
 
 template <int DT, int MODE>
@@ -1065,12 +1059,12 @@ cudaError_t KernelResidency(const void* kernel, int smem, int* sms, int* per_sm)
 cudaError_t LaunchGroupedAmax(const QuantizeParams& p, cudaStream_t stream) {
   const int64_t blocks = p.total_tiles;  // whole-row tiles
   if (blocks == 0) return cudaSuccess;
+  const dim3 grid(static_cast<unsigned>(blocks));
   switch (p.x_dtype) {
-    case 0: AmaxKernel<0><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(p); break;
-    case 1: AmaxKernel<1><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(p); break;
-    default: AmaxKernel<2><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(p); break;
+    case 0: return LaunchAsDependent(AmaxKernel<0>, grid, 0, stream, p);
+    case 1: return LaunchAsDependent(AmaxKernel<1>, grid, 0, stream, p);
+    default: return LaunchAsDependent(AmaxKernel<2>, grid, 0, stream, p);
   }
-  return cudaGetLastError();
 }
 
 cudaError_t LaunchGroupedQuantize(const QuantizeParams& p, cudaStream_t stream) {

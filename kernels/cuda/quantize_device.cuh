@@ -355,19 +355,45 @@ __device__ __forceinline__ void WriteEmptyGroupScales(const QuantizeParams& p) {
   }
 }
 
-// A launch of kThreads-thread blocks with one launch attribute (the one-shot
-// kernel's cooperative launch, the two-pass quantize launch's PDL).
+// Programmatic dependent launch (PDL). Every quantize launch is its stream
+// predecessor's programmatic dependent, so it is launched, and its blocks
+// find their first tile, while the kernel before it drains (about 0.3-0.5 us
+// a launch on the H200, docs/performance/quantize.md). A kernel touches no
+// global memory before WaitForPrecedingGrid, which returns once the grid
+// before it has finished and its writes are visible (at once where the launch
+// is not a dependent), and calls AllowDependentLaunch only after that wait:
+// so a dependent that loads before its own wait (the two-pass quantize
+// launch, after its amax pass) still starts after all earlier work on the
+// stream. The tiled and one-shot kernels allow it only as their blocks finish:
+// dependents launched earlier take the SMs' spare block slots and leave the
+// blocks that follow unevenly spread (small-decode MXFP8 6.5 -> 7.0 us).
+__device__ __forceinline__ void WaitForPrecedingGrid() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void AllowDependentLaunch() {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+
+// A launch of kThreads-thread blocks as its stream predecessor's programmatic
+// dependent (and cooperative where asked: the one-shot kernel's grid
+// barrier); where the PDL attribute is refused, the same launch without it.
 template <typename... Args>
-cudaError_t LaunchWithAttribute(void (*kernel)(Args...), dim3 grid, int smem, cudaStream_t stream,
-                                const cudaLaunchAttribute& attribute, const QuantizeParams& p) {
-  cudaLaunchAttribute attrs[1] = {attribute};
+cudaError_t LaunchAsDependent(void (*kernel)(Args...), dim3 grid, int smem, cudaStream_t stream,
+                              const QuantizeParams& p, bool cooperative = false) {
+  cudaLaunchAttribute attrs[2] = {};
+  attrs[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attrs[0].val.programmaticStreamSerializationAllowed = 1;
+  attrs[1].id = cudaLaunchAttributeCooperative;
+  attrs[1].val.cooperative = 1;
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
   config.blockDim = dim3(kThreads);
   config.dynamicSmemBytes = static_cast<size_t>(smem);
   config.stream = stream;
   config.attrs = attrs;
-  config.numAttrs = 1;
+  config.numAttrs = cooperative ? 2 : 1;
+  if (cudaLaunchKernelEx(&config, kernel, p) == cudaSuccess) return cudaSuccess;
+  (void)cudaGetLastError();  // no PDL here: a launch in stream order
+  config.attrs = attrs + 1;
+  config.numAttrs = cooperative ? 1 : 0;
   return cudaLaunchKernelEx(&config, kernel, p);
 }
 

@@ -53,9 +53,6 @@ struct QuantizeParams {
   // amax ones first ("AAQ" interleaved), so a group's amax is done, and its
   // rows still in L2, when its quantize tiles come up.
   bool fuse_amax;
-  // Two-pass current scaling: the amax pass was launched on the stream right
-  // before this launch, which follows it as a programmatic dependent.
-  bool after_amax_pass;
   int num_items;
   int num_batches;
   // QuantizeWorkspace, zero on entry, zero again on exit (the launch's last

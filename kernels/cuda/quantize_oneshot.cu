@@ -72,7 +72,6 @@ __global__ void __launch_bounds__(kThreads, kOneShotMinBlocks) OneShotKernel(con
   QuantizeWorkspace* ws = reinterpret_cast<QuantizeWorkspace*>(p.workspace);
   int last = -1;  // thread 0's count (FinishWithWorkspace): not yet
 
-  if constexpr (kTensor) WriteEmptyGroupScales<MODE>(p);
   // A block per slab: slab row blockIdx.x, column blockIdx.y (quantize.cc
   // sends calls with no rows to the tiled kernels).
   const int st = static_cast<int>(blockIdx.x), ct = static_cast<int>(blockIdx.y);
@@ -81,6 +80,9 @@ __global__ void __launch_bounds__(kThreads, kOneShotMinBlocks) OneShotKernel(con
   const int64_t r0 = off + static_cast<int64_t>(st - p.tile_off[g]) * kSlabRows;  // the slab's first row
   const int64_t c0 = static_cast<int64_t>(ct) * kSlabCols;
   const int64_t my = (r0 + 4 * w) * K + c0 + 8 * lane;  // element offset of this thread's first row
+
+  WaitForPrecedingGrid();
+  if constexpr (kTensor) WriteEmptyGroupScales<MODE>(p);
 
   Chunk<0> v[4];                       // 16-bit input: 8 elements as 4 words
   uint32_t row_m16[4] = {0, 0, 0, 0};  // per row: max |x| bits of the 8 elements
@@ -257,6 +259,7 @@ __global__ void __launch_bounds__(kThreads, kOneShotMinBlocks) OneShotKernel(con
   // Delayed and MXFP8 counted in once their amax was in (ArriveAfterAmax).
   // Current scaling counts in here: every block read the amax after the
   // barrier, and made no contribution since, so nothing needs ordering.
+  AllowDependentLaunch();
   if (ws != nullptr) FinishWithWorkspace(p, last, /*release=*/false);
 }
 
@@ -265,17 +268,9 @@ cudaError_t LaunchT(const QuantizeParams& p, cudaStream_t stream) {
   // (No rows: the tiled kernels' launch.) A slab row per x, column per y.
   if (p.total_tiles <= 0 || p.col_tiles <= 0 || p.col_tiles > 65535) return cudaErrorInvalidValue;
   const dim3 blocks(static_cast<unsigned>(p.total_tiles), static_cast<unsigned>(p.col_tiles));
-  auto kernel = OneShotKernel<DT, MODE, FMT>;
-  if constexpr (MODE != kModeCurrent) {
-    kernel<<<blocks, kThreads, 0, stream>>>(p);
-    return cudaGetLastError();
-  } else {
-    if (p.workspace == nullptr) return cudaErrorInvalidValue;
-    cudaLaunchAttribute cooperative = {};
-    cooperative.id = cudaLaunchAttributeCooperative;
-    cooperative.val.cooperative = 1;
-    return LaunchWithAttribute(kernel, blocks, 0, stream, cooperative, p);
-  }
+  // Current scaling's grid barrier needs every block resident: a cooperative launch.
+  if (MODE == kModeCurrent && p.workspace == nullptr) return cudaErrorInvalidValue;
+  return LaunchAsDependent(OneShotKernel<DT, MODE, FMT>, blocks, 0, stream, p, /*cooperative=*/MODE == kModeCurrent);
 }
 
 template <int DT, int MODE, int FMT>
