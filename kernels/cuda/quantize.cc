@@ -237,10 +237,19 @@ absl::Status GroupedQuantize(const GroupedQuantizeArgs& a, cudaStream_t stream, 
   p->col_data = a.colwise ? a.colwise_data : nullptr;
   p->row_scale = a.rowwise ? a.rowwise_scale_inv : nullptr;
   p->col_scale = a.colwise ? a.colwise_scale_inv : nullptr;
-  // With a workspace, tiles reduce amax into it and the last block writes
-  // a.amax: no memset of a.amax first (one graph node or launch fewer).
-  // Accumulating, they reduce into a.amax itself, as it stands.
-  const bool amax_in_workspace = *ws != nullptr && a.amax != nullptr && a.num_groups > 0 && !options.amax_accumulate;
+  // Where the tiles max-reduce amax:
+  //   current scaling with a workspace: into the workspace's, which a block
+  //     copies to a.amax once final (no launch or memset first: the amax
+  //     zeroing launch below measured 0.5-1 us slower on small-decode,
+  //     qwen3-ep8, one-tile and tiny-decode, docs/performance/quantize.md);
+  //   else into a.amax itself: as it stands when accumulating; else zeroed
+  //     first by a one-block launch (LaunchZeroAmax), which the launches
+  //     after it follow as programmatic dependents, so they may read x
+  //     before it has run (current scaling without a workspace: a memset).
+  const bool current = a.mode == ScalingMode::kCurrent;
+  const bool wants_amax = a.amax != nullptr && a.num_groups > 0 && !options.amax_accumulate;
+  const bool amax_in_workspace = current && wants_amax && *ws != nullptr;
+  const bool zero_amax = !current && wants_amax;
   if (amax_in_workspace) {
     p->workspace = *ws;
     p->amax = reinterpret_cast<float*>(reinterpret_cast<cuda_internal::QuantizeWorkspace*>(*ws)->amax);
@@ -248,6 +257,7 @@ absl::Status GroupedQuantize(const GroupedQuantizeArgs& a, cudaStream_t stream, 
   } else {
     p->amax = a.amax;
   }
+  p->x_ready_at_launch = zero_amax;
   int64_t tiles = 0;
   for (int64_t g = 0; g <= a.num_groups; ++g) {
     p->row_off[g] = static_cast<int32_t>(l.row_offset[g]);
@@ -262,9 +272,7 @@ absl::Status GroupedQuantize(const GroupedQuantizeArgs& a, cudaStream_t stream, 
   const int64_t used = l.row_offset[a.num_groups];
   const size_t tail = static_cast<size_t>((a.m - used) * a.k);
   cudaError_t e = cudaSuccess;
-  if (a.amax != nullptr && a.num_groups > 0 && !amax_in_workspace && !options.amax_accumulate) {
-    e = cudaMemsetAsync(a.amax, 0, sizeof(float) * a.num_groups, stream);
-  }
+  if (current && wants_amax && !amax_in_workspace) e = cudaMemsetAsync(a.amax, 0, sizeof(float) * a.num_groups, stream);
   // Scales no kernel writes: block scaling's padding (MXFP8's kernel zeroes its own).
   const bool scales_need_zeroing = a.mode == ScalingMode::kBlock1x128 || a.mode == ScalingMode::kBlock128x128;
   if (e == cudaSuccess && a.rowwise && tail) e = cudaMemsetAsync(a.rowwise_data + used * a.k, 0, tail, stream);
@@ -276,6 +284,9 @@ absl::Status GroupedQuantize(const GroupedQuantizeArgs& a, cudaStream_t stream, 
     e = cudaMemsetAsync(a.colwise_scale_inv, 0, static_cast<size_t>(l.colwise_scale_elems * l.scale_bytes), stream);
   }
   if (e != cudaSuccess) return CudaStatus(e, "cudaMemsetAsync");
+  if (zero_amax && (e = cuda_internal::LaunchZeroAmax(*p, stream)) != cudaSuccess) {
+    return CudaStatus(e, "amax zeroing kernel");
+  }
   p->num_items = static_cast<int>(tiles * p->col_tiles);
   // A failed launch may follow one that reduced into the workspace (or the
   // error may be an earlier call's, reported by cudaGetLastError with the
@@ -335,6 +346,7 @@ absl::Status GroupedQuantize(const GroupedQuantizeArgs& a, cudaStream_t stream, 
     pa->total_tiles = static_cast<int>(at);
     e = cuda_internal::LaunchGroupedAmax(*pa, stream);
     if (e != cudaSuccess) return fail_launch(e, "grouped amax kernel");
+    p->x_ready_at_launch = true;  // after the amax pass (AmaxKernel)
   }
   e = cuda_internal::LaunchGroupedQuantize(*p, stream);
   if (e != cudaSuccess) return fail_launch(e, "grouped quantize kernel");

@@ -83,8 +83,11 @@ __global__ void __launch_bounds__(kThreads) AmaxKernel(const __grid_constant__ Q
   const int64_t nvec = nrows * p.k * static_cast<int64_t>(sizeof(T)) / 16;
   // The quantize pass (this grid's programmatic dependent) may start once
   // every block has got here: it loads its first tiles while these finish,
-  // and waits for their amax (WaitForPrecedingGrid there).
-  WaitForPrecedingGrid();
+  // and waits for their amax (WaitForPrecedingGrid there). It may read x at
+  // once where this pass may (p.x_ready_at_launch: it follows the amax
+  // zeroing, whose dependents launch only after all earlier work); else this
+  // pass waits first, and so lets the quantize pass launch only after that.
+  if (!p.x_ready_at_launch) WaitForPrecedingGrid();
   AllowDependentLaunch();
   uint32_t am = 0;
   for (int64_t i = threadIdx.x; i < nvec; i += 4 * kThreads) {
@@ -98,7 +101,14 @@ __global__ void __launch_bounds__(kThreads) AmaxKernel(const __grid_constant__ Q
     for (int j = 0; j < 4; ++j) am = max(am, AmaxOfVec<DT>(w[j]));
   }
   am = BlockMax(am, red);
+  if (p.x_ready_at_launch) WaitForPrecedingGrid();  // the zeroed amax
   if (threadIdx.x == 0 && am != 0) atomicMax(reinterpret_cast<unsigned int*>(p.amax) + g, am);
+}
+
+__global__ void __launch_bounds__(kThreads) ZeroAmaxKernel(const __grid_constant__ QuantizeParams p) {
+  WaitForPrecedingGrid();
+  AllowDependentLaunch();
+  for (int g = threadIdx.x; g < p.num_groups; g += kThreads) p.amax[g] = 0.0f;
 }
 
 // ---- the quantize pass -------------------------------------------------------
@@ -780,11 +790,6 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(DT, MODE)) QuantizeKernel(
   const int tid = threadIdx.x;
 
   constexpr bool fused = MODE == kModeCurrent && FUSED;
-  // The two-pass current scaling's quantize launch follows its amax pass,
-  // which let it launch only once everything before that pass had finished
-  // (AmaxKernel): its first tiles may load before its wait, which is for the
-  // amax.
-  constexpr bool kFirstTileBeforeWait = MODE == kModeCurrent && !fused;
   QuantizeWorkspace* ws = reinterpret_cast<QuantizeWorkspace*>(p.workspace);
 
   if constexpr (!fused) {
@@ -802,12 +807,15 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(DT, MODE)) QuantizeKernel(
     const int stride_t = stride / p.col_tiles, stride_ct = stride % p.col_tiles;
     TileGeom tg{};
     if (i < p.num_items) tg = GeomOf<TR>(p, it);
-    if constexpr (!kFirstTileBeforeWait) WaitForPrecedingGrid();
+    // Where x is ready at launch the first tile streams in during the wait,
+    // which is for the amax: zeroed (p.x_ready_at_launch), or, for current
+    // scaling, after its amax pass (whose amax is final and visible past
+    // this point).
+    constexpr bool kAfterAmaxPass = MODE == kModeCurrent;
+    if (!kAfterAmaxPass && !p.x_ready_at_launch) WaitForPrecedingGrid();
     if (i < p.num_items) LoadAnyTile<DT, TR>(p, tg, smem_raw);
     CpAsyncCommit();
-    // Two-pass current scaling: the amax pass has finished, and its amax is
-    // visible, past this point.
-    if constexpr (kFirstTileBeforeWait) WaitForPrecedingGrid();
+    if (kAfterAmaxPass || p.x_ready_at_launch) WaitForPrecedingGrid();
     if constexpr (kTensor) WriteEmptyGroupScales<MODE>(p);
     if constexpr (MODE == kModeMx) ZeroMxScalePadding(p);  // while the first tile streams in
     int buf = 0;
@@ -836,9 +844,15 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(DT, MODE)) QuantizeKernel(
     }
     CpAsyncWait<0>();
     AllowDependentLaunch();
-    // Two-pass current scaling made no amax contribution here (its first
-    // pass did): its count needs no ordering.
-    if (p.workspace != nullptr) FinishWithWorkspace(p, /*last=*/-1, /*release=*/MODE != kModeCurrent);
+    if constexpr (kAfterAmaxPass) {
+      // The workspace's amax (final since the amax pass) to the caller's, and
+      // the workspace zeroed; it was only read here, so the count needs no
+      // ordering.
+      if (p.workspace != nullptr) {
+        if (blockIdx.x == 0) PublishAmax(p);
+        FinishWithWorkspace(p, /*release=*/false);
+      }
+    }
   } else {
     // The fused pass: items are claimed from the workspace's counter, two
     // ahead, so a block only waits on amax tiles that running blocks hold.
@@ -894,7 +908,7 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(DT, MODE)) QuantizeKernel(
     }
     CpAsyncWait<0>();
     AllowDependentLaunch();
-    FinishWithWorkspace(p, /*last=*/-1);  // the fused pass always has a workspace
+    FinishWithWorkspace(p, /*release=*/true);  // the fused pass always has a workspace
   }
 }
 
@@ -1065,6 +1079,10 @@ cudaError_t LaunchGroupedAmax(const QuantizeParams& p, cudaStream_t stream) {
     case 1: return LaunchAsDependent(AmaxKernel<1>, grid, 0, stream, p);
     default: return LaunchAsDependent(AmaxKernel<2>, grid, 0, stream, p);
   }
+}
+
+cudaError_t LaunchZeroAmax(const QuantizeParams& p, cudaStream_t stream) {
+  return LaunchAsDependent(ZeroAmaxKernel, dim3(1), 0, stream, p);
 }
 
 cudaError_t LaunchGroupedQuantize(const QuantizeParams& p, cudaStream_t stream) {

@@ -35,12 +35,13 @@ struct GpuQuantizeOptions {
   enum class CurrentPass { kAuto, kTwoPass, kFused };
   CurrentPass current_pass = CurrentPass::kAuto;
   // A workspace no other launch uses at the same time: QuantizeWorkspaceBytes()
-  // of device memory, zeroed once (each launch leaves it zeroed). With one,
-  // the per-group amax is reduced in it (no memset of args.amax before the
-  // kernels), and the fused pass can run. The library keeps one per stream
-  // the caller created (outside stream capture); on the default streams, or
-  // when capturing a graph, pass one here, or a memset of amax runs first and
-  // kFused falls back to the two-pass path.
+  // of device memory, zeroed once (each launch leaves it zeroed). Current
+  // scaling uses one: its per-group amax is reduced there (no memset of
+  // args.amax first), and its one-shot kernel (a grid barrier) and fused pass
+  // (work counters) need one. The library keeps one per stream the caller
+  // created (outside stream capture); on the default streams, or when
+  // capturing a graph, pass one here, or current scaling memsets amax first
+  // and takes the tiled two-pass path.
   void* workspace = nullptr;
   // Rows per tile of the quantize pass for current, delayed and MXFP8 scaling
   // outside the fused pass: 32 (32 x 512 tiles), 64 (64 x 256), 128
@@ -71,10 +72,9 @@ struct GpuQuantizeOptions {
   // Transformer Engine's delayed scaling does): the tiles max-reduce into it,
   // so amax[g] becomes max(amax[g], max |x| over group g's rows) and empty
   // groups keep theirs. The max is over float bits, so the starting values
-  // must be non-negative: -0.0, a negative value or NaN would stay. No
-  // memset runs first and no workspace publishes amax at the launch's end
-  // (MXFP8 row+col: 0.7-1.7 us less per call on small-decode and qwen3-ep8,
-  // docs/performance/quantize.md). Delayed, MXFP8 and block scaling, with
+  // must be non-negative: -0.0, a negative value or NaN would stay. The
+  // launch that zeroes amax first does not run (docs/performance/quantize.md
+  // has what that saves). Delayed, MXFP8 and block scaling, with
   // amax given; current scaling computes its scale from this call's amax,
   // so asking there (or without amax) is an InvalidArgument.
   bool amax_accumulate = false;
@@ -82,8 +82,12 @@ struct GpuQuantizeOptions {
 
 // One launch for every mode (the tiled kernels' current scaling: a streaming
 // amax pass first, or fused into the same launch when options ask), with amax
-// fused where the mode has one. Plus cudaMemsetAsync for amax (without a
-// workspace), block scaling's scale padding, and rows past the groups.
+// fused where the mode has one; before it, a one-block launch that zeroes
+// amax (not for current scaling with a workspace, nor when accumulating),
+// and cudaMemsetAsync for block scaling's scale padding and rows past the
+// groups. Each launch is its stream predecessor's
+// programmatic dependent (PDL): it starts while the kernel before it drains,
+// and reads or writes nothing before that kernel has finished.
 absl::Status GroupedQuantize(const GroupedQuantizeArgs& args, cudaStream_t stream,
                              const GpuQuantizeOptions& options = GpuQuantizeOptions());
 

@@ -397,18 +397,22 @@ cudaError_t LaunchAsDependent(void (*kernel)(Args...), dim3 grid, int smem, cuda
   return cudaLaunchKernelEx(&config, kernel, p);
 }
 
-// The workspace protocol. Each block counts itself in once its amax
-// contributions (atomicMax into the workspace) are made; the block that
-// counts last publishes the per-group amax to the caller's and zeroes every
-// field the launch used, for the next launch on the stream.
-//
-// Thread 0 counts the block in. With release (acq_rel) semantics where the
-// block made amax contributions: they are then performed before the count,
-// and the last block's reads after it see them all. A block that counts in
-// right after its last contribution, before converting (ArriveAfterAmax),
-// waits for that atomic only; counting in at the end waits for every store
-// the thread has made.
-__device__ __forceinline__ int CountBlockIn(QuantizeWorkspace* ws, bool release) {
+// The workspace protocol (current scaling). Tiles reduce the amax into the
+// workspace's; once it is final (the two-pass quantize launch: from its
+// start; the one-shot kernel: past its grid barrier; the fused pass: at its
+// end), one block copies it to the caller's (PublishAmax). Each block counts
+// itself in once it is done with the workspace; the block that counts last
+// zeroes every field the launch used, for the next launch on the stream.
+// With release (acq_rel) semantics, the block's earlier workspace atomics
+// (the fused pass's claims, amax contributions and amax-tile counts) are
+// performed before the count, so before the last block's zeroing; the
+// two-pass quantize launch and the one-shot kernel's blocks only read the
+// workspace since their last atomic, which their count need not order.
+__device__ __forceinline__ void PublishAmax(const QuantizeParams& p) {
+  const QuantizeWorkspace* ws = reinterpret_cast<const QuantizeWorkspace*>(p.workspace);
+  for (int g = threadIdx.x; g < p.num_groups; g += kThreads) p.amax_out[g] = BitsToFloat(__ldcg(ws->amax + g));
+}
+__device__ __forceinline__ bool CountBlockIn(QuantizeWorkspace* ws, bool release) {
   int old;
   if (release) {
     asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;\n" : "=r"(old) : "l"(&ws->blocks_done) : "memory");
@@ -417,36 +421,25 @@ __device__ __forceinline__ int CountBlockIn(QuantizeWorkspace* ws, bool release)
   }
   return old == static_cast<int>(gridDim.x * gridDim.y) - 1;  // (the one-shot grid is 2-D)
 }
-__device__ __forceinline__ int ArriveAfterAmax(QuantizeWorkspace* ws) { return CountBlockIn(ws, true); }
 
-// The last block (every thread): the caller's amax, and the workspace zeroed.
-__device__ __forceinline__ void PublishAndReset(const QuantizeParams& p, QuantizeWorkspace* ws) {
-  if (p.amax_out != nullptr) {
-    for (int g = threadIdx.x; g < p.num_groups; g += kThreads) {
-      p.amax_out[g] = BitsToFloat(__ldcg(ws->amax + g));
-      ws->amax[g] = 0;
-    }
-  }
-  if (p.fuse_amax) {
-    for (int b = threadIdx.x; b < p.num_batches; b += kThreads) ws->amax_tiles_done[b] = 0;
-  }
-  if (threadIdx.x == 0) ws->next_item = 0, ws->blocks_done = 0, ws->grid_barrier = 0;
-}
-
-// The end of a launch with a workspace. last: thread 0's -1 where the block
-// has not counted itself in yet (it does here), else ArriveAfterAmax's answer
-// (other threads' values are not read). release (where it counts in here):
-// whether it made amax contributions; false for the two-pass current
-// scaling's quantize launch, which only reads the amax its first pass reduced.
-// Only thread 0 touches s_last between the barriers (racecheck flagged a
-// read of the word by every thread while thread 0 wrote it).
-__device__ __forceinline__ void FinishWithWorkspace(const QuantizeParams& p, int last, bool release = true) {
+// The end of a launch with a workspace (every thread). Only thread 0 touches
+// s_last between the barriers (racecheck flagged a read of the word by every
+// thread while thread 0 wrote it).
+__device__ __forceinline__ void FinishWithWorkspace(const QuantizeParams& p, bool release) {
   __shared__ int s_last;
   QuantizeWorkspace* ws = reinterpret_cast<QuantizeWorkspace*>(p.workspace);
   __syncthreads();
-  if (threadIdx.x == 0) s_last = last >= 0 ? last : CountBlockIn(ws, release);
+  if (threadIdx.x == 0) s_last = CountBlockIn(ws, release);
   __syncthreads();
-  if (s_last == 1) PublishAndReset(p, ws);
+  if (s_last == 0) return;
+  if (p.fuse_amax) {
+    if (p.amax_out != nullptr) PublishAmax(p);
+    for (int b = threadIdx.x; b < p.num_batches; b += kThreads) ws->amax_tiles_done[b] = 0;
+  }
+  if (p.amax_out != nullptr) {  // (each thread zeroes the groups it published)
+    for (int g = threadIdx.x; g < p.num_groups; g += kThreads) ws->amax[g] = 0;
+  }
+  if (threadIdx.x == 0) ws->next_item = 0, ws->blocks_done = 0, ws->grid_barrier = 0;
 }
 
 }  // namespace

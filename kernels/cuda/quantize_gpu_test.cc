@@ -131,7 +131,7 @@ struct Case {
   MxScaleRecipe recipe = MxScaleRecipe::kOcp;
   bool amax_out = true;  // ask for amax (optional for MXFP8 and block scaling)
   int tile_rows = 0;     // GpuQuantizeOptions::tile_rows (0: the default)
-  bool workspace = true;  // pass GpuQuantizeOptions::workspace (else amax is zeroed by a memset first)
+  bool workspace = true;  // pass GpuQuantizeOptions::workspace (else current scaling memsets amax first)
   bool own_stream = false;  // a stream of the test's, no workspace: the library's per-stream one
   cuda::GpuQuantizeOptions::Kernel kernel = cuda::GpuQuantizeOptions::Kernel::kAuto;
   int scale_offset = 0;  // scale buffers this many bytes past a 256-byte boundary (MXFP8's are byte arrays)
@@ -399,8 +399,8 @@ TEST(QuantizeGpuTest, LargeUnevenGroups) {
     RunCase(c, seed++);
     if (HasFatalFailure()) return;
   }
-  // Without a workspace (amax zeroed by a memset before the kernels), and
-  // on a stream of ours (the library's own workspace for it).
+  // Without a workspace (current scaling: amax zeroed by a memset before the
+  // kernels), and on a stream of ours (the library's own workspace for it).
   for (ScalingMode mode : {ScalingMode::kCurrent, ScalingMode::kDelayed, ScalingMode::kMxfp8}) {
     for (int how = 0; how < 2; ++how) {
       Case c{mode, Fp8Format::kE4M3, DType::kBF16, true, true, 1024, groups, 64, true, false};
@@ -456,8 +456,8 @@ TEST(QuantizeGpuTest, OneShotKernelIsBitIdenticalToo) {
       }
     }
   }
-  // Without the optional amax (MXFP8), without a workspace (delayed and
-  // MXFP8: amax zeroed by a memset first), on a stream of ours.
+  // Without the optional amax (MXFP8), without a workspace (delayed: amax
+  // zeroed by its own launch first, as with one), on a stream of ours.
   for (ScalingMode mode : {ScalingMode::kDelayed, ScalingMode::kMxfp8}) {
     Case c{mode, Fp8Format::kE4M3, DType::kBF16, true, true, 512, {96, 0, 64}, 0, true, false};
     c.kernel = Kernel::kOneShot;

@@ -33,13 +33,19 @@ struct QuantizeParams {
   void* row_scale;
   void* col_scale;
   // [G] device, where tiles max-reduce the per-group amax (atomicMax of float
-  // bits): zeroed before the launch, the workspace's amax, or the caller's
-  // running amax as it stands (GpuQuantizeOptions::amax_accumulate); may be
-  // null (MX / block scaling without the amax output).
+  // bits): the caller's amax, zeroed first by LaunchZeroAmax (or a memset) or
+  // as it stands (GpuQuantizeOptions::amax_accumulate); or, for current
+  // scaling with a workspace, the workspace's. May be null (MX / block
+  // scaling without the amax output).
   float* amax;
-  // With a workspace (amax above is the workspace's): the caller's amax, which
-  // the launch's last block writes. Null otherwise.
+  // Current scaling with a workspace: the caller's amax, which a block
+  // writes once the workspace's is final (PublishAmax). Null otherwise.
   float* amax_out;
+  // The launch follows one of this call's own (LaunchZeroAmax, or the amax
+  // pass after it), which let it launch only once every earlier kernel on the
+  // stream had finished: x may be read before WaitForPrecedingGrid; what that
+  // launch writes (amax) and every output wait for it.
+  bool x_ready_at_launch;
   int32_t row_off[kMaxGpuGroups + 1];
   int32_t tile_off[kMaxGpuGroups + 1];  // prefix sum of ceil(m_g / tile_rows)
   int32_t row_scale_off[kMaxGpuGroups + 1];
@@ -62,12 +68,11 @@ struct QuantizeParams {
   int32_t phase_item_off[kMaxGpuGroups + 2];  // first item of each phase
 };
 
-// Device scratch of a quantize launch: a finished-blocks counter, the
-// per-group amax the tiles reduce into (so no memset of the caller's amax runs
-// before the launch), and for the fused current-scaling pass a work counter
-// and per batch the count of amax tiles done. The kernel's last block
-// publishes the amax and zeroes what it used, so the workspace is reused
-// without a memset.
+// Device scratch of a current-scaling launch: the per-group amax its tiles
+// reduce into (so no memset of the caller's amax runs first), the one-shot
+// kernel's grid barrier, and the fused pass's work counter and per batch the
+// count of amax tiles done. The launch's last block zeroes what it used, so
+// the workspace is reused without a memset.
 struct QuantizeWorkspace {
   int32_t next_item;
   int32_t blocks_done;
@@ -76,6 +81,11 @@ struct QuantizeWorkspace {
   uint32_t amax[kMaxGpuGroups];  // float bits
 };
 
+// p.amax[0 .. p.num_groups) = 0, in a one-block launch that lets its
+// dependents launch as soon as the kernel before it has finished (they then
+// set p.x_ready_at_launch). Replaces a memset, which cannot be a programmatic
+// dependent's primary.
+cudaError_t LaunchZeroAmax(const QuantizeParams& p, cudaStream_t stream);
 // Current scaling's separate first pass (when not fused): per-group amax
 // (float bits, atomicMax) into p.amax.
 cudaError_t LaunchGroupedAmax(const QuantizeParams& p, cudaStream_t stream);

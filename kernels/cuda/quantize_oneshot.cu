@@ -70,7 +70,6 @@ __global__ void __launch_bounds__(kThreads, kOneShotMinBlocks) OneShotKernel(con
   __shared__ uint32_t red[kThreads / 32];
   const int tid = threadIdx.x, w = tid / 32, lane = tid % 32;
   QuantizeWorkspace* ws = reinterpret_cast<QuantizeWorkspace*>(p.workspace);
-  int last = -1;  // thread 0's count (FinishWithWorkspace): not yet
 
   // A block per slab: slab row blockIdx.x, column blockIdx.y (quantize.cc
   // sends calls with no rows to the tiled kernels).
@@ -81,9 +80,7 @@ __global__ void __launch_bounds__(kThreads, kOneShotMinBlocks) OneShotKernel(con
   const int64_t c0 = static_cast<int64_t>(ct) * kSlabCols;
   const int64_t my = (r0 + 4 * w) * K + c0 + 8 * lane;  // element offset of this thread's first row
 
-  WaitForPrecedingGrid();
-  if constexpr (kTensor) WriteEmptyGroupScales<MODE>(p);
-
+  if (!p.x_ready_at_launch) WaitForPrecedingGrid();
   Chunk<0> v[4];                       // 16-bit input: 8 elements as 4 words
   uint32_t row_m16[4] = {0, 0, 0, 0};  // per row: max |x| bits of the 8 elements
   uint32_t col_m2[4] = {0, 0, 0, 0};   // per column pair: max |x| bits over the 4 rows (two 16-bit halves)
@@ -94,6 +91,9 @@ __global__ void __launch_bounds__(kThreads, kOneShotMinBlocks) OneShotKernel(con
       const uint4 u = __ldg(reinterpret_cast<const uint4*>(src + i * K));
       v[i].w[0] = u.x, v[i].w[1] = u.y, v[i].w[2] = u.z, v[i].w[3] = u.w;
     }
+    // The zeroed amax, the outputs: past the wait (x is in flight).
+    if (p.x_ready_at_launch) WaitForPrecedingGrid();
+    if constexpr (kTensor) WriteEmptyGroupScales<MODE>(p);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       uint32_t m2 = 0;
@@ -141,10 +141,7 @@ __global__ void __launch_bounds__(kThreads, kOneShotMinBlocks) OneShotKernel(con
     }
     if (p.colwise) reinterpret_cast<uint4*>(exchange)[tid] = make_uint4(col_m2[0], col_m2[1], col_m2[2], col_m2[3]);
     __syncthreads();  // the column maxima and red are complete
-    if (tid == 0) {
-      if (p.amax != nullptr) FlushTileAmax(p, g, red);
-      if (ws != nullptr) last = ArriveAfterAmax(ws);
-    }
+    if (tid == 0 && p.amax != nullptr) FlushTileAmax(p, g, red);
     float sc[8] = {1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f};
     if (p.colwise) {
       uint4 m = reinterpret_cast<const uint4*>(exchange)[lane];
@@ -195,6 +192,7 @@ __global__ void __launch_bounds__(kThreads, kOneShotMinBlocks) OneShotKernel(con
       __syncthreads();
       if (tid == 0) FlushTileAmax(p, g, red);
       GridBarrier(ws);
+      if (blockIdx.x == 0 && blockIdx.y == 0 && p.amax_out != nullptr) PublishAmax(p);
       const float gamax = __ldcg(p.amax + g);
       s = ScaleFromAmax(gamax, Fp8Max(fmt), p.pow2);
       may_nan = (FloatBits(gamax) & 0x7fffffffu) > 0x7f800000u;
@@ -202,10 +200,7 @@ __global__ void __launch_bounds__(kThreads, kOneShotMinBlocks) OneShotKernel(con
       s = __ldg(p.scale + g);
       may_nan = thread_amax > 0x7f800000u;
       __syncthreads();  // red
-      if (tid == 0) {
-        FlushTileAmax(p, g, red);
-        if (ws != nullptr) last = ArriveAfterAmax(ws);
-      }
+      if (tid == 0) FlushTileAmax(p, g, red);
     }
     if (st == p.tile_off[g] && ct == 0 && tid == 0) {  // the group's first slab
       const float sinv = ScaleInv(s);
@@ -256,11 +251,10 @@ __global__ void __launch_bounds__(kThreads, kOneShotMinBlocks) OneShotKernel(con
       __stcs(dst + 1, make_uint4(col[4], col[5], col[6], col[7]));
     }
   }
-  // Delayed and MXFP8 counted in once their amax was in (ArriveAfterAmax).
-  // Current scaling counts in here: every block read the amax after the
-  // barrier, and made no contribution since, so nothing needs ordering.
   AllowDependentLaunch();
-  if (ws != nullptr) FinishWithWorkspace(p, last, /*release=*/false);
+  // Current scaling's barrier: every block has only read its counter since
+  // arriving, so the count needs no ordering.
+  if (ws != nullptr) FinishWithWorkspace(p, /*release=*/false);
 }
 
 template <int DT, int MODE, int FMT>
