@@ -508,9 +508,7 @@ __device__ __forceinline__ void QuantizeTile(const QuantizeParams& p, const Tile
   if (!amax_in_pass && (MODE == kModeB128 || MODE == kModeDelayed || (MODE != kModeCurrent && p.amax != nullptr))) {
     const uint32_t tam = BlockMax(TileAbsMaxPart<DT, TR>(tile), red);
     tile_nan = tam > 0x7f800000u;
-    if (MODE != kModeCurrent && p.amax != nullptr && tid == 0 && tam != 0) {
-      atomicMax(reinterpret_cast<unsigned int*>(p.amax) + g, tam);
-    }
+    if (MODE != kModeCurrent && p.amax != nullptr && tid == 0) ReduceTileAmax(p, g, tam);
     if constexpr (MODE == kModeB128) {
       bscale = ScaleFromAmax(BitsToFloat(tam), fmax, p.pow2);
       if (tid == 0) {
@@ -807,15 +805,15 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(DT, MODE)) QuantizeKernel(
     const int stride_t = stride / p.col_tiles, stride_ct = stride % p.col_tiles;
     TileGeom tg{};
     if (i < p.num_items) tg = GeomOf<TR>(p, it);
-    // Where x is ready at launch the first tile streams in during the wait,
-    // which is for the amax: zeroed (p.x_ready_at_launch), or, for current
-    // scaling, after its amax pass (whose amax is final and visible past
-    // this point).
+    // Where x is ready at launch, what waits is what needs the launch before
+    // this one: current scaling's amax, from its amax pass (final and
+    // visible past the wait below, while the first tile streams in); the
+    // other modes' zeroed amax (ReduceTileAmax, thread 0 only).
     constexpr bool kAfterAmaxPass = MODE == kModeCurrent;
     if (!kAfterAmaxPass && !p.x_ready_at_launch) WaitForPrecedingGrid();
     if (i < p.num_items) LoadAnyTile<DT, TR>(p, tg, smem_raw);
     CpAsyncCommit();
-    if (kAfterAmaxPass || p.x_ready_at_launch) WaitForPrecedingGrid();
+    if (kAfterAmaxPass) WaitForPrecedingGrid();
     if constexpr (kTensor) WriteEmptyGroupScales<MODE>(p);
     if constexpr (MODE == kModeMx) ZeroMxScalePadding(p);  // while the first tile streams in
     int buf = 0;

@@ -253,6 +253,23 @@ __device__ __forceinline__ float MxRecip(uint32_t b) {
 
 __device__ __forceinline__ uint32_t WarpMax(uint32_t v) { return __reduce_max_sync(0xffffffffu, v); }
 
+// Programmatic dependent launch (PDL). Every quantize launch is its stream
+// predecessor's programmatic dependent, so it is launched, and its blocks
+// find their first tile, while the kernel before it drains (about 0.3-0.5 us
+// a launch on the H200, docs/performance/quantize.md). A kernel touches no
+// global memory before WaitForPrecedingGrid, which returns once the grid
+// before it has finished and its writes are visible (at once where the launch
+// is not a dependent), and calls AllowDependentLaunch only after that wait:
+// so a dependent that loads before its own wait (the two-pass quantize
+// launch, after its amax pass) still starts after all earlier work on the
+// stream. The tiled and one-shot kernels allow it only as their blocks finish:
+// dependents launched earlier take the SMs' spare block slots and leave the
+// blocks that follow unevenly spread (small-decode MXFP8 6.5 -> 7.0 us).
+__device__ __forceinline__ void WaitForPrecedingGrid() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void AllowDependentLaunch() {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+
 // Block-wide max; `red` holds kThreads / 32 words; all threads get the result.
 __device__ __forceinline__ uint32_t BlockMax(uint32_t v, uint32_t* red) {
   v = WarpMax(v);
@@ -265,13 +282,22 @@ __device__ __forceinline__ uint32_t BlockMax(uint32_t v, uint32_t* red) {
   return r;
 }
 
+// A tile's amax (float bits) max-reduced into group g's (thread 0). Where
+// the launch follows the amax zeroing (p.x_ready_at_launch), only this waits
+// for it: the zeros are the one thing the launch needs from it, and the
+// tile's loads, conversion and stores went ahead.
+__device__ __forceinline__ void ReduceTileAmax(const QuantizeParams& p, int g, uint32_t t) {
+  if (p.x_ready_at_launch) WaitForPrecedingGrid();
+  if (t != 0) atomicMax(reinterpret_cast<unsigned int*>(p.amax) + g, t);
+}
+
 // The tile's amax from the per-warp maxima in red (after a barrier): one
 // atomicMax into the group's amax.
 __device__ __forceinline__ void FlushTileAmax(const QuantizeParams& p, int g, const uint32_t* red) {
   uint32_t t = 0;
 #pragma unroll
   for (int i = 0; i < kThreads / 32; ++i) t = max(t, red[i]);
-  if (t != 0) atomicMax(reinterpret_cast<unsigned int*>(p.amax) + g, t);
+  ReduceTileAmax(p, g, t);
 }
 
 __device__ __forceinline__ int FindGroup(const QuantizeParams& p, int t) {
@@ -353,23 +379,6 @@ __device__ __forceinline__ void WriteEmptyGroupScales(const QuantizeParams& p) {
       if (p.colwise) static_cast<float*>(p.col_scale)[h] = sinv;
     }
   }
-}
-
-// Programmatic dependent launch (PDL). Every quantize launch is its stream
-// predecessor's programmatic dependent, so it is launched, and its blocks
-// find their first tile, while the kernel before it drains (about 0.3-0.5 us
-// a launch on the H200, docs/performance/quantize.md). A kernel touches no
-// global memory before WaitForPrecedingGrid, which returns once the grid
-// before it has finished and its writes are visible (at once where the launch
-// is not a dependent), and calls AllowDependentLaunch only after that wait:
-// so a dependent that loads before its own wait (the two-pass quantize
-// launch, after its amax pass) still starts after all earlier work on the
-// stream. The tiled and one-shot kernels allow it only as their blocks finish:
-// dependents launched earlier take the SMs' spare block slots and leave the
-// blocks that follow unevenly spread (small-decode MXFP8 6.5 -> 7.0 us).
-__device__ __forceinline__ void WaitForPrecedingGrid() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
-__device__ __forceinline__ void AllowDependentLaunch() {
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 }
 
 // A launch of kThreads-thread blocks as its stream predecessor's programmatic
