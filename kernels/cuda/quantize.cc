@@ -45,8 +45,8 @@ constexpr int64_t kFusedBatchBytes = int64_t{8} << 20;
 // leaves the workspace zeroed. Ours only for streams the caller created,
 // outside capture: the default streams can be shared between threads, and a
 // captured graph may be replayed on another stream, where two launches would
-// share one workspace. Otherwise nullptr (a memset of amax before the launch,
-// and the two-pass path). Allocated on first use, kept for the life of the
+// share one workspace. Otherwise nullptr (current scaling: a memset of amax
+// before the launch, and the two-pass path). Allocated on first use, kept for the life of the
 // process.
 // Whether a launch on `stream` with `options` has a workspace (before ours is
 // allocated).
@@ -346,7 +346,6 @@ absl::Status GroupedQuantize(const GroupedQuantizeArgs& a, cudaStream_t stream, 
     pa->total_tiles = static_cast<int>(at);
     e = cuda_internal::LaunchGroupedAmax(*pa, stream);
     if (e != cudaSuccess) return fail_launch(e, "grouped amax kernel");
-    p->x_ready_at_launch = true;  // after the amax pass (AmaxKernel)
   }
   e = cuda_internal::LaunchGroupedQuantize(*p, stream);
   if (e != cudaSuccess) return fail_launch(e, "grouped quantize kernel");

@@ -82,12 +82,10 @@ __global__ void __launch_bounds__(kThreads) AmaxKernel(const __grid_constant__ Q
   const uint4* base = reinterpret_cast<const uint4*>(static_cast<const T*>(p.x) + r0 * p.k);
   const int64_t nvec = nrows * p.k * static_cast<int64_t>(sizeof(T)) / 16;
   // The quantize pass (this grid's programmatic dependent) may start once
-  // every block has got here: it loads its first tiles while these finish,
-  // and waits for their amax (WaitForPrecedingGrid there). It may read x at
-  // once where this pass may (p.x_ready_at_launch: it follows the amax
-  // zeroing, whose dependents launch only after all earlier work); else this
-  // pass waits first, and so lets the quantize pass launch only after that.
-  if (!p.x_ready_at_launch) WaitForPrecedingGrid();
+  // every block has got here, past its wait, so after all earlier work: it
+  // loads its first tiles while these finish, and waits for their amax
+  // (WaitForPrecedingGrid there).
+  WaitForPrecedingGrid();
   AllowDependentLaunch();
   uint32_t am = 0;
   for (int64_t i = threadIdx.x; i < nvec; i += 4 * kThreads) {
@@ -101,7 +99,6 @@ __global__ void __launch_bounds__(kThreads) AmaxKernel(const __grid_constant__ Q
     for (int j = 0; j < 4; ++j) am = max(am, AmaxOfVec<DT>(w[j]));
   }
   am = BlockMax(am, red);
-  if (p.x_ready_at_launch) WaitForPrecedingGrid();  // the zeroed amax
   if (threadIdx.x == 0 && am != 0) atomicMax(reinterpret_cast<unsigned int*>(p.amax) + g, am);
 }
 
@@ -806,9 +803,10 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(DT, MODE)) QuantizeKernel(
     TileGeom tg{};
     if (i < p.num_items) tg = GeomOf<TR>(p, it);
     // Where x is ready at launch, what waits is what needs the launch before
-    // this one: current scaling's amax, from its amax pass (final and
-    // visible past the wait below, while the first tile streams in); the
-    // other modes' zeroed amax (ReduceTileAmax, thread 0 only).
+    // this one: current scaling's amax, from its amax pass (which it always
+    // follows; final and visible past the wait below, while the first tile
+    // streams in); the other modes' zeroed amax (p.x_ready_at_launch:
+    // ReduceTileAmax, thread 0 only).
     constexpr bool kAfterAmaxPass = MODE == kModeCurrent;
     if (!kAfterAmaxPass && !p.x_ready_at_launch) WaitForPrecedingGrid();
     if (i < p.num_items) LoadAnyTile<DT, TR>(p, tg, smem_raw);
@@ -841,11 +839,18 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(DT, MODE)) QuantizeKernel(
       buf ^= 1;
     }
     CpAsyncWait<0>();
+    // Every thread has waited for the launch before this one by now (a block
+    // with no tiles, or whose tiles made no amax contribution, has not yet):
+    // this grid then completes only after that launch, which the next
+    // launch's wait relies on (the zeros of LaunchZeroAmax must not land
+    // after it).
+    WaitForPrecedingGrid();
     AllowDependentLaunch();
     if constexpr (kAfterAmaxPass) {
       // The workspace's amax (final since the amax pass) to the caller's, and
-      // the workspace zeroed; it was only read here, so the count needs no
-      // ordering.
+      // the workspace zeroed. Its reads here (the tiles' group amax, the
+      // copy) have been used before the count's barrier; the relaxed count
+      // relies on that.
       if (p.workspace != nullptr) {
         if (blockIdx.x == 0) PublishAmax(p);
         FinishWithWorkspace(p, /*release=*/false);
@@ -1066,6 +1071,21 @@ cudaError_t KernelResidency(const void* kernel, int smem, int* sms, int* per_sm)
   }
   *sms = it->second.first, *per_sm = it->second.second;
   return cudaSuccess;
+}
+
+bool DependentLaunchSupported() {
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return false;
+  static std::mutex mu;
+  static auto* cache = new std::map<int, bool>();
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = cache->find(device);
+  if (it == cache->end()) {
+    int major = 0;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) return false;
+    it = cache->emplace(device, major >= 9).first;
+  }
+  return it->second;
 }
 
 cudaError_t LaunchGroupedAmax(const QuantizeParams& p, cudaStream_t stream) {

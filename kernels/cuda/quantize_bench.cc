@@ -239,10 +239,10 @@ int Main(int argc, char** argv) {
         {"delayed row+col one-shot", ScalingMode::kDelayed, true, true, Pass::kAuto, 0, Kernel::kOneShot},
         // (Only where the slabs fit the GPU at once: its blocks meet at a grid barrier.)
         {"current row+col one-shot", ScalingMode::kCurrent, true, true, Pass::kAuto, 0, Kernel::kOneShot},
-        // Without the optional amax: no per-group reduction to publish.
+        // Without the optional amax: no per-group reduction, no zeroing launch.
         {"mxfp8 row+col no amax", ScalingMode::kMxfp8, true, true, Pass::kAuto, 0, Kernel::kAuto, false},
         {"mxfp8 row+col no amax tiled", ScalingMode::kMxfp8, true, true, Pass::kAuto, 0, Kernel::kTiled, false},
-        // amax max-reduced into the caller's buffer as it stands (no publication).
+        // amax max-reduced into the caller's buffer as it stands (no zeroing launch).
         {"mxfp8 row+col amax accum", ScalingMode::kMxfp8, true, true, Pass::kAuto, 0, Kernel::kAuto, true, true},
         {"delayed row+col amax accum", ScalingMode::kDelayed, true, true, Pass::kAuto, 0, Kernel::kAuto, true, true},
     };

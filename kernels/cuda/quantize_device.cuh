@@ -382,8 +382,10 @@ __device__ __forceinline__ void WriteEmptyGroupScales(const QuantizeParams& p) {
 }
 
 // A launch of kThreads-thread blocks as its stream predecessor's programmatic
-// dependent (and cooperative where asked: the one-shot kernel's grid
-// barrier); where the PDL attribute is refused, the same launch without it.
+// dependent where the device takes that (DependentLaunchSupported), and
+// cooperative where asked (the one-shot kernel's grid barrier). No retry
+// without the attribute on an error: the launch API may report an earlier
+// launch's error with this kernel queued, which would then run twice.
 template <typename... Args>
 cudaError_t LaunchAsDependent(void (*kernel)(Args...), dim3 grid, int smem, cudaStream_t stream,
                               const QuantizeParams& p, bool cooperative = false) {
@@ -397,12 +399,9 @@ cudaError_t LaunchAsDependent(void (*kernel)(Args...), dim3 grid, int smem, cuda
   config.blockDim = dim3(kThreads);
   config.dynamicSmemBytes = static_cast<size_t>(smem);
   config.stream = stream;
-  config.attrs = attrs;
-  config.numAttrs = cooperative ? 2 : 1;
-  if (cudaLaunchKernelEx(&config, kernel, p) == cudaSuccess) return cudaSuccess;
-  (void)cudaGetLastError();  // no PDL here: a launch in stream order
-  config.attrs = attrs + 1;
-  config.numAttrs = cooperative ? 1 : 0;
+  const bool dependent = DependentLaunchSupported();
+  config.attrs = dependent ? attrs : attrs + 1;
+  config.numAttrs = (dependent ? 1 : 0) + (cooperative ? 1 : 0);
   return cudaLaunchKernelEx(&config, kernel, p);
 }
 

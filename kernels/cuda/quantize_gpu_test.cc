@@ -10,6 +10,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <random>
 #include <string>
 #include <utility>
@@ -392,8 +393,9 @@ TEST(QuantizeGpuTest, LargeUnevenGroups) {
       }
     }
   }
-  // Every group empty: the one-block launch still publishes amax (zeros)
-  // and the tensor scales (MXFP8: no scale entries, null pointers).
+  // Every group empty: amax still comes out zero (zeroed by its own launch,
+  // or the workspace's copied out) and the one-block launch writes the tensor
+  // scales (MXFP8: no scale entries, null pointers).
   for (ScalingMode mode : {ScalingMode::kCurrent, ScalingMode::kDelayed, ScalingMode::kMxfp8}) {
     Case c{mode, Fp8Format::kE4M3, DType::kBF16, true, true, 1024, {0, 0, 0}, 5, false, false};
     RunCase(c, seed++);
@@ -609,6 +611,103 @@ TEST(QuantizeGpuTest, RejectsWhatTheKernelsCannotDo) {
   st = cuda::GroupedQuantize(a, nullptr, opt);
   EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(std::string(st.message()).find("tile_rows:"), std::string::npos) << st;
+}
+
+// Calls queued back to back on one stream, no synchronization between them:
+// each launch is the programmatic dependent of the one before (PDL), so a
+// launch that ran ahead of the one it follows, or completed before it, shows
+// here. Current -> delayed -> MXFP8 -> (every group empty, delayed, amax
+// into buffer B) -> MXFP8 into B -> current again, all on one workspace;
+// every output checked against the CPU reference.
+TEST(QuantizeGpuTest, BackToBackCallsOnOneStreamEachMatchTheReference) {
+  SKIP_WITHOUT_GPU();
+  const int64_t k = 512;
+  const std::vector<int64_t> groups = {64, 0, 96, 32, 160};
+  const std::vector<int64_t> empty = {0, 0, 0, 0, 0};
+  const int64_t G = static_cast<int64_t>(groups.size()), m = 352;
+  const std::vector<uint8_t> x1 = RandomInput(DType::kBF16, m * k, 11, true);
+  const std::vector<uint8_t> x2 = RandomInput(DType::kBF16, m * k, 12, false);
+  const std::vector<float> scale = {1.5f, 3.0f, 0.75f, 6.0f, 0.375f};
+  DevBuf dx1(x1.size()), dx2(x2.size()), dscale(G * 4), workspace(cuda::QuantizeWorkspaceBytes()), amax_b(G * 4);
+  dx1.Upload(x1.data());
+  dx2.Upload(x2.data());
+  dscale.Upload(scale.data());
+  workspace.Fill(0);
+  amax_b.Fill(0xa5);
+  struct Call {
+    ScalingMode mode;
+    const std::vector<uint8_t>* x;
+    const DevBuf* dx;
+    const std::vector<int64_t>* groups;
+    bool shared_amax;  // amax into buffer B, else the call's own
+  };
+  const std::vector<Call> calls = {
+      {ScalingMode::kCurrent, &x1, &dx1, &groups, false}, {ScalingMode::kDelayed, &x2, &dx2, &groups, false},
+      {ScalingMode::kMxfp8, &x1, &dx1, &groups, false},   {ScalingMode::kDelayed, &x2, &dx2, &empty, true},
+      {ScalingMode::kMxfp8, &x2, &dx2, &groups, true},    {ScalingMode::kCurrent, &x2, &dx2, &groups, false},
+  };
+  struct Out {
+    std::unique_ptr<DevBuf> r, c, rs, cs, amax;
+    std::vector<uint8_t> hr, hc, hrs, hcs;
+    std::vector<float> hamax;
+  };
+  std::vector<Out> outs(calls.size());
+  cudaStream_t stream;
+  CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  for (size_t i = 0; i < calls.size(); ++i) {
+    const Call& call = calls[i];
+    GroupedQuantizeArgs a;
+    a.x_dtype = DType::kBF16, a.m = m, a.k = k, a.group_sizes = call.groups->data(), a.num_groups = G;
+    a.mode = call.mode, a.format = Fp8Format::kE4M3, a.rowwise = true, a.colwise = true;
+    absl::StatusOr<QuantizeLayout> l = GetQuantizeLayout(a);
+    ASSERT_TRUE(l.ok()) << l.status();
+    Out& o = outs[i];
+    const size_t rs = static_cast<size_t>(l->rowwise_scale_elems * l->scale_bytes);
+    const size_t cs = static_cast<size_t>(l->colwise_scale_elems * l->scale_bytes);
+    o.hr.assign(m * k, 0), o.hc.assign(m * k, 0), o.hrs.assign(rs, 0), o.hcs.assign(cs, 0);
+    o.hamax.assign(G, -1.0f);
+    GroupedQuantizeArgs ca = a;
+    ca.x = call.x->data(), ca.scale = scale.data();
+    ca.rowwise_data = o.hr.data(), ca.colwise_data = o.hc.data();
+    ca.rowwise_scale_inv = o.hrs.data(), ca.colwise_scale_inv = o.hcs.data(), ca.amax = o.hamax.data();
+    ASSERT_TRUE(cpu::GroupedQuantize(ca).ok());
+    o.r = std::make_unique<DevBuf>(m * k), o.c = std::make_unique<DevBuf>(m * k);
+    o.rs = std::make_unique<DevBuf>(rs), o.cs = std::make_unique<DevBuf>(cs);
+    o.amax = std::make_unique<DevBuf>(G * 4);
+    for (DevBuf* b : {o.r.get(), o.c.get(), o.rs.get(), o.cs.get(), o.amax.get()}) b->Fill(0xa5);
+  }
+  CK(cudaDeviceSynchronize());
+  for (size_t i = 0; i < calls.size(); ++i) {  // queued, not waited for
+    const Call& call = calls[i];
+    Out& o = outs[i];
+    GroupedQuantizeArgs a;
+    a.x = call.dx->p, a.x_dtype = DType::kBF16, a.m = m, a.k = k;
+    a.group_sizes = call.groups->data(), a.num_groups = G;
+    a.mode = call.mode, a.format = Fp8Format::kE4M3, a.rowwise = true, a.colwise = true;
+    a.scale = dscale.as<float>();
+    a.rowwise_data = o.r->as<uint8_t>(), a.colwise_data = o.c->as<uint8_t>();
+    a.rowwise_scale_inv = o.rs->p, a.colwise_scale_inv = o.cs->p;
+    a.amax = call.shared_amax ? amax_b.as<float>() : o.amax->as<float>();
+    cuda::GpuQuantizeOptions opt;
+    opt.workspace = workspace.p;
+    absl::Status st = cuda::GroupedQuantize(a, stream, opt);
+    ASSERT_TRUE(st.ok()) << "call " << i << ": " << st;
+  }
+  CK(cudaStreamSynchronize(stream));
+  CK(cudaStreamDestroy(stream));
+  for (size_t i = 0; i < calls.size(); ++i) {
+    SCOPED_TRACE("call " + std::to_string(i));
+    const Out& o = outs[i];
+    EXPECT_EQ(o.r->Download(), o.hr) << "rowwise_data";
+    EXPECT_EQ(o.c->Download(), o.hc) << "colwise_data";
+    EXPECT_EQ(o.rs->Download(), o.hrs) << "rowwise_scale_inv";
+    EXPECT_EQ(o.cs->Download(), o.hcs) << "colwise_scale_inv";
+    if (i == 3) continue;  // its amax buffer (B) is call 4's, checked there
+    std::vector<uint8_t> got = (calls[i].shared_amax ? amax_b : *o.amax).Download();
+    EXPECT_EQ(0, std::memcmp(got.data(), o.hamax.data(), G * 4)) << "amax";
+  }
+  const std::vector<uint8_t> ws = workspace.Download();
+  EXPECT_EQ(std::count(ws.begin(), ws.end(), 0), static_cast<std::ptrdiff_t>(ws.size())) << "workspace";
 }
 
 // amax_accumulate: the tiles max-reduce into the caller's amax as it stands

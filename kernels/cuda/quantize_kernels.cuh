@@ -41,10 +41,11 @@ struct QuantizeParams {
   // Current scaling with a workspace: the caller's amax, which a block
   // writes once the workspace's is final (PublishAmax). Null otherwise.
   float* amax_out;
-  // The launch follows one of this call's own (LaunchZeroAmax, or the amax
-  // pass after it), which let it launch only once every earlier kernel on the
-  // stream had finished: x may be read before WaitForPrecedingGrid; what that
-  // launch writes (amax) and every output wait for it.
+  // The launch follows this call's LaunchZeroAmax, which let it launch only
+  // once every earlier kernel on the stream had finished: it reads x and
+  // writes its outputs at once, and only the amax atomics wait for the zeros
+  // (ReduceTileAmax). (Current scaling's quantize launch, which always
+  // follows its amax pass, does the same by its mode: quantize.cu.)
   bool x_ready_at_launch;
   int32_t row_off[kMaxGpuGroups + 1];
   int32_t tile_off[kMaxGpuGroups + 1];  // prefix sum of ceil(m_g / tile_rows)
@@ -106,6 +107,9 @@ cudaError_t LaunchOneShotQuantize(const QuantizeParams& p, cudaStream_t stream);
 // `smem` bytes of dynamic shared memory allowed it there (quantize.cu; set
 // and queried once per kernel and device).
 cudaError_t KernelResidency(const void* kernel, int smem, int* sms, int* per_sm);
+// Whether the current device takes programmatic dependent launches (compute
+// capability 9.0 or later; quantize.cu, queried once per device).
+bool DependentLaunchSupported();
 // How many one-shot blocks of an input type, mode and format (QuantizeParams'
 // codes) fit the device at once, and its SM count.
 cudaError_t OneShotCapacity(int x_dtype, int mode, int format, int* blocks, int* sms);

@@ -251,9 +251,11 @@ __global__ void __launch_bounds__(kThreads, kOneShotMinBlocks) OneShotKernel(con
       __stcs(dst + 1, make_uint4(col[4], col[5], col[6], col[7]));
     }
   }
-  AllowDependentLaunch();
-  // Current scaling's barrier: every block has only read its counter since
-  // arriving, so the count needs no ordering.
+  AllowDependentLaunch();  // (every thread has waited, above)
+  // Current scaling: since arriving at the barrier, every block has only
+  // read the workspace (its counter, the group amax, block 0's copy), and
+  // used those values before the count's barrier; the relaxed count relies
+  // on that.
   if (ws != nullptr) FinishWithWorkspace(p, /*release=*/false);
 }
 
