@@ -298,6 +298,19 @@ absl::Status GroupedQuantize(const GroupedQuantizeArgs& a, cudaStream_t stream, 
   };
   if (one_shot) {
     e = cuda_internal::LaunchOneShotQuantize(*p, stream);
+    // Current scaling's cooperative launch can be refused where fewer blocks
+    // fit than the device's SM count promised (an MPS client's share of the
+    // SMs): kAuto then takes the tiled kernels, which need no residency. The
+    // refusal is a launch-configuration error (not sticky) and nothing of
+    // this launch ran; what was queued before it (zeroing, memsets) only
+    // runs again.
+    const bool refused = e == cudaErrorCooperativeLaunchTooLarge || e == cudaErrorNotSupported;
+    if (refused && a.mode == ScalingMode::kCurrent && options.kernel == GpuQuantizeOptions::Kernel::kAuto) {
+      (void)cudaGetLastError();
+      GpuQuantizeOptions tiled = options;
+      tiled.kernel = GpuQuantizeOptions::Kernel::kTiled;
+      return GroupedQuantize(a, stream, tiled);
+    }
     if (e != cudaSuccess) return fail_launch(e, "one-shot grouped quantize kernel");
     return absl::OkStatus();
   }

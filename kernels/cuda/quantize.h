@@ -64,7 +64,9 @@ struct GpuQuantizeOptions {
   //   kAuto:    the one-shot kernel where it applies and the input is at
   //             most two slabs per SM (one tiled tile per SM, where a tile's
   //             latency is the whole launch; docs/performance/quantize.md),
-  //             else the tiled kernels.
+  //             else the tiled kernels; also the tiled kernels where current
+  //             scaling's cooperative launch is refused at run time (fewer
+  //             SMs than the device reports, as for an MPS client).
   enum class Kernel { kAuto, kTiled, kOneShot };
   Kernel kernel = Kernel::kAuto;
   // args.amax already holds a lower bound for each group (+0.0, or an
