@@ -245,7 +245,8 @@ absl::Status GroupedQuantize(const GroupedQuantizeArgs& a, cudaStream_t stream, 
   //   else into a.amax itself: as it stands when accumulating; else zeroed
   //     first by a one-block launch (LaunchZeroAmax), which the launches
   //     after it follow as programmatic dependents, so they may read x
-  //     before it has run (current scaling without a workspace: a memset).
+  //     before it has finished (current scaling without a workspace: a
+  //     memset).
   const bool current = a.mode == ScalingMode::kCurrent;
   const bool wants_amax = a.amax != nullptr && a.num_groups > 0 && !options.amax_accumulate;
   const bool amax_in_workspace = current && wants_amax && *ws != nullptr;

@@ -839,11 +839,10 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(DT, MODE)) QuantizeKernel(
       buf ^= 1;
     }
     CpAsyncWait<0>();
-    // Every thread has waited for the launch before this one by now (a block
-    // with no tiles, or whose tiles made no amax contribution, has not yet):
-    // this grid then completes only after that launch, which the next
-    // launch's wait relies on (the zeros of LaunchZeroAmax must not land
-    // after it).
+    // Every thread waits for the launch before this one here (after the
+    // zeroing launch, only thread 0 of a block with tiles has yet): this
+    // grid then completes only after that launch, which the next launch's
+    // wait relies on (the zeros of LaunchZeroAmax must not land after it).
     WaitForPrecedingGrid();
     AllowDependentLaunch();
     if constexpr (kAfterAmaxPass) {

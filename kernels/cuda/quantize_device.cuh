@@ -256,13 +256,15 @@ __device__ __forceinline__ uint32_t WarpMax(uint32_t v) { return __reduce_max_sy
 // Programmatic dependent launch (PDL). Every quantize launch is its stream
 // predecessor's programmatic dependent, so it is launched, and its blocks
 // find their first tile, while the kernel before it drains (about 0.3-0.5 us
-// a launch on the H200, docs/performance/quantize.md). A kernel touches no
-// global memory before WaitForPrecedingGrid, which returns once the grid
-// before it has finished and its writes are visible (at once where the launch
-// is not a dependent), and calls AllowDependentLaunch only after that wait:
-// so a dependent that loads before its own wait (the two-pass quantize
-// launch, after its amax pass) still starts after all earlier work on the
-// stream. The tiled and one-shot kernels allow it only as their blocks finish:
+// a launch on the H200, docs/performance/quantize.md). A call's first
+// launch touches no global memory before WaitForPrecedingGrid, which returns
+// once the grid before it has finished and its writes are visible (at once
+// where the launch is not a dependent); every kernel calls
+// AllowDependentLaunch only after its wait, so a launch behind one of the
+// call's own starts after all earlier work on the stream, and may read x and
+// write outputs before its own wait (QuantizeParams::x_ready_at_launch; the
+// two-pass quantize launch, after its amax pass), which is then only for
+// what the launch before it makes. The tiled and one-shot kernels allow it only as their blocks finish:
 // dependents launched earlier take the SMs' spare block slots and leave the
 // blocks that follow unevenly spread (small-decode MXFP8 6.5 -> 7.0 us).
 __device__ __forceinline__ void WaitForPrecedingGrid() { asm volatile("griddepcontrol.wait;" ::: "memory"); }

@@ -618,96 +618,105 @@ TEST(QuantizeGpuTest, RejectsWhatTheKernelsCannotDo) {
 // launch that ran ahead of the one it follows, or completed before it, shows
 // here. Current -> delayed -> MXFP8 -> (every group empty, delayed, amax
 // into buffer B) -> MXFP8 into B -> current again, all on one workspace;
-// every output checked against the CPU reference.
+// every output checked against the CPU reference. Both kernels: kAuto takes
+// the one-shot kernel for these 22 slabs (but for the empty call), kTiled the
+// tiled ones (the two-pass current scaling, the amax zeroing's dependents
+// reading x before their wait). x has no NaN, so a stale amax would show.
 TEST(QuantizeGpuTest, BackToBackCallsOnOneStreamEachMatchTheReference) {
   SKIP_WITHOUT_GPU();
-  const int64_t k = 512;
-  const std::vector<int64_t> groups = {64, 0, 96, 32, 160};
-  const std::vector<int64_t> empty = {0, 0, 0, 0, 0};
-  const int64_t G = static_cast<int64_t>(groups.size()), m = 352;
-  const std::vector<uint8_t> x1 = RandomInput(DType::kBF16, m * k, 11, true);
-  const std::vector<uint8_t> x2 = RandomInput(DType::kBF16, m * k, 12, false);
-  const std::vector<float> scale = {1.5f, 3.0f, 0.75f, 6.0f, 0.375f};
-  DevBuf dx1(x1.size()), dx2(x2.size()), dscale(G * 4), workspace(cuda::QuantizeWorkspaceBytes()), amax_b(G * 4);
-  dx1.Upload(x1.data());
-  dx2.Upload(x2.data());
-  dscale.Upload(scale.data());
-  workspace.Fill(0);
-  amax_b.Fill(0xa5);
-  struct Call {
-    ScalingMode mode;
-    const std::vector<uint8_t>* x;
-    const DevBuf* dx;
-    const std::vector<int64_t>* groups;
-    bool shared_amax;  // amax into buffer B, else the call's own
-  };
-  const std::vector<Call> calls = {
-      {ScalingMode::kCurrent, &x1, &dx1, &groups, false}, {ScalingMode::kDelayed, &x2, &dx2, &groups, false},
-      {ScalingMode::kMxfp8, &x1, &dx1, &groups, false},   {ScalingMode::kDelayed, &x2, &dx2, &empty, true},
-      {ScalingMode::kMxfp8, &x2, &dx2, &groups, true},    {ScalingMode::kCurrent, &x2, &dx2, &groups, false},
-  };
-  struct Out {
-    std::unique_ptr<DevBuf> r, c, rs, cs, amax;
-    std::vector<uint8_t> hr, hc, hrs, hcs;
-    std::vector<float> hamax;
-  };
-  std::vector<Out> outs(calls.size());
-  cudaStream_t stream;
-  CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  for (size_t i = 0; i < calls.size(); ++i) {
-    const Call& call = calls[i];
-    GroupedQuantizeArgs a;
-    a.x_dtype = DType::kBF16, a.m = m, a.k = k, a.group_sizes = call.groups->data(), a.num_groups = G;
-    a.mode = call.mode, a.format = Fp8Format::kE4M3, a.rowwise = true, a.colwise = true;
-    absl::StatusOr<QuantizeLayout> l = GetQuantizeLayout(a);
-    ASSERT_TRUE(l.ok()) << l.status();
-    Out& o = outs[i];
-    const size_t rs = static_cast<size_t>(l->rowwise_scale_elems * l->scale_bytes);
-    const size_t cs = static_cast<size_t>(l->colwise_scale_elems * l->scale_bytes);
-    o.hr.assign(m * k, 0), o.hc.assign(m * k, 0), o.hrs.assign(rs, 0), o.hcs.assign(cs, 0);
-    o.hamax.assign(G, -1.0f);
-    GroupedQuantizeArgs ca = a;
-    ca.x = call.x->data(), ca.scale = scale.data();
-    ca.rowwise_data = o.hr.data(), ca.colwise_data = o.hc.data();
-    ca.rowwise_scale_inv = o.hrs.data(), ca.colwise_scale_inv = o.hcs.data(), ca.amax = o.hamax.data();
-    ASSERT_TRUE(cpu::GroupedQuantize(ca).ok());
-    o.r = std::make_unique<DevBuf>(m * k), o.c = std::make_unique<DevBuf>(m * k);
-    o.rs = std::make_unique<DevBuf>(rs), o.cs = std::make_unique<DevBuf>(cs);
-    o.amax = std::make_unique<DevBuf>(G * 4);
-    for (DevBuf* b : {o.r.get(), o.c.get(), o.rs.get(), o.cs.get(), o.amax.get()}) b->Fill(0xa5);
+  for (cuda::GpuQuantizeOptions::Kernel kernel :
+       {cuda::GpuQuantizeOptions::Kernel::kAuto, cuda::GpuQuantizeOptions::Kernel::kTiled}) {
+    SCOPED_TRACE(kernel == cuda::GpuQuantizeOptions::Kernel::kTiled ? "tiled" : "auto");
+    const int64_t k = 512;
+    const std::vector<int64_t> groups = {64, 0, 96, 32, 160};
+    const std::vector<int64_t> empty = {0, 0, 0, 0, 0};
+    const int64_t G = static_cast<int64_t>(groups.size()), m = 352;
+    const std::vector<uint8_t> x1 = RandomInput(DType::kBF16, m * k, 11, false);
+    const std::vector<uint8_t> x2 = RandomInput(DType::kBF16, m * k, 12, false);
+    const std::vector<float> scale = {1.5f, 3.0f, 0.75f, 6.0f, 0.375f};
+    DevBuf dx1(x1.size()), dx2(x2.size()), dscale(G * 4), workspace(cuda::QuantizeWorkspaceBytes()), amax_b(G * 4);
+    dx1.Upload(x1.data());
+    dx2.Upload(x2.data());
+    dscale.Upload(scale.data());
+    workspace.Fill(0);
+    amax_b.Fill(0xa5);
+    struct Call {
+      ScalingMode mode;
+      const std::vector<uint8_t>* x;
+      const DevBuf* dx;
+      const std::vector<int64_t>* groups;
+      bool shared_amax;  // amax into buffer B, else the call's own
+    };
+    const std::vector<Call> calls = {
+        {ScalingMode::kCurrent, &x1, &dx1, &groups, false}, {ScalingMode::kDelayed, &x2, &dx2, &groups, false},
+        {ScalingMode::kMxfp8, &x1, &dx1, &groups, false},   {ScalingMode::kDelayed, &x2, &dx2, &empty, true},
+        {ScalingMode::kMxfp8, &x2, &dx2, &groups, true},    {ScalingMode::kCurrent, &x2, &dx2, &groups, false},
+    };
+    struct Out {
+      std::unique_ptr<DevBuf> r, c, rs, cs, amax;
+      std::vector<uint8_t> hr, hc, hrs, hcs;
+      std::vector<float> hamax;
+    };
+    std::vector<Out> outs(calls.size());
+    for (size_t i = 0; i < calls.size(); ++i) {
+      const Call& call = calls[i];
+      GroupedQuantizeArgs a;
+      a.x_dtype = DType::kBF16, a.m = m, a.k = k, a.group_sizes = call.groups->data(), a.num_groups = G;
+      a.mode = call.mode, a.format = Fp8Format::kE4M3, a.rowwise = true, a.colwise = true;
+      absl::StatusOr<QuantizeLayout> l = GetQuantizeLayout(a);
+      ASSERT_TRUE(l.ok()) << l.status();
+      Out& o = outs[i];
+      const size_t rs = static_cast<size_t>(l->rowwise_scale_elems * l->scale_bytes);
+      const size_t cs = static_cast<size_t>(l->colwise_scale_elems * l->scale_bytes);
+      o.hr.assign(m * k, 0), o.hc.assign(m * k, 0), o.hrs.assign(rs, 0), o.hcs.assign(cs, 0);
+      o.hamax.assign(G, -1.0f);
+      GroupedQuantizeArgs ca = a;
+      ca.x = call.x->data(), ca.scale = scale.data();
+      ca.rowwise_data = o.hr.data(), ca.colwise_data = o.hc.data();
+      ca.rowwise_scale_inv = o.hrs.data(), ca.colwise_scale_inv = o.hcs.data(), ca.amax = o.hamax.data();
+      ASSERT_TRUE(cpu::GroupedQuantize(ca).ok());
+      o.r = std::make_unique<DevBuf>(m * k), o.c = std::make_unique<DevBuf>(m * k);
+      o.rs = std::make_unique<DevBuf>(rs), o.cs = std::make_unique<DevBuf>(cs);
+      o.amax = std::make_unique<DevBuf>(G * 4);
+      for (DevBuf* b : {o.r.get(), o.c.get(), o.rs.get(), o.cs.get(), o.amax.get()}) b->Fill(0xa5);
+    }
+    CK(cudaDeviceSynchronize());
+    cudaStream_t stream;
+    CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    for (size_t i = 0; i < calls.size(); ++i) {  // queued, not waited for
+      const Call& call = calls[i];
+      Out& o = outs[i];
+      GroupedQuantizeArgs a;
+      a.x = call.dx->p, a.x_dtype = DType::kBF16, a.m = m, a.k = k;
+      a.group_sizes = call.groups->data(), a.num_groups = G;
+      a.mode = call.mode, a.format = Fp8Format::kE4M3, a.rowwise = true, a.colwise = true;
+      a.scale = dscale.as<float>();
+      a.rowwise_data = o.r->as<uint8_t>(), a.colwise_data = o.c->as<uint8_t>();
+      a.rowwise_scale_inv = o.rs->p, a.colwise_scale_inv = o.cs->p;
+      a.amax = call.shared_amax ? amax_b.as<float>() : o.amax->as<float>();
+      cuda::GpuQuantizeOptions opt;
+      opt.workspace = workspace.p;
+      opt.kernel = kernel;
+      absl::Status st = cuda::GroupedQuantize(a, stream, opt);
+      EXPECT_TRUE(st.ok()) << "call " << i << ": " << st;
+    }
+    CK(cudaStreamSynchronize(stream));
+    CK(cudaStreamDestroy(stream));
+    for (size_t i = 0; i < calls.size(); ++i) {
+      SCOPED_TRACE("call " + std::to_string(i));
+      const Out& o = outs[i];
+      EXPECT_EQ(o.r->Download(), o.hr) << "rowwise_data";
+      EXPECT_EQ(o.c->Download(), o.hc) << "colwise_data";
+      EXPECT_EQ(o.rs->Download(), o.hrs) << "rowwise_scale_inv";
+      EXPECT_EQ(o.cs->Download(), o.hcs) << "colwise_scale_inv";
+      if (i == 3) continue;  // its amax buffer (B) is call 4's, checked there
+      std::vector<uint8_t> got = (calls[i].shared_amax ? amax_b : *o.amax).Download();
+      EXPECT_EQ(0, std::memcmp(got.data(), o.hamax.data(), G * 4)) << "amax";
+    }
+    const std::vector<uint8_t> ws = workspace.Download();
+    EXPECT_EQ(std::count(ws.begin(), ws.end(), 0), static_cast<std::ptrdiff_t>(ws.size())) << "workspace";
+    if (HasFailure()) return;
   }
-  CK(cudaDeviceSynchronize());
-  for (size_t i = 0; i < calls.size(); ++i) {  // queued, not waited for
-    const Call& call = calls[i];
-    Out& o = outs[i];
-    GroupedQuantizeArgs a;
-    a.x = call.dx->p, a.x_dtype = DType::kBF16, a.m = m, a.k = k;
-    a.group_sizes = call.groups->data(), a.num_groups = G;
-    a.mode = call.mode, a.format = Fp8Format::kE4M3, a.rowwise = true, a.colwise = true;
-    a.scale = dscale.as<float>();
-    a.rowwise_data = o.r->as<uint8_t>(), a.colwise_data = o.c->as<uint8_t>();
-    a.rowwise_scale_inv = o.rs->p, a.colwise_scale_inv = o.cs->p;
-    a.amax = call.shared_amax ? amax_b.as<float>() : o.amax->as<float>();
-    cuda::GpuQuantizeOptions opt;
-    opt.workspace = workspace.p;
-    absl::Status st = cuda::GroupedQuantize(a, stream, opt);
-    ASSERT_TRUE(st.ok()) << "call " << i << ": " << st;
-  }
-  CK(cudaStreamSynchronize(stream));
-  CK(cudaStreamDestroy(stream));
-  for (size_t i = 0; i < calls.size(); ++i) {
-    SCOPED_TRACE("call " + std::to_string(i));
-    const Out& o = outs[i];
-    EXPECT_EQ(o.r->Download(), o.hr) << "rowwise_data";
-    EXPECT_EQ(o.c->Download(), o.hc) << "colwise_data";
-    EXPECT_EQ(o.rs->Download(), o.hrs) << "rowwise_scale_inv";
-    EXPECT_EQ(o.cs->Download(), o.hcs) << "colwise_scale_inv";
-    if (i == 3) continue;  // its amax buffer (B) is call 4's, checked there
-    std::vector<uint8_t> got = (calls[i].shared_amax ? amax_b : *o.amax).Download();
-    EXPECT_EQ(0, std::memcmp(got.data(), o.hamax.data(), G * 4)) << "amax";
-  }
-  const std::vector<uint8_t> ws = workspace.Download();
-  EXPECT_EQ(std::count(ws.begin(), ws.end(), 0), static_cast<std::ptrdiff_t>(ws.size())) << "workspace";
 }
 
 // amax_accumulate: the tiles max-reduce into the caller's amax as it stands
