@@ -46,8 +46,8 @@ constexpr int64_t kFusedBatchBytes = int64_t{8} << 20;
 // outside capture: the default streams can be shared between threads, and a
 // captured graph may be replayed on another stream, where two launches would
 // share one workspace. Otherwise nullptr (current scaling: a memset of amax
-// before the launch, and the two-pass path). Allocated on first use, kept for the life of the
-// process.
+// before the launch, and the two-pass path). Allocated on first use, kept for
+// the life of the process.
 // Whether a launch on `stream` with `options` has a workspace (before ours is
 // allocated).
 absl::StatusOr<bool> HasWorkspace(cudaStream_t stream, const GpuQuantizeOptions& options) {

@@ -264,9 +264,10 @@ __device__ __forceinline__ uint32_t WarpMax(uint32_t v) { return __reduce_max_sy
 // call's own starts after all earlier work on the stream, and may read x and
 // write outputs before its own wait (QuantizeParams::x_ready_at_launch; the
 // two-pass quantize launch, after its amax pass), which is then only for
-// what the launch before it makes. The tiled and one-shot kernels allow it only as their blocks finish:
-// dependents launched earlier take the SMs' spare block slots and leave the
-// blocks that follow unevenly spread (small-decode MXFP8 6.5 -> 7.0 us).
+// what the launch before it makes. The tiled and one-shot kernels allow it
+// only as their blocks finish: dependents launched earlier take the SMs'
+// spare block slots and leave the blocks that follow unevenly spread
+// (small-decode MXFP8 6.5 -> 7.0 us).
 __device__ __forceinline__ void WaitForPrecedingGrid() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 __device__ __forceinline__ void AllowDependentLaunch() {
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
