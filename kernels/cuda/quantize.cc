@@ -39,6 +39,16 @@ absl::Status CheckGpuShape(int64_t m, int64_t k, int64_t num_groups) {
 // stay in L2 (50 MB on the H100/H200) between the two reads.
 constexpr int64_t kFusedBatchBytes = int64_t{8} << 20;
 
+// Blocks of current scaling's amax pass where its 64 KiB cap allows fewer,
+// bigger ones (small inputs): about two per SM of an H200, so that the
+// quantize pass, launched as the amax pass starts, finds SM room (threads,
+// registers) for its first blocks, which stream their first tiles in while
+// the amax pass runs. With 1024 (eight 256-thread blocks filled each SM)
+// the quantize pass waited for the SMs to empty: small-decode row+col
+// 8.6 -> 7.9 us, qwen3-ep8 26.4 -> 25.9; 128 measured the same as 256
+// (docs/performance/quantize.md).
+constexpr int64_t kAmaxPassBlocks = 256;
+
 // The launch's workspace (QuantizeWorkspace): the caller's
 // (options.workspace), or one of ours per stream, keyed by the stream's
 // process-unique id: launches on one stream run in order, and each launch
@@ -240,13 +250,15 @@ absl::Status GroupedQuantize(const GroupedQuantizeArgs& a, cudaStream_t stream, 
   // Where the tiles max-reduce amax:
   //   current scaling with a workspace: into the workspace's, which a block
   //     copies to a.amax once final (no launch or memset first: the amax
-  //     zeroing launch below measured 0.5-1 us slower on small-decode,
-  //     qwen3-ep8, one-tile and tiny-decode, docs/performance/quantize.md);
+  //     zeroing launch below, in front of the amax pass, measured 0.5-1 us
+  //     slower on small-decode, qwen3-ep8, one-tile and tiny-decode; since
+  //     it lets its dependent launch at once, 0.2-0.3 us faster on
+  //     small-decode and one-tile, 0.6 slower on qwen3-30b-up:
+  //     docs/performance/quantize.md);
   //   else into a.amax itself: as it stands when accumulating; else zeroed
-  //     first by a one-block launch (LaunchZeroAmax), which the launches
-  //     after it follow as programmatic dependents, so they may read x
-  //     before it has finished (current scaling without a workspace: a
-  //     memset).
+  //     first by a one-block launch (LaunchZeroAmax), which lets the
+  //     quantize launch start at once (current scaling without a
+  //     workspace: a memset).
   const bool current = a.mode == ScalingMode::kCurrent;
   const bool wants_amax = a.amax != nullptr && a.num_groups > 0 && !options.amax_accumulate;
   const bool amax_in_workspace = current && wants_amax && *ws != nullptr;
@@ -258,7 +270,6 @@ absl::Status GroupedQuantize(const GroupedQuantizeArgs& a, cudaStream_t stream, 
   } else {
     p->amax = a.amax;
   }
-  p->x_ready_at_launch = zero_amax;
   int64_t tiles = 0;
   for (int64_t g = 0; g <= a.num_groups; ++g) {
     p->row_off[g] = static_cast<int32_t>(l.row_offset[g]);
@@ -345,12 +356,12 @@ absl::Status GroupedQuantize(const GroupedQuantizeArgs& a, cudaStream_t stream, 
     }
   }
   if (a.mode == ScalingMode::kCurrent && tiles > 0 && !p->fuse_amax) {
-    // The amax pass tiles whole rows, about 64 KiB per block.
+    // The amax pass tiles whole rows: at most 64 KiB per block, and about
+    // kAmaxPassBlocks blocks where the rows allow.
     auto pa = std::make_unique<cuda_internal::QuantizeParams>(*p);
     const int64_t row_bytes = a.k * DTypeSize(a.x_dtype);
-    // At most 64 KiB per block, and at least ~1024 blocks when the rows allow.
     const int64_t cap = std::max<int64_t>(1, (int64_t{64} << 10) / row_bytes);
-    pa->tile_rows = static_cast<int>(std::min<int64_t>(cap, std::max<int64_t>(1, used / 1024)));
+    pa->tile_rows = static_cast<int>(std::min<int64_t>(cap, std::max<int64_t>(1, used / kAmaxPassBlocks)));
     pa->col_tiles = 1;
     int64_t at = 0;
     for (int64_t g = 0; g <= a.num_groups; ++g) {

@@ -102,9 +102,15 @@ __global__ void __launch_bounds__(kThreads) AmaxKernel(const __grid_constant__ Q
   if (threadIdx.x == 0 && am != 0) atomicMax(reinterpret_cast<unsigned int*>(p.amax) + g, am);
 }
 
+// Its dependent (the quantize pass) may launch at once: it waits for this
+// grid before it reads or writes anything, and so for the zeros and for all
+// earlier work. (Allowing it only past the wait below, so that the quantize
+// pass could read x at its launch and wait for the zeros only at its amax
+// atomics, measured 0.3-0.4 us slower on small-decode's MXFP8 and delayed
+// row+col: the launch was then on the critical path.)
 __global__ void __launch_bounds__(kThreads) ZeroAmaxKernel(const __grid_constant__ QuantizeParams p) {
-  WaitForPrecedingGrid();
   AllowDependentLaunch();
+  WaitForPrecedingGrid();
   for (int g = threadIdx.x; g < p.num_groups; g += kThreads) p.amax[g] = 0.0f;
 }
 
@@ -802,13 +808,12 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(DT, MODE)) QuantizeKernel(
     const int stride_t = stride / p.col_tiles, stride_ct = stride % p.col_tiles;
     TileGeom tg{};
     if (i < p.num_items) tg = GeomOf<TR>(p, it);
-    // Where x is ready at launch, what waits is what needs the launch before
-    // this one: current scaling's amax, from its amax pass (which it always
-    // follows; final and visible past the wait below, while the first tile
-    // streams in); the other modes' zeroed amax (p.x_ready_at_launch:
-    // ReduceTileAmax, thread 0 only).
+    // Current scaling's quantize pass always follows its amax pass, which
+    // started after all earlier work: it reads x at once, and waits only for
+    // the amax (final and visible past the wait below, while the first tile
+    // streams in). The other modes wait first.
     constexpr bool kAfterAmaxPass = MODE == kModeCurrent;
-    if (!kAfterAmaxPass && !p.x_ready_at_launch) WaitForPrecedingGrid();
+    if (!kAfterAmaxPass) WaitForPrecedingGrid();
     if (i < p.num_items) LoadAnyTile<DT, TR>(p, tg, smem_raw);
     CpAsyncCommit();
     if (kAfterAmaxPass) WaitForPrecedingGrid();
@@ -839,12 +844,7 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(DT, MODE)) QuantizeKernel(
       buf ^= 1;
     }
     CpAsyncWait<0>();
-    // Every thread waits for the launch before this one here (after the
-    // zeroing launch, only thread 0 of a block with tiles has yet): this
-    // grid then completes only after that launch, which the next launch's
-    // wait relies on (the zeros of LaunchZeroAmax must not land after it).
-    WaitForPrecedingGrid();
-    AllowDependentLaunch();
+    AllowDependentLaunch();  // (every thread has waited)
     if constexpr (kAfterAmaxPass) {
       // The workspace's amax (final since the amax pass) to the caller's, and
       // the workspace zeroed. Its reads here (the tiles' group amax, the

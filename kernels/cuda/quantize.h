@@ -89,14 +89,14 @@ struct GpuQuantizeOptions {
 // current scaling reduces amax in the workspace, or memsets it first), and
 // cudaMemsetAsync for block scaling's scale padding and rows past the groups.
 // Each launch is its stream predecessor's programmatic dependent (PDL): it
-// starts while the kernel before it drains. The first launch of a call reads
-// and writes nothing before that kernel has finished; the launches after it
-// (behind the call's own, which start only after all earlier work) read x
-// and write outputs at once. So a kernel of the caller's right before this
-// call that is itself a programmatic dependent must wait for its own
-// predecessor (griddepcontrol.wait / cudaGridDependencySynchronize) before it
-// completes, as the PDL contract asks: its completion is taken to mean that
-// everything before it has finished.
+// starts while the kernel before it drains, and reads and writes nothing
+// before that kernel has finished (current scaling's quantize launch reads x
+// at once: it follows the call's amax pass, which started only after all
+// earlier work). So a kernel of the caller's right before this call that is
+// itself a programmatic dependent must wait for its own predecessor
+// (griddepcontrol.wait / cudaGridDependencySynchronize) before it completes,
+// as the PDL contract asks: its completion is taken to mean that everything
+// before it has finished.
 absl::Status GroupedQuantize(const GroupedQuantizeArgs& args, cudaStream_t stream,
                              const GpuQuantizeOptions& options = GpuQuantizeOptions());
 

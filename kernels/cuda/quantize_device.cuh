@@ -259,14 +259,14 @@ __device__ __forceinline__ uint32_t WarpMax(uint32_t v) { return __reduce_max_sy
 // a launch on the H200, docs/performance/quantize.md). A call's first
 // launch touches no global memory before WaitForPrecedingGrid, which returns
 // once the grid before it has finished and its writes are visible (at once
-// where the launch is not a dependent); every kernel calls
-// AllowDependentLaunch only after its wait, so a launch behind one of the
-// call's own starts after all earlier work on the stream, and may read x and
-// write outputs before its own wait (QuantizeParams::x_ready_at_launch; the
-// two-pass quantize launch, after its amax pass), which is then only for
-// what the launch before it makes. The tiled and one-shot kernels allow it
-// only as their blocks finish: dependents launched earlier take the SMs'
-// spare block slots and leave the blocks that follow unevenly spread
+// where the launch is not a dependent), and so, as every block of every
+// grid waits before it completes, once all earlier work on the stream has.
+// Current scaling's amax pass calls AllowDependentLaunch only after its
+// wait, so its quantize pass starts after all earlier work and reads x
+// before its own wait, which is then only for the amax. The amax zeroing
+// launch allows it first thing (ZeroAmaxKernel); the tiled and one-shot
+// kernels only as their blocks finish: dependents launched earlier take the
+// SMs' spare block slots and leave the blocks that follow unevenly spread
 // (small-decode MXFP8 6.5 -> 7.0 us).
 __device__ __forceinline__ void WaitForPrecedingGrid() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 __device__ __forceinline__ void AllowDependentLaunch() {
@@ -285,12 +285,8 @@ __device__ __forceinline__ uint32_t BlockMax(uint32_t v, uint32_t* red) {
   return r;
 }
 
-// A tile's amax (float bits) max-reduced into group g's (thread 0). Where
-// the launch follows the amax zeroing (p.x_ready_at_launch), only this waits
-// for it: the zeros are the one thing the launch needs from it, and the
-// tile's loads, conversion and stores went ahead.
+// A tile's amax (float bits) max-reduced into group g's (thread 0).
 __device__ __forceinline__ void ReduceTileAmax(const QuantizeParams& p, int g, uint32_t t) {
-  if (p.x_ready_at_launch) WaitForPrecedingGrid();
   if (t != 0) atomicMax(reinterpret_cast<unsigned int*>(p.amax) + g, t);
 }
 

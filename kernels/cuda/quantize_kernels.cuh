@@ -41,12 +41,6 @@ struct QuantizeParams {
   // Current scaling with a workspace: the caller's amax, which a block
   // writes once the workspace's is final (PublishAmax). Null otherwise.
   float* amax_out;
-  // The launch follows this call's LaunchZeroAmax, which let it launch only
-  // once every earlier kernel on the stream had finished: it reads x and
-  // writes its outputs at once, and only the amax atomics wait for the zeros
-  // (ReduceTileAmax). (Current scaling's quantize launch, which always
-  // follows its amax pass, does the same by its mode: quantize.cu.)
-  bool x_ready_at_launch;
   int32_t row_off[kMaxGpuGroups + 1];
   int32_t tile_off[kMaxGpuGroups + 1];  // prefix sum of ceil(m_g / tile_rows)
   int32_t row_scale_off[kMaxGpuGroups + 1];
@@ -83,9 +77,10 @@ struct QuantizeWorkspace {
 };
 
 // p.amax[0 .. p.num_groups) = 0, in a one-block launch that lets its
-// dependents launch as soon as the kernel before it has finished (they then
-// set p.x_ready_at_launch). Replaces a memset, which cannot be a programmatic
-// dependent's primary.
+// dependent (the quantize pass) launch at once, before its own wait: the
+// quantize pass's wait then covers the zeros and everything before them,
+// and its launch is off the critical path (ZeroAmaxKernel). Replaces a
+// memset, which cannot be a programmatic dependent's primary.
 cudaError_t LaunchZeroAmax(const QuantizeParams& p, cudaStream_t stream);
 // Current scaling's separate first pass (when not fused): per-group amax
 // (float bits, atomicMax) into p.amax.

@@ -80,7 +80,7 @@ __global__ void __launch_bounds__(kThreads, kOneShotMinBlocks) OneShotKernel(con
   const int64_t c0 = static_cast<int64_t>(ct) * kSlabCols;
   const int64_t my = (r0 + 4 * w) * K + c0 + 8 * lane;  // element offset of this thread's first row
 
-  if (!p.x_ready_at_launch) WaitForPrecedingGrid();
+  WaitForPrecedingGrid();
   Chunk<0> v[4];                       // 16-bit input: 8 elements as 4 words
   uint32_t row_m16[4] = {0, 0, 0, 0};  // per row: max |x| bits of the 8 elements
   uint32_t col_m2[4] = {0, 0, 0, 0};   // per column pair: max |x| bits over the 4 rows (two 16-bit halves)
@@ -91,8 +91,6 @@ __global__ void __launch_bounds__(kThreads, kOneShotMinBlocks) OneShotKernel(con
       const uint4 u = __ldg(reinterpret_cast<const uint4*>(src + i * K));
       v[i].w[0] = u.x, v[i].w[1] = u.y, v[i].w[2] = u.z, v[i].w[3] = u.w;
     }
-    // The zeroed amax, the outputs: past the wait (x is in flight).
-    if (p.x_ready_at_launch) WaitForPrecedingGrid();
     if constexpr (kTensor) WriteEmptyGroupScales<MODE>(p);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
