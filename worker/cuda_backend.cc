@@ -51,7 +51,12 @@ class CudaBackend : public Backend {
               std::string name)
       : device_(device), runner_(std::move(runner)), stream_(stream), name_(std::move(name)),
         cpu_(MakeCpuBackend(0)) {}
-  ~CudaBackend() override { cudaStreamDestroy(stream_); }
+  ~CudaBackend() override {
+    // The quantize library's workspace for the stream goes with it.
+    cudaSetDevice(device_);
+    (void)cuda::ReleaseQuantizeWorkspace(stream_);
+    cudaStreamDestroy(stream_);
+  }
 
   std::string Name() const override { return "cuda"; }
   std::string Device() const override { return name_; }

@@ -56,8 +56,8 @@ constexpr int64_t kAmaxPassBlocks = 256;
 // outside capture: the default streams can be shared between threads, and a
 // captured graph may be replayed on another stream, where two launches would
 // share one workspace. Otherwise nullptr (current scaling: a memset of amax
-// before the launch, and the two-pass path). Allocated on first use, kept for
-// the life of the process.
+// before the launch, and the two-pass path). Allocated on first use, kept
+// until ReleaseQuantizeWorkspace(stream).
 // Whether a launch on `stream` with `options` has a workspace (before ours is
 // allocated).
 absl::StatusOr<bool> HasWorkspace(cudaStream_t stream, const GpuQuantizeOptions& options) {
@@ -69,6 +69,16 @@ absl::StatusOr<bool> HasWorkspace(cudaStream_t stream, const GpuQuantizeOptions&
   return capture == cudaStreamCaptureStatusNone;
 }
 
+// The library's workspaces, by stream id.
+struct StreamWorkspaces {
+  std::mutex mu;
+  std::map<unsigned long long, int32_t*> by_stream;
+};
+StreamWorkspaces& OurWorkspaces() {
+  static auto* w = new StreamWorkspaces();
+  return *w;
+}
+
 absl::StatusOr<int32_t*> LaunchWorkspace(cudaStream_t stream, const GpuQuantizeOptions& options) {
   if (options.workspace != nullptr) return static_cast<int32_t*>(options.workspace);
   absl::StatusOr<bool> has = HasWorkspace(stream, options);
@@ -77,9 +87,9 @@ absl::StatusOr<int32_t*> LaunchWorkspace(cudaStream_t stream, const GpuQuantizeO
   cudaError_t e = cudaSuccess;
   unsigned long long id = 0;
   if ((e = cudaStreamGetId(stream, &id)) != cudaSuccess) return CudaStatus(e, "cudaStreamGetId");
-  static std::mutex mu;
-  static auto* cache = new std::map<unsigned long long, int32_t*>();
-  std::lock_guard<std::mutex> lock(mu);
+  StreamWorkspaces& ours = OurWorkspaces();
+  std::lock_guard<std::mutex> lock(ours.mu);
+  auto* cache = &ours.by_stream;
   auto it = cache->find(id);
   if (it != cache->end()) return it->second;
   void* w = nullptr;
@@ -210,6 +220,23 @@ absl::StatusOr<GpuQuantizeOptions::Kernel> ChosenQuantizeKernel(const GroupedQua
 }
 
 size_t QuantizeWorkspaceBytes() { return sizeof(cuda_internal::QuantizeWorkspace); }
+
+absl::Status ReleaseQuantizeWorkspace(cudaStream_t stream) {
+  if (stream == nullptr || stream == cudaStreamLegacy || stream == cudaStreamPerThread) return absl::OkStatus();
+  unsigned long long id = 0;
+  cudaError_t e = cudaStreamGetId(stream, &id);
+  if (e != cudaSuccess) return CudaStatus(e, "cudaStreamGetId");
+  StreamWorkspaces& ours = OurWorkspaces();
+  std::lock_guard<std::mutex> lock(ours.mu);
+  auto it = ours.by_stream.find(id);
+  if (it == ours.by_stream.end()) return absl::OkStatus();
+  // The launches queued on the stream may still use it.
+  if ((e = cudaStreamSynchronize(stream)) != cudaSuccess) return CudaStatus(e, "cudaStreamSynchronize");
+  e = cudaFree(it->second);
+  ours.by_stream.erase(it);
+  if (e != cudaSuccess) return CudaStatus(e, "cudaFree (quantize workspace)");
+  return absl::OkStatus();
+}
 
 absl::Status GroupedQuantize(const GroupedQuantizeArgs& a, cudaStream_t stream, const GpuQuantizeOptions& options) {
   if (absl::Status s = CheckGpuArgs(a, options); !s.ok()) return s;

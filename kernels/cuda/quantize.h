@@ -39,9 +39,9 @@ struct GpuQuantizeOptions {
   // scaling uses one: its per-group amax is reduced there (no memset of
   // args.amax first), and its one-shot kernel (a grid barrier) and fused pass
   // (work counters) need one. The library keeps one per stream the caller
-  // created (outside stream capture); on the default streams, or when
-  // capturing a graph, pass one here, or current scaling memsets amax first
-  // and takes the tiled two-pass path.
+  // created (outside stream capture; ReleaseQuantizeWorkspace frees it); on
+  // the default streams, or when capturing a graph, pass one here, or
+  // current scaling memsets amax first and takes the tiled two-pass path.
   void* workspace = nullptr;
   // Rows per tile of the quantize pass for current, delayed and MXFP8 scaling
   // outside the fused pass: 32 (32 x 512 tiles), 64 (64 x 256), 128
@@ -101,6 +101,15 @@ absl::Status GroupedQuantize(const GroupedQuantizeArgs& args, cudaStream_t strea
                              const GpuQuantizeOptions& options = GpuQuantizeOptions());
 
 size_t QuantizeWorkspaceBytes();
+
+// Frees the workspace the library keeps for `stream` (one per stream the
+// caller created, allocated by the first GroupedQuantize on it without
+// GpuQuantizeOptions::workspace), once the work queued on the stream has
+// finished (it synchronizes the stream). Call it before destroying such a
+// stream: the library cannot tell when a stream goes, so its workspace
+// would stay allocated. The next call on the stream allocates a new one. A
+// stream without one (never used, or the default streams): OK, nothing done.
+absl::Status ReleaseQuantizeWorkspace(cudaStream_t stream);
 
 // Which kernel GroupedQuantize(args, stream, options) runs, kTiled or
 // kOneShot (GpuQuantizeOptions::Kernel), or the error it would return for

@@ -219,6 +219,7 @@ void RunCase(const Case& c, uint32_t seed) {
     if (rep == 1) {
       CK(cudaStreamSynchronize(stream));
       for (DevBuf* b : {&dr, &dc, &drs, &dcs, &damax}) b->Fill(0xa5);
+      CK(cudaDeviceSynchronize());  // (the fills ran on the legacy stream, which a stream of ours does not wait for)
     }
     ga.x = rep == 0 ? decoy.p : dx.p;
     absl::Status gs = cuda::GroupedQuantize(ga, stream, opt);
@@ -717,6 +718,167 @@ TEST(QuantizeGpuTest, BackToBackCallsOnOneStreamEachMatchTheReference) {
     EXPECT_EQ(std::count(ws.begin(), ws.end(), 0), static_cast<std::ptrdiff_t>(ws.size())) << "workspace";
     if (HasFailure()) return;
   }
+}
+
+// Calls captured in a CUDA graph (with an explicit workspace, as capture
+// needs) and the graph replayed twice with new inputs in between: every
+// replay recomputes each output (the amax zeroing, the workspace's reset and
+// the dependent launches are all in the graph). Two of the captured calls
+// write the same output buffers, one after the other, on different x and by
+// different kernels (one-shot, then tiled): only the second's bytes may be
+// left (write after write across a dependent launch).
+TEST(QuantizeGpuTest, GraphReplaysAndRewrittenOutputsMatchTheReference) {
+  SKIP_WITHOUT_GPU();
+  using Kernel = cuda::GpuQuantizeOptions::Kernel;
+  const int64_t k = 512;
+  const std::vector<int64_t> groups = {64, 0, 96, 32, 160};
+  const int64_t G = static_cast<int64_t>(groups.size()), m = 352;
+  const std::vector<float> scale = {1.5f, 3.0f, 0.75f, 6.0f, 0.375f};
+  DevBuf dx1(m * k * 2), dx2(m * k * 2), dscale(G * 4), workspace(cuda::QuantizeWorkspaceBytes());
+  dscale.Upload(scale.data());
+  workspace.Fill(0);
+  struct Call {
+    ScalingMode mode;
+    const DevBuf* dx;
+    int out;  // which output set
+    Kernel kernel;
+  };
+  const std::vector<Call> calls = {
+      {ScalingMode::kCurrent, &dx1, 0, Kernel::kAuto},
+      {ScalingMode::kMxfp8, &dx1, 1, Kernel::kOneShot},
+      {ScalingMode::kMxfp8, &dx2, 1, Kernel::kTiled},  // the same outputs, rewritten
+      {ScalingMode::kDelayed, &dx2, 2, Kernel::kTiled},
+  };
+  auto args_for = [&](ScalingMode mode) {
+    GroupedQuantizeArgs a;
+    a.x_dtype = DType::kBF16, a.m = m, a.k = k, a.group_sizes = groups.data(), a.num_groups = G;
+    a.mode = mode, a.format = Fp8Format::kE4M3, a.rowwise = true, a.colwise = true;
+    return a;
+  };
+  struct Out {
+    std::unique_ptr<DevBuf> r, c, rs, cs, amax;
+  };
+  std::vector<Out> outs(3);
+  for (int o = 0; o < 3; ++o) {
+    absl::StatusOr<QuantizeLayout> l = GetQuantizeLayout(args_for(calls[o == 2 ? 3 : o].mode));
+    ASSERT_TRUE(l.ok()) << l.status();
+    outs[o].r = std::make_unique<DevBuf>(m * k), outs[o].c = std::make_unique<DevBuf>(m * k);
+    outs[o].rs = std::make_unique<DevBuf>(static_cast<size_t>(l->rowwise_scale_elems * l->scale_bytes));
+    outs[o].cs = std::make_unique<DevBuf>(static_cast<size_t>(l->colwise_scale_elems * l->scale_bytes));
+    outs[o].amax = std::make_unique<DevBuf>(G * 4);
+  }
+  cudaStream_t stream;
+  CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  CK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  for (const Call& call : calls) {
+    GroupedQuantizeArgs a = args_for(call.mode);
+    const Out& o = outs[call.out];
+    a.x = call.dx->p, a.scale = dscale.as<float>();
+    a.rowwise_data = o.r->as<uint8_t>(), a.colwise_data = o.c->as<uint8_t>();
+    a.rowwise_scale_inv = o.rs->p, a.colwise_scale_inv = o.cs->p, a.amax = o.amax->as<float>();
+    cuda::GpuQuantizeOptions opt;
+    opt.workspace = workspace.p;
+    opt.kernel = call.kernel;
+    absl::Status st = cuda::GroupedQuantize(a, stream, opt);
+    EXPECT_TRUE(st.ok()) << st;
+  }
+  cudaGraph_t graph = nullptr;
+  CK(cudaStreamEndCapture(stream, &graph));
+  cudaGraphExec_t exec = nullptr;
+  CK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int replay = 0; replay < 2; ++replay) {
+    SCOPED_TRACE("replay " + std::to_string(replay));
+    const std::vector<uint8_t> x1 = RandomInput(DType::kBF16, m * k, 21 + 2 * replay, false);
+    const std::vector<uint8_t> x2 = RandomInput(DType::kBF16, m * k, 22 + 2 * replay, false);
+    dx1.Upload(x1.data());
+    dx2.Upload(x2.data());
+    for (const Out& o : outs) {
+      for (DevBuf* b : {o.r.get(), o.c.get(), o.rs.get(), o.cs.get(), o.amax.get()}) b->Fill(0xa5);
+    }
+    CK(cudaDeviceSynchronize());  // (the fills ran on the legacy stream, which ours does not wait for)
+    CK(cudaGraphLaunch(exec, stream));
+    CK(cudaStreamSynchronize(stream));
+    // The last writer of each output set: calls 0, 2 and 3.
+    for (size_t i : {size_t{0}, size_t{2}, size_t{3}}) {
+      const Call& call = calls[i];
+      SCOPED_TRACE("call " + std::to_string(i));
+      GroupedQuantizeArgs ca = args_for(call.mode);
+      absl::StatusOr<QuantizeLayout> l = GetQuantizeLayout(ca);
+      ASSERT_TRUE(l.ok()) << l.status();
+      std::vector<uint8_t> hr(m * k, 0), hc(m * k, 0);
+      std::vector<uint8_t> hrs(static_cast<size_t>(l->rowwise_scale_elems * l->scale_bytes));
+      std::vector<uint8_t> hcs(static_cast<size_t>(l->colwise_scale_elems * l->scale_bytes));
+      std::vector<float> hamax(G, -1.0f);
+      ca.x = (call.dx == &dx1 ? x1 : x2).data(), ca.scale = scale.data();
+      ca.rowwise_data = hr.data(), ca.colwise_data = hc.data();
+      ca.rowwise_scale_inv = hrs.data(), ca.colwise_scale_inv = hcs.data(), ca.amax = hamax.data();
+      ASSERT_TRUE(cpu::GroupedQuantize(ca).ok());
+      const Out& o = outs[call.out];
+      EXPECT_EQ(o.r->Download(), hr) << "rowwise_data";
+      EXPECT_EQ(o.c->Download(), hc) << "colwise_data";
+      EXPECT_EQ(o.rs->Download(), hrs) << "rowwise_scale_inv";
+      EXPECT_EQ(o.cs->Download(), hcs) << "colwise_scale_inv";
+      std::vector<uint8_t> got = o.amax->Download();
+      EXPECT_EQ(0, std::memcmp(got.data(), hamax.data(), G * 4)) << "amax";
+    }
+    const std::vector<uint8_t> ws = workspace.Download();
+    EXPECT_EQ(std::count(ws.begin(), ws.end(), 0), static_cast<std::ptrdiff_t>(ws.size())) << "workspace";
+    if (HasFailure()) break;
+  }
+  CK(cudaGraphExecDestroy(exec));
+  CK(cudaGraphDestroy(graph));
+  CK(cudaStreamDestroy(stream));
+}
+
+// The library's own workspace of a stream (no options.workspace) is freed on
+// request, the stream's queued work finished first; the next call on the
+// stream gets a new one and is still right. Releasing where there is none
+// (a stream never used, the null stream) does nothing.
+TEST(QuantizeGpuTest, ReleasedStreamWorkspaceIsMadeAgainOnTheNextCall) {
+  SKIP_WITHOUT_GPU();
+  cudaStream_t stream;
+  CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  EXPECT_TRUE(cuda::ReleaseQuantizeWorkspace(stream).ok());  // none yet
+  EXPECT_TRUE(cuda::ReleaseQuantizeWorkspace(nullptr).ok());
+  const int64_t k = 256;
+  const std::vector<int64_t> groups = {32, 0, 64};
+  const int64_t G = 3, m = 96;
+  const std::vector<uint8_t> x = RandomInput(DType::kBF16, m * k, 31, true);
+  GroupedQuantizeArgs a;
+  a.x_dtype = DType::kBF16, a.m = m, a.k = k, a.group_sizes = groups.data(), a.num_groups = G;
+  a.mode = ScalingMode::kCurrent, a.format = Fp8Format::kE4M3, a.rowwise = true, a.colwise = true;
+  std::vector<uint8_t> hr(m * k), hc(m * k), hrs(G * 4), hcs(G * 4);
+  std::vector<float> hamax(G);
+  GroupedQuantizeArgs ca = a;
+  ca.x = x.data(), ca.rowwise_data = hr.data(), ca.colwise_data = hc.data();
+  ca.rowwise_scale_inv = hrs.data(), ca.colwise_scale_inv = hcs.data(), ca.amax = hamax.data();
+  ASSERT_TRUE(cpu::GroupedQuantize(ca).ok());
+  DevBuf dx(x.size()), dr(m * k), dc(m * k), drs(G * 4), dcs(G * 4), damax(G * 4);
+  dx.Upload(x.data());
+  a.x = dx.p, a.rowwise_data = dr.as<uint8_t>(), a.colwise_data = dc.as<uint8_t>();
+  a.rowwise_scale_inv = drs.p, a.colwise_scale_inv = dcs.p, a.amax = damax.as<float>();
+  for (int round = 0; round < 3; ++round) {
+    SCOPED_TRACE("round " + std::to_string(round));
+    for (DevBuf* b : {&dr, &dc, &drs, &dcs, &damax}) b->Fill(0xa5);
+    CK(cudaDeviceSynchronize());  // (the fills ran on the legacy stream, which ours does not wait for)
+    for (cuda::GpuQuantizeOptions::Kernel kernel :
+         {cuda::GpuQuantizeOptions::Kernel::kOneShot, cuda::GpuQuantizeOptions::Kernel::kTiled}) {
+      cuda::GpuQuantizeOptions opt;  // no workspace: the library's own for the stream
+      opt.kernel = kernel;
+      absl::Status st = cuda::GroupedQuantize(a, stream, opt);
+      ASSERT_TRUE(st.ok()) << st;
+    }
+    absl::Status released = cuda::ReleaseQuantizeWorkspace(stream);  // waits for the calls above
+    ASSERT_TRUE(released.ok()) << released;
+    EXPECT_EQ(dr.Download(), hr) << "rowwise_data";
+    EXPECT_EQ(dc.Download(), hc) << "colwise_data";
+    EXPECT_EQ(drs.Download(), hrs) << "rowwise_scale_inv";
+    EXPECT_EQ(dcs.Download(), hcs) << "colwise_scale_inv";
+    std::vector<uint8_t> got = damax.Download();
+    EXPECT_EQ(0, std::memcmp(got.data(), hamax.data(), G * 4)) << "amax";
+  }
+  EXPECT_TRUE(cuda::ReleaseQuantizeWorkspace(stream).ok());  // released already: nothing to do
+  CK(cudaStreamDestroy(stream));
 }
 
 // amax_accumulate: the tiles max-reduce into the caller's amax as it stands
