@@ -307,6 +307,14 @@ absl::Status GroupedQuantize(const GroupedQuantizeArgs& a, cudaStream_t stream, 
   }
   p->total_tiles = static_cast<int>(tiles);
   if (2 * tiles * p->col_tiles >= (int64_t{1} << 31)) return absl::InvalidArgumentError("m, k: too many tiles");
+  // Current scaling's two passes take the workspace's amax slots (no count
+  // of finished blocks at the quantize pass's end: QuantizeWorkspace); the
+  // one-shot kernel, the fused pass and calls with no rows (no amax pass)
+  // keep its amax.
+  if (amax_in_workspace && !one_shot && !fused && tiles > 0) {
+    p->amax_slots = true;
+    p->amax = reinterpret_cast<float*>(reinterpret_cast<cuda_internal::QuantizeWorkspace*>(*ws)->amax_slots[0]);
+  }
 
   const int64_t used = l.row_offset[a.num_groups];
   const size_t tail = static_cast<size_t>((a.m - used) * a.k);

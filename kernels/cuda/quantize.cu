@@ -87,6 +87,10 @@ __global__ void __launch_bounds__(kThreads) AmaxKernel(const __grid_constant__ Q
   // (WaitForPrecedingGrid there).
   WaitForPrecedingGrid();
   AllowDependentLaunch();
+  // With amax_slots: the slot amax_parity names (see QuantizeWorkspace).
+  QuantizeWorkspace* ws = reinterpret_cast<QuantizeWorkspace*>(p.workspace);
+  const int slot = p.amax_slots && threadIdx.x == 0 ? __ldcg(&ws->amax_parity) : 0;
+  if (p.amax_slots && blockIdx.x == 0 && threadIdx.x == 0) ws->amax_slot_in_use = slot;
   uint32_t am = 0;
   for (int64_t i = threadIdx.x; i < nvec; i += 4 * kThreads) {
     uint4 w[4];
@@ -99,7 +103,7 @@ __global__ void __launch_bounds__(kThreads) AmaxKernel(const __grid_constant__ Q
     for (int j = 0; j < 4; ++j) am = max(am, AmaxOfVec<DT>(w[j]));
   }
   am = BlockMax(am, red);
-  if (threadIdx.x == 0 && am != 0) atomicMax(reinterpret_cast<unsigned int*>(p.amax) + g, am);
+  if (threadIdx.x == 0 && am != 0) atomicMax(reinterpret_cast<unsigned int*>(p.amax) + slot * kMaxGpuGroups + g, am);
 }
 
 // Its dependent (the quantize pass) may launch at once: it waits for this
@@ -817,6 +821,9 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(DT, MODE)) QuantizeKernel(
     if (i < p.num_items) LoadAnyTile<DT, TR>(p, tg, smem_raw);
     CpAsyncCommit();
     if (kAfterAmaxPass) WaitForPrecedingGrid();
+    // The amax pass's slot (p.amax_slots), final past the wait.
+    const int amax_slot_off =
+        kAfterAmaxPass && p.amax_slots ? __ldcg(&ws->amax_slot_in_use) * kMaxGpuGroups : 0;
     if constexpr (kTensor) WriteEmptyGroupScales<MODE>(p);
     if constexpr (MODE == kModeMx) ZeroMxScalePadding(p);  // while the first tile streams in
     int buf = 0;
@@ -832,7 +839,7 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(DT, MODE)) QuantizeKernel(
       CpAsyncCommit();
       // The tile's scale is read before the wait, so its latency hides there.
       float tscale = 1.0f, gamax = 0.0f;
-      if constexpr (MODE == kModeCurrent) gamax = __ldcg(p.amax + tg.g);  // final: the amax pass ran before
+      if constexpr (MODE == kModeCurrent) gamax = __ldcg(p.amax + amax_slot_off + tg.g);  // final: the amax pass ran before
       if constexpr (MODE == kModeDelayed) tscale = __ldg(p.scale + tg.g);
       CpAsyncWait<1>();  // this tile's group is in
       __syncthreads();
@@ -849,8 +856,10 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(DT, MODE)) QuantizeKernel(
       // The workspace's amax (final since the amax pass) to the caller's, and
       // the workspace zeroed. Its reads here (the tiles' group amax, the
       // copy) have been used before the count's barrier; the relaxed count
-      // relies on that.
-      if (p.workspace != nullptr) {
+      // relies on that. With slots: block 0 alone, no count.
+      if (p.amax_slots) {
+        if (blockIdx.x == 0) PublishSlotAmax(p);
+      } else if (p.workspace != nullptr) {
         if (blockIdx.x == 0) PublishAmax(p);
         FinishWithWorkspace(p, /*release=*/false);
       }

@@ -41,6 +41,11 @@ struct QuantizeParams {
   // Current scaling with a workspace: the caller's amax, which a block
   // writes once the workspace's is final (PublishAmax). Null otherwise.
   float* amax_out;
+  // Current scaling's two passes with a workspace: p.amax is the workspace's
+  // amax_slots[0], and the passes take the slot QuantizeWorkspace's
+  // amax_parity names (see there), so the quantize pass ends with no count
+  // of its finished blocks.
+  bool amax_slots;
   int32_t row_off[kMaxGpuGroups + 1];
   int32_t tile_off[kMaxGpuGroups + 1];  // prefix sum of ceil(m_g / tile_rows)
   int32_t row_scale_off[kMaxGpuGroups + 1];
@@ -68,12 +73,25 @@ struct QuantizeParams {
 // kernel's grid barrier, and the fused pass's work counter and per batch the
 // count of amax tiles done. The launch's last block zeroes what it used, so
 // the workspace is reused without a memset.
+//
+// The two-pass path (QuantizeParams::amax_slots) needs no last block: its
+// amax pass reduces into amax_slots[amax_parity] and records the slot in
+// amax_slot_in_use; its quantize pass reads that slot, and its block 0
+// copies it to the caller's amax, zeroes the other slot (the previous
+// two-pass call's, long finished) and sets amax_parity to that one, for the
+// next call. Each launch starts after the one before it has finished, so
+// plain stores suffice. The slot just used stays nonzero until the next
+// two-pass call's quantize pass; every field above amax_parity is zero
+// between launches.
 struct QuantizeWorkspace {
   int32_t next_item;
   int32_t blocks_done;
   int32_t grid_barrier;  // the one-shot kernel's current scaling: blocks arrived
   int32_t amax_tiles_done[kMaxGpuGroups];
   uint32_t amax[kMaxGpuGroups];  // float bits
+  int32_t amax_parity;
+  int32_t amax_slot_in_use;
+  uint32_t amax_slots[2][kMaxGpuGroups];  // float bits
 };
 
 // p.amax[0 .. p.num_groups) = 0, in a one-block launch that lets its
