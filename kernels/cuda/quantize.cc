@@ -52,7 +52,7 @@ constexpr int64_t kAmaxPassBlocks = 256;
 // The launch's workspace (QuantizeWorkspace): the caller's
 // (options.workspace), or one of ours per stream, keyed by the stream's
 // process-unique id: launches on one stream run in order, and each launch
-// leaves the workspace zeroed. Ours only for streams the caller created,
+// leaves the workspace fit for the next (QuantizeWorkspace). Ours only for streams the caller created,
 // outside capture: the default streams can be shared between threads, and a
 // captured graph may be replayed on another stream, where two launches would
 // share one workspace. Otherwise nullptr (current scaling: a memset of amax

@@ -35,7 +35,8 @@ struct GpuQuantizeOptions {
   enum class CurrentPass { kAuto, kTwoPass, kFused };
   CurrentPass current_pass = CurrentPass::kAuto;
   // A workspace no other launch uses at the same time: QuantizeWorkspaceBytes()
-  // of device memory, zeroed once (each launch leaves it zeroed). Current
+  // of device memory, zeroed once (each launch leaves it fit for the next).
+  // Current
   // scaling uses one: its per-group amax is reduced there (no memset of
   // args.amax first), and its one-shot kernel (a grid barrier) and fused pass
   // (work counters) need one. The library keeps one per stream the caller

@@ -61,8 +61,8 @@ struct QuantizeParams {
   bool fuse_amax;
   int num_items;
   int num_batches;
-  // QuantizeWorkspace, zero on entry, zero again on exit (the launch's last
-  // block resets it): for fuse_amax and amax_out. Null when neither is used.
+  // QuantizeWorkspace (its protocol is there): for fuse_amax, amax_out and
+  // amax_slots. Null when none is used.
   int32_t* workspace;
   int32_t batch_tile_off[kMaxGpuGroups + 1];  // first row tile of each batch
   int32_t phase_item_off[kMaxGpuGroups + 2];  // first item of each phase
