@@ -5,6 +5,9 @@
 
 #include <cuda_runtime_api.h>
 
+#include <cstdio>
+#include <cstdlib>
+
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
@@ -18,6 +21,15 @@ inline absl::Status CudaStatus(cudaError_t e, absl::string_view what) {
   cudaGetLastError();
   return absl::InternalError(absl::StrCat(what, ": CUDA error ", cudaGetErrorName(e), ": ", cudaGetErrorString(e)));
 }
+
+// For benchmarks and tools, where a failed call ends the run: prints the
+// call, where it was and CUDA's message, and exits with status 2.
+inline void CheckCudaOrExit(cudaError_t e, const char* call, const char* file, int line) {
+  if (e == cudaSuccess) return;
+  std::fprintf(stderr, "%s:%d %s: %s\n", file, line, call, cudaGetErrorString(e));
+  std::exit(2);
+}
+#define SHARDGEMM_CHECK_CUDA(call) ::shardgemm::CheckCudaOrExit((call), #call, __FILE__, __LINE__)
 
 }  // namespace shardgemm
 

@@ -30,6 +30,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "kernels/cuda/cuda_status.h"
 #include "kernels/cuda/gemm_check.h"
 #include "kernels/cuda/gemm_testing.h"
 #include "kernels/cuda/grouped_gemm.h"
@@ -39,14 +40,6 @@ namespace shardgemm {
 namespace cuda {
 namespace {
 
-#define CHECK_CUDA(expr)                                                                    \
-  do {                                                                                      \
-    cudaError_t _e = (expr);                                                                \
-    if (_e != cudaSuccess) {                                                                \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #expr, cudaGetErrorString(_e)); \
-      std::exit(2);                                                                         \
-    }                                                                                       \
-  } while (0)
 
 struct Preset {
   std::string name;
@@ -93,12 +86,12 @@ struct PresetBuffers {
   void *lhs = nullptr, *rhs = nullptr, *out = nullptr, *sizes_dev = nullptr;
   PresetBuffers(const Preset& p, uint64_t lhs_seed, uint64_t rhs_seed, cudaStream_t s) {
     const int64_t M = p.g * p.m;
-    CHECK_CUDA(cudaMalloc(&lhs, M * p.k * 2));
-    CHECK_CUDA(cudaMalloc(&rhs, p.g * p.k * p.n * 2));
-    CHECK_CUDA(cudaMalloc(&out, M * p.n * 2));
-    CHECK_CUDA(cudaMalloc(&sizes_dev, p.g * 8));
-    CHECK_CUDA(testing::FillRandom(lhs, CuDType::kBF16, M * p.k, lhs_seed, 1.f, s));
-    CHECK_CUDA(testing::FillRandom(rhs, CuDType::kBF16, p.g * p.k * p.n, rhs_seed, 1.f, s));
+    SHARDGEMM_CHECK_CUDA(cudaMalloc(&lhs, M * p.k * 2));
+    SHARDGEMM_CHECK_CUDA(cudaMalloc(&rhs, p.g * p.k * p.n * 2));
+    SHARDGEMM_CHECK_CUDA(cudaMalloc(&out, M * p.n * 2));
+    SHARDGEMM_CHECK_CUDA(cudaMalloc(&sizes_dev, p.g * 8));
+    SHARDGEMM_CHECK_CUDA(testing::FillRandom(lhs, CuDType::kBF16, M * p.k, lhs_seed, 1.f, s));
+    SHARDGEMM_CHECK_CUDA(testing::FillRandom(rhs, CuDType::kBF16, p.g * p.k * p.n, rhs_seed, 1.f, s));
   }
   ~PresetBuffers() {
     for (void* b : {lhs, rhs, out, sizes_dev}) cudaFree(b);
@@ -107,8 +100,8 @@ struct PresetBuffers {
 
   // The variant's arguments; its group sizes are uploaded (and synchronized).
   DeviceGroupedGemmArgs Args(const Preset& p, const Variant& v, cudaStream_t s) const {
-    CHECK_CUDA(cudaMemcpyAsync(sizes_dev, v.sizes.data(), p.g * 8, cudaMemcpyHostToDevice, s));
-    CHECK_CUDA(cudaStreamSynchronize(s));
+    SHARDGEMM_CHECK_CUDA(cudaMemcpyAsync(sizes_dev, v.sizes.data(), p.g * 8, cudaMemcpyHostToDevice, s));
+    SHARDGEMM_CHECK_CUDA(cudaStreamSynchronize(s));
     DeviceGroupedGemmArgs a;
     a.lhs = lhs, a.rhs = rhs, a.out = out;
     a.m = p.g * p.m, a.k = p.k, a.n = p.n, a.num_groups = p.g;
@@ -171,12 +164,12 @@ int Main(int argc, char** argv) {
   if (!runner1_or.ok()) return 2;
   GroupedGemmRunner& runner1 = **runner1_or;
   cudaStream_t s;
-  CHECK_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  SHARDGEMM_CHECK_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   cudaEvent_t e0, e1;
-  CHECK_CUDA(cudaEventCreate(&e0));
-  CHECK_CUDA(cudaEventCreate(&e1));
+  SHARDGEMM_CHECK_CUDA(cudaEventCreate(&e0));
+  SHARDGEMM_CHECK_CUDA(cudaEventCreate(&e1));
   cudaDeviceProp prop;
-  CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
+  SHARDGEMM_CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
   std::printf("# device: %s, %d SMs; BF16 in/out, FP32 accumulate; %d warmup + %d timed calls; round %d%s\n",
               prop.name, prop.multiProcessorCount, warmup, iters, round, only_auto ? " (auto only)" : "");
   std::printf("# %-18s %4s %5s %5s %6s %-10s %8s  %-15s %8s %8s %8s %8s %8s  %9s %9s %s\n", "preset", "G", "m", "K",
@@ -199,7 +192,7 @@ int Main(int argc, char** argv) {
       DeviceGroupedGemmArgs a = b.Args(p, v, s);
       a.strategy = Strategy::kAuto;
       (void)runner.RaggedM(a, s);
-      CHECK_CUDA(cudaStreamSynchronize(s));
+      SHARDGEMM_CHECK_CUDA(cudaStreamSynchronize(s));
     }
   }
   for (const Preset& p : presets) {
@@ -226,8 +219,8 @@ int Main(int argc, char** argv) {
         // poisoned output: what the chosen algorithm alone wrote.
         absl::Status status = runner.RaggedM(a, s);
         if (status.ok()) {
-          CHECK_CUDA(cudaStreamSynchronize(s));
-          CHECK_CUDA(testing::Poison(b.out, p.g * p.m * p.n * 2, s));
+          SHARDGEMM_CHECK_CUDA(cudaStreamSynchronize(s));
+          SHARDGEMM_CHECK_CUDA(testing::Poison(b.out, p.g * p.m * p.n * 2, s));
           status = runner.RaggedM(a, s);
         }
         if (!status.ok()) {
@@ -235,7 +228,7 @@ int Main(int argc, char** argv) {
           all_ok = false;
           return -2;
         }
-        CHECK_CUDA(cudaStreamSynchronize(s));
+        SHARDGEMM_CHECK_CUDA(cudaStreamSynchronize(s));
         testing::CheckResult c = testing::CheckRaggedM(a, v.sizes, 32, seed++, s);
         checks[st] = c;
         if (!c.Ok(testing::Tolerance(DType::kBF16))) {
@@ -243,13 +236,13 @@ int Main(int argc, char** argv) {
           errors += absl::StrCat(" ", StrategyName(st), " check failed: ", c.ToString());
         }
         for (int i = 0; i < warmup; ++i) (void)runner.RaggedM(a, s);
-        CHECK_CUDA(cudaStreamSynchronize(s));
-        CHECK_CUDA(cudaEventRecord(e0, s));
+        SHARDGEMM_CHECK_CUDA(cudaStreamSynchronize(s));
+        SHARDGEMM_CHECK_CUDA(cudaEventRecord(e0, s));
         for (int i = 0; i < iters; ++i) (void)runner.RaggedM(a, s);
-        CHECK_CUDA(cudaEventRecord(e1, s));
-        CHECK_CUDA(cudaEventSynchronize(e1));
+        SHARDGEMM_CHECK_CUDA(cudaEventRecord(e1, s));
+        SHARDGEMM_CHECK_CUDA(cudaEventSynchronize(e1));
         float ms = 0;
-        CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
+        SHARDGEMM_CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
         const RunInfo info = runner.LastRun();
         algos[label != nullptr ? std::string(label) : std::string(StrategyName(st))] =
             absl::StrCat(StrategyName(info.strategy), info.detail.empty() ? "" : ": ", info.detail);

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "kernels/cpu/quantize.h"
+#include "kernels/cuda/cuda_status.h"
 #include "kernels/cuda/quantize.h"
 
 namespace shardgemm {
@@ -49,56 +50,48 @@ const Preset kPresets[] = {
     {"tiny-decode", 8, 32, 2048},
 };
 
-#define CK(x)                                                                                 \
-  do {                                                                                        \
-    cudaError_t e_ = (x);                                                                     \
-    if (e_ != cudaSuccess) {                                                                  \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                           \
-    }                                                                                         \
-  } while (0)
 
-__attribute__((unused)) void Fill(void* p, size_t bytes) { CK(cudaMemset(p, 0x3c, bytes)); }
+__attribute__((unused)) void Fill(void* p, size_t bytes) { SHARDGEMM_CHECK_CUDA(cudaMemset(p, 0x3c, bytes)); }
 
 // Mean seconds per call of fn over iters calls: graph-captured and eager.
 template <typename F>
 void Time(F fn, int iters, cudaStream_t s, double* graph_s, double* eager_s) {
   for (int i = 0; i < 3; ++i) fn();
-  CK(cudaStreamSynchronize(s));
+  SHARDGEMM_CHECK_CUDA(cudaStreamSynchronize(s));
   cudaEvent_t a, b;
-  CK(cudaEventCreate(&a));
-  CK(cudaEventCreate(&b));
+  SHARDGEMM_CHECK_CUDA(cudaEventCreate(&a));
+  SHARDGEMM_CHECK_CUDA(cudaEventCreate(&b));
   // Eager.
-  CK(cudaEventRecord(a, s));
+  SHARDGEMM_CHECK_CUDA(cudaEventRecord(a, s));
   for (int i = 0; i < iters; ++i) fn();
-  CK(cudaEventRecord(b, s));
-  CK(cudaEventSynchronize(b));
+  SHARDGEMM_CHECK_CUDA(cudaEventRecord(b, s));
+  SHARDGEMM_CHECK_CUDA(cudaEventSynchronize(b));
   float ms = 0;
-  CK(cudaEventElapsedTime(&ms, a, b));
+  SHARDGEMM_CHECK_CUDA(cudaEventElapsedTime(&ms, a, b));
   *eager_s = ms / 1e3 / iters;
   // Graph of iters calls.
   cudaGraph_t graph;
   cudaGraphExec_t exec;
-  CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+  SHARDGEMM_CHECK_CUDA(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
   for (int i = 0; i < iters; ++i) fn();
-  CK(cudaStreamEndCapture(s, &graph));
-  CK(cudaGraphInstantiate(&exec, graph, 0));
-  CK(cudaGraphLaunch(exec, s));  // warm
-  CK(cudaStreamSynchronize(s));
+  SHARDGEMM_CHECK_CUDA(cudaStreamEndCapture(s, &graph));
+  SHARDGEMM_CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+  SHARDGEMM_CHECK_CUDA(cudaGraphLaunch(exec, s));  // warm
+  SHARDGEMM_CHECK_CUDA(cudaStreamSynchronize(s));
   double best = 1e30;
   for (int rep = 0; rep < 3; ++rep) {
-    CK(cudaEventRecord(a, s));
-    CK(cudaGraphLaunch(exec, s));
-    CK(cudaEventRecord(b, s));
-    CK(cudaEventSynchronize(b));
-    CK(cudaEventElapsedTime(&ms, a, b));
+    SHARDGEMM_CHECK_CUDA(cudaEventRecord(a, s));
+    SHARDGEMM_CHECK_CUDA(cudaGraphLaunch(exec, s));
+    SHARDGEMM_CHECK_CUDA(cudaEventRecord(b, s));
+    SHARDGEMM_CHECK_CUDA(cudaEventSynchronize(b));
+    SHARDGEMM_CHECK_CUDA(cudaEventElapsedTime(&ms, a, b));
     best = std::min(best, ms / 1e3 / iters);
   }
   *graph_s = best;
-  CK(cudaGraphExecDestroy(exec));
-  CK(cudaGraphDestroy(graph));
-  CK(cudaEventDestroy(a));
-  CK(cudaEventDestroy(b));
+  SHARDGEMM_CHECK_CUDA(cudaGraphExecDestroy(exec));
+  SHARDGEMM_CHECK_CUDA(cudaGraphDestroy(graph));
+  SHARDGEMM_CHECK_CUDA(cudaEventDestroy(a));
+  SHARDGEMM_CHECK_CUDA(cudaEventDestroy(b));
 }
 
 int Main(int argc, char** argv) {
@@ -124,20 +117,20 @@ int Main(int argc, char** argv) {
     return 0;
   }
   cudaDeviceProp prop;
-  CK(cudaGetDeviceProperties(&prop, 0));
+  SHARDGEMM_CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
   std::printf("device: %s, %d SMs\n", prop.name, prop.multiProcessorCount);
   cudaStream_t s;
-  CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  SHARDGEMM_CHECK_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   // One profiled call of fn (--profile), else its timing.
   auto measure = [&](auto fn, int n_calls, double* graph_s, double* eager_s) {
     if (!profile) return Time(fn, n_calls, s, graph_s, eager_s);
     fn();
     fn();
-    CK(cudaStreamSynchronize(s));
-    CK(cudaProfilerStart());
+    SHARDGEMM_CHECK_CUDA(cudaStreamSynchronize(s));
+    SHARDGEMM_CHECK_CUDA(cudaProfilerStart());
     fn();
-    CK(cudaStreamSynchronize(s));
-    CK(cudaProfilerStop());
+    SHARDGEMM_CHECK_CUDA(cudaStreamSynchronize(s));
+    SHARDGEMM_CHECK_CUDA(cudaProfilerStop());
     *graph_s = *eager_s = 1.0;
   };
 
@@ -148,20 +141,20 @@ int Main(int argc, char** argv) {
   if (!profile) {
     const size_t bytes = size_t{256} << 20;
     void *src, *dst;
-    CK(cudaMalloc(&src, bytes));
-    CK(cudaMalloc(&dst, bytes));
+    SHARDGEMM_CHECK_CUDA(cudaMalloc(&src, bytes));
+    SHARDGEMM_CHECK_CUDA(cudaMalloc(&dst, bytes));
     Fill(src, bytes);
     double g, e;
-    Time([&] { CK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, s)); }, 10, s, &g, &e);
+    Time([&] { SHARDGEMM_CHECK_CUDA(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, s)); }, 10, s, &g, &e);
     hbm_bw = 2.0 * bytes / g / 1e9;
     std::printf("d2d copy 256 MiB (the HBM copy): %.0f GB/s (read + write)\n\n", hbm_bw);
-    CK(cudaFree(src));
-    CK(cudaFree(dst));
+    SHARDGEMM_CHECK_CUDA(cudaFree(src));
+    SHARDGEMM_CHECK_CUDA(cudaFree(dst));
   }
 
   void* workspace = nullptr;
-  CK(cudaMalloc(&workspace, cuda::QuantizeWorkspaceBytes()));
-  CK(cudaMemset(workspace, 0, cuda::QuantizeWorkspaceBytes()));
+  SHARDGEMM_CHECK_CUDA(cudaMalloc(&workspace, cuda::QuantizeWorkspaceBytes()));
+  SHARDGEMM_CHECK_CUDA(cudaMemset(workspace, 0, cuda::QuantizeWorkspaceBytes()));
   // moved/cp: against the same-bytes copy of the row's preset (L2-resident
   // where the preset's bytes fit the L2); moved/HBM: against the 256 MiB
   // copy, the HBM copy bandwidth PERFORMANCE.md's target names.
@@ -175,14 +168,14 @@ int Main(int argc, char** argv) {
     std::vector<int64_t> gs(static_cast<size_t>(p.groups), p.rows_per_group);
     const size_t xbytes = static_cast<size_t>(m * k * 2);
     void *x, *copy_dst, *row, *col, *rs, *cs, *amax, *scale;
-    CK(cudaMalloc(&x, xbytes));
-    CK(cudaMalloc(&copy_dst, xbytes));
-    CK(cudaMalloc(&row, m * k));
-    CK(cudaMalloc(&col, m * k));
-    CK(cudaMalloc(&rs, m * k / 8 + 4096 * 1024));
-    CK(cudaMalloc(&cs, m * k / 8 + 4096 * 1024));
-    CK(cudaMalloc(&amax, p.groups * 4));
-    CK(cudaMalloc(&scale, p.groups * 4));
+    SHARDGEMM_CHECK_CUDA(cudaMalloc(&x, xbytes));
+    SHARDGEMM_CHECK_CUDA(cudaMalloc(&copy_dst, xbytes));
+    SHARDGEMM_CHECK_CUDA(cudaMalloc(&row, m * k));
+    SHARDGEMM_CHECK_CUDA(cudaMalloc(&col, m * k));
+    SHARDGEMM_CHECK_CUDA(cudaMalloc(&rs, m * k / 8 + 4096 * 1024));
+    SHARDGEMM_CHECK_CUDA(cudaMalloc(&cs, m * k / 8 + 4096 * 1024));
+    SHARDGEMM_CHECK_CUDA(cudaMalloc(&amax, p.groups * 4));
+    SHARDGEMM_CHECK_CUDA(cudaMalloc(&scale, p.groups * 4));
     {
       // Normal-ish bf16 values: fill with a pattern through a host buffer.
       std::vector<uint16_t> h(static_cast<size_t>(m * k));
@@ -191,13 +184,13 @@ int Main(int argc, char** argv) {
         r = r * 1664525u + 1013904223u;
         v = static_cast<uint16_t>(0x3c00u + ((r >> 16) & 0x7ffu) + ((r >> 31) << 15));  // +-[2^-7, 2^4)
       }
-      CK(cudaMemcpy(x, h.data(), xbytes, cudaMemcpyHostToDevice));
+      SHARDGEMM_CHECK_CUDA(cudaMemcpy(x, h.data(), xbytes, cudaMemcpyHostToDevice));
       std::vector<float> ones(static_cast<size_t>(p.groups), 100.0f);
-      CK(cudaMemcpy(scale, ones.data(), p.groups * 4, cudaMemcpyHostToDevice));
+      SHARDGEMM_CHECK_CUDA(cudaMemcpy(scale, ones.data(), p.groups * 4, cudaMemcpyHostToDevice));
     }
     double copy_g = 1.0, copy_e = 1.0;
     if (!profile) {  // (profiled: the quantize calls only)
-      Time([&] { CK(cudaMemcpyAsync(copy_dst, x, xbytes, cudaMemcpyDeviceToDevice, s)); }, iters, s, &copy_g, &copy_e);
+      Time([&] { SHARDGEMM_CHECK_CUDA(cudaMemcpyAsync(copy_dst, x, xbytes, cudaMemcpyDeviceToDevice, s)); }, iters, s, &copy_g, &copy_e);
     }
     const double copy_bw = 2.0 * xbytes / copy_g / 1e9;
     char shape[32];
@@ -299,10 +292,10 @@ int Main(int argc, char** argv) {
                   g * 1e6, logical / g / 1e9, moved / g / 1e9, copy_bw, 100.0 * moved / g / 1e9 / copy_bw,
                   100.0 * logical / g / 1e9 / copy_bw, 100.0 * moved / g / 1e9 / hbm_bw, e * 1e6);
     }
-    for (void* b : {x, copy_dst, row, col, rs, cs, amax, scale}) CK(cudaFree(b));
+    for (void* b : {x, copy_dst, row, col, rs, cs, amax, scale}) SHARDGEMM_CHECK_CUDA(cudaFree(b));
     std::printf("\n");
   }
-  CK(cudaStreamDestroy(s));
+  SHARDGEMM_CHECK_CUDA(cudaStreamDestroy(s));
   if (presets_run == 0) {
     std::fprintf(stderr, "--only %s: no such preset\n", only.substr(1, only.size() - 2).c_str());
     return 2;
