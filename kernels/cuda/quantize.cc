@@ -52,10 +52,10 @@ constexpr int64_t kAmaxPassBlocks = 256;
 // The launch's workspace (QuantizeWorkspace): the caller's
 // (options.workspace), or one of ours per stream, keyed by the stream's
 // process-unique id: launches on one stream run in order, and each launch
-// leaves the workspace fit for the next (QuantizeWorkspace). Ours only for streams the caller created,
-// outside capture: the default streams can be shared between threads, and a
-// captured graph may be replayed on another stream, where two launches would
-// share one workspace. Otherwise nullptr (current scaling: a memset of amax
+// leaves the workspace fit for the next (QuantizeWorkspace). Ours only for
+// streams the caller created, outside capture: the default streams can be
+// shared between threads, and a captured graph may be replayed on another
+// stream, where two launches would share one workspace. Otherwise nullptr (current scaling: a memset of amax
 // before the launch, and the two-pass path). Allocated on first use, kept
 // until ReleaseQuantizeWorkspace(stream).
 // Whether a launch on `stream` with `options` has a workspace (before ours is
@@ -226,15 +226,25 @@ absl::Status ReleaseQuantizeWorkspace(cudaStream_t stream) {
   unsigned long long id = 0;
   cudaError_t e = cudaStreamGetId(stream, &id);
   if (e != cudaSuccess) return CudaStatus(e, "cudaStreamGetId");
-  StreamWorkspaces& ours = OurWorkspaces();
-  std::lock_guard<std::mutex> lock(ours.mu);
-  auto it = ours.by_stream.find(id);
-  if (it == ours.by_stream.end()) return absl::OkStatus();
-  // The launches queued on the stream may still use it.
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  if ((e = cudaStreamIsCapturing(stream, &capture)) != cudaSuccess) return CudaStatus(e, "cudaStreamIsCapturing");
+  if (capture != cudaStreamCaptureStatusNone) {
+    return absl::FailedPreconditionError("stream: capturing a graph (release its quantize workspace outside capture)");
+  }
+  int32_t* workspace = nullptr;
+  {
+    StreamWorkspaces& ours = OurWorkspaces();
+    std::lock_guard<std::mutex> lock(ours.mu);
+    auto it = ours.by_stream.find(id);
+    if (it == ours.by_stream.end()) return absl::OkStatus();
+    workspace = it->second;
+    ours.by_stream.erase(it);
+  }
+  // Outside the lock (calls on other streams go on): the launches queued on
+  // this stream may still use it. Should the wait fail, it is left allocated
+  // (the next call on the stream makes a new one).
   if ((e = cudaStreamSynchronize(stream)) != cudaSuccess) return CudaStatus(e, "cudaStreamSynchronize");
-  e = cudaFree(it->second);
-  ours.by_stream.erase(it);
-  if (e != cudaSuccess) return CudaStatus(e, "cudaFree (quantize workspace)");
+  if ((e = cudaFree(workspace)) != cudaSuccess) return CudaStatus(e, "cudaFree (quantize workspace)");
   return absl::OkStatus();
 }
 

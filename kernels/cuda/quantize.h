@@ -36,10 +36,9 @@ struct GpuQuantizeOptions {
   CurrentPass current_pass = CurrentPass::kAuto;
   // A workspace no other launch uses at the same time: QuantizeWorkspaceBytes()
   // of device memory, zeroed once (each launch leaves it fit for the next).
-  // Current
-  // scaling uses one: its per-group amax is reduced there (no memset of
-  // args.amax first), and its one-shot kernel (a grid barrier) and fused pass
-  // (work counters) need one. The library keeps one per stream the caller
+  // Current scaling uses one: its per-group amax is reduced there (no memset
+  // of args.amax first), and its one-shot kernel (a grid barrier) and fused
+  // pass (work counters) need one. The library keeps one per stream the caller
   // created (outside stream capture; ReleaseQuantizeWorkspace frees it); on
   // the default streams, or when capturing a graph, pass one here, or
   // current scaling memsets amax first and takes the tiled two-pass path.
@@ -109,7 +108,9 @@ size_t QuantizeWorkspaceBytes();
 // finished (it synchronizes the stream). Call it before destroying such a
 // stream: the library cannot tell when a stream goes, so its workspace
 // would stay allocated. The next call on the stream allocates a new one. A
-// stream without one (never used, or the default streams): OK, nothing done.
+// stream without one (never used, or the default streams): OK, nothing done;
+// a stream capturing a graph: FailedPrecondition. Not while another thread
+// queues a GroupedQuantize on the same stream.
 absl::Status ReleaseQuantizeWorkspace(cudaStream_t stream);
 
 // Which kernel GroupedQuantize(args, stream, options) runs, kTiled or

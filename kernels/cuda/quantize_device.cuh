@@ -421,14 +421,16 @@ __device__ __forceinline__ void PublishAmax(const QuantizeParams& p) {
 }
 // The two-pass path's end (QuantizeParams::amax_slots; block 0 of the
 // quantize pass): the slot the amax pass used to the caller's amax, the
-// other slot zeroed, and amax_parity pointed at it for the next call.
+// other slot zeroed, and amax_parity pointed at it for the next call. The
+// whole other slot: the call that used it may have had more groups than
+// this one (a later call with as many would start from its values).
 __device__ __forceinline__ void PublishSlotAmax(const QuantizeParams& p) {
   QuantizeWorkspace* ws = reinterpret_cast<QuantizeWorkspace*>(p.workspace);
   const int slot = __ldcg(&ws->amax_slot_in_use);
   for (int g = threadIdx.x; g < p.num_groups; g += kThreads) {
     p.amax_out[g] = BitsToFloat(__ldcg(ws->amax_slots[slot] + g));
-    ws->amax_slots[1 - slot][g] = 0;
   }
+  for (int g = threadIdx.x; g < kMaxGpuGroups; g += kThreads) ws->amax_slots[1 - slot][g] = 0;
   if (threadIdx.x == 0) ws->amax_parity = 1 - slot;
 }
 __device__ __forceinline__ bool CountBlockIn(QuantizeWorkspace* ws, bool release) {

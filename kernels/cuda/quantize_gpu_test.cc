@@ -752,7 +752,7 @@ TEST(QuantizeGpuTest, GraphReplaysAndRewrittenOutputsMatchTheReference) {
     Kernel kernel;
   };
   const std::vector<Call> calls = {
-      {ScalingMode::kCurrent, &dx1, 0, Kernel::kAuto},
+      {ScalingMode::kCurrent, &dx1, 0, Kernel::kTiled},  // the two passes: the workspace's amax slots
       {ScalingMode::kMxfp8, &dx1, 1, Kernel::kOneShot},
       {ScalingMode::kMxfp8, &dx2, 1, Kernel::kTiled},  // the same outputs, rewritten
       {ScalingMode::kDelayed, &dx2, 2, Kernel::kTiled},
@@ -836,6 +836,75 @@ TEST(QuantizeGpuTest, GraphReplaysAndRewrittenOutputsMatchTheReference) {
   CK(cudaGraphExecDestroy(exec));
   CK(cudaGraphDestroy(graph));
   CK(cudaStreamDestroy(stream));
+}
+
+// Current scaling's two passes on one workspace take its amax slots in
+// turn (QuantizeWorkspace): a call with fewer groups than the call before
+// the last must still find its slot zero in every group. Calls of 8, 1 and 8
+// groups (the first on large values, so a leftover shows in the third's
+// amax and scales; the third with an empty group, whose amax must be 0),
+// then the workspace's invariant: the slot named next is all zero.
+TEST(QuantizeGpuTest, TwoPassAmaxSlotsStartFromZeroWhateverTheCallsBefore) {
+  SKIP_WITHOUT_GPU();
+  const int64_t k = 256;
+  DevBuf workspace(cuda::QuantizeWorkspaceBytes());
+  workspace.Fill(0);
+  struct Call {
+    std::vector<int64_t> groups;
+    bool large;
+  };
+  const std::vector<Call> calls = {
+      {{64, 32, 96, 32, 64, 32, 32, 64}, true},
+      {{128}, false},
+      {{64, 32, 0, 32, 64, 32, 32, 64}, false},
+      {{64, 32, 96, 32, 64, 32, 32, 64}, false},
+  };
+  uint32_t seed = 900;
+  for (size_t i = 0; i < calls.size(); ++i) {
+    SCOPED_TRACE("call " + std::to_string(i));
+    const Call& call = calls[i];
+    const int64_t G = static_cast<int64_t>(call.groups.size());
+    int64_t m = 0;
+    for (int64_t g : call.groups) m += g;
+    const std::vector<uint8_t> x =
+        call.large ? ConstantInput(DType::kBF16, m * k, 30000.0f) : RandomInput(DType::kBF16, m * k, seed++, false);
+    GroupedQuantizeArgs a;
+    a.x_dtype = DType::kBF16, a.m = m, a.k = k, a.group_sizes = call.groups.data(), a.num_groups = G;
+    a.mode = ScalingMode::kCurrent, a.format = Fp8Format::kE4M3, a.rowwise = true, a.colwise = true;
+    std::vector<uint8_t> hr(m * k), hc(m * k), hrs(G * 4), hcs(G * 4);
+    std::vector<float> hamax(G);
+    GroupedQuantizeArgs ca = a;
+    ca.x = x.data(), ca.rowwise_data = hr.data(), ca.colwise_data = hc.data();
+    ca.rowwise_scale_inv = hrs.data(), ca.colwise_scale_inv = hcs.data(), ca.amax = hamax.data();
+    ASSERT_TRUE(cpu::GroupedQuantize(ca).ok());
+    DevBuf dx(x.size()), dr(m * k), dc(m * k), drs(G * 4), dcs(G * 4), damax(G * 4);
+    dx.Upload(x.data());
+    for (DevBuf* b : {&dr, &dc, &drs, &dcs, &damax}) b->Fill(0xa5);
+    a.x = dx.p, a.rowwise_data = dr.as<uint8_t>(), a.colwise_data = dc.as<uint8_t>();
+    a.rowwise_scale_inv = drs.p, a.colwise_scale_inv = dcs.p, a.amax = damax.as<float>();
+    cuda::GpuQuantizeOptions opt;
+    opt.workspace = workspace.p;
+    opt.kernel = cuda::GpuQuantizeOptions::Kernel::kTiled;
+    absl::Status st = cuda::GroupedQuantize(a, nullptr, opt);  // (the null stream: ordered with the fills)
+    ASSERT_TRUE(st.ok()) << st;
+    CK(cudaDeviceSynchronize());
+    std::vector<uint8_t> got = damax.Download();
+    EXPECT_EQ(0, std::memcmp(got.data(), hamax.data(), G * 4)) << "amax";
+    EXPECT_EQ(dr.Download(), hr) << "rowwise_data";
+    EXPECT_EQ(dc.Download(), hc) << "colwise_data";
+    EXPECT_EQ(drs.Download(), hrs) << "rowwise_scale_inv";
+    EXPECT_EQ(dcs.Download(), hcs) << "colwise_scale_inv";
+    const std::vector<uint8_t> ws = workspace.Download();
+    EXPECT_EQ(NonzeroProtocolBytes(ws), 0) << "workspace";
+    cuda_internal::QuantizeWorkspace w;
+    ASSERT_EQ(ws.size(), sizeof(w));
+    std::memcpy(&w, ws.data(), sizeof(w));
+    ASSERT_TRUE(w.amax_parity == 0 || w.amax_parity == 1) << w.amax_parity;
+    EXPECT_EQ(w.amax_parity, 1 - w.amax_slot_in_use) << "the parity names the slot this call did not use";
+    EXPECT_EQ(std::count(std::begin(w.amax_slots[w.amax_parity]), std::end(w.amax_slots[w.amax_parity]), 0u),
+              cuda_internal::kMaxGpuGroups)
+        << "the slot the next call takes is not zero";
+  }
 }
 
 // The library's own workspace of a stream (no options.workspace) is freed on

@@ -39,7 +39,8 @@ struct QuantizeParams {
   // scaling without the amax output).
   float* amax;
   // Current scaling with a workspace: the caller's amax, which a block
-  // writes once the workspace's is final (PublishAmax). Null otherwise.
+  // writes once the workspace's is final (PublishAmax, PublishSlotAmax).
+  // Null otherwise.
   float* amax_out;
   // Current scaling's two passes with a workspace: p.amax is the workspace's
   // amax_slots[0], and the passes take the slot QuantizeWorkspace's
@@ -77,12 +78,13 @@ struct QuantizeParams {
 // The two-pass path (QuantizeParams::amax_slots) needs no last block: its
 // amax pass reduces into amax_slots[amax_parity] and records the slot in
 // amax_slot_in_use; its quantize pass reads that slot, and its block 0
-// copies it to the caller's amax, zeroes the other slot (the previous
-// two-pass call's, long finished) and sets amax_parity to that one, for the
-// next call. Each launch starts after the one before it has finished, so
-// plain stores suffice. The slot just used stays nonzero until the next
-// two-pass call's quantize pass; every field above amax_parity is zero
-// between launches.
+// copies it to the caller's amax, zeroes the whole other slot (the previous
+// two-pass call's, long finished, which may have had more groups) and sets
+// amax_parity to that one, for the next call. Each launch starts after the
+// one before it has finished, so plain stores suffice. Invariant between
+// launches: amax_slots[amax_parity] and every field above amax_parity are
+// zero; the slot just used stays nonzero until the next two-pass call's
+// quantize pass.
 struct QuantizeWorkspace {
   int32_t next_item;
   int32_t blocks_done;
