@@ -669,42 +669,40 @@ absl::StatusOr<v1::GroupedGemmResponse> Coordinator::GroupedGemmGlobalSorted(
   auto routing = RouteSortedRows(*sizes, lhs->shape[0], row_axis_sizes, ep_index);
   if (!routing.ok()) return routing.status();
 
-  v1::GroupedGemmRequest per_shard = request;
-  per_shard.set_layout(v1::GroupedGemmRequest::PER_SHARD);
-  HostTensorToProto(RouteRows(*lhs, *routing), per_shard.mutable_lhs());
-  per_shard.mutable_lhs()->set_spec(request.lhs().spec());
+  // The routed operands go to the PER_SHARD path decoded (the request's
+  // own, and its bytes, are not copied or encoded again).
+  absl::flat_hash_map<std::string, DecodedOperand> decoded;
+  decoded["lhs"] = {RouteRows(*lhs, *routing), request.lhs().spec()};
   if (ragged_k) {
     auto rhs = HostTensorFromProto(request.rhs(), "rhs");
     if (!rhs.ok()) return rhs.status();
     if (rhs->shape.size() != 2 || rhs->shape[0] != lhs->shape[0]) {
       return absl::InvalidArgumentError("rhs must be [M, N] with the rows of lhs");
     }
-    HostTensorToProto(RouteRows(*rhs, *routing), per_shard.mutable_rhs());
-    per_shard.mutable_rhs()->set_spec(request.rhs().spec());
+    decoded["rhs"] = {RouteRows(*rhs, *routing), request.rhs().spec()};
   }
   HostTensor shard_sizes = *ZerosTensor(DType::kI64, {static_cast<int64_t>(routing->shard_group_sizes.size())});
   std::copy(routing->shard_group_sizes.begin(), routing->shard_group_sizes.end(), shard_sizes.data<int64_t>());
-  HostTensorToProto(shard_sizes, per_shard.mutable_group_sizes());
-  per_shard.mutable_group_sizes()->set_spec(
-      row_axes.empty() ? "" : absl::StrCat("((", absl::StrJoin(row_axes, ","), "),)"));
+  decoded["group_sizes"] = {std::move(shard_sizes),
+                            row_axes.empty() ? "" : absl::StrCat("((", absl::StrJoin(row_axes, ","), "),)")};
 
-  auto response = GroupedGemmPerShard(per_shard);
+  HostTensor out;
+  auto response = GroupedGemmPerShard(request, std::move(decoded), ragged_k ? nullptr : &out);
   if (!response.ok() || ragged_k) return response;
   // Output rows back in the client's order.
-  auto out = HostTensorFromProto(response->out(), "out");
-  if (!out.ok()) return out.status();
-  HostTensor client_out = *ZerosTensor(out->dtype, {lhs->shape[0], out->shape[1]});
-  const size_t row_bytes = static_cast<size_t>(out->shape[1]) * DTypeSize(out->dtype);
+  HostTensor client_out = *ZerosTensor(out.dtype, {lhs->shape[0], out.shape[1]});
+  const size_t row_bytes = static_cast<size_t>(out.shape[1]) * DTypeSize(out.dtype);
   for (size_t i = 0; i < routing->source_row.size(); ++i) {
     if (routing->source_row[i] < 0) continue;
-    std::memcpy(&client_out.bytes[routing->source_row[i] * row_bytes], &out->bytes[i * row_bytes], row_bytes);
+    std::memcpy(&client_out.bytes[routing->source_row[i] * row_bytes], &out.bytes[i * row_bytes], row_bytes);
   }
   HostTensorToProto(client_out, response->mutable_out());
   return response;
 }
 
 absl::StatusOr<v1::GroupedGemmResponse> Coordinator::GroupedGemmPerShard(
-    const v1::GroupedGemmRequest& request) {
+    const v1::GroupedGemmRequest& request, absl::flat_hash_map<std::string, DecodedOperand> decoded,
+    HostTensor* out_tensor) {
   const absl::Time start = absl::Now();
   if (auto s = CheckReady(); !s.ok()) return s;
   if (!request.keep_output_as().empty() && request.keep_output_as().find('@') != std::string::npos) {
@@ -713,7 +711,12 @@ absl::StatusOr<v1::GroupedGemmResponse> Coordinator::GroupedGemmPerShard(
   absl::flat_hash_map<std::string, TensorMeta> metas;
   PinGuard guard{this, {}};
   auto resolve = [&](const v1::Tensor& t, const std::string& field) -> absl::StatusOr<TensorMeta> {
-    auto meta = ResolveMeta(t, field, &guard.pins);
+    absl::StatusOr<TensorMeta> meta;
+    if (auto it = decoded.find(field); it != decoded.end()) {
+      meta = TensorMeta{it->second.tensor.dtype, it->second.tensor.shape, it->second.spec};
+    } else {
+      meta = ResolveMeta(t, field, &guard.pins);
+    }
     if (meta.ok()) metas[field] = *meta;
     return meta;
   };
@@ -730,7 +733,9 @@ absl::StatusOr<v1::GroupedGemmResponse> Coordinator::GroupedGemmPerShard(
   }
   auto plan = planner::MakePlan(*plan_request);
   if (!plan.ok()) return plan.status();
-  auto group_sizes_tensor = HostTensorFromProto(request.group_sizes(), "group_sizes");
+  auto group_sizes_tensor = decoded.contains("group_sizes")
+                                ? absl::StatusOr<HostTensor>(std::move(decoded["group_sizes"].tensor))
+                                : HostTensorFromProto(request.group_sizes(), "group_sizes");
   if (!group_sizes_tensor.ok()) return group_sizes_tensor.status();
   auto group_sizes = ToInt64Vector(*group_sizes_tensor, "group_sizes");
   if (!group_sizes.ok()) return group_sizes.status();
@@ -747,6 +752,10 @@ absl::StatusOr<v1::GroupedGemmResponse> Coordinator::GroupedGemmPerShard(
       {&request.lhs(), "lhs"}, {&request.rhs(), "rhs"}, {&request.bias(), "bias"}};
   for (const auto& [tensor, name] : sources) {
     if (!metas.contains(name) || !metas[name].resident_shard.empty()) continue;
+    if (auto it = decoded.find(name); it != decoded.end()) {
+      inline_tensors[name] = std::move(it->second.tensor);
+      continue;
+    }
     auto t = HostTensorFromProto(*tensor, name);
     if (!t.ok()) return t.status();
     inline_tensors[name] = std::move(*t);
@@ -832,7 +841,11 @@ absl::StatusOr<v1::GroupedGemmResponse> Coordinator::GroupedGemmPerShard(
     auto out = Assemble(plan->out_dtype, plan->out_shape, plan->out_spec,
                         [&](int r) { return HostTensorFromProto(std::move(*(*results)[r].mutable_out()), "out"); });
     if (!out.ok()) return out.status();
-    HostTensorToProto(*out, response.mutable_out());
+    if (out_tensor != nullptr) {
+      *out_tensor = std::move(*out);
+    } else {
+      HostTensorToProto(*out, response.mutable_out());
+    }
   }
   double worker_seconds = 0;
   for (const v1::StepResult& r : *results) worker_seconds = std::max(worker_seconds, r.compute_seconds());

@@ -59,7 +59,19 @@ class Coordinator {
     std::shared_ptr<WorkerChannel> channel;  // shared: a dispatch may outlive a re-registration
   };
 
-  absl::StatusOr<v1::GroupedGemmResponse> GroupedGemmPerShard(const v1::GroupedGemmRequest& request);
+  // An operand the caller has decoded already (GLOBAL_SORTED's routed rows
+  // and per-shard group sizes): it stands for the request's field of that
+  // name, whose proto is then not read at all.
+  struct DecodedOperand {
+    HostTensor tensor;
+    std::string spec;
+  };
+  // The PER_SHARD layout. With `decoded`, those operands replace the
+  // request's; with `out_tensor`, the output (when not kept resident) is
+  // moved there instead of encoded into the response's `out`.
+  absl::StatusOr<v1::GroupedGemmResponse> GroupedGemmPerShard(
+      const v1::GroupedGemmRequest& request, absl::flat_hash_map<std::string, DecodedOperand> decoded = {},
+      HostTensor* out_tensor = nullptr);
   absl::StatusOr<v1::GroupedGemmResponse> GroupedGemmGlobalSorted(
       const v1::GroupedGemmRequest& request);
   // UNAVAILABLE until every worker of the mesh has registered.
