@@ -838,6 +838,51 @@ TEST(QuantizeGpuTest, GraphReplaysAndRewrittenOutputsMatchTheReference) {
   CK(cudaStreamDestroy(stream));
 }
 
+// A current-scaling row+col call (bf16 x, E4M3) with its CPU reference and
+// its device buffers: `args` points at the device ones.
+struct CurrentScalingCall {
+  std::vector<int64_t> groups;
+  int64_t m = 0, G = 0;
+  std::vector<uint8_t> hr, hc, hrs, hcs;
+  std::vector<float> hamax;
+  std::unique_ptr<DevBuf> dx, dr, dc, drs, dcs, damax;
+  GroupedQuantizeArgs args;
+
+  // The reference on x (m x k bf16 bytes), x uploaded. (ASSERTs: a void function.)
+  void Init(std::vector<int64_t> group_sizes, int64_t k, const std::vector<uint8_t>& x) {
+    groups = std::move(group_sizes);
+    G = static_cast<int64_t>(groups.size());
+    m = static_cast<int64_t>(x.size()) / (2 * k);
+    args.x_dtype = DType::kBF16, args.m = m, args.k = k, args.group_sizes = groups.data(), args.num_groups = G;
+    args.mode = ScalingMode::kCurrent, args.format = Fp8Format::kE4M3, args.rowwise = true, args.colwise = true;
+    hr.assign(m * k, 0), hc.assign(m * k, 0), hrs.assign(G * 4, 0), hcs.assign(G * 4, 0), hamax.assign(G, 0.0f);
+    GroupedQuantizeArgs ca = args;
+    ca.x = x.data(), ca.rowwise_data = hr.data(), ca.colwise_data = hc.data();
+    ca.rowwise_scale_inv = hrs.data(), ca.colwise_scale_inv = hcs.data(), ca.amax = hamax.data();
+    ASSERT_TRUE(cpu::GroupedQuantize(ca).ok());
+    dx = std::make_unique<DevBuf>(x.size()), dr = std::make_unique<DevBuf>(m * k), dc = std::make_unique<DevBuf>(m * k);
+    drs = std::make_unique<DevBuf>(G * 4), dcs = std::make_unique<DevBuf>(G * 4), damax = std::make_unique<DevBuf>(G * 4);
+    dx->Upload(x.data());
+    args.x = dx->p, args.rowwise_data = dr->as<uint8_t>(), args.colwise_data = dc->as<uint8_t>();
+    args.rowwise_scale_inv = drs->p, args.colwise_scale_inv = dcs->p, args.amax = damax->as<float>();
+  }
+  // Garbage in every output, the fills done (they run on the legacy stream,
+  // which a stream of the caller's does not wait for).
+  void FillOutputs() const {
+    for (DevBuf* b : {dr.get(), dc.get(), drs.get(), dcs.get(), damax.get()}) b->Fill(0xa5);
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  }
+  // After the call's work has finished.
+  void ExpectOutputsMatchTheReference() const {
+    EXPECT_EQ(dr->Download(), hr) << "rowwise_data";
+    EXPECT_EQ(dc->Download(), hc) << "colwise_data";
+    EXPECT_EQ(drs->Download(), hrs) << "rowwise_scale_inv";
+    EXPECT_EQ(dcs->Download(), hcs) << "colwise_scale_inv";
+    const std::vector<uint8_t> got = damax->Download();
+    EXPECT_EQ(0, std::memcmp(got.data(), hamax.data(), G * 4)) << "amax";
+  }
+};
+
 // Current scaling's two passes on one workspace take its amax slots in
 // turn (QuantizeWorkspace): a call with fewer groups than the call before
 // the last must still find its slot zero in every group. Calls of 8, 1 and 8
@@ -862,38 +907,21 @@ TEST(QuantizeGpuTest, TwoPassAmaxSlotsStartFromZeroWhateverTheCallsBefore) {
   uint32_t seed = 900;
   for (size_t i = 0; i < calls.size(); ++i) {
     SCOPED_TRACE("call " + std::to_string(i));
-    const Call& call = calls[i];
-    const int64_t G = static_cast<int64_t>(call.groups.size());
     int64_t m = 0;
-    for (int64_t g : call.groups) m += g;
-    const std::vector<uint8_t> x =
-        call.large ? ConstantInput(DType::kBF16, m * k, 30000.0f) : RandomInput(DType::kBF16, m * k, seed++, false);
-    GroupedQuantizeArgs a;
-    a.x_dtype = DType::kBF16, a.m = m, a.k = k, a.group_sizes = call.groups.data(), a.num_groups = G;
-    a.mode = ScalingMode::kCurrent, a.format = Fp8Format::kE4M3, a.rowwise = true, a.colwise = true;
-    std::vector<uint8_t> hr(m * k), hc(m * k), hrs(G * 4), hcs(G * 4);
-    std::vector<float> hamax(G);
-    GroupedQuantizeArgs ca = a;
-    ca.x = x.data(), ca.rowwise_data = hr.data(), ca.colwise_data = hc.data();
-    ca.rowwise_scale_inv = hrs.data(), ca.colwise_scale_inv = hcs.data(), ca.amax = hamax.data();
-    ASSERT_TRUE(cpu::GroupedQuantize(ca).ok());
-    DevBuf dx(x.size()), dr(m * k), dc(m * k), drs(G * 4), dcs(G * 4), damax(G * 4);
-    dx.Upload(x.data());
-    for (DevBuf* b : {&dr, &dc, &drs, &dcs, &damax}) b->Fill(0xa5);
-    a.x = dx.p, a.rowwise_data = dr.as<uint8_t>(), a.colwise_data = dc.as<uint8_t>();
-    a.rowwise_scale_inv = drs.p, a.colwise_scale_inv = dcs.p, a.amax = damax.as<float>();
+    for (int64_t g : calls[i].groups) m += g;
+    CurrentScalingCall call;
+    call.Init(calls[i].groups, k,
+              calls[i].large ? ConstantInput(DType::kBF16, m * k, 30000.0f)
+                             : RandomInput(DType::kBF16, m * k, seed++, false));
+    if (HasFatalFailure()) return;
+    call.FillOutputs();
     cuda::GpuQuantizeOptions opt;
     opt.workspace = workspace.p;
     opt.kernel = cuda::GpuQuantizeOptions::Kernel::kTiled;
-    absl::Status st = cuda::GroupedQuantize(a, nullptr, opt);  // (the null stream: ordered with the fills)
+    absl::Status st = cuda::GroupedQuantize(call.args, nullptr, opt);
     ASSERT_TRUE(st.ok()) << st;
     CK(cudaDeviceSynchronize());
-    std::vector<uint8_t> got = damax.Download();
-    EXPECT_EQ(0, std::memcmp(got.data(), hamax.data(), G * 4)) << "amax";
-    EXPECT_EQ(dr.Download(), hr) << "rowwise_data";
-    EXPECT_EQ(dc.Download(), hc) << "colwise_data";
-    EXPECT_EQ(drs.Download(), hrs) << "rowwise_scale_inv";
-    EXPECT_EQ(dcs.Download(), hcs) << "colwise_scale_inv";
+    call.ExpectOutputsMatchTheReference();
     const std::vector<uint8_t> ws = workspace.Download();
     EXPECT_EQ(NonzeroProtocolBytes(ws), 0) << "workspace";
     cuda_internal::QuantizeWorkspace w;
@@ -917,42 +945,23 @@ TEST(QuantizeGpuTest, ReleasedStreamWorkspaceIsMadeAgainOnTheNextCall) {
   CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   EXPECT_TRUE(cuda::ReleaseQuantizeWorkspace(stream).ok());  // none yet
   EXPECT_TRUE(cuda::ReleaseQuantizeWorkspace(nullptr).ok());
-  const int64_t k = 256;
-  const std::vector<int64_t> groups = {32, 0, 64};
-  const int64_t G = 3, m = 96;
-  const std::vector<uint8_t> x = RandomInput(DType::kBF16, m * k, 31, true);
-  GroupedQuantizeArgs a;
-  a.x_dtype = DType::kBF16, a.m = m, a.k = k, a.group_sizes = groups.data(), a.num_groups = G;
-  a.mode = ScalingMode::kCurrent, a.format = Fp8Format::kE4M3, a.rowwise = true, a.colwise = true;
-  std::vector<uint8_t> hr(m * k), hc(m * k), hrs(G * 4), hcs(G * 4);
-  std::vector<float> hamax(G);
-  GroupedQuantizeArgs ca = a;
-  ca.x = x.data(), ca.rowwise_data = hr.data(), ca.colwise_data = hc.data();
-  ca.rowwise_scale_inv = hrs.data(), ca.colwise_scale_inv = hcs.data(), ca.amax = hamax.data();
-  ASSERT_TRUE(cpu::GroupedQuantize(ca).ok());
-  DevBuf dx(x.size()), dr(m * k), dc(m * k), drs(G * 4), dcs(G * 4), damax(G * 4);
-  dx.Upload(x.data());
-  a.x = dx.p, a.rowwise_data = dr.as<uint8_t>(), a.colwise_data = dc.as<uint8_t>();
-  a.rowwise_scale_inv = drs.p, a.colwise_scale_inv = dcs.p, a.amax = damax.as<float>();
+  const int64_t k = 256, m = 96;
+  CurrentScalingCall call;
+  call.Init({32, 0, 64}, k, RandomInput(DType::kBF16, m * k, 31, true));
+  if (HasFatalFailure()) return;
   for (int round = 0; round < 3; ++round) {
     SCOPED_TRACE("round " + std::to_string(round));
-    for (DevBuf* b : {&dr, &dc, &drs, &dcs, &damax}) b->Fill(0xa5);
-    CK(cudaDeviceSynchronize());  // (the fills ran on the legacy stream, which ours does not wait for)
+    call.FillOutputs();
     for (cuda::GpuQuantizeOptions::Kernel kernel :
          {cuda::GpuQuantizeOptions::Kernel::kOneShot, cuda::GpuQuantizeOptions::Kernel::kTiled}) {
       cuda::GpuQuantizeOptions opt;  // no workspace: the library's own for the stream
       opt.kernel = kernel;
-      absl::Status st = cuda::GroupedQuantize(a, stream, opt);
+      absl::Status st = cuda::GroupedQuantize(call.args, stream, opt);
       ASSERT_TRUE(st.ok()) << st;
     }
     absl::Status released = cuda::ReleaseQuantizeWorkspace(stream);  // waits for the calls above
     ASSERT_TRUE(released.ok()) << released;
-    EXPECT_EQ(dr.Download(), hr) << "rowwise_data";
-    EXPECT_EQ(dc.Download(), hc) << "colwise_data";
-    EXPECT_EQ(drs.Download(), hrs) << "rowwise_scale_inv";
-    EXPECT_EQ(dcs.Download(), hcs) << "colwise_scale_inv";
-    std::vector<uint8_t> got = damax.Download();
-    EXPECT_EQ(0, std::memcmp(got.data(), hamax.data(), G * 4)) << "amax";
+    call.ExpectOutputsMatchTheReference();
   }
   EXPECT_TRUE(cuda::ReleaseQuantizeWorkspace(stream).ok());  // released already: nothing to do
   CK(cudaStreamDestroy(stream));
