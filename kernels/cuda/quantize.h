@@ -116,6 +116,9 @@ absl::Status ReleaseQuantizeWorkspace(cudaStream_t stream);
 // Which kernel GroupedQuantize(args, stream, options) runs, kTiled or
 // kOneShot (GpuQuantizeOptions::Kernel), or the error it would return for
 // the arguments or the asked-for kernel. Allocates nothing, launches nothing.
+// (One exception it cannot see: where it says kOneShot for current scaling
+// under kAuto and the cooperative launch is then refused at run time, the
+// call takes the tiled kernels.)
 absl::StatusOr<GpuQuantizeOptions::Kernel> ChosenQuantizeKernel(const GroupedQuantizeArgs& args, cudaStream_t stream,
                                                                 const GpuQuantizeOptions& options = GpuQuantizeOptions());
 
