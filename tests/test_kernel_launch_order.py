@@ -58,7 +58,7 @@ def _sass_functions(obj):
     for part in re.split(r"\n\s+Function : ", out)[1:]:
         name = part.split("\n", 1)[0].strip()
         instructions = []
-        for m in re.finditer(r"/\*[0-9a-f]{4}\*/\s+(.*?)\s*;", part):
+        for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;", part):
             instructions.append(re.sub(r"^@!?U?P\w+\s+", "", m.group(1)))
         functions[name] = instructions
     return functions
