@@ -55,9 +55,9 @@ constexpr int64_t kAmaxPassBlocks = 256;
 // leaves the workspace fit for the next (QuantizeWorkspace). Ours only for
 // streams the caller created, outside capture: the default streams can be
 // shared between threads, and a captured graph may be replayed on another
-// stream, where two launches would share one workspace. Otherwise nullptr (current scaling: a memset of amax
-// before the launch, and the two-pass path). Allocated on first use, kept
-// until ReleaseQuantizeWorkspace(stream).
+// stream, where two launches would share one workspace. Otherwise nullptr
+// (current scaling: a memset of amax before the launch, and the two-pass
+// path). Allocated on first use, kept until ReleaseQuantizeWorkspace(stream).
 // Whether a launch on `stream` with `options` has a workspace (before ours is
 // allocated).
 absl::StatusOr<bool> HasWorkspace(cudaStream_t stream, const GpuQuantizeOptions& options) {
@@ -317,11 +317,14 @@ absl::Status GroupedQuantize(const GroupedQuantizeArgs& a, cudaStream_t stream, 
   }
   p->total_tiles = static_cast<int>(tiles);
   if (2 * tiles * p->col_tiles >= (int64_t{1} << 31)) return absl::InvalidArgumentError("m, k: too many tiles");
-  // Current scaling's two passes take the workspace's amax slots (no count
-  // of finished blocks at the quantize pass's end: QuantizeWorkspace); the
-  // one-shot kernel, the fused pass and calls with no rows (no amax pass)
-  // keep its amax.
-  if (amax_in_workspace && !one_shot && !fused && tiles > 0) {
+  // Which passes run: the fused pass where asked and a workspace allows it,
+  // else (tiled current scaling with rows) an amax pass before the quantize
+  // pass. The two passes take the workspace's amax slots (no count of
+  // finished blocks at the quantize pass's end: QuantizeWorkspace); the
+  // one-shot kernel, the fused pass and calls with no rows keep its amax.
+  const bool fused_pass = fused && tiles > 0 && *ws != nullptr;
+  const bool amax_pass = current && tiles > 0 && !one_shot && !fused_pass;
+  if (amax_in_workspace && amax_pass) {
     p->amax_slots = true;
     p->amax = reinterpret_cast<float*>(reinterpret_cast<cuda_internal::QuantizeWorkspace*>(*ws)->amax_slots[0]);
   }
@@ -371,36 +374,34 @@ absl::Status GroupedQuantize(const GroupedQuantizeArgs& a, cudaStream_t stream, 
     if (e != cudaSuccess) return fail_launch(e, "one-shot grouped quantize kernel");
     return absl::OkStatus();
   }
-  if (tiles > 0 && fused) {
-    if (*ws != nullptr) {
-      // Batches of whole groups of about kFusedBatchBytes of x (none empty).
-      const int64_t row_bytes = a.k * DTypeSize(a.x_dtype);
-      int nb = 0;
-      int64_t bytes = 0, t = 0;
-      p->batch_tile_off[0] = 0;
-      for (int64_t g = 0; g < a.num_groups; ++g) {
-        t += (a.group_sizes[g] + p->tile_rows - 1) / p->tile_rows;
-        bytes += a.group_sizes[g] * row_bytes;
-        if (t > p->batch_tile_off[nb] && (bytes >= kFusedBatchBytes || t == tiles)) {
-          p->batch_tile_off[++nb] = static_cast<int32_t>(t);
-          bytes = 0;
-        }
+  if (fused_pass) {
+    // Batches of whole groups of about kFusedBatchBytes of x (none empty).
+    const int64_t row_bytes = a.k * DTypeSize(a.x_dtype);
+    int nb = 0;
+    int64_t bytes = 0, t = 0;
+    p->batch_tile_off[0] = 0;
+    for (int64_t g = 0; g < a.num_groups; ++g) {
+      t += (a.group_sizes[g] + p->tile_rows - 1) / p->tile_rows;
+      bytes += a.group_sizes[g] * row_bytes;
+      if (t > p->batch_tile_off[nb] && (bytes >= kFusedBatchBytes || t == tiles)) {
+        p->batch_tile_off[++nb] = static_cast<int32_t>(t);
+        bytes = 0;
       }
-      p->num_batches = nb;
-      // Phase b: batch b's amax tiles and batch b-1's quantize tiles.
-      int64_t item = 0;
-      for (int b = 0; b <= nb; ++b) {
-        p->phase_item_off[b] = static_cast<int32_t>(item);
-        if (b < nb) item += int64_t{p->batch_tile_off[b + 1] - p->batch_tile_off[b]} * p->col_tiles;
-        if (b > 0) item += int64_t{p->batch_tile_off[b] - p->batch_tile_off[b - 1]} * p->col_tiles;
-      }
-      p->phase_item_off[nb + 1] = static_cast<int32_t>(item);
-      p->num_items = static_cast<int>(item);
-      p->fuse_amax = true;
-      p->workspace = *ws;
     }
+    p->num_batches = nb;
+    // Phase b: batch b's amax tiles and batch b-1's quantize tiles.
+    int64_t item = 0;
+    for (int b = 0; b <= nb; ++b) {
+      p->phase_item_off[b] = static_cast<int32_t>(item);
+      if (b < nb) item += int64_t{p->batch_tile_off[b + 1] - p->batch_tile_off[b]} * p->col_tiles;
+      if (b > 0) item += int64_t{p->batch_tile_off[b] - p->batch_tile_off[b - 1]} * p->col_tiles;
+    }
+    p->phase_item_off[nb + 1] = static_cast<int32_t>(item);
+    p->num_items = static_cast<int>(item);
+    p->fuse_amax = true;
+    p->workspace = *ws;
   }
-  if (a.mode == ScalingMode::kCurrent && tiles > 0 && !p->fuse_amax) {
+  if (amax_pass) {
     // The amax pass tiles whole rows: at most 64 KiB per block, and about
     // kAmaxPassBlocks blocks where the rows allow.
     auto pa = std::make_unique<cuda_internal::QuantizeParams>(*p);

@@ -839,7 +839,8 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(DT, MODE)) QuantizeKernel(
       CpAsyncCommit();
       // The tile's scale is read before the wait, so its latency hides there.
       float tscale = 1.0f, gamax = 0.0f;
-      if constexpr (MODE == kModeCurrent) gamax = __ldcg(p.amax + amax_slot_off + tg.g);  // final: the amax pass ran before
+      // (Current scaling: final, the amax pass ran before.)
+      if constexpr (MODE == kModeCurrent) gamax = __ldcg(p.amax + amax_slot_off + tg.g);
       if constexpr (MODE == kModeDelayed) tscale = __ldg(p.scale + tg.g);
       CpAsyncWait<1>();  // this tile's group is in
       __syncthreads();
@@ -853,10 +854,11 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(DT, MODE)) QuantizeKernel(
     CpAsyncWait<0>();
     AllowDependentLaunch();  // (every thread has waited)
     if constexpr (kAfterAmaxPass) {
-      // The workspace's amax (final since the amax pass) to the caller's, and
-      // the workspace zeroed. Its reads here (the tiles' group amax, the
-      // copy) have been used before the count's barrier; the relaxed count
-      // relies on that. With slots: block 0 alone, no count.
+      // The amax to the caller's. With slots (the two passes): block 0
+      // alone, no count. Else (a call with no rows, so no amax pass): the
+      // workspace's zeros, then the workspace reset by the last block; its
+      // reads here have been used before the count's barrier, which the
+      // relaxed count relies on.
       if (p.amax_slots) {
         if (blockIdx.x == 0) PublishSlotAmax(p);
       } else if (p.workspace != nullptr) {

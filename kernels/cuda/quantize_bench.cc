@@ -190,7 +190,8 @@ int Main(int argc, char** argv) {
     }
     double copy_g = 1.0, copy_e = 1.0;
     if (!profile) {  // (profiled: the quantize calls only)
-      Time([&] { SHARDGEMM_CHECK_CUDA(cudaMemcpyAsync(copy_dst, x, xbytes, cudaMemcpyDeviceToDevice, s)); }, iters, s, &copy_g, &copy_e);
+      Time([&] { SHARDGEMM_CHECK_CUDA(cudaMemcpyAsync(copy_dst, x, xbytes, cudaMemcpyDeviceToDevice, s)); }, iters, s,
+           &copy_g, &copy_e);
     }
     const double copy_bw = 2.0 * xbytes / copy_g / 1e9;
     char shape[32];

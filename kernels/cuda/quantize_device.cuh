@@ -404,17 +404,18 @@ cudaError_t LaunchAsDependent(void (*kernel)(Args...), dim3 grid, int smem, cuda
   return cudaLaunchKernelEx(&config, kernel, p);
 }
 
-// The workspace protocol (current scaling). Tiles reduce the amax into the
-// workspace's; once it is final (the two-pass quantize launch: from its
-// start; the one-shot kernel: past its grid barrier; the fused pass: at its
-// end), one block copies it to the caller's (PublishAmax). Each block counts
-// itself in once it is done with the workspace; the block that counts last
-// zeroes every field the launch used, for the next launch on the stream.
-// With release (acq_rel) semantics, the block's earlier workspace atomics
-// (the fused pass's claims, amax contributions and amax-tile counts) are
-// performed before the count, so before the last block's zeroing; the
-// two-pass quantize launch and the one-shot kernel's blocks only read the
-// workspace since their last atomic, which their count need not order.
+// The workspace protocol (current scaling; the two passes use the amax
+// slots instead, PublishSlotAmax). Tiles reduce the amax into the
+// workspace's; once it is final (the one-shot kernel: past its grid
+// barrier; the fused pass: at its end; a call with no rows, which has no
+// amax pass: at once), one block copies it to the caller's (PublishAmax).
+// Each block counts itself in once it is done with the workspace; the block
+// that counts last zeroes every field the launch used, for the next launch
+// on the stream. With release (acq_rel) semantics, the block's earlier
+// workspace atomics (the fused pass's claims, amax contributions and
+// amax-tile counts) are performed before the count, so before the last
+// block's zeroing; the one-shot kernel's blocks only read the workspace
+// since their last atomic, which their count need not order.
 __device__ __forceinline__ void PublishAmax(const QuantizeParams& p) {
   const QuantizeWorkspace* ws = reinterpret_cast<const QuantizeWorkspace*>(p.workspace);
   for (int g = threadIdx.x; g < p.num_groups; g += kThreads) p.amax_out[g] = BitsToFloat(__ldcg(ws->amax + g));

@@ -861,7 +861,8 @@ struct CurrentScalingCall {
     ca.rowwise_scale_inv = hrs.data(), ca.colwise_scale_inv = hcs.data(), ca.amax = hamax.data();
     ASSERT_TRUE(cpu::GroupedQuantize(ca).ok());
     dx = std::make_unique<DevBuf>(x.size()), dr = std::make_unique<DevBuf>(m * k), dc = std::make_unique<DevBuf>(m * k);
-    drs = std::make_unique<DevBuf>(G * 4), dcs = std::make_unique<DevBuf>(G * 4), damax = std::make_unique<DevBuf>(G * 4);
+    drs = std::make_unique<DevBuf>(G * 4), dcs = std::make_unique<DevBuf>(G * 4);
+    damax = std::make_unique<DevBuf>(G * 4);
     dx->Upload(x.data());
     args.x = dx->p, args.rowwise_data = dr->as<uint8_t>(), args.colwise_data = dc->as<uint8_t>();
     args.rowwise_scale_inv = drs->p, args.colwise_scale_inv = dcs->p, args.amax = damax->as<float>();

@@ -263,7 +263,9 @@ cudaError_t LaunchT(const QuantizeParams& p, cudaStream_t stream) {
   if (p.total_tiles <= 0 || p.col_tiles <= 0 || p.col_tiles > 65535) return cudaErrorInvalidValue;
   const dim3 blocks(static_cast<unsigned>(p.total_tiles), static_cast<unsigned>(p.col_tiles));
   // Current scaling's grid barrier needs every block resident: a cooperative launch.
-  if (MODE == kModeCurrent && p.workspace == nullptr) return cudaErrorInvalidValue;
+  if constexpr (MODE == kModeCurrent) {
+    if (p.workspace == nullptr) return cudaErrorInvalidValue;
+  }
   return LaunchAsDependent(OneShotKernel<DT, MODE, FMT>, blocks, 0, stream, p, /*cooperative=*/MODE == kModeCurrent);
 }
 
