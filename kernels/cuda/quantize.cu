@@ -943,14 +943,22 @@ cudaError_t LaunchQuantizeT(const QuantizeParams& p, cudaStream_t stream) {
     if (p.fuse_amax) kernel = QuantizeKernel<DT, MODE, FMT, true, 128>;
   }
   const int smem = kTileBuffers * TileBytes<DT>();
-  int sms = 0, per_sm = 0;
-  cudaError_t e = KernelResidency(reinterpret_cast<const void*>(kernel), smem, &sms, &per_sm);
+  int sms = 0, per_sm = 0, two_per_sm_smem = 0;
+  cudaError_t e = KernelResidency(reinterpret_cast<const void*>(kernel), smem, &sms, &per_sm, &two_per_sm_smem);
   if (e != cudaSuccess) return e;
+  // A launch of at most two items per SM asks for so much shared memory that
+  // no third block fits beside two, so its blocks spread two to an SM
+  // whatever else is resident. Current scaling's quantize pass launches
+  // while its amax pass runs: allowed three an SM, its blocks filled the SMs
+  // unevenly (small-decode row+col 7.7 -> 7.1 us, three runs; MXFP8 and
+  // delayed unchanged: docs/performance/quantize.md).
+  const bool cap_two = per_sm > 2 && p.num_items <= 2 * int64_t{sms} && two_per_sm_smem > smem;
+  const int launch_smem = cap_two ? two_per_sm_smem : smem;
   // Enough blocks to fill the GPU once; an empty launch still writes empty groups' scales.
   // (Two blocks per SM, or the fewest blocks for the same number of waves,
   // measured no faster on any preset: docs/performance/quantize.md.)
   const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(p.num_items, static_cast<int64_t>(sms) * std::max(1, per_sm)));
-  return LaunchAsDependent(kernel, dim3(static_cast<unsigned>(blocks)), smem, stream, p);
+  return LaunchAsDependent(kernel, dim3(static_cast<unsigned>(blocks)), launch_smem, stream, p);
 }
 
 template <int DT, int MODE>
@@ -1064,22 +1072,42 @@ __global__ void CvtCheckKernel(unsigned long long* mismatches) {
 // A kernel's SM count and resident blocks per SM on the current device, with
 // its dynamic shared memory allowed there: set and queried once per kernel
 // and device (each is host time on every call otherwise).
-cudaError_t KernelResidency(const void* kernel, int smem, int* sms, int* per_sm) {
+cudaError_t KernelResidency(const void* kernel, int smem, int* sms, int* per_sm, int* two_per_sm_smem) {
   int device = 0;
   cudaError_t e = cudaGetDevice(&device);
   if (e != cudaSuccess) return e;
+  struct Facts {
+    int sms = 0, per_sm = 0, two_per_sm_smem = 0;
+  };
   static std::mutex mu;
-  static auto* cache = new std::map<std::pair<const void*, int>, std::pair<int, int>>();
+  static auto* cache = new std::map<std::pair<const void*, int>, Facts>();
   std::lock_guard<std::mutex> lock(mu);
   auto it = cache->find({kernel, device});
   if (it == cache->end()) {
-    std::pair<int, int> v{0, 0};
-    if ((e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem)) != cudaSuccess) return e;
-    if ((e = cudaDeviceGetAttribute(&v.first, cudaDevAttrMultiProcessorCount, device)) != cudaSuccess) return e;
-    if ((e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&v.second, kernel, kThreads, smem)) != cudaSuccess) return e;
+    Facts v;
+    // The most dynamic shared memory two blocks fit with (their static
+    // shared memory and the per-block reservation beside it).
+    int sm_smem = 0, reserved = 0, optin = 0;
+    cudaFuncAttributes attrs;
+    if ((e = cudaFuncGetAttributes(&attrs, kernel)) != cudaSuccess) return e;
+    if ((e = cudaDeviceGetAttribute(&sm_smem, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device)) != cudaSuccess) return e;
+    if ((e = cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, device)) != cudaSuccess) return e;
+    if ((e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device)) != cudaSuccess) return e;
+    const int two = std::min(optin - static_cast<int>(attrs.sharedSizeBytes),
+                             (sm_smem / 2 - reserved - static_cast<int>(attrs.sharedSizeBytes)) / 128 * 128);
+    const int allowed = std::max(smem, two);
+    if ((e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, allowed)) != cudaSuccess) {
+      return e;
+    }
+    if ((e = cudaDeviceGetAttribute(&v.sms, cudaDevAttrMultiProcessorCount, device)) != cudaSuccess) return e;
+    if ((e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&v.per_sm, kernel, kThreads, smem)) != cudaSuccess) return e;
+    int per_sm_two = 0;
+    if ((e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm_two, kernel, kThreads, two)) != cudaSuccess) return e;
+    v.two_per_sm_smem = per_sm_two == 2 ? two : 0;
     it = cache->emplace(std::make_pair(kernel, device), v).first;
   }
-  *sms = it->second.first, *per_sm = it->second.second;
+  *sms = it->second.sms, *per_sm = it->second.per_sm;
+  if (two_per_sm_smem != nullptr) *two_per_sm_smem = it->second.two_per_sm_smem;
   return cudaSuccess;
 }
 

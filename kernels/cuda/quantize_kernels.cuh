@@ -121,7 +121,9 @@ cudaError_t LaunchOneShotQuantize(const QuantizeParams& p, cudaStream_t stream);
 // A kernel's SM count and resident blocks per SM on the current device, with
 // `smem` bytes of dynamic shared memory allowed it there (quantize.cu; set
 // and queried once per kernel and device).
-cudaError_t KernelResidency(const void* kernel, int smem, int* sms, int* per_sm);
+// two_per_sm_smem (may be null): dynamic shared memory (allowed too) with
+// which exactly two blocks fit an SM, or 0 where none does.
+cudaError_t KernelResidency(const void* kernel, int smem, int* sms, int* per_sm, int* two_per_sm_smem = nullptr);
 // Whether the current device takes programmatic dependent launches (compute
 // capability 9.0 or later; quantize.cu, queried once per device).
 bool DependentLaunchSupported();
