@@ -60,6 +60,9 @@ struct QuantizeParams {
   // amax ones first ("AAQ" interleaved), so a group's amax is done, and its
   // rows still in L2, when its quantize tiles come up.
   bool fuse_amax;
+  // The launch lets its programmatic dependent launch as soon as its blocks
+  // have waited, not as they finish (LaunchQuantizeT sets it).
+  bool dependents_at_start;
   int num_items;
   int num_batches;
   // QuantizeWorkspace (its protocol is there): for fuse_amax, amax_out and
