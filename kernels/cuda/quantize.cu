@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <type_traits>
 #include <utility>
@@ -955,15 +956,16 @@ cudaError_t LaunchQuantizeT(const QuantizeParams& p, cudaStream_t stream) {
   // delayed unchanged: docs/performance/quantize.md).
   const bool cap_two = per_sm > 2 && p.num_items <= 2 * int64_t{sms} && two_per_sm_smem > smem;
   const int launch_smem = cap_two ? two_per_sm_smem : smem;
-  // Delayed scaling's capped launches let their dependent launch at their
-  // blocks' start: small-decode row+col 5.3 -> 4.8-4.9 us. The same for
-  // MXFP8 (5.5 -> 5.9-6.0) and current scaling's quantize pass (7.1 -> 8.5)
-  // measured slower, in the same two runs (docs/performance/quantize.md).
+  // Delayed scaling's capped launches let their dependent launch once their
+  // blocks have waited, not as they finish: small-decode row+col 5.3 -> 4.9
+  // us. The same for MXFP8 (5.5 -> 5.8-6.0, on 64 x 256 tiles no faster)
+  // and current scaling's quantize pass (7.1 -> 8.5) measured slower
+  // (docs/performance/quantize.md).
   if (MODE == kModeDelayed && cap_two) {
-    QuantizeParams q = p;  // (a copy only for these small launches)
-    q.dependents_at_start = true;
+    auto q = std::make_unique<QuantizeParams>(p);  // (on the heap: 25 KB of tables)
+    q->dependents_at_start = true;
     const int64_t blocks = std::max<int64_t>(1, p.num_items);
-    return LaunchAsDependent(kernel, dim3(static_cast<unsigned>(blocks)), launch_smem, stream, q);
+    return LaunchAsDependent(kernel, dim3(static_cast<unsigned>(blocks)), launch_smem, stream, *q);
   }
   // Enough blocks to fill the GPU once; an empty launch still writes empty groups' scales.
   // (Two blocks per SM, or the fewest blocks for the same number of waves,
@@ -1104,8 +1106,8 @@ cudaError_t KernelResidency(const void* kernel, int smem, int* sms, int* per_sm,
     if ((e = cudaDeviceGetAttribute(&sm_smem, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device)) != cudaSuccess) return e;
     if ((e = cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, device)) != cudaSuccess) return e;
     if ((e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device)) != cudaSuccess) return e;
-    const int two = std::min(optin - static_cast<int>(attrs.sharedSizeBytes),
-                             (sm_smem / 2 - reserved - static_cast<int>(attrs.sharedSizeBytes)) / 128 * 128);
+    const int two = std::max(0, std::min(optin - static_cast<int>(attrs.sharedSizeBytes),
+                                         (sm_smem / 2 - reserved - static_cast<int>(attrs.sharedSizeBytes)) / 128 * 128));
     const int allowed = std::max(smem, two);
     if ((e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, allowed)) != cudaSuccess) {
       return e;
@@ -1113,7 +1115,10 @@ cudaError_t KernelResidency(const void* kernel, int smem, int* sms, int* per_sm,
     if ((e = cudaDeviceGetAttribute(&v.sms, cudaDevAttrMultiProcessorCount, device)) != cudaSuccess) return e;
     if ((e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&v.per_sm, kernel, kThreads, smem)) != cudaSuccess) return e;
     int per_sm_two = 0;
-    if ((e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm_two, kernel, kThreads, two)) != cudaSuccess) return e;
+    if (two > smem &&
+        (e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm_two, kernel, kThreads, two)) != cudaSuccess) {
+      return e;
+    }
     v.two_per_sm_smem = per_sm_two == 2 ? two : 0;
     it = cache->emplace(std::make_pair(kernel, device), v).first;
   }
