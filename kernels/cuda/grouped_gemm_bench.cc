@@ -40,7 +40,6 @@ namespace shardgemm {
 namespace cuda {
 namespace {
 
-
 struct Preset {
   std::string name;
   int64_t g, m, k, n;

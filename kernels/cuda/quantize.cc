@@ -60,9 +60,15 @@ constexpr int64_t kAmaxPassBlocks = 256;
 // path). Allocated on first use, kept until ReleaseQuantizeWorkspace(stream).
 // Whether a launch on `stream` with `options` has a workspace (before ours is
 // allocated).
+// The default streams, which threads may share: the library keeps no
+// workspace for them.
+bool IsDefaultStream(cudaStream_t stream) {
+  return stream == nullptr || stream == cudaStreamLegacy || stream == cudaStreamPerThread;
+}
+
 absl::StatusOr<bool> HasWorkspace(cudaStream_t stream, const GpuQuantizeOptions& options) {
   if (options.workspace != nullptr) return true;
-  if (stream == nullptr || stream == cudaStreamLegacy || stream == cudaStreamPerThread) return false;
+  if (IsDefaultStream(stream)) return false;
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   cudaError_t e = cudaStreamIsCapturing(stream, &capture);
   if (e != cudaSuccess) return CudaStatus(e, "cudaStreamIsCapturing");
@@ -89,9 +95,8 @@ absl::StatusOr<int32_t*> LaunchWorkspace(cudaStream_t stream, const GpuQuantizeO
   if ((e = cudaStreamGetId(stream, &id)) != cudaSuccess) return CudaStatus(e, "cudaStreamGetId");
   StreamWorkspaces& ours = OurWorkspaces();
   std::lock_guard<std::mutex> lock(ours.mu);
-  auto* cache = &ours.by_stream;
-  auto it = cache->find(id);
-  if (it != cache->end()) return it->second;
+  auto it = ours.by_stream.find(id);
+  if (it != ours.by_stream.end()) return it->second;
   void* w = nullptr;
   const size_t bytes = QuantizeWorkspaceBytes();
   if ((e = cudaMalloc(&w, bytes)) != cudaSuccess) return CudaStatus(e, "cudaMalloc (quantize workspace)");
@@ -101,7 +106,7 @@ absl::StatusOr<int32_t*> LaunchWorkspace(cudaStream_t stream, const GpuQuantizeO
     cudaFree(w);
     return CudaStatus(e, "cudaMemsetAsync (quantize workspace)");
   }
-  (*cache)[id] = static_cast<int32_t*>(w);
+  ours.by_stream[id] = static_cast<int32_t*>(w);
   return static_cast<int32_t*>(w);
 }
 
@@ -222,7 +227,7 @@ absl::StatusOr<GpuQuantizeOptions::Kernel> ChosenQuantizeKernel(const GroupedQua
 size_t QuantizeWorkspaceBytes() { return sizeof(cuda_internal::QuantizeWorkspace); }
 
 absl::Status ReleaseQuantizeWorkspace(cudaStream_t stream) {
-  if (stream == nullptr || stream == cudaStreamLegacy || stream == cudaStreamPerThread) return absl::OkStatus();
+  if (IsDefaultStream(stream)) return absl::OkStatus();
   unsigned long long id = 0;
   cudaError_t e = cudaStreamGetId(stream, &id);
   if (e != cudaSuccess) return CudaStatus(e, "cudaStreamGetId");

@@ -961,17 +961,18 @@ cudaError_t LaunchQuantizeT(const QuantizeParams& p, cudaStream_t stream) {
   // us. The same for MXFP8 (5.5 -> 5.8-6.0, on 64 x 256 tiles no faster)
   // and current scaling's quantize pass (7.1 -> 8.5) measured slower
   // (docs/performance/quantize.md).
+  const QuantizeParams* launch_p = &p;
+  std::unique_ptr<QuantizeParams> early;  // (on the heap: 25 KB of tables)
   if (MODE == kModeDelayed && cap_two) {
-    auto q = std::make_unique<QuantizeParams>(p);  // (on the heap: 25 KB of tables)
-    q->dependents_at_start = true;
-    const int64_t blocks = std::max<int64_t>(1, p.num_items);
-    return LaunchAsDependent(kernel, dim3(static_cast<unsigned>(blocks)), launch_smem, stream, *q);
+    early = std::make_unique<QuantizeParams>(p);
+    early->dependents_at_start = true;
+    launch_p = early.get();
   }
   // Enough blocks to fill the GPU once; an empty launch still writes empty groups' scales.
   // (Two blocks per SM, or the fewest blocks for the same number of waves,
   // measured no faster on any preset: docs/performance/quantize.md.)
   const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(p.num_items, static_cast<int64_t>(sms) * std::max(1, per_sm)));
-  return LaunchAsDependent(kernel, dim3(static_cast<unsigned>(blocks)), launch_smem, stream, p);
+  return LaunchAsDependent(kernel, dim3(static_cast<unsigned>(blocks)), launch_smem, stream, *launch_p);
 }
 
 template <int DT, int MODE>

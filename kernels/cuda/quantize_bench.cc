@@ -50,7 +50,6 @@ const Preset kPresets[] = {
     {"tiny-decode", 8, 32, 2048},
 };
 
-
 __attribute__((unused)) void Fill(void* p, size_t bytes) { SHARDGEMM_CHECK_CUDA(cudaMemset(p, 0x3c, bytes)); }
 
 // Mean seconds per call of fn over iters calls: graph-captured and eager.
