@@ -409,13 +409,15 @@ absl::Status GroupedQuantize(const GroupedQuantizeArgs& a, cudaStream_t stream, 
   if (amax_pass) {
     // The amax pass tiles whole rows: at most 64 KiB per block, and about
     // kAmaxPassBlocks blocks where the rows allow.
-    auto pa = std::make_unique<cuda_internal::QuantizeParams>(*p);
+    auto pa = std::make_unique<cuda_internal::AmaxParams>();
+    pa->x = p->x, pa->x_dtype = p->x_dtype, pa->k = p->k, pa->num_groups = p->num_groups;
+    pa->amax = p->amax, pa->amax_slots = p->amax_slots, pa->workspace = p->workspace;
     const int64_t row_bytes = a.k * DTypeSize(a.x_dtype);
     const int64_t cap = std::max<int64_t>(1, (int64_t{64} << 10) / row_bytes);
     pa->tile_rows = static_cast<int>(std::min<int64_t>(cap, std::max<int64_t>(1, used / kAmaxPassBlocks)));
-    pa->col_tiles = 1;
     int64_t at = 0;
     for (int64_t g = 0; g <= a.num_groups; ++g) {
+      pa->row_off[g] = p->row_off[g];
       pa->tile_off[g] = static_cast<int32_t>(at);
       if (g < a.num_groups) at += (a.group_sizes[g] + pa->tile_rows - 1) / pa->tile_rows;
     }

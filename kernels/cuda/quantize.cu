@@ -72,7 +72,7 @@ __device__ __forceinline__ uint32_t AmaxOfVec(uint4 w) {
 }
 
 template <int DT>
-__global__ void __launch_bounds__(kThreads) AmaxKernel(const __grid_constant__ QuantizeParams p) {
+__global__ void __launch_bounds__(kThreads) AmaxKernel(const __grid_constant__ AmaxParams p) {
   using T = typename InType<DT>::T;
   __shared__ uint32_t red[kThreads / 32];
   const int t = blockIdx.x;
@@ -113,7 +113,13 @@ __global__ void __launch_bounds__(kThreads) AmaxKernel(const __grid_constant__ Q
 // pass could read x at its launch and wait for the zeros only at its amax
 // atomics, measured 0.3-0.4 us slower on small-decode's MXFP8 and delayed
 // row+col: the launch was then on the critical path.)
-__global__ void __launch_bounds__(kThreads) ZeroAmaxKernel(const __grid_constant__ QuantizeParams p) {
+// Its parameters are the two it uses: a launch's host cost grows with its
+// parameter bytes, and QuantizeParams' tables are 25 KB.
+struct ZeroAmaxParams {
+  float* amax;
+  int num_groups;
+};
+__global__ void __launch_bounds__(kThreads) ZeroAmaxKernel(const __grid_constant__ ZeroAmaxParams p) {
   AllowDependentLaunch();
   WaitForPrecedingGrid();
   for (int g = threadIdx.x; g < p.num_groups; g += kThreads) p.amax[g] = 0.0f;
@@ -1143,7 +1149,7 @@ bool DependentLaunchSupported() {
   return it->second;
 }
 
-cudaError_t LaunchGroupedAmax(const QuantizeParams& p, cudaStream_t stream) {
+cudaError_t LaunchGroupedAmax(const AmaxParams& p, cudaStream_t stream) {
   const int64_t blocks = p.total_tiles;  // whole-row tiles
   if (blocks == 0) return cudaSuccess;
   const dim3 grid(static_cast<unsigned>(blocks));
@@ -1155,7 +1161,7 @@ cudaError_t LaunchGroupedAmax(const QuantizeParams& p, cudaStream_t stream) {
 }
 
 cudaError_t LaunchZeroAmax(const QuantizeParams& p, cudaStream_t stream) {
-  return LaunchAsDependent(ZeroAmaxKernel, dim3(1), 0, stream, p);
+  return LaunchAsDependent(ZeroAmaxKernel, dim3(1), 0, stream, ZeroAmaxParams{p.amax, p.num_groups});
 }
 
 cudaError_t LaunchGroupedQuantize(const QuantizeParams& p, cudaStream_t stream) {

@@ -303,7 +303,8 @@ __device__ __forceinline__ void FlushTileAmax(const QuantizeParams& p, int g, co
   ReduceTileAmax(p, g, t);
 }
 
-__device__ __forceinline__ int FindGroup(const QuantizeParams& p, int t) {
+template <typename Params>  // QuantizeParams, AmaxParams
+__device__ __forceinline__ int FindGroup(const Params& p, int t) {
   int lo = 0, hi = p.num_groups;
   while (hi - lo > 1) {
     const int mid = (lo + hi) / 2;
@@ -389,9 +390,9 @@ __device__ __forceinline__ void WriteEmptyGroupScales(const QuantizeParams& p) {
 // cooperative where asked (the one-shot kernel's grid barrier). No retry
 // without the attribute on an error: the launch API may report an earlier
 // launch's error with this kernel queued, which would then run twice.
-template <typename... Args>
-cudaError_t LaunchAsDependent(void (*kernel)(Args...), dim3 grid, int smem, cudaStream_t stream,
-                              const QuantizeParams& p, bool cooperative = false) {
+template <typename Params>
+cudaError_t LaunchAsDependent(void (*kernel)(Params), dim3 grid, int smem, cudaStream_t stream, const Params& p,
+                              bool cooperative = false) {
   cudaLaunchAttribute attrs[2] = {};
   attrs[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attrs[0].val.programmaticStreamSerializationAllowed = 1;

@@ -99,6 +99,26 @@ struct QuantizeWorkspace {
   uint32_t amax_slots[2][kMaxGpuGroups];  // float bits
 };
 
+// The amax pass's parameters (LaunchGroupedAmax): a third of
+// QuantizeParams' bytes, since a launch's host cost grows with them (the
+// eager column of quantize_bench).
+struct AmaxParams {
+  const void* x;
+  int x_dtype;
+  int64_t k;
+  int num_groups;
+  int tile_rows;    // rows per block (whole rows: one column tile)
+  int total_tiles;  // blocks
+  // Where the blocks max-reduce the per-group amax (float bits): the
+  // caller's, or with amax_slots the workspace's amax_slots[0]
+  // (QuantizeParams::amax_slots).
+  float* amax;
+  bool amax_slots;
+  int32_t* workspace;
+  int32_t row_off[kMaxGpuGroups + 1];
+  int32_t tile_off[kMaxGpuGroups + 1];  // prefix sum of ceil(m_g / tile_rows)
+};
+
 // p.amax[0 .. p.num_groups) = 0, in a one-block launch that lets its
 // dependent (the quantize pass) launch at once, before its own wait: the
 // quantize pass's wait then covers the zeros and everything before them,
@@ -107,7 +127,7 @@ struct QuantizeWorkspace {
 cudaError_t LaunchZeroAmax(const QuantizeParams& p, cudaStream_t stream);
 // Current scaling's separate first pass (when not fused): per-group amax
 // (float bits, atomicMax) into p.amax.
-cudaError_t LaunchGroupedAmax(const QuantizeParams& p, cudaStream_t stream);
+cudaError_t LaunchGroupedAmax(const AmaxParams& p, cudaStream_t stream);
 // The quantize pass (all groups, one persistent launch; with p.fuse_amax the
 // amax pass too).
 cudaError_t LaunchGroupedQuantize(const QuantizeParams& p, cudaStream_t stream);
