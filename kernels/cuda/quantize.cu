@@ -71,8 +71,8 @@ __device__ __forceinline__ uint32_t AmaxOfVec(uint4 w) {
   }
 }
 
-template <int DT>
-__global__ void __launch_bounds__(kThreads) AmaxKernel(const __grid_constant__ AmaxParams p) {
+template <int DT, class P>  // AmaxParamsT<kCap>
+__global__ void __launch_bounds__(kThreads) AmaxKernel(const __grid_constant__ P p) {
   using T = typename InType<DT>::T;
   __shared__ uint32_t red[kThreads / 32];
   const int t = blockIdx.x;
@@ -174,7 +174,8 @@ struct Item {
 };
 
 // Item i of the launch (see QuantizeParams for the order).
-__device__ __forceinline__ Item DecodeItem(const QuantizeParams& p, int i) {
+template <class P>  // QuantizeParamsT<kCap>
+__device__ __forceinline__ Item DecodeItem(const P& p, int i) {
   Item it;
   int local = i, tile_base = 0;
   if (p.fuse_amax) {
@@ -221,8 +222,8 @@ struct TileGeom {
   int64_t off, mg, r0, c0;
   int nrows, ncols;
 };
-template <int TR>
-__device__ __forceinline__ TileGeom GeomOf(const QuantizeParams& p, const Item& it) {
+template <int TR, class P>
+__device__ __forceinline__ TileGeom GeomOf(const P& p, const Item& it) {
   using TS = Tile<TR>;
   TileGeom tg;
   tg.t = it.t, tg.ct = it.ct;
@@ -238,8 +239,8 @@ __device__ __forceinline__ TileGeom GeomOf(const QuantizeParams& p, const Item& 
 
 // Issues the cp.async copies of a tile (rows past the group or columns past k
 // read as zeros). WHOLE: a whole tile, no bounds to check (see LoadAnyTile).
-template <int DT, int TR, bool WHOLE>
-__device__ __forceinline__ void LoadTile(const QuantizeParams& p, const TileGeom& tg, unsigned char* buf) {
+template <int DT, int TR, bool WHOLE, class P>
+__device__ __forceinline__ void LoadTile(const P& p, const TileGeom& tg, unsigned char* buf) {
   using T = typename InType<DT>::T;
   constexpr int kEpv = 16 / static_cast<int>(sizeof(T));  // elements per 16 bytes
   constexpr int kCpr = Tile<TR>::kCols / kEpv;            // 16-byte chunks per row
@@ -259,8 +260,8 @@ __device__ __forceinline__ void LoadTile(const QuantizeParams& p, const TileGeom
 }
 // Nearly every tile is whole: its copies skip the per-chunk bounds (about
 // 20 instructions a tile).
-template <int DT, int TR>
-__device__ __forceinline__ void LoadAnyTile(const QuantizeParams& p, const TileGeom& tg, unsigned char* buf) {
+template <int DT, int TR, class P>
+__device__ __forceinline__ void LoadAnyTile(const P& p, const TileGeom& tg, unsigned char* buf) {
   if (tg.nrows == TR && tg.ncols == Tile<TR>::kCols) {
     LoadTile<DT, TR, true>(p, tg, buf);
   } else {
@@ -326,8 +327,8 @@ __device__ __forceinline__ uint32_t Quant2s(float x0, float s0, bool n0, float x
 // NaN codes (blocks holding Inf or NaN), whose elements get NaN with each
 // element's sign. (Runtime flags here cost a chunk about 12 of its 48
 // instructions in branches, moves and reloaded column recips.)
-template <int DT, int FMT, int TR, bool ROW, bool COL, bool NAN_CODES>
-__device__ __forceinline__ void MxTileChunks(const QuantizeParams& p, const TileGeom& tg,
+template <int DT, int FMT, int TR, bool ROW, bool COL, bool NAN_CODES, class P>
+__device__ __forceinline__ void MxTileChunks(const P& p, const TileGeom& tg,
                                              const typename InType<DT>::T* tile, const float* col_recip,
                                              const float* row_recip) {
   using TS = Tile<TR>;
@@ -375,8 +376,8 @@ __device__ __forceinline__ void MxTileChunks(const QuantizeParams& p, const Tile
     col_out += kStep * K;
   }
 }
-template <int DT, int FMT, int TR, bool NAN_CODES>
-__device__ __forceinline__ void MxTileChunksFor(const QuantizeParams& p, const TileGeom& tg,
+template <int DT, int FMT, int TR, bool NAN_CODES, class P>
+__device__ __forceinline__ void MxTileChunksFor(const P& p, const TileGeom& tg,
                                                 const typename InType<DT>::T* tile, const float* col_recip,
                                                 const float* row_recip) {
   if (p.rowwise && p.colwise) {
@@ -402,8 +403,8 @@ __device__ __forceinline__ void MxTileChunksFor(const QuantizeParams& p, const T
 // A NaN in a recip marks a NaN code (a block holding Inf or NaN). The chunk
 // loop then only multiplies and converts: no shuffles or scale math per
 // chunk (the rowwise scale used to be found per chunk, four lanes a block).
-template <int DT, int FMT, int TR>
-__device__ __forceinline__ void QuantizeMxTileFull(const QuantizeParams& p, const TileGeom& tg,
+template <int DT, int FMT, int TR, class P>
+__device__ __forceinline__ void QuantizeMxTileFull(const P& p, const TileGeom& tg,
                                                    const typename InType<DT>::T* tile, float* recips,
                                                    uint32_t* red) {
   using TS = Tile<TR>;
@@ -486,8 +487,8 @@ __device__ __forceinline__ void QuantizeMxTileFull(const QuantizeParams& p, cons
 // (and, for MXFP8, the OCP recipe): nearly every tile, compiled without the
 // bounds checks, the software path and the recipe choice, and with MXFP8's
 // colwise blocks held by single threads.
-template <int DT, int MODE, int FMT, bool FULL, int TR>
-__device__ __forceinline__ void QuantizeTile(const QuantizeParams& p, const TileGeom& tg,
+template <int DT, int MODE, int FMT, bool FULL, int TR, class P>
+__device__ __forceinline__ void QuantizeTile(const P& p, const TileGeom& tg,
                                              typename InType<DT>::T* tile, float tscale,
                                              float tscale_amax, uint32_t* red, uint32_t* col_red) {
   using T = typename InType<DT>::T;
@@ -772,8 +773,8 @@ __device__ __forceinline__ void QuantizeTile(const QuantizeParams& p, const Tile
 
 // The whole-tile path where it applies, else the general one. ALLOW_FULL is
 // off in the fused kernel, whose claim and wait state would spill with it.
-template <int DT, int MODE, int FMT, int TR, bool ALLOW_FULL = true>
-__device__ __forceinline__ void QuantizeAnyTile(const QuantizeParams& p, const TileGeom& tg,
+template <int DT, int MODE, int FMT, int TR, bool ALLOW_FULL = true, class P>
+__device__ __forceinline__ void QuantizeAnyTile(const P& p, const TileGeom& tg,
                                                 typename InType<DT>::T* tile, float tscale, float tscale_amax,
                                                 uint32_t* red, uint32_t* col_red) {
   // (f16's 1x128 tile, whose software f16 decode is longer, would spill.)
@@ -790,8 +791,8 @@ __device__ __forceinline__ void QuantizeAnyTile(const QuantizeParams& p, const T
 // FUSED (current scaling only): the amax tiles, the claim counter and the
 // waits are compiled in only where they run, which keeps the plain kernels'
 // registers free of them.
-template <int DT, int MODE, int FMT, bool FUSED, int TR>
-__global__ void __launch_bounds__(kThreads, MinBlocks(DT, MODE)) QuantizeKernel(const __grid_constant__ QuantizeParams p) {
+template <int DT, int MODE, int FMT, bool FUSED, int TR, class P>  // P: QuantizeParamsT<kCap>
+__global__ void __launch_bounds__(kThreads, MinBlocks(DT, MODE)) QuantizeKernel(const __grid_constant__ P p) {
   using T = typename InType<DT>::T;
   constexpr bool kTensor = MODE == kModeCurrent || MODE == kModeDelayed;
   extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -933,8 +934,8 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(DT, MODE)) QuantizeKernel(
   }
 }
 
-template <int DT, int MODE, int FMT>
-cudaError_t LaunchQuantizeT(const QuantizeParams& p, cudaStream_t stream) {
+template <int DT, int MODE, int FMT, class P>
+cudaError_t LaunchQuantizeT(const P& p, cudaStream_t stream) {
   // quantize.cc picks the tile height (QuantizeTileRows): 32 or 64 rows only
   // for the modes whose blocks are at most 32 rows tall, outside the fused
   // pass.
@@ -942,13 +943,13 @@ cudaError_t LaunchQuantizeT(const QuantizeParams& p, cudaStream_t stream) {
   if (p.tile_rows != 128 && !(kShort && (p.tile_rows == 64 || p.tile_rows == 32) && !p.fuse_amax)) {
     return cudaErrorInvalidValue;
   }
-  auto kernel = QuantizeKernel<DT, MODE, FMT, false, 128>;
+  auto kernel = QuantizeKernel<DT, MODE, FMT, false, 128, P>;
   if constexpr (kShort) {
-    if (p.tile_rows == 64) kernel = QuantizeKernel<DT, MODE, FMT, false, 64>;
-    if (p.tile_rows == 32) kernel = QuantizeKernel<DT, MODE, FMT, false, 32>;
+    if (p.tile_rows == 64) kernel = QuantizeKernel<DT, MODE, FMT, false, 64, P>;
+    if (p.tile_rows == 32) kernel = QuantizeKernel<DT, MODE, FMT, false, 32, P>;
   }
   if constexpr (MODE == kModeCurrent) {
-    if (p.fuse_amax) kernel = QuantizeKernel<DT, MODE, FMT, true, 128>;
+    if (p.fuse_amax) kernel = QuantizeKernel<DT, MODE, FMT, true, 128, P>;
   }
   const int smem = kTileBuffers * TileBytes<DT>();
   int sms = 0, per_sm = 0, two_per_sm_smem = 0;
@@ -967,10 +968,10 @@ cudaError_t LaunchQuantizeT(const QuantizeParams& p, cudaStream_t stream) {
   // us. The same for MXFP8 (5.5 -> 5.8-6.0, on 64 x 256 tiles no faster)
   // and current scaling's quantize pass (7.1 -> 8.5) measured slower
   // (docs/performance/quantize.md).
-  const QuantizeParams* launch_p = &p;
-  std::unique_ptr<QuantizeParams> early;  // (on the heap: 25 KB of tables)
+  const P* launch_p = &p;
+  std::unique_ptr<P> early;  // (on the heap: up to 25 KB of tables)
   if (MODE == kModeDelayed && cap_two) {
-    early = std::make_unique<QuantizeParams>(p);
+    early = std::make_unique<P>(p);
     early->dependents_at_start = true;
     launch_p = early.get();
   }
@@ -981,12 +982,12 @@ cudaError_t LaunchQuantizeT(const QuantizeParams& p, cudaStream_t stream) {
   return LaunchAsDependent(kernel, dim3(static_cast<unsigned>(blocks)), launch_smem, stream, *launch_p);
 }
 
-template <int DT, int MODE>
-cudaError_t LaunchQuantizeF(const QuantizeParams& p, cudaStream_t stream) {
+template <int DT, int MODE, class P>
+cudaError_t LaunchQuantizeF(const P& p, cudaStream_t stream) {
   return p.format == 0 ? LaunchQuantizeT<DT, MODE, 0>(p, stream) : LaunchQuantizeT<DT, MODE, 1>(p, stream);
 }
-template <int DT>
-cudaError_t LaunchQuantizeM(const QuantizeParams& p, cudaStream_t stream) {
+template <int DT, class P>
+cudaError_t LaunchQuantizeM(const P& p, cudaStream_t stream) {
   switch (p.mode) {
     case kModeCurrent: return LaunchQuantizeF<DT, kModeCurrent>(p, stream);
     case kModeDelayed: return LaunchQuantizeF<DT, kModeDelayed>(p, stream);
@@ -995,6 +996,27 @@ cudaError_t LaunchQuantizeM(const QuantizeParams& p, cudaStream_t stream) {
     case kModeB128: return LaunchQuantizeF<DT, kModeB128>(p, stream);
   }
   return cudaErrorInvalidValue;
+}
+
+template <class P>
+cudaError_t LaunchQuantizeP(const P& p, cudaStream_t stream) {
+  switch (p.x_dtype) {
+    case 0: return LaunchQuantizeM<0>(p, stream);
+    case 1: return LaunchQuantizeM<1>(p, stream);
+    default: return LaunchQuantizeM<2>(p, stream);
+  }
+}
+
+template <class P>
+cudaError_t LaunchAmaxP(const P& p, cudaStream_t stream) {
+  const int64_t blocks = p.total_tiles;  // whole-row tiles
+  if (blocks == 0) return cudaSuccess;
+  const dim3 grid(static_cast<unsigned>(blocks));
+  switch (p.x_dtype) {
+    case 0: return LaunchAsDependent(AmaxKernel<0, P>, grid, 0, stream, p);
+    case 1: return LaunchAsDependent(AmaxKernel<1, P>, grid, 0, stream, p);
+    default: return LaunchAsDependent(AmaxKernel<2, P>, grid, 0, stream, p);
+  }
 }
 
 // ---- dequantize ---------------------------------------------------------------
@@ -1150,14 +1172,14 @@ bool DependentLaunchSupported() {
 }
 
 cudaError_t LaunchGroupedAmax(const AmaxParams& p, cudaStream_t stream) {
-  const int64_t blocks = p.total_tiles;  // whole-row tiles
-  if (blocks == 0) return cudaSuccess;
-  const dim3 grid(static_cast<unsigned>(blocks));
-  switch (p.x_dtype) {
-    case 0: return LaunchAsDependent(AmaxKernel<0>, grid, 0, stream, p);
-    case 1: return LaunchAsDependent(AmaxKernel<1>, grid, 0, stream, p);
-    default: return LaunchAsDependent(AmaxKernel<2>, grid, 0, stream, p);
+  if (p.num_groups <= kSmallGpuGroups) {
+    AmaxParamsT<kSmallGpuGroups> small;
+    static_cast<AmaxHeader&>(small) = p;
+    std::copy_n(p.row_off, p.num_groups + 1, small.row_off);
+    std::copy_n(p.tile_off, p.num_groups + 1, small.tile_off);
+    return LaunchAmaxP(small, stream);
   }
+  return LaunchAmaxP(p, stream);
 }
 
 cudaError_t LaunchZeroAmax(const QuantizeParams& p, cudaStream_t stream) {
@@ -1165,11 +1187,20 @@ cudaError_t LaunchZeroAmax(const QuantizeParams& p, cudaStream_t stream) {
 }
 
 cudaError_t LaunchGroupedQuantize(const QuantizeParams& p, cudaStream_t stream) {
-  switch (p.x_dtype) {
-    case 0: return LaunchQuantizeM<0>(p, stream);
-    case 1: return LaunchQuantizeM<1>(p, stream);
-    default: return LaunchQuantizeM<2>(p, stream);
+  if (p.num_groups <= kSmallGpuGroups && p.num_batches <= kSmallGpuGroups) {
+    // The header and the tables' used entries (num_groups + 1; the fused
+    // pass's num_batches + 1 and + 2).
+    QuantizeParamsT<kSmallGpuGroups> small;
+    static_cast<QuantizeHeader&>(small) = p;
+    std::copy_n(p.row_off, p.num_groups + 1, small.row_off);
+    std::copy_n(p.tile_off, p.num_groups + 1, small.tile_off);
+    std::copy_n(p.row_scale_off, p.num_groups + 1, small.row_scale_off);
+    std::copy_n(p.col_scale_off, p.num_groups + 1, small.col_scale_off);
+    std::copy_n(p.batch_tile_off, p.num_batches + 1, small.batch_tile_off);
+    std::copy_n(p.phase_item_off, p.num_batches + 2, small.phase_item_off);
+    return LaunchQuantizeP(small, stream);
   }
+  return LaunchQuantizeP(p, stream);
 }
 
 cudaError_t LaunchGroupedDequantize(const DequantizeParams& p, cudaStream_t stream) {

@@ -290,13 +290,15 @@ __device__ __forceinline__ uint32_t BlockMax(uint32_t v, uint32_t* red) {
 }
 
 // A tile's amax (float bits) max-reduced into group g's (thread 0).
-__device__ __forceinline__ void ReduceTileAmax(const QuantizeParams& p, int g, uint32_t t) {
+template <class P>  // QuantizeParamsT<kCap>
+__device__ __forceinline__ void ReduceTileAmax(const P& p, int g, uint32_t t) {
   if (t != 0) atomicMax(reinterpret_cast<unsigned int*>(p.amax) + g, t);
 }
 
 // The tile's amax from the per-warp maxima in red (after a barrier): one
 // atomicMax into the group's amax.
-__device__ __forceinline__ void FlushTileAmax(const QuantizeParams& p, int g, const uint32_t* red) {
+template <class P>  // QuantizeParamsT<kCap>
+__device__ __forceinline__ void FlushTileAmax(const P& p, int g, const uint32_t* red) {
   uint32_t t = 0;
 #pragma unroll
   for (int i = 0; i < kThreads / 32; ++i) t = max(t, red[i]);
@@ -331,7 +333,8 @@ __device__ __forceinline__ uint32_t AbsBitsOf(T v) {
 // of an equal group, which the float division's error does not cross while
 // t is below about 2^21; past that, or for unequal groups, a wrong guess
 // only costs the search.
-__device__ __forceinline__ int FindGroupFromGuess(const QuantizeParams& p, int t) {
+template <class P>  // QuantizeParamsT<kCap>
+__device__ __forceinline__ int FindGroupFromGuess(const P& p, int t) {
   const int guess = static_cast<int>(
       __fdividef((static_cast<float>(t) + 0.5f) * static_cast<float>(p.num_groups), static_cast<float>(p.total_tiles)));
   if (guess >= 0 && guess < p.num_groups && p.tile_off[guess] <= t && t < p.tile_off[guess + 1]) return guess;
@@ -347,7 +350,8 @@ __device__ __forceinline__ int FindGroupFromGuess(const QuantizeParams& p, int t
 //           columns past k / 32 of every row;
 //   colwise [RoundUp(ceil(m_g / 32), 4)][RoundUp(k, 128)]: rows past
 //           ceil(m_g / 32), and the columns past k of every row.
-__device__ void ZeroMxGroupPadding(const QuantizeParams& p, int g, int64_t first, int64_t stride) {
+template <class P>  // QuantizeParamsT<kCap>
+__device__ void ZeroMxGroupPadding(const P& p, int g, int64_t first, int64_t stride) {
   const int64_t K = p.k;
   const int64_t mg = p.row_off[g + 1] - p.row_off[g];
   if (mg == 0) return;
@@ -367,14 +371,15 @@ __device__ void ZeroMxGroupPadding(const QuantizeParams& p, int g, int64_t first
   }
 }
 // The tiled kernels: block b takes groups b, b + gridDim.x, ...
-__device__ void ZeroMxScalePadding(const QuantizeParams& p) {
+template <class P>  // QuantizeParamsT<kCap>
+__device__ void ZeroMxScalePadding(const P& p) {
   for (int g = blockIdx.x; g < p.num_groups; g += gridDim.x) ZeroMxGroupPadding(p, g, 0, kThreads);
 }
 
 // Tensor scaling: the scale_inv of empty groups, which have no tiles or
 // slabs to write it (block 0 of the launch does).
-template <int MODE>
-__device__ __forceinline__ void WriteEmptyGroupScales(const QuantizeParams& p) {
+template <int MODE, class P>
+__device__ __forceinline__ void WriteEmptyGroupScales(const P& p) {
   if (blockIdx.x != 0 || blockIdx.y != 0) return;
   for (int h = threadIdx.x; h < p.num_groups; h += kThreads) {
     if (p.row_off[h + 1] == p.row_off[h]) {
@@ -421,7 +426,8 @@ cudaError_t LaunchAsDependent(void (*kernel)(Params), dim3 grid, int smem, cudaS
 // amax-tile counts) are performed before the count, so before the last
 // block's zeroing; the one-shot kernel's blocks only read the workspace
 // since their last atomic, which their count need not order.
-__device__ __forceinline__ void PublishAmax(const QuantizeParams& p) {
+template <class P>  // QuantizeParamsT<kCap>
+__device__ __forceinline__ void PublishAmax(const P& p) {
   const QuantizeWorkspace* ws = reinterpret_cast<const QuantizeWorkspace*>(p.workspace);
   for (int g = threadIdx.x; g < p.num_groups; g += kThreads) p.amax_out[g] = BitsToFloat(__ldcg(ws->amax + g));
 }
@@ -430,7 +436,8 @@ __device__ __forceinline__ void PublishAmax(const QuantizeParams& p) {
 // other slot zeroed, and amax_parity pointed at it for the next call. The
 // whole other slot: the call that used it may have had more groups than
 // this one (a later call with as many would start from its values).
-__device__ __forceinline__ void PublishSlotAmax(const QuantizeParams& p) {
+template <class P>  // QuantizeParamsT<kCap>
+__device__ __forceinline__ void PublishSlotAmax(const P& p) {
   QuantizeWorkspace* ws = reinterpret_cast<QuantizeWorkspace*>(p.workspace);
   const int slot = __ldcg(&ws->amax_slot_in_use);
   for (int g = threadIdx.x; g < p.num_groups; g += kThreads) {
@@ -452,7 +459,8 @@ __device__ __forceinline__ bool CountBlockIn(QuantizeWorkspace* ws, bool release
 // The end of a launch with a workspace (every thread). Only thread 0 touches
 // s_last between the barriers (racecheck flagged a read of the word by every
 // thread while thread 0 wrote it).
-__device__ __forceinline__ void FinishWithWorkspace(const QuantizeParams& p, bool release) {
+template <class P>  // QuantizeParamsT<kCap>
+__device__ __forceinline__ void FinishWithWorkspace(const P& p, bool release) {
   __shared__ int s_last;
   QuantizeWorkspace* ws = reinterpret_cast<QuantizeWorkspace*>(p.workspace);
   __syncthreads();

@@ -438,6 +438,34 @@ TEST(QuantizeGpuTest, LargeUnevenGroups) {
   }
 }
 
+// Launches of at most kSmallGpuGroups groups take parameter structs sized
+// for 64 groups, larger ones the full 1024-group tables (quantize.cu,
+// LaunchGroupedQuantize and LaunchGroupedAmax): both sides of the boundary,
+// and many uneven groups with empties, for every mode and both current
+// scaling passes.
+TEST(QuantizeGpuTest, GroupCountsAroundTheSmallParameterTables) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937 rng(2026);
+  std::uniform_int_distribution<int> rows(0, 150);
+  uint32_t seed = 1100;
+  for (int G : {cuda_internal::kSmallGpuGroups, cuda_internal::kSmallGpuGroups + 1, 300}) {
+    std::vector<int64_t> groups(static_cast<size_t>(G));
+    for (int64_t& g : groups) g = rows(rng) < 20 ? 0 : rows(rng);
+    for (ScalingMode mode : {ScalingMode::kCurrent, ScalingMode::kDelayed, ScalingMode::kMxfp8,
+                             ScalingMode::kBlock1x128, ScalingMode::kBlock128x128}) {
+      Case c{mode, Fp8Format::kE4M3, DType::kBF16, true, true, 256, groups, 7, true, false};
+      RunCase(c, seed++);
+      if (HasFatalFailure()) return;
+    }
+    for (auto pass : {cuda::GpuQuantizeOptions::CurrentPass::kTwoPass, cuda::GpuQuantizeOptions::CurrentPass::kFused}) {
+      Case c{ScalingMode::kCurrent, Fp8Format::kE5M2, DType::kBF16, true, true, 384, groups, 7, true, false};
+      c.current_pass = pass;
+      RunCase(c, seed++);
+      if (HasFatalFailure()) return;
+    }
+  }
+}
+
 TEST(QuantizeGpuTest, OneShotKernelIsBitIdenticalToo) {
   SKIP_WITHOUT_GPU();
   using Kernel = cuda::GpuQuantizeOptions::Kernel;

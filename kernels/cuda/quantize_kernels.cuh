@@ -12,10 +12,17 @@ namespace shardgemm {
 namespace cuda_internal {
 
 // Groups per launch: per-group tables travel in the kernel parameters
-// (__grid_constant__), 4 x 4 x (kMaxGpuGroups + 1) bytes.
+// (__grid_constant__), 6 x 4 x (kMaxGpuGroups + 1) bytes.
 constexpr int kMaxGpuGroups = 1024;
+// Launches of at most this many groups take parameters sized for it
+// (QuantizeParamsT<kSmallGpuGroups>, about 1.7 KB instead of 25 KB): on the
+// H200 a launch costs more device time with more parameter bytes
+// (launch_param_bench; small-decode MXFP8 5.5 -> 5.2-5.3 us, qwen3-ep8 current
+// scaling 25.5 -> 24.5 us: docs/performance/quantize.md).
+constexpr int kSmallGpuGroups = 64;
 
-struct QuantizeParams {
+// Everything of a quantize launch but its per-group tables.
+struct QuantizeHeader {
   const void* x;
   int x_dtype;  // 0 bf16, 1 f16, 2 f32
   int mode;     // ScalingMode
@@ -47,10 +54,6 @@ struct QuantizeParams {
   // amax_parity names (see there), so the quantize pass ends with no count
   // of its finished blocks.
   bool amax_slots;
-  int32_t row_off[kMaxGpuGroups + 1];
-  int32_t tile_off[kMaxGpuGroups + 1];  // prefix sum of ceil(m_g / tile_rows)
-  int32_t row_scale_off[kMaxGpuGroups + 1];
-  int32_t col_scale_off[kMaxGpuGroups + 1];
   // The persistent quantize pass walks `num_items` work items. Without
   // fuse_amax an item is one tile_rows x 16384 / tile_rows tile (row tile
   // item / col_tiles; the fused pass has 128 x 128 tiles only). With
@@ -68,9 +71,22 @@ struct QuantizeParams {
   // QuantizeWorkspace (its protocol is there): for fuse_amax, amax_out and
   // amax_slots. Null when none is used.
   int32_t* workspace;
-  int32_t batch_tile_off[kMaxGpuGroups + 1];  // first row tile of each batch
-  int32_t phase_item_off[kMaxGpuGroups + 2];  // first item of each phase
 };
+
+// A launch's parameters for at most kCap groups: entries past num_groups + 1
+// (phase_item_off: num_batches + 2) are not read.
+template <int kCap>
+struct QuantizeParamsT : QuantizeHeader {
+  int32_t row_off[kCap + 1];
+  int32_t tile_off[kCap + 1];  // prefix sum of ceil(m_g / tile_rows)
+  int32_t row_scale_off[kCap + 1];
+  int32_t col_scale_off[kCap + 1];
+  int32_t batch_tile_off[kCap + 1];  // first row tile of each batch
+  int32_t phase_item_off[kCap + 2];  // first item of each phase
+};
+// What quantize.cc fills; the launches shrink it to
+// QuantizeParamsT<kSmallGpuGroups> where the groups fit.
+using QuantizeParams = QuantizeParamsT<kMaxGpuGroups>;
 
 // Device scratch of a current-scaling launch: the per-group amax its tiles
 // reduce into (so no memset of the caller's amax runs first), the one-shot
@@ -99,10 +115,10 @@ struct QuantizeWorkspace {
   uint32_t amax_slots[2][kMaxGpuGroups];  // float bits
 };
 
-// The amax pass's parameters (LaunchGroupedAmax): a third of
-// QuantizeParams' bytes, since a launch's host cost grows with them (the
-// eager column of quantize_bench).
-struct AmaxParams {
+// The amax pass's parameters (LaunchGroupedAmax): only its tables, since a
+// launch's device and host cost grow with its parameter bytes
+// (launch_param_bench); shrunk like QuantizeParams where the groups fit.
+struct AmaxHeader {
   const void* x;
   int x_dtype;
   int64_t k;
@@ -115,9 +131,13 @@ struct AmaxParams {
   float* amax;
   bool amax_slots;
   int32_t* workspace;
-  int32_t row_off[kMaxGpuGroups + 1];
-  int32_t tile_off[kMaxGpuGroups + 1];  // prefix sum of ceil(m_g / tile_rows)
 };
+template <int kCap>
+struct AmaxParamsT : AmaxHeader {
+  int32_t row_off[kCap + 1];
+  int32_t tile_off[kCap + 1];  // prefix sum of ceil(m_g / tile_rows)
+};
+using AmaxParams = AmaxParamsT<kMaxGpuGroups>;
 
 // p.amax[0 .. p.num_groups) = 0, in a one-block launch that lets its
 // dependent (the quantize pass) launch at once, before its own wait: the
