@@ -217,10 +217,14 @@ __device__ __forceinline__ Item DecodeItem(const P& p, int i) {
   return it;
 }
 
+// A tile's place, with its group's table entries (read where GeomOf runs:
+// for a block's first tile before its wait, for the others a tile ahead, so
+// the indexed parameter loads' latency hides; launch_param_bench).
 struct TileGeom {
   int t, ct, g;
   int64_t off, mg, r0, c0;
   int nrows, ncols;
+  int32_t row_scale_off, col_scale_off;
 };
 template <int TR, class P>
 __device__ __forceinline__ TileGeom GeomOf(const P& p, const Item& it) {
@@ -234,6 +238,8 @@ __device__ __forceinline__ TileGeom GeomOf(const P& p, const Item& it) {
   tg.nrows = static_cast<int>(min(static_cast<int64_t>(TS::kRows), tg.off + tg.mg - tg.r0));
   tg.c0 = static_cast<int64_t>(it.ct) * TS::kCols;
   tg.ncols = static_cast<int>(min(static_cast<int64_t>(TS::kCols), p.k - tg.c0));
+  tg.row_scale_off = p.row_scale_off[tg.g];
+  tg.col_scale_off = p.col_scale_off[tg.g];
   return tg;
 }
 
@@ -432,7 +438,7 @@ __device__ __forceinline__ void QuantizeMxTileFull(const P& p, const TileGeom& t
       m2 = __vmaxu2(m2, *reinterpret_cast<const uint32_t*>(tile + (rb + j) * kCols + 2 * cp) & 0x7fff7fffu);
     }
     const uint32_t b0 = MxCodeOcp16<DT>(m2 & 0xffffu, fmt), b1 = MxCodeOcp16<DT>(m2 >> 16, fmt);
-    uint8_t* cs = static_cast<uint8_t*>(p.col_scale) + p.col_scale_off[g] + ((r0 - off + rb) / 32) * RoundUp(K, 128) +
+    uint8_t* cs = static_cast<uint8_t*>(p.col_scale) + tg.col_scale_off + ((r0 - off + rb) / 32) * RoundUp(K, 128) +
                   c0 + 2 * cp;
     cs[0] = static_cast<uint8_t>(b0);  // (byte stores: the caller's scale buffer may sit at any address)
     cs[1] = static_cast<uint8_t>(b1);
@@ -458,7 +464,7 @@ __device__ __forceinline__ void QuantizeMxTileFull(const P& p, const TileGeom& t
       const uint32_t m = max(m2 & 0xffffu, m2 >> 16);
       const uint32_t b = MxCodeOcp16<DT>(m, fmt);
       const int r = q / kRowBlocks, cb = q % kRowBlocks;
-      static_cast<uint8_t*>(p.row_scale)[p.row_scale_off[g] + (r0 - off + r) * mx_ld + c0 / 32 + cb] =
+      static_cast<uint8_t*>(p.row_scale)[tg.row_scale_off + (r0 - off + r) * mx_ld + c0 / 32 + cb] =
           static_cast<uint8_t>(b);
       const bool n = b == kE8M0Nan;
       row_recip[q] = n ? kNanMark : MxRecip(b);
@@ -529,11 +535,11 @@ __device__ __forceinline__ void QuantizeTile(const P& p, const TileGeom& tg,
       if (tid == 0) {
         const int64_t rb = (r0 - off) / 128;
         if (p.rowwise) {
-          static_cast<float*>(p.row_scale)[p.row_scale_off[g] + rb * RoundUp((K + 127) / 128, 4) + ct] =
+          static_cast<float*>(p.row_scale)[tg.row_scale_off + rb * RoundUp((K + 127) / 128, 4) + ct] =
               ScaleInv(bscale);
         }
         if (p.colwise) {
-          static_cast<float*>(p.col_scale)[p.col_scale_off[g] + ct * RoundUp((mg + 127) / 128, 4) + rb] =
+          static_cast<float*>(p.col_scale)[tg.col_scale_off + ct * RoundUp((mg + 127) / 128, 4) + rb] =
               ScaleInv(bscale);
         }
       }
@@ -559,7 +565,7 @@ __device__ __forceinline__ void QuantizeTile(const P& p, const TileGeom& tg,
     uint32_t run_amax = 0;  // FULL delayed: this thread's chunks' max |x| bits
     uint8_t* row_out = p.row_data + (r0 + rr0) * K + c0 + cc * 8;
     const int64_t mx_ld = RoundUp(K / 32, 4);
-    uint8_t* mx_scale = MODE == kModeMx && p.rowwise ? static_cast<uint8_t*>(p.row_scale) + p.row_scale_off[g] +
+    uint8_t* mx_scale = MODE == kModeMx && p.rowwise ? static_cast<uint8_t*>(p.row_scale) + tg.row_scale_off +
                                                            (r0 + rr0 - off) * mx_ld + (c0 + cc * 8) / 32
                                                      : nullptr;
 #pragma unroll
@@ -591,7 +597,7 @@ __device__ __forceinline__ void QuantizeTile(const P& p, const TileGeom& tg,
         s = ScaleFromAmax(BitsToFloat(m), fmax, p.pow2);
         row_nan = m > 0x7f800000u;
         if (valid && cc == 0) {
-          static_cast<float*>(p.row_scale)[p.row_scale_off[g] + ct * RoundUp(mg, 4) + (r0 + rr - off)] =
+          static_cast<float*>(p.row_scale)[tg.row_scale_off + ct * RoundUp(mg, 4) + (r0 + rr - off)] =
               ScaleInv(s);
         }
       }
@@ -715,7 +721,7 @@ __device__ __forceinline__ void QuantizeTile(const P& p, const TileGeom& tg,
           nanb[i] = b == kE8M0Nan;
           s[i] = nanb[i] ? 1.0f : MxRecip(b);
           if ((rs & 1) == 0 && cvalid && rb < nrows) {
-            static_cast<uint8_t*>(p.col_scale)[p.col_scale_off[g] + ((r0 - off + rb) / 32) * RoundUp(K, 128) + c0 +
+            static_cast<uint8_t*>(p.col_scale)[tg.col_scale_off + ((r0 - off + rb) / 32) * RoundUp(K, 128) + c0 +
                                                cb + i] = static_cast<uint8_t>(b);
           }
         }
@@ -728,7 +734,7 @@ __device__ __forceinline__ void QuantizeTile(const P& p, const TileGeom& tg,
           s[i] = ScaleFromAmax(BitsToFloat(m), fmax, p.pow2);
           col_nan[i] = m > 0x7f800000u;
           if (rs == 0 && cvalid) {
-            static_cast<float*>(p.col_scale)[p.col_scale_off[g] + ((r0 - off) / 128) * RoundUp(K, 4) + c0 + cb + i] =
+            static_cast<float*>(p.col_scale)[tg.col_scale_off + ((r0 - off) / 128) * RoundUp(K, 4) + c0 + cb + i] =
                 ScaleInv(s[i]);
           }
         }
@@ -820,6 +826,10 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(DT, MODE)) QuantizeKernel(
     const int stride_t = stride / p.col_tiles, stride_ct = stride % p.col_tiles;
     TileGeom tg{};
     if (i < p.num_items) tg = GeomOf<TR>(p, it);
+    MxGroupPadding first_padding{};  // (MXFP8: this block's first group's scale padding)
+    if (MODE == kModeMx && static_cast<int>(blockIdx.x) < p.num_groups) {
+      first_padding = MxGroupPaddingOf(p, static_cast<int>(blockIdx.x));
+    }
     // Current scaling's quantize pass always follows its amax pass, which
     // started after all earlier work: it reads x at once, and waits only for
     // the amax (final and visible past the wait below, while the first tile
@@ -834,7 +844,7 @@ __global__ void __launch_bounds__(kThreads, MinBlocks(DT, MODE)) QuantizeKernel(
     const int amax_slot_off =
         kAfterAmaxPass && p.amax_slots ? __ldcg(&ws->amax_slot_in_use) * kMaxGpuGroups : 0;
     if constexpr (kTensor) WriteEmptyGroupScales<MODE>(p);
-    if constexpr (MODE == kModeMx) ZeroMxScalePadding(p);  // while the first tile streams in
+    if constexpr (MODE == kModeMx) ZeroMxScalePadding(p, first_padding);  // while the first tile streams in
     int buf = 0;
 #pragma unroll 1
     for (; i < p.num_items; i += stride) {

@@ -350,15 +350,26 @@ __device__ __forceinline__ int FindGroupFromGuess(const P& p, int t) {
 //           columns past k / 32 of every row;
 //   colwise [RoundUp(ceil(m_g / 32), 4)][RoundUp(k, 128)]: rows past
 //           ceil(m_g / 32), and the columns past k of every row.
+// Group g's table entries ZeroMxGroupPadding needs, read apart so that a
+// kernel can load them ahead of its wait (indexed parameter loads are slow
+// to come back: launch_param_bench).
+struct MxGroupPadding {
+  int64_t mg;  // rows
+  int32_t row_scale_off, col_scale_off;
+};
 template <class P>  // QuantizeParamsT<kCap>
-__device__ void ZeroMxGroupPadding(const P& p, int g, int64_t first, int64_t stride) {
+__device__ __forceinline__ MxGroupPadding MxGroupPaddingOf(const P& p, int g) {
+  return MxGroupPadding{p.row_off[g + 1] - p.row_off[g], p.row_scale_off[g], p.col_scale_off[g]};
+}
+template <class P>  // QuantizeParamsT<kCap>
+__device__ void ZeroMxGroupPadding(const P& p, const MxGroupPadding& gp, int64_t first, int64_t stride) {
   const int64_t K = p.k;
-  const int64_t mg = p.row_off[g + 1] - p.row_off[g];
+  const int64_t mg = gp.mg;
   if (mg == 0) return;
   for (int dir = 0; dir < 2; ++dir) {
     if (dir == 0 ? !p.rowwise : !p.colwise) continue;
     uint8_t* base = static_cast<uint8_t*>(dir == 0 ? p.row_scale : p.col_scale) +
-                    (dir == 0 ? p.row_scale_off[g] : p.col_scale_off[g]);
+                    (dir == 0 ? gp.row_scale_off : gp.col_scale_off);
     const int64_t rows = dir == 0 ? mg : (mg + 31) / 32;  // rows written by tiles
     const int64_t all_rows = dir == 0 ? RoundUp(mg, 128) : RoundUp(rows, 4);
     const int64_t cols = dir == 0 ? K / 32 : K;  // columns written by tiles
@@ -370,10 +381,13 @@ __device__ void ZeroMxGroupPadding(const P& p, int g, int64_t first, int64_t str
     }
   }
 }
-// The tiled kernels: block b takes groups b, b + gridDim.x, ...
+// The tiled kernels: block b takes groups b, b + gridDim.x, ...; group b's
+// entries as the kernel read them before its wait (first).
 template <class P>  // QuantizeParamsT<kCap>
-__device__ void ZeroMxScalePadding(const P& p) {
-  for (int g = blockIdx.x; g < p.num_groups; g += gridDim.x) ZeroMxGroupPadding(p, g, 0, kThreads);
+__device__ void ZeroMxScalePadding(const P& p, const MxGroupPadding& first) {
+  for (int g = blockIdx.x; g < p.num_groups; g += gridDim.x) {
+    ZeroMxGroupPadding(p, g == static_cast<int>(blockIdx.x) ? first : MxGroupPaddingOf(p, g), 0, kThreads);
+  }
 }
 
 // Tensor scaling: the scale_inv of empty groups, which have no tiles or

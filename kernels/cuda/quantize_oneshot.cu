@@ -181,7 +181,7 @@ __global__ void __launch_bounds__(kThreads, kOneShotMinBlocks) OneShotKernel(con
     // made those blocks the launch's slowest).
     const int parts = (p.tile_off[g + 1] - p.tile_off[g]) * p.col_tiles;
     const int part = (st - p.tile_off[g]) * p.col_tiles + ct;
-    ZeroMxGroupPadding(p, g, int64_t{part} * kThreads, int64_t{parts} * kThreads);
+    ZeroMxGroupPadding(p, MxGroupPaddingOf(p, g), int64_t{part} * kThreads, int64_t{parts} * kThreads);
   } else {
     float s;
     bool may_nan;
