@@ -16,9 +16,10 @@ namespace cuda_internal {
 constexpr int kMaxGpuGroups = 1024;
 // Launches of at most this many groups take parameters sized for it
 // (QuantizeParamsT<kSmallGpuGroups>, about 1.7 KB instead of 25 KB): on the
-// H200 a launch costs more device time with more parameter bytes
-// (launch_param_bench; small-decode MXFP8 5.5 -> 5.2-5.3 us, qwen3-ep8 current
-// scaling 25.5 -> 24.5 us: docs/performance/quantize.md).
+// H200 the kernels' table reads at runtime indices cost a launch more device
+// time the larger the table, and the host more time per parameter byte
+// (launch_param_bench; small-decode current scaling 6.9-7.0 -> 6.7-6.8 us,
+// qwen3-ep8 25.0-25.2 -> 24.4-24.8: docs/performance/quantize.md).
 constexpr int kSmallGpuGroups = 64;
 
 // Everything of a quantize launch but its per-group tables.
@@ -115,9 +116,10 @@ struct QuantizeWorkspace {
   uint32_t amax_slots[2][kMaxGpuGroups];  // float bits
 };
 
-// The amax pass's parameters (LaunchGroupedAmax): only its tables, since a
-// launch's device and host cost grow with its parameter bytes
-// (launch_param_bench); shrunk like QuantizeParams where the groups fit.
+// The amax pass's parameters (LaunchGroupedAmax): only its tables, which it
+// reads at runtime indices (a cost that grows with the table) and the host
+// copies per launch (launch_param_bench); shrunk like QuantizeParams where
+// the groups fit.
 struct AmaxHeader {
   const void* x;
   int x_dtype;
