@@ -98,7 +98,10 @@ __global__ void __launch_bounds__(kThreads) AmaxKernel(const __grid_constant__ P
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const int64_t idx = i + j * kThreads;
-      w[j] = idx < nvec ? __ldg(base + idx) : make_uint4(0, 0, 0, 0);
+      // Coherent loads (ld.global.cg), not __ldg: the read-only promise of
+      // ld.global.nc does not hold for x before this dependent launch's wait,
+      // and it is what let ptxas hoist such loads above a wait.
+      w[j] = idx < nvec ? __ldcg(base + idx) : make_uint4(0, 0, 0, 0);
     }
 #pragma unroll
     for (int j = 0; j < 4; ++j) am = max(am, AmaxOfVec<DT>(w[j]));

@@ -46,15 +46,6 @@ struct alignas(16) Chunk {
 };
 
 template <int DT>
-__device__ __forceinline__ Chunk<DT> LoadChunk(const void* p) {
-  Chunk<DT> r;
-  const uint4* s = static_cast<const uint4*>(p);
-  uint4* d = reinterpret_cast<uint4*>(&r);
-#pragma unroll
-  for (int i = 0; i < static_cast<int>(sizeof(Chunk<DT>) / 16); ++i) d[i] = __ldg(s + i);
-  return r;
-}
-template <int DT>
 __device__ __forceinline__ Chunk<DT> ZeroChunk() {
   Chunk<DT> r;
 #pragma unroll

@@ -88,7 +88,7 @@ __global__ void __launch_bounds__(kThreads, kOneShotMinBlocks) OneShotKernel(con
     const uint16_t* src = static_cast<const uint16_t*>(p.x) + my;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const uint4 u = __ldg(reinterpret_cast<const uint4*>(src + i * K));
+      const uint4 u = __ldcg(reinterpret_cast<const uint4*>(src + i * K));  // coherent: see AmaxKernel
       v[i].w[0] = u.x, v[i].w[1] = u.y, v[i].w[2] = u.z, v[i].w[3] = u.w;
     }
     if constexpr (kTensor) WriteEmptyGroupScales<MODE>(p);
