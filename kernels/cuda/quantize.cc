@@ -261,9 +261,17 @@ absl::Status GroupedQuantize(const GroupedQuantizeArgs& a, cudaStream_t stream, 
   if (l.rowwise_scale_elems >= (int64_t{1} << 31) || l.colwise_scale_elems >= (int64_t{1} << 31)) {
     return absl::InvalidArgumentError("scale_inv: over 2^31 entries");
   }
-  // The parameter block is large (per-group tables): keep it off the stack frame's hot path.
-  auto p = std::make_unique<cuda_internal::QuantizeParams>();
-  std::memset(p.get(), 0, sizeof(*p));
+  // The parameter block is large (per-group tables, 25 KB): on the heap, and
+  // only its header zeroed where the groups fit kSmallGpuGroups, since such a
+  // launch copies just the tables' used entries (ShrinkParams) into a zeroed
+  // small block; a larger launch passes the whole block, so it is zeroed
+  // whole (no indeterminate bytes are launched).
+  std::unique_ptr<cuda_internal::QuantizeParams> p(new cuda_internal::QuantizeParams);
+  if (a.num_groups > cuda_internal::kSmallGpuGroups) {
+    std::memset(p.get(), 0, sizeof(*p));
+  } else {
+    static_cast<cuda_internal::QuantizeHeader&>(*p) = cuda_internal::QuantizeHeader{};
+  }
   p->x = a.x;
   p->x_dtype = DTypeCode(a.x_dtype);
   p->mode = static_cast<int>(a.mode);
@@ -409,7 +417,9 @@ absl::Status GroupedQuantize(const GroupedQuantizeArgs& a, cudaStream_t stream, 
   if (amax_pass) {
     // The amax pass tiles whole rows: at most 64 KiB per block, and about
     // kAmaxPassBlocks blocks where the rows allow.
-    auto pa = std::make_unique<cuda_internal::AmaxParams>();
+    std::unique_ptr<cuda_internal::AmaxParams> pa(new cuda_internal::AmaxParams);  // (tables: as p's)
+    if (a.num_groups > cuda_internal::kSmallGpuGroups) std::memset(pa.get(), 0, sizeof(*pa));
+    static_cast<cuda_internal::AmaxHeader&>(*pa) = cuda_internal::AmaxHeader{};
     pa->x = p->x, pa->x_dtype = p->x_dtype, pa->k = p->k, pa->num_groups = p->num_groups;
     pa->amax = p->amax, pa->amax_slots = p->amax_slots, pa->workspace = p->workspace;
     const int64_t row_bytes = a.k * DTypeSize(a.x_dtype);

@@ -1186,7 +1186,7 @@ bool DependentLaunchSupported() {
 
 cudaError_t LaunchGroupedAmax(const AmaxParams& p, cudaStream_t stream) {
   if (p.num_groups <= kSmallGpuGroups) {
-    AmaxParamsT<kSmallGpuGroups> small;
+    AmaxParamsT<kSmallGpuGroups> small{};
     static_cast<AmaxHeader&>(small) = p;
     std::copy_n(p.row_off, p.num_groups + 1, small.row_off);
     std::copy_n(p.tile_off, p.num_groups + 1, small.tile_off);
@@ -1200,17 +1200,9 @@ cudaError_t LaunchZeroAmax(const QuantizeParams& p, cudaStream_t stream) {
 }
 
 cudaError_t LaunchGroupedQuantize(const QuantizeParams& p, cudaStream_t stream) {
-  if (p.num_groups <= kSmallGpuGroups && p.num_batches <= kSmallGpuGroups) {
-    // The header and the tables' used entries (num_groups + 1; the fused
-    // pass's num_batches + 1 and + 2).
-    QuantizeParamsT<kSmallGpuGroups> small;
-    static_cast<QuantizeHeader&>(small) = p;
-    std::copy_n(p.row_off, p.num_groups + 1, small.row_off);
-    std::copy_n(p.tile_off, p.num_groups + 1, small.tile_off);
-    std::copy_n(p.row_scale_off, p.num_groups + 1, small.row_scale_off);
-    std::copy_n(p.col_scale_off, p.num_groups + 1, small.col_scale_off);
-    std::copy_n(p.batch_tile_off, p.num_batches + 1, small.batch_tile_off);
-    std::copy_n(p.phase_item_off, p.num_batches + 2, small.phase_item_off);
+  if (FitsParams<kSmallGpuGroups>(p)) {
+    QuantizeParamsT<kSmallGpuGroups> small{};  // (1.7 KB: zeroed, so no indeterminate bytes are launched)
+    ShrinkParams(p, &small);
     return LaunchQuantizeP(small, stream);
   }
   return LaunchQuantizeP(p, stream);

@@ -4,6 +4,7 @@
 #ifndef SHARDGEMM_KERNELS_CUDA_QUANTIZE_KERNELS_CUH_
 #define SHARDGEMM_KERNELS_CUDA_QUANTIZE_KERNELS_CUH_
 
+#include <algorithm>
 #include <cstdint>
 
 #include <cuda_runtime_api.h>
@@ -88,6 +89,27 @@ struct QuantizeParamsT : QuantizeHeader {
 // What quantize.cc fills; the launches shrink it to
 // QuantizeParamsT<kSmallGpuGroups> where the groups fit.
 using QuantizeParams = QuantizeParamsT<kMaxGpuGroups>;
+
+// Whether p's groups (and the fused pass's batches) fit kCap.
+template <int kCap>
+inline bool FitsParams(const QuantizeParams& p) {
+  return p.num_groups <= kCap && p.num_batches <= kCap;
+}
+// p's header and its tables' used entries (num_groups + 1; the fused pass's
+// num_batches + 1 and + 2, which only it fills and reads) into *out; p fits
+// kCap (FitsParams).
+template <int kCap>
+inline void ShrinkParams(const QuantizeParams& p, QuantizeParamsT<kCap>* out) {
+  static_cast<QuantizeHeader&>(*out) = p;
+  std::copy_n(p.row_off, p.num_groups + 1, out->row_off);
+  std::copy_n(p.tile_off, p.num_groups + 1, out->tile_off);
+  std::copy_n(p.row_scale_off, p.num_groups + 1, out->row_scale_off);
+  std::copy_n(p.col_scale_off, p.num_groups + 1, out->col_scale_off);
+  if (p.fuse_amax) {
+    std::copy_n(p.batch_tile_off, p.num_batches + 1, out->batch_tile_off);
+    std::copy_n(p.phase_item_off, p.num_batches + 2, out->phase_item_off);
+  }
+}
 
 // Device scratch of a current-scaling launch: the per-group amax its tiles
 // reduce into (so no memset of the caller's amax runs first), the one-shot

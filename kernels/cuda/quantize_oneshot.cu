@@ -23,6 +23,7 @@
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <type_traits>
 
@@ -58,8 +59,8 @@ __device__ __forceinline__ void GridBarrier(QuantizeWorkspace* ws) {
   __syncthreads();
 }
 
-template <int DT, int MODE, int FMT>
-__global__ void __launch_bounds__(kThreads, kOneShotMinBlocks) OneShotKernel(const __grid_constant__ QuantizeParams p) {
+template <int DT, int MODE, int FMT, class P>  // P: QuantizeParamsT<kCap>
+__global__ void __launch_bounds__(kThreads, kOneShotMinBlocks) OneShotKernel(const __grid_constant__ P p) {
   static_assert(DT == 0 || DT == 1, "16-bit input only");
   constexpr bool kTensor = MODE == kModeCurrent || MODE == kModeDelayed;
   const Fp8Format fmt = static_cast<Fp8Format>(FMT);
@@ -257,8 +258,8 @@ __global__ void __launch_bounds__(kThreads, kOneShotMinBlocks) OneShotKernel(con
   if (ws != nullptr) FinishWithWorkspace(p, /*release=*/false);
 }
 
-template <int DT, int MODE, int FMT>
-cudaError_t LaunchT(const QuantizeParams& p, cudaStream_t stream) {
+template <int DT, int MODE, int FMT, class P>
+cudaError_t LaunchT(const P& p, cudaStream_t stream) {
   // (No rows: the tiled kernels' launch.) A slab row per x, column per y.
   if (p.total_tiles <= 0 || p.col_tiles <= 0 || p.col_tiles > 65535) return cudaErrorInvalidValue;
   const dim3 blocks(static_cast<unsigned>(p.total_tiles), static_cast<unsigned>(p.col_tiles));
@@ -266,14 +267,22 @@ cudaError_t LaunchT(const QuantizeParams& p, cudaStream_t stream) {
   if constexpr (MODE == kModeCurrent) {
     if (p.workspace == nullptr) return cudaErrorInvalidValue;
   }
-  return LaunchAsDependent(OneShotKernel<DT, MODE, FMT>, blocks, 0, stream, p, /*cooperative=*/MODE == kModeCurrent);
+  return LaunchAsDependent(OneShotKernel<DT, MODE, FMT, P>, blocks, 0, stream, p, /*cooperative=*/MODE == kModeCurrent);
 }
 
 template <int DT, int MODE, int FMT>
 cudaError_t CapacityT(int* blocks, int* sms) {
   int device = 0, per_sm = 0, cooperative = 0;
   *sms = 0, *blocks = 0;
-  cudaError_t e = KernelResidency(reinterpret_cast<const void*>(OneShotKernel<DT, MODE, FMT>), 0, sms, &per_sm);
+  // Both parameter sizes' kernels (their registers may differ): the fewer.
+  int per_sm_small = 0;
+  cudaError_t e = KernelResidency(reinterpret_cast<const void*>(OneShotKernel<DT, MODE, FMT, QuantizeParams>), 0, sms,
+                                  &per_sm);
+  if (e == cudaSuccess) {
+    e = KernelResidency(reinterpret_cast<const void*>(OneShotKernel<DT, MODE, FMT, QuantizeParamsT<kSmallGpuGroups>>),
+                        0, sms, &per_sm_small);
+  }
+  per_sm = std::min(per_sm, per_sm_small);
   if (e == cudaSuccess) e = cudaGetDevice(&device);
   if (e == cudaSuccess) e = cudaDeviceGetAttribute(&cooperative, cudaDevAttrCooperativeLaunch, device);
   // Current scaling's grid barrier needs a cooperative launch.
@@ -310,7 +319,10 @@ cudaError_t Dispatch(int x_dtype, int mode_code, int format, A... args) {
 
 template <int DT, int MODE, int FMT>
 struct LaunchF {
-  static cudaError_t Run(const QuantizeParams* p, cudaStream_t stream) { return LaunchT<DT, MODE, FMT>(*p, stream); }
+  template <class P>
+  static cudaError_t Run(const P* p, cudaStream_t stream) {
+    return LaunchT<DT, MODE, FMT>(*p, stream);
+  }
 };
 template <int DT, int MODE, int FMT>
 struct CapacityF {
@@ -321,6 +333,11 @@ struct CapacityF {
 
 cudaError_t LaunchOneShotQuantize(const QuantizeParams& p, cudaStream_t stream) {
   if (p.tile_rows != kSlabRows || p.k % kSlabCols != 0) return cudaErrorInvalidValue;
+  if (FitsParams<kSmallGpuGroups>(p)) {  // (as LaunchGroupedQuantize)
+    QuantizeParamsT<kSmallGpuGroups> small{};  // (1.7 KB: zeroed, so no indeterminate bytes are launched)
+    ShrinkParams(p, &small);
+    return Dispatch<LaunchF>(p.x_dtype, p.mode, p.format, &small, stream);
+  }
   return Dispatch<LaunchF>(p.x_dtype, p.mode, p.format, &p, stream);
 }
 
