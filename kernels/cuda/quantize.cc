@@ -265,7 +265,8 @@ absl::Status GroupedQuantize(const GroupedQuantizeArgs& a, cudaStream_t stream, 
   // only its header zeroed where the groups fit kSmallGpuGroups, since such a
   // launch copies just the tables' used entries (ShrinkParams) into a zeroed
   // small block; a larger launch passes the whole block, so it is zeroed
-  // whole (no indeterminate bytes are launched).
+  // whole. (The launches' test, FitsParams, also bounds the fused pass's
+  // batches, which never outnumber the groups: batches are of whole groups.)
   std::unique_ptr<cuda_internal::QuantizeParams> p(new cuda_internal::QuantizeParams);
   if (a.num_groups > cuda_internal::kSmallGpuGroups) {
     std::memset(p.get(), 0, sizeof(*p));

@@ -440,9 +440,10 @@ TEST(QuantizeGpuTest, LargeUnevenGroups) {
 
 // Launches of at most kSmallGpuGroups groups take parameter structs sized
 // for 64 groups, larger ones the full 1024-group tables (quantize.cu,
-// LaunchGroupedQuantize and LaunchGroupedAmax): both sides of the boundary,
-// and many uneven groups with empties, for every mode and both current
-// scaling passes.
+// LaunchGroupedQuantize and LaunchGroupedAmax; quantize_oneshot.cu): both
+// sides of the boundary, and many uneven groups with empties, for every mode
+// on the tiled kernels, both current scaling passes, and the one-shot kernel
+// (groups of whole 32-row slabs).
 TEST(QuantizeGpuTest, GroupCountsAroundTheSmallParameterTables) {
   SKIP_WITHOUT_GPU();
   std::mt19937 rng(2026);
@@ -460,6 +461,17 @@ TEST(QuantizeGpuTest, GroupCountsAroundTheSmallParameterTables) {
     for (auto pass : {cuda::GpuQuantizeOptions::CurrentPass::kTwoPass, cuda::GpuQuantizeOptions::CurrentPass::kFused}) {
       Case c{ScalingMode::kCurrent, Fp8Format::kE5M2, DType::kBF16, true, true, 384, groups, 7, true, false};
       c.current_pass = pass;
+      RunCase(c, seed++);
+      if (HasFatalFailure()) return;
+    }
+  }
+  std::uniform_int_distribution<int> slabs(0, 3);
+  for (int G : {cuda_internal::kSmallGpuGroups, cuda_internal::kSmallGpuGroups + 1, 100}) {
+    std::vector<int64_t> groups(static_cast<size_t>(G));
+    for (int64_t& g : groups) g = 32 * slabs(rng);
+    for (ScalingMode mode : {ScalingMode::kCurrent, ScalingMode::kDelayed, ScalingMode::kMxfp8}) {
+      Case c{mode, Fp8Format::kE4M3, DType::kBF16, true, true, 256, groups, 0, true, false};
+      c.kernel = cuda::GpuQuantizeOptions::Kernel::kOneShot;
       RunCase(c, seed++);
       if (HasFatalFailure()) return;
     }

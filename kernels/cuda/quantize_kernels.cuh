@@ -162,6 +162,12 @@ struct AmaxParamsT : AmaxHeader {
   int32_t tile_off[kCap + 1];  // prefix sum of ceil(m_g / tile_rows)
 };
 using AmaxParams = AmaxParamsT<kMaxGpuGroups>;
+template <int kCap>
+inline void ShrinkParams(const AmaxParams& p, AmaxParamsT<kCap>* out) {
+  static_cast<AmaxHeader&>(*out) = p;
+  std::copy_n(p.row_off, p.num_groups + 1, out->row_off);
+  std::copy_n(p.tile_off, p.num_groups + 1, out->tile_off);
+}
 
 // p.amax[0 .. p.num_groups) = 0, in a one-block launch that lets its
 // dependent (the quantize pass) launch at once, before its own wait: the

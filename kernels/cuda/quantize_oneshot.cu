@@ -196,7 +196,7 @@ __global__ void __launch_bounds__(kThreads, kOneShotMinBlocks) OneShotKernel(con
       s = ScaleFromAmax(gamax, Fp8Max(fmt), p.pow2);
       may_nan = (FloatBits(gamax) & 0x7fffffffu) > 0x7f800000u;
     } else {
-      s = __ldg(p.scale + g);
+      s = __ldg(p.scale + g);  // (after the wait: see the tiled kernel)
       may_nan = thread_amax > 0x7f800000u;
       __syncthreads();  // red
       if (tid == 0) FlushTileAmax(p, g, red);
@@ -334,7 +334,7 @@ struct CapacityF {
 cudaError_t LaunchOneShotQuantize(const QuantizeParams& p, cudaStream_t stream) {
   if (p.tile_rows != kSlabRows || p.k % kSlabCols != 0) return cudaErrorInvalidValue;
   if (FitsParams<kSmallGpuGroups>(p)) {  // (as LaunchGroupedQuantize)
-    QuantizeParamsT<kSmallGpuGroups> small{};  // (1.7 KB: zeroed, so no indeterminate bytes are launched)
+    QuantizeParamsT<kSmallGpuGroups> small{};  // (1.7 KB, value-initialized: its unused entries are zeros)
     ShrinkParams(p, &small);
     return Dispatch<LaunchF>(p.x_dtype, p.mode, p.format, &small, stream);
   }
