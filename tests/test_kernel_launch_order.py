@@ -27,7 +27,11 @@ import subprocess
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-OBJECTS = ["kernels/cuda/quantize_cu_quantize.o", "kernels/cuda/quantize_cu_quantize_oneshot.o"]
+OBJECTS = [
+    "kernels/cuda/quantize_cu_quantize.o",
+    "kernels/cuda/quantize_cu_quantize_small.o",
+    "kernels/cuda/quantize_cu_quantize_oneshot.o",
+]
 # Kernels launched as programmatic dependents (quantize.cu, quantize_oneshot.cu).
 DEPENDENT = re.compile(r"(QuantizeKernel|AmaxKernel|ZeroAmaxKernel|OneShotKernel)I?")
 # QuantizeKernel<DT, MODE, FMT, FUSED, TR>: MODE 0 (current scaling), FUSED false.
@@ -99,10 +103,15 @@ def test_the_current_quantize_pass_loads_its_first_tile_before_its_wait():
     """The exception above is taken, not only allowed: were the loads behind
     the wait, the overlap with the amax pass would be lost (a speed loss the
     GPU tests cannot see)."""
-    (path,) = [p for p in _objects() if p.endswith("quantize_cu_quantize.o")]
-    functions = _sass_functions(path)
-    passes = {n: ins for n, ins in functions.items() if CURRENT_QUANTIZE_PASS.search(n)}
-    assert passes, "no current-scaling quantize pass found"
+    for obj in ("quantize_cu_quantize.o", "quantize_cu_quantize_small.o"):  # both parameter sizes
+        (path,) = [p for p in _objects() if p.endswith(obj)]
+        functions = _sass_functions(path)
+        passes = {n: ins for n, ins in functions.items() if CURRENT_QUANTIZE_PASS.search(n)}
+        assert passes, f"no current-scaling quantize pass found in {obj}"
+        _check_loads_first(passes)
+
+
+def _check_loads_first(passes):
     for name, ins in passes.items():
         first_wait = next(i for i, s in enumerate(ins) if s.startswith("ACQBULK"))
         assert any(s.startswith("LDGSTS") for s in ins[:first_wait]), name

@@ -181,6 +181,9 @@ cudaError_t LaunchGroupedAmax(const AmaxParams& p, cudaStream_t stream);
 // The quantize pass (all groups, one persistent launch; with p.fuse_amax the
 // amax pass too).
 cudaError_t LaunchGroupedQuantize(const QuantizeParams& p, cudaStream_t stream);
+// The same for a block shrunk to kSmallGpuGroups (quantize_small.cu);
+// LaunchGroupedQuantize calls it where the groups fit.
+cudaError_t LaunchGroupedQuantizeSmall(const QuantizeParamsT<kSmallGpuGroups>& p, cudaStream_t stream);
 
 // The one-shot kernel (quantize_oneshot.cu): a block per 32-row x 256-column
 // slab of 16-bit x (p.tile_rows = 32, p.col_tiles = k / 256, p.tile_off in
