@@ -69,8 +69,11 @@ def _sass_functions(obj):
 
 
 def _objects():
+    # $BAZEL names the build to read (a wrapper with its --output_base and
+    # -c): asked for its bazel-bin; else the repository's bazel-bin link, or
+    # bazel's own answer where there is none (built with a --symlink_prefix).
     bin_dir = os.path.join(ROOT, "bazel-bin")
-    if not os.path.isdir(bin_dir):  # (built with a --symlink_prefix)
+    if "BAZEL" in os.environ or not os.path.isdir(bin_dir):
         bazel = os.environ.get("BAZEL", "bazel")
         bin_dir = subprocess.run([bazel, "info", "bazel-bin"], cwd=ROOT, check=True, capture_output=True,
                                  text=True).stdout.strip()
