@@ -24,9 +24,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <map>
-#include <memory>
 #include <mutex>
-#include <type_traits>
 #include <utility>
 
 #include "kernels/cuda/quantize_device.cuh"
