@@ -253,6 +253,26 @@ absl::Status ReleaseQuantizeWorkspace(cudaStream_t stream) {
   return absl::OkStatus();
 }
 
+namespace {
+
+// A launch's parameter block on the heap (its tables are up to 25 KB), its
+// header zeroed. Its tables too where the launch passes them whole, over
+// kSmallGpuGroups groups; else the launch copies just their used entries
+// into a zeroed small block (LaunchWithFittingParams; the fused pass's
+// batches never outnumber the groups), so no per-call 25 KB memset.
+template <class Params, class Header>
+std::unique_ptr<Params> NewParams(int64_t num_groups) {
+  std::unique_ptr<Params> p(new Params);
+  if (num_groups > cuda_internal::kSmallGpuGroups) {
+    std::memset(p.get(), 0, sizeof(Params));
+  } else {
+    static_cast<Header&>(*p) = Header{};
+  }
+  return p;
+}
+
+}  // namespace
+
 absl::Status GroupedQuantize(const GroupedQuantizeArgs& a, cudaStream_t stream, const GpuQuantizeOptions& options) {
   if (absl::Status s = CheckGpuArgs(a, options); !s.ok()) return s;
   absl::StatusOr<QuantizeLayout> layout = GetQuantizeLayout(a);
@@ -261,18 +281,7 @@ absl::Status GroupedQuantize(const GroupedQuantizeArgs& a, cudaStream_t stream, 
   if (l.rowwise_scale_elems >= (int64_t{1} << 31) || l.colwise_scale_elems >= (int64_t{1} << 31)) {
     return absl::InvalidArgumentError("scale_inv: over 2^31 entries");
   }
-  // The parameter block is large (per-group tables, 25 KB): on the heap, and
-  // only its header zeroed where the groups fit kSmallGpuGroups, since such a
-  // launch copies just the tables' used entries (ShrinkParams) into a zeroed
-  // small block; a larger launch passes the whole block, so it is zeroed
-  // whole. (The launches' test, FitsParams, also bounds the fused pass's
-  // batches, which never outnumber the groups: batches are of whole groups.)
-  std::unique_ptr<cuda_internal::QuantizeParams> p(new cuda_internal::QuantizeParams);
-  if (a.num_groups > cuda_internal::kSmallGpuGroups) {
-    std::memset(p.get(), 0, sizeof(*p));
-  } else {
-    static_cast<cuda_internal::QuantizeHeader&>(*p) = cuda_internal::QuantizeHeader{};
-  }
+  auto p = NewParams<cuda_internal::QuantizeParams, cuda_internal::QuantizeHeader>(a.num_groups);
   p->x = a.x;
   p->x_dtype = DTypeCode(a.x_dtype);
   p->mode = static_cast<int>(a.mode);
@@ -418,9 +427,7 @@ absl::Status GroupedQuantize(const GroupedQuantizeArgs& a, cudaStream_t stream, 
   if (amax_pass) {
     // The amax pass tiles whole rows: at most 64 KiB per block, and about
     // kAmaxPassBlocks blocks where the rows allow.
-    std::unique_ptr<cuda_internal::AmaxParams> pa(new cuda_internal::AmaxParams);  // (tables: as p's)
-    if (a.num_groups > cuda_internal::kSmallGpuGroups) std::memset(pa.get(), 0, sizeof(*pa));
-    static_cast<cuda_internal::AmaxHeader&>(*pa) = cuda_internal::AmaxHeader{};
+    auto pa = NewParams<cuda_internal::AmaxParams, cuda_internal::AmaxHeader>(a.num_groups);
     pa->x = p->x, pa->x_dtype = p->x_dtype, pa->k = p->k, pa->num_groups = p->num_groups;
     pa->amax = p->amax, pa->amax_slots = p->amax_slots, pa->workspace = p->workspace;
     const int64_t row_bytes = a.k * DTypeSize(a.x_dtype);

@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <map>
 #include <mutex>
+#include <type_traits>
 #include <utility>
 
 #include "kernels/cuda/quantize_device.cuh"
@@ -274,12 +275,7 @@ bool DependentLaunchSupported() {
 }
 
 cudaError_t LaunchGroupedAmax(const AmaxParams& p, cudaStream_t stream) {
-  if (p.num_groups <= kSmallGpuGroups) {
-    AmaxParamsT<kSmallGpuGroups> small{};
-    ShrinkParams(p, &small);
-    return LaunchAmaxP(small, stream);
-  }
-  return LaunchAmaxP(p, stream);
+  return LaunchWithFittingParams(p, [&](const auto& q) { return LaunchAmaxP(q, stream); });
 }
 
 cudaError_t LaunchZeroAmax(const QuantizeParams& p, cudaStream_t stream) {
@@ -287,12 +283,14 @@ cudaError_t LaunchZeroAmax(const QuantizeParams& p, cudaStream_t stream) {
 }
 
 cudaError_t LaunchGroupedQuantize(const QuantizeParams& p, cudaStream_t stream) {
-  if (FitsParams<kSmallGpuGroups>(p)) {
-    QuantizeParamsT<kSmallGpuGroups> small{};  // (1.7 KB, value-initialized: its unused entries are zeros)
-    ShrinkParams(p, &small);
-    return LaunchGroupedQuantizeSmall(small, stream);
-  }
-  return LaunchQuantizeP(p, stream);
+  return LaunchWithFittingParams(p, [&](const auto& q) {
+    // (The small block's kernels are quantize_small.cu's.)
+    if constexpr (std::is_same_v<std::decay_t<decltype(q)>, QuantizeParams>) {
+      return LaunchQuantizeP(q, stream);
+    } else {
+      return LaunchGroupedQuantizeSmall(q, stream);
+    }
+  });
 }
 
 cudaError_t LaunchGroupedDequantize(const DequantizeParams& p, cudaStream_t stream) {

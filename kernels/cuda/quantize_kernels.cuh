@@ -163,10 +163,28 @@ struct AmaxParamsT : AmaxHeader {
 };
 using AmaxParams = AmaxParamsT<kMaxGpuGroups>;
 template <int kCap>
+inline bool FitsParams(const AmaxParams& p) {
+  return p.num_groups <= kCap;
+}
+template <int kCap>
 inline void ShrinkParams(const AmaxParams& p, AmaxParamsT<kCap>* out) {
   static_cast<AmaxHeader&>(*out) = p;
   std::copy_n(p.row_off, p.num_groups + 1, out->row_off);
   std::copy_n(p.tile_off, p.num_groups + 1, out->tile_off);
+}
+
+// launch(q) with q the smallest parameter block that holds p: where p fits
+// kSmallGpuGroups, a value-initialized ParamsT<kSmallGpuGroups> (its unused
+// entries zeros) with p's used entries, else p itself. The one place that
+// picks a launch's parameter size (QuantizeParamsT, AmaxParamsT).
+template <template <int> class ParamsT, class Launch>
+cudaError_t LaunchWithFittingParams(const ParamsT<kMaxGpuGroups>& p, Launch launch) {
+  if (FitsParams<kSmallGpuGroups>(p)) {
+    ParamsT<kSmallGpuGroups> small{};
+    ShrinkParams(p, &small);
+    return launch(small);
+  }
+  return launch(p);
 }
 
 // p.amax[0 .. p.num_groups) = 0, in a one-block launch that lets its

@@ -333,12 +333,7 @@ struct CapacityF {
 
 cudaError_t LaunchOneShotQuantize(const QuantizeParams& p, cudaStream_t stream) {
   if (p.tile_rows != kSlabRows || p.k % kSlabCols != 0) return cudaErrorInvalidValue;
-  if (FitsParams<kSmallGpuGroups>(p)) {  // (as LaunchGroupedQuantize)
-    QuantizeParamsT<kSmallGpuGroups> small{};  // (1.7 KB, value-initialized: its unused entries are zeros)
-    ShrinkParams(p, &small);
-    return Dispatch<LaunchF>(p.x_dtype, p.mode, p.format, &small, stream);
-  }
-  return Dispatch<LaunchF>(p.x_dtype, p.mode, p.format, &p, stream);
+  return LaunchWithFittingParams(p, [&](const auto& q) { return Dispatch<LaunchF>(p.x_dtype, p.mode, p.format, &q, stream); });
 }
 
 cudaError_t OneShotCapacity(int x_dtype, int mode, int format, int* blocks, int* sms) {
