@@ -407,6 +407,67 @@ __device__ __forceinline__ void QuantizeMxTileFull(const P& p, const TileGeom& t
   }
 }
 
+// The colwise output of tensor and block scaling, transposed per group
+// ((r, c) at off * K + c * mg + (r - off)): each thread's chunk bytes qv
+// (chunk i: row tid / kChunksPerRow + kChunkRowStep i, columns
+// (tid % kChunksPerRow) * 8 ..) go through qt, the tile's own shared memory
+// (every thread done reading it), and out as 16-row columns. tid: threadIdx.x
+// (see OpaqueThreadIdx).
+template <int TR, bool FULL, class P>  // QuantizeParamsT<kCap>
+__device__ __forceinline__ void StoreColwiseTransposed(const P& p, const TileGeom& tg,
+                                                       const uint2 (&qv)[Tile<TR>::kChunksPerThread], uint8_t* qt,
+                                                       int tid) {
+  using TS = Tile<TR>;
+  constexpr int NCH = TS::kChunksPerThread, kCols = TS::kCols, kCpr = TS::kChunksPerRow;
+  const int nrows = FULL ? TR : tg.nrows, ncols = FULL ? kCols : tg.ncols;
+  const int64_t off = tg.off, mg = tg.mg, r0 = tg.r0, c0 = tg.c0, K = p.k;
+  // FULL: rows whose bit 4 is set are stored with byte offsets XOR 64 (the
+  // 64-byte halves of each 128 bytes swapped), so the lanes reading rows r
+  // and r + 16 below hit other banks.
+#pragma unroll
+  for (int i = 0; i < NCH; ++i) {
+    const int ch = tid + i * kThreads, row = ch / kCpr;
+    const int swz = FULL ? ((row >> 4) & 1) * 64 : 0;
+    *reinterpret_cast<uint2*>(qt + row * kCols + (((ch % kCpr) * 8) ^ swz)) = qv[i];
+  }
+  __syncthreads();
+  // A thread takes 4 columns x 16 rows. FULL: lanes 2k and 2k + 1 take the
+  // two 16-row halves of the same columns, so each pair's 16-byte stores
+  // fill one 32-byte sector (warp: 32 rows x 64 columns). Else kCols / 4
+  // threads take rows 16 q .. 16 q + 15 of all columns.
+  const int lane = tid % 32, wp = tid / 32;
+  constexpr int kWarpsPerBand = kCols / 64;  // FULL: warps per 32-row band
+  const int cb = FULL ? 64 * (wp % kWarpsPerBand) + 4 * (lane / 2) : (tid % (kCols / 4)) * 4;
+  const int rb = FULL ? 32 * (wp / kWarpsPerBand) + 16 * (lane % 2) : (tid / (kCols / 4)) * 16;
+  const int rswz = FULL ? 64 * (lane % 2) : 0;  // rows rb .. rb + 15 share bit 4 = lane % 2
+  if (cb < ncols && rb < nrows) {
+    uint32_t w[16];  // row rb + j, columns cb .. cb + 3
+#pragma unroll
+    for (int j = 0; j < 16; ++j) w[j] = *reinterpret_cast<const uint32_t*>(qt + (rb + j) * kCols + (cb ^ rswz));
+    // Transposed per group: (r, c) at off * K + c * mg + (r - off); 16 rows = one 16-byte store.
+    const bool aligned = ((off * K) % 16 == 0) && (mg % 16 == 0) && rb + 16 <= nrows;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      uint8_t* out = p.col_data + off * K + (c0 + cb + i) * mg + (r0 - off) + rb;
+      if (aligned) {
+        const uint32_t sel = static_cast<uint32_t>(i) | (static_cast<uint32_t>(i + 4) << 4);
+        uint32_t col[4];  // byte i of rows 4k .. 4k + 3
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          col[k] = __byte_perm(__byte_perm(w[4 * k], w[4 * k + 1], sel), __byte_perm(w[4 * k + 2], w[4 * k + 3], sel),
+                               0x5410);
+        }
+        __stcs(reinterpret_cast<uint4*>(out), make_uint4(col[0], col[1], col[2], col[3]));
+      } else {
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+          if (rb + j < nrows) out[j] = static_cast<uint8_t>(w[j] >> (8 * i));
+        }
+      }
+    }
+  }
+}
+
 // Converts one tile held in shared memory. tscale: the tensor (per-group) scale.
 // FULL: a whole tile of 16-bit input with the hardware conversion
 // (and, for MXFP8, the OCP recipe): nearly every tile, compiled without the
@@ -550,51 +611,7 @@ __device__ __forceinline__ void QuantizeTile(const P& p, const TileGeom& tg,
     if constexpr (FULL && MODE == kModeDelayed) {
       if (tid == 0) FlushTileAmax(p, g, red);
     }
-    // FULL: rows whose bit 4 is set are stored with byte offsets XOR 64 (the
-    // 64-byte halves of each 128 bytes swapped), so the lanes reading rows r
-    // and r + 16 below hit other banks.
-#pragma unroll
-    for (int i = 0; i < NCH; ++i) {
-      const int ch = tid + i * kThreads, row = ch / kCpr;
-      const int swz = FULL ? ((row >> 4) & 1) * 64 : 0;
-      *reinterpret_cast<uint2*>(qt + row * kCols + (((ch % kCpr) * 8) ^ swz)) = qv[i];
-    }
-    __syncthreads();
-    // A thread takes 4 columns x 16 rows. FULL: lanes 2k and 2k + 1 take the
-    // two 16-row halves of the same columns, so each pair's 16-byte stores
-    // fill one 32-byte sector (warp: 32 rows x 64 columns). Else kCols / 4
-    // threads take rows 16 q .. 16 q + 15 of all columns.
-    const int lane = tid % 32, wp = tid / 32;
-    constexpr int kWarpsPerBand = kCols / 64;  // FULL: warps per 32-row band
-    const int cb = FULL ? 64 * (wp % kWarpsPerBand) + 4 * (lane / 2) : (tid % (kCols / 4)) * 4;
-    const int rb = FULL ? 32 * (wp / kWarpsPerBand) + 16 * (lane % 2) : (tid / (kCols / 4)) * 16;
-    const int rswz = FULL ? 64 * (lane % 2) : 0;  // rows rb .. rb + 15 share bit 4 = lane % 2
-    if (cb < ncols && rb < nrows) {
-      uint32_t w[16];  // row rb + j, columns cb .. cb + 3
-#pragma unroll
-      for (int j = 0; j < 16; ++j) w[j] = *reinterpret_cast<const uint32_t*>(qt + (rb + j) * kCols + (cb ^ rswz));
-      // Transposed per group: (r, c) at off * K + c * mg + (r - off); 16 rows = one 16-byte store.
-      const bool aligned = ((off * K) % 16 == 0) && (mg % 16 == 0) && rb + 16 <= nrows;
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        uint8_t* out = p.col_data + off * K + (c0 + cb + i) * mg + (r0 - off) + rb;
-        if (aligned) {
-          const uint32_t sel = static_cast<uint32_t>(i) | (static_cast<uint32_t>(i + 4) << 4);
-          uint32_t col[4];  // byte i of rows 4k .. 4k + 3
-#pragma unroll
-          for (int k = 0; k < 4; ++k) {
-            col[k] = __byte_perm(__byte_perm(w[4 * k], w[4 * k + 1], sel), __byte_perm(w[4 * k + 2], w[4 * k + 3], sel),
-                                 0x5410);
-          }
-          __stcs(reinterpret_cast<uint4*>(out), make_uint4(col[0], col[1], col[2], col[3]));
-        } else {
-#pragma unroll
-          for (int j = 0; j < 16; ++j) {
-            if (rb + j < nrows) out[j] = static_cast<uint8_t>(w[j] >> (8 * i));
-          }
-        }
-      }
-    }
+    StoreColwiseTransposed<TR, FULL>(p, tg, qv, qt, tid);
   }
 
   // ---- colwise ----
@@ -696,14 +713,161 @@ __device__ __forceinline__ void QuantizeTile(const P& p, const TileGeom& tg,
   }
 }
 
+// 1 x 128 block scaling, a whole 128 x 128 tile of 16-bit input with the
+// hardware conversion (QuantizeAnyTile): the tile holds one row block per
+// row and one column block (all 128 rows) per column. Two pre-passes find
+// every scale once, as MXFP8's do (the general path found a row's scale per
+// chunk, with shuffles and an IEEE division each, and read the tile again
+// for the columns: twice the instructions of MXFP8's tile):
+//   columns: each thread takes 32 rows of two columns (a warp: 32 rows x 64
+//            columns); the four bands meet in shared memory, where 64
+//            threads find the 128 column scales;
+//   rows:    two threads a row, 128 bytes each (eight 16-byte reads in a
+//            rotated order, a quarter warp on distinct banks), meet by a
+//            shuffle.
+// Then one pass converts each chunk with its row's scale (stored at once)
+// and its columns' scales (kept for the transposed store, as tensor
+// scaling's). A tile with a NaN is left to the general path (its NaN rule;
+// false returned, the scales written are the ones it writes again): one copy
+// of that path in the kernel, not a second one inlined here, which measured
+// 2.4 us slower on small-decode's partial tiles.
+// threadIdx.x, which the compiler cannot treat as loop-invariant: the 1 x 128
+// kernel holds both this path and the general one, and ptxas had hoisted the
+// transposed store's 16 shared-memory addresses out of the tile loop and
+// spilled them (small-decode's partial tiles, the general path, 18.0 -> 19.7
+// us). Recomputing them is 16 instructions a tile.
+__device__ __forceinline__ int OpaqueThreadIdx() {
+  int tid = static_cast<int>(threadIdx.x);
+  asm volatile("" : "+r"(tid));
+  return tid;
+}
+
+template <int DT, int FMT, bool ROW, bool COL, class P>
+__device__ __forceinline__ void B1x128TileChunks(const P& p, const TileGeom& tg, typename InType<DT>::T* tile,
+                                                 const float* col_scale_s, const float* row_scale_s) {
+  using TS = Tile<128>;
+  constexpr int NCH = TS::kChunksPerThread, kStep = TS::kChunkRowStep, kCols = TS::kCols;
+  const int tid = threadIdx.x;
+  const int rr0 = tid / TS::kChunksPerRow, cc = tid % TS::kChunksPerRow;
+  const int64_t K = p.k;
+  uint8_t* row_out = p.row_data + (tg.r0 + rr0) * K + tg.c0 + cc * 8;
+  float sc[8];
+  if constexpr (COL) {
+    const float4 slo = *reinterpret_cast<const float4*>(col_scale_s + cc * 8);
+    const float4 shi = *reinterpret_cast<const float4*>(col_scale_s + cc * 8 + 4);
+    sc[0] = slo.x, sc[1] = slo.y, sc[2] = slo.z, sc[3] = slo.w, sc[4] = shi.x, sc[5] = shi.y, sc[6] = shi.z,
+    sc[7] = shi.w;
+  }
+  uint2 qv[NCH];
+#pragma unroll
+  for (int i = 0; i < NCH; ++i) {
+    const int rr = rr0 + kStep * i;
+    const Chunk<DT> v = *reinterpret_cast<const Chunk<DT>*>(tile + rr * kCols + cc * 8);
+    float x[8];
+    ChunkFloats<DT>(v, x);
+    if constexpr (ROW) {
+      __stcs(reinterpret_cast<uint2*>(row_out), Cvt8<FMT>(x, row_scale_s[rr]));
+      row_out += kStep * K;
+    }
+    if constexpr (COL) qv[i] = Cvt8<FMT>(x, sc);
+  }
+  if constexpr (COL) {
+    __syncthreads();  // every thread is done reading the input tile
+    StoreColwiseTransposed<128, true>(p, tg, qv, reinterpret_cast<uint8_t*>(tile),  // (over the tile's bytes)
+                                      OpaqueThreadIdx());
+  }
+}
+
+template <int DT, int FMT, class P>
+__device__ __forceinline__ bool QuantizeB1x128TileFull(const P& p, const TileGeom& tg, typename InType<DT>::T* tile,
+                                                       uint32_t* red, uint32_t* col_red) {
+  static_assert(DT == 0 || DT == 1, "16-bit input");
+  constexpr int kCols = Tile<128>::kCols;
+  const Fp8Format fmt = static_cast<Fp8Format>(FMT);
+  const float fmax = Fp8Max(fmt);
+  const int tid = threadIdx.x, w = tid / 32, lane = tid % 32;
+  const int64_t off = tg.off, mg = tg.mg, r0 = tg.r0, c0 = tg.c0, K = p.k;
+  uint32_t* col_part = col_red;                                  // [4 bands][64 column pairs], 16-bit |x| bits
+  float* col_scale_s = reinterpret_cast<float*>(col_red) + 256;  // [128]
+  float* row_scale_s = reinterpret_cast<float*>(col_red) + 384;  // [128]
+  bool nan = false;
+  if (p.colwise) {
+    const int band = w / 2, cp = (w % 2) * 32 + lane;
+    uint32_t m2 = 0;  // 16-bit |x| bits order like the values (NaN above Inf)
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      m2 = __vmaxu2(m2, *reinterpret_cast<const uint32_t*>(tile + (band * 32 + j) * kCols + 2 * cp) & 0x7fff7fffu);
+    }
+    col_part[band * 64 + cp] = m2;
+  }
+  uint32_t am16;  // this row's max |x| bits (16-bit)
+  {
+    const int r = tid / 2, h = tid % 2;
+    const unsigned char* half = reinterpret_cast<const unsigned char*>(tile) + r * (kCols * 2) + h * kCols;
+    uint32_t m2 = 0;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const uint4 u = *reinterpret_cast<const uint4*>(half + ((j + r) & 7) * 16);
+      m2 = __vmaxu2(m2, __vmaxu2(__vmaxu2(u.x & 0x7fff7fffu, u.y & 0x7fff7fffu),
+                                 __vmaxu2(u.z & 0x7fff7fffu, u.w & 0x7fff7fffu)));
+    }
+    am16 = max(m2 & 0xffffu, m2 >> 16);
+    am16 = max(am16, __shfl_xor_sync(0xffffffffu, am16, 1));
+    const uint32_t a = AbsBitsOf<DT>(static_cast<uint16_t>(am16));
+    nan = a > 0x7f800000u;
+    if (p.rowwise) {
+      const float sr = ScaleFromAmax(BitsToFloat(a), fmax, p.pow2);
+      if (h == 0) {
+        row_scale_s[r] = sr;
+        static_cast<float*>(p.row_scale)[tg.row_scale_off + tg.ct * RoundUp(mg, 4) + (r0 - off + r)] = ScaleInv(sr);
+      }
+    }
+  }
+  if (p.amax != nullptr) {  // the tile amax from the row pre-pass
+    const uint32_t wm = WarpMax(AbsBitsOf<DT>(static_cast<uint16_t>(am16)));
+    if (lane == 0) red[w] = wm;
+  }
+  __syncthreads();  // col_part complete
+  if (p.colwise && tid < 64) {
+    uint32_t m2 = 0;
+#pragma unroll
+    for (int b = 0; b < 4; ++b) m2 = __vmaxu2(m2, col_part[b * 64 + tid]);
+    float* cs = static_cast<float*>(p.col_scale) + tg.col_scale_off + ((r0 - off) / 128) * RoundUp(K, 4) + c0 + 2 * tid;
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const uint32_t a = AbsBitsOf<DT>(static_cast<uint16_t>(e == 0 ? m2 & 0xffffu : m2 >> 16));
+      nan = nan || a > 0x7f800000u;
+      const float sc = ScaleFromAmax(BitsToFloat(a), fmax, p.pow2);
+      col_scale_s[2 * tid + e] = sc;
+      cs[e] = ScaleInv(sc);
+    }
+  }
+  nan = __syncthreads_or(nan);  // also: the scales and red are complete
+  if (nan) return false;  // (rare; before the flush: the general path writes red at once, and flushes itself)
+  if (p.amax != nullptr && tid == 0) FlushTileAmax(p, tg.g, red);
+  if (p.rowwise && p.colwise) {
+    B1x128TileChunks<DT, FMT, true, true>(p, tg, tile, col_scale_s, row_scale_s);
+  } else if (p.rowwise) {
+    B1x128TileChunks<DT, FMT, true, false>(p, tg, tile, col_scale_s, row_scale_s);
+  } else {
+    B1x128TileChunks<DT, FMT, false, true>(p, tg, tile, col_scale_s, row_scale_s);
+  }
+  return true;
+}
+
 // The whole-tile path where it applies, else the general one. ALLOW_FULL is
 // off in the fused kernel, whose claim and wait state would spill with it.
 template <int DT, int MODE, int FMT, int TR, bool ALLOW_FULL = true, class P>
 __device__ __forceinline__ void QuantizeAnyTile(const P& p, const TileGeom& tg,
                                                 typename InType<DT>::T* tile, float tscale, float tscale_amax,
                                                 uint32_t* red, uint32_t* col_red) {
-  // (f16's 1x128 tile, whose software f16 decode is longer, would spill.)
-  if constexpr (ALLOW_FULL && (DT == 0 || (DT == 1 && MODE != kModeB1x128))) {
+  if constexpr (ALLOW_FULL && MODE == kModeB1x128 && (DT == 0 || DT == 1)) {
+    static_assert(TR == 128, "block scaling: 128-row tiles");
+    if (tg.nrows == TR && tg.ncols == Tile<TR>::kCols && !p.software_cvt &&
+        QuantizeB1x128TileFull<DT, FMT>(p, tg, tile, red, col_red)) {
+      return;
+    }
+  } else if constexpr (ALLOW_FULL && (DT == 0 || DT == 1)) {
     if (tg.nrows == TR && tg.ncols == Tile<TR>::kCols && !p.software_cvt &&
         (MODE != kModeMx || p.mx_recipe == static_cast<int>(MxScaleRecipe::kOcp))) {
       QuantizeTile<DT, MODE, FMT, true, TR>(p, tg, tile, tscale, tscale_amax, red, col_red);
