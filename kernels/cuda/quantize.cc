@@ -356,8 +356,11 @@ absl::Status GroupedQuantize(const GroupedQuantizeArgs& a, cudaStream_t stream, 
   const size_t tail = static_cast<size_t>((a.m - used) * a.k);
   cudaError_t e = cudaSuccess;
   if (current && wants_amax && !amax_in_workspace) e = cudaMemsetAsync(a.amax, 0, sizeof(float) * a.num_groups, stream);
-  // Scales no kernel writes: block scaling's padding (MXFP8's kernel zeroes its own).
-  const bool scales_need_zeroing = a.mode == ScalingMode::kBlock1x128 || a.mode == ScalingMode::kBlock128x128;
+  // Scales no kernel writes: 128 x 128 block scaling's padding. MXFP8's and
+  // 1 x 128's kernels zero their own (the two memsets had cost 1 x 128
+  // row+col 3-8 us a call on the H200, in a graph: small-decode 18.1 ->
+  // 10.2 us, qwen3-ep8 25.5 -> 22.0; docs/performance/quantize.md).
+  const bool scales_need_zeroing = a.mode == ScalingMode::kBlock128x128;
   if (e == cudaSuccess && a.rowwise && tail) e = cudaMemsetAsync(a.rowwise_data + used * a.k, 0, tail, stream);
   if (e == cudaSuccess && a.colwise && tail) e = cudaMemsetAsync(a.colwise_data + used * a.k, 0, tail, stream);
   if (e == cudaSuccess && scales_need_zeroing && a.rowwise && l.rowwise_scale_elems) {

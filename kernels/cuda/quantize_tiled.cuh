@@ -412,14 +412,15 @@ __device__ __forceinline__ void QuantizeMxTileFull(const P& p, const TileGeom& t
 // (chunk i: row tid / kChunksPerRow + kChunkRowStep i, columns
 // (tid % kChunksPerRow) * 8 ..) go through qt, the tile's own shared memory
 // (every thread done reading it), and out as 16-row columns. tid: threadIdx.x
-// (see OpaqueThreadIdx).
-template <int TR, bool FULL, class P>  // QuantizeParamsT<kCap>
+// (see OpaqueThreadIdx). FULL: the whole-tile thread mapping, for every
+// column of the tile and, unless BOUNDED_ROWS, every row.
+template <int TR, bool FULL, class P, bool BOUNDED_ROWS = false>  // QuantizeParamsT<kCap>
 __device__ __forceinline__ void StoreColwiseTransposed(const P& p, const TileGeom& tg,
                                                        const uint2 (&qv)[Tile<TR>::kChunksPerThread], uint8_t* qt,
                                                        int tid) {
   using TS = Tile<TR>;
   constexpr int NCH = TS::kChunksPerThread, kCols = TS::kCols, kCpr = TS::kChunksPerRow;
-  const int nrows = FULL ? TR : tg.nrows, ncols = FULL ? kCols : tg.ncols;
+  const int nrows = FULL && !BOUNDED_ROWS ? TR : tg.nrows, ncols = FULL ? kCols : tg.ncols;
   const int64_t off = tg.off, mg = tg.mg, r0 = tg.r0, c0 = tg.c0, K = p.k;
   // FULL: rows whose bit 4 is set are stored with byte offsets XOR 64 (the
   // 64-byte halves of each 128 bytes swapped), so the lanes reading rows r
@@ -713,12 +714,24 @@ __device__ __forceinline__ void QuantizeTile(const P& p, const TileGeom& tg,
   }
 }
 
-// 1 x 128 block scaling, a whole 128 x 128 tile of 16-bit input with the
-// hardware conversion (QuantizeAnyTile): the tile holds one row block per
-// row and one column block (all 128 rows) per column. Two pre-passes find
-// every scale once, as MXFP8's do (the general path found a row's scale per
-// chunk, with shuffles and an IEEE division each, and read the tile again
-// for the columns: twice the instructions of MXFP8's tile):
+// threadIdx.x, which the compiler cannot treat as loop-invariant. The 1 x 128
+// kernel holds both this path and the general one, and ptxas had hoisted the
+// transposed store's 16 shared-memory addresses out of the tile loop and
+// spilled them (small-decode's partial tiles, the general path, 18.0 -> 19.7
+// us). Recomputing them is 16 instructions a tile.
+__device__ __forceinline__ int OpaqueThreadIdx() {
+  int tid = static_cast<int>(threadIdx.x);
+  asm volatile("" : "+r"(tid));
+  return tid;
+}
+
+// 1 x 128 block scaling, a 128 x 128 tile of 16-bit input with the hardware
+// conversion, whole columns (QuantizeAnyTile): the tile holds one row block
+// per row and one column block (all the tile's rows) per column. Rows past
+// the group read as zeros, which change no amax, and are not stored. Two
+// pre-passes find every scale once, as MXFP8's do (the general path found a
+// row's scale per chunk, with shuffles and an IEEE division each, and read
+// the tile again for the columns: twice the instructions of MXFP8's tile):
 //   columns: each thread takes 32 rows of two columns (a warp: 32 rows x 64
 //            columns); the four bands meet in shared memory, where 64
 //            threads find the 128 column scales;
@@ -731,17 +744,6 @@ __device__ __forceinline__ void QuantizeTile(const P& p, const TileGeom& tg,
 // false returned, the scales written are the ones it writes again): one copy
 // of that path in the kernel, not a second one inlined here, which measured
 // 2.4 us slower on small-decode's partial tiles.
-// threadIdx.x, which the compiler cannot treat as loop-invariant: the 1 x 128
-// kernel holds both this path and the general one, and ptxas had hoisted the
-// transposed store's 16 shared-memory addresses out of the tile loop and
-// spilled them (small-decode's partial tiles, the general path, 18.0 -> 19.7
-// us). Recomputing them is 16 instructions a tile.
-__device__ __forceinline__ int OpaqueThreadIdx() {
-  int tid = static_cast<int>(threadIdx.x);
-  asm volatile("" : "+r"(tid));
-  return tid;
-}
-
 template <int DT, int FMT, bool ROW, bool COL, class P>
 __device__ __forceinline__ void B1x128TileChunks(const P& p, const TileGeom& tg, typename InType<DT>::T* tile,
                                                  const float* col_scale_s, const float* row_scale_s) {
@@ -766,15 +768,16 @@ __device__ __forceinline__ void B1x128TileChunks(const P& p, const TileGeom& tg,
     float x[8];
     ChunkFloats<DT>(v, x);
     if constexpr (ROW) {
-      __stcs(reinterpret_cast<uint2*>(row_out), Cvt8<FMT>(x, row_scale_s[rr]));
+      if (rr < tg.nrows) __stcs(reinterpret_cast<uint2*>(row_out), Cvt8<FMT>(x, row_scale_s[rr]));
       row_out += kStep * K;
     }
     if constexpr (COL) qv[i] = Cvt8<FMT>(x, sc);
   }
   if constexpr (COL) {
     __syncthreads();  // every thread is done reading the input tile
-    StoreColwiseTransposed<128, true>(p, tg, qv, reinterpret_cast<uint8_t*>(tile),  // (over the tile's bytes)
-                                      OpaqueThreadIdx());
+    StoreColwiseTransposed<128, true, P, /*BOUNDED_ROWS=*/true>(p, tg, qv,
+                                                               reinterpret_cast<uint8_t*>(tile),  // (over its bytes)
+                                                               OpaqueThreadIdx());
   }
 }
 
@@ -819,7 +822,7 @@ __device__ __forceinline__ bool QuantizeB1x128TileFull(const P& p, const TileGeo
       const float sr = ScaleFromAmax(BitsToFloat(a), fmax, p.pow2);
       if (h == 0) {
         row_scale_s[r] = sr;
-        static_cast<float*>(p.row_scale)[tg.row_scale_off + tg.ct * RoundUp(mg, 4) + (r0 - off + r)] = ScaleInv(sr);
+        if (r < tg.nrows) static_cast<float*>(p.row_scale)[tg.row_scale_off + tg.ct * RoundUp(mg, 4) + (r0 - off + r)] = ScaleInv(sr);
       }
     }
   }
@@ -855,16 +858,34 @@ __device__ __forceinline__ bool QuantizeB1x128TileFull(const P& p, const TileGeo
   return true;
 }
 
+// The 1 x 128 scale entries no tile's rows and columns own, zeroed by the
+// tile next to them (no memset of the scales runs first): rowwise, rows mg ..
+// RoundUp(mg, 4) of each column block, by the group's last row tile there;
+// colwise, columns k .. RoundUp(k, 4) of each row block, by its last column
+// tile.
+template <class P>  // QuantizeParamsT<kCap>
+__device__ __forceinline__ void ZeroB1x128ScalePadding(const P& p, const TileGeom& tg) {
+  const int j = static_cast<int>(threadIdx.x);
+  if (j >= 3) return;
+  const int64_t mg = tg.mg, K = p.k;
+  if (p.rowwise && tg.r0 + tg.nrows == tg.off + mg && mg + j < RoundUp(mg, 4)) {
+    static_cast<float*>(p.row_scale)[tg.row_scale_off + tg.ct * RoundUp(mg, 4) + mg + j] = 0.0f;
+  }
+  if (p.colwise && tg.c0 + tg.ncols == K && K + j < RoundUp(K, 4)) {
+    static_cast<float*>(p.col_scale)[tg.col_scale_off + ((tg.r0 - tg.off) / 128) * RoundUp(K, 4) + K + j] = 0.0f;
+  }
+}
+
 // The whole-tile path where it applies, else the general one. ALLOW_FULL is
 // off in the fused kernel, whose claim and wait state would spill with it.
 template <int DT, int MODE, int FMT, int TR, bool ALLOW_FULL = true, class P>
 __device__ __forceinline__ void QuantizeAnyTile(const P& p, const TileGeom& tg,
                                                 typename InType<DT>::T* tile, float tscale, float tscale_amax,
                                                 uint32_t* red, uint32_t* col_red) {
+  if constexpr (MODE == kModeB1x128) ZeroB1x128ScalePadding(p, tg);
   if constexpr (ALLOW_FULL && MODE == kModeB1x128 && (DT == 0 || DT == 1)) {
     static_assert(TR == 128, "block scaling: 128-row tiles");
-    if (tg.nrows == TR && tg.ncols == Tile<TR>::kCols && !p.software_cvt &&
-        QuantizeB1x128TileFull<DT, FMT>(p, tg, tile, red, col_red)) {
+    if (tg.ncols == Tile<TR>::kCols && !p.software_cvt && QuantizeB1x128TileFull<DT, FMT>(p, tg, tile, red, col_red)) {
       return;
     }
   } else if constexpr (ALLOW_FULL && (DT == 0 || DT == 1)) {
