@@ -57,8 +57,11 @@ constexpr int MinBlocks(int dt, int /*mode*/) { return dt == 2 ? 1 : 3; }
 //            bytes are transposed through shared memory (16-byte stores, a
 //            lane pair filling a 32-byte sector in whole tiles); MXFP8's
 //            output (not transposed) is written by the rowwise chunk loop
-//            once the column scales are known (QuantizeMxTileFull); 1x128 and
-//            partial tiles: a thread takes 4 columns x 16 rows.
+//            once the column scales are known (QuantizeMxTileFull); 1x128
+//            tiles of whole columns convert each chunk with its columns'
+//            scales and transpose those bytes the same way
+//            (QuantizeB1x128TileFull); other partial tiles: a thread takes 4
+//            columns x 16 rows.
 // Fused current scaling (p.fuse_amax): the items are amax tiles and quantize
 // tiles (see QuantizeParams); work is claimed from an atomic counter, so a
 // quantize tile only ever waits for amax tiles that running blocks hold.
@@ -752,7 +755,7 @@ __device__ __forceinline__ void B1x128TileChunks(const P& p, const TileGeom& tg,
   const int tid = threadIdx.x;
   const int rr0 = tid / TS::kChunksPerRow, cc = tid % TS::kChunksPerRow;
   const int64_t K = p.k;
-  uint8_t* row_out = p.row_data + (tg.r0 + rr0) * K + tg.c0 + cc * 8;
+  uint8_t* row_out = ROW ? p.row_data + (tg.r0 + rr0) * K + tg.c0 + cc * 8 : nullptr;
   float sc[8];
   if constexpr (COL) {
     const float4 slo = *reinterpret_cast<const float4*>(col_scale_s + cc * 8);
@@ -858,21 +861,17 @@ __device__ __forceinline__ bool QuantizeB1x128TileFull(const P& p, const TileGeo
   return true;
 }
 
-// The 1 x 128 scale entries no tile's rows and columns own, zeroed by the
-// tile next to them (no memset of the scales runs first): rowwise, rows mg ..
-// RoundUp(mg, 4) of each column block, by the group's last row tile there;
-// colwise, columns k .. RoundUp(k, 4) of each row block, by its last column
-// tile.
+// The 1 x 128 scale entries no tile's rows own, zeroed by the tile next to
+// them (no memset of the scales runs first): rowwise, rows mg ..
+// RoundUp(mg, 4) of each column block, by the group's last row tile there.
+// (The colwise scales' rows are RoundUp(k, 4) long, and the GPU takes only
+// k % 8 == 0, CheckGpuShape: no colwise padding.)
 template <class P>  // QuantizeParamsT<kCap>
 __device__ __forceinline__ void ZeroB1x128ScalePadding(const P& p, const TileGeom& tg) {
   const int j = static_cast<int>(threadIdx.x);
-  if (j >= 3) return;
-  const int64_t mg = tg.mg, K = p.k;
-  if (p.rowwise && tg.r0 + tg.nrows == tg.off + mg && mg + j < RoundUp(mg, 4)) {
+  const int64_t mg = tg.mg;
+  if (j < 3 && p.rowwise && tg.r0 + tg.nrows == tg.off + mg && mg + j < RoundUp(mg, 4)) {
     static_cast<float*>(p.row_scale)[tg.row_scale_off + tg.ct * RoundUp(mg, 4) + mg + j] = 0.0f;
-  }
-  if (p.colwise && tg.c0 + tg.ncols == K && K + j < RoundUp(K, 4)) {
-    static_cast<float*>(p.col_scale)[tg.col_scale_off + ((tg.r0 - tg.off) / 128) * RoundUp(K, 4) + K + j] = 0.0f;
   }
 }
 
