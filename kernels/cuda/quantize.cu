@@ -46,8 +46,7 @@ __device__ __forceinline__ uint32_t AmaxOfVec(uint4 w) {
     uint32_t m = max(max(w.x & 0x7fffffffu, w.y & 0x7fffffffu), max(w.z & 0x7fffffffu, w.w & 0x7fffffffu));
     return m;
   } else {
-    // 16-bit |x| bits order like the values (NaN above Inf): max first, convert once.
-    uint32_t m2 = __vmaxu2(__vmaxu2(w.x & 0x7fff7fffu, w.y & 0x7fff7fffu), __vmaxu2(w.z & 0x7fff7fffu, w.w & 0x7fff7fffu));
+    const uint32_t m2 = AbsMaxPairs(w.x, w.y, w.z, w.w);  // max first, convert once
     const uint16_t m16 = static_cast<uint16_t>(max(m2 & 0xffffu, m2 >> 16));
     return FloatBits(ToFloat<DT>(m16));
   }

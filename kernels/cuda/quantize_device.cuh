@@ -63,6 +63,25 @@ __device__ __forceinline__ float Elem(const Chunk<DT>& c, int j) {
     return BitsToFloat(c.w[j]);
   }
 }
+// The max |x| bits of four words of 16-bit values, pairwise: half-word h of
+// the result is the max over the words' half-words h. 16-bit |x| bits order
+// like the values (NaN above Inf), so the max is found before any decode.
+__device__ __forceinline__ uint32_t AbsMaxPairs(uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
+  return __vmaxu2(__vmaxu2(a & 0x7fff7fffu, b & 0x7fff7fffu), __vmaxu2(c & 0x7fff7fffu, d & 0x7fff7fffu));
+}
+// The same over rows rb .. rb + 31 of columns 2 cp and 2 cp + 1 of a tile of
+// 16-bit values with kCols columns in shared memory.
+template <int kCols, class T>
+__device__ __forceinline__ uint32_t ColumnPairAbsMax32(const T* tile, int rb, int cp) {
+  static_assert(sizeof(T) == 2, "16-bit input");
+  uint32_t m2 = 0;
+#pragma unroll
+  for (int j = 0; j < 32; ++j) {
+    m2 = __vmaxu2(m2, *reinterpret_cast<const uint32_t*>(tile + (rb + j) * kCols + 2 * cp) & 0x7fff7fffu);
+  }
+  return m2;
+}
+
 // max |x| over the chunk, as float bits (NaN-propagating).
 template <int DT>
 __device__ __forceinline__ uint32_t ChunkAbsMax(const Chunk<DT>& c) {
@@ -72,8 +91,7 @@ __device__ __forceinline__ uint32_t ChunkAbsMax(const Chunk<DT>& c) {
     for (int j = 0; j < 8; ++j) m = max(m, c.w[j] & 0x7fffffffu);
     return m;
   } else {
-    uint32_t m2 = __vmaxu2(__vmaxu2(c.w[0] & 0x7fff7fffu, c.w[1] & 0x7fff7fffu),
-                           __vmaxu2(c.w[2] & 0x7fff7fffu, c.w[3] & 0x7fff7fffu));
+    const uint32_t m2 = AbsMaxPairs(c.w[0], c.w[1], c.w[2], c.w[3]);
     const uint16_t m16 = static_cast<uint16_t>(max(m2 & 0xffffu, m2 >> 16));
     return FloatBits(ToFloat<DT>(m16));
   }

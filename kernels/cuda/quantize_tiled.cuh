@@ -354,11 +354,7 @@ __device__ __forceinline__ void QuantizeMxTileFull(const P& p, const TileGeom& t
   if (p.colwise) {
     // rows rb .. rb + 31, columns 2cp, 2cp + 1
     const int rb = (w / kWarpsPerRowBlock) * 32, cp = (w % kWarpsPerRowBlock) * 32 + lane;
-    uint32_t m2 = 0;  // 16-bit |x| bits order like the values (NaN above Inf)
-#pragma unroll
-    for (int j = 0; j < 32; ++j) {
-      m2 = __vmaxu2(m2, *reinterpret_cast<const uint32_t*>(tile + (rb + j) * kCols + 2 * cp) & 0x7fff7fffu);
-    }
+    const uint32_t m2 = ColumnPairAbsMax32<kCols>(tile, rb, cp);
     const uint32_t b0 = MxCodeOcp16<DT>(m2 & 0xffffu, fmt), b1 = MxCodeOcp16<DT>(m2 >> 16, fmt);
     uint8_t* cs = static_cast<uint8_t*>(p.col_scale) + tg.col_scale_off + ((r0 - off + rb) / 32) * RoundUp(K, 128) +
                   c0 + 2 * cp;
@@ -380,8 +376,7 @@ __device__ __forceinline__ void QuantizeMxTileFull(const P& p, const TileGeom& t
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const uint4 u = *reinterpret_cast<const uint4*>(blk + ((j + ((q & 7) >> 1)) & 3) * 16);
-        m2 = __vmaxu2(m2, __vmaxu2(__vmaxu2(u.x & 0x7fff7fffu, u.y & 0x7fff7fffu),
-                                   __vmaxu2(u.z & 0x7fff7fffu, u.w & 0x7fff7fffu)));
+        m2 = __vmaxu2(m2, AbsMaxPairs(u.x, u.y, u.z, u.w));
       }
       const uint32_t m = max(m2 & 0xffffu, m2 >> 16);
       const uint32_t b = MxCodeOcp16<DT>(m, fmt);
@@ -799,12 +794,7 @@ __device__ __forceinline__ bool QuantizeB1x128TileFull(const P& p, const TileGeo
   bool nan = false;
   if (p.colwise) {
     const int band = w / 2, cp = (w % 2) * 32 + lane;
-    uint32_t m2 = 0;  // 16-bit |x| bits order like the values (NaN above Inf)
-#pragma unroll
-    for (int j = 0; j < 32; ++j) {
-      m2 = __vmaxu2(m2, *reinterpret_cast<const uint32_t*>(tile + (band * 32 + j) * kCols + 2 * cp) & 0x7fff7fffu);
-    }
-    col_part[band * 64 + cp] = m2;
+    col_part[band * 64 + cp] = ColumnPairAbsMax32<kCols>(tile, band * 32, cp);
   }
   uint32_t am16;  // this row's max |x| bits (16-bit)
   {
@@ -814,8 +804,7 @@ __device__ __forceinline__ bool QuantizeB1x128TileFull(const P& p, const TileGeo
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       const uint4 u = *reinterpret_cast<const uint4*>(half + ((j + r) & 7) * 16);
-      m2 = __vmaxu2(m2, __vmaxu2(__vmaxu2(u.x & 0x7fff7fffu, u.y & 0x7fff7fffu),
-                                 __vmaxu2(u.z & 0x7fff7fffu, u.w & 0x7fff7fffu)));
+      m2 = __vmaxu2(m2, AbsMaxPairs(u.x, u.y, u.z, u.w));
     }
     am16 = max(m2 & 0xffffu, m2 >> 16);
     am16 = max(am16, __shfl_xor_sync(0xffffffffu, am16, 1));
