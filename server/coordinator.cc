@@ -6,8 +6,10 @@
 #include <tuple>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
+#include "absl/types/optional.h"
 #include "kernels/cpu/quantize.h"
 #include "proto/tensor_codec.h"
 #include "server/quantize_assembly.h"
@@ -16,8 +18,9 @@
 
 namespace shardgemm {
 
-Coordinator::Coordinator(planner::Mesh mesh, Connector connect)
-    : mesh_(std::move(mesh)),
+Coordinator::Coordinator(planner::Mesh mesh, Connector connect, CoordinatorOptions options)
+    : options_(options),
+      mesh_(std::move(mesh)),
       num_workers_(static_cast<int>(planner::NumWorkers(mesh_))),
       connect_(std::move(connect)),
       session_(absl::StrCat(absl::ToUnixNanos(absl::Now()))) {
@@ -28,6 +31,8 @@ absl::StatusOr<v1::RegisterResponse> Coordinator::Register(const v1::RegisterReq
   if (request.address().empty()) {
     return absl::InvalidArgumentError("address is empty: a worker must say where it serves");
   }
+  // Lock order: dispatch_mu_, then workers_mu_ (as Dispatch takes them).
+  absl::MutexLock dispatch_lock(&dispatch_mu_);
   absl::MutexLock lock(&workers_mu_);
   int rank = -1;
   for (int r = 0; r < num_workers_; ++r) {
@@ -54,11 +59,8 @@ absl::StatusOr<v1::RegisterResponse> Coordinator::Register(const v1::RegisterReq
   v1::RegisterResponse response;
   response.set_rank(rank);
   response.set_session(session_);
-  {
-    // A worker that (re)joins starts at the current place in the global order.
-    absl::MutexLock dispatch_lock(&dispatch_mu_);
-    response.set_next_sequence(next_sequence_);
-  }
+  // A worker that (re)joins starts at the current place in the global order.
+  response.set_next_sequence(next_sequence_);
   *response.mutable_mesh() = MeshToProto(mesh_);
   return response;
 }
@@ -76,6 +78,25 @@ v1::ClusterInfo Coordinator::ClusterInfo() const {
   return info;
 }
 
+absl::Status Coordinator::CheckTensorFits(const std::string& name, int64_t bytes) const {
+  if (auto s = CheckReady(); !s.ok()) return s;
+  int64_t total = 0;
+  bool unbounded = false;
+  {
+    absl::MutexLock lock(&workers_mu_);
+    for (const Worker& w : workers_) {
+      if (w.info.memory_budget_bytes() <= 0) unbounded = true;
+      total += w.info.memory_budget_bytes();
+    }
+  }
+  if (!unbounded && bytes > total) {
+    return absl::ResourceExhaustedError(absl::StrCat("shape: tensor '", name, "' needs ", bytes,
+                                                     " bytes, more than the ", num_workers_,
+                                                     " workers' memory budgets together (", total, ")"));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status Coordinator::CheckReady() const {
   absl::MutexLock lock(&workers_mu_);
   if (registered_ < num_workers_) {
@@ -85,27 +106,69 @@ absl::Status Coordinator::CheckReady() const {
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::vector<v1::StepResult>> Coordinator::Dispatch(std::vector<v1::Step> steps) {
+absl::Time Coordinator::StepDeadline(absl::Time client_deadline) const {
+  return std::min(client_deadline, absl::Now() + options_.step_timeout);
+}
+
+absl::StatusOr<std::vector<v1::StepResult>> Coordinator::Dispatch(std::vector<v1::Step> steps,
+                                                                  absl::Time deadline) {
+  // The answers of one dispatch; shared with the callbacks, which may come
+  // after Dispatch has given up on a worker that did not answer in time.
+  struct Pending {
+    absl::Mutex mu;
+    std::vector<absl::optional<absl::StatusOr<v1::StepResult>>> results ABSL_GUARDED_BY(mu);
+    size_t answered ABSL_GUARDED_BY(mu) = 0;
+  };
+  auto pending = std::make_shared<Pending>();
   std::vector<std::shared_ptr<WorkerChannel>> channels;
   {
-    absl::MutexLock lock(&workers_mu_);
-    for (const Worker& w : workers_) channels.push_back(w.channel);
-  }
-  {
     // One global order: every worker sees every sequence number, so its
-    // collectives line up with everyone else's.
+    // collectives line up with everyone else's. The channels are taken with
+    // the number, under the lock Register holds while it hands a (re)joining
+    // worker its first sequence number: a worker gets either every step
+    // numbered before it joined or none.
     absl::MutexLock lock(&dispatch_mu_);
+    {
+      absl::MutexLock workers_lock(&workers_mu_);
+      for (const Worker& w : workers_) channels.push_back(w.channel);
+    }
     const uint64_t sequence = next_sequence_++;
     for (v1::Step& s : steps) s.set_sequence(sequence);
   }
-  std::vector<absl::StatusOr<v1::StepResult>> results(steps.size(),
-                                                      absl::UnknownError("not run"));
-  std::vector<std::thread> threads;
-  for (size_t r = 1; r < steps.size(); ++r) {
-    threads.emplace_back([&, r] { results[r] = channels[r]->Execute(steps[r]); });
+  {
+    absl::MutexLock lock(&pending->mu);
+    pending->results.resize(steps.size());
   }
-  results[0] = channels[0]->Execute(steps[0]);
-  for (auto& t : threads) t.join();
+  for (size_t r = 0; r < steps.size(); ++r) {
+    if (channels[r] == nullptr) {
+      absl::MutexLock lock(&pending->mu);
+      pending->results[r] = absl::UnavailableError("not registered");
+      ++pending->answered;
+      continue;
+    }
+    channels[r]->ExecuteAsync(steps[r], deadline, [pending, r](absl::StatusOr<v1::StepResult> result) {
+      absl::MutexLock lock(&pending->mu);
+      pending->results[r] = std::move(result);
+      ++pending->answered;
+    });
+  }
+  std::vector<absl::StatusOr<v1::StepResult>> results;
+  {
+    absl::MutexLock lock(&pending->mu);
+    auto all_answered = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(pending->mu) {
+      return pending->answered == steps.size();
+    };
+    // The channel enforces the deadline itself; the grace covers a channel
+    // (or a fake) that does not.
+    pending->mu.AwaitWithDeadline(absl::Condition(&all_answered), deadline + options_.dispatch_grace);
+    for (size_t r = 0; r < steps.size(); ++r) {
+      if (pending->results[r].has_value()) {
+        results.push_back(std::move(*pending->results[r]));
+      } else {
+        results.push_back(absl::DeadlineExceededError("no answer by the step's deadline"));
+      }
+    }
+  }
 
   // The worker that failed says why; the others only report ABORTED.
   int failed = -1;
@@ -159,7 +222,39 @@ void Coordinator::Unpin(const std::vector<std::string>& pins) {
   for (const std::string& shard : to_delete) DeleteShardsBestEffort(shard);
 }
 
-absl::Status Coordinator::Retire(const std::string& shard_name) {
+absl::Status ValidateResidentName(absl::string_view field, absl::string_view name) {
+  if (name.empty()) return absl::InvalidArgumentError(absl::StrCat(field, " is empty"));
+  if (name.size() > kMaxResidentNameBytes) {
+    return absl::InvalidArgumentError(absl::StrCat(field, " is ", name.size(), " bytes long; at most ",
+                                                   kMaxResidentNameBytes, " are allowed"));
+  }
+  for (char c : name) {
+    if (c == '@' || static_cast<unsigned char>(c) < 0x20 || c == 0x7f) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, " '", absl::CHexEscape(name), "' must not contain '@' or control characters"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Coordinator::ClaimName(const std::string& name, bool overwrite) {
+  if (!overwrite && registry_.contains(name)) {
+    return absl::AlreadyExistsError(absl::StrCat("resident tensor '", name, "' exists"));
+  }
+  if (!overwrite && claimed_.contains(name)) {
+    return absl::AlreadyExistsError(
+        absl::StrCat("resident tensor '", name, "' is being made by another request"));
+  }
+  ++claimed_[name];
+  return absl::OkStatus();
+}
+
+Coordinator::NameClaim::~NameClaim() {
+  absl::MutexLock lock(&coordinator_->registry_mu_);
+  if (--coordinator_->claimed_[name_] <= 0) coordinator_->claimed_.erase(name_);
+}
+
+absl::Status Coordinator::Retire(const std::string& shard_name, absl::Time deadline) {
   {
     absl::MutexLock lock(&registry_mu_);
     if (pin_counts_.contains(shard_name)) {
@@ -167,13 +262,13 @@ absl::Status Coordinator::Retire(const std::string& shard_name) {
       return absl::OkStatus();
     }
   }
-  return DeleteShards(shard_name);
+  return DeleteShards(shard_name, deadline);
 }
 
-absl::Status Coordinator::DeleteShards(const std::string& shard_name) {
+absl::Status Coordinator::DeleteShards(const std::string& shard_name, absl::Time deadline) {
   std::vector<v1::Step> steps(num_workers_);
   for (v1::Step& s : steps) s.mutable_delete_shard()->set_name(shard_name);
-  auto results = Dispatch(std::move(steps));
+  auto results = Dispatch(std::move(steps), StepDeadline(deadline));
   return results.ok() ? absl::OkStatus() : results.status();
 }
 
@@ -182,12 +277,9 @@ void Coordinator::DeleteShardsBestEffort(const std::string& shard_name) { (void)
 absl::StatusOr<v1::PutTensorResponse> Coordinator::PutTensor(const std::string& name,
                                                              HostTensor tensor,
                                                              const std::string& spec_text,
-                                                             bool overwrite) {
+                                                             bool overwrite, absl::Time deadline) {
   if (auto s = CheckReady(); !s.ok()) return s;
-  if (name.empty()) return absl::InvalidArgumentError("name is empty");
-  if (name.find('@') != std::string::npos) {
-    return absl::InvalidArgumentError(absl::StrCat("name '", name, "' must not contain '@'"));
-  }
+  if (auto s = ValidateResidentName("name", name); !s.ok()) return s;
   auto spec = planner::ParsePartitionSpec(spec_text);
   if (!spec.ok()) {
     return absl::InvalidArgumentError(absl::StrCat("spec: ", spec.status().message()));
@@ -196,12 +288,12 @@ absl::StatusOr<v1::PutTensorResponse> Coordinator::PutTensor(const std::string& 
   std::string shard_name;
   {
     absl::MutexLock lock(&registry_mu_);
-    if (!overwrite && registry_.contains(name)) {
-      return absl::AlreadyExistsError(
-          absl::StrCat("resident tensor '", name, "' exists (set overwrite to replace it)"));
+    if (auto s = ClaimName(name, overwrite); !s.ok()) {
+      return absl::Status(s.code(), absl::StrCat(s.message(), " (set overwrite to replace it)"));
     }
     shard_name = absl::StrCat(name, "@", next_generation_++);
   }
+  NameClaim claim(this, name);
   auto local_shape = planner::LocalShape(name, tensor.shape, *spec, mesh_);
   if (!local_shape.ok()) return local_shape.status();
   std::vector<v1::Step> steps(num_workers_);
@@ -212,7 +304,7 @@ absl::StatusOr<v1::PutTensorResponse> Coordinator::PutTensor(const std::string& 
     store->set_name(shard_name);
     HostTensorToProto(SliceBlock(tensor, *offsets, *local_shape), store->mutable_shard());
   }
-  auto results = Dispatch(std::move(steps));
+  auto results = Dispatch(std::move(steps), StepDeadline(deadline));
   if (!results.ok()) {
     // Some workers may hold the new generation: drop it everywhere. The old
     // generation, if any, was never touched.
@@ -266,7 +358,7 @@ absl::StatusOr<HostTensor> Coordinator::Assemble(
   return out;
 }
 
-absl::StatusOr<Coordinator::Fetched> Coordinator::GetTensor(const std::string& name) {
+absl::StatusOr<Coordinator::Fetched> Coordinator::GetTensor(const std::string& name, absl::Time deadline) {
   if (auto s = CheckReady(); !s.ok()) return s;
   PinGuard guard{this, {}};
   auto resident = FindAndPin(name, &guard.pins);
@@ -280,7 +372,7 @@ absl::StatusOr<Coordinator::Fetched> Coordinator::GetTensor(const std::string& n
   if (!dtype.ok()) return dtype.status();
   std::vector<int64_t> shape(resident->info.shape().begin(), resident->info.shape().end());
   auto tensor = Assemble(*dtype, shape, resident->spec, [&](int r) -> absl::StatusOr<HostTensor> {
-    auto shard = channels[r]->GetShard(resident->shard_name);
+    auto shard = channels[r]->GetShard(resident->shard_name, StepDeadline(deadline));
     if (!shard.ok()) return shard.status();
     return HostTensorFromProto(std::move(*shard), "shard");
   });
@@ -288,7 +380,7 @@ absl::StatusOr<Coordinator::Fetched> Coordinator::GetTensor(const std::string& n
   return Fetched{resident->info, std::move(*tensor)};
 }
 
-absl::Status Coordinator::DeleteTensor(const std::string& name) {
+absl::Status Coordinator::DeleteTensor(const std::string& name, absl::Time deadline) {
   if (auto s = CheckReady(); !s.ok()) return s;
   std::string shard_name;
   {
@@ -300,7 +392,7 @@ absl::Status Coordinator::DeleteTensor(const std::string& name) {
     shard_name = it->second.shard_name;
     registry_.erase(it);
   }
-  return Retire(shard_name);
+  return Retire(shard_name, deadline);
 }
 
 v1::ListTensorsResponse Coordinator::ListTensors() const {
@@ -347,21 +439,23 @@ absl::Status CheckGroupSizes(const std::vector<int64_t>& sizes, const planner::P
 }
 
 // The response field of a quantize output.
-v1::Tensor* QuantizeField(const std::string& name, v1::GroupedQuantizeResponse* response) {
-  return name == "data"              ? response->mutable_rowwise_data()
-         : name == "colwise_data"    ? response->mutable_colwise_data()
-         : name == "scale_inv"       ? response->mutable_scale_inv()
-         : name == "amax"            ? response->mutable_amax()
-                                     : response->mutable_colwise_scale_inv();
+v1::Tensor* QuantizeField(v1::TensorRole role, v1::GroupedQuantizeResponse* response) {
+  switch (role) {
+    case v1::TENSOR_ROWWISE_DATA: return response->mutable_rowwise_data();
+    case v1::TENSOR_COLWISE_DATA: return response->mutable_colwise_data();
+    case v1::TENSOR_SCALE_INV: return response->mutable_scale_inv();
+    case v1::TENSOR_AMAX: return response->mutable_amax();
+    default: return response->mutable_colwise_scale_inv();
+  }
 }
 
-// Output i of a worker's quantize step.
-absl::StatusOr<HostTensor> WorkerOutput(const v1::StepResult& result, int i, const std::string& name,
-                                        int rank) {
-  if (i >= result.extra_size()) {
-    return absl::InternalError(absl::StrCat("worker ", rank, " returned no '", name, "'"));
+// A worker's quantize output of plan output `name`.
+absl::StatusOr<HostTensor> WorkerOutput(const v1::StepResult& result, const std::string& name, int rank) {
+  const v1::TensorRole role = TensorRoleFromName(name);
+  for (const v1::StepOutput& o : result.outputs()) {
+    if (o.role() == role) return HostTensorFromProto(o.tensor(), name);
   }
-  return HostTensorFromProto(result.extra(i), name);
+  return absl::InternalError(absl::StrCat("worker ", rank, " returned no '", name, "'"));
 }
 
 // Block-scaled outputs laid out per group (scales, 1x128/128x128's transposed
@@ -429,7 +523,7 @@ absl::Status AssembleBlockScaled(const planner::Plan& plan, const std::vector<v1
     for (size_t i = 0; i < plan.outputs.size(); ++i) {
       const std::string& name = plan.outputs[i].name;
       if (!IsBlockAssembled(bq.mode, name)) continue;
-      auto t = WorkerOutput(results[rank], static_cast<int>(i), name, rank);
+      auto t = WorkerOutput(results[rank], name, rank);
       if (!t.ok()) return t.status();
       decoded[s][name] = std::move(*t);
     }
@@ -474,7 +568,7 @@ absl::StatusOr<TensorMeta> Coordinator::ResolveMeta(const v1::Tensor& t, const s
 }
 
 absl::StatusOr<v1::GroupedQuantizeResponse> Coordinator::GroupedQuantize(
-    const v1::GroupedQuantizeRequest& request) {
+    const v1::GroupedQuantizeRequest& request, absl::Time deadline) {
   if (auto s = CheckReady(); !s.ok()) return s;
   absl::flat_hash_map<std::string, TensorMeta> metas;
   PinGuard guard{this, {}};
@@ -500,7 +594,9 @@ absl::StatusOr<v1::GroupedQuantizeResponse> Coordinator::GroupedQuantize(
   if (!sizes.ok()) return sizes.status();
   const planner::PlanOperand* x_op = FindOperand(*plan, "x");
   const int rank = static_cast<int>(x_op->global_shape.size());
-  const int flatten = request.flatten_axis() > 0 ? request.flatten_axis() : std::max(1, rank - 1);
+  auto resolved_flatten = planner::ResolveFlattenAxis(plan_request->attrs.flatten_axis, rank);
+  if (!resolved_flatten.ok()) return resolved_flatten.status();
+  const int flatten = *resolved_flatten;
   auto local = FlattenToMatrix(x_op->input_local_shape, flatten);  // the planner checked flatten_axis
   if (!local.ok()) return local.status();
   if (auto s = CheckGroupSizes(*sizes, *plan, local->first, "x"); !s.ok()) return s;
@@ -555,7 +651,7 @@ absl::StatusOr<v1::GroupedQuantizeResponse> Coordinator::GroupedQuantize(
     for (const planner::Collective& c : plan->collectives) CollectiveToProto(c, q->add_collectives());
     q->set_agree(any_collective && num_workers_ > 1);
   }
-  auto results = Dispatch(std::move(steps));
+  auto results = Dispatch(std::move(steps), StepDeadline(deadline));
   if (!results.ok()) return results.status();
 
   v1::GroupedQuantizeResponse response;
@@ -563,10 +659,10 @@ absl::StatusOr<v1::GroupedQuantizeResponse> Coordinator::GroupedQuantize(
     const planner::PlanOutput& o = plan->outputs[i];
     if (block && IsBlockAssembled(bq.mode, o.name)) continue;
     auto assembled = Assemble(o.dtype, o.global_shape, o.spec, [&](int r) {
-      return WorkerOutput((*results)[r], static_cast<int>(i), o.name, r);
+      return WorkerOutput((*results)[r], o.name, r);
     });
     if (!assembled.ok()) return assembled.status();
-    v1::Tensor* field = QuantizeField(o.name, &response);
+    v1::Tensor* field = QuantizeField(TensorRoleFromName(o.name), &response);
     HostTensorToProto(*assembled, field);
     field->set_spec(planner::FormatPartitionSpec(o.spec));
   }
@@ -612,11 +708,12 @@ absl::StatusOr<v1::Plan> Coordinator::Plan(const v1::PlanRequest& request) const
 }
 
 absl::StatusOr<v1::GroupedGemmResponse> Coordinator::GroupedGemm(
-    const v1::GroupedGemmRequest& request) {
+    const v1::GroupedGemmRequest& request, absl::Time deadline) {
+  if (auto s = ValidateGemmEnums(request); !s.ok()) return s;
   if (request.layout() == v1::GroupedGemmRequest::GLOBAL_SORTED) {
-    return GroupedGemmGlobalSorted(request);
+    return GroupedGemmGlobalSorted(request, deadline);
   }
-  return GroupedGemmPerShard(request);
+  return GroupedGemmPerShard(request, deadline);
 }
 
 namespace {
@@ -635,7 +732,7 @@ HostTensor RouteRows(const HostTensor& t, const RowRouting& routing) {
 }  // namespace
 
 absl::StatusOr<v1::GroupedGemmResponse> Coordinator::GroupedGemmGlobalSorted(
-    const v1::GroupedGemmRequest& request) {
+    const v1::GroupedGemmRequest& request, absl::Time deadline) {
   const bool ragged_k = request.ragged() == v1::GroupedGemmRequest::RAGGED_K;
   if (request.lhs().source_case() == v1::Tensor::kResident ||
       (ragged_k && request.rhs().source_case() == v1::Tensor::kResident)) {
@@ -687,7 +784,7 @@ absl::StatusOr<v1::GroupedGemmResponse> Coordinator::GroupedGemmGlobalSorted(
                             row_axes.empty() ? "" : absl::StrCat("((", absl::StrJoin(row_axes, ","), "),)")};
 
   HostTensor out;
-  auto response = GroupedGemmPerShard(request, std::move(decoded), ragged_k ? nullptr : &out);
+  auto response = GroupedGemmPerShard(request, deadline, std::move(decoded), ragged_k ? nullptr : &out);
   if (!response.ok() || ragged_k) return response;
   // Output rows back in the client's order.
   HostTensor client_out = *ZerosTensor(out.dtype, {lhs->shape[0], out.shape[1]});
@@ -701,12 +798,12 @@ absl::StatusOr<v1::GroupedGemmResponse> Coordinator::GroupedGemmGlobalSorted(
 }
 
 absl::StatusOr<v1::GroupedGemmResponse> Coordinator::GroupedGemmPerShard(
-    const v1::GroupedGemmRequest& request, absl::flat_hash_map<std::string, DecodedOperand> decoded,
-    HostTensor* out_tensor) {
+    const v1::GroupedGemmRequest& request, absl::Time deadline,
+    absl::flat_hash_map<std::string, DecodedOperand> decoded, HostTensor* out_tensor) {
   const absl::Time start = absl::Now();
   if (auto s = CheckReady(); !s.ok()) return s;
-  if (!request.keep_output_as().empty() && request.keep_output_as().find('@') != std::string::npos) {
-    return absl::InvalidArgumentError("keep_output_as must not contain '@'");
+  if (!request.keep_output_as().empty()) {
+    if (auto s = ValidateResidentName("keep_output_as", request.keep_output_as()); !s.ok()) return s;
   }
   absl::flat_hash_map<std::string, TensorMeta> metas;
   PinGuard guard{this, {}};
@@ -804,12 +901,18 @@ absl::StatusOr<v1::GroupedGemmResponse> Coordinator::GroupedGemmPerShard(
     gemm->set_agree(any_collective && num_workers_ > 1);
   }
   std::string shard_name;
+  absl::optional<NameClaim> claim;
   if (!request.keep_output_as().empty()) {
     absl::MutexLock lock(&registry_mu_);
+    if (auto s = ClaimName(request.keep_output_as(), request.overwrite_output()); !s.ok()) {
+      return absl::Status(s.code(),
+                          absl::StrCat("keep_output_as: ", s.message(), " (set overwrite_output to replace it)"));
+    }
     shard_name = absl::StrCat(request.keep_output_as(), "@", next_generation_++);
     for (v1::Step& s : steps) s.mutable_gemm()->set_keep_output_as(shard_name);
   }
-  auto results = Dispatch(std::move(steps));
+  if (!shard_name.empty()) claim.emplace(this, request.keep_output_as());
+  auto results = Dispatch(std::move(steps), StepDeadline(deadline));
   if (!results.ok()) {
     if (!shard_name.empty()) DeleteShardsBestEffort(shard_name);
     return results.status();

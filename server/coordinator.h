@@ -13,6 +13,7 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "kernels/host_tensor.h"
 #include "proto/shardgemm.pb.h"
 #include "server/planner/mesh.h"
@@ -21,29 +22,50 @@
 
 namespace shardgemm {
 
+// Resident tensor names (PutTensor's name, keep_output_as): 1 to
+// kMaxResidentNameBytes bytes, no '@' (it separates the generation on the
+// workers) and no control characters; INVALID_ARGUMENT naming `field` otherwise.
+constexpr size_t kMaxResidentNameBytes = 256;
+absl::Status ValidateResidentName(absl::string_view field, absl::string_view name);
+
+struct CoordinatorOptions {
+  // The longest a step may take on the workers when the client sets no
+  // earlier deadline (queueing behind other steps included).
+  absl::Duration step_timeout = absl::Seconds(120);
+  // How long past a step's deadline Dispatch waits for a channel that has
+  // not reported back (gRPC channels report by the deadline themselves).
+  absl::Duration dispatch_grace = absl::Seconds(5);
+};
+
 class Coordinator {
  public:
   using Connector = std::function<std::unique_ptr<WorkerChannel>(const std::string& address)>;
 
-  Coordinator(planner::Mesh mesh, Connector connect);
+  Coordinator(planner::Mesh mesh, Connector connect, CoordinatorOptions options = {});
 
   absl::StatusOr<v1::RegisterResponse> Register(const v1::RegisterRequest& request);
   v1::ClusterInfo ClusterInfo() const;
 
   absl::StatusOr<v1::Plan> Plan(const v1::PlanRequest& request) const;
-  absl::StatusOr<v1::GroupedGemmResponse> GroupedGemm(const v1::GroupedGemmRequest& request);
+  absl::StatusOr<v1::GroupedGemmResponse> GroupedGemm(const v1::GroupedGemmRequest& request,
+                                                      absl::Time deadline = absl::InfiniteFuture());
   absl::StatusOr<v1::GroupedQuantizeResponse> GroupedQuantize(
-      const v1::GroupedQuantizeRequest& request);
+      const v1::GroupedQuantizeRequest& request, absl::Time deadline = absl::InfiniteFuture());
 
   // Resident tensors: the workers keep only their shards.
   absl::StatusOr<v1::PutTensorResponse> PutTensor(const std::string& name, HostTensor tensor,
-                                                  const std::string& spec, bool overwrite);
+                                                  const std::string& spec, bool overwrite,
+                                                  absl::Time deadline = absl::InfiniteFuture());
   struct Fetched {
     v1::ResidentTensorInfo info;
     HostTensor tensor;
   };
-  absl::StatusOr<Fetched> GetTensor(const std::string& name);
-  absl::Status DeleteTensor(const std::string& name);
+  // RESOURCE_EXHAUSTED when a tensor of `bytes` could not be held by the
+  // mesh even fully sharded (the workers' budgets together), or unless the
+  // mesh is complete (UNAVAILABLE): checked before a put's data is received.
+  absl::Status CheckTensorFits(const std::string& name, int64_t bytes) const;
+  absl::StatusOr<Fetched> GetTensor(const std::string& name, absl::Time deadline = absl::InfiniteFuture());
+  absl::Status DeleteTensor(const std::string& name, absl::Time deadline = absl::InfiniteFuture());
   v1::ListTensorsResponse ListTensors() const;
 
   const planner::Mesh& mesh() const { return mesh_; }
@@ -70,15 +92,19 @@ class Coordinator {
   // request's; with `out_tensor`, the output (when not kept resident) is
   // moved there instead of encoded into the response's `out`.
   absl::StatusOr<v1::GroupedGemmResponse> GroupedGemmPerShard(
-      const v1::GroupedGemmRequest& request, absl::flat_hash_map<std::string, DecodedOperand> decoded = {},
-      HostTensor* out_tensor = nullptr);
-  absl::StatusOr<v1::GroupedGemmResponse> GroupedGemmGlobalSorted(
-      const v1::GroupedGemmRequest& request);
+      const v1::GroupedGemmRequest& request, absl::Time deadline,
+      absl::flat_hash_map<std::string, DecodedOperand> decoded = {}, HostTensor* out_tensor = nullptr);
+  absl::StatusOr<v1::GroupedGemmResponse> GroupedGemmGlobalSorted(const v1::GroupedGemmRequest& request,
+                                                                  absl::Time deadline);
   // UNAVAILABLE until every worker of the mesh has registered.
   absl::Status CheckReady() const;
-  // Gives `steps` (one per rank) the next sequence number and runs them on
-  // every worker at once; fails if any worker fails.
-  absl::StatusOr<std::vector<v1::StepResult>> Dispatch(std::vector<v1::Step> steps);
+  // The deadline of a request's steps: the client's, or the server's default.
+  absl::Time StepDeadline(absl::Time client_deadline) const;
+  // Gives `steps` (one per rank) the next sequence number and sends them to
+  // every worker at once, without a thread per worker; fails if any worker
+  // fails, and with DEADLINE_EXCEEDED for one that has not answered by
+  // `deadline`.
+  absl::StatusOr<std::vector<v1::StepResult>> Dispatch(std::vector<v1::Step> steps, absl::Time deadline);
   absl::StatusOr<Resident> FindResident(const std::string& name) const;
   static struct TensorMeta MetaOf(const Resident& resident);
   // Resident shards that a running request has resolved are pinned: a
@@ -88,7 +114,22 @@ class Coordinator {
   void Unpin(const std::vector<std::string>& pins);
   // Deletes the shards now (the delete step's status), or when their last
   // pin goes (OK now).
-  absl::Status Retire(const std::string& shard_name);
+  absl::Status Retire(const std::string& shard_name, absl::Time deadline = absl::InfiniteFuture());
+  // The name keep_output_as / PutTensor may take: ALREADY_EXISTS when it is
+  // resident (or being made by a running request) and replacing is not asked for.
+  absl::Status ClaimName(const std::string& name, bool overwrite) ABSL_EXCLUSIVE_LOCKS_REQUIRED(registry_mu_);
+  // Releases a ClaimName claim.
+  class NameClaim {
+   public:
+    NameClaim(Coordinator* coordinator, std::string name) : coordinator_(coordinator), name_(std::move(name)) {}
+    NameClaim(const NameClaim&) = delete;
+    NameClaim& operator=(const NameClaim&) = delete;
+    ~NameClaim();
+
+   private:
+    Coordinator* coordinator_;
+    std::string name_;
+  };
   struct PinGuard {
     Coordinator* coordinator;
     std::vector<std::string> pins;
@@ -101,9 +142,10 @@ class Coordinator {
   absl::StatusOr<HostTensor> Assemble(DType dtype, const std::vector<int64_t>& shape,
                                       const planner::PartitionSpec& spec,
                                       const std::function<absl::StatusOr<HostTensor>(int)>& shard);
-  absl::Status DeleteShards(const std::string& shard_name);
+  absl::Status DeleteShards(const std::string& shard_name, absl::Time deadline = absl::InfiniteFuture());
   void DeleteShardsBestEffort(const std::string& shard_name);
 
+  const CoordinatorOptions options_;
   const planner::Mesh mesh_;
   const int num_workers_;
   Connector connect_;
@@ -121,6 +163,8 @@ class Coordinator {
   uint64_t next_generation_ ABSL_GUARDED_BY(registry_mu_) = 1;
   absl::flat_hash_map<std::string, int> pin_counts_ ABSL_GUARDED_BY(registry_mu_);
   absl::flat_hash_set<std::string> retired_ ABSL_GUARDED_BY(registry_mu_);
+  // Names a running put or keep_output_as request will register.
+  absl::flat_hash_map<std::string, int> claimed_ ABSL_GUARDED_BY(registry_mu_);
 };
 
 }  // namespace shardgemm

@@ -21,6 +21,10 @@ ABSL_FLAG(std::string, roles, "",
           "which axis plays dp/fsdp/ep/tp, e.g. 'dp=data,ep=expert'; axes named dp, fsdp, ep, "
           "tp play their own role by default");
 
+ABSL_FLAG(double, step_timeout_s, 120,
+          "the longest a request's steps may take on the workers (queueing included) when the "
+          "client sets no earlier deadline");
+
 namespace shardgemm {
 namespace {
 
@@ -30,7 +34,13 @@ int Run() {
     std::cerr << "shardgemm-coordinator: --mesh/--roles: " << mesh.status().message() << "\n";
     return 2;
   }
-  Coordinator coordinator(*mesh, MakeGrpcWorkerChannel);
+  if (!(absl::GetFlag(FLAGS_step_timeout_s) > 0)) {
+    std::cerr << "shardgemm-coordinator: --step_timeout_s must be positive\n";
+    return 2;
+  }
+  CoordinatorOptions options;
+  options.step_timeout = absl::Seconds(absl::GetFlag(FLAGS_step_timeout_s));
+  Coordinator coordinator(*mesh, MakeGrpcWorkerChannel, options);
   ShardGemmService service(&coordinator);
   RendezvousStore rendezvous;
   CoordinationService coordination(&coordinator, &rendezvous);

@@ -10,12 +10,10 @@
 namespace shardgemm {
 namespace {
 
-// How long a call waits for a worker's channel to connect. A registered
-// worker is listening, but a first connect attempt can still fail
-// transiently (seen under load in CI), and a call on a channel in transient
-// failure fails at once; a worker that stays unreachable is an UNAVAILABLE
-// error after this, never a hang.
-constexpr std::chrono::seconds kConnectTimeout{10};
+std::chrono::system_clock::time_point ToChrono(absl::Time t) {
+  if (t == absl::InfiniteFuture()) return std::chrono::system_clock::time_point::max();
+  return absl::ToChronoTime(t);
+}
 
 class GrpcWorkerChannel : public WorkerChannel {
  public:
@@ -25,18 +23,36 @@ class GrpcWorkerChannel : public WorkerChannel {
     stub_ = v1::Worker::NewStub(channel_);
   }
 
-  absl::StatusOr<v1::StepResult> Execute(const v1::Step& step) override {
-    if (absl::Status c = Connected(); !c.ok()) return c;
-    grpc::ClientContext ctx;
-    v1::StepResult result;
-    grpc::Status s = stub_->Execute(&ctx, step, &result);
-    if (!s.ok()) return FromGrpcStatus(s);
-    return result;
+  // gRPC's callback API: no thread waits on the call. wait_for_ready rides
+  // out a transient connect failure (a registered worker is listening) up
+  // to the deadline instead of failing at once.
+  void ExecuteAsync(const v1::Step& step, absl::Time deadline, ExecuteDone done) override {
+    struct Call {
+      grpc::ClientContext ctx;
+      v1::Step step;
+      v1::StepResult result;
+      ExecuteDone done;
+    };
+    auto* call = new Call;
+    call->step = step;
+    call->done = std::move(done);
+    call->ctx.set_deadline(ToChrono(deadline));
+    call->ctx.set_wait_for_ready(true);
+    stub_->async()->Execute(&call->ctx, &call->step, &call->result, [call, this](grpc::Status s) {
+      std::unique_ptr<Call> owned(call);
+      if (s.ok()) {
+        owned->done(std::move(owned->result));
+      } else {
+        absl::Status status = FromGrpcStatus(s);
+        owned->done(absl::Status(status.code(), absl::StrCat("worker at ", address_, ": ", status.message())));
+      }
+    });
   }
 
-  absl::StatusOr<v1::LocalTensor> GetShard(const std::string& name) override {
-    if (absl::Status c = Connected(); !c.ok()) return c;
+  absl::StatusOr<v1::LocalTensor> GetShard(const std::string& name, absl::Time deadline) override {
     grpc::ClientContext ctx;
+    ctx.set_deadline(ToChrono(deadline));
+    ctx.set_wait_for_ready(true);
     v1::GetShardRequest request;
     request.set_name(name);
     v1::LocalTensor shard;
@@ -46,13 +62,6 @@ class GrpcWorkerChannel : public WorkerChannel {
   }
 
  private:
-  absl::Status Connected() {
-    if (channel_->GetState(/*try_to_connect=*/true) == GRPC_CHANNEL_READY) return absl::OkStatus();
-    if (channel_->WaitForConnected(std::chrono::system_clock::now() + kConnectTimeout)) return absl::OkStatus();
-    return absl::UnavailableError(
-        absl::StrCat("worker at ", address_, ": not connected within ", kConnectTimeout.count(), " s"));
-  }
-
   std::string address_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Worker::Stub> stub_;

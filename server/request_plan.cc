@@ -85,9 +85,30 @@ absl::Status SetOutSpec(const std::string& text, planner::PlanRequest* request) 
 
 }  // namespace
 
+absl::Status ValidateGemmEnums(const v1::GroupedGemmRequest& request) {
+  if (!v1::GroupedGemmRequest::Ragged_IsValid(request.ragged())) {
+    return absl::InvalidArgumentError(absl::StrCat("ragged: ", request.ragged(),
+                                                   " is not a Ragged value (RAGGED_M = 0, RAGGED_K = 1)"));
+  }
+  if (!v1::GroupedGemmRequest::Layout_IsValid(request.layout())) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "layout: ", request.layout(), " is not a Layout value (PER_SHARD = 0, GLOBAL_SORTED = 1)"));
+  }
+  return ValidateCompat(request.compat());
+}
+
+absl::Status ValidateCompat(v1::Compat compat) {
+  if (!v1::Compat_IsValid(compat)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("compat: ", compat, " is not a Compat value (COMPAT_DEFAULT = 0, COMPAT_TE = 1)"));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<planner::PlanRequest> GemmPlanRequest(const v1::GroupedGemmRequest& request,
                                                      const planner::Mesh& mesh,
                                                      const TensorResolver& resolve) {
+  if (auto s = ValidateGemmEnums(request); !s.ok()) return s;
   planner::PlanRequest out;
   out.mesh = mesh;
   out.op = request.ragged() == v1::GroupedGemmRequest::RAGGED_K
@@ -127,6 +148,7 @@ absl::StatusOr<planner::PlanRequest> GemmPlanRequest(const v1::GroupedGemmReques
 absl::StatusOr<planner::PlanRequest> QuantizePlanRequest(const v1::GroupedQuantizeRequest& request,
                                                          const planner::Mesh& mesh,
                                                          const TensorResolver& resolve) {
+  if (auto s = ValidateCompat(request.compat()); !s.ok()) return s;
   planner::PlanRequest out;
   out.mesh = mesh;
   out.op = planner::OpKind::kGroupedQuantize;
@@ -154,7 +176,8 @@ absl::StatusOr<planner::PlanRequest> QuantizePlanRequest(const v1::GroupedQuanti
   out.attrs.rowwise = request.rowwise() || !request.colwise();
   out.attrs.colwise = request.colwise();
   out.attrs.shared_scales = request.shared_scales();
-  out.attrs.flatten_axis = request.flatten_axis() > 0 ? request.flatten_axis() : -1;
+  // 0 (unset) is the default: the last dim is the only column dim.
+  out.attrs.flatten_axis = request.flatten_axis() != 0 ? request.flatten_axis() : -1;
   auto d = request.out_dtype() == v1::DTYPE_UNSPECIFIED ? absl::StatusOr<DType>(DType::kF8E4M3)
                                                         : DTypeFromProto(request.out_dtype(), "out_dtype");
   if (!d.ok()) return d.status();
@@ -174,10 +197,62 @@ void OperandToProto(const planner::PlanOperand& op, v1::OperandPlan* out) {
 
 }  // namespace
 
+namespace {
+
+constexpr std::pair<v1::TensorRole, absl::string_view> kTensorRoleNames[] = {
+    {v1::TENSOR_LHS, "lhs"},
+    {v1::TENSOR_RHS, "rhs"},
+    {v1::TENSOR_BIAS, "bias"},
+    {v1::TENSOR_GROUP_SIZES, "group_sizes"},
+    {v1::TENSOR_X, "x"},
+    {v1::TENSOR_OUT, "out"},
+    {v1::TENSOR_ROWWISE_DATA, "data"},
+    {v1::TENSOR_COLWISE_DATA, "colwise_data"},
+    {v1::TENSOR_SCALE_INV, "scale_inv"},
+    {v1::TENSOR_COLWISE_SCALE_INV, "colwise_scale_inv"},
+    {v1::TENSOR_AMAX, "amax"},
+};
+
+v1::CollectivePhase PhaseToProto(planner::Phase phase) {
+  switch (phase) {
+    case planner::Phase::kBefore: return v1::PHASE_BEFORE;
+    case planner::Phase::kWithin: return v1::PHASE_WITHIN;
+    case planner::Phase::kAfter: return v1::PHASE_AFTER;
+  }
+  return v1::PHASE_UNSPECIFIED;
+}
+
+v1::CollectiveKind KindToProto(planner::CollectiveKind kind) {
+  switch (kind) {
+    case planner::CollectiveKind::kAllGather: return v1::COLLECTIVE_ALL_GATHER;
+    case planner::CollectiveKind::kAllReduceSum: return v1::COLLECTIVE_ALL_REDUCE_SUM;
+    case planner::CollectiveKind::kAllReduceMax: return v1::COLLECTIVE_ALL_REDUCE_MAX;
+    case planner::CollectiveKind::kReduceScatter: return v1::COLLECTIVE_REDUCE_SCATTER;
+    case planner::CollectiveKind::kSlice: return v1::COLLECTIVE_SLICE;
+  }
+  return v1::COLLECTIVE_KIND_UNSPECIFIED;
+}
+
+}  // namespace
+
+v1::TensorRole TensorRoleFromName(absl::string_view name) {
+  for (const auto& [role, role_name] : kTensorRoleNames) {
+    if (role_name == name) return role;
+  }
+  return v1::TENSOR_ROLE_UNSPECIFIED;
+}
+
+absl::string_view TensorRoleName(v1::TensorRole role) {
+  for (const auto& [r, name] : kTensorRoleNames) {
+    if (r == role) return name;
+  }
+  return "unspecified";
+}
+
 void CollectiveToProto(const planner::Collective& c, v1::CollectivePlan* out) {
-  out->set_phase(std::string(planner::PhaseName(c.phase)));
-  out->set_kind(std::string(planner::CollectiveKindName(c.kind)));
-  out->set_tensor(c.tensor);
+  out->set_phase(PhaseToProto(c.phase));
+  out->set_kind(KindToProto(c.kind));
+  out->set_tensor(TensorRoleFromName(c.tensor));
   out->set_dim(c.dim);
   for (const auto& a : c.axes) out->add_axes(a);
   out->set_bytes_per_worker(c.bytes_per_worker);

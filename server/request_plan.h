@@ -30,6 +30,11 @@ absl::StatusOr<TensorMeta> InlineTensorMeta(const v1::Tensor& tensor, const std:
 
 bool HasBias(const v1::GroupedGemmRequest& request);
 
+// INVALID_ARGUMENT naming the field for an enum outside its declared values
+// (proto3 keeps unknown values rather than dropping them).
+absl::Status ValidateGemmEnums(const v1::GroupedGemmRequest& request);
+absl::Status ValidateCompat(v1::Compat compat);
+
 absl::StatusOr<planner::PlanRequest> GemmPlanRequest(const v1::GroupedGemmRequest& request,
                                                      const planner::Mesh& mesh,
                                                      const TensorResolver& resolve);
@@ -38,6 +43,11 @@ absl::StatusOr<planner::PlanRequest> QuantizePlanRequest(const v1::GroupedQuanti
                                                          const TensorResolver& resolve);
 
 void CollectiveToProto(const planner::Collective& c, v1::CollectivePlan* out);
+
+// The planner's operand and output names ("lhs", "out", "data", ...) as
+// wire roles, and back: the one mapping between the two vocabularies.
+v1::TensorRole TensorRoleFromName(absl::string_view name);
+absl::string_view TensorRoleName(v1::TensorRole role);
 
 void PlanToProto(const planner::Plan& plan, v1::Plan* out, bool with_text = true);
 

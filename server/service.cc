@@ -1,10 +1,23 @@
 #include "server/service.h"
 
+#include <new>
+
 #include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
 #include "proto/tensor_codec.h"
 #include "worker/grpc_status.h"
 
 namespace shardgemm {
+namespace {
+
+// The client's deadline (gRPC's "none" is the far future).
+absl::Time DeadlineOf(const grpc::ServerContextBase* context) {
+  const auto d = context->deadline();
+  if (d == std::chrono::system_clock::time_point::max()) return absl::InfiniteFuture();
+  return absl::FromChrono(d);
+}
+
+}  // namespace
 
 grpc::Status ShardGemmService::GetClusterInfo(grpc::ServerContext*, const v1::ClusterInfoRequest*,
                                               v1::ClusterInfo* info) {
@@ -26,25 +39,25 @@ grpc::ServerUnaryReactor* ShardGemmService::Plan(grpc::CallbackServerContext* co
   return reactor;
 }
 
-grpc::Status ShardGemmService::GroupedGemm(grpc::ServerContext*,
+grpc::Status ShardGemmService::GroupedGemm(grpc::ServerContext* context,
                                            const v1::GroupedGemmRequest* request,
                                            v1::GroupedGemmResponse* response) {
-  auto r = coordinator_->GroupedGemm(*request);
+  auto r = coordinator_->GroupedGemm(*request, DeadlineOf(context));
   if (!r.ok()) return ToGrpcStatus(r.status());
   *response = std::move(*r);
   return grpc::Status::OK;
 }
 
-grpc::Status ShardGemmService::GroupedQuantize(grpc::ServerContext*,
+grpc::Status ShardGemmService::GroupedQuantize(grpc::ServerContext* context,
                                                const v1::GroupedQuantizeRequest* request,
                                                v1::GroupedQuantizeResponse* response) {
-  auto r = coordinator_->GroupedQuantize(*request);
+  auto r = coordinator_->GroupedQuantize(*request, DeadlineOf(context));
   if (!r.ok()) return ToGrpcStatus(r.status());
   *response = std::move(*r);
   return grpc::Status::OK;
 }
 
-grpc::Status ShardGemmService::PutTensor(grpc::ServerContext*,
+grpc::Status ShardGemmService::PutTensor(grpc::ServerContext* context,
                                          grpc::ServerReader<v1::TensorChunk>* reader,
                                          v1::PutTensorResponse* response) {
   v1::TensorChunk first;
@@ -57,13 +70,22 @@ grpc::Status ShardGemmService::PutTensor(grpc::ServerContext*,
   auto n = CheckedNumElements(shape, DTypeSize(*dtype), first.name());
   if (!n.ok()) return ToGrpcStatus(n.status());
   const int64_t expected = *n * DTypeSize(*dtype);
+  // A shape no worker budget could hold is refused before anything is
+  // allocated for it (a claimed size is not to be trusted).
+  if (auto s = coordinator_->CheckTensorFits(first.name(), expected); !s.ok()) return ToGrpcStatus(s);
   HostTensor tensor;
   tensor.dtype = *dtype;
   tensor.shape = shape;
   std::string* data = first.mutable_data();
   tensor.bytes.swap(*data);
   // One allocation for the whole tensor (not a doubling string growing chunk by chunk).
-  if (expected > static_cast<int64_t>(tensor.bytes.size())) tensor.bytes.reserve(expected);
+  try {
+    if (expected > static_cast<int64_t>(tensor.bytes.size())) tensor.bytes.reserve(expected);
+  } catch (const std::bad_alloc&) {
+    return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                        absl::StrCat("shape: tensor '", first.name(), "' needs ", expected,
+                                     " bytes, more than the coordinator can hold now"));
+  }
   v1::TensorChunk chunk;
   bool too_long = static_cast<int64_t>(tensor.bytes.size()) > expected;
   while (!too_long && reader->Read(&chunk)) {
@@ -77,15 +99,16 @@ grpc::Status ShardGemmService::PutTensor(grpc::ServerContext*,
                      DTypeName(*dtype), " needs ", expected, " bytes, the chunks carry ",
                      tensor.bytes.size(), " or more"));
   }
-  auto r = coordinator_->PutTensor(first.name(), std::move(tensor), first.spec(), first.overwrite());
+  auto r = coordinator_->PutTensor(first.name(), std::move(tensor), first.spec(), first.overwrite(),
+                                   DeadlineOf(context));
   if (!r.ok()) return ToGrpcStatus(r.status());
   *response = *r;
   return grpc::Status::OK;
 }
 
-grpc::Status ShardGemmService::GetTensor(grpc::ServerContext*, const v1::GetTensorRequest* request,
+grpc::Status ShardGemmService::GetTensor(grpc::ServerContext* context, const v1::GetTensorRequest* request,
                                          grpc::ServerWriter<v1::TensorChunk>* writer) {
-  auto fetched = coordinator_->GetTensor(request->name());
+  auto fetched = coordinator_->GetTensor(request->name(), DeadlineOf(context));
   if (!fetched.ok()) return ToGrpcStatus(fetched.status());
   const std::string& bytes = fetched->tensor.bytes;
   size_t offset = 0;
@@ -105,10 +128,10 @@ grpc::Status ShardGemmService::GetTensor(grpc::ServerContext*, const v1::GetTens
   return grpc::Status::OK;
 }
 
-grpc::Status ShardGemmService::DeleteTensor(grpc::ServerContext*,
+grpc::Status ShardGemmService::DeleteTensor(grpc::ServerContext* context,
                                             const v1::DeleteTensorRequest* request,
                                             v1::DeleteTensorResponse*) {
-  return ToGrpcStatus(coordinator_->DeleteTensor(request->name()));
+  return ToGrpcStatus(coordinator_->DeleteTensor(request->name(), DeadlineOf(context)));
 }
 
 grpc::Status ShardGemmService::ListTensors(grpc::ServerContext*, const v1::ListTensorsRequest*,

@@ -1,21 +1,28 @@
 // How the coordinator reaches one worker. The gRPC implementation is the real
-// one; tests may substitute in-process workers.
+// one; tests substitute in-process fakes (server/fake_worker_channel.h).
 #ifndef SHARDGEMM_SERVER_WORKER_CHANNEL_H_
 #define SHARDGEMM_SERVER_WORKER_CHANNEL_H_
 
+#include <functional>
 #include <memory>
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "proto/shardgemm.pb.h"
 
 namespace shardgemm {
 
 class WorkerChannel {
  public:
+  using ExecuteDone = std::function<void(absl::StatusOr<v1::StepResult>)>;
+
   virtual ~WorkerChannel() = default;
-  virtual absl::StatusOr<v1::StepResult> Execute(const v1::Step& step) = 0;
-  virtual absl::StatusOr<v1::LocalTensor> GetShard(const std::string& name) = 0;
+  // Sends `step` and returns at once; `done` runs exactly once, on another
+  // thread or inline, with the worker's result or why there is none (at the
+  // latest DEADLINE_EXCEEDED soon after `deadline`).
+  virtual void ExecuteAsync(const v1::Step& step, absl::Time deadline, ExecuteDone done) = 0;
+  virtual absl::StatusOr<v1::LocalTensor> GetShard(const std::string& name, absl::Time deadline) = 0;
 };
 
 std::unique_ptr<WorkerChannel> MakeGrpcWorkerChannel(const std::string& address);

@@ -229,7 +229,8 @@ def test_cli_plan_offline_text_and_json():
     r = subprocess.run(base + ["--json"], capture_output=True, text=True, timeout=60)
     plan = json.loads(r.stdout)
     assert plan["out_spec"] == "((dp, fsdp, ep), None)"
-    assert [(c["kind"], c["tensor"], c["axes"]) for c in plan["collectives"]] == [("all_gather", "rhs", ["fsdp"])]
+    assert [(c["kind"], c["tensor"], c["axes"]) for c in plan["collectives"]] == [
+        ("COLLECTIVE_ALL_GATHER", "TENSOR_RHS", ["fsdp"])]
     assert int(plan["collectives"][0]["bytes_per_worker"]) > 0
     # te mode drops tp with a warning; the default mode uses it.
     tp = [os.path.join(BIN, "shardgemm"), "plan", "--mesh=dp=2,tp=2", "--lhs=64x32@(dp,None)",

@@ -44,7 +44,7 @@ def test_sharded_quantize_with_shared_scales_equals_unsharded_bit_for_bit(cluste
     x = (rng.standard_normal((64, 48)) * 5).astype(np.float32)
     local_sizes = [10, 0, 12, 8]  # per shard, same groups on both shards
     r = quantize(sharded, x, local_sizes * 2, spec="(dp, None)", gs_spec="(dp,)", shared=True, colwise=True)
-    assert [c.kind for c in r.plan.collectives] == ["all_reduce_max"]
+    assert [c.kind for c in r.plan.collectives] == [pb.COLLECTIVE_ALL_REDUCE_MAX]
     # Unsharded reference: each group's rows gathered from both shards.
     rows = [np.concatenate([x[s * 32 + sum(local_sizes[:g]): s * 32 + sum(local_sizes[:g + 1])] for s in range(2)])
             for g in range(4)]

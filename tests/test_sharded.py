@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from reference import assert_close
+from shardgemm_client import pb
 
 rng = np.random.default_rng(11)
 
@@ -87,17 +88,17 @@ def test_ragged_m_sharded_equals_reference(cluster_factory, case):
                                compat=opts.get("compat", "default"), include_plan=True)
     ref = per_shard_reference(lhs, rhs, sizes, plan, bias, transposed)
     assert_close(out, ref, k)
-    kinds = [cc.kind for cc in plan.collectives]
+    kinds = [pb.CollectiveKind.Name(cc.kind) for cc in plan.collectives]
     if name == "fsdp_gather_weight":
-        assert "all_gather" in kinds
+        assert "COLLECTIVE_ALL_GATHER" in kinds
     if name.startswith("ep"):
         # Each EP worker owns its own experts: rank r (its ep coordinate) reads experts r*G/ep...
         per_worker = g // workers
         assert [w.first_group for w in plan.workers] == [r * per_worker for r in range(workers)]
     if name == "tp_row_allreduce":
-        assert "all_reduce_sum" in kinds
+        assert "COLLECTIVE_ALL_REDUCE_SUM" in kinds
     if name == "tp_row_reduce_scatter":
-        assert "reduce_scatter" in kinds and plan.out_spec.replace(" ", "") == "(None,tp)"
+        assert "COLLECTIVE_REDUCE_SCATTER" in kinds and plan.out_spec.replace(" ", "") == "(None,tp)"
     if name == "te_compat_drops_tp":
         assert any("tp" in w for w in plan.warnings)
 
@@ -129,8 +130,8 @@ def test_wgrad_partial_sums_reduced_and_scattered(cluster_factory):
                                    out_spec=out_spec, include_plan=True)
         assert out.shape == (g, k, n)
         assert_close(out, per_shard_reference(lhs, rhs, sizes, plan, ragged_k=True), m)
-        kinds = [cc.kind for cc in plan.collectives]
-        assert ("reduce_scatter" if out_spec else "all_reduce_sum") in kinds, kinds
+        kinds = [pb.CollectiveKind.Name(cc.kind) for cc in plan.collectives]
+        assert ("COLLECTIVE_REDUCE_SCATTER" if out_spec else "COLLECTIVE_ALL_REDUCE_SUM") in kinds, kinds
 
 
 def test_resident_weights_gathered_along_fsdp(cluster_factory):
@@ -142,7 +143,8 @@ def test_resident_weights_gathered_along_fsdp(cluster_factory):
     sizes = uneven_sizes(4, 2, 32)
     out, plan = c.grouped_gemm(lhs, "experts", sizes, lhs_spec="((fsdp, ep), None)",
                                group_sizes_spec="((fsdp, ep),)", include_plan=True)
-    assert [(cc.kind, cc.tensor, list(cc.axes)) for cc in plan.collectives] == [("all_gather", "rhs", ["fsdp"])]
+    assert [(cc.kind, cc.tensor, list(cc.axes)) for cc in plan.collectives] == [
+        (pb.COLLECTIVE_ALL_GATHER, pb.TENSOR_RHS, ["fsdp"])]
     assert_close(out, per_shard_reference(lhs, w, sizes, plan), 32)
     # Output kept resident with its sharding, then read back assembled.
     c.grouped_gemm(lhs, "experts", sizes, lhs_spec="((fsdp, ep), None)",

@@ -1,7 +1,9 @@
 #include "worker/executor.h"
 
+#include <algorithm>
 #include <numeric>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "kernels/fp8.h"
@@ -21,20 +23,25 @@ void Executor::Configure(const MeshPosition& position, std::unique_ptr<Collectiv
   configured_ = true;
 }
 
+namespace {
+
+// A step numbered before this worker's place in the global order: the worker
+// (re)joined after the coordinator had numbered it, so the step's request
+// started without it. The server's business, not the client's: retryable.
+absl::Status StaleStep(uint64_t sequence, uint64_t next_sequence) {
+  return absl::UnavailableError(absl::StrCat(
+      "step ", sequence, " was numbered before this worker joined the mesh at step ", next_sequence,
+      " (it restarted while the request was in flight); retry the request"));
+}
+
+}  // namespace
+
 absl::Status Executor::WaitForTurn(uint64_t sequence) {
   absl::MutexLock lock(&mu_);
-  if (sequence < next_sequence_) {
-    return absl::InvalidArgumentError(absl::StrCat("step ", sequence,
-                                                   " arrived after its turn (next is ",
-                                                   next_sequence_, ")"));
-  }
+  if (sequence < next_sequence_) return StaleStep(sequence, next_sequence_);
   auto configured = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return configured_; };
   mu_.Await(absl::Condition(&configured));
-  if (sequence < next_sequence_) {
-    return absl::InvalidArgumentError(absl::StrCat("step ", sequence,
-                                                   " arrived after its turn (next is ",
-                                                   next_sequence_, ")"));
-  }
+  if (sequence < next_sequence_) return StaleStep(sequence, next_sequence_);
   auto my_turn = [this, sequence]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
     return next_sequence_ == sequence;
   };
@@ -105,196 +112,250 @@ absl::StatusOr<Input> ResolveInput(v1::LocalTensor&& t, const ShardStore& store,
   return in;
 }
 
-bool IsReduction(const v1::CollectivePlan& c) {
-  return c.kind() == "all_reduce_sum" || c.kind() == "reduce_scatter";
+int64_t NumElementsOf(const std::vector<int64_t>& shape) {
+  return std::accumulate(shape.begin(), shape.end(), int64_t{1}, std::multiplies<int64_t>());
 }
+
+bool IsReduction(const v1::CollectivePlan& c) {
+  return c.kind() == v1::COLLECTIVE_ALL_REDUCE_SUM || c.kind() == v1::COLLECTIVE_REDUCE_SCATTER;
+}
+
+// Whether `c` exchanges data with peers (a slice only keeps a local piece).
+bool Communicates(const v1::CollectivePlan& c) { return c.kind() != v1::COLLECTIVE_SLICE; }
+
+std::string RoleName(v1::TensorRole role) { return absl::AsciiStrToLower(v1::TensorRole_Name(role)); }
 
 }  // namespace
 
 absl::StatusOr<HostTensor> Executor::ApplyCollective(const v1::CollectivePlan& c,
                                                      const HostTensor& t) {
   std::vector<std::string> axes(c.axes().begin(), c.axes().end());
-  if (c.kind() == "all_gather") return collectives_->AllGather(t, c.dim(), axes);
-  if (c.kind() == "reduce_scatter") return collectives_->ReduceScatter(t, c.dim(), axes);
-  if (c.kind() == "all_reduce_sum" || c.kind() == "all_reduce_max") {
-    HostTensor out = t;
-    auto op = c.kind() == "all_reduce_sum" ? ReduceOp::kSum : ReduceOp::kMax;
-    if (auto s = collectives_->AllReduce(&out, op, axes); !s.ok()) return s;
-    return out;
+  switch (c.kind()) {
+    case v1::COLLECTIVE_ALL_GATHER: return collectives_->AllGather(t, c.dim(), axes);
+    case v1::COLLECTIVE_REDUCE_SCATTER: return collectives_->ReduceScatter(t, c.dim(), axes);
+    case v1::COLLECTIVE_ALL_REDUCE_SUM:
+    case v1::COLLECTIVE_ALL_REDUCE_MAX: {
+      HostTensor out = t;
+      auto op = c.kind() == v1::COLLECTIVE_ALL_REDUCE_SUM ? ReduceOp::kSum : ReduceOp::kMax;
+      if (auto s = collectives_->AllReduce(&out, op, axes); !s.ok()) return s;
+      return out;
+    }
+    case v1::COLLECTIVE_SLICE: {
+      auto count = position_.GroupSize(axes);
+      auto index = position_.GroupIndex(axes);
+      if (!count.ok()) return count.status();
+      if (!index.ok()) return index.status();
+      return TakePiece(t, c.dim(), *index, *count, RoleName(c.tensor()));
+    }
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat("collective kind ", static_cast<int>(c.kind()), " is not one this worker runs"));
   }
-  if (c.kind() == "slice") {
-    auto count = position_.GroupSize(axes);
-    auto index = position_.GroupIndex(axes);
-    if (!count.ok()) return count.status();
-    if (!index.ok()) return index.status();
-    return TakePiece(t, c.dim(), *index, *count, c.tensor());
+}
+
+absl::StatusOr<std::vector<int64_t>> Executor::ShapeAfter(const v1::CollectivePlan& c,
+                                                          std::vector<int64_t> shape) const {
+  if (c.kind() != v1::COLLECTIVE_ALL_GATHER && c.kind() != v1::COLLECTIVE_SLICE &&
+      c.kind() != v1::COLLECTIVE_REDUCE_SCATTER) {
+    return shape;
   }
-  return absl::InvalidArgumentError(absl::StrCat("unknown collective kind '", c.kind(), "'"));
+  if (c.dim() < 0 || c.dim() >= static_cast<int>(shape.size())) {
+    return absl::InvalidArgumentError(absl::StrCat("collective on ", RoleName(c.tensor()), ": dim ", c.dim(),
+                                                   " out of range for rank ", shape.size()));
+  }
+  auto n = position_.GroupSize(std::vector<std::string>(c.axes().begin(), c.axes().end()));
+  if (!n.ok()) return n.status();
+  if (c.kind() == v1::COLLECTIVE_ALL_GATHER) {
+    shape[c.dim()] *= *n;
+  } else if (shape[c.dim()] % *n != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(RoleName(c.tensor()), " dim ", c.dim(), " of size ",
+                                                   shape[c.dim()], " does not split into ", *n, " pieces"));
+  } else {
+    shape[c.dim()] /= *n;
+  }
+  return shape;
 }
 
 absl::StatusOr<v1::StepResult> Executor::RunGemm(v1::GemmStep& gemm) {
   const absl::Time start = absl::Now();
-  // Stage 1, local: inputs, shapes, memory. Its status is agreed on by the
-  // whole mesh before any collective runs.
+  int agreements = 0;
+  // One agreement per step, right before its first collective: everything
+  // that can fail on one worker alone (inputs, shapes, memory) comes first,
+  // so a failure fails the step everywhere instead of leaving the others
+  // waiting in a collective. Every worker decides alike (same plan).
+  auto agree = [&](absl::Status local) {
+    ++agreements;
+    return collectives_->Agree(local);
+  };
+
+  // Stage 1, local: inputs, shapes, memory.
   Input lhs, rhs, bias;
   auto out_dtype = DTypeFromProto(gemm.out_dtype(), "out_dtype");
   absl::Status prepared = out_dtype.status();
-  const char* names[] = {"lhs", "rhs", "bias"};
   Input* inputs[] = {&lhs, &rhs, &bias};
+  const v1::TensorRole roles[] = {v1::TENSOR_LHS, v1::TENSOR_RHS, v1::TENSOR_BIAS};
   const bool has_bias = gemm.has_bias();  // before mutable_bias() creates one
   v1::LocalTensor* protos[] = {gemm.mutable_lhs(), gemm.mutable_rhs(), gemm.mutable_bias()};
   for (int i = 0; i < 3 && prepared.ok(); ++i) {
     if (i == 2 && !has_bias) break;
-    auto in = ResolveInput(std::move(*protos[i]), *store_, names[i]);
+    auto in = ResolveInput(std::move(*protos[i]), *store_, RoleName(roles[i]));
     if (in.ok()) *inputs[i] = *in;
     else prepared = in.status();
   }
+  auto input_of = [&](v1::TensorRole role) -> Input* {
+    for (int i = 0; i < 3; ++i) {
+      if (roles[i] == role) return inputs[i];
+    }
+    return nullptr;
+  };
+  const bool ragged_k = gemm.ragged() == v1::GroupedGemmRequest::RAGGED_K;
+  bool before_communicates = false, after_communicates = false;
+  for (const auto& c : gemm.collectives()) {
+    if (c.phase() == v1::PHASE_BEFORE) {
+      Input* target = input_of(c.tensor());
+      if (target == nullptr || target->tensor == nullptr) {
+        prepared.Update(absl::InvalidArgumentError(
+            absl::StrCat("a before-collective names ", RoleName(c.tensor()), ", which this step lacks")));
+      }
+      before_communicates |= Communicates(c);
+    } else if (c.phase() == v1::PHASE_AFTER) {
+      if (c.tensor() != v1::TENSOR_OUT) {
+        prepared.Update(absl::InvalidArgumentError(
+            absl::StrCat("an after-collective names ", RoleName(c.tensor()), ", expected out")));
+      }
+      after_communicates |= Communicates(c);
+    } else {
+      prepared.Update(absl::InvalidArgumentError("a GEMM step's collectives run before or after its GEMM"));
+    }
+  }
   // The FSDP weight gather (the one before-collective on rhs, an all-gather,
   // ragged M) goes to a backend that gathers on its device (NCCL into the
-  // GEMM's operand): no host round trip. Every member decides alike (same
-  // plan, shapes and kind of backend), so the collectives still match.
-  const bool ragged_k = gemm.ragged() == v1::GroupedGemmRequest::RAGGED_K;
+  // GEMM's operand): no host round trip. Only where the device GEMM runs
+  // (BF16 or F16 operands of one dtype): other dtypes take the host path.
   const v1::CollectivePlan* device_gather = nullptr;
-  std::vector<int64_t> gathered_rhs_shape;
-  // Only where the device GEMM runs (BF16 or F16 operands of one dtype):
-  // other dtypes fall back to the host kernels, which need the host gather.
-  const bool device_gemm = prepared.ok() && lhs.tensor != nullptr && rhs.tensor != nullptr &&
-                           lhs.tensor->dtype == rhs.tensor->dtype &&
+  const bool device_gemm = prepared.ok() && lhs.tensor->dtype == rhs.tensor->dtype &&
                            (lhs.tensor->dtype == DType::kBF16 || lhs.tensor->dtype == DType::kF16);
   if (device_gemm && !ragged_k && backend_->CanGatherOnDevice() && collectives_->SupportsDeviceAllGather()) {
     const v1::CollectivePlan* candidate = nullptr;
     int on_rhs = 0;
     for (const auto& c : gemm.collectives()) {
-      if (c.phase() != "before" || c.tensor() != "rhs") continue;
+      if (c.phase() != v1::PHASE_BEFORE || c.tensor() != v1::TENSOR_RHS) continue;
       ++on_rhs;
-      if (c.kind() == "all_gather") candidate = &c;
+      if (c.kind() == v1::COLLECTIVE_ALL_GATHER) candidate = &c;
     }
-    const std::vector<int64_t>& shape = rhs.tensor->shape;
-    if (on_rhs == 1 && candidate != nullptr && candidate->dim() >= 0 &&
-        candidate->dim() < static_cast<int>(shape.size())) {
-      auto n = position_.GroupSize(std::vector<std::string>(candidate->axes().begin(), candidate->axes().end()));
-      if (n.ok()) {
-        device_gather = candidate;
-        gathered_rhs_shape = shape;
-        gathered_rhs_shape[candidate->dim()] *= *n;
-      }
+    if (on_rhs == 1 && candidate != nullptr) device_gather = candidate;
+  }
+  // The operands' shapes after the before-collectives: checked now, before
+  // any worker communicates.
+  std::vector<int64_t> compute_shape[3];
+  for (int i = 0; i < 3 && prepared.ok(); ++i) {
+    if (inputs[i]->tensor != nullptr) compute_shape[i] = inputs[i]->tensor->shape;
+  }
+  int64_t working_bytes = 0;
+  for (const auto& c : gemm.collectives()) {
+    if (!prepared.ok() || c.phase() != v1::PHASE_BEFORE) continue;
+    const int i = c.tensor() == v1::TENSOR_LHS ? 0 : c.tensor() == v1::TENSOR_RHS ? 1 : 2;
+    auto next = ShapeAfter(c, compute_shape[i]);
+    if (!next.ok()) {
+      prepared = next.status();
+      break;
+    }
+    // A gathered copy on the host (one gathered on the device takes device
+    // memory, not this worker's host budget).
+    if (c.kind() == v1::COLLECTIVE_ALL_GATHER && &c != device_gather) {
+      working_bytes += DTypeSize(inputs[i]->tensor->dtype) * NumElementsOf(*next);
+    }
+    compute_shape[i] = std::move(*next);
+  }
+  const int64_t g = gemm.group_sizes_size();
+  if (prepared.ok()) {
+    const std::vector<int64_t>& ls = compute_shape[0];
+    const std::vector<int64_t>& rs = compute_shape[1];
+    if (ls.size() != 2) {
+      prepared = absl::InvalidArgumentError("local lhs must be rank 2");
+    } else if (rs.size() != (ragged_k ? 2u : 3u)) {
+      prepared = absl::InvalidArgumentError(absl::StrCat("local rhs must be rank ", ragged_k ? 2 : 3));
+    } else if (!ragged_k && rs[0] != g) {
+      prepared = absl::InvalidArgumentError(
+          absl::StrCat("local rhs has ", rs[0], " groups but group_sizes has ", g));
     }
   }
-  bool reduces = false;
-  for (const auto& c : gemm.collectives()) reduces |= c.phase() == "after" && IsReduction(c);
+  const bool reduces = std::any_of(gemm.collectives().begin(), gemm.collectives().end(), [](const auto& c) {
+    return c.phase() == v1::PHASE_AFTER && IsReduction(c);
+  });
   // Partial sums stay in FP32 until reduced: one rounding, at the end.
   const DType local_dtype = reduces ? DType::kF32 : out_dtype.value_or(DType::kF32);
-  int64_t working_bytes = 0;
   if (prepared.ok()) {
-    // Inline inputs (resident ones are already counted), gathered copies and
-    // the output. A weight gathered on the device takes device memory, not
-    // this worker's host budget.
+    // Inline inputs (resident ones are already counted) and the output.
     for (int i = 0; i < 3; ++i) {
       if (inputs[i]->tensor != nullptr && !inputs[i]->resident) working_bytes += inputs[i]->tensor->NumBytes();
     }
-    const HostTensor& l = *lhs.tensor;
-    const std::vector<int64_t>& rs = device_gather != nullptr ? gathered_rhs_shape : rhs.tensor->shape;
-    if (l.shape.size() == 2 && (rs.size() == 2 || rs.size() == 3)) {
-      const bool rk = ragged_k;
-      const int64_t n = rk ? rs[1] : (gemm.rhs_transposed() ? rs[1] : rs.back());
-      const int64_t out_elems = rk ? gemm.group_sizes_size() * l.shape[1] * n : l.shape[0] * n;
-      working_bytes += out_elems * 4;
-    }
-    for (const auto& c : gemm.collectives()) {
-      std::vector<std::string> axes(c.axes().begin(), c.axes().end());
-      auto n = position_.GroupSize(axes);
-      if (!n.ok()) { prepared = n.status(); break; }
-      if (c.phase() == "before" && c.kind() == "all_gather" && &c != device_gather) {
-        const Input* in = c.tensor() == "lhs" ? &lhs : c.tensor() == "rhs" ? &rhs : &bias;
-        if (in->tensor != nullptr) working_bytes += in->tensor->NumBytes() * *n;
-      }
-    }
+    const std::vector<int64_t>& ls = compute_shape[0];
+    const std::vector<int64_t>& rs = compute_shape[1];
+    const int64_t n = ragged_k ? rs[1] : (gemm.rhs_transposed() ? rs[1] : rs.back());
+    const int64_t out_elems = ragged_k ? g * ls[1] * n : ls[0] * n;
+    working_bytes += out_elems * 4;
+    prepared = store_->Reserve(working_bytes);
   }
-  if (prepared.ok()) prepared = store_->Reserve(working_bytes);
   const bool reserved = prepared.ok();
   ShardStore::ScopedReservation reservation(store_, working_bytes, reserved);
-  if (gemm.agree()) prepared = collectives_->Agree(prepared);
-  if (!prepared.ok()) return prepared;
+  const bool agree_first = gemm.agree() && before_communicates && device_gather == nullptr;
+  if (agree_first) prepared = agree(prepared);
+  if (!prepared.ok()) {
+    // The agreement that would have come later still has to be met by this
+    // worker, or its peers wait for it.
+    if (gemm.agree() && !agree_first && (device_gather != nullptr || after_communicates)) (void)agree(prepared);
+    return prepared;
+  }
 
   // Stage 2: before-collectives bring each operand to its compute layout.
   absl::Status status;
   for (const v1::CollectivePlan& c : gemm.collectives()) {
-    if (c.phase() != "before" || &c == device_gather) continue;  // that one runs in the backend
-    Input* target = nullptr;
-    for (int i = 0; i < 3; ++i) {
-      if (c.tensor() == names[i]) target = inputs[i];
-    }
-    if (target == nullptr || target->tensor == nullptr) {
-      status = absl::InvalidArgumentError(
-          absl::StrCat("plan collective names unknown tensor '", c.tensor(), "'"));
-      break;
-    }
+    if (c.phase() != v1::PHASE_BEFORE || &c == device_gather) continue;  // that one runs in the backend
+    Input* target = input_of(c.tensor());
     auto next = ApplyCollective(c, *target->tensor);
     if (!next.ok()) { status = next.status(); break; }
     target->tensor = std::make_shared<const HostTensor>(std::move(*next));
     target->resident = false;
   }
+  if (!status.ok()) return status;
 
   // Stage 3: the local op.
-  absl::StatusOr<HostTensor> out = absl::UnknownError("not run");
-  if (status.ok()) {
-    const HostTensor& l = *lhs.tensor;
-    const HostTensor& r = *rhs.tensor;
-    // With the gather in the backend, r is this worker's shard and the
-    // GEMM's weight has the gathered shape.
-    const std::vector<int64_t>& rs = device_gather != nullptr ? gathered_rhs_shape : r.shape;
-    const int64_t g = gemm.group_sizes_size();
-    if (l.shape.size() != 2) {
-      status = absl::InvalidArgumentError("local lhs must be rank 2");
-    } else if (rs.size() != (ragged_k ? 2u : 3u)) {
-      status = absl::InvalidArgumentError(absl::StrCat("local rhs must be rank ", ragged_k ? 2 : 3));
-    } else if (!ragged_k && rs[0] != g) {
-      status = absl::InvalidArgumentError(
-          absl::StrCat("local rhs has ", rs[0], " groups but group_sizes has ", g));
-    }
+  LocalGemm local;
+  local.ragged_k = ragged_k;
+  local.lhs = lhs.tensor.get();
+  local.rhs = rhs.tensor.get();
+  // A resident weight may stay on the device between requests.
+  if (rhs.resident) local.resident_rhs = rhs.tensor;
+  if (lhs.resident) local.resident_lhs = lhs.tensor;
+  local.bias = gemm.apply_bias() ? bias.tensor.get() : nullptr;
+  local.group_sizes.assign(gemm.group_sizes().begin(), gemm.group_sizes().end());
+  local.rhs_transposed = gemm.rhs_transposed();
+  local.out_dtype = local_dtype;
+  if (device_gather != nullptr) {
+    local.rhs_gather.enabled = true;
+    local.rhs_gather.dim = device_gather->dim();
+    local.rhs_gather.axes.assign(device_gather->axes().begin(), device_gather->axes().end());
+    local.rhs_gather.collectives = collectives_.get();
+    local.rhs_gather.gathered_shape = compute_shape[1];
+    // The backend's own preparation (device memory, uploads) can fail on
+    // this worker alone: it holds the step's one agreement.
+    local.rhs_gather.agree = gemm.agree();
+    if (gemm.agree()) ++agreements;
   }
-  // The weight gather now runs inside the backend, after steps that can fail
-  // on one worker only: agree on everything so far first (every worker, in
-  // every case), and the backend agrees again on its own preparation right
-  // before the gather, so a peer's failure never leaves a worker waiting in
-  // the collective until the timeout.
-  const bool agree_before_gather = device_gather != nullptr && gemm.agree();
-  if (agree_before_gather) status = collectives_->Agree(status);
-  if (status.ok()) {
-    LocalGemm local;
-    local.ragged_k = ragged_k;
-    local.lhs = lhs.tensor.get();
-    local.rhs = rhs.tensor.get();
-    // A resident weight may stay on the device between requests.
-    if (rhs.resident) local.resident_rhs = rhs.tensor;
-    if (lhs.resident) local.resident_lhs = lhs.tensor;
-    local.bias = gemm.apply_bias() ? bias.tensor.get() : nullptr;
-    local.group_sizes.assign(gemm.group_sizes().begin(), gemm.group_sizes().end());
-    local.rhs_transposed = gemm.rhs_transposed();
-    local.out_dtype = local_dtype;
-    if (device_gather != nullptr) {
-      local.rhs_gather.enabled = true;
-      local.rhs_gather.dim = device_gather->dim();
-      local.rhs_gather.axes.assign(device_gather->axes().begin(), device_gather->axes().end());
-      local.rhs_gather.collectives = collectives_.get();
-      local.rhs_gather.gathered_shape = gathered_rhs_shape;
-      local.rhs_gather.agree = agree_before_gather;
-    }
-    out = backend_->GroupedGemm(local);
-    status = out.status();
+  absl::StatusOr<HostTensor> out = backend_->GroupedGemm(local);
+  // A step whose only communication comes after its GEMM agrees here, so a
+  // GEMM that fails on one worker fails the step everywhere.
+  const bool agree_after = gemm.agree() && !agree_first && device_gather == nullptr && after_communicates;
+  if (agree_after) {
+    absl::Status s = agree(out.status());
+    if (!s.ok()) return s;
   }
-  bool has_after = false;
-  for (const auto& c : gemm.collectives()) has_after |= c.phase() == "after";
-  if (gemm.agree() && has_after) status = collectives_->Agree(status);
-  if (!status.ok()) return status;
+  if (!out.ok()) return out.status();
 
   // Stage 4: after-collectives give the output its spec.
   for (const v1::CollectivePlan& c : gemm.collectives()) {
-    if (c.phase() != "after") continue;
-    if (c.tensor() != "out") {
-      return absl::InvalidArgumentError(
-          absl::StrCat("after-collective names '", c.tensor(), "', expected 'out'"));
-    }
+    if (c.phase() != v1::PHASE_AFTER) continue;
     auto next = ApplyCollective(c, *out);
     if (!next.ok()) return next.status();
     *out = std::move(*next);
@@ -317,6 +378,7 @@ absl::StatusOr<v1::StepResult> Executor::RunGemm(v1::GemmStep& gemm) {
   } else {
     HostTensorToProto(std::move(*out), result.mutable_out());
   }
+  result.set_agreements(agreements);
   result.set_compute_seconds(absl::ToDoubleSeconds(absl::Now() - start));
   return result;
 }
@@ -340,6 +402,7 @@ absl::StatusOr<ScalingMode> KernelScalingMode(v1::ScalingMode scaling, bool bloc
 
 absl::StatusOr<v1::StepResult> Executor::RunQuantize(v1::QuantizeStep& q) {
   const absl::Time start = absl::Now();
+  int agreements = 0;
   auto out_dtype = DTypeFromProto(q.out_dtype(), "out_dtype");
   absl::Status prepared = out_dtype.status();
   Input x;
@@ -348,24 +411,50 @@ absl::StatusOr<v1::StepResult> Executor::RunQuantize(v1::QuantizeStep& q) {
     if (in.ok()) x = *in;
     else prepared = in.status();
   }
+  bool before_communicates = false, within_communicates = false;
+  for (const v1::CollectivePlan& c : q.collectives()) {
+    const bool ok = (c.phase() == v1::PHASE_BEFORE && c.tensor() == v1::TENSOR_X) ||
+                    (c.phase() == v1::PHASE_WITHIN && c.tensor() == v1::TENSOR_AMAX);
+    if (!ok) {
+      prepared.Update(absl::InvalidArgumentError(absl::StrCat(
+          "a quantize step's collectives run on x before it or on amax within it, not on ",
+          RoleName(c.tensor()), " (phase ", static_cast<int>(c.phase()), ")")));
+    }
+    (c.phase() == v1::PHASE_BEFORE ? before_communicates : within_communicates) |= Communicates(c);
+  }
+  std::vector<int64_t> x_shape = prepared.ok() ? x.tensor->shape : std::vector<int64_t>();
+  for (const v1::CollectivePlan& c : q.collectives()) {
+    if (!prepared.ok() || c.phase() != v1::PHASE_BEFORE) continue;
+    auto next = ShapeAfter(c, x_shape);
+    if (next.ok()) x_shape = std::move(*next);
+    else prepared = next.status();
+  }
+  auto mode = KernelScalingMode(q.scaling(), q.block_2d());
+  if (!mode.ok()) prepared.Update(mode.status());
   int64_t working_bytes = 0;
   if (prepared.ok()) {
-    working_bytes = x.tensor->NumElements() * (q.rowwise() + q.colwise()) + x.tensor->NumBytes();
+    const int64_t elements = NumElementsOf(x_shape);
+    working_bytes = elements * (q.rowwise() + q.colwise()) + elements * DTypeSize(x.tensor->dtype);
     prepared = store_->Reserve(working_bytes);
   }
   ShardStore::ScopedReservation reservation(store_, working_bytes, prepared.ok());
-  if (q.agree()) prepared = collectives_->Agree(prepared);
-  if (!prepared.ok()) return prepared;
+  // One agreement, right before the step's first collective.
+  const bool agree_first = q.agree() && before_communicates;
+  const bool agree_within = q.agree() && !before_communicates && within_communicates;
+  if (agree_first) {
+    ++agreements;
+    prepared = collectives_->Agree(prepared);
+  }
+  if (!prepared.ok()) {
+    if (agree_within) (void)collectives_->Agree(prepared);  // its peers agree after their amax pass
+    return prepared;
+  }
 
   absl::Status status;
   for (const v1::CollectivePlan& c : q.collectives()) {
-    if (c.phase() != "before") continue;
-    if (c.tensor() != "x") {
-      status = absl::InvalidArgumentError(absl::StrCat("plan collective names '", c.tensor(), "'"));
-      break;
-    }
+    if (c.phase() != v1::PHASE_BEFORE) continue;
     auto next = ApplyCollective(c, *x.tensor);
-    if (!next.ok()) { status = next.status(); break; }
+    if (!next.ok()) return next.status();
     x.tensor = std::make_shared<const HostTensor>(std::move(*next));
   }
   // Rows are the dims before the flatten axis; the plan splits only dim 0.
@@ -377,31 +466,24 @@ absl::StatusOr<v1::StepResult> Executor::RunQuantize(v1::QuantizeStep& q) {
   for (size_t d = 0; d < x.tensor->shape.size(); ++d) {
     (static_cast<int>(d) < flatten ? local.m : local.k) *= x.tensor->shape[d];
   }
-  auto mode = KernelScalingMode(q.scaling(), q.block_2d());
-  if (mode.ok()) local.mode = *mode;
-  else status.Update(mode.status());
+  local.mode = *mode;
   local.group_sizes.assign(q.group_sizes().begin(), q.group_sizes().end());
   local.out_dtype = out_dtype.value_or(DType::kF8E4M3);
   local.rowwise = q.rowwise();
   local.colwise = q.colwise();
   std::vector<float> scales(q.scales().begin(), q.scales().end());
   if (q.scaling() == v1::DELAYED) local.scales = &scales;
-  absl::StatusOr<QuantizeOutputs> out = absl::UnknownError("not run");
-  if (status.ok()) {
-    out = backend_->GroupedQuantize(local);
-    status = out.status();
-  }
+  absl::StatusOr<QuantizeOutputs> out = backend_->GroupedQuantize(local);
+  status = out.status();
   // Shared scales: the per-group amax is max-reduced over the shards that
   // split a group's rows, then the data is cast again with the shared scale.
-  bool within = false;
-  for (const auto& c : q.collectives()) within |= c.phase() == "within";
-  if (q.agree() && within) status = collectives_->Agree(status);
+  if (agree_within) {
+    ++agreements;
+    status = collectives_->Agree(status);
+  }
   if (!status.ok()) return status;
   for (const v1::CollectivePlan& c : q.collectives()) {
-    if (c.phase() != "within") continue;
-    if (c.tensor() != "amax") {
-      return absl::InvalidArgumentError(absl::StrCat("within-collective names '", c.tensor(), "'"));
-    }
+    if (c.phase() != v1::PHASE_WITHIN) continue;
     auto reduced = ApplyCollective(c, out->amax);
     if (!reduced.ok()) return reduced.status();
     // Delayed scaling keeps its given scales: only the reported amax is shared.
@@ -423,22 +505,27 @@ absl::StatusOr<v1::StepResult> Executor::RunQuantize(v1::QuantizeStep& q) {
   }
 
   v1::StepResult result;
-  auto add = [&](HostTensor&& t) { HostTensorToProto(std::move(t), result.add_extra()); };
+  auto add = [&](v1::TensorRole role, HostTensor&& t) {
+    v1::StepOutput* o = result.add_outputs();
+    o->set_role(role);
+    HostTensorToProto(std::move(t), o->mutable_tensor());
+  };
   if (local.rowwise) {
     out->rowwise_data.shape = x.tensor->shape;
-    add(std::move(out->rowwise_data));
+    add(v1::TENSOR_ROWWISE_DATA, std::move(out->rowwise_data));
   }
   if (local.colwise) {
     out->colwise_data.shape = x.tensor->shape;
-    add(std::move(out->colwise_data));
+    add(v1::TENSOR_COLWISE_DATA, std::move(out->colwise_data));
   }
   if (local.block_scaled()) {
-    if (local.rowwise) add(std::move(out->scale_inv));
-    if (local.colwise) add(std::move(out->colwise_scale_inv));
+    if (local.rowwise) add(v1::TENSOR_SCALE_INV, std::move(out->scale_inv));
+    if (local.colwise) add(v1::TENSOR_COLWISE_SCALE_INV, std::move(out->colwise_scale_inv));
   } else {
-    add(std::move(out->scale_inv));
-    add(std::move(out->amax));
+    add(v1::TENSOR_SCALE_INV, std::move(out->scale_inv));
+    add(v1::TENSOR_AMAX, std::move(out->amax));
   }
+  result.set_agreements(agreements);
   result.set_compute_seconds(absl::ToDoubleSeconds(absl::Now() - start));
   return result;
 }

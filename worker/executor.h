@@ -38,6 +38,8 @@ class Executor {
   void PassTurn();
   absl::StatusOr<v1::StepResult> RunGemm(v1::GemmStep& gemm);
   absl::StatusOr<HostTensor> ApplyCollective(const v1::CollectivePlan& c, const HostTensor& t);
+  // The shape a tensor of `shape` has after `c` on this worker.
+  absl::StatusOr<std::vector<int64_t>> ShapeAfter(const v1::CollectivePlan& c, std::vector<int64_t> shape) const;
   absl::StatusOr<v1::StepResult> RunStore(v1::StoreShardStep& store);
   absl::StatusOr<v1::StepResult> RunQuantize(v1::QuantizeStep& quantize);
 

@@ -334,7 +334,9 @@ void EmitOutput(const Mesh& mesh, bool te, const std::string& tensor, DType dtyp
                 const std::vector<int64_t>& shape, const PartitionSpec& raw, const Axes& reduced,
                 const PartitionSpec& target, std::vector<Collective>* out) {
   PartitionSpec cur = raw;
-  const int64_t esize = DTypeSize(dtype);
+  // Partial sums stay FP32 until the output is complete (one rounding, at
+  // the end), so every collective on them moves FP32 whatever the output dtype.
+  const int64_t esize = reduced.empty() ? DTypeSize(dtype) : DTypeSize(DType::kF32);
   auto local_bytes = [&]() { return Numel(LocalOf(mesh, shape, cur)) * esize; };
   for (size_t d = 0; d < shape.size(); ++d) {
     size_t keep = CommonPrefix(cur.dims[d], target.dims[d]);
@@ -1176,13 +1178,9 @@ absl::StatusOr<Plan> PlanQuantize(const Context& ctx) {
                                 " scales are per block, not per group; nothing to share"));
   }
   const int rank = static_cast<int>(found[0]->shape.size());
-  int fa = attrs.flatten_axis;
-  if (fa < 0) fa += rank;
-  if (fa < 1 || fa >= rank) {
-    return Invalid(absl::StrCat("attrs.flatten_axis: ", attrs.flatten_axis,
-                                " for x of rank ", rank, " must leave at least one row and one "
-                                "column dim (1..", rank - 1, " or -1..-", rank - 1, ")"));
-  }
+  absl::StatusOr<int> resolved_flatten = ResolveFlattenAxis(attrs.flatten_axis, rank);
+  if (!resolved_flatten.ok()) return resolved_flatten.status();
+  const int fa = *resolved_flatten;
   std::vector<Operand> ops;
   for (const OperandRequest* r : found) {
     absl::StatusOr<Operand> op = MakeOperand(mesh, *r);
@@ -1283,6 +1281,16 @@ absl::StatusOr<Plan> PlanQuantize(const Context& ctx) {
 }
 
 }  // namespace
+
+absl::StatusOr<int> ResolveFlattenAxis(int flatten_axis, int rank) {
+  const int fa = flatten_axis < 0 ? flatten_axis + rank : flatten_axis;
+  if (rank < 2 || fa < 1 || fa >= rank) {
+    return Invalid(absl::StrCat("flatten_axis: ", flatten_axis, " for x of rank ", rank,
+                                " must leave at least one row and one column dim (1..", rank - 1,
+                                " or -1..-", rank - 1, ")"));
+  }
+  return fa;
+}
 
 absl::string_view OpKindName(OpKind op) {
   switch (op) {

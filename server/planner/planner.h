@@ -178,6 +178,11 @@ struct Plan {
 
 absl::StatusOr<Plan> MakePlan(const PlanRequest& request);
 
+// Grouped quantize's flatten axis for an x of `rank`: negative counts from
+// the end (-1: the last dim is the only column dim); the result is in
+// [1, rank), else INVALID_ARGUMENT naming the field.
+absl::StatusOr<int> ResolveFlattenAxis(int flatten_axis, int rank);
+
 // Readable table: operands (global/local shape, input/compute spec), the
 // outputs, the collectives in order, then warnings and the strategy note.
 std::string FormatPlanText(const Plan& plan);

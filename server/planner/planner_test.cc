@@ -493,7 +493,7 @@ TEST(PlannerTest, InvalidRequestsSayWhy) {
   cases.push_back({fp8_mix, "both be FP8"});
   PlanRequest q_fa = QReq("dp=2", kDef, "64x32@(dp,None)", "2@(dp,)", ScalingMode::kCurrent, false);
   q_fa.attrs.flatten_axis = 2;
-  cases.push_back({q_fa, "attrs.flatten_axis"});
+  cases.push_back({q_fa, "flatten_axis: "});
   PlanRequest q_rows = QReq("dp=2", kDef, "8x64x32@(None,dp,None)", "2", ScalingMode::kCurrent, false);
   q_rows.attrs.flatten_axis = 2;
   cases.push_back({q_rows, "only dim 0 may split the rows"});
@@ -521,6 +521,50 @@ TEST(PlannerTest, PlanTextHasTableCollectivesAndWarnings) {
   EXPECT_NE(text.find("collectives (in order)"), std::string::npos);
   EXPECT_NE(text.find("all_gather"), std::string::npos);
   EXPECT_NE(text.find("warnings:"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace planner
+}  // namespace shardgemm
+
+namespace shardgemm {
+namespace planner {
+namespace {
+
+TEST(PlannerTest, PartialSumsAreCountedInFp32Bytes) {
+  // A BF16 output reduced over tp: its partial sums travel in FP32 (one
+  // rounding, at the end), so the all-reduce moves 4 bytes an element.
+  absl::StatusOr<Plan> plan = MakePlan(Req("tp=2", "", kM, kDef,
+      {"lhs=16x64@(None,tp)", "rhs=2x64x32@(None,tp,None)", "group_sizes=2"}));
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  ASSERT_EQ(plan->collectives.size(), 1u);
+  EXPECT_EQ(plan->out_dtype, DType::kBF16);
+  // Ring all-reduce of 16x32 FP32 over 2 workers: 2 * (2 - 1) / 2 of the buffer.
+  EXPECT_EQ(plan->collectives[0].bytes_per_worker, 16 * 32 * 4);
+}
+
+TEST(PlannerTest, FlattenAxisCountsFromTheEndWhenNegative) {
+  EXPECT_EQ(*ResolveFlattenAxis(-1, 3), 2);
+  EXPECT_EQ(*ResolveFlattenAxis(-2, 3), 1);
+  EXPECT_EQ(*ResolveFlattenAxis(1, 3), 1);
+  EXPECT_EQ(*ResolveFlattenAxis(2, 3), 2);
+  for (int bad : {-3, -4, 0, 3, 7}) {
+    absl::StatusOr<int> r = ResolveFlattenAxis(bad, 3);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_NE(r.status().message().find("flatten_axis"), std::string::npos) << r.status();
+  }
+  // Through the planner: a rank-3 x flattened at -2 has rows [0, 1).
+  PlanRequest req;
+  req.mesh = *ParseMesh("dp=2", "");
+  req.op = OpKind::kGroupedQuantize;
+  req.attrs.flatten_axis = -2;
+  req.operands.push_back(*ParseOperand("x", "8x4x16@(dp,None,None)", DType::kBF16));
+  req.operands.push_back(*ParseOperand("group_sizes", "4@(dp,)", DType::kI32));
+  absl::StatusOr<Plan> plan = MakePlan(req);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->outputs[0].global_shape, std::vector<int64_t>({8, 4, 16}));
+  req.attrs.flatten_axis = -5;
+  EXPECT_EQ(MakePlan(req).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace

@@ -407,7 +407,11 @@ absl::Status ApplyPhase(const Mesh& mesh, const Plan& plan, Phase phase,
     if (c.phase != phase) continue;
     auto it = (*workers)[0].find(c.tensor);
     if (it != (*workers)[0].end()) {
-      int64_t sent = SentBytes(mesh, c, it->second, TensorDTypeSize(plan, c.tensor));
+      // Partial sums travel in FP32 until reduced (as the workers keep them).
+      const int64_t esize = c.phase == Phase::kAfter && !plan.reduced_axes.empty()
+                                ? DTypeSize(DType::kF32)
+                                : TensorDTypeSize(plan, c.tensor);
+      int64_t sent = SentBytes(mesh, c, it->second, esize);
       if (sent != c.bytes_per_worker) {
         return absl::InternalError(absl::StrCat(
             CollectiveKindName(c.kind), " on ", c.tensor, ": plan says ", c.bytes_per_worker,

@@ -1,0 +1,215 @@
+#include "worker/executor.h"
+
+#include <memory>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "proto/tensor_codec.h"
+#include "worker/fake_collectives.h"
+
+namespace shardgemm {
+namespace {
+
+HostTensor F32(std::vector<int64_t> shape, float start) {
+  HostTensor t = *ZerosTensor(DType::kF32, shape);
+  for (int64_t i = 0; i < t.NumElements(); ++i) t.data<float>()[i] = start + 0.25f * static_cast<float>(i % 7);
+  return t;
+}
+
+// out[rows of g] = lhs[rows of g] @ rhs[g], rhs [G, K, N].
+std::vector<float> RaggedM(const HostTensor& lhs, const HostTensor& rhs, const std::vector<int64_t>& sizes) {
+  const int64_t m = lhs.shape[0], k = lhs.shape[1], n = rhs.shape[2];
+  std::vector<float> out(m * n, 0.f);
+  int64_t row = 0;
+  for (size_t g = 0; g < sizes.size(); ++g) {
+    for (int64_t r = row; r < row + sizes[g]; ++r) {
+      for (int64_t j = 0; j < n; ++j) {
+        double acc = 0;
+        for (int64_t i = 0; i < k; ++i) acc += lhs.data<float>()[r * k + i] * rhs.data<float>()[(g * k + i) * n + j];
+        out[r * n + j] = static_cast<float>(acc);
+      }
+    }
+    row += sizes[g];
+  }
+  return out;
+}
+
+MeshPosition FsdpOf2() {
+  MeshPosition p;
+  p.axis_names = {"fsdp"};
+  p.axis_sizes = {2};
+  p.coords = {0};
+  p.rank = 0;
+  return p;
+}
+
+class ExecutorTest : public ::testing::Test {
+ protected:
+  void SetUp() override { backend_ = MakeCpuBackend(1); }
+
+  // An executor at `position` whose collectives are a mirror (peers hold the same).
+  Executor& Make(const MeshPosition& position, uint64_t next_sequence = 1) {
+    executor_ = std::make_unique<Executor>(backend_.get(), &store_);
+    auto collectives = std::make_unique<MirrorCollectives>(position);
+    mirror_ = collectives.get();
+    executor_->Configure(position, std::move(collectives), next_sequence);
+    return *executor_;
+  }
+
+  v1::Step GemmStep(const HostTensor& lhs, const HostTensor& rhs, const std::vector<int64_t>& sizes) {
+    v1::Step step;
+    step.set_sequence(next_++);
+    v1::GemmStep* g = step.mutable_gemm();
+    HostTensorToProto(lhs, g->mutable_lhs());
+    HostTensorToProto(rhs, g->mutable_rhs());
+    for (int64_t s : sizes) g->add_group_sizes(s);
+    g->set_out_dtype(v1::F32);
+    g->set_agree(true);
+    return step;
+  }
+
+  static v1::CollectivePlan Collective(v1::CollectivePhase phase, v1::CollectiveKind kind, v1::TensorRole role,
+                                       int dim) {
+    v1::CollectivePlan c;
+    c.set_phase(phase);
+    c.set_kind(kind);
+    c.set_tensor(role);
+    c.set_dim(dim);
+    c.add_axes("fsdp");
+    return c;
+  }
+
+  std::unique_ptr<Backend> backend_;
+  ShardStore store_{int64_t{1} << 30};
+  std::unique_ptr<Executor> executor_;
+  MirrorCollectives* mirror_ = nullptr;
+  uint64_t next_ = 1;
+};
+
+TEST_F(ExecutorTest, StepWithoutCollectivesRunsNoAgreement) {
+  Executor& e = Make(SingleWorkerPosition());
+  const HostTensor lhs = F32({5, 3}, 1), rhs = F32({2, 3, 4}, -1);
+  auto result = e.Execute(GemmStep(lhs, rhs, {2, 3}));
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_EQ(result->agreements(), 0);
+  EXPECT_EQ(mirror_->agreements, 0);
+  auto out = HostTensorFromProto(result->out(), "out");
+  ASSERT_TRUE(out.ok());
+  const std::vector<float> want = RaggedM(lhs, rhs, {2, 3});
+  ASSERT_EQ(out->NumElements(), static_cast<int64_t>(want.size()));
+  for (size_t i = 0; i < want.size(); ++i) EXPECT_FLOAT_EQ(out->data<float>()[i], want[i]) << i;
+}
+
+TEST_F(ExecutorTest, WeightGatherAgreesOnceBeforeIt) {
+  Executor& e = Make(FsdpOf2());
+  const HostTensor lhs = F32({4, 6}, 1), rhs_shard = F32({2, 3, 4}, -1);
+  v1::Step step = GemmStep(lhs, rhs_shard, {1, 3});
+  *step.mutable_gemm()->add_collectives() =
+      Collective(v1::PHASE_BEFORE, v1::COLLECTIVE_ALL_GATHER, v1::TENSOR_RHS, 1);
+  auto result = e.Execute(step);
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_EQ(result->agreements(), 1);
+  EXPECT_EQ(mirror_->agreements, 1);
+  EXPECT_EQ(mirror_->calls, std::vector<std::string>({"all_gather"}));
+  auto out = HostTensorFromProto(result->out(), "out");
+  ASSERT_TRUE(out.ok());
+  EXPECT_EQ(out->shape, std::vector<int64_t>({4, 4}));
+}
+
+TEST_F(ExecutorTest, RowParallelStepAgreesOnceAfterItsGemm) {
+  Executor& e = Make(FsdpOf2());
+  const HostTensor lhs = F32({4, 3}, 1), rhs = F32({2, 3, 5}, 2);
+  v1::Step step = GemmStep(lhs, rhs, {2, 2});
+  step.mutable_gemm()->set_out_dtype(v1::BF16);
+  *step.mutable_gemm()->add_collectives() =
+      Collective(v1::PHASE_AFTER, v1::COLLECTIVE_ALL_REDUCE_SUM, v1::TENSOR_OUT, -1);
+  auto result = e.Execute(step);
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_EQ(result->agreements(), 1);
+  EXPECT_EQ(mirror_->calls, std::vector<std::string>({"all_reduce"}));
+  // Partial sums were reduced in FP32 (the mirror sums F32 only), then rounded once.
+  auto out = HostTensorFromProto(result->out(), "out");
+  ASSERT_TRUE(out.ok());
+  EXPECT_EQ(out->dtype, DType::kBF16);
+  auto f32 = ConvertFloatTensor(*out, DType::kF32);
+  ASSERT_TRUE(f32.ok());
+  const std::vector<float> want = RaggedM(lhs, rhs, {2, 2});
+  for (size_t i = 0; i < want.size(); ++i) EXPECT_NEAR(f32->data<float>()[i], 2 * want[i], 2 * std::abs(want[i]) / 128) << i;
+}
+
+TEST_F(ExecutorTest, WorkerThatFailsLocallyStillMeetsTheAgreement) {
+  Executor& e = Make(FsdpOf2());
+  v1::Step step = GemmStep(F32({4, 3}, 1), F32({2, 3, 5}, 2), {2, 2});
+  step.mutable_gemm()->mutable_lhs()->set_resident("missing@1");
+  *step.mutable_gemm()->add_collectives() =
+      Collective(v1::PHASE_AFTER, v1::COLLECTIVE_ALL_REDUCE_SUM, v1::TENSOR_OUT, -1);
+  auto result = e.Execute(step);
+  EXPECT_EQ(result.status().code(), absl::StatusCode::kNotFound) << result.status();
+  // Its peers run their GEMM and then agree: this worker must agree too, once,
+  // and run no data collective.
+  EXPECT_EQ(mirror_->agreements, 1);
+  EXPECT_TRUE(mirror_->calls.empty());
+  // The turn passed on: the next step runs.
+  auto next = e.Execute(GemmStep(F32({2, 3}, 1), F32({1, 3, 2}, 1), {2}));
+  EXPECT_TRUE(next.ok()) << next.status();
+}
+
+TEST_F(ExecutorTest, ShapeMismatchFailsBeforeAnyCollective) {
+  Executor& e = Make(FsdpOf2());
+  // K of lhs (6) is fine after the gather, but the gathered rhs has 3 groups
+  // for 2 group sizes: refused before the gather, with the agreement met.
+  v1::Step step = GemmStep(F32({4, 6}, 1), F32({3, 3, 4}, 1), {2, 2});
+  *step.mutable_gemm()->add_collectives() =
+      Collective(v1::PHASE_BEFORE, v1::COLLECTIVE_ALL_GATHER, v1::TENSOR_RHS, 1);
+  auto result = e.Execute(step);
+  EXPECT_EQ(result.status().code(), absl::StatusCode::kInvalidArgument) << result.status();
+  EXPECT_EQ(mirror_->agreements, 1);
+  EXPECT_TRUE(mirror_->calls.empty());
+}
+
+TEST_F(ExecutorTest, CollectiveOnATensorTheStepLacksIsInvalid) {
+  Executor& e = Make(FsdpOf2());
+  v1::Step step = GemmStep(F32({4, 3}, 1), F32({2, 3, 5}, 2), {2, 2});
+  *step.mutable_gemm()->add_collectives() =
+      Collective(v1::PHASE_BEFORE, v1::COLLECTIVE_ALL_GATHER, v1::TENSOR_AMAX, 0);
+  auto result = e.Execute(step);
+  EXPECT_EQ(result.status().code(), absl::StatusCode::kInvalidArgument) << result.status();
+  EXPECT_NE(result.status().message().find("tensor_amax"), std::string::npos) << result.status();
+  EXPECT_TRUE(mirror_->calls.empty());
+}
+
+TEST_F(ExecutorTest, StepNumberedBeforeTheWorkerJoinedIsRetryable) {
+  // A worker that (re)joined at step 7 is sent step 5 of a request that
+  // started without it: the server's business, not the client's.
+  Executor& e = Make(SingleWorkerPosition(), /*next_sequence=*/7);
+  v1::Step step = GemmStep(F32({2, 3}, 1), F32({1, 3, 2}, 1), {2});
+  step.set_sequence(5);
+  auto result = e.Execute(step);
+  EXPECT_EQ(result.status().code(), absl::StatusCode::kUnavailable) << result.status();
+  EXPECT_NE(result.status().message().find("retry"), std::string::npos) << result.status();
+}
+
+TEST_F(ExecutorTest, SharedScalesQuantizeAgreesOnce) {
+  Executor& e = Make(FsdpOf2());
+  v1::Step step;
+  step.set_sequence(1);
+  v1::QuantizeStep* q = step.mutable_quantize();
+  HostTensorToProto(F32({8, 16}, -1), q->mutable_x());
+  for (int64_t s : {3, 5}) q->add_group_sizes(s);
+  q->set_out_dtype(v1::F8E4M3);
+  q->set_scaling(v1::CURRENT);
+  q->set_rowwise(true);
+  q->set_flatten_axis(1);
+  q->set_agree(true);
+  *q->add_collectives() = Collective(v1::PHASE_WITHIN, v1::COLLECTIVE_ALL_REDUCE_MAX, v1::TENSOR_AMAX, -1);
+  auto result = e.Execute(step);
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_EQ(result->agreements(), 1);
+  EXPECT_EQ(mirror_->calls, std::vector<std::string>({"all_reduce"}));
+  std::vector<v1::TensorRole> roles;
+  for (const auto& o : result->outputs()) roles.push_back(o.role());
+  EXPECT_EQ(roles, std::vector<v1::TensorRole>({v1::TENSOR_ROWWISE_DATA, v1::TENSOR_SCALE_INV, v1::TENSOR_AMAX}));
+}
+
+}  // namespace
+}  // namespace shardgemm
