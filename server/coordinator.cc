@@ -951,8 +951,15 @@ absl::StatusOr<v1::GroupedGemmResponse> Coordinator::GroupedGemmPerShard(
     }
   }
   double worker_seconds = 0;
-  for (const v1::StepResult& r : *results) worker_seconds = std::max(worker_seconds, r.compute_seconds());
+  int64_t h2d = 0, d2h = 0;
+  for (const v1::StepResult& r : *results) {
+    worker_seconds = std::max(worker_seconds, r.compute_seconds());
+    h2d += r.host_to_device_bytes();
+    d2h += r.device_to_host_bytes();
+  }
   response.set_worker_seconds(worker_seconds);
+  response.set_host_to_device_bytes(h2d);
+  response.set_device_to_host_bytes(d2h);
   response.set_server_seconds(absl::ToDoubleSeconds(absl::Now() - start));
   return response;
 }

@@ -34,7 +34,7 @@ absl::StatusOr<HostTensor> GroupedGemmAfterHostGather(Backend* backend, const Lo
     return absl::InvalidArgumentError("rhs_gather without collectives or rhs");
   }
   if (g.rhs_gather.agree) {
-    if (auto s = g.rhs_gather.collectives->Agree(absl::OkStatus()); !s.ok()) return s;
+    if (auto s = g.rhs_gather.collectives->Agree(absl::OkStatus(), g.rhs_gather.agree_axes); !s.ok()) return s;
   }
   auto gathered = g.rhs_gather.collectives->AllGather(*g.rhs, g.rhs_gather.dim, g.rhs_gather.axes);
   if (!gathered.ok()) return gathered.status();

@@ -44,6 +44,7 @@ struct LocalGemm {
     // collectives->Agree exactly once, with its own status, before gathering
     // (on every path, so all workers call it).
     bool agree = false;
+    std::vector<std::string> agree_axes;  // the group that agrees: the step's collectives' axes
   };
   RhsGather rhs_gather;
 };

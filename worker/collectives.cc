@@ -112,7 +112,7 @@ class LocalCollectives : public Collectives {
     if (auto s = CheckSingle(axes); !s.ok()) return s;
     return t;
   }
-  absl::Status Agree(const absl::Status& local) override { return local; }
+  absl::Status Agree(const absl::Status& local, const std::vector<std::string>&) override { return local; }
 
  private:
   absl::Status CheckSingle(const std::vector<std::string>& axes) const {

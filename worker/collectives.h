@@ -64,12 +64,14 @@ class Collectives {
     (void)send, (void)recv, (void)local_shape, (void)dtype, (void)dim, (void)axes, (void)stream;
     return absl::UnimplementedError("these collectives have no device all-gather");
   }
-  // Every worker of the mesh passes its own status; all get OK only if all
-  // are OK. A worker that failed gets its own error back, the others ABORTED.
-  // Steps call this before their collectives, so one worker's failure (a bad
-  // shard, its memory budget) fails the step everywhere instead of leaving
+  // Every worker of this worker's group over `axes` passes its own status;
+  // all get OK only if all are OK. A worker that failed gets its own error
+  // back, the others ABORTED. Steps call this before their collectives, over
+  // the union of those collectives' axes (every worker that a failure could
+  // leave waiting, directly or through another), so one worker's failure (a
+  // bad shard, its memory budget) fails the step there instead of leaving
   // the others waiting in a collective.
-  virtual absl::Status Agree(const absl::Status& local) = 0;
+  virtual absl::Status Agree(const absl::Status& local, const std::vector<std::string>& axes) = 0;
   // The step about to run. Communicators created during it are named by its
   // sequence number, which every member of the group shares, so a group
   // whose communicator broke reconnects under one name.

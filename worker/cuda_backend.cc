@@ -127,7 +127,7 @@ class CudaBackend : public Backend {
       d_gathered = scratch.Take(gathered_bytes);
       prep = d_gathered.status();
     }
-    if (gather && g.rhs_gather.agree) prep = g.rhs_gather.collectives->Agree(prep);
+    if (gather && g.rhs_gather.agree) prep = g.rhs_gather.collectives->Agree(prep, g.rhs_gather.agree_axes);
     if (!prep.ok()) return prep;
     if (gathering) {
       if (auto st = g.rhs_gather.collectives->AllGatherDevice(*d_rhs, *d_gathered, rhs.shape, rhs.dtype,

@@ -123,6 +123,19 @@ bool IsReduction(const v1::CollectivePlan& c) {
 // Whether `c` exchanges data with peers (a slice only keeps a local piece).
 bool Communicates(const v1::CollectivePlan& c) { return c.kind() != v1::COLLECTIVE_SLICE; }
 
+// The axes of every collective of a step that exchanges data, in mesh order
+// of first use: the group a failure on one worker could leave waiting.
+std::vector<std::string> CommunicatingAxes(const google::protobuf::RepeatedPtrField<v1::CollectivePlan>& collectives) {
+  std::vector<std::string> axes;
+  for (const v1::CollectivePlan& c : collectives) {
+    if (!Communicates(c)) continue;
+    for (const std::string& a : c.axes()) {
+      if (std::find(axes.begin(), axes.end(), a) == axes.end()) axes.push_back(a);
+    }
+  }
+  return axes;
+}
+
 std::string RoleName(v1::TensorRole role) { return absl::AsciiStrToLower(v1::TensorRole_Name(role)); }
 
 }  // namespace
@@ -183,9 +196,10 @@ absl::StatusOr<v1::StepResult> Executor::RunGemm(v1::GemmStep& gemm) {
   // that can fail on one worker alone (inputs, shapes, memory) comes first,
   // so a failure fails the step everywhere instead of leaving the others
   // waiting in a collective. Every worker decides alike (same plan).
+  const std::vector<std::string> agree_axes = CommunicatingAxes(gemm.collectives());
   auto agree = [&](absl::Status local) {
     ++agreements;
-    return collectives_->Agree(local);
+    return collectives_->Agree(local, agree_axes);
   };
 
   // Stage 1, local: inputs, shapes, memory.
@@ -341,6 +355,7 @@ absl::StatusOr<v1::StepResult> Executor::RunGemm(v1::GemmStep& gemm) {
     // The backend's own preparation (device memory, uploads) can fail on
     // this worker alone: it holds the step's one agreement.
     local.rhs_gather.agree = gemm.agree();
+    local.rhs_gather.agree_axes = agree_axes;
     if (gemm.agree()) ++agreements;
   }
   absl::StatusOr<HostTensor> out = backend_->GroupedGemm(local);
@@ -441,12 +456,13 @@ absl::StatusOr<v1::StepResult> Executor::RunQuantize(v1::QuantizeStep& q) {
   // One agreement, right before the step's first collective.
   const bool agree_first = q.agree() && before_communicates;
   const bool agree_within = q.agree() && !before_communicates && within_communicates;
+  const std::vector<std::string> agree_axes = CommunicatingAxes(q.collectives());
   if (agree_first) {
     ++agreements;
-    prepared = collectives_->Agree(prepared);
+    prepared = collectives_->Agree(prepared, agree_axes);
   }
   if (!prepared.ok()) {
-    if (agree_within) (void)collectives_->Agree(prepared);  // its peers agree after their amax pass
+    if (agree_within) (void)collectives_->Agree(prepared, agree_axes);  // its peers agree after their amax pass
     return prepared;
   }
 
@@ -479,7 +495,7 @@ absl::StatusOr<v1::StepResult> Executor::RunQuantize(v1::QuantizeStep& q) {
   // split a group's rows, then the data is cast again with the shared scale.
   if (agree_within) {
     ++agreements;
-    status = collectives_->Agree(status);
+    status = collectives_->Agree(status, agree_axes);
   }
   if (!status.ok()) return status;
   for (const v1::CollectivePlan& c : q.collectives()) {

@@ -22,12 +22,14 @@ class MirrorCollectives : public Collectives {
   absl::StatusOr<HostTensor> ReduceScatter(const HostTensor& t, int dim,
                                            const std::vector<std::string>& axes) override;
   // Counts the calls; every peer is taken to pass OK.
-  absl::Status Agree(const absl::Status& local) override {
+  absl::Status Agree(const absl::Status& local, const std::vector<std::string>& axes) override {
     ++agreements;
+    agreement_axes = axes;
     return local;
   }
 
   int agreements = 0;
+  std::vector<std::string> agreement_axes;  // of the last agreement
   std::vector<std::string> calls;  // "all_gather", "all_reduce", "reduce_scatter", in order
 
  private:

@@ -210,10 +210,10 @@ class NcclCollectives : public Collectives {
 
   void BeginStep(uint64_t sequence) override { step_ = sequence; }
 
-  absl::Status Agree(const absl::Status& local) override {
+  absl::Status Agree(const absl::Status& local, const std::vector<std::string>& axes) override {
     HostTensor flag = *ZerosTensor(DType::kI32, {1});
     flag.data<int32_t>()[0] = local.ok() ? 0 : 1;
-    if (auto s = AllReduce(&flag, ReduceOp::kMax, position_.axis_names); !s.ok()) return s;
+    if (auto s = AllReduce(&flag, ReduceOp::kMax, axes); !s.ok()) return s;
     if (!local.ok()) return local;
     if (flag.data<int32_t>()[0] != 0) return absl::AbortedError("another worker failed this step");
     return absl::OkStatus();

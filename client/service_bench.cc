@@ -1,0 +1,380 @@
+// The service benchmark: per preset, the local grouped GEMM and the same
+// request through a running service (coordinator and workers on loopback),
+// in one run, so the ratio is honest.
+//
+//   shardgemm-service-bench --coordinator=HOST:PORT --presets presets.json
+//       [--local=cuda|cpu] [--iters 20] [--warmup 3] [--returned] [--scale_rows 1.0]
+//       [--lhs_spec '(ep, None)' --rhs_spec '(ep, None, None)' --group_sizes_spec '(ep,)']
+//
+// Weights and activations are put resident first; each call then names
+// them, and keeps its output resident (or, with --returned, sends it back).
+// A result line per preset, nccl-tests style: the local op's p50, the
+// server's, the slowest worker's and the round trip's p50 / p90, the server
+// time over the local op, the time it adds, the host<->device bytes one
+// call moved, and whether the service's output matched the local one.
+// The local op: --local=cuda runs the CUDA grouped GEMM on device buffers
+// (cudaEvents around each call), --local=cpu the CPU kernels with
+// --threads (wall clock). For a sharded mesh, give the specs: the local op
+// is then one worker's share (the preset is per worker, as its note says)
+// and the request's global shapes are the preset's times the row shards.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "client/client.h"
+#include "kernels/cpu/grouped_gemm.h"
+#include "kernels/cuda/device_pool.h"
+#include "kernels/cuda/grouped_gemm.h"
+#include "kernels/fp8.h"
+#include "nlohmann/json.hpp"
+#include "proto/tensor_codec.h"
+
+ABSL_FLAG(std::string, coordinator, "127.0.0.1:50051", "coordinator address");
+ABSL_FLAG(std::string, presets, "", "presets JSON (anchors/presets.json format)");
+ABSL_FLAG(std::string, only, "", "run only the presets whose name contains this");
+ABSL_FLAG(std::string, local, "cuda", "where the local op runs: cuda or cpu");
+ABSL_FLAG(int, threads, 0, "CPU local op threads (0: hardware concurrency)");
+ABSL_FLAG(int, iters, 20, "timed calls per preset and side");
+ABSL_FLAG(int, warmup, 3, "untimed calls first");
+ABSL_FLAG(bool, returned, false, "return the output to the client instead of keeping it resident");
+ABSL_FLAG(std::string, dtype, "bf16", "operand and output dtype: bf16 or f32");
+ABSL_FLAG(double, scale_rows, 1.0, "scale every preset's rows per group (small CPU runs)");
+ABSL_FLAG(double, scale_dims, 1.0, "scale every preset's k and n (small CPU runs)");
+ABSL_FLAG(std::string, lhs_spec, "", "lhs partition spec of the request");
+ABSL_FLAG(std::string, rhs_spec, "", "rhs partition spec of the request");
+ABSL_FLAG(std::string, group_sizes_spec, "", "group_sizes partition spec of the request");
+ABSL_FLAG(int, row_shards, 1, "row shards of the request's lhs (the product of the lhs spec's row axes)");
+ABSL_FLAG(int, expert_shards, 1, "expert shards of the request's rhs (the ep size when rhs dim 0 is split)");
+ABSL_FLAG(std::string, json, "", "append one JSON line per preset here");
+
+namespace shardgemm {
+namespace {
+
+struct Preset {
+  std::string name;
+  int64_t g, m, k, n;
+};
+
+struct Stats {
+  double p50 = 0, p90 = 0;
+};
+Stats Percentiles(std::vector<double> v) {
+  if (v.empty()) return {};
+  std::sort(v.begin(), v.end());
+  auto at = [&](double q) { return v[std::min(v.size() - 1, static_cast<size_t>(q * (v.size() - 1) + 0.5))]; };
+  return {at(0.5), at(0.9)};
+}
+
+HostTensor Random(DType dtype, std::vector<int64_t> shape, uint64_t seed) {
+  HostTensor t = *ZerosTensor(DType::kF32, shape);
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> u(-1.f, 1.f);
+  for (int64_t i = 0; i < t.NumElements(); ++i) t.data<float>()[i] = u(rng);
+  return dtype == DType::kF32 ? t : *ConvertFloatTensor(t, dtype);
+}
+
+// The local op, timed per call (seconds).
+class LocalOp {
+ public:
+  virtual ~LocalOp() = default;
+  virtual absl::StatusOr<double> Run() = 0;
+  virtual absl::StatusOr<HostTensor> Output() = 0;
+};
+
+class CpuLocalOp : public LocalOp {
+ public:
+  CpuLocalOp(const HostTensor& lhs, const HostTensor& rhs, std::vector<int64_t> sizes, int threads)
+      : lhs_(lhs), rhs_(rhs), sizes_(std::move(sizes)), threads_(threads) {
+    out_ = *ZerosTensor(lhs.dtype, {lhs.shape[0], rhs.shape[2]});
+  }
+  absl::StatusOr<double> Run() override {
+    cpu::GroupedGemmArgs a;
+    a.lhs_dtype = a.rhs_dtype = a.out_dtype = lhs_.dtype;
+    a.lhs = lhs_.bytes.data();
+    a.rhs = rhs_.bytes.data();
+    a.out = &out_.bytes[0];
+    a.m = lhs_.shape[0];
+    a.k = lhs_.shape[1];
+    a.n = rhs_.shape[2];
+    a.num_groups = static_cast<int64_t>(sizes_.size());
+    a.group_sizes = sizes_.data();
+    const absl::Time start = absl::Now();
+    if (auto s = cpu::GroupedGemmRaggedM(a, threads_); !s.ok()) return s;
+    return absl::ToDoubleSeconds(absl::Now() - start);
+  }
+  absl::StatusOr<HostTensor> Output() override { return out_; }
+
+ private:
+  const HostTensor& lhs_;
+  const HostTensor& rhs_;
+  std::vector<int64_t> sizes_;
+  int threads_;
+  HostTensor out_;
+};
+
+class CudaLocalOp : public LocalOp {
+ public:
+  static absl::StatusOr<std::unique_ptr<CudaLocalOp>> Create(const HostTensor& lhs, const HostTensor& rhs,
+                                                             std::vector<int64_t> sizes) {
+    auto runner = cuda::GroupedGemmRunner::Create();
+    if (!runner.ok()) return runner.status();
+    auto op = std::unique_ptr<CudaLocalOp>(new CudaLocalOp);
+    op->runner_ = std::move(*runner);
+    op->sizes_ = std::move(sizes);
+    op->out_ = *ZerosTensor(lhs.dtype, {lhs.shape[0], rhs.shape[2]});
+    cudaStreamCreate(&op->stream_);
+    cudaEventCreate(&op->begin_);
+    cudaEventCreate(&op->end_);
+    auto upload = [&](const void* host, int64_t bytes) -> absl::StatusOr<void*> {
+      auto d = op->runner_->pool().Allocate(std::max<int64_t>(bytes, 256));
+      if (!d.ok()) return d;
+      if (cudaMemcpy(*d, host, bytes, cudaMemcpyHostToDevice) != cudaSuccess) {
+        return absl::InternalError("upload failed");
+      }
+      return d;
+    };
+    auto d_lhs = upload(lhs.bytes.data(), lhs.NumBytes());
+    auto d_rhs = upload(rhs.bytes.data(), rhs.NumBytes());
+    auto d_sizes = upload(op->sizes_.data(), static_cast<int64_t>(op->sizes_.size()) * 8);
+    auto d_out = op->runner_->pool().Allocate(op->out_.NumBytes());
+    for (auto* s : {&d_lhs, &d_rhs, &d_sizes, &d_out}) {
+      if (!s->ok()) return s->status();
+    }
+    cuda::DeviceGroupedGemmArgs& a = op->args_;
+    a.in_dtype = a.out_dtype = lhs.dtype;
+    a.lhs = *d_lhs;
+    a.rhs = *d_rhs;
+    a.out = *d_out;
+    a.m = lhs.shape[0];
+    a.k = lhs.shape[1];
+    a.n = rhs.shape[2];
+    a.num_groups = static_cast<int64_t>(op->sizes_.size());
+    a.group_sizes_device = static_cast<const int64_t*>(*d_sizes);
+    a.group_sizes_host = op->sizes_.data();
+    return op;
+  }
+  absl::StatusOr<double> Run() override {
+    cudaEventRecord(begin_, stream_);
+    if (auto s = runner_->RaggedM(args_, stream_); !s.ok()) return s;
+    cudaEventRecord(end_, stream_);
+    if (cudaEventSynchronize(end_) != cudaSuccess) return absl::InternalError("local GEMM failed");
+    float ms = 0;
+    cudaEventElapsedTime(&ms, begin_, end_);
+    return ms * 1e-3;
+  }
+  // The device-to-host copy of the output from pinned memory (what returning
+  // it costs at best), timed per call.
+  absl::StatusOr<double> PinnedDownload() {
+    if (pinned_ == nullptr && cudaMallocHost(&pinned_, out_.NumBytes()) != cudaSuccess) {
+      return absl::ResourceExhaustedError("no pinned memory for the output");
+    }
+    cudaEventRecord(begin_, stream_);
+    cudaMemcpyAsync(pinned_, args_.out, out_.NumBytes(), cudaMemcpyDeviceToHost, stream_);
+    cudaEventRecord(end_, stream_);
+    if (cudaEventSynchronize(end_) != cudaSuccess) return absl::InternalError("download failed");
+    float ms = 0;
+    cudaEventElapsedTime(&ms, begin_, end_);
+    return ms * 1e-3;
+  }
+  absl::StatusOr<HostTensor> Output() override {
+    if (cudaMemcpy(&out_.bytes[0], args_.out, out_.NumBytes(), cudaMemcpyDeviceToHost) != cudaSuccess) {
+      return absl::InternalError("download failed");
+    }
+    return out_;
+  }
+  ~CudaLocalOp() override {
+    if (pinned_ != nullptr) cudaFreeHost(pinned_);
+  }
+
+ private:
+  CudaLocalOp() = default;
+  std::unique_ptr<cuda::GroupedGemmRunner> runner_;
+  cuda::DeviceGroupedGemmArgs args_;
+  std::vector<int64_t> sizes_;
+  HostTensor out_;
+  cudaStream_t stream_ = nullptr;
+  cudaEvent_t begin_ = nullptr, end_ = nullptr;
+  void* pinned_ = nullptr;
+};
+
+// Max |a - b| over max |b| (both as F32).
+double RelativeError(const HostTensor& a, const HostTensor& b) {
+  if (a.shape != b.shape) return INFINITY;
+  HostTensor fa = *ConvertFloatTensor(a, DType::kF32), fb = *ConvertFloatTensor(b, DType::kF32);
+  double err = 0, scale = 0;
+  for (int64_t i = 0; i < fa.NumElements(); ++i) {
+    err = std::max(err, std::abs(static_cast<double>(fa.data<float>()[i]) - fb.data<float>()[i]));
+    scale = std::max(scale, std::abs(static_cast<double>(fb.data<float>()[i])));
+  }
+  return scale > 0 ? err / scale : err;
+}
+
+int Main() {
+  std::ifstream in(absl::GetFlag(FLAGS_presets));
+  if (!in) {
+    std::fprintf(stderr, "--presets: cannot read '%s'\n", absl::GetFlag(FLAGS_presets).c_str());
+    return 2;
+  }
+  const nlohmann::json doc = nlohmann::json::parse(in);
+  std::vector<Preset> presets;
+  for (const auto& p : doc["presets"]) {
+    Preset preset{p["name"], p["groups"], p["rows_per_group"], p["k"], p["n"]};
+    if (!absl::GetFlag(FLAGS_only).empty() && preset.name.find(absl::GetFlag(FLAGS_only)) == std::string::npos) {
+      continue;
+    }
+    preset.m = std::max<int64_t>(1, std::llround(preset.m * absl::GetFlag(FLAGS_scale_rows)));
+    preset.k = std::max<int64_t>(8, std::llround(preset.k * absl::GetFlag(FLAGS_scale_dims)) / 8 * 8);
+    preset.n = std::max<int64_t>(8, std::llround(preset.n * absl::GetFlag(FLAGS_scale_dims)) / 8 * 8);
+    presets.push_back(preset);
+  }
+  const DType dtype = absl::GetFlag(FLAGS_dtype) == "f32" ? DType::kF32 : DType::kBF16;
+  const bool on_cuda = absl::GetFlag(FLAGS_local) == "cuda";
+  const bool returned = absl::GetFlag(FLAGS_returned);
+  const int iters = absl::GetFlag(FLAGS_iters), warmup = absl::GetFlag(FLAGS_warmup);
+  const int row_shards = absl::GetFlag(FLAGS_row_shards), expert_shards = absl::GetFlag(FLAGS_expert_shards);
+
+  ShardGemmClient client(absl::GetFlag(FLAGS_coordinator));
+  auto info = client.WaitUntilReady(absl::Seconds(60));
+  if (!info.ok()) {
+    std::fprintf(stderr, "coordinator: %s\n", std::string(info.status().message()).c_str());
+    return 1;
+  }
+  std::printf("# service bench: %d workers, local op on %s, %s, output %s, %d calls after %d\n",
+              info->workers_size(), on_cuda ? "cuda" : "cpu", std::string(DTypeName(dtype)).c_str(),
+              returned ? "returned" : "kept", iters, warmup);
+  std::printf("# %-18s %9s %9s %9s %9s %9s %9s %9s %9s %7s %9s %11s %11s %s\n", "preset", "local_us",
+              "d2h_us", "server50", "server90", "worker50", "worker90", "rtt50", "rtt90", "ratio", "added_us",
+              "h2d_bytes", "d2h_bytes", "check");
+  std::ofstream json_out;
+  if (!absl::GetFlag(FLAGS_json).empty()) json_out.open(absl::GetFlag(FLAGS_json), std::ios::app);
+  int failures = 0;
+  for (const Preset& p : presets) {
+    // One worker's share: m rows per local group, G local experts.
+    const int64_t local_rows = p.g * p.m;
+    HostTensor lhs_local = Random(dtype, {local_rows, p.k}, 1);
+    HostTensor rhs_local = Random(dtype, {p.g, p.k, p.n}, 2);
+    std::vector<int64_t> local_sizes(p.g, p.m);
+    std::unique_ptr<LocalOp> local;
+    CudaLocalOp* cuda_local = nullptr;
+    if (on_cuda) {
+      auto op = CudaLocalOp::Create(lhs_local, rhs_local, local_sizes);
+      if (!op.ok()) {
+        std::fprintf(stderr, "%s: local op: %s\n", p.name.c_str(), std::string(op.status().message()).c_str());
+        return 1;
+      }
+      cuda_local = op->get();
+      local = std::move(*op);
+    } else {
+      local = std::make_unique<CpuLocalOp>(lhs_local, rhs_local, local_sizes, absl::GetFlag(FLAGS_threads));
+    }
+    std::vector<double> local_s, d2h_s;
+    for (int i = 0; i < warmup + iters; ++i) {
+      auto t = local->Run();
+      if (!t.ok()) {
+        std::fprintf(stderr, "%s: local op: %s\n", p.name.c_str(), std::string(t.status().message()).c_str());
+        return 1;
+      }
+      if (i >= warmup) local_s.push_back(*t);
+      if (i >= warmup && cuda_local != nullptr && returned) d2h_s.push_back(*cuda_local->PinnedDownload());
+    }
+
+    // The request: every row shard holds the same block (so the service's
+    // output is checkable against the local one), every expert shard the
+    // same experts.
+    auto tile = [](const HostTensor& t, int times) {
+      HostTensor out = t;
+      out.shape[0] *= times;
+      out.bytes.clear();
+      for (int i = 0; i < times; ++i) out.bytes += t.bytes;
+      return out;
+    };
+    const HostTensor lhs = tile(lhs_local, row_shards);
+    const HostTensor rhs = tile(rhs_local, expert_shards);
+    HostTensor sizes = *ZerosTensor(DType::kI64, {p.g * row_shards});
+    for (int64_t i = 0; i < sizes.NumElements(); ++i) sizes.data<int64_t>()[i] = p.m;
+    for (const auto& [name, t, spec] : {std::make_tuple("bench_lhs", &lhs, absl::GetFlag(FLAGS_lhs_spec)),
+                                        std::make_tuple("bench_rhs", &rhs, absl::GetFlag(FLAGS_rhs_spec))}) {
+      if (auto r = client.PutTensor(name, *t, spec, /*overwrite=*/true); !r.ok()) {
+        std::fprintf(stderr, "%s: put %s: %s\n", p.name.c_str(), name, std::string(r.status().message()).c_str());
+        return 1;
+      }
+    }
+    v1::GroupedGemmRequest request;
+    request.mutable_lhs()->set_resident("bench_lhs");
+    request.mutable_rhs()->set_resident("bench_rhs");
+    HostTensorToProto(sizes, request.mutable_group_sizes());
+    request.mutable_group_sizes()->set_spec(absl::GetFlag(FLAGS_group_sizes_spec));
+    request.set_out_dtype(DTypeToProto(dtype));
+    if (!returned) {
+      request.set_keep_output_as("bench_out");
+      request.set_overwrite_output(true);
+    }
+    std::vector<double> server_s, worker_s, rtt_s;
+    int64_t h2d = 0, d2h = 0;
+    v1::GroupedGemmResponse last;
+    for (int i = 0; i < warmup + iters; ++i) {
+      const absl::Time start = absl::Now();
+      auto r = client.GroupedGemm(request);
+      const double rtt = absl::ToDoubleSeconds(absl::Now() - start);
+      if (!r.ok()) {
+        std::fprintf(stderr, "%s: request: %s\n", p.name.c_str(), std::string(r.status().message()).c_str());
+        return 1;
+      }
+      if (i < warmup) continue;
+      rtt_s.push_back(rtt);
+      server_s.push_back(r->server_seconds());
+      worker_s.push_back(r->worker_seconds());
+      h2d = r->host_to_device_bytes();
+      d2h = r->device_to_host_bytes();
+      last = std::move(*r);
+    }
+    absl::StatusOr<HostTensor> got = returned ? HostTensorFromProto(last.out(), "out") : client.GetTensor("bench_out");
+    auto want = local->Output();
+    std::string check = "fail";
+    if (got.ok() && want.ok()) {
+      HostTensor first_block = *got;  // the first row shard's block
+      first_block.shape[0] = want->shape[0];
+      first_block.bytes.resize(want->NumBytes());
+      const double err = RelativeError(first_block, *want);
+      check = err <= (dtype == DType::kF32 ? 1e-4 : 1e-2) ? absl::StrFormat("ok %.1e", err)
+                                                          : absl::StrFormat("FAIL %.1e", err);
+    }
+    if (check.rfind("ok", 0) != 0) ++failures;
+    const Stats l = Percentiles(local_s), dd = Percentiles(d2h_s), sv = Percentiles(server_s),
+                wk = Percentiles(worker_s), rt = Percentiles(rtt_s);
+    std::printf("  %-18s %9.1f %9.1f %9.1f %9.1f %9.1f %9.1f %9.1f %9.1f %7.3f %9.1f %11lld %11lld %s\n",
+                p.name.c_str(), l.p50 * 1e6, dd.p50 * 1e6, sv.p50 * 1e6, sv.p90 * 1e6, wk.p50 * 1e6, wk.p90 * 1e6,
+                rt.p50 * 1e6, rt.p90 * 1e6, sv.p50 / l.p50, (sv.p50 - l.p50) * 1e6, static_cast<long long>(h2d),
+                static_cast<long long>(d2h), check.c_str());
+    std::fflush(stdout);
+    if (json_out) {
+      nlohmann::json j = {{"preset", p.name}, {"workers", info->workers_size()}, {"local", on_cuda ? "cuda" : "cpu"},
+                          {"returned", returned}, {"local_p50_us", l.p50 * 1e6}, {"d2h_p50_us", dd.p50 * 1e6},
+                          {"server_p50_us", sv.p50 * 1e6}, {"server_p90_us", sv.p90 * 1e6},
+                          {"worker_p50_us", wk.p50 * 1e6}, {"worker_p90_us", wk.p90 * 1e6},
+                          {"rtt_p50_us", rt.p50 * 1e6}, {"rtt_p90_us", rt.p90 * 1e6},
+                          {"h2d_bytes", h2d}, {"d2h_bytes", d2h}, {"check", check}};
+      json_out << j.dump() << "\n";
+    }
+    for (const char* name : {"bench_lhs", "bench_rhs", "bench_out"}) (void)client.DeleteTensor(name);
+  }
+  return failures == 0 ? 0 : 1;
+}
+
+}  // namespace
+}  // namespace shardgemm
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  return shardgemm::Main();
+}

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The service benchmark against a mesh started here: a coordinator and
+# WORKERS workers on loopback (the servers from SERVER_BIN, default ./bin),
+# then bin/shardgemm-service-bench with the given flags, then shutdown.
+#   MESH='dp=2,fsdp=2,ep=2' WORKERS=8 bash tools/service_bench.sh --local=cpu \
+#     --presets=tools/bench/cpu_presets.json --lhs_spec='((dp,fsdp,ep),None)' ...
+# Prints the bench's table; the servers' logs go to $LOGS (a temp dir).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+SERVER_BIN=${SERVER_BIN:-./bin}
+BENCH=${BENCH:-./bin/shardgemm-service-bench}
+PORT=${PORT:-50171}
+ADDR=127.0.0.1:$PORT
+MESH=${MESH:-dp=1}
+WORKERS=${WORKERS:-1}
+LOGS=${LOGS:-$(mktemp -d)}
+pids=()
+cleanup() {
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+}
+trap cleanup EXIT
+"$SERVER_BIN/shardgemm-coordinator" --listen="$ADDR" --mesh="$MESH" 2>"$LOGS/coordinator.log" &
+pids+=($!)
+for ((i = 0; i < WORKERS; i++)); do
+  "$SERVER_BIN/shardgemm-worker" --coordinator="$ADDR" ${WORKER_FLAGS:-} 2>"$LOGS/worker$i.log" &
+  pids+=($!)
+done
+"$BENCH" --coordinator="$ADDR" "$@"
