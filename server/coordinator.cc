@@ -1,6 +1,7 @@
 #include "server/coordinator.h"
 
 #include <cstring>
+#include <limits>
 #include <map>
 #include <thread>
 #include <tuple>
@@ -85,8 +86,11 @@ absl::Status Coordinator::CheckTensorFits(const std::string& name, int64_t bytes
   {
     absl::MutexLock lock(&workers_mu_);
     for (const Worker& w : workers_) {
-      if (w.info.memory_budget_bytes() <= 0) unbounded = true;
-      total += w.info.memory_budget_bytes();
+      const int64_t budget = w.info.memory_budget_bytes();
+      if (budget <= 0) unbounded = true;
+      // Saturating: budgets a worker reports are not to be trusted to sum.
+      total = budget > std::numeric_limits<int64_t>::max() - total ? std::numeric_limits<int64_t>::max()
+                                                                     : total + budget;
     }
   }
   if (!unbounded && bytes > total) {
@@ -108,6 +112,22 @@ absl::Status Coordinator::CheckReady() const {
 
 absl::Time Coordinator::StepDeadline(absl::Time client_deadline) const {
   return std::min(client_deadline, absl::Now() + options_.step_timeout);
+}
+
+void Coordinator::DispatchDetached(std::vector<v1::Step> steps, absl::Time deadline) {
+  std::vector<std::shared_ptr<WorkerChannel>> channels;
+  {
+    absl::MutexLock lock(&dispatch_mu_);
+    {
+      absl::MutexLock workers_lock(&workers_mu_);
+      for (const Worker& w : workers_) channels.push_back(w.channel);
+    }
+    const uint64_t sequence = next_sequence_++;
+    for (v1::Step& s : steps) s.set_sequence(sequence);
+  }
+  for (size_t r = 0; r < steps.size(); ++r) {
+    if (channels[r] != nullptr) channels[r]->ExecuteAsync(steps[r], deadline, [](absl::StatusOr<v1::StepResult>) {});
+  }
 }
 
 absl::StatusOr<std::vector<v1::StepResult>> Coordinator::Dispatch(std::vector<v1::Step> steps,
@@ -272,7 +292,26 @@ absl::Status Coordinator::DeleteShards(const std::string& shard_name, absl::Time
   return results.ok() ? absl::OkStatus() : results.status();
 }
 
-void Coordinator::DeleteShardsBestEffort(const std::string& shard_name) { (void)DeleteShards(shard_name); }
+void Coordinator::DeleteShardsBestEffort(const std::string& shard_name) {
+  // Sent in the global order like any step, but not waited for: a request
+  // that failed (or a hung worker) must not hold its caller past its
+  // deadline for a cleanup. A worker that misses it keeps an unreachable
+  // shard until it restarts.
+  std::vector<v1::Step> steps(num_workers_);
+  for (v1::Step& s : steps) s.mutable_delete_shard()->set_name(shard_name);
+  DispatchDetached(std::move(steps), absl::Now() + options_.step_timeout);
+}
+
+void Coordinator::RetireBestEffort(const std::string& shard_name) {
+  {
+    absl::MutexLock lock(&registry_mu_);
+    if (pin_counts_.contains(shard_name)) {
+      retired_.insert(shard_name);
+      return;
+    }
+  }
+  DeleteShardsBestEffort(shard_name);
+}
 
 absl::StatusOr<v1::PutTensorResponse> Coordinator::PutTensor(const std::string& name,
                                                              HostTensor tensor,
@@ -325,7 +364,7 @@ absl::StatusOr<v1::PutTensorResponse> Coordinator::PutTensor(const std::string& 
     if (it != registry_.end()) replaced = it->second.shard_name;
     registry_[name] = resident;
   }
-  if (!replaced.empty()) (void)Retire(replaced);  // best effort: the new generation is in
+  if (!replaced.empty()) RetireBestEffort(replaced);  // the new generation is in
   v1::PutTensorResponse response;
   response.set_name(name);
   response.set_bytes(tensor.NumBytes());
@@ -935,7 +974,7 @@ absl::StatusOr<v1::GroupedGemmResponse> Coordinator::GroupedGemmPerShard(
       if (it != registry_.end()) replaced = it->second.shard_name;
       registry_[request.keep_output_as()] = resident;
     }
-    if (!replaced.empty()) (void)Retire(replaced);  // best effort: the new generation is in
+    if (!replaced.empty()) RetireBestEffort(replaced);  // the new generation is in
     response.mutable_out()->set_dtype(DTypeToProto(plan->out_dtype));
     response.mutable_out()->mutable_shape()->Assign(plan->out_shape.begin(), plan->out_shape.end());
     response.mutable_out()->set_resident(request.keep_output_as());

@@ -105,6 +105,8 @@ class Coordinator {
   // fails, and with DEADLINE_EXCEEDED for one that has not answered by
   // `deadline`.
   absl::StatusOr<std::vector<v1::StepResult>> Dispatch(std::vector<v1::Step> steps, absl::Time deadline);
+  // Numbers and sends `steps` like Dispatch, without waiting for the answers.
+  void DispatchDetached(std::vector<v1::Step> steps, absl::Time deadline);
   absl::StatusOr<Resident> FindResident(const std::string& name) const;
   static struct TensorMeta MetaOf(const Resident& resident);
   // Resident shards that a running request has resolved are pinned: a
@@ -144,6 +146,8 @@ class Coordinator {
                                       const std::function<absl::StatusOr<HostTensor>(int)>& shard);
   absl::Status DeleteShards(const std::string& shard_name, absl::Time deadline = absl::InfiniteFuture());
   void DeleteShardsBestEffort(const std::string& shard_name);
+  // Retire, without waiting for the workers.
+  void RetireBestEffort(const std::string& shard_name);
 
   const CoordinatorOptions options_;
   const planner::Mesh mesh_;

@@ -10,6 +10,8 @@
 namespace shardgemm {
 namespace {
 
+constexpr absl::Duration kConnectTimeout = absl::Seconds(10);
+
 std::chrono::system_clock::time_point ToChrono(absl::Time t) {
   if (t == absl::InfiniteFuture()) return std::chrono::system_clock::time_point::max();
   return absl::ToChronoTime(t);
@@ -23,10 +25,12 @@ class GrpcWorkerChannel : public WorkerChannel {
     stub_ = v1::Worker::NewStub(channel_);
   }
 
-  // gRPC's callback API: no thread waits on the call. wait_for_ready rides
-  // out a transient connect failure (a registered worker is listening) up
-  // to the deadline instead of failing at once.
+  // gRPC's callback API: no thread waits on the call once it is sent.
   void ExecuteAsync(const v1::Step& step, absl::Time deadline, ExecuteDone done) override {
+    if (absl::Status c = Connected(deadline); !c.ok()) {
+      done(c);
+      return;
+    }
     struct Call {
       grpc::ClientContext ctx;
       v1::Step step;
@@ -37,7 +41,6 @@ class GrpcWorkerChannel : public WorkerChannel {
     call->step = step;
     call->done = std::move(done);
     call->ctx.set_deadline(ToChrono(deadline));
-    call->ctx.set_wait_for_ready(true);
     stub_->async()->Execute(&call->ctx, &call->step, &call->result, [call, this](grpc::Status s) {
       std::unique_ptr<Call> owned(call);
       if (s.ok()) {
@@ -50,9 +53,9 @@ class GrpcWorkerChannel : public WorkerChannel {
   }
 
   absl::StatusOr<v1::LocalTensor> GetShard(const std::string& name, absl::Time deadline) override {
+    if (absl::Status c = Connected(deadline); !c.ok()) return c;
     grpc::ClientContext ctx;
     ctx.set_deadline(ToChrono(deadline));
-    ctx.set_wait_for_ready(true);
     v1::GetShardRequest request;
     request.set_name(name);
     v1::LocalTensor shard;
@@ -62,6 +65,20 @@ class GrpcWorkerChannel : public WorkerChannel {
   }
 
  private:
+  // A registered worker is listening, but a first connect attempt can still
+  // fail transiently (seen under load in CI), and a call on a channel in
+  // transient failure fails at once: wait for the connection, at most
+  // kConnectTimeout (a dead worker fails its steps fast, not at the
+  // request's deadline) and never past the deadline.
+  absl::Status Connected(absl::Time deadline) {
+    if (channel_->GetState(/*try_to_connect=*/true) == GRPC_CHANNEL_READY) return absl::OkStatus();
+    const absl::Time start = absl::Now();
+    const absl::Time until = std::min(deadline, start + kConnectTimeout);
+    if (channel_->WaitForConnected(ToChrono(until))) return absl::OkStatus();
+    return absl::UnavailableError(absl::StrCat("worker at ", address_, ": not connected within ",
+                                               absl::FormatDuration(until - start)));
+  }
+
   std::string address_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Worker::Stub> stub_;

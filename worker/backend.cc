@@ -49,6 +49,17 @@ absl::StatusOr<HostTensor> GroupedGemmAfterHostGather(Backend* backend, const Lo
   return backend->GroupedGemm(h);
 }
 
+absl::StatusOr<Shard> Backend::GroupedGemmToShard(const LocalGemm& gemm) {
+  auto out = GroupedGemm(gemm);
+  if (!out.ok()) return out.status();
+  return Shard::OnHost(std::move(*out));
+}
+
+absl::StatusOr<HostTensor> Backend::Download(const Shard& shard) {
+  if (shard.host != nullptr) return *shard.host;
+  return absl::FailedPreconditionError(absl::StrCat("the ", Name(), " backend holds no device shards"));
+}
+
 GroupedQuantizeArgs QuantizeArgs(const LocalQuantize& q, const void* x) {
   GroupedQuantizeArgs a;
   a.x = x;

@@ -11,6 +11,7 @@
 #include "kernels/cpu/quantize.h"
 #include "kernels/host_tensor.h"
 #include "worker/collectives.h"
+#include "worker/shard.h"
 
 namespace shardgemm {
 
@@ -23,6 +24,11 @@ struct LocalGemm {
   std::shared_ptr<const HostTensor> resident_rhs;
   // Likewise for a resident lhs (activations kept on the workers between requests).
   std::shared_ptr<const HostTensor> resident_lhs;
+  // Set when the operand is a shard kept in this backend's device memory:
+  // `lhs` / `rhs` is then a header (dtype and shape, no bytes).
+  std::shared_ptr<const DeviceBuffer> lhs_device, rhs_device;
+  // GroupedGemmToShard: keep the output in device memory.
+  bool keep_on_device = false;
   const HostTensor* bias = nullptr;  // may be null
   std::vector<int64_t> group_sizes;  // this worker's local groups
   bool rhs_transposed = false;
@@ -97,6 +103,24 @@ class Backend {
   virtual absl::StatusOr<QuantizeOutputs> GroupedQuantize(const LocalQuantize& q) = 0;
   // Whether GroupedGemm takes LocalGemm::rhs_gather and gathers on its device.
   virtual bool CanGatherOnDevice() const { return false; }
+
+  // Capabilities of device residency. A backend that keeps outputs on its
+  // device runs GroupedGemmToShard with keep_on_device into device memory
+  // (no copy to the host) and reads device shards as operands.
+  virtual bool KeepsOutputsOnDevice() const { return false; }
+  // Runs `gemm` into a shard: in device memory where keep_on_device is set
+  // and the backend keeps outputs there, else on the host.
+  virtual absl::StatusOr<Shard> GroupedGemmToShard(const LocalGemm& gemm);
+  // The host bytes of a shard (a copy from the device for a device-only
+  // one). Safe to call while steps run.
+  virtual absl::StatusOr<HostTensor> Download(const Shard& shard);
+  // The device's memory, for the default device budget (0: no device).
+  virtual int64_t DeviceMemoryBytes() const { return 0; }
+  // Bytes copied host to device and back so far (a step reports its share).
+  struct Transfers {
+    int64_t host_to_device = 0, device_to_host = 0;
+  };
+  virtual Transfers TransferCounts() const { return {}; }
 };
 
 // `g` with its rhs_gather done on the host (Collectives::AllGather), run by

@@ -3,6 +3,7 @@
 // stream, with device memory from the runner's pool.
 #include <cuda_runtime_api.h>
 
+#include <atomic>
 #include <iostream>
 #include <map>
 #include <memory>
@@ -22,7 +23,7 @@ namespace {
 // Device buffers taken from the pool for one call, returned on scope exit.
 class Scratch {
  public:
-  explicit Scratch(cuda::DevicePool* pool) : pool_(pool) {}
+  Scratch(cuda::DevicePool* pool, std::atomic<int64_t>* uploaded) : pool_(pool), uploaded_(uploaded) {}
   ~Scratch() {
     for (void* p : held_) pool_->Free(p);
   }
@@ -32,6 +33,7 @@ class Scratch {
     if (auto s = CudaStatus(cudaMemcpyAsync(*p, host, bytes, cudaMemcpyHostToDevice, stream), "upload"); !s.ok()) {
       return s;
     }
+    *uploaded_ += bytes;
     return p;
   }
   absl::StatusOr<void*> Take(int64_t bytes) {
@@ -42,14 +44,44 @@ class Scratch {
 
  private:
   cuda::DevicePool* pool_;
+  std::atomic<int64_t>* uploaded_;
   std::vector<void*> held_;
+};
+
+// A kept output in stream-ordered device memory (cudaMallocAsync): unlike
+// the runner's pool it may be freed from any thread (a GetShard, a delete).
+class StreamDeviceBuffer : public DeviceBuffer {
+ public:
+  static absl::StatusOr<std::shared_ptr<StreamDeviceBuffer>> Allocate(int device, int64_t bytes,
+                                                                      cudaStream_t stream) {
+    void* p = nullptr;
+    if (auto s = CudaStatus(cudaMallocAsync(&p, std::max<int64_t>(bytes, 256), stream), "device output");
+        !s.ok()) {
+      return absl::ResourceExhaustedError(absl::StrCat("no device memory for a ", bytes, "-byte output: ", s.message()));
+    }
+    return std::shared_ptr<StreamDeviceBuffer>(new StreamDeviceBuffer(device, p, bytes, stream));
+  }
+  ~StreamDeviceBuffer() override {
+    cudaSetDevice(device_);
+    cudaFreeAsync(ptr_, stream_);
+  }
+  void* data() const override { return ptr_; }
+  int64_t bytes() const override { return bytes_; }
+
+ private:
+  StreamDeviceBuffer(int device, void* ptr, int64_t bytes, cudaStream_t stream)
+      : device_(device), ptr_(ptr), bytes_(bytes), stream_(stream) {}
+  int device_;
+  void* ptr_;
+  int64_t bytes_;
+  cudaStream_t stream_;
 };
 
 class CudaBackend : public Backend {
  public:
-  CudaBackend(int device, std::unique_ptr<cuda::GroupedGemmRunner> runner, cudaStream_t stream,
-              std::string name)
-      : device_(device), runner_(std::move(runner)), stream_(stream), name_(std::move(name)),
+  CudaBackend(int device, int64_t total_memory, std::unique_ptr<cuda::GroupedGemmRunner> runner,
+              cudaStream_t stream, std::string name)
+      : device_(device), total_memory_(total_memory), runner_(std::move(runner)), stream_(stream), name_(std::move(name)),
         cpu_(MakeCpuBackend(0)) {}
   ~CudaBackend() override {
     // The quantize library's workspace for the stream goes with it.
@@ -61,19 +93,83 @@ class CudaBackend : public Backend {
   std::string Name() const override { return "cuda"; }
   std::string Device() const override { return name_; }
   bool CanGatherOnDevice() const override { return true; }
+  bool KeepsOutputsOnDevice() const override { return true; }
+  int64_t DeviceMemoryBytes() const override { return total_memory_; }
+  Transfers TransferCounts() const override { return {uploaded_.load(), downloaded_.load()}; }
 
   absl::StatusOr<HostTensor> GroupedGemm(const LocalGemm& g) override {
+    auto out = Run(g, /*keep=*/false);
+    if (!out.ok()) return out.status();
+    return std::move(out->host);
+  }
+
+  absl::StatusOr<Shard> GroupedGemmToShard(const LocalGemm& g) override {
+    auto out = Run(g, g.keep_on_device);
+    if (!out.ok()) return out.status();
+    if (out->device == nullptr) return Shard::OnHost(std::move(out->host));
+    Shard shard;
+    shard.dtype = out->dtype;
+    shard.shape = out->shape;
+    shard.device = std::move(out->device);
+    return shard;
+  }
+
+  absl::StatusOr<HostTensor> Download(const Shard& shard) override {
+    if (shard.host != nullptr) return *shard.host;
+    if (shard.device == nullptr) return absl::InternalError("a shard with neither host nor device bytes");
+    auto out = ZerosTensor(shard.dtype, shard.shape);
+    if (!out.ok()) return out.status();
+    if (out->NumBytes() > shard.device->bytes()) return absl::InternalError("device shard smaller than its shape");
+    cudaSetDevice(device_);
+    if (out->NumBytes() > 0) {
+      // The step that wrote the shard synchronized its stream before storing it.
+      if (auto s = CudaStatus(cudaMemcpy(&out->bytes[0], shard.device->data(), out->NumBytes(), cudaMemcpyDeviceToHost),
+                              "download shard");
+          !s.ok()) {
+        return s;
+      }
+    }
+    downloaded_ += out->NumBytes();
+    return out;
+  }
+
+ private:
+  struct GemmOutput {
+    DType dtype = DType::kInvalid;
+    std::vector<int64_t> shape;
+    HostTensor host;                              // when not kept on the device
+    std::shared_ptr<const DeviceBuffer> device;  // when kept
+  };
+
+  absl::StatusOr<GemmOutput> OnHost(absl::StatusOr<HostTensor> t) {
+    if (!t.ok()) return t.status();
+    GemmOutput out;
+    out.dtype = t->dtype;
+    out.shape = t->shape;
+    out.host = std::move(*t);
+    return out;
+  }
+
+  absl::StatusOr<GemmOutput> Run(const LocalGemm& g, bool keep) {
     const HostTensor& lhs = *g.lhs;
     const HostTensor& rhs = *g.rhs;
     // The GPU kernels take BF16 or F16 operands of one dtype; F32 (and
     // mixed) inputs keep FP32 arithmetic on the host reference kernels.
     if (lhs.dtype != rhs.dtype || !(lhs.dtype == DType::kBF16 || lhs.dtype == DType::kF16)) {
-      return g.rhs_gather.enabled ? GroupedGemmAfterHostGather(cpu_.get(), g) : cpu_->GroupedGemm(g);
+      if (g.lhs_device != nullptr || g.rhs_device != nullptr) {
+        return absl::InternalError("a device operand reached the host GEMM path");
+      }
+      return OnHost(g.rhs_gather.enabled ? GroupedGemmAfterHostGather(cpu_.get(), g) : cpu_->GroupedGemm(g));
     }
     // The weight gather stays on the device for ragged M (the forward GEMM);
     // ragged K (wgrad) gathers on the host.
     const bool gather = g.rhs_gather.enabled;
-    if (gather && (g.ragged_k || g.rhs_gather.collectives == nullptr)) return GroupedGemmAfterHostGather(this, g);
+    if (gather && (g.ragged_k || g.rhs_gather.collectives == nullptr)) {
+      if (g.lhs_device != nullptr || g.rhs_device != nullptr) {
+        return absl::InternalError("a device operand reached the host gather path");
+      }
+      return OnHost(GroupedGemmAfterHostGather(this, g));
+    }
     // The weight the GEMM reads: the gathered one when gathering.
     const std::vector<int64_t>& rhs_shape = gather ? g.rhs_gather.gathered_shape : rhs.shape;
     // Everything that can fail on this worker alone comes before the gather
@@ -100,17 +196,45 @@ class CudaBackend : public Backend {
       a.n = g.rhs_transposed ? rhs_shape[1] : rhs_shape[2];
       out_shape = {a.m, a.n};
     }
-    absl::StatusOr<HostTensor> out = prep.ok() ? ZerosTensor(g.out_dtype, out_shape) : prep;
-    Scratch scratch(&runner_->pool());
+    // A kept output needs no host copy: only its header.
+    absl::StatusOr<HostTensor> out = absl::UnknownError("not made");
+    if (!prep.ok()) {
+      out = prep;
+    } else {
+      if (keep) {
+        HostTensor header;
+        header.dtype = g.out_dtype;
+        header.shape = out_shape;
+        out = std::move(header);
+      } else {
+        out = ZerosTensor(g.out_dtype, out_shape);
+      }
+    }
+    int64_t out_bytes = DTypeSize(g.out_dtype);
+    for (int64_t d : out_shape) out_bytes *= d;
+    Scratch scratch(&runner_->pool(), &uploaded_);
+    std::shared_ptr<StreamDeviceBuffer> kept;
     const absl::StatusOr<void*> unprepared = absl::FailedPreconditionError("not prepared");
     absl::StatusOr<void*> d_lhs = unprepared, d_rhs = unprepared, d_sizes = unprepared, d_out = unprepared;
     if (out.ok()) {
-      d_lhs = g.resident_lhs != nullptr ? DeviceCopy(g.resident_lhs, g.resident_rhs.get())
-                                        : scratch.Upload(lhs.bytes.data(), lhs.NumBytes(), stream_);
-      d_rhs = g.resident_rhs != nullptr ? DeviceCopy(g.resident_rhs, g.resident_lhs.get())
-                                        : scratch.Upload(rhs.bytes.data(), rhs.NumBytes(), stream_);
+      d_lhs = g.lhs_device != nullptr      ? absl::StatusOr<void*>(g.lhs_device->data())
+              : g.resident_lhs != nullptr ? DeviceCopy(g.resident_lhs, g.resident_rhs.get())
+                                          : scratch.Upload(lhs.bytes.data(), lhs.NumBytes(), stream_);
+      d_rhs = g.rhs_device != nullptr      ? absl::StatusOr<void*>(g.rhs_device->data())
+              : g.resident_rhs != nullptr ? DeviceCopy(g.resident_rhs, g.resident_lhs.get())
+                                          : scratch.Upload(rhs.bytes.data(), rhs.NumBytes(), stream_);
       d_sizes = scratch.Upload(g.group_sizes.data(), a.num_groups * 8, stream_);
-      d_out = scratch.Take(out->NumBytes());
+      if (keep) {
+        auto buffer = StreamDeviceBuffer::Allocate(device_, out_bytes, stream_);
+        if (buffer.ok()) {
+          kept = *buffer;
+          d_out = kept->data();
+        } else {
+          d_out = buffer.status();
+        }
+      } else {
+        d_out = scratch.Take(out_bytes);
+      }
     }
     prep = out.status();
     for (const auto* st : {&d_lhs, &d_rhs, &d_sizes, &d_out}) {
@@ -155,16 +279,27 @@ class CudaBackend : public Backend {
     a.group_sizes_host = g.group_sizes.data();
     absl::Status s = g.ragged_k ? runner_->RaggedK(a, stream_) : runner_->RaggedM(a, stream_);
     if (!s.ok()) return s;
-    if (out->NumBytes() > 0) {
+    if (!keep && out->NumBytes() > 0) {
       if (auto st = CudaStatus(
               cudaMemcpyAsync(&out->bytes[0], *d_out, out->NumBytes(), cudaMemcpyDeviceToHost, stream_), "download");
           !st.ok()) {
         return st;
       }
+      downloaded_ += out->NumBytes();
     }
     if (auto st = CudaStatus(cudaStreamSynchronize(stream_), "grouped GEMM"); !st.ok()) return st;
-    return out;
+    GemmOutput result;
+    result.dtype = g.out_dtype;
+    result.shape = out_shape;
+    if (keep) {
+      result.device = std::move(kept);
+    } else {
+      result.host = std::move(*out);
+    }
+    return result;
   }
+
+ public:
 
   absl::StatusOr<QuantizeOutputs> GroupedQuantize(const LocalQuantize& q) override {
     // The GPU kernel wants K a multiple of 8; other shapes stay exact on the host.
@@ -172,7 +307,7 @@ class CudaBackend : public Backend {
     cudaSetDevice(device_);
     auto out = AllocateQuantizeOutputs(q);
     if (!out.ok()) return out.status();
-    Scratch scratch(&runner_->pool());
+    Scratch scratch(&runner_->pool(), &uploaded_);
     auto d_x = scratch.Upload(q.x->bytes.data(), q.x->NumBytes(), stream_);
     if (!d_x.ok()) return d_x.status();
     // One device buffer per host output (Take never returns null).
@@ -202,6 +337,7 @@ class CudaBackend : public Backend {
           !s.ok()) {
         return s;
       }
+      downloaded_ += host[i]->NumBytes();
     }
     if (auto s = CudaStatus(cudaStreamSynchronize(stream_), "grouped quantize"); !s.ok()) return s;
     return out;
@@ -250,12 +386,15 @@ class CudaBackend : public Backend {
         runner_->pool().Free(*d);
         return s;
       }
+      uploaded_ += host->NumBytes();
     }
     cache_[host.get()] = Cached{host, *d};
     return *d;
   }
 
   int device_;
+  int64_t total_memory_ = 0;
+  std::atomic<int64_t> uploaded_{0}, downloaded_{0};
   bool said_device_gather_ = false;
   std::map<const HostTensor*, Cached> cache_;
   std::unique_ptr<cuda::GroupedGemmRunner> runner_;
@@ -288,8 +427,15 @@ std::unique_ptr<Backend> MakeCudaBackend(int device, std::string* error) {
     *error = cudaGetErrorString(err);
     return nullptr;
   }
+  // Kept outputs come from the device's stream-ordered pool: it keeps what
+  // they free for the next ones instead of handing it back to the driver.
+  cudaMemPool_t mempool;
+  if (cudaDeviceGetDefaultMemPool(&mempool, device) == cudaSuccess) {
+    uint64_t keep_all = UINT64_MAX;
+    cudaMemPoolSetAttribute(mempool, cudaMemPoolAttrReleaseThreshold, &keep_all);
+  }
   return std::make_unique<CudaBackend>(
-      device, std::move(*runner), stream,
+      device, static_cast<int64_t>(prop.totalGlobalMem), std::move(*runner), stream,
       absl::StrCat("cuda:", device, " ", prop.name, " (sm_", prop.major, prop.minor, ")"));
 }
 

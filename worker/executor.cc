@@ -90,10 +90,13 @@ absl::StatusOr<v1::StepResult> Executor::RunStore(v1::StoreShardStep& store) {
 
 namespace {
 
-// A step's input: inline data decoded into `owned`, or a resident shard.
+// A step's input: inline data, or a resident shard. A shard kept only in
+// device memory has a header `tensor` (dtype and shape, no bytes) until a
+// host path needs its bytes (EnsureOnHost).
 struct Input {
   std::shared_ptr<const HostTensor> tensor;
   bool resident = false;  // a shard from the store, already counted in its budget
+  std::shared_ptr<const DeviceBuffer> device;  // set while only the device holds the bytes
 };
 
 absl::StatusOr<Input> ResolveInput(v1::LocalTensor&& t, const ShardStore& store,
@@ -102,14 +105,38 @@ absl::StatusOr<Input> ResolveInput(v1::LocalTensor&& t, const ShardStore& store,
   if (t.source_case() == v1::LocalTensor::kResident) {
     auto shard = store.Get(t.resident());
     if (!shard.ok()) return shard.status();
-    in.tensor = *shard;
     in.resident = true;
+    if ((*shard)->host != nullptr) {
+      in.tensor = (*shard)->host;
+    } else {
+      auto header = std::make_shared<HostTensor>();
+      header->dtype = (*shard)->dtype;
+      header->shape = (*shard)->shape;
+      in.tensor = std::move(header);
+      in.device = (*shard)->device;
+    }
     return in;
   }
   auto decoded = HostTensorFromProto(std::move(t), field);
   if (!decoded.ok()) return decoded.status();
   in.tensor = std::make_shared<const HostTensor>(std::move(*decoded));
   return in;
+}
+
+// Brings a device-only input's bytes to the host (a host collective, the
+// host GEMM or quantize path).
+absl::Status EnsureOnHost(Backend* backend, Input* in) {
+  if (in->device == nullptr) return absl::OkStatus();
+  Shard shard;
+  shard.dtype = in->tensor->dtype;
+  shard.shape = in->tensor->shape;
+  shard.device = in->device;
+  auto host = backend->Download(shard);
+  if (!host.ok()) return host.status();
+  in->tensor = std::make_shared<const HostTensor>(std::move(*host));
+  in->device = nullptr;
+  in->resident = false;  // a transient copy; the shard keeps the device one
+  return absl::OkStatus();
 }
 
 int64_t NumElementsOf(const std::vector<int64_t>& shape) {
@@ -189,8 +216,18 @@ absl::StatusOr<std::vector<int64_t>> Executor::ShapeAfter(const v1::CollectivePl
   return shape;
 }
 
+void Executor::FinishResult(absl::Time start, int agreements, const Backend::Transfers& before,
+                            v1::StepResult* result) const {
+  const Backend::Transfers after = backend_->TransferCounts();
+  result->set_host_to_device_bytes(after.host_to_device - before.host_to_device);
+  result->set_device_to_host_bytes(after.device_to_host - before.device_to_host);
+  result->set_agreements(agreements);
+  result->set_compute_seconds(absl::ToDoubleSeconds(absl::Now() - start));
+}
+
 absl::StatusOr<v1::StepResult> Executor::RunGemm(v1::GemmStep& gemm) {
   const absl::Time start = absl::Now();
+  const Backend::Transfers transfers_before = backend_->TransferCounts();
   int agreements = 0;
   // One agreement per step, right before its first collective: everything
   // that can fail on one worker alone (inputs, shapes, memory) comes first,
@@ -258,6 +295,16 @@ absl::StatusOr<v1::StepResult> Executor::RunGemm(v1::GemmStep& gemm) {
       if (c.kind() == v1::COLLECTIVE_ALL_GATHER) candidate = &c;
     }
     if (on_rhs == 1 && candidate != nullptr) device_gather = candidate;
+  }
+  // Device-only shards stay on the device for the device GEMM (and its
+  // device weight gather); every host path takes their bytes first.
+  for (int i = 0; i < 3 && prepared.ok(); ++i) {
+    if (inputs[i]->device == nullptr) continue;
+    bool host_collective = false;
+    for (const auto& c : gemm.collectives()) {
+      host_collective |= c.phase() == v1::PHASE_BEFORE && c.tensor() == roles[i] && &c != device_gather;
+    }
+    if (!device_gemm || i == 2 || host_collective) prepared = EnsureOnHost(backend_, inputs[i]);
   }
   // The operands' shapes after the before-collectives: checked now, before
   // any worker communicates.
@@ -340,8 +387,10 @@ absl::StatusOr<v1::StepResult> Executor::RunGemm(v1::GemmStep& gemm) {
   local.lhs = lhs.tensor.get();
   local.rhs = rhs.tensor.get();
   // A resident weight may stay on the device between requests.
-  if (rhs.resident) local.resident_rhs = rhs.tensor;
-  if (lhs.resident) local.resident_lhs = lhs.tensor;
+  if (rhs.resident && rhs.device == nullptr) local.resident_rhs = rhs.tensor;
+  if (lhs.resident && lhs.device == nullptr) local.resident_lhs = lhs.tensor;
+  local.lhs_device = lhs.device;
+  local.rhs_device = rhs.device;
   local.bias = gemm.apply_bias() ? bias.tensor.get() : nullptr;
   local.group_sizes.assign(gemm.group_sizes().begin(), gemm.group_sizes().end());
   local.rhs_transposed = gemm.rhs_transposed();
@@ -357,6 +406,24 @@ absl::StatusOr<v1::StepResult> Executor::RunGemm(v1::GemmStep& gemm) {
     local.rhs_gather.agree = gemm.agree();
     local.rhs_gather.agree_axes = agree_axes;
     if (gemm.agree()) ++agreements;
+  }
+  // A kept output with nothing after the GEMM stays where the GEMM wrote it
+  // (device memory on a device backend): no copy to the host.
+  const bool has_after = std::any_of(gemm.collectives().begin(), gemm.collectives().end(),
+                                     [](const auto& c) { return c.phase() == v1::PHASE_AFTER; });
+  if (!gemm.keep_output_as().empty() && !has_after && local_dtype == *out_dtype &&
+      backend_->KeepsOutputsOnDevice()) {
+    local.keep_on_device = true;
+    auto kept = backend_->GroupedGemmToShard(local);
+    if (!kept.ok()) return kept.status();
+    v1::StepResult result;
+    v1::LocalTensor* info = result.mutable_out();
+    info->set_dtype(DTypeToProto(kept->dtype));
+    info->mutable_shape()->Assign(kept->shape.begin(), kept->shape.end());
+    info->set_resident(gemm.keep_output_as());
+    if (auto s = store_->Put(gemm.keep_output_as(), std::move(*kept)); !s.ok()) return s;
+    FinishResult(start, agreements, transfers_before, &result);
+    return result;
   }
   absl::StatusOr<HostTensor> out = backend_->GroupedGemm(local);
   // A step whose only communication comes after its GEMM agrees here, so a
@@ -393,8 +460,7 @@ absl::StatusOr<v1::StepResult> Executor::RunGemm(v1::GemmStep& gemm) {
   } else {
     HostTensorToProto(std::move(*out), result.mutable_out());
   }
-  result.set_agreements(agreements);
-  result.set_compute_seconds(absl::ToDoubleSeconds(absl::Now() - start));
+  FinishResult(start, agreements, transfers_before, &result);
   return result;
 }
 
@@ -417,6 +483,7 @@ absl::StatusOr<ScalingMode> KernelScalingMode(v1::ScalingMode scaling, bool bloc
 
 absl::StatusOr<v1::StepResult> Executor::RunQuantize(v1::QuantizeStep& q) {
   const absl::Time start = absl::Now();
+  const Backend::Transfers transfers_before = backend_->TransferCounts();
   int agreements = 0;
   auto out_dtype = DTypeFromProto(q.out_dtype(), "out_dtype");
   absl::Status prepared = out_dtype.status();
@@ -425,6 +492,7 @@ absl::StatusOr<v1::StepResult> Executor::RunQuantize(v1::QuantizeStep& q) {
     auto in = ResolveInput(std::move(*q.mutable_x()), *store_, "x");
     if (in.ok()) x = *in;
     else prepared = in.status();
+    if (prepared.ok()) prepared = EnsureOnHost(backend_, &x);
   }
   bool before_communicates = false, within_communicates = false;
   for (const v1::CollectivePlan& c : q.collectives()) {
@@ -541,8 +609,7 @@ absl::StatusOr<v1::StepResult> Executor::RunQuantize(v1::QuantizeStep& q) {
     add(v1::TENSOR_SCALE_INV, std::move(out->scale_inv));
     add(v1::TENSOR_AMAX, std::move(out->amax));
   }
-  result.set_agreements(agreements);
-  result.set_compute_seconds(absl::ToDoubleSeconds(absl::Now() - start));
+  FinishResult(start, agreements, transfers_before, &result);
   return result;
 }
 

@@ -42,6 +42,9 @@ class Executor {
   absl::StatusOr<std::vector<int64_t>> ShapeAfter(const v1::CollectivePlan& c, std::vector<int64_t> shape) const;
   absl::StatusOr<v1::StepResult> RunStore(v1::StoreShardStep& store);
   absl::StatusOr<v1::StepResult> RunQuantize(v1::QuantizeStep& quantize);
+  // Times, agreements and the host<->device bytes of a step, into its result.
+  void FinishResult(absl::Time start, int agreements, const Backend::Transfers& before,
+                    v1::StepResult* result) const;
 
   Backend* backend_;
   ShardStore* store_;

@@ -5,22 +5,36 @@
 namespace shardgemm {
 
 absl::Status ShardStore::Put(const std::string& name, HostTensor shard) {
+  return Put(name, Shard::OnHost(std::move(shard)));
+}
+
+absl::Status ShardStore::Put(const std::string& name, Shard shard) {
   absl::MutexLock lock(&mu_);
-  int64_t replaced = 0;
+  int64_t replaced = 0, replaced_device = 0;
   auto it = shards_.find(name);
-  if (it != shards_.end()) replaced = it->second->NumBytes();
-  const int64_t after = resident_bytes_ - replaced + shard.NumBytes() + reserved_bytes_;
+  if (it != shards_.end()) {
+    replaced = it->second->HostBytes();
+    replaced_device = it->second->DeviceBytes();
+  }
+  const int64_t after = resident_bytes_ - replaced + shard.HostBytes() + reserved_bytes_;
   if (after > budget_bytes_) {
     return absl::ResourceExhaustedError(absl::StrCat(
-        "shard '", name, "' of ", shard.NumBytes(), " bytes does not fit the worker's memory budget (",
+        "shard '", name, "' of ", shard.HostBytes(), " bytes does not fit the worker's memory budget (",
         resident_bytes_ + reserved_bytes_, " of ", budget_bytes_, " bytes in use)"));
   }
-  resident_bytes_ += shard.NumBytes() - replaced;
-  shards_[name] = std::make_shared<const HostTensor>(std::move(shard));
+  const int64_t device_after = device_resident_bytes_ - replaced_device + shard.DeviceBytes();
+  if (shard.DeviceBytes() > 0 && device_after > device_budget_bytes_) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "shard '", name, "' of ", shard.DeviceBytes(), " bytes does not fit the worker's device memory budget (",
+        device_resident_bytes_, " of ", device_budget_bytes_, " bytes in use)"));
+  }
+  resident_bytes_ += shard.HostBytes() - replaced;
+  device_resident_bytes_ += shard.DeviceBytes() - replaced_device;
+  shards_[name] = std::make_shared<const Shard>(std::move(shard));
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::shared_ptr<const HostTensor>> ShardStore::Get(const std::string& name) const {
+absl::StatusOr<std::shared_ptr<const Shard>> ShardStore::Get(const std::string& name) const {
   absl::MutexLock lock(&mu_);
   auto it = shards_.find(name);
   if (it == shards_.end()) {
@@ -35,7 +49,8 @@ absl::Status ShardStore::Delete(const std::string& name) {
   if (it == shards_.end()) {
     return absl::NotFoundError(absl::StrCat("no resident shard '", name, "' on this worker"));
   }
-  resident_bytes_ -= it->second->NumBytes();
+  resident_bytes_ -= it->second->HostBytes();
+  device_resident_bytes_ -= it->second->DeviceBytes();
   shards_.erase(it);
   return absl::OkStatus();
 }
@@ -59,6 +74,11 @@ void ShardStore::Release(int64_t bytes) {
 int64_t ShardStore::used_bytes() const {
   absl::MutexLock lock(&mu_);
   return resident_bytes_ + reserved_bytes_;
+}
+
+int64_t ShardStore::device_used_bytes() const {
+  absl::MutexLock lock(&mu_);
+  return device_resident_bytes_;
 }
 
 }  // namespace shardgemm

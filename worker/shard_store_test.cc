@@ -39,5 +39,45 @@ TEST(ShardStoreTest, DeleteAndMissing) {
   EXPECT_EQ(store.Delete("x").code(), absl::StatusCode::kNotFound);
 }
 
+class FakeDeviceBuffer : public DeviceBuffer {
+ public:
+  explicit FakeDeviceBuffer(int64_t bytes) : bytes_(bytes) {}
+  void* data() const override { return nullptr; }
+  int64_t bytes() const override { return bytes_; }
+
+ private:
+  int64_t bytes_;
+};
+
+Shard OnDevice(int64_t bytes) {
+  Shard s;
+  s.dtype = DType::kI32;
+  s.shape = {bytes / 4};
+  s.device = std::make_shared<FakeDeviceBuffer>(bytes);
+  return s;
+}
+
+TEST(ShardStoreTest, DeviceShardsCountAgainstTheDeviceBudget) {
+  ShardStore store(/*budget_bytes=*/100, /*device_budget_bytes=*/1000);
+  ASSERT_TRUE(store.Put("out", OnDevice(800)).ok());
+  EXPECT_EQ(store.used_bytes(), 0);  // no host bytes
+  EXPECT_EQ(store.device_used_bytes(), 800);
+  absl::Status s = store.Put("more", OnDevice(400));
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(s.message().find("device memory budget"), std::string::npos) << s;
+  EXPECT_NE(s.message().find("400"), std::string::npos) << s;
+  // Nothing already held is lost; a replacement counts the bytes it frees.
+  EXPECT_TRUE(store.Get("out").ok());
+  EXPECT_TRUE(store.Put("out", OnDevice(900)).ok());
+  EXPECT_EQ(store.device_used_bytes(), 900);
+  EXPECT_TRUE(store.Delete("out").ok());
+  EXPECT_EQ(store.device_used_bytes(), 0);
+}
+
+TEST(ShardStoreTest, NoDeviceBudgetRefusesDeviceShards) {
+  ShardStore store(1000);  // a CPU worker
+  EXPECT_EQ(store.Put("out", OnDevice(8)).code(), absl::StatusCode::kResourceExhausted);
+}
+
 }  // namespace
 }  // namespace shardgemm

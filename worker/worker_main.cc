@@ -31,6 +31,8 @@ ABSL_FLAG(std::string, backend, "auto", "auto | cpu | cuda (auto: cuda where a G
 ABSL_FLAG(int, device, 0, "CUDA device ordinal");
 ABSL_FLAG(int, threads, 0, "CPU backend threads (0: all cores)");
 ABSL_FLAG(int64_t, memory_budget_mb, 4096, "resident shards + working memory budget, MiB");
+ABSL_FLAG(int64_t, device_memory_budget_mb, -1,
+          "device memory for resident shards kept on the device, MiB (-1: 80% of the device)");
 ABSL_FLAG(int, collective_timeout_s, 60,
           "a collective whose peers do not all arrive within this fails the request");
 ABSL_FLAG(int, register_timeout_s, 60, "how long to keep trying to reach the coordinator");
@@ -48,7 +50,11 @@ int Run() {
   }
   if (!note.empty()) std::cerr << "shardgemm-worker: " << note << "\n";
 
-  ShardStore store(absl::GetFlag(FLAGS_memory_budget_mb) * 1024 * 1024);
+  // Device memory for resident shards and kept outputs: by default most of
+  // the device, leaving room for a step's working buffers.
+  int64_t device_budget = absl::GetFlag(FLAGS_device_memory_budget_mb) * 1024 * 1024;
+  if (device_budget < 0) device_budget = (*backend)->DeviceMemoryBytes() / 10 * 8;
+  ShardStore store(absl::GetFlag(FLAGS_memory_budget_mb) * 1024 * 1024, device_budget);
   Executor executor(backend->get(), &store);
   WorkerServiceImpl service(&executor, &store, backend->get());
 

@@ -17,7 +17,13 @@ grpc::Status WorkerServiceImpl::GetShard(grpc::ServerContext*, const v1::GetShar
                                          v1::LocalTensor* shard) {
   auto t = store_->Get(request->name());
   if (!t.ok()) return ToGrpcStatus(t.status());
-  HostTensorToProto(**t, shard);
+  if ((*t)->host != nullptr) {
+    HostTensorToProto(*(*t)->host, shard);
+    return grpc::Status::OK;
+  }
+  auto host = backend_->Download(**t);  // a shard kept in device memory
+  if (!host.ok()) return ToGrpcStatus(host.status());
+  HostTensorToProto(std::move(*host), shard);
   return grpc::Status::OK;
 }
 
@@ -27,6 +33,8 @@ grpc::Status WorkerServiceImpl::Status(grpc::ServerContext*, const v1::WorkerSta
   status->set_backend(backend_->Name());
   status->set_memory_used_bytes(store_->used_bytes());
   status->set_memory_budget_bytes(store_->budget_bytes());
+  status->set_device_memory_used_bytes(store_->device_used_bytes());
+  status->set_device_memory_budget_bytes(store_->device_budget_bytes());
   return grpc::Status::OK;
 }
 

@@ -23,6 +23,13 @@ run --lhs=1000x200 --rhs=3x200x136 --dtype=f16 --groups=3 --out_dtype=f32 --chec
 run --lhs=2048x256 --rhs=2048x128 --wgrad --dtype=bf16 --groups=8 --check
 $CLI put experts --data=8x1024x512 --dtype=bf16 --seed=3 || fail=1
 run --lhs=8192x1024 --rhs=resident:experts --dtype=bf16 --groups=8 --check
+echo "== outputs kept in device memory, then read as an operand and through GetTensor"
+$CLI put x --data=8192x1024 --dtype=bf16 --seed=5 || fail=1
+$CLI put experts2 --data=8x512x256 --dtype=bf16 --seed=6 || fail=1
+sizes8=1024,1024,1024,1024,1024,1024,1024,1024
+$CLI gemm --show_plan=false --lhs=resident:x --rhs=resident:experts --group-sizes=$sizes8 --keep_as=y || fail=1
+run --lhs=resident:y --rhs=resident:experts2 --group-sizes=$sizes8 --check
+$CLI get y --out=/tmp/y.npy || fail=1
 echo "== deepseek-v3-up shape through the service (timing; weights resident on the worker)"
 $CLI put w --data=8x7168x4096 --dtype=bf16 || fail=1
 for i in 1 2 3; do run --lhs=16384x7168 --rhs=resident:w --dtype=bf16 --group-sizes=2048,2048,2048,2048,2048,2048,2048,2048; done

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Builds and bundles what tools/gpu/run_service_bench.sh runs on the H200:
+# coordinator, worker, CLI, service bench and the presets.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+BAZEL=${BAZEL:-bazel}
+B=${1:-.gpu_bundle/svc}
+$BAZEL build //server:shardgemm-coordinator //worker:shardgemm-worker //client:shardgemm //client:shardgemm-service-bench
+bb=$($BAZEL info bazel-bin)
+rm -rf "$B"
+../shared/tools/bundle-for-gpu "$B" "$bb/server/shardgemm-coordinator" "$bb/worker/shardgemm-worker" \
+  "$bb/client/shardgemm" "$bb/client/shardgemm-service-bench"
+cp ../shared/anchors/presets.json "$B/presets.json"
