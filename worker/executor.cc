@@ -150,19 +150,6 @@ bool IsReduction(const v1::CollectivePlan& c) {
 // Whether `c` exchanges data with peers (a slice only keeps a local piece).
 bool Communicates(const v1::CollectivePlan& c) { return c.kind() != v1::COLLECTIVE_SLICE; }
 
-// The axes of every collective of a step that exchanges data, in mesh order
-// of first use: the group a failure on one worker could leave waiting.
-std::vector<std::string> CommunicatingAxes(const google::protobuf::RepeatedPtrField<v1::CollectivePlan>& collectives) {
-  std::vector<std::string> axes;
-  for (const v1::CollectivePlan& c : collectives) {
-    if (!Communicates(c)) continue;
-    for (const std::string& a : c.axes()) {
-      if (std::find(axes.begin(), axes.end(), a) == axes.end()) axes.push_back(a);
-    }
-  }
-  return axes;
-}
-
 std::string RoleName(v1::TensorRole role) { return absl::AsciiStrToLower(v1::TensorRole_Name(role)); }
 
 }  // namespace
@@ -191,6 +178,17 @@ absl::StatusOr<HostTensor> Executor::ApplyCollective(const v1::CollectivePlan& c
       return absl::InvalidArgumentError(
           absl::StrCat("collective kind ", static_cast<int>(c.kind()), " is not one this worker runs"));
   }
+}
+
+std::vector<std::string> Executor::AgreementAxes(
+    const google::protobuf::RepeatedPtrField<v1::CollectivePlan>& collectives) const {
+  (void)collectives;
+  // The group a failure could leave waiting is the one spanned by the step's
+  // collectives' axes, but the whole mesh agrees: on the CPU mesh the
+  // mesh-wide agreement measured faster (it lines every worker up for the
+  // collectives after it; docs/performance/service.md), and it costs a GPU
+  // mesh one small all-reduce either way.
+  return position_.axis_names;
 }
 
 absl::StatusOr<std::vector<int64_t>> Executor::ShapeAfter(const v1::CollectivePlan& c,
@@ -233,7 +231,7 @@ absl::StatusOr<v1::StepResult> Executor::RunGemm(v1::GemmStep& gemm) {
   // that can fail on one worker alone (inputs, shapes, memory) comes first,
   // so a failure fails the step everywhere instead of leaving the others
   // waiting in a collective. Every worker decides alike (same plan).
-  const std::vector<std::string> agree_axes = CommunicatingAxes(gemm.collectives());
+  const std::vector<std::string> agree_axes = AgreementAxes(gemm.collectives());
   auto agree = [&](absl::Status local) {
     ++agreements;
     return collectives_->Agree(local, agree_axes);
@@ -524,7 +522,7 @@ absl::StatusOr<v1::StepResult> Executor::RunQuantize(v1::QuantizeStep& q) {
   // One agreement, right before the step's first collective.
   const bool agree_first = q.agree() && before_communicates;
   const bool agree_within = q.agree() && !before_communicates && within_communicates;
-  const std::vector<std::string> agree_axes = CommunicatingAxes(q.collectives());
+  const std::vector<std::string> agree_axes = AgreementAxes(q.collectives());
   if (agree_first) {
     ++agreements;
     prepared = collectives_->Agree(prepared, agree_axes);

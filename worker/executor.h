@@ -38,6 +38,9 @@ class Executor {
   void PassTurn();
   absl::StatusOr<v1::StepResult> RunGemm(v1::GemmStep& gemm);
   absl::StatusOr<HostTensor> ApplyCollective(const v1::CollectivePlan& c, const HostTensor& t);
+  // The axes of the group that agrees on a step with these collectives.
+  std::vector<std::string> AgreementAxes(
+      const google::protobuf::RepeatedPtrField<v1::CollectivePlan>& collectives) const;
   // The shape a tensor of `shape` has after `c` on this worker.
   absl::StatusOr<std::vector<int64_t>> ShapeAfter(const v1::CollectivePlan& c, std::vector<int64_t> shape) const;
   absl::StatusOr<v1::StepResult> RunStore(v1::StoreShardStep& store);

@@ -111,8 +111,7 @@ TEST_F(ExecutorTest, WeightGatherAgreesOnceBeforeIt) {
   EXPECT_EQ(result->agreements(), 1);
   EXPECT_EQ(mirror_->agreements, 1);
   EXPECT_EQ(mirror_->calls, std::vector<std::string>({"all_gather"}));
-  // Only the workers it exchanges data with agree, not the whole mesh.
-  EXPECT_EQ(mirror_->agreement_axes, std::vector<std::string>({"fsdp"}));
+  EXPECT_EQ(mirror_->agreement_axes, std::vector<std::string>({"fsdp"}));  // the whole mesh (fsdp=2)
   auto out = HostTensorFromProto(result->out(), "out");
   ASSERT_TRUE(out.ok());
   EXPECT_EQ(out->shape, std::vector<int64_t>({4, 4}));
