@@ -1,6 +1,7 @@
 #include "worker/executor.h"
 
 #include <algorithm>
+#include <cstring>
 #include <numeric>
 
 #include "absl/strings/ascii.h"
@@ -150,6 +151,16 @@ bool IsReduction(const v1::CollectivePlan& c) {
 // Whether `c` exchanges data with peers (a slice only keeps a local piece).
 bool Communicates(const v1::CollectivePlan& c) { return c.kind() != v1::COLLECTIVE_SLICE; }
 
+// Whether two collectives run over the same group of workers.
+bool SameGroup(const v1::CollectivePlan& a, const v1::CollectivePlan& b) {
+  std::vector<std::string> x(a.axes().begin(), a.axes().end()), y(b.axes().begin(), b.axes().end());
+  std::sort(x.begin(), x.end());
+  std::sort(y.begin(), y.end());
+  return x == y;
+}
+
+absl::Status PeerFailed() { return absl::AbortedError("another worker failed this step; see the request's status"); }
+
 std::string RoleName(v1::TensorRole role) { return absl::AsciiStrToLower(v1::TensorRole_Name(role)); }
 
 }  // namespace
@@ -223,67 +234,148 @@ void Executor::FinishResult(absl::Time start, int agreements, const Backend::Tra
   result->set_compute_seconds(absl::ToDoubleSeconds(absl::Now() - start));
 }
 
+absl::StatusOr<HostTensor> Executor::AllGatherWithStatus(const v1::CollectivePlan& c, const HostTensor* local,
+                                                         DType dtype, const std::vector<int64_t>& shape,
+                                                         const absl::Status& status) {
+  const int64_t piece = NumElementsOf(shape) * DTypeSize(dtype);
+  // One byte of status ahead of the piece's bytes, gathered as raw bytes.
+  HostTensor wire;
+  wire.dtype = DType::kE8M0;
+  wire.shape = {1, piece + 1};
+  wire.bytes.assign(static_cast<size_t>(piece + 1), '\0');
+  wire.bytes[0] = status.ok() ? 0 : 1;
+  if (status.ok() && piece > 0) std::memcpy(&wire.bytes[1], local->bytes.data(), piece);
+  std::vector<std::string> axes(c.axes().begin(), c.axes().end());
+  auto gathered = collectives_->AllGather(wire, 0, axes);
+  if (!status.ok()) return status;
+  if (!gathered.ok()) return gathered.status();
+  const int64_t members = gathered->shape[0];
+  for (int64_t m = 0; m < members; ++m) {
+    if (gathered->bytes[m * (piece + 1)] != 0) return PeerFailed();
+  }
+  std::vector<int64_t> out_shape = shape;
+  out_shape[c.dim()] *= members;
+  auto out = ZerosTensor(dtype, out_shape);
+  if (!out.ok()) return out.status();
+  HostTensor p;
+  p.dtype = dtype;
+  p.shape = shape;
+  for (int64_t m = 0; m < members; ++m) {
+    p.bytes.assign(gathered->bytes, m * (piece + 1) + 1, piece);
+    std::vector<int64_t> offsets(shape.size(), 0);
+    offsets[c.dim()] = m * shape[c.dim()];
+    InsertBlock(p, offsets, &*out);
+  }
+  return out;
+}
+
+absl::Status Executor::AllReduceWithStatus(const v1::CollectivePlan& c, HostTensor* out, int64_t elements,
+                                           const absl::Status& status) {
+  // The sum of failure flags rides in one more FP32 element.
+  HostTensor wire = *ZerosTensor(DType::kF32, {elements + 1});
+  if (status.ok()) {
+    if (out->dtype != DType::kF32 || out->NumElements() != elements) {
+      return absl::InternalError("a fused all-reduce takes the step's FP32 partial sums");
+    }
+    std::memcpy(&wire.bytes[0], out->bytes.data(), elements * 4);
+  }
+  wire.data<float>()[elements] = status.ok() ? 0.f : 1.f;
+  std::vector<std::string> axes(c.axes().begin(), c.axes().end());
+  const ReduceOp op = c.kind() == v1::COLLECTIVE_ALL_REDUCE_MAX ? ReduceOp::kMax : ReduceOp::kSum;
+  absl::Status reduced = collectives_->AllReduce(&wire, op, axes);
+  if (!status.ok()) return status;
+  if (!reduced.ok()) return reduced;
+  if (wire.data<float>()[elements] != 0.f) return PeerFailed();
+  std::memcpy(&out->bytes[0], wire.bytes.data(), elements * 4);
+  return absl::OkStatus();
+}
+
 absl::StatusOr<v1::StepResult> Executor::RunGemm(v1::GemmStep& gemm) {
   const absl::Time start = absl::Now();
   const Backend::Transfers transfers_before = backend_->TransferCounts();
   int agreements = 0;
-  // One agreement per step, right before its first collective: everything
-  // that can fail on one worker alone (inputs, shapes, memory) comes first,
-  // so a failure fails the step everywhere instead of leaving the others
-  // waiting in a collective. Every worker decides alike (same plan).
   const std::vector<std::string> agree_axes = AgreementAxes(gemm.collectives());
   auto agree = [&](absl::Status local) {
     ++agreements;
     return collectives_->Agree(local, agree_axes);
   };
-
-  // Stage 1, local: inputs, shapes, memory.
-  Input lhs, rhs, bias;
-  auto out_dtype = DTypeFromProto(gemm.out_dtype(), "out_dtype");
-  absl::Status prepared = out_dtype.status();
-  Input* inputs[] = {&lhs, &rhs, &bias};
-  const v1::TensorRole roles[] = {v1::TENSOR_LHS, v1::TENSOR_RHS, v1::TENSOR_BIAS};
-  const bool has_bias = gemm.has_bias();  // before mutable_bias() creates one
-  v1::LocalTensor* protos[] = {gemm.mutable_lhs(), gemm.mutable_rhs(), gemm.mutable_bias()};
-  for (int i = 0; i < 3 && prepared.ok(); ++i) {
-    if (i == 2 && !has_bias) break;
-    auto in = ResolveInput(std::move(*protos[i]), *store_, RoleName(roles[i]));
-    if (in.ok()) *inputs[i] = *in;
-    else prepared = in.status();
-  }
-  auto input_of = [&](v1::TensorRole role) -> Input* {
-    for (int i = 0; i < 3; ++i) {
-      if (roles[i] == role) return inputs[i];
-    }
-    return nullptr;
-  };
   const bool ragged_k = gemm.ragged() == v1::GroupedGemmRequest::RAGGED_K;
+  const bool has_bias = gemm.has_bias();  // before mutable_bias() creates one
+  const v1::TensorRole roles[] = {v1::TENSOR_LHS, v1::TENSOR_RHS, v1::TENSOR_BIAS};
+  v1::LocalTensor* protos[] = {gemm.mutable_lhs(), gemm.mutable_rhs(), gemm.mutable_bias()};
+  auto index_of = [&](v1::TensorRole role) {
+    for (int i = 0; i < 3; ++i) {
+      if (roles[i] == role && (i < 2 || has_bias)) return i;
+    }
+    return -1;
+  };
+
+  // Stage 0, from the step alone (the same on every worker of the plan, so
+  // a failure here fails them all alike, before any communicates): dtypes,
+  // the operands' shapes through the before-collectives, the GEMM's shapes,
+  // and where each collective runs.
+  auto out_dtype = DTypeFromProto(gemm.out_dtype(), "out_dtype");
+  if (!out_dtype.ok()) return out_dtype.status();
+  DType declared_dtype[3] = {DType::kInvalid, DType::kInvalid, DType::kInvalid};
+  std::vector<int64_t> declared_shape[3], compute_shape[3];
+  for (int i = 0; i < 3; ++i) {
+    if (i == 2 && !has_bias) break;
+    auto d = DTypeFromProto(protos[i]->dtype(), RoleName(roles[i]));
+    if (!d.ok()) return d.status();
+    declared_dtype[i] = *d;
+    declared_shape[i].assign(protos[i]->shape().begin(), protos[i]->shape().end());
+    compute_shape[i] = declared_shape[i];
+  }
   bool before_communicates = false, after_communicates = false;
   for (const auto& c : gemm.collectives()) {
     if (c.phase() == v1::PHASE_BEFORE) {
-      Input* target = input_of(c.tensor());
-      if (target == nullptr || target->tensor == nullptr) {
-        prepared.Update(absl::InvalidArgumentError(
-            absl::StrCat("a before-collective names ", RoleName(c.tensor()), ", which this step lacks")));
+      const int i = index_of(c.tensor());
+      if (i < 0) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("a before-collective names ", RoleName(c.tensor()), ", which this step lacks"));
       }
+      auto next = ShapeAfter(c, compute_shape[i]);
+      if (!next.ok()) return next.status();
+      compute_shape[i] = std::move(*next);
       before_communicates |= Communicates(c);
     } else if (c.phase() == v1::PHASE_AFTER) {
       if (c.tensor() != v1::TENSOR_OUT) {
-        prepared.Update(absl::InvalidArgumentError(
-            absl::StrCat("an after-collective names ", RoleName(c.tensor()), ", expected out")));
+        return absl::InvalidArgumentError(
+            absl::StrCat("an after-collective names ", RoleName(c.tensor()), ", expected out"));
       }
       after_communicates |= Communicates(c);
     } else {
-      prepared.Update(absl::InvalidArgumentError("a GEMM step's collectives run before or after its GEMM"));
+      return absl::InvalidArgumentError("a GEMM step's collectives run before or after its GEMM");
     }
   }
+  const int64_t g = gemm.group_sizes_size();
+  {
+    const std::vector<int64_t>& ls = compute_shape[0];
+    const std::vector<int64_t>& rs = compute_shape[1];
+    if (ls.size() != 2) return absl::InvalidArgumentError("local lhs must be rank 2");
+    if (rs.size() != (ragged_k ? 2u : 3u)) {
+      return absl::InvalidArgumentError(absl::StrCat("local rhs must be rank ", ragged_k ? 2 : 3));
+    }
+    if (!ragged_k && rs[0] != g) {
+      return absl::InvalidArgumentError(absl::StrCat("local rhs has ", rs[0], " groups but group_sizes has ", g));
+    }
+  }
+  const std::vector<int64_t> local_out_shape =
+      ragged_k ? std::vector<int64_t>{g, compute_shape[0][1], compute_shape[1][1]}
+               : std::vector<int64_t>{compute_shape[0][0],
+                                      gemm.rhs_transposed() ? compute_shape[1][1] : compute_shape[1][2]};
+  const bool reduces = std::any_of(gemm.collectives().begin(), gemm.collectives().end(), [](const auto& c) {
+    return c.phase() == v1::PHASE_AFTER && IsReduction(c);
+  });
+  // Partial sums stay in FP32 until reduced: one rounding, at the end.
+  const DType local_dtype = reduces ? DType::kF32 : *out_dtype;
   // The FSDP weight gather (the one before-collective on rhs, an all-gather,
   // ragged M) goes to a backend that gathers on its device (NCCL into the
   // GEMM's operand): no host round trip. Only where the device GEMM runs
   // (BF16 or F16 operands of one dtype): other dtypes take the host path.
+  const bool device_gemm = declared_dtype[0] == declared_dtype[1] &&
+                           (declared_dtype[0] == DType::kBF16 || declared_dtype[0] == DType::kF16);
   const v1::CollectivePlan* device_gather = nullptr;
-  const bool device_gemm = prepared.ok() && lhs.tensor->dtype == rhs.tensor->dtype &&
-                           (lhs.tensor->dtype == DType::kBF16 || lhs.tensor->dtype == DType::kF16);
   if (device_gemm && !ragged_k && backend_->CanGatherOnDevice() && collectives_->SupportsDeviceAllGather()) {
     const v1::CollectivePlan* candidate = nullptr;
     int on_rhs = 0;
@@ -293,6 +385,48 @@ absl::StatusOr<v1::StepResult> Executor::RunGemm(v1::GemmStep& gemm) {
       if (c.kind() == v1::COLLECTIVE_ALL_GATHER) candidate = &c;
     }
     if (on_rhs == 1 && candidate != nullptr) device_gather = candidate;
+  }
+  // The step's one agreement. Where every collective that communicates runs
+  // over one group, the status rides along the first of them (a flag byte
+  // in the gather, a flag element in the sum): that group is everyone a
+  // failure could leave waiting, and no separate round is paid. Otherwise a
+  // mesh-wide agreement right before the first collective.
+  const v1::CollectivePlan* first_communicating = nullptr;
+  bool one_group = true;
+  for (const auto& c : gemm.collectives()) {
+    if (!Communicates(c)) continue;
+    if (first_communicating == nullptr) {
+      first_communicating = &c;
+    } else if (!SameGroup(c, *first_communicating)) {
+      one_group = false;
+    }
+  }
+  const bool agreeing = gemm.agree() && first_communicating != nullptr;
+  const v1::CollectivePlan* fused = nullptr;
+  if (agreeing && one_group && first_communicating != device_gather &&
+      ((first_communicating->phase() == v1::PHASE_BEFORE &&
+        first_communicating->kind() == v1::COLLECTIVE_ALL_GATHER) ||
+       (first_communicating->phase() == v1::PHASE_AFTER &&
+        first_communicating->kind() == v1::COLLECTIVE_ALL_REDUCE_SUM))) {
+    fused = first_communicating;
+  }
+
+  // Stage 1, local: inputs, memory (this worker alone may fail here).
+  Input lhs, rhs, bias;
+  Input* inputs[] = {&lhs, &rhs, &bias};
+  absl::Status prepared;
+  for (int i = 0; i < 3 && prepared.ok(); ++i) {
+    if (i == 2 && !has_bias) break;
+    auto in = ResolveInput(std::move(*protos[i]), *store_, RoleName(roles[i]));
+    if (!in.ok()) {
+      prepared = in.status();
+    } else if (in->tensor->dtype != declared_dtype[i] || in->tensor->shape != declared_shape[i]) {
+      prepared = absl::InvalidArgumentError(absl::StrCat(
+          RoleName(roles[i]), " is ", DTypeName(in->tensor->dtype), " ", ShapeToString(in->tensor->shape),
+          " but the step declares ", DTypeName(declared_dtype[i]), " ", ShapeToString(declared_shape[i])));
+    } else {
+      *inputs[i] = *in;
+    }
   }
   // Device-only shards stay on the device for the device GEMM (and its
   // device weight gather); every host path takes their bytes first.
@@ -304,80 +438,58 @@ absl::StatusOr<v1::StepResult> Executor::RunGemm(v1::GemmStep& gemm) {
     }
     if (!device_gemm || i == 2 || host_collective) prepared = EnsureOnHost(backend_, inputs[i]);
   }
-  // The operands' shapes after the before-collectives: checked now, before
-  // any worker communicates.
-  std::vector<int64_t> compute_shape[3];
-  for (int i = 0; i < 3 && prepared.ok(); ++i) {
-    if (inputs[i]->tensor != nullptr) compute_shape[i] = inputs[i]->tensor->shape;
-  }
   int64_t working_bytes = 0;
-  for (const auto& c : gemm.collectives()) {
-    if (!prepared.ok() || c.phase() != v1::PHASE_BEFORE) continue;
-    const int i = c.tensor() == v1::TENSOR_LHS ? 0 : c.tensor() == v1::TENSOR_RHS ? 1 : 2;
-    auto next = ShapeAfter(c, compute_shape[i]);
-    if (!next.ok()) {
-      prepared = next.status();
-      break;
-    }
-    // A gathered copy on the host (one gathered on the device takes device
-    // memory, not this worker's host budget).
-    if (c.kind() == v1::COLLECTIVE_ALL_GATHER && &c != device_gather) {
-      working_bytes += DTypeSize(inputs[i]->tensor->dtype) * NumElementsOf(*next);
-    }
-    compute_shape[i] = std::move(*next);
-  }
-  const int64_t g = gemm.group_sizes_size();
   if (prepared.ok()) {
-    const std::vector<int64_t>& ls = compute_shape[0];
-    const std::vector<int64_t>& rs = compute_shape[1];
-    if (ls.size() != 2) {
-      prepared = absl::InvalidArgumentError("local lhs must be rank 2");
-    } else if (rs.size() != (ragged_k ? 2u : 3u)) {
-      prepared = absl::InvalidArgumentError(absl::StrCat("local rhs must be rank ", ragged_k ? 2 : 3));
-    } else if (!ragged_k && rs[0] != g) {
-      prepared = absl::InvalidArgumentError(
-          absl::StrCat("local rhs has ", rs[0], " groups but group_sizes has ", g));
-    }
-  }
-  const bool reduces = std::any_of(gemm.collectives().begin(), gemm.collectives().end(), [](const auto& c) {
-    return c.phase() == v1::PHASE_AFTER && IsReduction(c);
-  });
-  // Partial sums stay in FP32 until reduced: one rounding, at the end.
-  const DType local_dtype = reduces ? DType::kF32 : out_dtype.value_or(DType::kF32);
-  if (prepared.ok()) {
-    // Inline inputs (resident ones are already counted) and the output.
+    // Inline inputs (resident ones are already counted), host gathers and
+    // the output. A weight gathered on the device takes device memory.
     for (int i = 0; i < 3; ++i) {
       if (inputs[i]->tensor != nullptr && !inputs[i]->resident) working_bytes += inputs[i]->tensor->NumBytes();
     }
-    const std::vector<int64_t>& ls = compute_shape[0];
-    const std::vector<int64_t>& rs = compute_shape[1];
-    const int64_t n = ragged_k ? rs[1] : (gemm.rhs_transposed() ? rs[1] : rs.back());
-    const int64_t out_elems = ragged_k ? g * ls[1] * n : ls[0] * n;
-    working_bytes += out_elems * 4;
+    for (const auto& c : gemm.collectives()) {
+      if (c.phase() != v1::PHASE_BEFORE || c.kind() != v1::COLLECTIVE_ALL_GATHER || &c == device_gather) continue;
+      const int i = index_of(c.tensor());
+      working_bytes += DTypeSize(declared_dtype[i]) * NumElementsOf(compute_shape[i]);
+    }
+    working_bytes += NumElementsOf(local_out_shape) * 4;
     prepared = store_->Reserve(working_bytes);
   }
-  const bool reserved = prepared.ok();
-  ShardStore::ScopedReservation reservation(store_, working_bytes, reserved);
-  const bool agree_first = gemm.agree() && before_communicates && device_gather == nullptr;
+  ShardStore::ScopedReservation reservation(store_, working_bytes, prepared.ok());
+  const bool agree_first = agreeing && fused == nullptr && first_communicating->phase() == v1::PHASE_BEFORE &&
+                           device_gather == nullptr;
   if (agree_first) prepared = agree(prepared);
   if (!prepared.ok()) {
-    // The agreement that would have come later still has to be met by this
-    // worker, or its peers wait for it.
-    if (gemm.agree() && !agree_first && (device_gather != nullptr || after_communicates)) (void)agree(prepared);
+    // A worker that failed still meets its peers where they next wait for
+    // it: the fused collective, or the agreement they run later.
+    if (fused != nullptr) {
+      ++agreements;
+      if (fused->phase() == v1::PHASE_BEFORE) {
+        std::vector<int64_t> shape = declared_shape[index_of(fused->tensor())];
+        for (const auto& c : gemm.collectives()) {
+          if (&c == fused) break;
+          if (c.phase() == v1::PHASE_BEFORE && c.tensor() == fused->tensor()) shape = *ShapeAfter(c, shape);
+        }
+        (void)AllGatherWithStatus(*fused, nullptr, declared_dtype[index_of(fused->tensor())], shape, prepared);
+      } else {
+        (void)AllReduceWithStatus(*fused, nullptr, NumElementsOf(local_out_shape), prepared);
+      }
+    } else if (agreeing && !agree_first) {
+      (void)agree(prepared);
+    }
     return prepared;
   }
 
   // Stage 2: before-collectives bring each operand to its compute layout.
-  absl::Status status;
   for (const v1::CollectivePlan& c : gemm.collectives()) {
     if (c.phase() != v1::PHASE_BEFORE || &c == device_gather) continue;  // that one runs in the backend
-    Input* target = input_of(c.tensor());
-    auto next = ApplyCollective(c, *target->tensor);
-    if (!next.ok()) { status = next.status(); break; }
+    Input* target = inputs[index_of(c.tensor())];
+    absl::StatusOr<HostTensor> next =
+        &c == fused ? (++agreements, AllGatherWithStatus(c, target->tensor.get(), target->tensor->dtype,
+                                                         target->tensor->shape, absl::OkStatus()))
+                    : ApplyCollective(c, *target->tensor);
+    if (!next.ok()) return next.status();
     target->tensor = std::make_shared<const HostTensor>(std::move(*next));
     target->resident = false;
   }
-  if (!status.ok()) return status;
 
   // Stage 3: the local op.
   LocalGemm local;
@@ -424,22 +536,36 @@ absl::StatusOr<v1::StepResult> Executor::RunGemm(v1::GemmStep& gemm) {
     return result;
   }
   absl::StatusOr<HostTensor> out = backend_->GroupedGemm(local);
-  // A step whose only communication comes after its GEMM agrees here, so a
-  // GEMM that fails on one worker fails the step everywhere.
-  const bool agree_after = gemm.agree() && !agree_first && device_gather == nullptr && after_communicates;
-  if (agree_after) {
+  // A step whose only communication comes after its GEMM agrees after it
+  // (fused into its all-reduce where it can), so a GEMM that fails on one
+  // worker fails the step everywhere.
+  const bool agree_after = agreeing && !agree_first && device_gather == nullptr &&
+                           first_communicating->phase() == v1::PHASE_AFTER;
+  if (agree_after && fused == nullptr) {
     absl::Status s = agree(out.status());
     if (!s.ok()) return s;
   }
-  if (!out.ok()) return out.status();
+  if (out.ok() && out->shape != local_out_shape) {
+    out = absl::InternalError(absl::StrCat("the GEMM gave ", ShapeToString(out->shape), ", expected ",
+                                           ShapeToString(local_out_shape)));
+  }
 
   // Stage 4: after-collectives give the output its spec.
   for (const v1::CollectivePlan& c : gemm.collectives()) {
     if (c.phase() != v1::PHASE_AFTER) continue;
+    if (&c == fused) {
+      ++agreements;
+      absl::Status s = AllReduceWithStatus(c, out.ok() ? &*out : nullptr, NumElementsOf(local_out_shape),
+                                           out.status());
+      if (!s.ok()) return s;
+      continue;
+    }
+    if (!out.ok()) return out.status();
     auto next = ApplyCollective(c, *out);
     if (!next.ok()) return next.status();
     *out = std::move(*next);
   }
+  if (!out.ok()) return out.status();
   if (out->dtype != *out_dtype) {
     auto converted = ConvertFloatTensor(*out, *out_dtype);
     if (!converted.ok()) return converted.status();

@@ -38,6 +38,15 @@ class Executor {
   void PassTurn();
   absl::StatusOr<v1::StepResult> RunGemm(v1::GemmStep& gemm);
   absl::StatusOr<HostTensor> ApplyCollective(const v1::CollectivePlan& c, const HostTensor& t);
+  // An all-gather (along c.dim over c.axes of a piece of `dtype` and
+  // `shape`) carrying this worker's `status`: every member gets the
+  // gathered tensor only if every member was OK (its own error, or ABORTED
+  // for a peer's). `local` is unused when `status` is an error.
+  absl::StatusOr<HostTensor> AllGatherWithStatus(const v1::CollectivePlan& c, const HostTensor* local, DType dtype,
+                                                 const std::vector<int64_t>& shape, const absl::Status& status);
+  // An all-reduce of `elements` FP32 values in `out` carrying `status`, likewise.
+  absl::Status AllReduceWithStatus(const v1::CollectivePlan& c, HostTensor* out, int64_t elements,
+                                   const absl::Status& status);
   // The axes of the group that agrees on a step with these collectives.
   std::vector<std::string> AgreementAxes(
       const google::protobuf::RepeatedPtrField<v1::CollectivePlan>& collectives) const;

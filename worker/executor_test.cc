@@ -100,7 +100,7 @@ TEST_F(ExecutorTest, StepWithoutCollectivesRunsNoAgreement) {
   for (size_t i = 0; i < want.size(); ++i) EXPECT_FLOAT_EQ(out->data<float>()[i], want[i]) << i;
 }
 
-TEST_F(ExecutorTest, WeightGatherAgreesOnceBeforeIt) {
+TEST_F(ExecutorTest, WeightGatherCarriesTheStepsAgreement) {
   Executor& e = Make(FsdpOf2());
   const HostTensor lhs = F32({4, 6}, 1), rhs_shard = F32({2, 3, 4}, -1);
   v1::Step step = GemmStep(lhs, rhs_shard, {1, 3});
@@ -108,13 +108,26 @@ TEST_F(ExecutorTest, WeightGatherAgreesOnceBeforeIt) {
       Collective(v1::PHASE_BEFORE, v1::COLLECTIVE_ALL_GATHER, v1::TENSOR_RHS, 1);
   auto result = e.Execute(step);
   ASSERT_TRUE(result.ok()) << result.status();
+  // Its only collective runs over one group: the status rides along the
+  // gather (one round, no separate agreement).
   EXPECT_EQ(result->agreements(), 1);
-  EXPECT_EQ(mirror_->agreements, 1);
+  EXPECT_EQ(mirror_->agreements, 0);
   EXPECT_EQ(mirror_->calls, std::vector<std::string>({"all_gather"}));
-  EXPECT_EQ(mirror_->agreement_axes, std::vector<std::string>({"fsdp"}));  // the whole mesh (fsdp=2)
   auto out = HostTensorFromProto(result->out(), "out");
   ASSERT_TRUE(out.ok());
   EXPECT_EQ(out->shape, std::vector<int64_t>({4, 4}));
+  // The gathered weight is both peers' copies along K: twice the local K sum.
+  const HostTensor lhs_k = F32({4, 6}, 1);
+  HostTensor rhs_full = *ZerosTensor(DType::kF32, {2, 6, 4});
+  for (int64_t g = 0; g < 2; ++g) {
+    for (int64_t k = 0; k < 6; ++k) {
+      for (int64_t n = 0; n < 4; ++n) {
+        rhs_full.data<float>()[(g * 6 + k) * 4 + n] = rhs_shard.data<float>()[(g * 3 + k % 3) * 4 + n];
+      }
+    }
+  }
+  const std::vector<float> want = RaggedM(lhs_k, rhs_full, {1, 3});
+  for (size_t i = 0; i < want.size(); ++i) EXPECT_FLOAT_EQ(out->data<float>()[i], want[i]) << i;
 }
 
 TEST_F(ExecutorTest, RowParallelStepAgreesOnceAfterItsGemm) {
@@ -146,10 +159,10 @@ TEST_F(ExecutorTest, WorkerThatFailsLocallyStillMeetsTheAgreement) {
       Collective(v1::PHASE_AFTER, v1::COLLECTIVE_ALL_REDUCE_SUM, v1::TENSOR_OUT, -1);
   auto result = e.Execute(step);
   EXPECT_EQ(result.status().code(), absl::StatusCode::kNotFound) << result.status();
-  // Its peers run their GEMM and then agree: this worker must agree too, once,
-  // and run no data collective.
-  EXPECT_EQ(mirror_->agreements, 1);
-  EXPECT_TRUE(mirror_->calls.empty());
+  // Its peers run their GEMM and then the all-reduce that carries the
+  // step's agreement: this worker joins it once, with its failure.
+  EXPECT_EQ(mirror_->agreements, 0);
+  EXPECT_EQ(mirror_->calls, std::vector<std::string>({"all_reduce"}));
   // The turn passed on: the next step runs.
   auto next = e.Execute(GemmStep(F32({2, 3}, 1), F32({1, 3, 2}, 1), {2}));
   EXPECT_TRUE(next.ok()) << next.status();
@@ -158,14 +171,45 @@ TEST_F(ExecutorTest, WorkerThatFailsLocallyStillMeetsTheAgreement) {
 TEST_F(ExecutorTest, ShapeMismatchFailsBeforeAnyCollective) {
   Executor& e = Make(FsdpOf2());
   // K of lhs (6) is fine after the gather, but the gathered rhs has 3 groups
-  // for 2 group sizes: refused before the gather, with the agreement met.
+  // for 2 group sizes: the step alone says so, so every worker refuses it
+  // alike before any communicates.
   v1::Step step = GemmStep(F32({4, 6}, 1), F32({3, 3, 4}, 1), {2, 2});
   *step.mutable_gemm()->add_collectives() =
       Collective(v1::PHASE_BEFORE, v1::COLLECTIVE_ALL_GATHER, v1::TENSOR_RHS, 1);
   auto result = e.Execute(step);
   EXPECT_EQ(result.status().code(), absl::StatusCode::kInvalidArgument) << result.status();
-  EXPECT_EQ(mirror_->agreements, 1);
+  EXPECT_EQ(mirror_->agreements, 0);
   EXPECT_TRUE(mirror_->calls.empty());
+}
+
+TEST_F(ExecutorTest, CollectivesOverTwoGroupsAgreeOnceOverTheMesh) {
+  MeshPosition p;
+  p.axis_names = {"fsdp", "tp"};
+  p.axis_sizes = {2, 2};
+  p.coords = {0, 0};
+  Executor& e = Make(p);
+  v1::Step step = GemmStep(F32({4, 6}, 1), F32({2, 3, 4}, -1), {1, 3});
+  *step.mutable_gemm()->add_collectives() =
+      Collective(v1::PHASE_BEFORE, v1::COLLECTIVE_ALL_GATHER, v1::TENSOR_RHS, 1);
+  v1::CollectivePlan reduce = Collective(v1::PHASE_AFTER, v1::COLLECTIVE_ALL_REDUCE_SUM, v1::TENSOR_OUT, -1);
+  reduce.set_axes(0, "tp");
+  *step.mutable_gemm()->add_collectives() = reduce;
+  auto result = e.Execute(step);
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_EQ(result->agreements(), 1);
+  EXPECT_EQ(mirror_->agreements, 1);
+  EXPECT_EQ(mirror_->agreement_axes, std::vector<std::string>({"fsdp", "tp"}));
+  EXPECT_EQ(mirror_->calls, std::vector<std::string>({"all_gather", "all_reduce"}));
+}
+
+TEST_F(ExecutorTest, InputThatDiffersFromTheStepsDeclarationIsRefused) {
+  Executor& e = Make(SingleWorkerPosition());
+  ASSERT_TRUE(store_.Put("w@1", F32({2, 3, 5}, 1)).ok());
+  v1::Step step = GemmStep(F32({4, 3}, 1), F32({2, 3, 4}, 2), {2, 2});
+  step.mutable_gemm()->mutable_rhs()->set_resident("w@1");  // declared [2,3,4], held [2,3,5]
+  auto result = e.Execute(step);
+  EXPECT_EQ(result.status().code(), absl::StatusCode::kInvalidArgument) << result.status();
+  EXPECT_NE(result.status().message().find("declares"), std::string::npos) << result.status();
 }
 
 TEST_F(ExecutorTest, CollectiveOnATensorTheStepLacksIsInvalid) {
