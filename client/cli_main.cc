@@ -33,9 +33,9 @@
 #include "kernels/fp8.h"
 #include "google/protobuf/util/json_util.h"
 #include "proto/tensor_codec.h"
-#include "server/planner/planner.h"
-#include "server/quantize_assembly.h"
-#include "server/request_plan.h"
+#include "planner/planner.h"
+#include "kernels/quantize_assembly.h"
+#include "proto/plan_codec.h"
 
 ABSL_FLAG(std::string, coordinator, "127.0.0.1:50051", "coordinator address");
 ABSL_FLAG(std::string, mesh, "", "plan offline on this mesh instead of asking the coordinator");

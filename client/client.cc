@@ -5,7 +5,7 @@
 #include "grpcpp/grpcpp.h"
 #include "proto/tensor_codec.h"
 #include "proto/transport.h"
-#include "worker/grpc_status.h"
+#include "proto/grpc_status.h"
 
 namespace shardgemm {
 namespace {

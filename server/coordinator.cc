@@ -13,8 +13,8 @@
 #include "absl/types/optional.h"
 #include "kernels/cpu/quantize.h"
 #include "proto/tensor_codec.h"
-#include "server/quantize_assembly.h"
-#include "server/request_plan.h"
+#include "kernels/quantize_assembly.h"
+#include "proto/plan_codec.h"
 #include "server/row_routing.h"
 
 namespace shardgemm {

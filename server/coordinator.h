@@ -16,8 +16,8 @@
 #include "absl/time/time.h"
 #include "kernels/host_tensor.h"
 #include "proto/shardgemm.pb.h"
-#include "server/planner/mesh.h"
-#include "server/planner/spec.h"
+#include "planner/mesh.h"
+#include "planner/spec.h"
 #include "server/worker_channel.h"
 
 namespace shardgemm {

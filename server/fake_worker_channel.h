@@ -17,7 +17,7 @@
 #include "absl/types/optional.h"
 #include "proto/shardgemm.pb.h"
 #include "server/coordinator.h"
-#include "server/planner/mesh.h"
+#include "planner/mesh.h"
 #include "server/worker_channel.h"
 
 namespace shardgemm {

@@ -5,7 +5,7 @@
 #include "proto/shardgemm.grpc.pb.h"
 #include "proto/transport.h"
 #include "server/worker_channel.h"
-#include "worker/grpc_status.h"
+#include "proto/grpc_status.h"
 
 namespace shardgemm {
 namespace {

@@ -5,7 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "proto/tensor_codec.h"
-#include "worker/grpc_status.h"
+#include "proto/grpc_status.h"
 
 namespace shardgemm {
 namespace {

@@ -13,11 +13,11 @@ flags=(-std=c++17 -g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recov
 absl_libs=$(grep -o '"-labsl_[a-z0-9_]*"' third_party/BUILD | tr -d '"')
 
 "$cxx" "${flags[@]}" \
-  server/planner/plan_fuzzer.cc server/planner/plan_fuzz_entry.cc \
-  server/planner/planner.cc server/planner/operand_text.cc \
-  server/planner/spec.cc server/planner/mesh.cc kernels/dtype.cc \
+  planner/plan_fuzzer.cc planner/plan_fuzz_entry.cc \
+  planner/planner.cc planner/operand_text.cc \
+  planner/spec.cc planner/mesh.cc kernels/dtype.cc \
   $absl_libs -lpthread -o "$out/plan_fuzzer"
-cp server/planner/testdata/plan_fuzz_seeds/* "$out/corpus/"
+cp planner/testdata/plan_fuzz_seeds/* "$out/corpus/"
 "$out/plan_fuzzer" -max_total_time="$seconds" -max_len=512 -print_final_stats=1 -artifact_prefix="$out/" "$out/corpus"
 
 # Requests are a header and the bytes of x: longer inputs reach bigger shapes.

@@ -21,7 +21,7 @@
 #include "worker/executor.h"
 #include "worker/gloo_collectives.h"
 #include "worker/nccl_collectives.h"
-#include "worker/grpc_status.h"
+#include "proto/grpc_status.h"
 #include "worker/worker_service.h"
 
 ABSL_FLAG(std::string, coordinator, "127.0.0.1:50051", "coordinator address (host:port)");

@@ -1,7 +1,7 @@
 #include "worker/worker_service.h"
 
 #include "proto/tensor_codec.h"
-#include "worker/grpc_status.h"
+#include "proto/grpc_status.h"
 
 namespace shardgemm {
 

@@ -1,4 +1,4 @@
-#include "server/planner/planner.h"
+#include "planner/planner.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -1221,7 +1221,7 @@ absl::StatusOr<Plan> PlanQuantize(const Context& ctx) {
     }
     // Colwise blocks run from each group's first row, so whether a shard's
     // blocks are the unsharded op's depends on the group sizes' values: the
-    // coordinator checks them (server/quantize_assembly.h).
+    // coordinator checks them (kernels/quantize_assembly.h).
   }
 
   Strategy st;

@@ -2,8 +2,8 @@
 // buffers, collectives are simulated, and the local ops are simple
 // deterministic reference kernels (fixed summation order). Used by the
 // property test to check that running a plan gives the per-shard semantics.
-#ifndef SHARDGEMM_SERVER_PLANNER_SIMULATOR_H_
-#define SHARDGEMM_SERVER_PLANNER_SIMULATOR_H_
+#ifndef SHARDGEMM_PLANNER_SIMULATOR_H_
+#define SHARDGEMM_PLANNER_SIMULATOR_H_
 
 #include <cstdint>
 #include <map>
@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "server/planner/planner.h"
+#include "planner/planner.h"
 
 namespace shardgemm {
 namespace planner {
@@ -42,4 +42,4 @@ std::string CompareTensors(const std::string& name, const HostTensor& got, const
 }  // namespace planner
 }  // namespace shardgemm
 
-#endif  // SHARDGEMM_SERVER_PLANNER_SIMULATOR_H_
+#endif  // SHARDGEMM_PLANNER_SIMULATOR_H_

@@ -1,4 +1,4 @@
-#include "server/request_plan.h"
+#include "proto/plan_codec.h"
 
 #include "absl/strings/str_cat.h"
 #include "proto/tensor_codec.h"

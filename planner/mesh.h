@@ -1,8 +1,8 @@
 // Device mesh: named axes with sizes, and the roles (dp, fsdp, ep, tp) that
 // the partition rules key on. Ranks are row-major over the axes in
 // declaration order, as jax.sharding.Mesh over a reshaped device list.
-#ifndef SHARDGEMM_SERVER_PLANNER_MESH_H_
-#define SHARDGEMM_SERVER_PLANNER_MESH_H_
+#ifndef SHARDGEMM_PLANNER_MESH_H_
+#define SHARDGEMM_PLANNER_MESH_H_
 
 #include <cstdint>
 #include <string>
@@ -75,4 +75,4 @@ absl::StatusOr<int64_t> CoordsToRank(const Mesh& mesh,
 }  // namespace planner
 }  // namespace shardgemm
 
-#endif  // SHARDGEMM_SERVER_PLANNER_MESH_H_
+#endif  // SHARDGEMM_PLANNER_MESH_H_

@@ -16,8 +16,8 @@
 //      amax pass and its cast pass;
 //   4. it applies the kAfter collectives on the outputs, in order, after
 //      which "out" has `out_spec`.
-#ifndef SHARDGEMM_SERVER_PLANNER_PLANNER_H_
-#define SHARDGEMM_SERVER_PLANNER_PLANNER_H_
+#ifndef SHARDGEMM_PLANNER_PLANNER_H_
+#define SHARDGEMM_PLANNER_PLANNER_H_
 
 #include <cstdint>
 #include <string>
@@ -27,8 +27,8 @@
 #include "absl/strings/string_view.h"
 #include "absl/types/optional.h"
 #include "kernels/dtype.h"
-#include "server/planner/mesh.h"
-#include "server/planner/spec.h"
+#include "planner/mesh.h"
+#include "planner/spec.h"
 
 namespace shardgemm {
 namespace planner {
@@ -196,4 +196,4 @@ absl::string_view CompatModeName(CompatMode mode);          // "default", "te"
 }  // namespace planner
 }  // namespace shardgemm
 
-#endif  // SHARDGEMM_SERVER_PLANNER_PLANNER_H_
+#endif  // SHARDGEMM_PLANNER_PLANNER_H_

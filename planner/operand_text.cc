@@ -1,4 +1,4 @@
-#include "server/planner/operand_text.h"
+#include "planner/operand_text.h"
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"

@@ -1,4 +1,4 @@
-#include "server/planner/simulator.h"
+#include "planner/simulator.h"
 
 #include <algorithm>
 #include <cmath>

@@ -1,7 +1,7 @@
 // Text forms used by the CLI, tests and docs: shapes "4096x7168" and
 // operands "SHAPE@SPEC", e.g. "8x7168x2048@(ep, fsdp, None)".
-#ifndef SHARDGEMM_SERVER_PLANNER_OPERAND_TEXT_H_
-#define SHARDGEMM_SERVER_PLANNER_OPERAND_TEXT_H_
+#ifndef SHARDGEMM_PLANNER_OPERAND_TEXT_H_
+#define SHARDGEMM_PLANNER_OPERAND_TEXT_H_
 
 #include <cstdint>
 #include <string>
@@ -9,7 +9,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "server/planner/planner.h"
+#include "planner/planner.h"
 
 namespace shardgemm {
 namespace planner {
@@ -27,4 +27,4 @@ absl::StatusOr<OpKind> ParseOpKind(absl::string_view text);
 }  // namespace planner
 }  // namespace shardgemm
 
-#endif  // SHARDGEMM_SERVER_PLANNER_OPERAND_TEXT_H_
+#endif  // SHARDGEMM_PLANNER_OPERAND_TEXT_H_

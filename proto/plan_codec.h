@@ -1,13 +1,13 @@
 // Translates between the v1 wire messages and the planner's plain structs.
-#ifndef SHARDGEMM_SERVER_REQUEST_PLAN_H_
-#define SHARDGEMM_SERVER_REQUEST_PLAN_H_
+#ifndef SHARDGEMM_PROTO_PLAN_CODEC_H_
+#define SHARDGEMM_PROTO_PLAN_CODEC_H_
 
 #include <functional>
 #include <string>
 
 #include "absl/status/statusor.h"
 #include "proto/shardgemm.pb.h"
-#include "server/planner/planner.h"
+#include "planner/planner.h"
 
 namespace shardgemm {
 
@@ -53,4 +53,4 @@ void PlanToProto(const planner::Plan& plan, v1::Plan* out, bool with_text = true
 
 }  // namespace shardgemm
 
-#endif  // SHARDGEMM_SERVER_REQUEST_PLAN_H_
+#endif  // SHARDGEMM_PROTO_PLAN_CODEC_H_

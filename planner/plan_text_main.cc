@@ -12,8 +12,8 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
-#include "server/planner/operand_text.h"
-#include "server/planner/planner.h"
+#include "planner/operand_text.h"
+#include "planner/planner.h"
 
 int main(int argc, char** argv) {
   using namespace shardgemm::planner;

@@ -7,8 +7,8 @@
 // row, so a shard's scales are the unsharded op's exactly when its rows of
 // every group start at a block boundary of that group; the coordinator then
 // copies each shard's scale blocks into the global padded layout.
-#ifndef SHARDGEMM_SERVER_QUANTIZE_ASSEMBLY_H_
-#define SHARDGEMM_SERVER_QUANTIZE_ASSEMBLY_H_
+#ifndef SHARDGEMM_KERNELS_QUANTIZE_ASSEMBLY_H_
+#define SHARDGEMM_KERNELS_QUANTIZE_ASSEMBLY_H_
 
 #include <cstdint>
 #include <vector>
@@ -88,4 +88,4 @@ absl::StatusOr<BlockOutputs> AssembleBlockOutputs(const BlockQuantize& q,
 
 }  // namespace shardgemm
 
-#endif  // SHARDGEMM_SERVER_QUANTIZE_ASSEMBLY_H_
+#endif  // SHARDGEMM_KERNELS_QUANTIZE_ASSEMBLY_H_

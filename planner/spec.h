@@ -1,7 +1,7 @@
 // Partition specs (which mesh axes split which tensor dimension) and the
 // shard geometry they imply.
-#ifndef SHARDGEMM_SERVER_PLANNER_SPEC_H_
-#define SHARDGEMM_SERVER_PLANNER_SPEC_H_
+#ifndef SHARDGEMM_PLANNER_SPEC_H_
+#define SHARDGEMM_PLANNER_SPEC_H_
 
 #include <cstdint>
 #include <string>
@@ -10,7 +10,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "server/planner/mesh.h"
+#include "planner/mesh.h"
 
 namespace shardgemm {
 namespace planner {
@@ -79,4 +79,4 @@ absl::StatusOr<std::vector<int64_t>> BlockOffsets(absl::string_view tensor,
 }  // namespace planner
 }  // namespace shardgemm
 
-#endif  // SHARDGEMM_SERVER_PLANNER_SPEC_H_
+#endif  // SHARDGEMM_PLANNER_SPEC_H_

@@ -1,4 +1,4 @@
-#include "server/planner/plan_fuzz_entry.h"
+#include "planner/plan_fuzz_entry.h"
 
 #include <cstdio>
 #include <cstdlib>
@@ -7,8 +7,8 @@
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_split.h"
-#include "server/planner/operand_text.h"
-#include "server/planner/planner.h"
+#include "planner/operand_text.h"
+#include "planner/planner.h"
 
 namespace shardgemm {
 namespace planner {

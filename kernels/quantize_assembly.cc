@@ -1,4 +1,4 @@
-#include "server/quantize_assembly.h"
+#include "kernels/quantize_assembly.h"
 
 #include <cstring>
 

@@ -1,4 +1,4 @@
-#include "server/planner/spec.h"
+#include "planner/spec.h"
 
 #include "gtest/gtest.h"
 

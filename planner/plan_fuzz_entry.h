@@ -1,7 +1,7 @@
 // The fuzzing entry point shared by the libFuzzer target (plan_fuzzer.cc)
 // and the bounded gtest driver (plan_fuzz_test.cc).
-#ifndef SHARDGEMM_SERVER_PLANNER_PLAN_FUZZ_ENTRY_H_
-#define SHARDGEMM_SERVER_PLANNER_PLAN_FUZZ_ENTRY_H_
+#ifndef SHARDGEMM_PLANNER_PLAN_FUZZ_ENTRY_H_
+#define SHARDGEMM_PLANNER_PLAN_FUZZ_ENTRY_H_
 
 #include <cstddef>
 #include <cstdint>
@@ -28,4 +28,4 @@ void FuzzSpecOnce(const std::string& text);
 }  // namespace planner
 }  // namespace shardgemm
 
-#endif  // SHARDGEMM_SERVER_PLANNER_PLAN_FUZZ_ENTRY_H_
+#endif  // SHARDGEMM_PLANNER_PLAN_FUZZ_ENTRY_H_

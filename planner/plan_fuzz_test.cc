@@ -12,8 +12,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "gtest/gtest.h"
-#include "server/planner/plan_fuzz_entry.h"
-#include "server/planner/planner.h"
+#include "planner/plan_fuzz_entry.h"
+#include "planner/planner.h"
 
 namespace shardgemm {
 namespace planner {
@@ -172,7 +172,7 @@ int Iterations(int fallback) {
 // The libFuzzer seed corpus (testdata/plan_fuzz_seeds) must plan.
 TEST(PlanFuzzTest, SeedsPlan) {
   for (const char* name : {"seed1", "seed2", "seed3", "seed4"}) {
-    std::ifstream in(std::string("server/planner/testdata/plan_fuzz_seeds/") + name,
+    std::ifstream in(std::string("planner/testdata/plan_fuzz_seeds/") + name,
                      std::ios::binary);
     ASSERT_TRUE(in.good()) << name;
     std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());

@@ -1,4 +1,4 @@
-#include "server/planner/planner.h"
+#include "planner/planner.h"
 
 #include <string>
 #include <vector>
@@ -6,7 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "gtest/gtest.h"
-#include "server/planner/operand_text.h"
+#include "planner/operand_text.h"
 
 namespace shardgemm {
 namespace planner {

@@ -11,8 +11,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "gtest/gtest.h"
-#include "server/planner/planner.h"
-#include "server/planner/simulator.h"
+#include "planner/planner.h"
+#include "planner/simulator.h"
 
 namespace shardgemm {
 namespace planner {

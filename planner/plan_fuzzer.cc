@@ -9,7 +9,7 @@
 #include <iterator>
 #include <string>
 
-#include "server/planner/plan_fuzz_entry.h"
+#include "planner/plan_fuzz_entry.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   shardgemm::planner::FuzzPlanOnce(data, size);

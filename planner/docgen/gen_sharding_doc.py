@@ -2,9 +2,9 @@
 """Regenerates docs/sharding.md: fills {{N}} in sharding.md.tmpl with the
 plan text of line N of examples.txt ('|'-separated plan_text_main args).
 
-  bazel --output_base=/tmp/bazel_planner build //server/planner:plan_text_main
-  python3 server/planner/docgen/gen_sharding_doc.py \
-      /tmp/bazel_planner/execroot/shardgemm/bazel-out/k8-fastbuild/bin/server/planner/plan_text_main
+  bazel --output_base=/tmp/bazel_planner build //planner:plan_text_main
+  python3 planner/docgen/gen_sharding_doc.py \
+      /tmp/bazel_planner/execroot/shardgemm/bazel-out/k8-fastbuild/bin/planner/plan_text_main
 """
 import os
 import subprocess

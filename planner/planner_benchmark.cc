@@ -1,8 +1,8 @@
 // MakePlan throughput. The figure in docs/performance/planner.md comes from
-//   bazel --output_base=/tmp/bazel_planner run -c opt //server/planner:planner_benchmark
+//   bazel --output_base=/tmp/bazel_planner run -c opt //planner:planner_benchmark
 #include "benchmark/benchmark.h"
-#include "server/planner/operand_text.h"
-#include "server/planner/planner.h"
+#include "planner/operand_text.h"
+#include "planner/planner.h"
 
 namespace shardgemm {
 namespace planner {

@@ -1,5 +1,5 @@
-#ifndef SHARDGEMM_WORKER_GRPC_STATUS_H_
-#define SHARDGEMM_WORKER_GRPC_STATUS_H_
+#ifndef SHARDGEMM_PROTO_GRPC_STATUS_H_
+#define SHARDGEMM_PROTO_GRPC_STATUS_H_
 
 #include <string>
 
@@ -21,4 +21,4 @@ inline absl::Status FromGrpcStatus(const grpc::Status& s) {
 
 }  // namespace shardgemm
 
-#endif  // SHARDGEMM_WORKER_GRPC_STATUS_H_
+#endif  // SHARDGEMM_PROTO_GRPC_STATUS_H_

@@ -1,4 +1,4 @@
-#include "server/planner/mesh.h"
+#include "planner/mesh.h"
 
 #include "gtest/gtest.h"
 
