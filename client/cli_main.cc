@@ -68,7 +68,7 @@ ABSL_FLAG(std::string, scales, "", "quantize --scaling=delayed: one scale per --
 ABSL_FLAG(bool, colwise, false, "quantize: colwise output too");
 ABSL_FLAG(bool, colwise_only, false, "quantize: colwise output only");
 ABSL_FLAG(std::string, spec, "", "put: partition spec");
-ABSL_FLAG(bool, overwrite, false, "put: replace an existing tensor");
+ABSL_FLAG(bool, overwrite, false, "put, gemm --keep_as: replace an existing resident tensor");
 
 namespace shardgemm {
 namespace {
@@ -297,6 +297,7 @@ int Gemm() {
     request.set_compat(CompatFlag());
     request.set_out_spec(absl::GetFlag(FLAGS_out_spec));
     request.set_keep_output_as(absl::GetFlag(FLAGS_keep_as));
+    request.set_overwrite_output(absl::GetFlag(FLAGS_overwrite));
     if (absl::GetFlag(FLAGS_lhs).empty() || absl::GetFlag(FLAGS_rhs).empty()) {
       return Fail(absl::InvalidArgumentError("--lhs and --rhs are required"));
     }

@@ -69,14 +69,14 @@ class Client:
     def gemm_request(self, lhs, rhs, group_sizes, bias=None, *, rhs_transposed=False,
                      ragged_k=False, lhs_spec="", rhs_spec="", group_sizes_spec="", bias_spec="",
                      out_dtype=None, out_spec="", compat="default", keep_output_as="",
-                     include_plan=False, global_sorted=False):
+                     overwrite_output=False, include_plan=False, global_sorted=False):
         req = pb.GroupedGemmRequest(
             ragged=pb.GroupedGemmRequest.RAGGED_K if ragged_k else pb.GroupedGemmRequest.RAGGED_M,
             lhs=to_tensor(lhs, lhs_spec), rhs=to_tensor(rhs, rhs_spec),
             group_sizes=to_tensor(np.asarray(group_sizes, dtype=np.int64), group_sizes_spec),
             rhs_transposed=rhs_transposed, out_spec=out_spec,
             compat=pb.COMPAT_TE if compat == "te" else pb.COMPAT_DEFAULT,
-            keep_output_as=keep_output_as, include_plan=include_plan,
+            keep_output_as=keep_output_as, overwrite_output=overwrite_output, include_plan=include_plan,
             layout=pb.GroupedGemmRequest.GLOBAL_SORTED if global_sorted else pb.GroupedGemmRequest.PER_SHARD)
         if bias is not None:
             req.bias.CopyFrom(to_tensor(bias, bias_spec))
