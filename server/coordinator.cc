@@ -208,80 +208,12 @@ absl::StatusOr<std::vector<v1::StepResult>> Coordinator::Dispatch(std::vector<v1
   return out;
 }
 
-absl::StatusOr<Coordinator::Resident> Coordinator::FindResident(const std::string& name) const {
-  absl::MutexLock lock(&registry_mu_);
-  auto it = registry_.find(name);
-  if (it == registry_.end()) {
-    return absl::NotFoundError(absl::StrCat("no resident tensor named '", name, "'"));
-  }
-  return it->second;
-}
-
-absl::StatusOr<Coordinator::Resident> Coordinator::FindAndPin(const std::string& name,
-                                                             std::vector<std::string>* pins) {
-  absl::MutexLock lock(&registry_mu_);
-  auto it = registry_.find(name);
-  if (it == registry_.end()) {
-    return absl::NotFoundError(absl::StrCat("no resident tensor named '", name, "'"));
-  }
-  ++pin_counts_[it->second.shard_name];
-  pins->push_back(it->second.shard_name);
-  return it->second;
-}
-
 void Coordinator::Unpin(const std::vector<std::string>& pins) {
-  std::vector<std::string> to_delete;
-  {
-    absl::MutexLock lock(&registry_mu_);
-    for (const std::string& shard : pins) {
-      if (--pin_counts_[shard] > 0) continue;
-      pin_counts_.erase(shard);
-      if (retired_.erase(shard) > 0) to_delete.push_back(shard);
-    }
-  }
-  for (const std::string& shard : to_delete) DeleteShardsBestEffort(shard);
-}
-
-absl::Status ValidateResidentName(absl::string_view field, absl::string_view name) {
-  if (name.empty()) return absl::InvalidArgumentError(absl::StrCat(field, " is empty"));
-  if (name.size() > kMaxResidentNameBytes) {
-    return absl::InvalidArgumentError(absl::StrCat(field, " is ", name.size(), " bytes long; at most ",
-                                                   kMaxResidentNameBytes, " are allowed"));
-  }
-  for (char c : name) {
-    if (c == '@' || static_cast<unsigned char>(c) < 0x20 || c == 0x7f) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          field, " '", absl::CHexEscape(name), "' must not contain '@' or control characters"));
-    }
-  }
-  return absl::OkStatus();
-}
-
-absl::Status Coordinator::ClaimName(const std::string& name, bool overwrite) {
-  if (!overwrite && registry_.contains(name)) {
-    return absl::AlreadyExistsError(absl::StrCat("resident tensor '", name, "' exists"));
-  }
-  if (!overwrite && claimed_.contains(name)) {
-    return absl::AlreadyExistsError(
-        absl::StrCat("resident tensor '", name, "' is being made by another request"));
-  }
-  ++claimed_[name];
-  return absl::OkStatus();
-}
-
-Coordinator::NameClaim::~NameClaim() {
-  absl::MutexLock lock(&coordinator_->registry_mu_);
-  if (--coordinator_->claimed_[name_] <= 0) coordinator_->claimed_.erase(name_);
+  for (const std::string& shard : registry_.Unpin(pins)) DeleteShardsBestEffort(shard);
 }
 
 absl::Status Coordinator::Retire(const std::string& shard_name, absl::Time deadline) {
-  {
-    absl::MutexLock lock(&registry_mu_);
-    if (pin_counts_.contains(shard_name)) {
-      retired_.insert(shard_name);  // requests still use it: deleted after the last one
-      return absl::OkStatus();
-    }
-  }
+  if (!registry_.Retire(shard_name)) return absl::OkStatus();  // deleted after its last request
   return DeleteShards(shard_name, deadline);
 }
 
@@ -303,15 +235,33 @@ void Coordinator::DeleteShardsBestEffort(const std::string& shard_name) {
 }
 
 void Coordinator::RetireBestEffort(const std::string& shard_name) {
-  {
-    absl::MutexLock lock(&registry_mu_);
-    if (pin_counts_.contains(shard_name)) {
-      retired_.insert(shard_name);
-      return;
-    }
-  }
-  DeleteShardsBestEffort(shard_name);
+  if (registry_.Retire(shard_name)) DeleteShardsBestEffort(shard_name);
 }
+
+namespace {
+
+// A claimed name, released unless registered.
+class ClaimGuard {
+ public:
+  ClaimGuard(ResidentRegistry* registry, std::string name) : registry_(registry), name_(std::move(name)) {}
+  ClaimGuard(const ClaimGuard&) = delete;
+  ClaimGuard& operator=(const ClaimGuard&) = delete;
+  ~ClaimGuard() {
+    if (!registered_) registry_->Release(name_);
+  }
+  // Registers the claimed tensor; returns the generation it replaced.
+  std::string Register(Resident resident) {
+    registered_ = true;
+    return registry_->Register(std::move(resident));
+  }
+
+ private:
+  ResidentRegistry* registry_;
+  std::string name_;
+  bool registered_ = false;
+};
+
+}  // namespace
 
 absl::StatusOr<v1::PutTensorResponse> Coordinator::PutTensor(const std::string& name,
                                                              HostTensor tensor,
@@ -324,15 +274,13 @@ absl::StatusOr<v1::PutTensorResponse> Coordinator::PutTensor(const std::string& 
     return absl::InvalidArgumentError(absl::StrCat("spec: ", spec.status().message()));
   }
   if (auto s = planner::ValidatePartitionSpec(name, tensor.shape, *spec, mesh_); !s.ok()) return s;
-  std::string shard_name;
-  {
-    absl::MutexLock lock(&registry_mu_);
-    if (auto s = ClaimName(name, overwrite); !s.ok()) {
-      return absl::Status(s.code(), absl::StrCat(s.message(), " (set overwrite to replace it)"));
-    }
-    shard_name = absl::StrCat(name, "@", next_generation_++);
+  auto claimed = registry_.Claim(name, overwrite);
+  if (!claimed.ok()) {
+    return absl::Status(claimed.status().code(),
+                        absl::StrCat(claimed.status().message(), " (set overwrite to replace it)"));
   }
-  NameClaim claim(this, name);
+  const std::string shard_name = *claimed;
+  ClaimGuard claim(&registry_, name);
   auto local_shape = planner::LocalShape(name, tensor.shape, *spec, mesh_);
   if (!local_shape.ok()) return local_shape.status();
   std::vector<v1::Step> steps(num_workers_);
@@ -357,13 +305,7 @@ absl::StatusOr<v1::PutTensorResponse> Coordinator::PutTensor(const std::string& 
   resident.info.set_spec(planner::FormatPartitionSpec(*spec));
   resident.spec = *spec;
   resident.shard_name = shard_name;
-  std::string replaced;
-  {
-    absl::MutexLock lock(&registry_mu_);
-    auto it = registry_.find(name);
-    if (it != registry_.end()) replaced = it->second.shard_name;
-    registry_[name] = resident;
-  }
+  const std::string replaced = claim.Register(std::move(resident));
   if (!replaced.empty()) RetireBestEffort(replaced);  // the new generation is in
   v1::PutTensorResponse response;
   response.set_name(name);
@@ -400,7 +342,7 @@ absl::StatusOr<HostTensor> Coordinator::Assemble(
 absl::StatusOr<Coordinator::Fetched> Coordinator::GetTensor(const std::string& name, absl::Time deadline) {
   if (auto s = CheckReady(); !s.ok()) return s;
   PinGuard guard{this, {}};
-  auto resident = FindAndPin(name, &guard.pins);
+  auto resident = registry_.FindAndPin(name, &guard.pins);
   if (!resident.ok()) return resident.status();
   std::vector<std::shared_ptr<WorkerChannel>> channels;
   {
@@ -421,25 +363,14 @@ absl::StatusOr<Coordinator::Fetched> Coordinator::GetTensor(const std::string& n
 
 absl::Status Coordinator::DeleteTensor(const std::string& name, absl::Time deadline) {
   if (auto s = CheckReady(); !s.ok()) return s;
-  std::string shard_name;
-  {
-    absl::MutexLock lock(&registry_mu_);
-    auto it = registry_.find(name);
-    if (it == registry_.end()) {
-      return absl::NotFoundError(absl::StrCat("no resident tensor named '", name, "'"));
-    }
-    shard_name = it->second.shard_name;
-    registry_.erase(it);
-  }
-  return Retire(shard_name, deadline);
+  auto shard_name = registry_.Remove(name);
+  if (!shard_name.ok()) return shard_name.status();
+  return Retire(*shard_name, deadline);
 }
 
 v1::ListTensorsResponse Coordinator::ListTensors() const {
   v1::ListTensorsResponse response;
-  absl::MutexLock lock(&registry_mu_);
-  for (const auto& [name, resident] : registry_) *response.add_tensors() = resident.info;
-  std::sort(response.mutable_tensors()->begin(), response.mutable_tensors()->end(),
-            [](const auto& a, const auto& b) { return a.name() < b.name(); });
+  for (v1::ResidentTensorInfo& info : registry_.List()) *response.add_tensors() = std::move(info);
   return response;
 }
 
@@ -599,7 +530,7 @@ TensorMeta Coordinator::MetaOf(const Resident& r) {
 absl::StatusOr<TensorMeta> Coordinator::ResolveMeta(const v1::Tensor& t, const std::string& field,
                                                    std::vector<std::string>* pins) {
   if (t.source_case() == v1::Tensor::kResident) {
-    auto r = FindAndPin(t.resident(), pins);
+    auto r = registry_.FindAndPin(t.resident(), pins);
     if (!r.ok()) return r.status();
     return MetaOf(*r);
   }
@@ -715,7 +646,7 @@ absl::StatusOr<v1::GroupedQuantizeResponse> Coordinator::GroupedQuantize(
 absl::StatusOr<v1::Plan> Coordinator::Plan(const v1::PlanRequest& request) const {
   auto resolve = [this](const v1::Tensor& t, const std::string& field) -> absl::StatusOr<TensorMeta> {
     if (t.source_case() == v1::Tensor::kResident) {
-      auto r = FindResident(t.resident());
+      auto r = registry_.Find(t.resident());
       if (!r.ok()) return r.status();
       return MetaOf(*r);
     }
@@ -940,17 +871,17 @@ absl::StatusOr<v1::GroupedGemmResponse> Coordinator::GroupedGemmPerShard(
     gemm->set_agree(any_collective && num_workers_ > 1);
   }
   std::string shard_name;
-  absl::optional<NameClaim> claim;
+  absl::optional<ClaimGuard> claim;
   if (!request.keep_output_as().empty()) {
-    absl::MutexLock lock(&registry_mu_);
-    if (auto s = ClaimName(request.keep_output_as(), request.overwrite_output()); !s.ok()) {
-      return absl::Status(s.code(),
-                          absl::StrCat("keep_output_as: ", s.message(), " (set overwrite_output to replace it)"));
+    auto claimed = registry_.Claim(request.keep_output_as(), request.overwrite_output());
+    if (!claimed.ok()) {
+      return absl::Status(claimed.status().code(), absl::StrCat("keep_output_as: ", claimed.status().message(),
+                                                                " (set overwrite_output to replace it)"));
     }
-    shard_name = absl::StrCat(request.keep_output_as(), "@", next_generation_++);
+    shard_name = *claimed;
+    claim.emplace(&registry_, request.keep_output_as());
     for (v1::Step& s : steps) s.mutable_gemm()->set_keep_output_as(shard_name);
   }
-  if (!shard_name.empty()) claim.emplace(this, request.keep_output_as());
   auto results = Dispatch(std::move(steps), StepDeadline(deadline));
   if (!results.ok()) {
     if (!shard_name.empty()) DeleteShardsBestEffort(shard_name);
@@ -967,18 +898,13 @@ absl::StatusOr<v1::GroupedGemmResponse> Coordinator::GroupedGemmPerShard(
     resident.info.set_spec(planner::FormatPartitionSpec(plan->out_spec));
     resident.spec = plan->out_spec;
     resident.shard_name = shard_name;
-    std::string replaced;
-    {
-      absl::MutexLock lock(&registry_mu_);
-      auto it = registry_.find(request.keep_output_as());
-      if (it != registry_.end()) replaced = it->second.shard_name;
-      registry_[request.keep_output_as()] = resident;
-    }
+    const std::string spec_text = resident.info.spec();
+    const std::string replaced = claim->Register(std::move(resident));
     if (!replaced.empty()) RetireBestEffort(replaced);  // the new generation is in
     response.mutable_out()->set_dtype(DTypeToProto(plan->out_dtype));
     response.mutable_out()->mutable_shape()->Assign(plan->out_shape.begin(), plan->out_shape.end());
     response.mutable_out()->set_resident(request.keep_output_as());
-    response.mutable_out()->set_spec(resident.info.spec());
+    response.mutable_out()->set_spec(spec_text);
   } else {
     auto out = Assemble(plan->out_dtype, plan->out_shape, plan->out_spec,
                         [&](int r) { return HostTensorFromProto(std::move(*(*results)[r].mutable_out()), "out"); });

@@ -18,15 +18,10 @@
 #include "proto/shardgemm.pb.h"
 #include "planner/mesh.h"
 #include "planner/spec.h"
+#include "server/resident_registry.h"
 #include "server/worker_channel.h"
 
 namespace shardgemm {
-
-// Resident tensor names (PutTensor's name, keep_output_as): 1 to
-// kMaxResidentNameBytes bytes, no '@' (it separates the generation on the
-// workers) and no control characters; INVALID_ARGUMENT naming `field` otherwise.
-constexpr size_t kMaxResidentNameBytes = 256;
-absl::Status ValidateResidentName(absl::string_view field, absl::string_view name);
 
 struct CoordinatorOptions {
   // The longest a step may take on the workers when the client sets no
@@ -71,11 +66,6 @@ class Coordinator {
   const planner::Mesh& mesh() const { return mesh_; }
 
  private:
-  struct Resident {
-    v1::ResidentTensorInfo info;
-    planner::PartitionSpec spec;
-    std::string shard_name;  // name@generation on the workers
-  };
   struct Worker {
     v1::WorkerInfo info;
     std::shared_ptr<WorkerChannel> channel;  // shared: a dispatch may outlive a re-registration
@@ -107,31 +97,14 @@ class Coordinator {
   absl::StatusOr<std::vector<v1::StepResult>> Dispatch(std::vector<v1::Step> steps, absl::Time deadline);
   // Numbers and sends `steps` like Dispatch, without waiting for the answers.
   void DispatchDetached(std::vector<v1::Step> steps, absl::Time deadline);
-  absl::StatusOr<Resident> FindResident(const std::string& name) const;
   static struct TensorMeta MetaOf(const Resident& resident);
   // Resident shards that a running request has resolved are pinned: a
   // replacement or delete retires them, and they leave the workers when the
   // last request using them is done (not from under it).
-  absl::StatusOr<Resident> FindAndPin(const std::string& name, std::vector<std::string>* pins);
   void Unpin(const std::vector<std::string>& pins);
   // Deletes the shards now (the delete step's status), or when their last
   // pin goes (OK now).
   absl::Status Retire(const std::string& shard_name, absl::Time deadline = absl::InfiniteFuture());
-  // The name keep_output_as / PutTensor may take: ALREADY_EXISTS when it is
-  // resident (or being made by a running request) and replacing is not asked for.
-  absl::Status ClaimName(const std::string& name, bool overwrite) ABSL_EXCLUSIVE_LOCKS_REQUIRED(registry_mu_);
-  // Releases a ClaimName claim.
-  class NameClaim {
-   public:
-    NameClaim(Coordinator* coordinator, std::string name) : coordinator_(coordinator), name_(std::move(name)) {}
-    NameClaim(const NameClaim&) = delete;
-    NameClaim& operator=(const NameClaim&) = delete;
-    ~NameClaim();
-
-   private:
-    Coordinator* coordinator_;
-    std::string name_;
-  };
   struct PinGuard {
     Coordinator* coordinator;
     std::vector<std::string> pins;
@@ -162,13 +135,7 @@ class Coordinator {
   absl::Mutex dispatch_mu_;
   uint64_t next_sequence_ ABSL_GUARDED_BY(dispatch_mu_) = 1;
 
-  mutable absl::Mutex registry_mu_;
-  absl::flat_hash_map<std::string, Resident> registry_ ABSL_GUARDED_BY(registry_mu_);
-  uint64_t next_generation_ ABSL_GUARDED_BY(registry_mu_) = 1;
-  absl::flat_hash_map<std::string, int> pin_counts_ ABSL_GUARDED_BY(registry_mu_);
-  absl::flat_hash_set<std::string> retired_ ABSL_GUARDED_BY(registry_mu_);
-  // Names a running put or keep_output_as request will register.
-  absl::flat_hash_map<std::string, int> claimed_ ABSL_GUARDED_BY(registry_mu_);
+  ResidentRegistry registry_;
 };
 
 }  // namespace shardgemm

@@ -1,0 +1,119 @@
+#include "server/resident_registry.h"
+
+#include <algorithm>
+
+#include "absl/strings/escaping.h"
+#include "absl/strings/str_cat.h"
+
+namespace shardgemm {
+
+absl::Status ValidateResidentName(absl::string_view field, absl::string_view name) {
+  if (name.empty()) return absl::InvalidArgumentError(absl::StrCat(field, " is empty"));
+  if (name.size() > kMaxResidentNameBytes) {
+    return absl::InvalidArgumentError(absl::StrCat(field, " is ", name.size(), " bytes long; at most ",
+                                                   kMaxResidentNameBytes, " are allowed"));
+  }
+  for (char c : name) {
+    if (c == '@' || static_cast<unsigned char>(c) < 0x20 || c == 0x7f) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, " '", absl::CHexEscape(name), "' must not contain '@' or control characters"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+namespace {
+
+absl::Status NotFound(const std::string& name) {
+  return absl::NotFoundError(absl::StrCat("no resident tensor named '", name, "'"));
+}
+
+}  // namespace
+
+absl::StatusOr<Resident> ResidentRegistry::Find(const std::string& name) const {
+  absl::MutexLock lock(&mu_);
+  auto it = tensors_.find(name);
+  if (it == tensors_.end()) return NotFound(name);
+  return it->second;
+}
+
+absl::StatusOr<Resident> ResidentRegistry::FindAndPin(const std::string& name, std::vector<std::string>* pins) {
+  absl::MutexLock lock(&mu_);
+  auto it = tensors_.find(name);
+  if (it == tensors_.end()) return NotFound(name);
+  ++pins_[it->second.shard_name];
+  pins->push_back(it->second.shard_name);
+  return it->second;
+}
+
+std::vector<std::string> ResidentRegistry::Unpin(const std::vector<std::string>& pins) {
+  std::vector<std::string> to_delete;
+  absl::MutexLock lock(&mu_);
+  for (const std::string& shard : pins) {
+    if (--pins_[shard] > 0) continue;
+    pins_.erase(shard);
+    if (retired_.erase(shard) > 0) to_delete.push_back(shard);
+  }
+  return to_delete;
+}
+
+absl::StatusOr<std::string> ResidentRegistry::Claim(const std::string& name, bool overwrite) {
+  absl::MutexLock lock(&mu_);
+  if (!overwrite && tensors_.contains(name)) {
+    return absl::AlreadyExistsError(absl::StrCat("resident tensor '", name, "' exists"));
+  }
+  if (!overwrite && claims_.contains(name)) {
+    return absl::AlreadyExistsError(absl::StrCat("resident tensor '", name, "' is being made by another request"));
+  }
+  ++claims_[name];
+  return absl::StrCat(name, "@", next_generation_++);
+}
+
+void ResidentRegistry::Release(const std::string& name) {
+  absl::MutexLock lock(&mu_);
+  auto it = claims_.find(name);
+  if (it != claims_.end() && --it->second <= 0) claims_.erase(it);
+}
+
+std::string ResidentRegistry::Register(Resident resident) {
+  const std::string name = resident.info.name();
+  std::string replaced;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = tensors_.find(name);
+    if (it != tensors_.end()) replaced = it->second.shard_name;
+    tensors_[name] = std::move(resident);
+  }
+  Release(name);
+  return replaced;
+}
+
+absl::StatusOr<std::string> ResidentRegistry::Remove(const std::string& name) {
+  absl::MutexLock lock(&mu_);
+  auto it = tensors_.find(name);
+  if (it == tensors_.end()) return NotFound(name);
+  std::string shard = it->second.shard_name;
+  tensors_.erase(it);
+  return shard;
+}
+
+bool ResidentRegistry::Retire(const std::string& shard_name) {
+  absl::MutexLock lock(&mu_);
+  if (pins_.contains(shard_name)) {
+    retired_.insert(shard_name);  // requests still use it: deleted after the last one
+    return false;
+  }
+  return true;
+}
+
+std::vector<v1::ResidentTensorInfo> ResidentRegistry::List() const {
+  std::vector<v1::ResidentTensorInfo> out;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [name, resident] : tensors_) out.push_back(resident.info);
+  }
+  std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.name() < b.name(); });
+  return out;
+}
+
+}  // namespace shardgemm

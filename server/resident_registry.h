@@ -1,0 +1,72 @@
+// The coordinator's registry of resident tensors: name -> its info, spec and
+// the generation its shards carry on the workers ("name@generation"), with
+// the pins of running requests and the names requests are about to make.
+// No gRPC and no I/O: the decisions it returns ("delete these shards now")
+// are the caller's to carry out.
+#ifndef SHARDGEMM_SERVER_RESIDENT_REGISTRY_H_
+#define SHARDGEMM_SERVER_RESIDENT_REGISTRY_H_
+
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "planner/spec.h"
+#include "proto/shardgemm.pb.h"
+
+namespace shardgemm {
+
+// Resident tensor names (PutTensor's name, keep_output_as): 1 to
+// kMaxResidentNameBytes bytes, no '@' (it separates the generation on the
+// workers) and no control characters; INVALID_ARGUMENT naming `field` otherwise.
+constexpr size_t kMaxResidentNameBytes = 256;
+absl::Status ValidateResidentName(absl::string_view field, absl::string_view name);
+
+struct Resident {
+  v1::ResidentTensorInfo info;
+  planner::PartitionSpec spec;
+  std::string shard_name;  // name@generation on the workers
+};
+
+class ResidentRegistry {
+ public:
+  absl::StatusOr<Resident> Find(const std::string& name) const;
+  // Find, and pin the generation found: it stays on the workers until Unpin.
+  absl::StatusOr<Resident> FindAndPin(const std::string& name, std::vector<std::string>* pins);
+  // The shards whose last pin this was and that were retired meanwhile:
+  // the caller deletes them from the workers.
+  std::vector<std::string> Unpin(const std::vector<std::string>& pins);
+
+  // Claims `name` for a request that will register it, and gives the
+  // workers' name of its new generation. ALREADY_EXISTS when it is resident
+  // or claimed by a running request, unless `overwrite`. Release the claim
+  // with Register or Release.
+  absl::StatusOr<std::string> Claim(const std::string& name, bool overwrite);
+  void Release(const std::string& name);
+  // Registers `resident` under its name, releasing the claim. Returns the
+  // generation it replaced, if any: the caller retires it.
+  std::string Register(Resident resident);
+
+  // Removes `name`; returns its generation (NOT_FOUND if absent).
+  absl::StatusOr<std::string> Remove(const std::string& name);
+  // Whether `shard_name` can leave the workers now (no pins); otherwise it
+  // is marked, and Unpin hands it back with the last pin.
+  bool Retire(const std::string& shard_name);
+
+  std::vector<v1::ResidentTensorInfo> List() const;  // by name
+
+ private:
+  mutable absl::Mutex mu_;
+  absl::flat_hash_map<std::string, Resident> tensors_ ABSL_GUARDED_BY(mu_);
+  uint64_t next_generation_ ABSL_GUARDED_BY(mu_) = 1;
+  absl::flat_hash_map<std::string, int> pins_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_set<std::string> retired_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, int> claims_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace shardgemm
+
+#endif  // SHARDGEMM_SERVER_RESIDENT_REGISTRY_H_

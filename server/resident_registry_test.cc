@@ -1,0 +1,92 @@
+#include "server/resident_registry.h"
+
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+
+namespace shardgemm {
+namespace {
+
+Resident Named(const std::string& name, const std::string& shard) {
+  Resident r;
+  r.info.set_name(name);
+  r.shard_name = shard;
+  return r;
+}
+
+TEST(ResidentRegistryTest, ClaimGivesANewGenerationAndRefusesAResidentName) {
+  ResidentRegistry registry;
+  auto first = registry.Claim("w", /*overwrite=*/false);
+  ASSERT_TRUE(first.ok());
+  EXPECT_EQ(*first, "w@1");
+  // A second request may not make the same name while the first runs.
+  EXPECT_EQ(registry.Claim("w", false).status().code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_EQ(registry.Register(Named("w", *first)), "");
+  auto again = registry.Claim("w", false);
+  EXPECT_EQ(again.status().code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_NE(again.status().message().find("exists"), std::string::npos);
+  // With overwrite: a new generation, and the old one comes back to retire.
+  auto second = registry.Claim("w", true);
+  ASSERT_TRUE(second.ok());
+  EXPECT_EQ(*second, "w@2");
+  EXPECT_EQ(registry.Register(Named("w", *second)), "w@1");
+  EXPECT_EQ(registry.Find("w")->shard_name, "w@2");
+}
+
+TEST(ResidentRegistryTest, ReleasedClaimFreesTheName) {
+  ResidentRegistry registry;
+  ASSERT_TRUE(registry.Claim("y", false).ok());
+  registry.Release("y");  // the request failed
+  EXPECT_TRUE(registry.Claim("y", false).ok());
+  EXPECT_EQ(registry.Find("y").status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST(ResidentRegistryTest, PinnedGenerationLeavesOnlyAfterItsLastRequest) {
+  ResidentRegistry registry;
+  registry.Register(Named("w", "w@1"));
+  std::vector<std::string> a, b;
+  ASSERT_TRUE(registry.FindAndPin("w", &a).ok());
+  ASSERT_TRUE(registry.FindAndPin("w", &b).ok());
+  ASSERT_TRUE(registry.Remove("w").ok());
+  EXPECT_FALSE(registry.Retire("w@1"));  // two requests still read it
+  EXPECT_TRUE(registry.Unpin(a).empty());
+  EXPECT_EQ(registry.Unpin(b), std::vector<std::string>({"w@1"}));
+  // Unpinned and not retired: nothing to delete.
+  registry.Register(Named("x", "x@9"));
+  std::vector<std::string> c;
+  ASSERT_TRUE(registry.FindAndPin("x", &c).ok());
+  EXPECT_TRUE(registry.Unpin(c).empty());
+  EXPECT_TRUE(registry.Retire("x@9"));
+}
+
+TEST(ResidentRegistryTest, MissingNamesAreNotFound) {
+  ResidentRegistry registry;
+  std::vector<std::string> pins;
+  EXPECT_EQ(registry.Find("z").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(registry.FindAndPin("z", &pins).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(pins.empty());
+  EXPECT_EQ(registry.Remove("z").status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST(ResidentRegistryTest, ListIsSortedByName) {
+  ResidentRegistry registry;
+  for (const char* n : {"b", "a", "c"}) registry.Register(Named(n, std::string(n) + "@1"));
+  std::vector<std::string> names;
+  for (const auto& info : registry.List()) names.push_back(info.name());
+  EXPECT_EQ(names, std::vector<std::string>({"a", "b", "c"}));
+}
+
+TEST(ResidentRegistryTest, NamesAreValidated) {
+  EXPECT_TRUE(ValidateResidentName("name", "experts.0").ok());
+  EXPECT_TRUE(ValidateResidentName("name", std::string(kMaxResidentNameBytes, 'a')).ok());
+  for (const std::string& bad : {std::string(""), std::string(kMaxResidentNameBytes + 1, 'a'), std::string("a@1"),
+                                 std::string("a\nb"), std::string("a\x7f")}) {
+    absl::Status s = ValidateResidentName("keep_output_as", bad);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_EQ(s.message().rfind("keep_output_as", 0), 0u) << s;
+  }
+}
+
+}  // namespace
+}  // namespace shardgemm
