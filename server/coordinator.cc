@@ -23,45 +23,16 @@ Coordinator::Coordinator(planner::Mesh mesh, Connector connect, CoordinatorOptio
     : options_(options),
       mesh_(std::move(mesh)),
       num_workers_(static_cast<int>(planner::NumWorkers(mesh_))),
-      connect_(std::move(connect)),
-      session_(absl::StrCat(absl::ToUnixNanos(absl::Now()))) {
-  workers_.resize(num_workers_);
-}
+      session_(absl::StrCat(absl::ToUnixNanos(absl::Now()))),
+      dispatcher_(mesh_, std::move(connect), options_.dispatch_grace) {}
 
 absl::StatusOr<v1::RegisterResponse> Coordinator::Register(const v1::RegisterRequest& request) {
-  if (request.address().empty()) {
-    return absl::InvalidArgumentError("address is empty: a worker must say where it serves");
-  }
-  // Lock order: dispatch_mu_, then workers_mu_ (as Dispatch takes them).
-  absl::MutexLock dispatch_lock(&dispatch_mu_);
-  absl::MutexLock lock(&workers_mu_);
-  int rank = -1;
-  for (int r = 0; r < num_workers_; ++r) {
-    // A worker that restarts on the same address gets its rank back.
-    if (workers_[r].channel != nullptr && workers_[r].info.address() == request.address()) rank = r;
-  }
-  if (rank < 0) {
-    if (registered_ == num_workers_) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "the mesh ", planner::FormatMesh(mesh_), " already has all ", num_workers_, " workers"));
-    }
-    rank = registered_++;
-  }
-  Worker& w = workers_[rank];
-  w.channel = connect_(request.address());
-  w.info.set_rank(rank);
-  w.info.set_address(request.address());
-  w.info.set_backend(request.backend());
-  w.info.set_device(request.device());
-  w.info.set_memory_budget_bytes(request.memory_budget_bytes());
-  auto coords = planner::RankToCoords(mesh_, rank);
-  if (coords.ok()) w.info.mutable_coords()->Assign(coords->begin(), coords->end());
-
+  auto joined = dispatcher_.Join(request);
+  if (!joined.ok()) return joined.status();
   v1::RegisterResponse response;
-  response.set_rank(rank);
+  response.set_rank(joined->rank);
   response.set_session(session_);
-  // A worker that (re)joins starts at the current place in the global order.
-  response.set_next_sequence(next_sequence_);
+  response.set_next_sequence(joined->next_sequence);
   *response.mutable_mesh() = MeshToProto(mesh_);
   return response;
 }
@@ -71,11 +42,8 @@ v1::ClusterInfo Coordinator::ClusterInfo() const {
   *info.mutable_mesh() = MeshToProto(mesh_);
   info.set_workers_expected(num_workers_);
   info.set_version("shardgemm v1");
-  absl::MutexLock lock(&workers_mu_);
-  for (const Worker& w : workers_) {
-    if (w.channel != nullptr) *info.add_workers() = w.info;
-  }
-  info.set_ready(registered_ == num_workers_);
+  for (v1::WorkerInfo& w : dispatcher_.Workers()) *info.add_workers() = std::move(w);
+  info.set_ready(dispatcher_.Complete());
   return info;
 }
 
@@ -83,15 +51,12 @@ absl::Status Coordinator::CheckTensorFits(const std::string& name, int64_t bytes
   if (auto s = CheckReady(); !s.ok()) return s;
   int64_t total = 0;
   bool unbounded = false;
-  {
-    absl::MutexLock lock(&workers_mu_);
-    for (const Worker& w : workers_) {
-      const int64_t budget = w.info.memory_budget_bytes();
-      if (budget <= 0) unbounded = true;
-      // Saturating: budgets a worker reports are not to be trusted to sum.
-      total = budget > std::numeric_limits<int64_t>::max() - total ? std::numeric_limits<int64_t>::max()
-                                                                     : total + budget;
-    }
+  for (const v1::WorkerInfo& w : dispatcher_.Workers()) {
+    const int64_t budget = w.memory_budget_bytes();
+    if (budget <= 0) unbounded = true;
+    // Saturating: budgets a worker reports are not to be trusted to sum.
+    total = budget > std::numeric_limits<int64_t>::max() - total ? std::numeric_limits<int64_t>::max()
+                                                                 : total + budget;
   }
   if (!unbounded && bytes > total) {
     return absl::ResourceExhaustedError(absl::StrCat("shape: tensor '", name, "' needs ", bytes,
@@ -101,111 +66,15 @@ absl::Status Coordinator::CheckTensorFits(const std::string& name, int64_t bytes
   return absl::OkStatus();
 }
 
-absl::Status Coordinator::CheckReady() const {
-  absl::MutexLock lock(&workers_mu_);
-  if (registered_ < num_workers_) {
-    return absl::UnavailableError(absl::StrCat("the mesh is not complete: ", num_workers_ - registered_,
-                                               " of ", num_workers_, " workers have not registered"));
-  }
-  return absl::OkStatus();
-}
+absl::Status Coordinator::CheckReady() const { return dispatcher_.CheckComplete(); }
 
 absl::Time Coordinator::StepDeadline(absl::Time client_deadline) const {
   return std::min(client_deadline, absl::Now() + options_.step_timeout);
 }
 
-void Coordinator::DispatchDetached(std::vector<v1::Step> steps, absl::Time deadline) {
-  std::vector<std::shared_ptr<WorkerChannel>> channels;
-  {
-    absl::MutexLock lock(&dispatch_mu_);
-    {
-      absl::MutexLock workers_lock(&workers_mu_);
-      for (const Worker& w : workers_) channels.push_back(w.channel);
-    }
-    const uint64_t sequence = next_sequence_++;
-    for (v1::Step& s : steps) s.set_sequence(sequence);
-  }
-  for (size_t r = 0; r < steps.size(); ++r) {
-    if (channels[r] != nullptr) channels[r]->ExecuteAsync(steps[r], deadline, [](absl::StatusOr<v1::StepResult>) {});
-  }
-}
-
 absl::StatusOr<std::vector<v1::StepResult>> Coordinator::Dispatch(std::vector<v1::Step> steps,
                                                                   absl::Time deadline) {
-  // The answers of one dispatch; shared with the callbacks, which may come
-  // after Dispatch has given up on a worker that did not answer in time.
-  struct Pending {
-    absl::Mutex mu;
-    std::vector<absl::optional<absl::StatusOr<v1::StepResult>>> results ABSL_GUARDED_BY(mu);
-    size_t answered ABSL_GUARDED_BY(mu) = 0;
-  };
-  auto pending = std::make_shared<Pending>();
-  std::vector<std::shared_ptr<WorkerChannel>> channels;
-  {
-    // One global order: every worker sees every sequence number, so its
-    // collectives line up with everyone else's. The channels are taken with
-    // the number, under the lock Register holds while it hands a (re)joining
-    // worker its first sequence number: a worker gets either every step
-    // numbered before it joined or none.
-    absl::MutexLock lock(&dispatch_mu_);
-    {
-      absl::MutexLock workers_lock(&workers_mu_);
-      for (const Worker& w : workers_) channels.push_back(w.channel);
-    }
-    const uint64_t sequence = next_sequence_++;
-    for (v1::Step& s : steps) s.set_sequence(sequence);
-  }
-  {
-    absl::MutexLock lock(&pending->mu);
-    pending->results.resize(steps.size());
-  }
-  for (size_t r = 0; r < steps.size(); ++r) {
-    if (channels[r] == nullptr) {
-      absl::MutexLock lock(&pending->mu);
-      pending->results[r] = absl::UnavailableError("not registered");
-      ++pending->answered;
-      continue;
-    }
-    channels[r]->ExecuteAsync(steps[r], deadline, [pending, r](absl::StatusOr<v1::StepResult> result) {
-      absl::MutexLock lock(&pending->mu);
-      pending->results[r] = std::move(result);
-      ++pending->answered;
-    });
-  }
-  std::vector<absl::StatusOr<v1::StepResult>> results;
-  {
-    absl::MutexLock lock(&pending->mu);
-    auto all_answered = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(pending->mu) {
-      return pending->answered == steps.size();
-    };
-    // The channel enforces the deadline itself; the grace covers a channel
-    // (or a fake) that does not.
-    pending->mu.AwaitWithDeadline(absl::Condition(&all_answered), deadline + options_.dispatch_grace);
-    for (size_t r = 0; r < steps.size(); ++r) {
-      if (pending->results[r].has_value()) {
-        results.push_back(std::move(*pending->results[r]));
-      } else {
-        results.push_back(absl::DeadlineExceededError("no answer by the step's deadline"));
-      }
-    }
-  }
-
-  // The worker that failed says why; the others only report ABORTED.
-  int failed = -1;
-  for (size_t r = 0; r < results.size(); ++r) {
-    if (results[r].ok()) continue;
-    if (failed < 0 || (results[failed].status().code() == absl::StatusCode::kAborted &&
-                       results[r].status().code() != absl::StatusCode::kAborted)) {
-      failed = static_cast<int>(r);
-    }
-  }
-  if (failed >= 0) {
-    const absl::Status& s = results[failed].status();
-    return absl::Status(s.code(), absl::StrCat("worker ", failed, ": ", s.message()));
-  }
-  std::vector<v1::StepResult> out;
-  for (auto& r : results) out.push_back(std::move(*r));
-  return out;
+  return dispatcher_.Dispatch(std::move(steps), deadline);
 }
 
 void Coordinator::Unpin(const std::vector<std::string>& pins) {
@@ -231,7 +100,7 @@ void Coordinator::DeleteShardsBestEffort(const std::string& shard_name) {
   // shard until it restarts.
   std::vector<v1::Step> steps(num_workers_);
   for (v1::Step& s : steps) s.mutable_delete_shard()->set_name(shard_name);
-  DispatchDetached(std::move(steps), absl::Now() + options_.step_timeout);
+  dispatcher_.DispatchDetached(std::move(steps), absl::Now() + options_.step_timeout);
 }
 
 void Coordinator::RetireBestEffort(const std::string& shard_name) {
@@ -344,11 +213,7 @@ absl::StatusOr<Coordinator::Fetched> Coordinator::GetTensor(const std::string& n
   PinGuard guard{this, {}};
   auto resident = registry_.FindAndPin(name, &guard.pins);
   if (!resident.ok()) return resident.status();
-  std::vector<std::shared_ptr<WorkerChannel>> channels;
-  {
-    absl::MutexLock lock(&workers_mu_);
-    for (const Worker& w : workers_) channels.push_back(w.channel);
-  }
+  const std::vector<std::shared_ptr<WorkerChannel>> channels = dispatcher_.Channels();
   auto dtype = DTypeFromProto(resident->info.dtype(), "dtype");
   if (!dtype.ok()) return dtype.status();
   std::vector<int64_t> shape(resident->info.shape().begin(), resident->info.shape().end());

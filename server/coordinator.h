@@ -18,6 +18,7 @@
 #include "proto/shardgemm.pb.h"
 #include "planner/mesh.h"
 #include "planner/spec.h"
+#include "server/dispatcher.h"
 #include "server/resident_registry.h"
 #include "server/worker_channel.h"
 
@@ -66,10 +67,6 @@ class Coordinator {
   const planner::Mesh& mesh() const { return mesh_; }
 
  private:
-  struct Worker {
-    v1::WorkerInfo info;
-    std::shared_ptr<WorkerChannel> channel;  // shared: a dispatch may outlive a re-registration
-  };
 
   // An operand the caller has decoded already (GLOBAL_SORTED's routed rows
   // and per-shard group sizes): it stands for the request's field of that
@@ -90,13 +87,8 @@ class Coordinator {
   absl::Status CheckReady() const;
   // The deadline of a request's steps: the client's, or the server's default.
   absl::Time StepDeadline(absl::Time client_deadline) const;
-  // Gives `steps` (one per rank) the next sequence number and sends them to
-  // every worker at once, without a thread per worker; fails if any worker
-  // fails, and with DEADLINE_EXCEEDED for one that has not answered by
-  // `deadline`.
+  // Dispatcher::Dispatch.
   absl::StatusOr<std::vector<v1::StepResult>> Dispatch(std::vector<v1::Step> steps, absl::Time deadline);
-  // Numbers and sends `steps` like Dispatch, without waiting for the answers.
-  void DispatchDetached(std::vector<v1::Step> steps, absl::Time deadline);
   static struct TensorMeta MetaOf(const Resident& resident);
   // Resident shards that a running request has resolved are pinned: a
   // replacement or delete retires them, and they leave the workers when the
@@ -125,15 +117,9 @@ class Coordinator {
   const CoordinatorOptions options_;
   const planner::Mesh mesh_;
   const int num_workers_;
-  Connector connect_;
   const std::string session_;  // names this run in rendezvous keys
 
-  mutable absl::Mutex workers_mu_;
-  std::vector<Worker> workers_ ABSL_GUARDED_BY(workers_mu_);
-  int registered_ ABSL_GUARDED_BY(workers_mu_) = 0;
-
-  absl::Mutex dispatch_mu_;
-  uint64_t next_sequence_ ABSL_GUARDED_BY(dispatch_mu_) = 1;
+  Dispatcher dispatcher_;
 
   ResidentRegistry registry_;
 };

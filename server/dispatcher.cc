@@ -1,0 +1,157 @@
+#include "server/dispatcher.h"
+
+#include "absl/strings/str_cat.h"
+#include "absl/types/optional.h"
+
+namespace shardgemm {
+
+Dispatcher::Dispatcher(planner::Mesh mesh, Connector connect, absl::Duration grace)
+    : mesh_(std::move(mesh)),
+      num_workers_(static_cast<int>(planner::NumWorkers(mesh_))),
+      connect_(std::move(connect)),
+      grace_(grace) {
+  workers_.resize(num_workers_);
+}
+
+absl::StatusOr<Dispatcher::Joined> Dispatcher::Join(const v1::RegisterRequest& request) {
+  if (request.address().empty()) {
+    return absl::InvalidArgumentError("address is empty: a worker must say where it serves");
+  }
+  absl::MutexLock sequence_lock(&sequence_mu_);
+  absl::MutexLock lock(&workers_mu_);
+  int rank = -1;
+  for (int r = 0; r < num_workers_; ++r) {
+    // A worker that restarts on the same address gets its rank back.
+    if (workers_[r].channel != nullptr && workers_[r].info.address() == request.address()) rank = r;
+  }
+  if (rank < 0) {
+    if (joined_ == num_workers_) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "the mesh ", planner::FormatMesh(mesh_), " already has all ", num_workers_, " workers"));
+    }
+    rank = joined_++;
+  }
+  Worker& w = workers_[rank];
+  w.channel = connect_(request.address());
+  w.info.set_rank(rank);
+  w.info.set_address(request.address());
+  w.info.set_backend(request.backend());
+  w.info.set_device(request.device());
+  w.info.set_memory_budget_bytes(request.memory_budget_bytes());
+  auto coords = planner::RankToCoords(mesh_, rank);
+  if (coords.ok()) w.info.mutable_coords()->Assign(coords->begin(), coords->end());
+  // A worker that (re)joins starts at the current place in the global order.
+  return Joined{rank, next_sequence_};
+}
+
+std::vector<v1::WorkerInfo> Dispatcher::Workers() const {
+  std::vector<v1::WorkerInfo> out;
+  absl::MutexLock lock(&workers_mu_);
+  for (const Worker& w : workers_) {
+    if (w.channel != nullptr) out.push_back(w.info);
+  }
+  return out;
+}
+
+bool Dispatcher::Complete() const {
+  absl::MutexLock lock(&workers_mu_);
+  return joined_ == num_workers_;
+}
+
+absl::Status Dispatcher::CheckComplete() const {
+  absl::MutexLock lock(&workers_mu_);
+  if (joined_ < num_workers_) {
+    return absl::UnavailableError(absl::StrCat("the mesh is not complete: ", num_workers_ - joined_, " of ",
+                                               num_workers_, " workers have not registered"));
+  }
+  return absl::OkStatus();
+}
+
+std::vector<std::shared_ptr<WorkerChannel>> Dispatcher::Channels() const {
+  std::vector<std::shared_ptr<WorkerChannel>> channels;
+  absl::MutexLock lock(&workers_mu_);
+  for (const Worker& w : workers_) channels.push_back(w.channel);
+  return channels;
+}
+
+std::vector<std::shared_ptr<WorkerChannel>> Dispatcher::Number(std::vector<v1::Step>* steps) {
+  absl::MutexLock lock(&sequence_mu_);
+  std::vector<std::shared_ptr<WorkerChannel>> channels = Channels();
+  const uint64_t sequence = next_sequence_++;
+  for (v1::Step& s : *steps) s.set_sequence(sequence);
+  return channels;
+}
+
+void Dispatcher::DispatchDetached(std::vector<v1::Step> steps, absl::Time deadline) {
+  const std::vector<std::shared_ptr<WorkerChannel>> channels = Number(&steps);
+  for (size_t r = 0; r < steps.size() && r < channels.size(); ++r) {
+    if (channels[r] != nullptr) channels[r]->ExecuteAsync(steps[r], deadline, [](absl::StatusOr<v1::StepResult>) {});
+  }
+}
+
+absl::StatusOr<std::vector<v1::StepResult>> Dispatcher::Dispatch(std::vector<v1::Step> steps, absl::Time deadline) {
+  if (static_cast<int>(steps.size()) != num_workers_) {
+    return absl::InternalError(absl::StrCat(steps.size(), " steps for ", num_workers_, " workers"));
+  }
+  // The answers of one dispatch; shared with the callbacks, which may come
+  // after Dispatch has given up on a worker that did not answer in time.
+  struct Pending {
+    absl::Mutex mu;
+    std::vector<absl::optional<absl::StatusOr<v1::StepResult>>> results ABSL_GUARDED_BY(mu);
+    size_t answered ABSL_GUARDED_BY(mu) = 0;
+  };
+  auto pending = std::make_shared<Pending>();
+  {
+    absl::MutexLock lock(&pending->mu);
+    pending->results.resize(steps.size());
+  }
+  const std::vector<std::shared_ptr<WorkerChannel>> channels = Number(&steps);
+  for (size_t r = 0; r < steps.size(); ++r) {
+    if (channels[r] == nullptr) {
+      absl::MutexLock lock(&pending->mu);
+      pending->results[r] = absl::UnavailableError("not registered");
+      ++pending->answered;
+      continue;
+    }
+    channels[r]->ExecuteAsync(steps[r], deadline, [pending, r](absl::StatusOr<v1::StepResult> result) {
+      absl::MutexLock lock(&pending->mu);
+      pending->results[r] = std::move(result);
+      ++pending->answered;
+    });
+  }
+  std::vector<absl::StatusOr<v1::StepResult>> results;
+  {
+    absl::MutexLock lock(&pending->mu);
+    auto all_answered = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(pending->mu) {
+      return pending->answered == steps.size();
+    };
+    // The channel enforces the deadline itself; the grace covers a channel
+    // (or a fake) that does not.
+    pending->mu.AwaitWithDeadline(absl::Condition(&all_answered), deadline + grace_);
+    for (size_t r = 0; r < steps.size(); ++r) {
+      if (pending->results[r].has_value()) {
+        results.push_back(std::move(*pending->results[r]));
+      } else {
+        results.push_back(absl::DeadlineExceededError("no answer by the step's deadline"));
+      }
+    }
+  }
+  // The worker that failed says why; the others only report ABORTED.
+  int failed = -1;
+  for (size_t r = 0; r < results.size(); ++r) {
+    if (results[r].ok()) continue;
+    if (failed < 0 || (results[failed].status().code() == absl::StatusCode::kAborted &&
+                       results[r].status().code() != absl::StatusCode::kAborted)) {
+      failed = static_cast<int>(r);
+    }
+  }
+  if (failed >= 0) {
+    const absl::Status& s = results[failed].status();
+    return absl::Status(s.code(), absl::StrCat("worker ", failed, ": ", s.message()));
+  }
+  std::vector<v1::StepResult> out;
+  for (auto& r : results) out.push_back(std::move(*r));
+  return out;
+}
+
+}  // namespace shardgemm

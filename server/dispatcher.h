@@ -1,0 +1,81 @@
+// The mesh's workers and the one global order of their steps: workers join
+// at a rank (row-major over the mesh axes, in joining order; a worker that
+// comes back at the same address gets its rank back), and every request's
+// steps, one per rank, take the next sequence number and go to every worker
+// at once on the channels' asynchronous calls, each with a deadline.
+#ifndef SHARDGEMM_SERVER_DISPATCHER_H_
+#define SHARDGEMM_SERVER_DISPATCHER_H_
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "planner/mesh.h"
+#include "proto/shardgemm.pb.h"
+#include "server/worker_channel.h"
+
+namespace shardgemm {
+
+class Dispatcher {
+ public:
+  using Connector = std::function<std::unique_ptr<WorkerChannel>(const std::string& address)>;
+
+  // `grace`: how long past a step's deadline Dispatch waits for a channel
+  // that has not reported back (gRPC channels report by the deadline).
+  Dispatcher(planner::Mesh mesh, Connector connect, absl::Duration grace);
+
+  struct Joined {
+    int rank = 0;
+    uint64_t next_sequence = 0;  // the first step this worker will be sent
+  };
+  // RESOURCE_EXHAUSTED when every rank is taken by another address.
+  absl::StatusOr<Joined> Join(const v1::RegisterRequest& request);
+
+  int num_workers() const { return num_workers_; }
+  // The registered workers, by rank.
+  std::vector<v1::WorkerInfo> Workers() const;
+  bool Complete() const;
+  // UNAVAILABLE (with how many are missing) until every rank has joined.
+  absl::Status CheckComplete() const;
+  // The channel of every rank (null where none has joined).
+  std::vector<std::shared_ptr<WorkerChannel>> Channels() const;
+
+  // Gives `steps` (one per rank) the next sequence number and sends them to
+  // every worker at once, without a thread per worker; fails if any worker
+  // fails (with the failing worker's status, not a peer's ABORTED), and
+  // with DEADLINE_EXCEEDED for one that has not answered by `deadline`.
+  absl::StatusOr<std::vector<v1::StepResult>> Dispatch(std::vector<v1::Step> steps, absl::Time deadline);
+  // Numbers and sends `steps` like Dispatch, without waiting for answers.
+  void DispatchDetached(std::vector<v1::Step> steps, absl::Time deadline);
+
+ private:
+  // Numbers `steps` and returns the channels, under the lock Join holds
+  // while it hands a (re)joining worker its first number: a worker gets
+  // either every step numbered before it joined or none of them.
+  std::vector<std::shared_ptr<WorkerChannel>> Number(std::vector<v1::Step>* steps);
+
+  struct Worker {
+    v1::WorkerInfo info;
+    std::shared_ptr<WorkerChannel> channel;  // shared: a dispatch may outlive a re-registration
+  };
+
+  const planner::Mesh mesh_;
+  const int num_workers_;
+  const Connector connect_;
+  const absl::Duration grace_;
+
+  // Lock order: sequence_mu_, then workers_mu_.
+  absl::Mutex sequence_mu_;
+  uint64_t next_sequence_ ABSL_GUARDED_BY(sequence_mu_) = 1;
+  mutable absl::Mutex workers_mu_;
+  std::vector<Worker> workers_ ABSL_GUARDED_BY(workers_mu_);
+  int joined_ ABSL_GUARDED_BY(workers_mu_) = 0;
+};
+
+}  // namespace shardgemm
+
+#endif  // SHARDGEMM_SERVER_DISPATCHER_H_

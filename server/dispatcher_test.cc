@@ -1,0 +1,106 @@
+#include "server/dispatcher.h"
+
+#include <map>
+#include <memory>
+#include <string>
+
+#include "absl/time/clock.h"
+#include "gtest/gtest.h"
+#include "server/fake_worker_channel.h"
+
+namespace shardgemm {
+namespace {
+
+class DispatcherTest : public ::testing::Test {
+ protected:
+  // A dispatcher over `mesh` whose channels are fakes, by address.
+  std::unique_ptr<Dispatcher> Make(const std::string& mesh) {
+    return std::make_unique<Dispatcher>(
+        *planner::ParseMesh(mesh, ""),
+        [this](const std::string& address) {
+          auto it = fakes_.find(address);
+          if (it == fakes_.end()) it = fakes_.emplace(address, FakeWorkerChannel()).first;
+          return std::make_unique<FakeWorkerChannel>(it->second);
+        },
+        absl::Milliseconds(100));
+  }
+  static v1::RegisterRequest At(const std::string& address) {
+    v1::RegisterRequest r;
+    r.set_address(address);
+    return r;
+  }
+  static std::vector<v1::Step> DeleteSteps(int n) {
+    std::vector<v1::Step> steps(n);
+    for (v1::Step& s : steps) s.mutable_delete_shard()->set_name("nothing");
+    return steps;
+  }
+  std::map<std::string, FakeWorkerChannel> fakes_;
+};
+
+TEST_F(DispatcherTest, WorkersJoinInOrderAndGetTheirRankBack) {
+  auto d = Make("dp=2,ep=2");
+  EXPECT_EQ(d->CheckComplete().code(), absl::StatusCode::kUnavailable);
+  for (int i = 0; i < 4; ++i) {
+    auto j = d->Join(At("w" + std::to_string(i)));
+    ASSERT_TRUE(j.ok()) << j.status();
+    EXPECT_EQ(j->rank, i);
+  }
+  EXPECT_TRUE(d->Complete());
+  EXPECT_EQ(d->Join(At("w9")).status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(d->Join(At("w2"))->rank, 2);
+  EXPECT_EQ(d->Join(At("")).status().code(), absl::StatusCode::kInvalidArgument);
+  const auto workers = d->Workers();
+  ASSERT_EQ(workers.size(), 4u);
+  EXPECT_EQ(std::vector<int64_t>(workers[3].coords().begin(), workers[3].coords().end()),
+            std::vector<int64_t>({1, 1}));
+}
+
+TEST_F(DispatcherTest, EveryWorkerGetsTheSameNumberAndNumbersIncrease) {
+  auto d = Make("dp=2");
+  ASSERT_TRUE(d->Join(At("a")).ok());
+  ASSERT_TRUE(d->Join(At("b")).ok());
+  for (int i = 0; i < 3; ++i) ASSERT_TRUE(d->Dispatch(DeleteSteps(2), absl::Now() + absl::Seconds(5)).status().code() ==
+                                          absl::StatusCode::kNotFound);  // the fake holds no such shard
+  d->DispatchDetached(DeleteSteps(2), absl::Now() + absl::Seconds(5));
+  std::vector<uint64_t> a, b;
+  for (const auto& s : fakes_.at("a").steps()) a.push_back(s.sequence());
+  for (const auto& s : fakes_.at("b").steps()) b.push_back(s.sequence());
+  EXPECT_EQ(a, std::vector<uint64_t>({1, 2, 3, 4}));
+  EXPECT_EQ(a, b);
+  // A worker that rejoins starts where the order is now.
+  EXPECT_EQ(d->Join(At("a"))->next_sequence, 5u);
+}
+
+TEST_F(DispatcherTest, FailingWorkersStatusWinsOverItsPeersAborted) {
+  auto d = Make("dp=3");
+  for (const char* w : {"a", "b", "c"}) ASSERT_TRUE(d->Join(At(w)).ok());
+  fakes_.at("a").SetHandler([](const v1::Step&) -> absl::StatusOr<v1::StepResult> { return absl::AbortedError("peer"); });
+  fakes_.at("b").SetHandler(
+      [](const v1::Step&) -> absl::StatusOr<v1::StepResult> { return absl::ResourceExhaustedError("budget"); });
+  fakes_.at("c").SetHandler([](const v1::Step&) -> absl::StatusOr<v1::StepResult> { return absl::AbortedError("peer"); });
+  auto r = d->Dispatch(DeleteSteps(3), absl::Now() + absl::Seconds(5));
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(r.status().message().rfind("worker 1: ", 0), 0u) << r.status();
+}
+
+TEST_F(DispatcherTest, WorkerThatNeverAnswersIsDeadlineExceededInTime) {
+  auto d = Make("dp=2");
+  ASSERT_TRUE(d->Join(At("a")).ok());
+  ASSERT_TRUE(d->Join(At("b")).ok());
+  fakes_.at("a").SetHandler([](const v1::Step&) -> absl::StatusOr<v1::StepResult> { return v1::StepResult(); });
+  fakes_.at("b").SetNeverAnswer(true);
+  const absl::Time start = absl::Now();
+  auto r = d->Dispatch(DeleteSteps(2), start + absl::Milliseconds(150));
+  const absl::Duration took = absl::Now() - start;
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kDeadlineExceeded) << r.status();
+  EXPECT_EQ(r.status().message().rfind("worker 1: ", 0), 0u) << r.status();
+  EXPECT_LT(took, absl::Milliseconds(150 + 100 + 200));  // deadline + grace + scheduling slack
+}
+
+TEST_F(DispatcherTest, StepsForTheWrongNumberOfWorkersAreRefused) {
+  auto d = Make("dp=2");
+  EXPECT_EQ(d->Dispatch(DeleteSteps(3), absl::Now() + absl::Seconds(1)).status().code(), absl::StatusCode::kInternal);
+}
+
+}  // namespace
+}  // namespace shardgemm
