@@ -86,6 +86,10 @@ class CudaBackend : public Backend {
   ~CudaBackend() override {
     // The quantize library's workspace for the stream goes with it.
     cudaSetDevice(device_);
+    for (int i = 0; i < 2; ++i) {
+      if (staging_[i] != nullptr) cudaFreeHost(staging_[i]);
+      if (staged_[i] != nullptr) cudaEventDestroy(staged_[i]);
+    }
     (void)cuda::ReleaseQuantizeWorkspace(stream_);
     cudaStreamDestroy(stream_);
   }
@@ -150,6 +154,54 @@ class CudaBackend : public Backend {
     return out;
   }
 
+  // Appends `bytes` of device memory at `src` (written on stream_) to
+  // out->bytes, through two pinned staging buffers: the copy of one chunk
+  // overlaps the append of the one before, the copies run at pinned speed,
+  // and the host bytes are written once (no zero fill).
+  absl::Status DownloadInto(const void* src, int64_t bytes, HostTensor* out) {
+    out->bytes.clear();
+    out->bytes.reserve(static_cast<size_t>(bytes));
+    for (int i = 0; i < 2; ++i) {
+      if (staging_[i] == nullptr) {
+        if (auto s = CudaStatus(cudaMallocHost(&staging_[i], kStagingBytes), "pinned staging"); !s.ok()) return s;
+        if (auto s = CudaStatus(cudaEventCreateWithFlags(&staged_[i], cudaEventDisableTiming), "event"); !s.ok()) {
+          return s;
+        }
+      }
+    }
+    const char* from = static_cast<const char*>(src);
+    int64_t pending = -1, pending_len = 0;  // the chunk in flight, if any
+    for (int64_t offset = 0, chunk = 0; offset < bytes || pending >= 0; ++chunk) {
+      if (offset < bytes) {
+        const int b = static_cast<int>(chunk % 2);
+        const int64_t len = std::min<int64_t>(kStagingBytes, bytes - offset);
+        if (auto s = CudaStatus(cudaMemcpyAsync(staging_[b], from + offset, len, cudaMemcpyDeviceToHost, stream_),
+                                "download");
+            !s.ok()) {
+          return s;
+        }
+        if (auto s = CudaStatus(cudaEventRecord(staged_[b], stream_), "event"); !s.ok()) return s;
+        if (pending >= 0) {
+          if (auto s = AppendStaged(static_cast<int>(pending % 2), pending_len, out); !s.ok()) return s;
+        }
+        pending = chunk;
+        pending_len = len;
+        offset += len;
+      } else {
+        if (auto s = AppendStaged(static_cast<int>(pending % 2), pending_len, out); !s.ok()) return s;
+        pending = -1;
+      }
+    }
+    downloaded_ += bytes;
+    return absl::OkStatus();
+  }
+
+  absl::Status AppendStaged(int b, int64_t len, HostTensor* out) {
+    if (auto s = CudaStatus(cudaEventSynchronize(staged_[b]), "download"); !s.ok()) return s;
+    out->bytes.append(static_cast<const char*>(staging_[b]), static_cast<size_t>(len));
+    return absl::OkStatus();
+  }
+
   absl::StatusOr<GemmOutput> Run(const LocalGemm& g, bool keep) {
     const HostTensor& lhs = *g.lhs;
     const HostTensor& rhs = *g.rhs;
@@ -201,14 +253,12 @@ class CudaBackend : public Backend {
     if (!prep.ok()) {
       out = prep;
     } else {
-      if (keep) {
-        HostTensor header;
-        header.dtype = g.out_dtype;
-        header.shape = out_shape;
-        out = std::move(header);
-      } else {
-        out = ZerosTensor(g.out_dtype, out_shape);
-      }
+      // The output's host bytes are appended as they arrive (DownloadInto):
+      // no zero-filling first.
+      HostTensor header;
+      header.dtype = g.out_dtype;
+      header.shape = out_shape;
+      out = std::move(header);
     }
     int64_t out_bytes = DTypeSize(g.out_dtype);
     for (int64_t d : out_shape) out_bytes *= d;
@@ -279,13 +329,8 @@ class CudaBackend : public Backend {
     a.group_sizes_host = g.group_sizes.data();
     absl::Status s = g.ragged_k ? runner_->RaggedK(a, stream_) : runner_->RaggedM(a, stream_);
     if (!s.ok()) return s;
-    if (!keep && out->NumBytes() > 0) {
-      if (auto st = CudaStatus(
-              cudaMemcpyAsync(&out->bytes[0], *d_out, out->NumBytes(), cudaMemcpyDeviceToHost, stream_), "download");
-          !st.ok()) {
-        return st;
-      }
-      downloaded_ += out->NumBytes();
+    if (!keep) {
+      if (auto st = DownloadInto(*d_out, out_bytes, &*out); !st.ok()) return st;
     }
     if (auto st = CudaStatus(cudaStreamSynchronize(stream_), "grouped GEMM"); !st.ok()) return st;
     GemmOutput result;
@@ -395,6 +440,9 @@ class CudaBackend : public Backend {
   int device_;
   int64_t total_memory_ = 0;
   std::atomic<int64_t> uploaded_{0}, downloaded_{0};
+  static constexpr int64_t kStagingBytes = int64_t{16} << 20;
+  void* staging_[2] = {nullptr, nullptr};  // pinned, for DownloadInto (the step's thread only)
+  cudaEvent_t staged_[2] = {nullptr, nullptr};
   bool said_device_gather_ = false;
   std::map<const HostTensor*, Cached> cache_;
   std::unique_ptr<cuda::GroupedGemmRunner> runner_;

@@ -6,6 +6,7 @@
 # Run there, from the repository root:
 #   bash tools/gpu/run_service_bench.sh .gpu_bundle/svc
 # Result lines go to stdout and, as JSON lines, to $OUT/service_bench.jsonl.
+# MODES='kept returned' (default) picks the bench's modes, ITERS its calls.
 set -uo pipefail
 B=${1:-.gpu_bundle/svc}
 export LD_LIBRARY_PATH=$PWD/$B/lib:${LD_LIBRARY_PATH:-}
@@ -15,7 +16,7 @@ mkdir -p "$OUTDIR"
 rc=0
 bash tools/gpu/run_e2e.sh "$B" >"$OUTDIR/e2e.log" 2>&1 || rc=1
 grep -E "^==|matches|error|FAIL|e2e:" "$OUTDIR/e2e.log" | tail -40
-for mode in kept returned; do
+for mode in ${MODES:-kept returned}; do
   extra=()
   [ $mode = returned ] && extra=(--returned)
   SERVER_BIN=$B/bin BENCH=$B/bin/shardgemm-service-bench WORKER_FLAGS=--backend=cuda PORT=50181 \
