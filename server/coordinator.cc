@@ -16,6 +16,7 @@
 #include "kernels/quantize_assembly.h"
 #include "proto/plan_codec.h"
 #include "server/row_routing.h"
+#include "server/step_builder.h"
 
 namespace shardgemm {
 
@@ -678,63 +679,34 @@ absl::StatusOr<v1::GroupedGemmResponse> Coordinator::GroupedGemmPerShard(
     return s;
   }
 
-  // Decode inline operands once; each worker gets its block.
-  absl::flat_hash_map<std::string, HostTensor> inline_tensors;
+  // Decode inline operands once; each worker gets its block. (A std::map:
+  // the step request points at its values.)
+  std::map<std::string, HostTensor> inline_tensors;
   const std::pair<const v1::Tensor*, const char*> sources[] = {
       {&request.lhs(), "lhs"}, {&request.rhs(), "rhs"}, {&request.bias(), "bias"}};
+  GemmStepsRequest step_request;
+  step_request.plan = &*plan;
+  step_request.mesh = &mesh_;
+  step_request.ragged = request.ragged();
+  step_request.rhs_transposed = request.rhs_transposed();
+  step_request.group_sizes = std::move(*group_sizes);
   for (const auto& [tensor, name] : sources) {
-    if (!metas.contains(name) || !metas[name].resident_shard.empty()) continue;
-    if (auto it = decoded.find(name); it != decoded.end()) {
-      inline_tensors[name] = std::move(it->second.tensor);
-      continue;
-    }
-    auto t = HostTensorFromProto(*tensor, name);
-    if (!t.ok()) return t.status();
-    inline_tensors[name] = std::move(*t);
-  }
-
-  std::vector<v1::Step> steps(num_workers_);
-  for (int r = 0; r < num_workers_; ++r) {
-    const planner::WorkerPlan& wp = plan->workers[r];
-    v1::GemmStep* gemm = steps[r].mutable_gemm();
-    gemm->set_ragged(request.ragged());
-    gemm->set_rhs_transposed(request.rhs_transposed());
-    gemm->set_out_dtype(DTypeToProto(plan->out_dtype));
-    for (int64_t i = wp.group_sizes_begin; i < wp.group_sizes_end; ++i) {
-      gemm->add_group_sizes((*group_sizes)[i]);
-    }
-    const bool has_bias = metas.contains("bias");
-    gemm->set_apply_bias(has_bias && wp.apply_bias);
-    for (const auto& [unused, name] : sources) {
-      if (!metas.contains(name)) continue;
-      const planner::PlanOperand* op = FindOperand(*plan, name);
-      v1::LocalTensor* local = std::string(name) == "lhs"   ? gemm->mutable_lhs()
-                               : std::string(name) == "rhs" ? gemm->mutable_rhs()
-                                                            : gemm->mutable_bias();
-      const TensorMeta& meta = metas[name];
-      if (!meta.resident_shard.empty()) {
-        local->set_dtype(DTypeToProto(meta.dtype));
-        local->mutable_shape()->Assign(op->input_local_shape.begin(), op->input_local_shape.end());
-        local->set_resident(meta.resident_shard);
-        continue;
+    if (!metas.contains(name)) continue;
+    if (metas[name].resident_shard.empty()) {
+      if (auto it = decoded.find(name); it != decoded.end()) {
+        inline_tensors[name] = std::move(it->second.tensor);
+      } else {
+        auto t = HostTensorFromProto(*tensor, name);
+        if (!t.ok()) return t.status();
+        inline_tensors[name] = std::move(*t);
       }
-      if (op->input_local_shape == op->global_shape) {  // replicated: no slicing copy
-        HostTensorToProto(inline_tensors[name], local);
-        continue;
-      }
-      auto offsets = planner::BlockOffsets(name, op->global_shape, op->input_spec, mesh_, r);
-      if (!offsets.ok()) return offsets.status();
-      HostTensorToProto(SliceBlock(inline_tensors[name], *offsets, op->input_local_shape), local);
     }
-    bool any_collective = false;
-    for (const planner::Collective& c : plan->collectives) {
-      if (c.phase == planner::Phase::kWithin) continue;
-      any_collective = true;
-      CollectiveToProto(c, gemm->add_collectives());
-    }
-    // Every worker takes the same decision, so the agreement itself matches.
-    gemm->set_agree(any_collective && num_workers_ > 1);
+    auto held = inline_tensors.find(name);
+    step_request.operands[name] = GemmOperand{metas[name], held != inline_tensors.end() ? &held->second : nullptr};
   }
+  auto built = BuildGemmSteps(step_request);
+  if (!built.ok()) return built.status();
+  std::vector<v1::Step> steps = std::move(*built);
   std::string shard_name;
   absl::optional<ClaimGuard> claim;
   if (!request.keep_output_as().empty()) {

@@ -1,0 +1,70 @@
+#include "server/step_builder.h"
+
+#include "absl/strings/str_cat.h"
+#include "proto/tensor_codec.h"
+
+namespace shardgemm {
+namespace {
+
+const planner::PlanOperand* FindOperand(const planner::Plan& plan, const std::string& name) {
+  for (const auto& op : plan.operands) {
+    if (op.name == name) return &op;
+  }
+  return nullptr;
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<v1::Step>> BuildGemmSteps(const GemmStepsRequest& request) {
+  const planner::Plan& plan = *request.plan;
+  const planner::Mesh& mesh = *request.mesh;
+  const int num_workers = static_cast<int>(plan.workers.size());
+  bool any_collective = false;
+  for (const planner::Collective& c : plan.collectives) any_collective |= c.phase != planner::Phase::kWithin;
+  std::vector<v1::Step> steps(num_workers);
+  for (int r = 0; r < num_workers; ++r) {
+    const planner::WorkerPlan& wp = plan.workers[r];
+    v1::GemmStep* gemm = steps[r].mutable_gemm();
+    gemm->set_ragged(request.ragged);
+    gemm->set_rhs_transposed(request.rhs_transposed);
+    gemm->set_out_dtype(DTypeToProto(plan.out_dtype));
+    if (wp.group_sizes_end > static_cast<int64_t>(request.group_sizes.size())) {
+      return absl::InternalError(absl::StrCat("rank ", r, " reads group_sizes[", wp.group_sizes_begin, ":",
+                                              wp.group_sizes_end, "] of ", request.group_sizes.size()));
+    }
+    for (int64_t i = wp.group_sizes_begin; i < wp.group_sizes_end; ++i) gemm->add_group_sizes(request.group_sizes[i]);
+    gemm->set_apply_bias(request.operands.contains("bias") && wp.apply_bias);
+    for (const char* name : {"lhs", "rhs", "bias"}) {
+      auto it = request.operands.find(name);
+      if (it == request.operands.end()) continue;
+      const planner::PlanOperand* op = FindOperand(plan, name);
+      if (op == nullptr) return absl::InternalError(absl::StrCat("the plan has no operand ", name));
+      v1::LocalTensor* local = std::string(name) == "lhs"   ? gemm->mutable_lhs()
+                               : std::string(name) == "rhs" ? gemm->mutable_rhs()
+                                                            : gemm->mutable_bias();
+      const GemmOperand& operand = it->second;
+      if (!operand.meta.resident_shard.empty()) {
+        local->set_dtype(DTypeToProto(operand.meta.dtype));
+        local->mutable_shape()->Assign(op->input_local_shape.begin(), op->input_local_shape.end());
+        local->set_resident(operand.meta.resident_shard);
+        continue;
+      }
+      if (operand.tensor == nullptr) return absl::InternalError(absl::StrCat(name, " has neither data nor a shard"));
+      if (op->input_local_shape == op->global_shape) {  // replicated: no slicing copy
+        HostTensorToProto(*operand.tensor, local);
+        continue;
+      }
+      auto offsets = planner::BlockOffsets(name, op->global_shape, op->input_spec, mesh, r);
+      if (!offsets.ok()) return offsets.status();
+      HostTensorToProto(SliceBlock(*operand.tensor, *offsets, op->input_local_shape), local);
+    }
+    for (const planner::Collective& c : plan.collectives) {
+      if (c.phase != planner::Phase::kWithin) CollectiveToProto(c, gemm->add_collectives());
+    }
+    // Every worker takes the same decision, so the agreement itself matches.
+    gemm->set_agree(any_collective && num_workers > 1);
+  }
+  return steps;
+}
+
+}  // namespace shardgemm
