@@ -1,6 +1,7 @@
 #include "worker/executor.h"
 
 #include <algorithm>
+#include <limits>
 #include <cstring>
 #include <numeric>
 
@@ -140,6 +141,17 @@ absl::Status EnsureOnHost(Backend* backend, Input* in) {
   return absl::OkStatus();
 }
 
+int64_t SaturatingAdd(int64_t a, int64_t b) {
+  return b > std::numeric_limits<int64_t>::max() - a ? std::numeric_limits<int64_t>::max() : a + b;
+}
+
+// The status of a worker that cannot hold what a step's collective needs:
+// it stays out of the collective (its peers fail at the collective timeout).
+absl::Status CannotHold(int64_t bytes) {
+  return absl::ResourceExhaustedError(
+      absl::StrCat("this worker cannot hold the ", bytes, " bytes the step's collective needs"));
+}
+
 int64_t NumElementsOf(const std::vector<int64_t>& shape) {
   return std::accumulate(shape.begin(), shape.end(), int64_t{1}, std::multiplies<int64_t>());
 }
@@ -242,7 +254,12 @@ absl::StatusOr<HostTensor> Executor::AllGatherWithStatus(const v1::CollectivePla
   HostTensor wire;
   wire.dtype = DType::kE8M0;
   wire.shape = {1, piece + 1};
-  wire.bytes.assign(static_cast<size_t>(piece + 1), '\0');
+  if (piece >= store_->budget_bytes()) return status.ok() ? CannotHold(piece) : status;
+  try {
+    wire.bytes.assign(static_cast<size_t>(piece + 1), '\0');
+  } catch (const std::exception&) {
+    return status.ok() ? CannotHold(piece) : status;
+  }
   wire.bytes[0] = status.ok() ? 0 : 1;
   if (status.ok() && piece > 0) std::memcpy(&wire.bytes[1], local->bytes.data(), piece);
   std::vector<std::string> axes(c.axes().begin(), c.axes().end());
@@ -272,7 +289,13 @@ absl::StatusOr<HostTensor> Executor::AllGatherWithStatus(const v1::CollectivePla
 absl::Status Executor::AllReduceWithStatus(const v1::CollectivePlan& c, HostTensor* out, int64_t elements,
                                            const absl::Status& status) {
   // The sum of failure flags rides in one more FP32 element.
-  HostTensor wire = *ZerosTensor(DType::kF32, {elements + 1});
+  if (elements >= store_->budget_bytes() / 4) return status.ok() ? CannotHold(elements * 4) : status;
+  HostTensor wire;
+  try {
+    wire = *ZerosTensor(DType::kF32, {elements + 1});
+  } catch (const std::exception&) {
+    return status.ok() ? CannotHold(elements * 4) : status;
+  }
   if (status.ok()) {
     if (out->dtype != DType::kF32 || out->NumElements() != elements) {
       return absl::InternalError("a fused all-reduce takes the step's FP32 partial sums");
@@ -325,6 +348,10 @@ absl::StatusOr<v1::StepResult> Executor::RunGemm(v1::GemmStep& gemm) {
     declared_dtype[i] = *d;
     declared_shape[i].assign(protos[i]->shape().begin(), protos[i]->shape().end());
     compute_shape[i] = declared_shape[i];
+    // No negative dims, no overflow: every worker refuses such a step alike.
+    if (auto n = CheckedNumElements(declared_shape[i], DTypeSize(*d), RoleName(roles[i])); !n.ok()) {
+      return n.status();
+    }
   }
   bool before_communicates = false, after_communicates = false;
   for (const auto& c : gemm.collectives()) {
@@ -336,6 +363,9 @@ absl::StatusOr<v1::StepResult> Executor::RunGemm(v1::GemmStep& gemm) {
       }
       auto next = ShapeAfter(c, compute_shape[i]);
       if (!next.ok()) return next.status();
+      if (auto n = CheckedNumElements(*next, DTypeSize(declared_dtype[i]), RoleName(roles[i])); !n.ok()) {
+        return n.status();
+      }
       compute_shape[i] = std::move(*next);
       before_communicates |= Communicates(c);
     } else if (c.phase() == v1::PHASE_AFTER) {
@@ -364,6 +394,7 @@ absl::StatusOr<v1::StepResult> Executor::RunGemm(v1::GemmStep& gemm) {
       ragged_k ? std::vector<int64_t>{g, compute_shape[0][1], compute_shape[1][1]}
                : std::vector<int64_t>{compute_shape[0][0],
                                       gemm.rhs_transposed() ? compute_shape[1][1] : compute_shape[1][2]};
+  if (auto n = CheckedNumElements(local_out_shape, 4, "out"); !n.ok()) return n.status();
   const bool reduces = std::any_of(gemm.collectives().begin(), gemm.collectives().end(), [](const auto& c) {
     return c.phase() == v1::PHASE_AFTER && IsReduction(c);
   });
@@ -443,14 +474,16 @@ absl::StatusOr<v1::StepResult> Executor::RunGemm(v1::GemmStep& gemm) {
     // Inline inputs (resident ones are already counted), host gathers and
     // the output. A weight gathered on the device takes device memory.
     for (int i = 0; i < 3; ++i) {
-      if (inputs[i]->tensor != nullptr && !inputs[i]->resident) working_bytes += inputs[i]->tensor->NumBytes();
+      if (inputs[i]->tensor != nullptr && !inputs[i]->resident) {
+        working_bytes = SaturatingAdd(working_bytes, inputs[i]->tensor->NumBytes());
+      }
     }
     for (const auto& c : gemm.collectives()) {
       if (c.phase() != v1::PHASE_BEFORE || c.kind() != v1::COLLECTIVE_ALL_GATHER || &c == device_gather) continue;
       const int i = index_of(c.tensor());
-      working_bytes += DTypeSize(declared_dtype[i]) * NumElementsOf(compute_shape[i]);
+      working_bytes = SaturatingAdd(working_bytes, DTypeSize(declared_dtype[i]) * NumElementsOf(compute_shape[i]));
     }
-    working_bytes += NumElementsOf(local_out_shape) * 4;
+    working_bytes = SaturatingAdd(working_bytes, NumElementsOf(local_out_shape) * 4);
     prepared = store_->Reserve(working_bytes);
   }
   ShardStore::ScopedReservation reservation(store_, working_bytes, prepared.ok());
