@@ -460,33 +460,21 @@ absl::StatusOr<v1::GroupedQuantizeResponse> Coordinator::GroupedQuantize(
     if (!t.ok()) return t.status();
     x_data = std::move(*t);
   }
-  bool any_collective = !plan->collectives.empty();
-  std::vector<v1::Step> steps(num_workers_);
-  for (int r = 0; r < num_workers_; ++r) {
-    const planner::WorkerPlan& wp = plan->workers[r];
-    v1::QuantizeStep* q = steps[r].mutable_quantize();
-    if (!metas["x"].resident_shard.empty()) {
-      q->mutable_x()->set_dtype(DTypeToProto(metas["x"].dtype));
-      q->mutable_x()->mutable_shape()->Assign(x_op->input_local_shape.begin(), x_op->input_local_shape.end());
-      q->mutable_x()->set_resident(metas["x"].resident_shard);
-    } else {
-      auto offsets = planner::BlockOffsets("x", x_op->global_shape, x_op->input_spec, mesh_, r);
-      if (!offsets.ok()) return offsets.status();
-      HostTensorToProto(SliceBlock(x_data, *offsets, x_op->input_local_shape), q->mutable_x());
-    }
-    for (int64_t i = wp.group_sizes_begin; i < wp.group_sizes_end; ++i) {
-      q->add_group_sizes((*sizes)[i]);
-      if (!scales.empty()) q->add_scales(scales[i]);
-    }
-    q->set_out_dtype(DTypeToProto(plan_request->attrs.out_dtype));
-    q->set_scaling(request.scaling());
-    q->set_rowwise(plan_request->attrs.rowwise);
-    q->set_colwise(plan_request->attrs.colwise);
-    q->set_flatten_axis(flatten);
-    q->set_block_2d(request.block_2d());
-    for (const planner::Collective& c : plan->collectives) CollectiveToProto(c, q->add_collectives());
-    q->set_agree(any_collective && num_workers_ > 1);
-  }
+  QuantizeStepsRequest step_request;
+  step_request.plan = &*plan;
+  step_request.mesh = &mesh_;
+  step_request.x = GemmOperand{metas["x"], metas["x"].resident_shard.empty() ? &x_data : nullptr};
+  step_request.group_sizes = *sizes;
+  step_request.scales = std::move(scales);
+  step_request.out_dtype = plan_request->attrs.out_dtype;
+  step_request.scaling = request.scaling();
+  step_request.rowwise = plan_request->attrs.rowwise;
+  step_request.colwise = plan_request->attrs.colwise;
+  step_request.block_2d = request.block_2d();
+  step_request.flatten_axis = flatten;
+  auto built = BuildQuantizeSteps(step_request);
+  if (!built.ok()) return built.status();
+  std::vector<v1::Step> steps = std::move(*built);
   auto results = Dispatch(std::move(steps), StepDeadline(deadline));
   if (!results.ok()) return results.status();
 

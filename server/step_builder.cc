@@ -67,4 +67,46 @@ absl::StatusOr<std::vector<v1::Step>> BuildGemmSteps(const GemmStepsRequest& req
   return steps;
 }
 
+absl::StatusOr<std::vector<v1::Step>> BuildQuantizeSteps(const QuantizeStepsRequest& request) {
+  const planner::Plan& plan = *request.plan;
+  const int num_workers = static_cast<int>(plan.workers.size());
+  const planner::PlanOperand* x_op = FindOperand(plan, "x");
+  if (x_op == nullptr) return absl::InternalError("the plan has no operand x");
+  if (!request.scales.empty() && request.scales.size() != request.group_sizes.size()) {
+    return absl::InternalError("delayed scales and group sizes differ in length");
+  }
+  std::vector<v1::Step> steps(num_workers);
+  for (int r = 0; r < num_workers; ++r) {
+    const planner::WorkerPlan& wp = plan.workers[r];
+    v1::QuantizeStep* q = steps[r].mutable_quantize();
+    if (!request.x.meta.resident_shard.empty()) {
+      q->mutable_x()->set_dtype(DTypeToProto(request.x.meta.dtype));
+      q->mutable_x()->mutable_shape()->Assign(x_op->input_local_shape.begin(), x_op->input_local_shape.end());
+      q->mutable_x()->set_resident(request.x.meta.resident_shard);
+    } else {
+      if (request.x.tensor == nullptr) return absl::InternalError("x has neither data nor a shard");
+      auto offsets = planner::BlockOffsets("x", x_op->global_shape, x_op->input_spec, *request.mesh, r);
+      if (!offsets.ok()) return offsets.status();
+      HostTensorToProto(SliceBlock(*request.x.tensor, *offsets, x_op->input_local_shape), q->mutable_x());
+    }
+    if (wp.group_sizes_end > static_cast<int64_t>(request.group_sizes.size())) {
+      return absl::InternalError(absl::StrCat("rank ", r, " reads group_sizes[", wp.group_sizes_begin, ":",
+                                              wp.group_sizes_end, "] of ", request.group_sizes.size()));
+    }
+    for (int64_t i = wp.group_sizes_begin; i < wp.group_sizes_end; ++i) {
+      q->add_group_sizes(request.group_sizes[i]);
+      if (!request.scales.empty()) q->add_scales(request.scales[i]);
+    }
+    q->set_out_dtype(DTypeToProto(request.out_dtype));
+    q->set_scaling(request.scaling);
+    q->set_rowwise(request.rowwise);
+    q->set_colwise(request.colwise);
+    q->set_flatten_axis(request.flatten_axis);
+    q->set_block_2d(request.block_2d);
+    for (const planner::Collective& c : plan.collectives) CollectiveToProto(c, q->add_collectives());
+    q->set_agree(!plan.collectives.empty() && num_workers > 1);
+  }
+  return steps;
+}
+
 }  // namespace shardgemm

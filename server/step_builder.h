@@ -39,6 +39,23 @@ struct GemmStepsRequest {
 // step with collectives).
 absl::StatusOr<std::vector<v1::Step>> BuildGemmSteps(const GemmStepsRequest& request);
 
+struct QuantizeStepsRequest {
+  const planner::Plan* plan = nullptr;
+  const planner::Mesh* mesh = nullptr;
+  GemmOperand x;                     // resident or inline, as a GEMM operand
+  std::vector<int64_t> group_sizes;  // the request's, all entries
+  std::vector<float> scales;         // delayed scaling: one per group_sizes entry; else empty
+  DType out_dtype = DType::kF8E4M3;
+  v1::ScalingMode scaling = v1::CURRENT;
+  bool rowwise = true, colwise = false, block_2d = false;
+  int flatten_axis = 1;  // resolved, >= 1
+};
+
+// The grouped quantize step of every rank: its block (or shard) of x, its
+// groups' sizes (and delayed scales), the mode and layouts, the plan's
+// collectives (typed, the amax's within the quantize included).
+absl::StatusOr<std::vector<v1::Step>> BuildQuantizeSteps(const QuantizeStepsRequest& request);
+
 }  // namespace shardgemm
 
 #endif  // SHARDGEMM_SERVER_STEP_BUILDER_H_

@@ -104,3 +104,44 @@ TEST(StepBuilderTest, GroupSizesShorterThanThePlanSaysAreAnInternalError) {
 
 }  // namespace
 }  // namespace shardgemm
+
+namespace shardgemm {
+namespace {
+
+TEST(StepBuilderTest, QuantizeStepsCarryEachShardsRowsGroupsAndScales) {
+  planner::PlanRequest pr;
+  pr.mesh = *planner::ParseMesh("dp=2", "");
+  pr.op = planner::OpKind::kGroupedQuantize;
+  pr.attrs.scaling_mode = planner::ScalingMode::kDelayed;
+  pr.attrs.shared_scales = true;
+  pr.operands = {Operand("x", {8, 16}, DType::kF32, "(dp, None)"), Operand("group_sizes", {4}, DType::kI64, "(dp,)")};
+  auto plan = planner::MakePlan(pr);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  const HostTensor x = Iota(DType::kF32, {8, 16});
+  QuantizeStepsRequest r;
+  r.plan = &*plan;
+  r.mesh = &pr.mesh;
+  r.x = GemmOperand{TensorMeta{DType::kF32, {8, 16}, "(dp, None)", ""}, &x};
+  r.group_sizes = {3, 1, 2, 2};
+  r.scales = {1.f, 2.f, 3.f, 4.f};
+  r.scaling = v1::DELAYED;
+  r.flatten_axis = 1;
+  auto steps = BuildQuantizeSteps(r);
+  ASSERT_TRUE(steps.ok()) << steps.status();
+  ASSERT_EQ(steps->size(), 2u);
+  const v1::QuantizeStep& q1 = (*steps)[1].quantize();
+  auto block = HostTensorFromProto(q1.x(), "x");
+  ASSERT_TRUE(block.ok());
+  EXPECT_EQ(block->shape, std::vector<int64_t>({4, 16}));
+  EXPECT_EQ(block->data<float>()[0], 64.f);  // row 4
+  EXPECT_EQ(std::vector<int64_t>(q1.group_sizes().begin(), q1.group_sizes().end()), std::vector<int64_t>({2, 2}));
+  EXPECT_EQ(std::vector<float>(q1.scales().begin(), q1.scales().end()), std::vector<float>({3.f, 4.f}));
+  EXPECT_EQ(q1.scaling(), v1::DELAYED);
+  EXPECT_EQ(q1.flatten_axis(), 1);
+  EXPECT_TRUE(q1.agree());
+  r.scales = {1.f};
+  EXPECT_EQ(BuildQuantizeSteps(r).status().code(), absl::StatusCode::kInternal);
+}
+
+}  // namespace
+}  // namespace shardgemm
