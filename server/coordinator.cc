@@ -15,6 +15,7 @@
 #include "proto/tensor_codec.h"
 #include "kernels/quantize_assembly.h"
 #include "proto/plan_codec.h"
+#include "server/output_assembly.h"
 #include "server/row_routing.h"
 #include "server/step_builder.h"
 
@@ -186,27 +187,7 @@ absl::StatusOr<v1::PutTensorResponse> Coordinator::PutTensor(const std::string& 
 absl::StatusOr<HostTensor> Coordinator::Assemble(
     DType dtype, const std::vector<int64_t>& shape, const planner::PartitionSpec& spec,
     const std::function<absl::StatusOr<HostTensor>(int)>& shard) {
-  auto out = ZerosTensor(dtype, shape);
-  if (!out.ok()) return out.status();
-  auto local_shape = planner::LocalShape("out", shape, spec, mesh_);
-  if (!local_shape.ok()) return local_shape.status();
-  // Replicated dimensions give several ranks the same block: fetch each once.
-  std::vector<std::vector<int64_t>> seen;
-  for (int r = 0; r < num_workers_; ++r) {
-    auto offsets = planner::BlockOffsets("out", shape, spec, mesh_, r);
-    if (!offsets.ok()) return offsets.status();
-    if (std::find(seen.begin(), seen.end(), *offsets) != seen.end()) continue;
-    seen.push_back(*offsets);
-    auto block = shard(r);
-    if (!block.ok()) return block.status();
-    if (block->shape != *local_shape || block->dtype != dtype) {
-      return absl::InternalError(absl::StrCat("worker ", r, " returned a ",
-                                              ShapeToString(block->shape), " block, expected ",
-                                              ShapeToString(*local_shape)));
-    }
-    InsertBlock(*block, *offsets, &*out);
-  }
-  return out;
+  return AssembleBlocks(mesh_, dtype, shape, spec, shard);
 }
 
 absl::StatusOr<Coordinator::Fetched> Coordinator::GetTensor(const std::string& name, absl::Time deadline) {
