@@ -661,63 +661,70 @@ absl::StatusOr<Plan> PlanRaggedM(const Context& ctx) {
   absl::Status s = CollectOperands(req, {"lhs", "rhs", "group_sizes"},
                                    {"bias", "lhs_scale_inv", "rhs_scale_inv"}, &found);
   if (!s.ok()) return s;
-  if ((found[3] != nullptr) != req.attrs.has_bias) {
+  // The operands by name (CollectOperands' order).
+  const OperandRequest* const lhs_req = found[0];
+  const OperandRequest* const rhs_req = found[1];
+  const OperandRequest* const gs_req = found[2];
+  const OperandRequest* const bias_req = found[3];       // optional
+  const OperandRequest* const lhs_scale_req = found[4];  // optional, FP8
+  const OperandRequest* const rhs_scale_req = found[5];  // optional, FP8
+  if ((bias_req != nullptr) != req.attrs.has_bias) {
     return Invalid(req.attrs.has_bias ? "bias: attrs.has_bias is set but no 'bias' operand given"
                                       : "bias: 'bias' operand given but attrs.has_bias is false");
   }
   const std::initializer_list<DType> in_types = {DType::kF32, DType::kBF16, DType::kF16,
                                                  DType::kF8E4M3, DType::kF8E5M2};
-  if (!(s = CheckShape("lhs", found[0]->shape, 2, 2)).ok()) return s;
-  if (!(s = CheckShape("rhs", found[1]->shape, 3, 3)).ok()) return s;
-  if (!(s = CheckShape("group_sizes", found[2]->shape, 1, 1)).ok()) return s;
-  if (!(s = CheckDType("lhs", found[0]->dtype, in_types)).ok()) return s;
-  if (!(s = CheckDType("rhs", found[1]->dtype, in_types)).ok()) return s;
-  if (!(s = CheckDType("group_sizes", found[2]->dtype, {DType::kI32, DType::kI64})).ok()) return s;
-  if (found[0]->dtype == DType::kF8E5M2 && found[1]->dtype == DType::kF8E5M2) {
+  if (!(s = CheckShape("lhs", lhs_req->shape, 2, 2)).ok()) return s;
+  if (!(s = CheckShape("rhs", rhs_req->shape, 3, 3)).ok()) return s;
+  if (!(s = CheckShape("group_sizes", gs_req->shape, 1, 1)).ok()) return s;
+  if (!(s = CheckDType("lhs", lhs_req->dtype, in_types)).ok()) return s;
+  if (!(s = CheckDType("rhs", rhs_req->dtype, in_types)).ok()) return s;
+  if (!(s = CheckDType("group_sizes", gs_req->dtype, {DType::kI32, DType::kI64})).ok()) return s;
+  if (lhs_req->dtype == DType::kF8E5M2 && rhs_req->dtype == DType::kF8E5M2) {
     return Invalid("rhs: f8e5m2 x f8e5m2 GEMM is not supported (one side must be f8e4m3)");
   }
-  if (IsFloat8(found[0]->dtype) != IsFloat8(found[1]->dtype)) {
+  if (IsFloat8(lhs_req->dtype) != IsFloat8(rhs_req->dtype)) {
     return Invalid("rhs: lhs and rhs must both be FP8 or both be 16/32-bit floats");
   }
-  if (found[3] != nullptr) {
-    if (!(s = CheckShape("bias", found[3]->shape, 2, 2)).ok()) return s;
-    if (!(s = CheckDType("bias", found[3]->dtype, {DType::kF32, DType::kBF16, DType::kF16})).ok()) return s;
+  if (bias_req != nullptr) {
+    if (!(s = CheckShape("bias", bias_req->shape, 2, 2)).ok()) return s;
+    if (!(s = CheckDType("bias", bias_req->dtype, {DType::kF32, DType::kBF16, DType::kF16})).ok()) return s;
   }
-  const DType out_dtype = GemmOutDType(req, found[0]->dtype);
+  const DType out_dtype = GemmOutDType(req, lhs_req->dtype);
   if (!(s = CheckDType("attrs.out_dtype", out_dtype, {DType::kF32, DType::kBF16, DType::kF16})).ok()) return s;
 
   const bool tr = req.attrs.rhs_transposed;
   const int kdim = tr ? 2 : 1, ndim = tr ? 1 : 2;
-  const int64_t M = found[0]->shape[0], K = found[0]->shape[1];
-  const int64_t G = found[1]->shape[0], N = found[1]->shape[ndim];
-  if (found[1]->shape[kdim] != K) {
-    return Invalid(absl::StrCat("rhs dim ", kdim, ": K = ", found[1]->shape[kdim],
+  const int64_t M = lhs_req->shape[0], K = lhs_req->shape[1];
+  const int64_t G = rhs_req->shape[0], N = rhs_req->shape[ndim];
+  if (rhs_req->shape[kdim] != K) {
+    return Invalid(absl::StrCat("rhs dim ", kdim, ": K = ", rhs_req->shape[kdim],
                                 " does not match lhs K = ", K, tr ? " (rhs_transposed: [G, N, K])"
                                                                  : " (rhs is [G, K, N])"));
   }
-  if (found[3] != nullptr && (found[3]->shape[0] != G || found[3]->shape[1] != N)) {
-    return Invalid(absl::StrCat("bias: shape ", ShapeText(found[3]->shape), ", expected [", G,
+  if (bias_req != nullptr && (bias_req->shape[0] != G || bias_req->shape[1] != N)) {
+    return Invalid(absl::StrCat("bias: shape ", ShapeText(bias_req->shape), ", expected [", G,
                                 "x", N, "] (G x N)"));
   }
-  const bool fp8 = IsFloat8(found[0]->dtype);
+  const bool fp8 = IsFloat8(lhs_req->dtype);
   const ScalingMode mode = req.attrs.scaling_mode;
-  if (!fp8 && (found[4] != nullptr || found[5] != nullptr)) {
+  if (!fp8 && (lhs_scale_req != nullptr || rhs_scale_req != nullptr)) {
     return Invalid("lhs_scale_inv/rhs_scale_inv: given, but lhs and rhs are not FP8");
   }
   // FP8 scales are optional (a caller may keep them out of band), but come
   // as a pair.
-  if ((found[4] == nullptr) != (found[5] == nullptr)) {
-    return Invalid(absl::StrCat(found[4] == nullptr ? "lhs_scale_inv" : "rhs_scale_inv",
+  if ((lhs_scale_req == nullptr) != (rhs_scale_req == nullptr)) {
+    return Invalid(absl::StrCat(lhs_scale_req == nullptr ? "lhs_scale_inv" : "rhs_scale_inv",
                                 ": FP8 scale operands come in pairs (lhs_scale_inv and "
                                 "rhs_scale_inv)"));
   }
-  if (fp8 && found[4] != nullptr) {
+  if (fp8 && lhs_scale_req != nullptr) {
     if (!IsBlockScaling(mode)) {
-      if (!(s = CheckScaleOperand(found[4], "lhs_scale_inv", found[2]->shape, DType::kF32,
+      if (!(s = CheckScaleOperand(lhs_scale_req, "lhs_scale_inv", gs_req->shape, DType::kF32,
                                   "tensor scaling: one f32 per group, laid out like group_sizes")).ok()) {
         return s;
       }
-      if (!(s = CheckScaleOperand(found[5], "rhs_scale_inv", {G}, DType::kF32,
+      if (!(s = CheckScaleOperand(rhs_scale_req, "rhs_scale_inv", {G}, DType::kF32,
                                   "tensor scaling: one f32 per expert")).ok()) {
         return s;
       }
@@ -736,10 +743,10 @@ absl::StatusOr<Plan> PlanRaggedM(const Context& ctx) {
           ScalingModeName(mode), ": lhs [M, ", k_text, "], rhs ",
           tr ? absl::StrCat("[G, ", n_text, ", ", k_text, "]")
              : absl::StrCat("[G, ", k_text, ", ", n_text, "]"));
-      if (!(s = CheckScaleOperand(found[4], "lhs_scale_inv", {M, K / b}, sdt, what)).ok()) return s;
+      if (!(s = CheckScaleOperand(lhs_scale_req, "lhs_scale_inv", {M, K / b}, sdt, what)).ok()) return s;
       std::vector<int64_t> rs = tr ? std::vector<int64_t>{G, N / bn, K / b}
                                    : std::vector<int64_t>{G, K / b, N / bn};
-      if (!(s = CheckScaleOperand(found[5], "rhs_scale_inv", rs, sdt, what)).ok()) return s;
+      if (!(s = CheckScaleOperand(rhs_scale_req, "rhs_scale_inv", rs, sdt, what)).ok()) return s;
     }
   }
   std::vector<Operand> ops;
@@ -977,46 +984,52 @@ absl::StatusOr<Plan> PlanRaggedK(const Context& ctx) {
   absl::Status s = CollectOperands(req, {"lhs", "rhs", "group_sizes"},
                                    {"lhs_scale_inv", "rhs_scale_inv"}, &found);
   if (!s.ok()) return s;
+  // The operands by name (CollectOperands' order).
+  const OperandRequest* const lhs_req = found[0];
+  const OperandRequest* const rhs_req = found[1];
+  const OperandRequest* const gs_req = found[2];
+  const OperandRequest* const lhs_scale_req = found[3];  // optional, FP8
+  const OperandRequest* const rhs_scale_req = found[4];  // optional, FP8
   if (req.attrs.has_bias) return Invalid("attrs.has_bias: ragged-K (wgrad) GEMM takes no bias");
   if (req.attrs.rhs_transposed) {
     return Invalid("attrs.rhs_transposed: ragged-K (wgrad) rhs is [M, N]; transposition is not supported");
   }
   const std::initializer_list<DType> in_types = {DType::kF32, DType::kBF16, DType::kF16,
                                                  DType::kF8E4M3, DType::kF8E5M2};
-  if (!(s = CheckShape("lhs", found[0]->shape, 2, 2)).ok()) return s;
-  if (!(s = CheckShape("rhs", found[1]->shape, 2, 2)).ok()) return s;
-  if (!(s = CheckShape("group_sizes", found[2]->shape, 1, 1)).ok()) return s;
-  if (!(s = CheckDType("lhs", found[0]->dtype, in_types)).ok()) return s;
-  if (!(s = CheckDType("rhs", found[1]->dtype, in_types)).ok()) return s;
-  if (!(s = CheckDType("group_sizes", found[2]->dtype, {DType::kI32, DType::kI64})).ok()) return s;
-  if (found[0]->dtype == DType::kF8E5M2 && found[1]->dtype == DType::kF8E5M2) {
+  if (!(s = CheckShape("lhs", lhs_req->shape, 2, 2)).ok()) return s;
+  if (!(s = CheckShape("rhs", rhs_req->shape, 2, 2)).ok()) return s;
+  if (!(s = CheckShape("group_sizes", gs_req->shape, 1, 1)).ok()) return s;
+  if (!(s = CheckDType("lhs", lhs_req->dtype, in_types)).ok()) return s;
+  if (!(s = CheckDType("rhs", rhs_req->dtype, in_types)).ok()) return s;
+  if (!(s = CheckDType("group_sizes", gs_req->dtype, {DType::kI32, DType::kI64})).ok()) return s;
+  if (lhs_req->dtype == DType::kF8E5M2 && rhs_req->dtype == DType::kF8E5M2) {
     return Invalid("rhs: f8e5m2 x f8e5m2 GEMM is not supported (one side must be f8e4m3)");
   }
-  if (IsFloat8(found[0]->dtype) != IsFloat8(found[1]->dtype)) {
+  if (IsFloat8(lhs_req->dtype) != IsFloat8(rhs_req->dtype)) {
     return Invalid("rhs: lhs and rhs must both be FP8 or both be 16/32-bit floats");
   }
-  const DType out_dtype = GemmOutDType(req, found[0]->dtype);
+  const DType out_dtype = GemmOutDType(req, lhs_req->dtype);
   if (!(s = CheckDType("attrs.out_dtype", out_dtype, {DType::kF32, DType::kBF16, DType::kF16})).ok()) return s;
-  const int64_t M = found[0]->shape[0], K = found[0]->shape[1], N = found[1]->shape[1];
-  if (found[1]->shape[0] != M) {
-    return Invalid(absl::StrCat("rhs dim 0: M = ", found[1]->shape[0], " does not match lhs M = ", M,
+  const int64_t M = lhs_req->shape[0], K = lhs_req->shape[1], N = rhs_req->shape[1];
+  if (rhs_req->shape[0] != M) {
+    return Invalid(absl::StrCat("rhs dim 0: M = ", rhs_req->shape[0], " does not match lhs M = ", M,
                                 " (ragged K: both operands are grouped by rows)"));
   }
-  const bool fp8 = IsFloat8(found[0]->dtype);
+  const bool fp8 = IsFloat8(lhs_req->dtype);
   const ScalingMode mode = req.attrs.scaling_mode;
-  if (!fp8 && (found[3] != nullptr || found[4] != nullptr)) {
+  if (!fp8 && (lhs_scale_req != nullptr || rhs_scale_req != nullptr)) {
     return Invalid("lhs_scale_inv/rhs_scale_inv: given, but lhs and rhs are not FP8");
   }
-  if ((found[3] == nullptr) != (found[4] == nullptr)) {
-    return Invalid(absl::StrCat(found[3] == nullptr ? "lhs_scale_inv" : "rhs_scale_inv",
+  if ((lhs_scale_req == nullptr) != (rhs_scale_req == nullptr)) {
+    return Invalid(absl::StrCat(lhs_scale_req == nullptr ? "lhs_scale_inv" : "rhs_scale_inv",
                                 ": FP8 scale operands come in pairs (lhs_scale_inv and "
                                 "rhs_scale_inv)"));
   }
-  if (fp8 && found[3] != nullptr) {
+  if (fp8 && lhs_scale_req != nullptr) {
     if (!IsBlockScaling(mode)) {
       const char* what = "tensor scaling: one f32 per group, laid out like group_sizes";
-      if (!(s = CheckScaleOperand(found[3], "lhs_scale_inv", found[2]->shape, DType::kF32, what)).ok()) return s;
-      if (!(s = CheckScaleOperand(found[4], "rhs_scale_inv", found[2]->shape, DType::kF32, what)).ok()) return s;
+      if (!(s = CheckScaleOperand(lhs_scale_req, "lhs_scale_inv", gs_req->shape, DType::kF32, what)).ok()) return s;
+      if (!(s = CheckScaleOperand(rhs_scale_req, "rhs_scale_inv", gs_req->shape, DType::kF32, what)).ok()) return s;
     } else {
       // Wgrad contracts over the rows: blocks run along M.
       const int64_t b = BlockOf(mode);
@@ -1027,8 +1040,8 @@ absl::StatusOr<Plan> PlanRaggedK(const Context& ctx) {
       const DType sdt = mode == ScalingMode::kMxfp8 ? DType::kE8M0 : DType::kF32;
       const std::string what = absl::StrCat(ScalingModeName(mode), " wgrad: lhs [M/", b,
                                             ", K], rhs [M/", b, ", N]");
-      if (!(s = CheckScaleOperand(found[3], "lhs_scale_inv", {M / b, K}, sdt, what)).ok()) return s;
-      if (!(s = CheckScaleOperand(found[4], "rhs_scale_inv", {M / b, N}, sdt, what)).ok()) return s;
+      if (!(s = CheckScaleOperand(lhs_scale_req, "lhs_scale_inv", {M / b, K}, sdt, what)).ok()) return s;
+      if (!(s = CheckScaleOperand(rhs_scale_req, "rhs_scale_inv", {M / b, N}, sdt, what)).ok()) return s;
     }
   }
   std::vector<Operand> ops;
