@@ -14,7 +14,8 @@ absl_libs=$(grep -o '"-labsl_[a-z0-9_]*"' third_party/BUILD | tr -d '"')
 
 "$cxx" "${flags[@]}" \
   planner/plan_fuzzer.cc planner/plan_fuzz_entry.cc \
-  planner/planner.cc planner/operand_text.cc \
+  planner/planner.cc planner/plan_common.cc planner/plan_ragged_m.cc planner/plan_ragged_k.cc \
+  planner/plan_quantize.cc planner/operand_text.cc \
   planner/spec.cc planner/mesh.cc kernels/dtype.cc \
   $absl_libs -lpthread -o "$out/plan_fuzzer"
 cp planner/testdata/plan_fuzz_seeds/* "$out/corpus/"
