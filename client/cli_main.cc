@@ -517,9 +517,9 @@ absl::Status CheckBlockScaled(const HostTensor& x, const v1::GroupedQuantizeResp
                               const v1::GroupedQuantizeRequest& request,
                               const std::vector<int64_t>& sizes, const FormatBounds& f,
                               QuantizeCheck* check) {
-  const ScalingMode mode = request.scaling() == v1::MXFP8 ? ScalingMode::kMxfp8
-                           : request.block_2d()          ? ScalingMode::kBlock128x128
-                                                         : ScalingMode::kBlock1x128;
+  auto kernel_mode = KernelScalingMode(request.scaling(), request.block_2d());
+  if (!kernel_mode.ok()) return kernel_mode.status();
+  const ScalingMode mode = *kernel_mode;
   if (r.plan().workers_size() == 0) return absl::InternalError("the response has no plan");
   const int64_t k = x.shape.back(), m = x.NumElements() / std::max<int64_t>(k, 1);
   const int64_t local_groups = r.plan().workers(0).local_groups();

@@ -235,6 +235,18 @@ v1::CollectiveKind KindToProto(planner::CollectiveKind kind) {
 
 }  // namespace
 
+absl::StatusOr<ScalingMode> KernelScalingMode(v1::ScalingMode scaling, bool block_2d) {
+  switch (scaling) {
+    case v1::SCALING_UNSPECIFIED:
+    case v1::CURRENT: return ScalingMode::kCurrent;
+    case v1::DELAYED: return ScalingMode::kDelayed;
+    case v1::MXFP8: return ScalingMode::kMxfp8;
+    case v1::BLOCK_FP8: return block_2d ? ScalingMode::kBlock128x128 : ScalingMode::kBlock1x128;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat("scaling: unknown mode ", static_cast<int>(scaling)));
+  }
+}
+
 v1::TensorRole TensorRoleFromName(absl::string_view name) {
   for (const auto& [role, role_name] : kTensorRoleNames) {
     if (role_name == name) return role;

@@ -7,6 +7,7 @@
 
 #include "absl/status/statusor.h"
 #include "proto/shardgemm.pb.h"
+#include "kernels/cpu/quantize.h"
 #include "planner/planner.h"
 
 namespace shardgemm {
@@ -43,6 +44,12 @@ absl::StatusOr<planner::PlanRequest> QuantizePlanRequest(const v1::GroupedQuanti
                                                          const TensorResolver& resolve);
 
 void CollectiveToProto(const planner::Collective& c, v1::CollectivePlan* out);
+
+// The kernels' scaling mode of a request's `scaling` and `block_2d` (the one
+// mapping from the wire's modes): DELAYED is kDelayed, BLOCK_FP8 is 1x128
+// or, with block_2d, 128x128 blocks; INVALID_ARGUMENT for a value outside
+// the enum.
+absl::StatusOr<ScalingMode> KernelScalingMode(v1::ScalingMode scaling, bool block_2d);
 
 // The planner's operand and output names ("lhs", "out", "data", ...) as
 // wire roles, and back: the one mapping between the two vocabularies.

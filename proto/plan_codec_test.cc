@@ -114,3 +114,21 @@ TEST(PlanCodecTest, CollectivesCarryTypedKindsPhasesAndRoles) {
 
 }  // namespace
 }  // namespace shardgemm
+
+namespace shardgemm {
+namespace {
+
+TEST(PlanCodecTest, OneMappingFromTheWiresScalingModesToTheKernels) {
+  EXPECT_EQ(*KernelScalingMode(v1::SCALING_UNSPECIFIED, false), ScalingMode::kCurrent);
+  EXPECT_EQ(*KernelScalingMode(v1::CURRENT, false), ScalingMode::kCurrent);
+  EXPECT_EQ(*KernelScalingMode(v1::DELAYED, false), ScalingMode::kDelayed);
+  EXPECT_EQ(*KernelScalingMode(v1::MXFP8, false), ScalingMode::kMxfp8);
+  EXPECT_EQ(*KernelScalingMode(v1::BLOCK_FP8, false), ScalingMode::kBlock1x128);
+  EXPECT_EQ(*KernelScalingMode(v1::BLOCK_FP8, true), ScalingMode::kBlock128x128);
+  auto bad = KernelScalingMode(static_cast<v1::ScalingMode>(9), false);
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(bad.status().message().rfind("scaling", 0), 0u) << bad.status();
+}
+
+}  // namespace
+}  // namespace shardgemm

@@ -302,9 +302,9 @@ absl::StatusOr<GlobalGroups> CheckBlockQuantize(const v1::GroupedQuantizeRequest
                                                 const std::vector<int64_t>& sizes,
                                                 const std::vector<int64_t>& x_shape, int flatten,
                                                 BlockQuantize* bq) {
-  bq->mode = request.scaling() == v1::MXFP8 ? ScalingMode::kMxfp8
-             : request.block_2d()           ? ScalingMode::kBlock128x128
-                                            : ScalingMode::kBlock1x128;
+  auto mode = KernelScalingMode(request.scaling(), request.block_2d());
+  if (!mode.ok()) return mode.status();
+  bq->mode = *mode;
   auto mk = FlattenToMatrix(x_shape, flatten);
   if (!mk.ok()) return mk.status();
   std::tie(bq->m, bq->k) = *mk;

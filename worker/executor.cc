@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "kernels/fp8.h"
+#include "proto/plan_codec.h"
 #include "proto/tensor_codec.h"
 
 namespace shardgemm {
@@ -621,22 +622,6 @@ absl::StatusOr<v1::StepResult> Executor::RunGemm(v1::GemmStep& gemm) {
   return result;
 }
 
-namespace {
-
-// Delayed scaling is kCurrent with given scales (LocalQuantize::scales).
-absl::StatusOr<ScalingMode> KernelScalingMode(v1::ScalingMode scaling, bool block_2d) {
-  switch (scaling) {
-    case v1::SCALING_UNSPECIFIED:
-    case v1::CURRENT:
-    case v1::DELAYED: return ScalingMode::kCurrent;
-    case v1::MXFP8: return ScalingMode::kMxfp8;
-    case v1::BLOCK_FP8: return block_2d ? ScalingMode::kBlock128x128 : ScalingMode::kBlock1x128;
-    default:
-      return absl::InvalidArgumentError(absl::StrCat("scaling: unknown mode ", static_cast<int>(scaling)));
-  }
-}
-
-}  // namespace
 
 absl::StatusOr<v1::StepResult> Executor::RunQuantize(v1::QuantizeStep& q) {
   const absl::Time start = absl::Now();
@@ -670,6 +655,8 @@ absl::StatusOr<v1::StepResult> Executor::RunQuantize(v1::QuantizeStep& q) {
     else prepared = next.status();
   }
   auto mode = KernelScalingMode(q.scaling(), q.block_2d());
+  // Delayed scaling is kCurrent with given scales (LocalQuantize::scales).
+  if (mode.ok() && *mode == ScalingMode::kDelayed) mode = ScalingMode::kCurrent;
   if (!mode.ok()) prepared.Update(mode.status());
   int64_t working_bytes = 0;
   if (prepared.ok()) {
