@@ -288,21 +288,21 @@ absl::StatusOr<HostTensor> Executor::AllGatherWithStatus(const v1::CollectivePla
 }
 
 absl::Status Executor::AllReduceWithStatus(const v1::CollectivePlan& c, HostTensor* out, int64_t elements,
-                                           const absl::Status& status) {
-  // The sum of failure flags rides in one more FP32 element.
-  if (elements >= store_->budget_bytes() / 4) return status.ok() ? CannotHold(elements * 4) : status;
+                                           const absl::Status& given) {
+  // The sum (or max) of failure flags rides in one more FP32 element.
+  if (elements >= store_->budget_bytes() / 4) return given.ok() ? CannotHold(elements * 4) : given;
   HostTensor wire;
   try {
     wire = *ZerosTensor(DType::kF32, {elements + 1});
   } catch (const std::exception&) {
-    return status.ok() ? CannotHold(elements * 4) : status;
+    return given.ok() ? CannotHold(elements * 4) : given;
   }
-  if (status.ok()) {
-    if (out->dtype != DType::kF32 || out->NumElements() != elements) {
-      return absl::InternalError("a fused all-reduce takes the step's FP32 partial sums");
-    }
-    std::memcpy(&wire.bytes[0], out->bytes.data(), elements * 4);
+  absl::Status status = given;
+  if (status.ok() && (out == nullptr || out->dtype != DType::kF32 || out->NumElements() != elements)) {
+    // Still joins the collective, as a failure: its peers are in it.
+    status = absl::InternalError(absl::StrCat("a fused all-reduce takes ", elements, " FP32 values"));
   }
+  if (status.ok()) std::memcpy(&wire.bytes[0], out->bytes.data(), elements * 4);
   wire.data<float>()[elements] = status.ok() ? 0.f : 1.f;
   std::vector<std::string> axes(c.axes().begin(), c.axes().end());
   const ReduceOp op = c.kind() == v1::COLLECTIVE_ALL_REDUCE_MAX ? ReduceOp::kMax : ReduceOp::kSum;
@@ -665,16 +665,39 @@ absl::StatusOr<v1::StepResult> Executor::RunQuantize(v1::QuantizeStep& q) {
     prepared = store_->Reserve(working_bytes);
   }
   ShardStore::ScopedReservation reservation(store_, working_bytes, prepared.ok());
-  // One agreement, right before the step's first collective.
+  // One agreement, right before the step's first collective. With no
+  // before-collective, and every within one over the same group, it rides
+  // along the first amax max-reduction (a flag element).
   const bool agree_first = q.agree() && before_communicates;
   const bool agree_within = q.agree() && !before_communicates && within_communicates;
   const std::vector<std::string> agree_axes = AgreementAxes(q.collectives());
+  const v1::CollectivePlan* fused = nullptr;
+  if (agree_within) {
+    bool one_group = true;
+    for (const v1::CollectivePlan& c : q.collectives()) {
+      if (c.phase() != v1::PHASE_WITHIN || !Communicates(c)) continue;
+      if (fused == nullptr) {
+        fused = &c;
+      } else if (!SameGroup(c, *fused)) {
+        one_group = false;
+      }
+    }
+    if (fused == nullptr || !one_group || fused->kind() != v1::COLLECTIVE_ALL_REDUCE_MAX) fused = nullptr;
+  }
+  const int64_t groups = q.group_sizes_size();
   if (agree_first) {
     ++agreements;
     prepared = collectives_->Agree(prepared, agree_axes);
   }
   if (!prepared.ok()) {
-    if (agree_within) (void)collectives_->Agree(prepared, agree_axes);  // its peers agree after their amax pass
+    // Its peers agree after their amax pass: this worker meets them there.
+    if (fused != nullptr) {
+      ++agreements;
+      (void)AllReduceWithStatus(*fused, nullptr, groups, prepared);
+    } else if (agree_within) {
+      ++agreements;
+      (void)collectives_->Agree(prepared, agree_axes);
+    }
     return prepared;
   }
 
@@ -705,14 +728,23 @@ absl::StatusOr<v1::StepResult> Executor::RunQuantize(v1::QuantizeStep& q) {
   status = out.status();
   // Shared scales: the per-group amax is max-reduced over the shards that
   // split a group's rows, then the data is cast again with the shared scale.
-  if (agree_within) {
+  if (agree_within && fused == nullptr) {
     ++agreements;
     status = collectives_->Agree(status, agree_axes);
   }
-  if (!status.ok()) return status;
+  if (!status.ok() && fused == nullptr) return status;
   for (const v1::CollectivePlan& c : q.collectives()) {
     if (c.phase() != v1::PHASE_WITHIN) continue;
-    auto reduced = ApplyCollective(c, out->amax);
+    absl::StatusOr<HostTensor> reduced = absl::UnknownError("not reduced");
+    if (&c == fused) {
+      ++agreements;
+      HostTensor amax = status.ok() ? out->amax : HostTensor();
+      absl::Status s = AllReduceWithStatus(c, status.ok() ? &amax : nullptr, groups, status);
+      if (!s.ok()) return s;
+      reduced = std::move(amax);
+    } else {
+      reduced = ApplyCollective(c, out->amax);
+    }
     if (!reduced.ok()) return reduced.status();
     // Delayed scaling keeps its given scales: only the reported amax is shared.
     if (reduced->bytes == out->amax.bytes || local.scales != nullptr) {

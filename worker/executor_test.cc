@@ -249,11 +249,35 @@ TEST_F(ExecutorTest, SharedScalesQuantizeAgreesOnce) {
   *q->add_collectives() = Collective(v1::PHASE_WITHIN, v1::COLLECTIVE_ALL_REDUCE_MAX, v1::TENSOR_AMAX, -1);
   auto result = e.Execute(step);
   ASSERT_TRUE(result.ok()) << result.status();
+  // Its one collective carries the agreement: no separate round.
   EXPECT_EQ(result->agreements(), 1);
+  EXPECT_EQ(mirror_->agreements, 0);
   EXPECT_EQ(mirror_->calls, std::vector<std::string>({"all_reduce"}));
   std::vector<v1::TensorRole> roles;
   for (const auto& o : result->outputs()) roles.push_back(o.role());
   EXPECT_EQ(roles, std::vector<v1::TensorRole>({v1::TENSOR_ROWWISE_DATA, v1::TENSOR_SCALE_INV, v1::TENSOR_AMAX}));
+}
+
+TEST_F(ExecutorTest, QuantizeWorkerWhoseInputIsMissingJoinsTheAmaxReduction) {
+  Executor& e = Make(FsdpOf2());
+  v1::Step step;
+  step.set_sequence(1);
+  v1::QuantizeStep* q = step.mutable_quantize();
+  q->mutable_x()->set_dtype(v1::F32);
+  q->mutable_x()->add_shape(8);
+  q->mutable_x()->add_shape(16);
+  q->mutable_x()->set_resident("missing@4");
+  for (int64_t s : {3, 5}) q->add_group_sizes(s);
+  q->set_out_dtype(v1::F8E4M3);
+  q->set_scaling(v1::CURRENT);
+  q->set_rowwise(true);
+  q->set_flatten_axis(1);
+  q->set_agree(true);
+  *q->add_collectives() = Collective(v1::PHASE_WITHIN, v1::COLLECTIVE_ALL_REDUCE_MAX, v1::TENSOR_AMAX, -1);
+  auto result = e.Execute(step);
+  EXPECT_EQ(result.status().code(), absl::StatusCode::kNotFound) << result.status();
+  EXPECT_EQ(mirror_->calls, std::vector<std::string>({"all_reduce"}));
+  EXPECT_EQ(mirror_->agreements, 0);
 }
 
 }  // namespace
