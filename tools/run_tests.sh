@@ -15,7 +15,12 @@ testlogs=$($BAZEL info ${BAZEL_FLAGS:-} bazel-testlogs 2>/dev/null)
 python3 -m pytest -q -p no:cacheprovider --junitxml=.tmp/pytest.xml tests
 pytest_rc=$?
 
-python3 tools/test_summary.py "$testlogs" .tmp/pytest.xml
+$BAZEL query ${BAZEL_FLAGS:-} 'tests(//...)' >.tmp/test_targets.txt 2>/dev/null || : >.tmp/test_targets.txt
+if [[ -s .tmp/test_targets.txt ]]; then
+  python3 tools/test_summary.py "$testlogs" .tmp/pytest.xml .tmp/test_targets.txt
+else
+  python3 tools/test_summary.py "$testlogs" .tmp/pytest.xml
+fi
 summary_rc=$?
 if [[ $bazel_rc -ne 0 || ( $pytest_rc -ne 0 && $pytest_rc -ne 5 ) || $summary_rc -ne 0 ]]; then
   exit 1
