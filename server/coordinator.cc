@@ -96,13 +96,10 @@ absl::Status Coordinator::DeleteShards(const std::string& shard_name, absl::Time
 }
 
 void Coordinator::DeleteShardsBestEffort(const std::string& shard_name) {
-  // Sent in the global order like any step, but not waited for: a request
-  // that failed (or a hung worker) must not hold its caller past its
-  // deadline for a cleanup. A worker that misses it keeps an unreachable
-  // shard until it restarts.
-  std::vector<v1::Step> steps(num_workers_);
-  for (v1::Step& s : steps) s.mutable_delete_shard()->set_name(shard_name);
-  dispatcher_.DispatchDetached(std::move(steps), absl::Now() + options_.step_timeout);
+  // Rides on the next step, in the global order: no step of its own, and no
+  // caller waits for it. Until then the shard holds its workers' memory; a
+  // step that needs the room drops it first.
+  dispatcher_.Release(shard_name);
 }
 
 void Coordinator::RetireBestEffort(const std::string& shard_name) {

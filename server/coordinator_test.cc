@@ -497,6 +497,12 @@ TEST(CoordinatorDeadlineTest, HungWorkerDoesNotHoldAKeptOutputOrPutPastTheDeadli
 
 // --------------------------------------------------------- keep_output_as --
 
+// Dispatches one small step on a dp=2 mesh: retired shards ride on it.
+void RunAnyStep(Coordinator& c) {
+  const Gemm any(8, 4, 5, {1, 2, 0, 3, 0, 1}, 2);
+  ASSERT_OK(c.GroupedGemm(any.Request("(dp, None)", "(dp,)")).status());
+}
+
 TEST(CoordinatorResidentTest, KeepingOntoAResidentNameNeedsOverwriteOutput) {
   auto mesh = MakeMesh("dp=2");
   Coordinator& c = mesh->coordinator();
@@ -532,7 +538,8 @@ TEST(CoordinatorResidentTest, KeepingOntoAResidentNameNeedsOverwriteOutput) {
   v1::ListTensorsResponse list = c.ListTensors();
   ASSERT_EQ(list.tensors_size(), 1);
   EXPECT_THAT(list.tensors(0).shape(), ElementsAre(4, 5));
-  // The replaced generation leaves the workers.
+  // The replaced generation leaves the workers with the next step.
+  RunAnyStep(c);
   for (int rank = 0; rank < 2; ++rank) {
     const std::vector<std::string> names = mesh->worker(rank).shard_names();
     ASSERT_EQ(names.size(), 1u) << "rank " << rank;
@@ -589,6 +596,7 @@ TEST(CoordinatorResidentTest, ReplacedTensorStaysUntilTheRequestUsingItIsDone) {
   request.join();
   ASSERT_TRUE(result.ok()) << result.status();
   EXPECT_EQ(Floats(result->out()), gemm.Reference());  // the generation it resolved
+  RunAnyStep(c);  // the retired generation leaves with the next step
   for (int r = 0; r < 2; ++r) {
     EXPECT_FALSE(mesh->worker(r).shard(old_shard).has_value()) << "rank " << r << ": never deleted";
     EXPECT_EQ(mesh->worker(r).shard_names().size(), 1u);
@@ -611,6 +619,7 @@ TEST(CoordinatorResidentTest, PutFailingOnOneWorkerLeavesTheOldTensorAndNoNewSha
   auto put = c.PutTensor("w", F32({2, 3}, Ints(6, 8)), "", true);
   EXPECT_EQ(put.status().code(), absl::StatusCode::kResourceExhausted) << put.status();
   EXPECT_THAT(std::string(put.status().message()), HasSubstr("worker 1"));
+  RunAnyStep(c);  // the failed put's leftovers leave with the next step
   EXPECT_EQ(mesh->worker(0).shard_names(), old_shards) << "the new generation is deleted where it landed";
   ASSERT_OK_AND_ASSIGN(Coordinator::Fetched back, c.GetTensor("w"));
   EXPECT_EQ(Floats(back.tensor), Floats(old_w));

@@ -78,8 +78,22 @@ std::vector<std::shared_ptr<WorkerChannel>> Dispatcher::Number(std::vector<v1::S
   absl::MutexLock lock(&sequence_mu_);
   std::vector<std::shared_ptr<WorkerChannel>> channels = Channels();
   const uint64_t sequence = next_sequence_++;
-  for (v1::Step& s : *steps) s.set_sequence(sequence);
+  for (v1::Step& s : *steps) {
+    s.set_sequence(sequence);
+    for (const std::string& name : releases_) s.add_release_shards(name);
+  }
+  releases_.clear();
   return channels;
+}
+
+void Dispatcher::Release(const std::string& shard_name) {
+  absl::MutexLock lock(&sequence_mu_);
+  releases_.push_back(shard_name);
+}
+
+size_t Dispatcher::pending_releases() const {
+  absl::MutexLock lock(&sequence_mu_);
+  return releases_.size();
 }
 
 void Dispatcher::DispatchDetached(std::vector<v1::Step> steps, absl::Time deadline) {

@@ -51,6 +51,11 @@ class Dispatcher {
   absl::StatusOr<std::vector<v1::StepResult>> Dispatch(std::vector<v1::Step> steps, absl::Time deadline);
   // Numbers and sends `steps` like Dispatch, without waiting for answers.
   void DispatchDetached(std::vector<v1::Step> steps, absl::Time deadline);
+  // Every worker drops `shard_name` with the next step dispatched (in the
+  // global order, so after every step that could still read it).
+  void Release(const std::string& shard_name);
+  // Releases not yet sent (tests).
+  size_t pending_releases() const;
 
  private:
   // Numbers `steps` and returns the channels, under the lock Join holds
@@ -69,8 +74,9 @@ class Dispatcher {
   const absl::Duration grace_;
 
   // Lock order: sequence_mu_, then workers_mu_.
-  absl::Mutex sequence_mu_;
+  mutable absl::Mutex sequence_mu_;
   uint64_t next_sequence_ ABSL_GUARDED_BY(sequence_mu_) = 1;
+  std::vector<std::string> releases_ ABSL_GUARDED_BY(sequence_mu_);
   mutable absl::Mutex workers_mu_;
   std::vector<Worker> workers_ ABSL_GUARDED_BY(workers_mu_);
   int joined_ ABSL_GUARDED_BY(workers_mu_) = 0;

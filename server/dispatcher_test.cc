@@ -71,6 +71,29 @@ TEST_F(DispatcherTest, EveryWorkerGetsTheSameNumberAndNumbersIncrease) {
   EXPECT_EQ(d->Join(At("a"))->next_sequence, 5u);
 }
 
+TEST_F(DispatcherTest, ReleasesRideOnTheNextStepOfEveryWorker) {
+  auto d = Make("dp=2");
+  ASSERT_TRUE(d->Join(At("a")).ok());
+  ASSERT_TRUE(d->Join(At("b")).ok());
+  d->Release("w@1");
+  d->Release("y@4");
+  EXPECT_EQ(d->pending_releases(), 2u);
+  for (const char* w : {"a", "b"}) {
+    fakes_.at(w).SetHandler([](const v1::Step&) -> absl::StatusOr<v1::StepResult> { return v1::StepResult(); });
+  }
+  ASSERT_TRUE(d->Dispatch(DeleteSteps(2), absl::Now() + absl::Seconds(5)).ok());
+  EXPECT_EQ(d->pending_releases(), 0u);
+  for (const char* w : {"a", "b"}) {
+    const auto steps = fakes_.at(w).steps();
+    ASSERT_EQ(steps.size(), 1u);
+    EXPECT_EQ(std::vector<std::string>(steps[0].release_shards().begin(), steps[0].release_shards().end()),
+              std::vector<std::string>({"w@1", "y@4"}));
+  }
+  // Sent once: the step after carries none.
+  ASSERT_TRUE(d->Dispatch(DeleteSteps(2), absl::Now() + absl::Seconds(5)).ok());
+  EXPECT_EQ(fakes_.at("a").steps()[1].release_shards_size(), 0);
+}
+
 TEST_F(DispatcherTest, FailingWorkersStatusWinsOverItsPeersAborted) {
   auto d = Make("dp=3");
   for (const char* w : {"a", "b", "c"}) ASSERT_TRUE(d->Join(At(w)).ok());

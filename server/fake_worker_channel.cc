@@ -252,6 +252,7 @@ absl::optional<v1::LocalTensor> FakeWorkerChannel::shard(const std::string& name
 absl::StatusOr<v1::StepResult> FakeWorkerChannel::RunTrivialWorker(const v1::Step& step) {
   absl::MutexLock lock(&state_->shards_mu);
   auto& shards = state_->shards;
+  for (const std::string& name : step.release_shards()) shards.erase(name);  // as the executor does
   switch (step.op_case()) {
     case v1::Step::kStore: {
       if (step.store().shard().source_case() != v1::LocalTensor::kData) {

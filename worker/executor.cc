@@ -59,6 +59,9 @@ void Executor::PassTurn() {
 
 absl::StatusOr<v1::StepResult> Executor::Execute(v1::Step step) {
   if (auto s = WaitForTurn(step.sequence()); !s.ok()) return s;
+  // Shards the coordinator retired since the last step (a missing one was
+  // never stored here, e.g. by a put that failed on this worker).
+  for (const std::string& name : step.release_shards()) (void)store_->Delete(name);
   collectives_->BeginStep(step.sequence());
   absl::StatusOr<v1::StepResult> result;
   switch (step.op_case()) {

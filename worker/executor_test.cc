@@ -223,6 +223,18 @@ TEST_F(ExecutorTest, CollectiveOnATensorTheStepLacksIsInvalid) {
   EXPECT_TRUE(mirror_->calls.empty());
 }
 
+TEST_F(ExecutorTest, ReleasedShardsLeaveWhenTheStepsTurnComes) {
+  Executor& e = Make(SingleWorkerPosition());
+  ASSERT_TRUE(store_.Put("old@1", F32({2, 3}, 1)).ok());
+  v1::Step step = GemmStep(F32({2, 3}, 1), F32({1, 3, 2}, 1), {2});
+  step.add_release_shards("old@1");
+  step.add_release_shards("never-here@2");  // e.g. a put that failed on this worker
+  auto result = e.Execute(step);
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_EQ(store_.Get("old@1").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(store_.used_bytes(), 0);
+}
+
 TEST_F(ExecutorTest, StepNumberedBeforeTheWorkerJoinedIsRetryable) {
   // A worker that (re)joined at step 7 is sent step 5 of a request that
   // started without it: the server's business, not the client's.
