@@ -1,5 +1,7 @@
 #include "server/dispatcher.h"
 
+#include <atomic>
+
 #include "absl/strings/str_cat.h"
 #include "absl/types/optional.h"
 
@@ -78,12 +80,20 @@ std::vector<std::shared_ptr<WorkerChannel>> Dispatcher::Number(std::vector<v1::S
   absl::MutexLock lock(&sequence_mu_);
   std::vector<std::shared_ptr<WorkerChannel>> channels = Channels();
   const uint64_t sequence = next_sequence_++;
+  in_flight_.insert(sequence);
+  const uint64_t oldest_live = *in_flight_.begin();
   for (v1::Step& s : *steps) {
     s.set_sequence(sequence);
+    s.set_oldest_live_sequence(oldest_live);
     for (const std::string& name : releases_) s.add_release_shards(name);
   }
   releases_.clear();
   return channels;
+}
+
+void Dispatcher::Done(uint64_t sequence) {
+  absl::MutexLock lock(&sequence_mu_);
+  in_flight_.erase(sequence);
 }
 
 void Dispatcher::Release(const std::string& shard_name) {
@@ -98,9 +108,18 @@ size_t Dispatcher::pending_releases() const {
 
 void Dispatcher::DispatchDetached(std::vector<v1::Step> steps, absl::Time deadline) {
   const std::vector<std::shared_ptr<WorkerChannel>> channels = Number(&steps);
+  const uint64_t sequence = steps.empty() ? 0 : steps[0].sequence();
+  // Live until its last answer (every channel answers by the deadline).
+  auto remaining = std::make_shared<std::atomic<int>>(1);
+  auto answered = [this, remaining, sequence] {
+    if (--*remaining == 0) Done(sequence);
+  };
   for (size_t r = 0; r < steps.size() && r < channels.size(); ++r) {
-    if (channels[r] != nullptr) channels[r]->ExecuteAsync(steps[r], deadline, [](absl::StatusOr<v1::StepResult>) {});
+    if (channels[r] == nullptr) continue;
+    ++*remaining;
+    channels[r]->ExecuteAsync(steps[r], deadline, [answered](absl::StatusOr<v1::StepResult>) { answered(); });
   }
+  answered();
 }
 
 absl::StatusOr<std::vector<v1::StepResult>> Dispatcher::Dispatch(std::vector<v1::Step> steps, absl::Time deadline) {
@@ -142,6 +161,7 @@ absl::StatusOr<std::vector<v1::StepResult>> Dispatcher::Dispatch(std::vector<v1:
     // The channel enforces the deadline itself; the grace covers a channel
     // (or a fake) that does not.
     pending->mu.AwaitWithDeadline(absl::Condition(&all_answered), deadline + grace_);
+    Done(steps[0].sequence());  // answered, or given up on: later steps need not wait for it
     for (size_t r = 0; r < steps.size(); ++r) {
       if (pending->results[r].has_value()) {
         results.push_back(std::move(*pending->results[r]));

@@ -8,6 +8,7 @@
 
 #include <functional>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -62,6 +63,8 @@ class Dispatcher {
   // while it hands a (re)joining worker its first number: a worker gets
   // either every step numbered before it joined or none of them.
   std::vector<std::shared_ptr<WorkerChannel>> Number(std::vector<v1::Step>* steps);
+  // The step numbered `sequence` is answered or given up on.
+  void Done(uint64_t sequence);
 
   struct Worker {
     v1::WorkerInfo info;
@@ -77,6 +80,8 @@ class Dispatcher {
   mutable absl::Mutex sequence_mu_;
   uint64_t next_sequence_ ABSL_GUARDED_BY(sequence_mu_) = 1;
   std::vector<std::string> releases_ ABSL_GUARDED_BY(sequence_mu_);
+  // Numbered steps not yet answered or given up on (oldest_live_sequence).
+  std::set<uint64_t> in_flight_ ABSL_GUARDED_BY(sequence_mu_);
   mutable absl::Mutex workers_mu_;
   std::vector<Worker> workers_ ABSL_GUARDED_BY(workers_mu_);
   int joined_ ABSL_GUARDED_BY(workers_mu_) = 0;

@@ -36,7 +36,7 @@ def wait_for_port(port, timeout=30):
 class Cluster:
     """A coordinator with `workers` CPU workers on `mesh`."""
 
-    def __init__(self, tmp_path, mesh="dp=1", workers=1, roles="", worker_flags=()):
+    def __init__(self, tmp_path, mesh="dp=1", workers=1, roles="", worker_flags=(), coordinator_flags=()):
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.logs = tmp_path
@@ -44,6 +44,7 @@ class Cluster:
         cmd = [os.path.join(BIN, "shardgemm-coordinator"), f"--listen={self.address}", f"--mesh={mesh}"]
         if roles:
             cmd.append(f"--roles={roles}")
+        cmd.extend(coordinator_flags)
         self.coordinator = self._start("coordinator", cmd)
         wait_for_port(self.port)
         for i in range(workers):

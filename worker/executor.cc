@@ -39,26 +39,42 @@ absl::Status StaleStep(uint64_t sequence, uint64_t next_sequence) {
 
 }  // namespace
 
-absl::Status Executor::WaitForTurn(uint64_t sequence) {
+absl::Status Executor::WaitForTurn(uint64_t sequence, uint64_t oldest_live, absl::Time deadline) {
   absl::MutexLock lock(&mu_);
   if (sequence < next_sequence_) return StaleStep(sequence, next_sequence_);
   auto configured = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return configured_; };
-  mu_.Await(absl::Condition(&configured));
-  if (sequence < next_sequence_) return StaleStep(sequence, next_sequence_);
-  auto my_turn = [this, sequence]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
-    return next_sequence_ == sequence;
-  };
-  mu_.Await(absl::Condition(&my_turn));
+  if (!mu_.AwaitWithDeadline(absl::Condition(&configured), deadline)) {
+    return absl::DeadlineExceededError("this worker has not joined the mesh yet");
+  }
+  while (true) {
+    if (sequence < next_sequence_) return StaleStep(sequence, next_sequence_);  // gone on past it
+    // Steps the coordinator has answered or given up on without this
+    // worker (their calls were cancelled before they arrived) will not
+    // come: with no step running, go on to the oldest one still live.
+    if (!running_ && oldest_live > next_sequence_ && oldest_live <= sequence) next_sequence_ = oldest_live;
+    if (next_sequence_ == sequence && !running_) break;
+    const uint64_t seen_next = next_sequence_;
+    const bool seen_running = running_;
+    auto changed = [this, seen_next, seen_running]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+      return next_sequence_ != seen_next || running_ != seen_running;
+    };
+    if (!mu_.AwaitWithDeadline(absl::Condition(&changed), deadline)) {
+      return absl::DeadlineExceededError(absl::StrCat("step ", sequence, " was still waiting for step ",
+                                                      next_sequence_, " at its deadline"));
+    }
+  }
+  running_ = true;
   return absl::OkStatus();
 }
 
 void Executor::PassTurn() {
   absl::MutexLock lock(&mu_);
+  running_ = false;
   ++next_sequence_;
 }
 
-absl::StatusOr<v1::StepResult> Executor::Execute(v1::Step step) {
-  if (auto s = WaitForTurn(step.sequence()); !s.ok()) return s;
+absl::StatusOr<v1::StepResult> Executor::Execute(v1::Step step, absl::Time deadline) {
+  if (auto s = WaitForTurn(step.sequence(), step.oldest_live_sequence(), deadline); !s.ok()) return s;
   // Shards the coordinator retired since the last step (a missing one was
   // never stored here, e.g. by a put that failed on this worker).
   for (const std::string& name : step.release_shards()) (void)store_->Delete(name);

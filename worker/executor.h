@@ -29,12 +29,14 @@ class Executor {
   // this one. A step that fails still passes the turn on. There is no turn
   // timeout: the coordinator sends every sequence number to every worker, and
   // a step queued behind long ones must still run in its place.
-  absl::StatusOr<v1::StepResult> Execute(v1::Step step);
+  // `deadline`: the coordinator's for this step (the call's); a step still
+  // waiting for its turn then gives up (DEADLINE_EXCEEDED).
+  absl::StatusOr<v1::StepResult> Execute(v1::Step step, absl::Time deadline = absl::InfiniteFuture());
 
   const MeshPosition& position() const { return position_; }
 
  private:
-  absl::Status WaitForTurn(uint64_t sequence);
+  absl::Status WaitForTurn(uint64_t sequence, uint64_t oldest_live, absl::Time deadline);
   void PassTurn();
   absl::StatusOr<v1::StepResult> RunGemm(v1::GemmStep& gemm);
   absl::StatusOr<HostTensor> ApplyCollective(const v1::CollectivePlan& c, const HostTensor& t);
@@ -66,6 +68,7 @@ class Executor {
   absl::Mutex mu_;
   uint64_t next_sequence_ ABSL_GUARDED_BY(mu_) = 1;
   bool configured_ ABSL_GUARDED_BY(mu_) = false;
+  bool running_ ABSL_GUARDED_BY(mu_) = false;  // a step has its turn
 };
 
 }  // namespace shardgemm

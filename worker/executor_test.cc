@@ -1,8 +1,10 @@
 #include "worker/executor.h"
 
 #include <memory>
+#include <thread>
 #include <vector>
 
+#include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "proto/tensor_codec.h"
 #include "worker/fake_collectives.h"
@@ -233,6 +235,51 @@ TEST_F(ExecutorTest, ReleasedShardsLeaveWhenTheStepsTurnComes) {
   ASSERT_TRUE(result.ok()) << result.status();
   EXPECT_EQ(store_.Get("old@1").status().code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(store_.used_bytes(), 0);
+}
+
+TEST_F(ExecutorTest, StepsTheCoordinatorGaveUpOnAreNotWaitedFor) {
+  Executor& e = Make(SingleWorkerPosition());
+  // Steps 1 and 2 never arrive (their calls were cancelled): step 3 says so.
+  v1::Step third = GemmStep(F32({2, 3}, 1), F32({1, 3, 2}, 1), {2});
+  third.set_sequence(3);
+  third.set_oldest_live_sequence(3);
+  auto result = e.Execute(third, absl::Now() + absl::Seconds(10));
+  ASSERT_TRUE(result.ok()) << result.status();
+  // Step 5 waits for step 4, which never comes and is still live: it gives
+  // up at its deadline instead of waiting forever.
+  v1::Step fifth = GemmStep(F32({2, 3}, 1), F32({1, 3, 2}, 1), {2});
+  fifth.set_sequence(5);
+  fifth.set_oldest_live_sequence(4);
+  const absl::Time start = absl::Now();
+  auto late = e.Execute(fifth, start + absl::Milliseconds(200));
+  EXPECT_EQ(late.status().code(), absl::StatusCode::kDeadlineExceeded) << late.status();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+  // Step 6, numbered after the coordinator gave up on 4 and 5, runs.
+  v1::Step sixth = GemmStep(F32({2, 3}, 1), F32({1, 3, 2}, 1), {2});
+  sixth.set_sequence(6);
+  sixth.set_oldest_live_sequence(6);
+  EXPECT_TRUE(e.Execute(sixth, absl::Now() + absl::Seconds(10)).ok());
+  // Step 4 arriving now is stale: retryable, and nothing runs it.
+  v1::Step fourth = GemmStep(F32({2, 3}, 1), F32({1, 3, 2}, 1), {2});
+  fourth.set_sequence(4);
+  EXPECT_EQ(e.Execute(fourth).status().code(), absl::StatusCode::kUnavailable);
+}
+
+TEST_F(ExecutorTest, AWaitingStepPassedOverByALaterOneIsStale) {
+  Executor& e = Make(SingleWorkerPosition());
+  v1::Step second = GemmStep(F32({2, 3}, 1), F32({1, 3, 2}, 1), {2});
+  second.set_sequence(2);
+  second.set_oldest_live_sequence(1);  // step 1 was live when step 2 was numbered
+  absl::StatusOr<v1::StepResult> waited = absl::UnknownError("not run");
+  std::thread waiting([&] { waited = e.Execute(second, absl::Now() + absl::Seconds(20)); });
+  absl::SleepFor(absl::Milliseconds(50));
+  // Then the coordinator gave up on 1 and 2; step 3 says so and runs.
+  v1::Step third = GemmStep(F32({2, 3}, 1), F32({1, 3, 2}, 1), {2});
+  third.set_sequence(3);
+  third.set_oldest_live_sequence(3);
+  EXPECT_TRUE(e.Execute(third, absl::Now() + absl::Seconds(10)).ok());
+  waiting.join();
+  EXPECT_EQ(waited.status().code(), absl::StatusCode::kUnavailable) << waited.status();
 }
 
 TEST_F(ExecutorTest, StepNumberedBeforeTheWorkerJoinedIsRetryable) {

@@ -5,9 +5,12 @@
 
 namespace shardgemm {
 
-grpc::Status WorkerServiceImpl::Execute(grpc::ServerContext*, const v1::Step* step,
+grpc::Status WorkerServiceImpl::Execute(grpc::ServerContext* context, const v1::Step* step,
                                         v1::StepResult* result) {
-  auto r = executor_->Execute(*step);
+  const auto d = context->deadline();
+  const absl::Time deadline =
+      d == std::chrono::system_clock::time_point::max() ? absl::InfiniteFuture() : absl::FromChrono(d);
+  auto r = executor_->Execute(*step, deadline);
   if (!r.ok()) return ToGrpcStatus(r.status());
   *result = std::move(*r);
   return grpc::Status::OK;

@@ -1,0 +1,65 @@
+"""Every request's steps carry a deadline (the client's, or the server's
+--step_timeout_s): a frozen worker fails a request in time instead of holding
+it, and the mesh serves the next request once the worker is back."""
+import os
+import signal
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from reference import assert_close
+
+rng = np.random.default_rng(5)
+
+
+def _gemm(client, lhs, rhs, sizes, timeout):
+    req = client.gemm_request(lhs, rhs, sizes, lhs_spec="(dp, None)", group_sizes_spec="(dp,)")
+    return client.stub.GroupedGemm(req, timeout=timeout)
+
+
+def _reference(lhs, rhs, sizes):
+    out = np.zeros((lhs.shape[0], rhs.shape[2]), np.float32)
+    rows = lhs.shape[0] // 2
+    for shard in range(2):
+        row = shard * rows
+        for g, n in enumerate(sizes[shard * 2:(shard + 1) * 2]):
+            out[row:row + n] = lhs[row:row + n] @ rhs[g]
+            row += n
+    return out
+
+
+def test_frozen_worker_fails_requests_by_their_deadline_and_the_mesh_recovers(cluster_factory):
+    c = cluster_factory(mesh="dp=2", workers=2, coordinator_flags=["--step_timeout_s=3"])
+    client = c.client
+    lhs = rng.standard_normal((64, 32)).astype(np.float32)
+    rhs = rng.standard_normal((2, 32, 16)).astype(np.float32)
+    sizes = [10, 22, 16, 16]
+    out, _ = client.grouped_gemm(lhs, rhs, sizes, lhs_spec="(dp, None)", group_sizes_spec="(dp,)")
+    assert_close(out, _reference(lhs, rhs, sizes), 32)
+
+    worker = next(p for name, p in c.procs if name == "worker1")
+    os.kill(worker.pid, signal.SIGSTOP)
+    try:
+        # The client's deadline.
+        start = time.time()
+        with pytest.raises(grpc.RpcError) as err:
+            _gemm(client, lhs, rhs, sizes, timeout=1.5)
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert time.time() - start < 4
+        # No earlier client deadline: the server's step timeout (3 s) bounds it.
+        start = time.time()
+        with pytest.raises(grpc.RpcError) as err:
+            _gemm(client, lhs, rhs, sizes, timeout=60)
+        took = time.time() - start
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, err.value.details()
+        assert "worker" in err.value.details()
+        assert 2.5 < took < 10, took
+    finally:
+        os.kill(worker.pid, signal.SIGCONT)
+    # Back: the worker runs the steps it missed in order, then this one.
+    resp = _gemm(client, lhs, rhs, sizes, timeout=30)
+    from shardgemm_client import from_tensor
+    assert_close(from_tensor(resp.out), _reference(lhs, rhs, sizes), 32)
+    assert c.alive()
