@@ -78,6 +78,13 @@ absl::string_view CompatModeName(CompatMode mode) {
   return mode == CompatMode::kTe ? "te" : "default";
 }
 
+const PlanOperand* FindPlanOperand(const Plan& plan, absl::string_view name) {
+  for (const PlanOperand& op : plan.operands) {
+    if (op.name == name) return &op;
+  }
+  return nullptr;
+}
+
 absl::StatusOr<Plan> MakePlan(const PlanRequest& request) {
   absl::Status s = ValidateMesh(request.mesh);
   if (!s.ok()) return s;

@@ -178,6 +178,9 @@ struct Plan {
 
 absl::StatusOr<Plan> MakePlan(const PlanRequest& request);
 
+// The plan's operand named `name` ("lhs", "x", ...); null when it has none.
+const PlanOperand* FindPlanOperand(const Plan& plan, absl::string_view name);
+
 // Grouped quantize's flatten axis for an x of `rank`: negative counts from
 // the end (-1: the last dim is the only column dim); the result is in
 // [1, rank), else INVALID_ARGUMENT naming the field.

@@ -31,6 +31,17 @@ void ConfigureTensorServer(grpc::ServerBuilder* builder) {
   builder->AddChannelArgument(GRPC_ARG_HTTP2_WRITE_BUFFER_SIZE, 64 << 20);
 }
 
+absl::Time DeadlineOf(const grpc::ServerContextBase* context) {
+  const auto d = context->deadline();
+  if (d == std::chrono::system_clock::time_point::max()) return absl::InfiniteFuture();
+  return absl::FromChrono(d);
+}
+
+std::chrono::system_clock::time_point ToGrpcDeadline(absl::Time deadline) {
+  if (deadline == absl::InfiniteFuture()) return std::chrono::system_clock::time_point::max();
+  return absl::ToChronoTime(deadline);
+}
+
 void ServeUntilSignalled(grpc::Server* server) {
   std::signal(SIGINT, [](int) { g_stop = true; });
   std::signal(SIGTERM, [](int) { g_stop = true; });

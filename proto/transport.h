@@ -3,6 +3,9 @@
 #ifndef SHARDGEMM_PROTO_TRANSPORT_H_
 #define SHARDGEMM_PROTO_TRANSPORT_H_
 
+#include <chrono>
+
+#include "absl/time/time.h"
 #include "grpcpp/grpcpp.h"
 
 namespace shardgemm {
@@ -16,6 +19,10 @@ void ConfigureTensorServer(grpc::ServerBuilder* builder);
 
 // Blocks until SIGINT or SIGTERM, then shuts the server down cleanly.
 void ServeUntilSignalled(grpc::Server* server);
+
+// A call's deadline as absl::Time and back (gRPC's "none" is the far future).
+absl::Time DeadlineOf(const grpc::ServerContextBase* context);
+std::chrono::system_clock::time_point ToGrpcDeadline(absl::Time deadline);
 
 }  // namespace shardgemm
 

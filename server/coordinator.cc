@@ -221,13 +221,6 @@ v1::ListTensorsResponse Coordinator::ListTensors() const {
 
 namespace {
 
-const planner::PlanOperand* FindOperand(const planner::Plan& plan, const std::string& name) {
-  for (const auto& op : plan.operands) {
-    if (op.name == name) return &op;
-  }
-  return nullptr;
-}
-
 // Group sizes must be non-negative and each row shard's entries must fit its
 // rows; the planner checks shapes, this checks the values.
 absl::Status CheckGroupSizes(const std::vector<int64_t>& sizes, const planner::Plan& plan,
@@ -353,7 +346,7 @@ absl::Status AssembleBlockScaled(const planner::Plan& plan, const std::vector<v1
   if (bq.rowwise) HostTensorToProto(out->scale_inv, response->mutable_scale_inv());
   if (bq.colwise) HostTensorToProto(out->colwise_scale_inv, response->mutable_colwise_scale_inv());
   if (bq.colwise && bq.mode != ScalingMode::kMxfp8) {
-    out->colwise_data.shape = FindOperand(plan, "x")->global_shape;  // [m, k] bytes, shaped like x
+    out->colwise_data.shape = planner::FindPlanOperand(plan, "x")->global_shape;  // [m, k] bytes, shaped like x
     HostTensorToProto(out->colwise_data, response->mutable_colwise_data());
   }
   response->mutable_scale_group_sizes()->Assign(groups.sizes.begin(), groups.sizes.end());
@@ -406,7 +399,7 @@ absl::StatusOr<v1::GroupedQuantizeResponse> Coordinator::GroupedQuantize(
   if (!gs_tensor.ok()) return gs_tensor.status();
   auto sizes = ToInt64Vector(*gs_tensor, "group_sizes");
   if (!sizes.ok()) return sizes.status();
-  const planner::PlanOperand* x_op = FindOperand(*plan, "x");
+  const planner::PlanOperand* x_op = planner::FindPlanOperand(*plan, "x");
   const int rank = static_cast<int>(x_op->global_shape.size());
   auto resolved_flatten = planner::ResolveFlattenAxis(plan_request->attrs.flatten_axis, rank);
   if (!resolved_flatten.ok()) return resolved_flatten.status();
@@ -639,7 +632,7 @@ absl::StatusOr<v1::GroupedGemmResponse> Coordinator::GroupedGemmPerShard(
   auto group_sizes = ToInt64Vector(*group_sizes_tensor, "group_sizes");
   if (!group_sizes.ok()) return group_sizes.status();
   const bool ragged_k = request.ragged() == v1::GroupedGemmRequest::RAGGED_K;
-  if (auto s = CheckGroupSizes(*group_sizes, *plan, FindOperand(*plan, "lhs")->input_local_shape[0],
+  if (auto s = CheckGroupSizes(*group_sizes, *plan, planner::FindPlanOperand(*plan, "lhs")->input_local_shape[0],
                                ragged_k ? "lhs/rhs" : "lhs");
       !s.ok()) {
     return s;

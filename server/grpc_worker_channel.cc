@@ -12,11 +12,6 @@ namespace {
 
 constexpr absl::Duration kConnectTimeout = absl::Seconds(10);
 
-std::chrono::system_clock::time_point ToChrono(absl::Time t) {
-  if (t == absl::InfiniteFuture()) return std::chrono::system_clock::time_point::max();
-  return absl::ToChronoTime(t);
-}
-
 class GrpcWorkerChannel : public WorkerChannel {
  public:
   explicit GrpcWorkerChannel(const std::string& address) : address_(address) {
@@ -40,7 +35,7 @@ class GrpcWorkerChannel : public WorkerChannel {
     auto* call = new Call;
     call->step = step;
     call->done = std::move(done);
-    call->ctx.set_deadline(ToChrono(deadline));
+    call->ctx.set_deadline(ToGrpcDeadline(deadline));
     stub_->async()->Execute(&call->ctx, &call->step, &call->result, [call, this](grpc::Status s) {
       std::unique_ptr<Call> owned(call);
       if (s.ok()) {
@@ -55,7 +50,7 @@ class GrpcWorkerChannel : public WorkerChannel {
   absl::StatusOr<v1::LocalTensor> GetShard(const std::string& name, absl::Time deadline) override {
     if (absl::Status c = Connected(deadline); !c.ok()) return c;
     grpc::ClientContext ctx;
-    ctx.set_deadline(ToChrono(deadline));
+    ctx.set_deadline(ToGrpcDeadline(deadline));
     v1::GetShardRequest request;
     request.set_name(name);
     v1::LocalTensor shard;
@@ -74,7 +69,7 @@ class GrpcWorkerChannel : public WorkerChannel {
     if (channel_->GetState(/*try_to_connect=*/true) == GRPC_CHANNEL_READY) return absl::OkStatus();
     const absl::Time start = absl::Now();
     const absl::Time until = std::min(deadline, start + kConnectTimeout);
-    if (channel_->WaitForConnected(ToChrono(until))) return absl::OkStatus();
+    if (channel_->WaitForConnected(ToGrpcDeadline(until))) return absl::OkStatus();
     return absl::UnavailableError(absl::StrCat("worker at ", address_, ": not connected within ",
                                                absl::FormatDuration(until - start)));
   }

@@ -5,19 +5,10 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "proto/tensor_codec.h"
+#include "proto/transport.h"
 #include "proto/grpc_status.h"
 
 namespace shardgemm {
-namespace {
-
-// The client's deadline (gRPC's "none" is the far future).
-absl::Time DeadlineOf(const grpc::ServerContextBase* context) {
-  const auto d = context->deadline();
-  if (d == std::chrono::system_clock::time_point::max()) return absl::InfiniteFuture();
-  return absl::FromChrono(d);
-}
-
-}  // namespace
 
 grpc::Status ShardGemmService::GetClusterInfo(grpc::ServerContext*, const v1::ClusterInfoRequest*,
                                               v1::ClusterInfo* info) {

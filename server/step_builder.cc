@@ -4,16 +4,6 @@
 #include "proto/tensor_codec.h"
 
 namespace shardgemm {
-namespace {
-
-const planner::PlanOperand* FindOperand(const planner::Plan& plan, const std::string& name) {
-  for (const auto& op : plan.operands) {
-    if (op.name == name) return &op;
-  }
-  return nullptr;
-}
-
-}  // namespace
 
 absl::StatusOr<std::vector<v1::Step>> BuildGemmSteps(const GemmStepsRequest& request) {
   const planner::Plan& plan = *request.plan;
@@ -37,7 +27,7 @@ absl::StatusOr<std::vector<v1::Step>> BuildGemmSteps(const GemmStepsRequest& req
     for (const char* name : {"lhs", "rhs", "bias"}) {
       auto it = request.operands.find(name);
       if (it == request.operands.end()) continue;
-      const planner::PlanOperand* op = FindOperand(plan, name);
+      const planner::PlanOperand* op = planner::FindPlanOperand(plan, name);
       if (op == nullptr) return absl::InternalError(absl::StrCat("the plan has no operand ", name));
       v1::LocalTensor* local = std::string(name) == "lhs"   ? gemm->mutable_lhs()
                                : std::string(name) == "rhs" ? gemm->mutable_rhs()
@@ -70,7 +60,7 @@ absl::StatusOr<std::vector<v1::Step>> BuildGemmSteps(const GemmStepsRequest& req
 absl::StatusOr<std::vector<v1::Step>> BuildQuantizeSteps(const QuantizeStepsRequest& request) {
   const planner::Plan& plan = *request.plan;
   const int num_workers = static_cast<int>(plan.workers.size());
-  const planner::PlanOperand* x_op = FindOperand(plan, "x");
+  const planner::PlanOperand* x_op = planner::FindPlanOperand(plan, "x");
   if (x_op == nullptr) return absl::InternalError("the plan has no operand x");
   if (!request.scales.empty() && request.scales.size() != request.group_sizes.size()) {
     return absl::InternalError("delayed scales and group sizes differ in length");

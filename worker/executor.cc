@@ -223,9 +223,7 @@ absl::StatusOr<HostTensor> Executor::ApplyCollective(const v1::CollectivePlan& c
   }
 }
 
-std::vector<std::string> Executor::AgreementAxes(
-    const google::protobuf::RepeatedPtrField<v1::CollectivePlan>& collectives) const {
-  (void)collectives;
+std::vector<std::string> Executor::AgreementAxes() const {
   // The group a failure could leave waiting is the one spanned by the step's
   // collectives' axes, but the whole mesh agrees: on the CPU mesh the
   // mesh-wide agreement measured faster (it lines every worker up for the
@@ -337,7 +335,7 @@ absl::StatusOr<v1::StepResult> Executor::RunGemm(v1::GemmStep& gemm) {
   const absl::Time start = absl::Now();
   const Backend::Transfers transfers_before = backend_->TransferCounts();
   int agreements = 0;
-  const std::vector<std::string> agree_axes = AgreementAxes(gemm.collectives());
+  const std::vector<std::string> agree_axes = AgreementAxes();
   auto agree = [&](absl::Status local) {
     ++agreements;
     return collectives_->Agree(local, agree_axes);
@@ -689,7 +687,7 @@ absl::StatusOr<v1::StepResult> Executor::RunQuantize(v1::QuantizeStep& q) {
   // along the first amax max-reduction (a flag element).
   const bool agree_first = q.agree() && before_communicates;
   const bool agree_within = q.agree() && !before_communicates && within_communicates;
-  const std::vector<std::string> agree_axes = AgreementAxes(q.collectives());
+  const std::vector<std::string> agree_axes = AgreementAxes();
   const v1::CollectivePlan* fused = nullptr;
   if (agree_within) {
     bool one_group = true;

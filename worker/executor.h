@@ -50,8 +50,7 @@ class Executor {
   absl::Status AllReduceWithStatus(const v1::CollectivePlan& c, HostTensor* out, int64_t elements,
                                    const absl::Status& status);
   // The axes of the group that agrees on a step with these collectives.
-  std::vector<std::string> AgreementAxes(
-      const google::protobuf::RepeatedPtrField<v1::CollectivePlan>& collectives) const;
+  std::vector<std::string> AgreementAxes() const;
   // The shape a tensor of `shape` has after `c` on this worker.
   absl::StatusOr<std::vector<int64_t>> ShapeAfter(const v1::CollectivePlan& c, std::vector<int64_t> shape) const;
   absl::StatusOr<v1::StepResult> RunStore(v1::StoreShardStep& store);

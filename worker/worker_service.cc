@@ -1,16 +1,14 @@
 #include "worker/worker_service.h"
 
 #include "proto/tensor_codec.h"
+#include "proto/transport.h"
 #include "proto/grpc_status.h"
 
 namespace shardgemm {
 
 grpc::Status WorkerServiceImpl::Execute(grpc::ServerContext* context, const v1::Step* step,
                                         v1::StepResult* result) {
-  const auto d = context->deadline();
-  const absl::Time deadline =
-      d == std::chrono::system_clock::time_point::max() ? absl::InfiniteFuture() : absl::FromChrono(d);
-  auto r = executor_->Execute(*step, deadline);
+  auto r = executor_->Execute(*step, DeadlineOf(context));
   if (!r.ok()) return ToGrpcStatus(r.status());
   *result = std::move(*r);
   return grpc::Status::OK;
