@@ -130,11 +130,6 @@ absl::StatusOr<HostTensor> GroupedGemmAfterHostGather(Backend* backend, const Lo
 
 std::unique_ptr<Backend> MakeCpuBackend(int num_threads);
 
-// `requested` is "auto", "cpu" or "cuda". "auto" picks CUDA where a GPU is
-// present and otherwise falls back to the CPU, writing why to `note`.
-absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const std::string& requested, int device,
-                                                     int cpu_threads, std::string* note);
-
 }  // namespace shardgemm
 
 #endif  // SHARDGEMM_WORKER_BACKEND_H_

@@ -17,16 +17,20 @@
 #include "grpcpp/health_check_service_interface.h"
 #include "proto/shardgemm.grpc.pb.h"
 #include "proto/transport.h"
-#include "worker/backend.h"
+#include "worker/backend_factory.h"
+#include "worker/device_runtime.h"
 #include "worker/executor.h"
 #include "worker/gloo_collectives.h"
-#include "worker/nccl_collectives.h"
 #include "proto/grpc_status.h"
 #include "worker/worker_service.h"
 
 ABSL_FLAG(std::string, coordinator, "127.0.0.1:50051", "coordinator address (host:port)");
 ABSL_FLAG(std::string, listen, "127.0.0.1:0",
           "address this worker serves on; port 0 picks a free port");
+ABSL_FLAG(std::string, advertise_host, "",
+          "host name or address the coordinator and the other workers reach this worker at "
+          "(its gRPC port and its CPU collectives); default: the --listen host, which must then "
+          "not be a wildcard (0.0.0.0, [::])");
 ABSL_FLAG(std::string, backend, "auto", "auto | cpu | cuda (auto: cuda where a GPU is present)");
 ABSL_FLAG(int, device, 0, "CUDA device ordinal");
 ABSL_FLAG(int, threads, 0, "CPU backend threads (0: all cores)");
@@ -71,7 +75,14 @@ int Run() {
     std::cerr << "shardgemm-worker: cannot listen on " << listen << "\n";
     return 1;
   }
-  const std::string host = listen.substr(0, listen.rfind(':'));
+  std::string host = absl::GetFlag(FLAGS_advertise_host);
+  if (host.empty()) host = listen.substr(0, listen.rfind(':'));
+  if (host == "0.0.0.0" || host == "[::]" || host == "::" || host.empty()) {
+    std::cerr << "shardgemm-worker: --listen=" << listen
+              << " is a wildcard address; set --advertise_host to the name or address the "
+                 "mesh reaches this worker at\n";
+    return 1;
+  }
   const std::string address = absl::StrCat(host, ":", port);
 
   grpc::ChannelArguments args = TensorChannelArguments();
@@ -120,10 +131,9 @@ int Run() {
   if (position.NumWorkers() == 1) {
     collectives = MakeLocalCollectives(position);
   } else if ((*backend)->Name() == "cuda") {
-    collectives = MakeNcclCollectives(
-        position, absl::GetFlag(FLAGS_device),
-        CoordinatorIdExchange(absl::GetFlag(FLAGS_coordinator), response.session() + "/"),
-        std::chrono::seconds(absl::GetFlag(FLAGS_collective_timeout_s)));
+    collectives = MakeDeviceCollectives(
+        position, absl::GetFlag(FLAGS_device), absl::GetFlag(FLAGS_coordinator),
+        response.session() + "/", std::chrono::seconds(absl::GetFlag(FLAGS_collective_timeout_s)));
   } else {
     // The CPU backend's collectives: Gloo over TCP, rendezvous through the
     // coordinator. (The CUDA backend's NCCL communicators plug in here.)

@@ -1,0 +1,33 @@
+// What a build of the worker brings for accelerators. The GPU build links
+// device_runtime_cuda.cc (the CUDA backend and NCCL collectives); the CPU-only
+// build (the CPU container image: no CUDA libraries to load) links
+// device_runtime_none.cc, which reports that no device can be used.
+#ifndef SHARDGEMM_WORKER_DEVICE_RUNTIME_H_
+#define SHARDGEMM_WORKER_DEVICE_RUNTIME_H_
+
+#include <chrono>
+#include <memory>
+#include <string>
+
+#include "worker/backend.h"
+#include "worker/collectives.h"
+
+namespace shardgemm {
+
+// True when `device` can run the device backend; otherwise `why_not` says
+// why (no GPU, no driver, a build without CUDA).
+bool DeviceUsable(int device, std::string* why_not);
+
+// The device backend on `device`, or nullptr with `error` set.
+std::unique_ptr<Backend> MakeDeviceBackend(int device, std::string* error);
+
+// The device backend's collectives (NCCL), rendezvous through the
+// coordinator's store under `prefix`; nullptr where the build has none.
+std::unique_ptr<Collectives> MakeDeviceCollectives(const MeshPosition& position, int device,
+                                                   const std::string& coordinator,
+                                                   const std::string& prefix,
+                                                   std::chrono::milliseconds timeout);
+
+}  // namespace shardgemm
+
+#endif  // SHARDGEMM_WORKER_DEVICE_RUNTIME_H_
