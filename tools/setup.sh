@@ -26,8 +26,9 @@ if ((${#missing[@]})); then
 fi
 
 # Python tools for tests and the Python client, pinned: install when any
-# pinned version is missing or different.
-if ! python3 - tools/requirements.txt <<'PY' 2>/dev/null
+# pinned version is missing or different. SHARDGEMM_SETUP_PYTHON=0 skips this
+# (the image build needs only the Debian packages).
+if [[ ${SHARDGEMM_SETUP_PYTHON:-1} != 0 ]] && ! python3 - tools/requirements.txt <<'PY' 2>/dev/null
 import sys
 from importlib.metadata import version
 for line in open(sys.argv[1]):
