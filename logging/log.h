@@ -1,0 +1,71 @@
+// Structured log lines: one event a line, as JSON objects or logfmt
+// key=value pairs (--log_format), or plain text for a terminal; lines below
+// --log_level are dropped. Servers write one line per request (coordinator)
+// and per step (worker), carrying the request id that joins them.
+#ifndef SHARDGEMM_LOGGING_LOG_H_
+#define SHARDGEMM_LOGGING_LOG_H_
+
+#include <cstdint>
+#include <iosfwd>
+#include <string>
+#include <variant>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+
+namespace shardgemm::logging {
+
+enum class Format { kText, kJson, kLogfmt };
+enum class Level { kDebug, kInfo, kWarning, kError };
+
+// Parse the flags' values; INVALID_ARGUMENT naming the flag otherwise.
+absl::StatusOr<Format> ParseFormat(absl::string_view text);
+absl::StatusOr<Level> ParseLevel(absl::string_view text);
+const char* LevelName(Level level);
+
+struct Field {
+  using Value = std::variant<std::string, int64_t, double, bool>;
+  Field(std::string k, std::string v) : key(std::move(k)), value(std::move(v)) {}
+  Field(std::string k, const char* v) : key(std::move(k)), value(std::string(v)) {}
+  Field(std::string k, absl::string_view v) : key(std::move(k)), value(std::string(v)) {}
+  Field(std::string k, int64_t v) : key(std::move(k)), value(v) {}
+  Field(std::string k, int v) : key(std::move(k)), value(static_cast<int64_t>(v)) {}
+  Field(std::string k, uint64_t v) : key(std::move(k)), value(static_cast<int64_t>(v)) {}
+  Field(std::string k, double v) : key(std::move(k)), value(v) {}
+  Field(std::string k, bool v) : key(std::move(k)), value(v) {}
+  std::string key;
+  Value value;
+};
+
+class Logger {
+ public:
+  // Writes to `out` (not owned), whole lines under a lock.
+  Logger(Format format, Level min_level, std::ostream* out);
+
+  bool Enabled(Level level) const { return level >= min_level_; }
+  // One line: time, level, the component ("coordinator", "worker"), the
+  // event name, then `fields` in order.
+  void Log(Level level, absl::string_view event, const std::vector<Field>& fields);
+  // The line Log would write (without its newline), for tests.
+  std::string FormatLine(Level level, absl::string_view event, const std::vector<Field>& fields) const;
+
+  void set_component(std::string component) { component_ = std::move(component); }
+
+ private:
+  const Format format_;
+  const Level min_level_;
+  std::ostream* out_;
+  std::string component_;
+  absl::Mutex mu_;
+};
+
+// The process's logger, set up once from the flags in main (text, info, to
+// stderr until then).
+Logger& ProcessLogger();
+void ConfigureProcessLogger(Format format, Level min_level, std::string component);
+
+}  // namespace shardgemm::logging
+
+#endif  // SHARDGEMM_LOGGING_LOG_H_
