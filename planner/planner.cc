@@ -64,6 +64,17 @@ absl::string_view PhaseName(Phase phase) {
   return "unknown";
 }
 
+std::string PlanSummary(const Plan& plan) {
+  std::string out = absl::StrCat(OpKindName(plan.op), " ", plan.rule);
+  for (const Collective& c : plan.collectives) {
+    absl::StrAppend(&out, "; ", PhaseName(c.phase), " ", CollectiveKindName(c.kind), "(", c.tensor);
+    if (c.dim >= 0) absl::StrAppend(&out, ", dim ", c.dim);
+    absl::StrAppend(&out, ", ", absl::StrJoin(c.axes, "+"), ")");
+  }
+  absl::StrAppend(&out, "; out ", FormatPartitionSpec(plan.out_spec));
+  return out;
+}
+
 absl::string_view ScalingModeName(ScalingMode mode) {
   switch (mode) {
     case ScalingMode::kCurrent: return "current";

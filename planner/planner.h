@@ -196,6 +196,11 @@ absl::string_view PhaseName(Phase phase);                   // "before", ...
 absl::string_view ScalingModeName(ScalingMode mode);        // "current", ...
 absl::string_view CompatModeName(CompatMode mode);          // "default", "te"
 
+// One line for a log: the op, its rule, its collectives in order and the
+// output's spec, e.g. "grouped_gemm_ragged_m m k, g k n, g -> m n;
+// before all_gather(rhs, dim 1, fsdp); out ((fsdp, ep), None)".
+std::string PlanSummary(const Plan& plan);
+
 }  // namespace planner
 }  // namespace shardgemm
 

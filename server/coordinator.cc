@@ -49,6 +49,23 @@ v1::ClusterInfo Coordinator::ClusterInfo() const {
   return info;
 }
 
+Coordinator::Stats Coordinator::GetStats() const {
+  Stats stats;
+  stats.workers_expected = num_workers_;
+  stats.workers_registered = static_cast<int>(dispatcher_.Workers().size());
+  stats.ready = dispatcher_.Complete();
+  for (const v1::ResidentTensorInfo& t : registry_.List()) {
+    ++stats.resident_tensors;
+    auto dtype = DTypeFromProto(t.dtype(), "dtype");
+    if (!dtype.ok()) continue;
+    int64_t elements = 1;
+    for (int64_t d : t.shape()) elements *= d;
+    stats.resident_bytes += elements * DTypeSize(*dtype);
+  }
+  stats.dispatch = dispatcher_.GetStats();
+  return stats;
+}
+
 absl::Status Coordinator::CheckTensorFits(const std::string& name, int64_t bytes) const {
   if (auto s = CheckReady(); !s.ok()) return s;
   int64_t total = 0;
@@ -75,7 +92,11 @@ absl::Time Coordinator::StepDeadline(absl::Time client_deadline) const {
 }
 
 absl::StatusOr<std::vector<v1::StepResult>> Coordinator::Dispatch(std::vector<v1::Step> steps,
-                                                                  absl::Time deadline) {
+                                                                  absl::Time deadline,
+                                                                  const std::string& request_id) {
+  if (!request_id.empty()) {
+    for (v1::Step& s : steps) s.set_request_id(request_id);
+  }
   return dispatcher_.Dispatch(std::move(steps), deadline);
 }
 
@@ -83,15 +104,17 @@ void Coordinator::Unpin(const std::vector<std::string>& pins) {
   for (const std::string& shard : registry_.Unpin(pins)) DeleteShardsBestEffort(shard);
 }
 
-absl::Status Coordinator::Retire(const std::string& shard_name, absl::Time deadline) {
+absl::Status Coordinator::Retire(const std::string& shard_name, absl::Time deadline,
+                                const std::string& request_id) {
   if (!registry_.Retire(shard_name)) return absl::OkStatus();  // deleted after its last request
-  return DeleteShards(shard_name, deadline);
+  return DeleteShards(shard_name, deadline, request_id);
 }
 
-absl::Status Coordinator::DeleteShards(const std::string& shard_name, absl::Time deadline) {
+absl::Status Coordinator::DeleteShards(const std::string& shard_name, absl::Time deadline,
+                                      const std::string& request_id) {
   std::vector<v1::Step> steps(num_workers_);
   for (v1::Step& s : steps) s.mutable_delete_shard()->set_name(shard_name);
-  auto results = Dispatch(std::move(steps), StepDeadline(deadline));
+  auto results = Dispatch(std::move(steps), StepDeadline(deadline), request_id);
   return results.ok() ? absl::OkStatus() : results.status();
 }
 
@@ -134,7 +157,8 @@ class ClaimGuard {
 absl::StatusOr<v1::PutTensorResponse> Coordinator::PutTensor(const std::string& name,
                                                              HostTensor tensor,
                                                              const std::string& spec_text,
-                                                             bool overwrite, absl::Time deadline) {
+                                                             bool overwrite, absl::Time deadline,
+                                                             const std::string& request_id) {
   if (auto s = CheckReady(); !s.ok()) return s;
   if (auto s = ValidateResidentName("name", name); !s.ok()) return s;
   auto spec = planner::ParsePartitionSpec(spec_text);
@@ -159,7 +183,7 @@ absl::StatusOr<v1::PutTensorResponse> Coordinator::PutTensor(const std::string& 
     store->set_name(shard_name);
     HostTensorToProto(SliceBlock(tensor, *offsets, *local_shape), store->mutable_shard());
   }
-  auto results = Dispatch(std::move(steps), StepDeadline(deadline));
+  auto results = Dispatch(std::move(steps), StepDeadline(deadline), request_id);
   if (!results.ok()) {
     // Some workers may hold the new generation: drop it everywhere. The old
     // generation, if any, was never touched.
@@ -205,11 +229,12 @@ absl::StatusOr<Coordinator::Fetched> Coordinator::GetTensor(const std::string& n
   return Fetched{resident->info, std::move(*tensor)};
 }
 
-absl::Status Coordinator::DeleteTensor(const std::string& name, absl::Time deadline) {
+absl::Status Coordinator::DeleteTensor(const std::string& name, absl::Time deadline,
+                                      const std::string& request_id) {
   if (auto s = CheckReady(); !s.ok()) return s;
   auto shard_name = registry_.Remove(name);
   if (!shard_name.ok()) return shard_name.status();
-  return Retire(*shard_name, deadline);
+  return Retire(*shard_name, deadline, request_id);
 }
 
 v1::ListTensorsResponse Coordinator::ListTensors() const {
@@ -375,7 +400,8 @@ absl::StatusOr<TensorMeta> Coordinator::ResolveMeta(const v1::Tensor& t, const s
 }
 
 absl::StatusOr<v1::GroupedQuantizeResponse> Coordinator::GroupedQuantize(
-    const v1::GroupedQuantizeRequest& request, absl::Time deadline) {
+    const v1::GroupedQuantizeRequest& request, absl::Time deadline, const std::string& request_id) {
+  const absl::Time start = absl::Now();
   if (auto s = CheckReady(); !s.ok()) return s;
   absl::flat_hash_map<std::string, TensorMeta> metas;
   PinGuard guard{this, {}};
@@ -446,7 +472,7 @@ absl::StatusOr<v1::GroupedQuantizeResponse> Coordinator::GroupedQuantize(
   auto built = BuildQuantizeSteps(step_request);
   if (!built.ok()) return built.status();
   std::vector<v1::Step> steps = std::move(*built);
-  auto results = Dispatch(std::move(steps), StepDeadline(deadline));
+  auto results = Dispatch(std::move(steps), StepDeadline(deadline), request_id);
   if (!results.ok()) return results.status();
 
   v1::GroupedQuantizeResponse response;
@@ -465,6 +491,11 @@ absl::StatusOr<v1::GroupedQuantizeResponse> Coordinator::GroupedQuantize(
     if (auto s = AssembleBlockScaled(*plan, *results, *sizes, groups, bq, &response); !s.ok()) return s;
   }
   if (request.include_plan()) PlanToProto(*plan, response.mutable_plan());
+  response.set_plan_summary(planner::PlanSummary(*plan));
+  double worker_seconds = 0;
+  for (const v1::StepResult& r : *results) worker_seconds = std::max(worker_seconds, r.compute_seconds());
+  response.set_worker_seconds(worker_seconds);
+  response.set_server_seconds(absl::ToDoubleSeconds(absl::Now() - start));
   return response;
 }
 
@@ -503,12 +534,12 @@ absl::StatusOr<v1::Plan> Coordinator::Plan(const v1::PlanRequest& request) const
 }
 
 absl::StatusOr<v1::GroupedGemmResponse> Coordinator::GroupedGemm(
-    const v1::GroupedGemmRequest& request, absl::Time deadline) {
+    const v1::GroupedGemmRequest& request, absl::Time deadline, const std::string& request_id) {
   if (auto s = ValidateGemmEnums(request); !s.ok()) return s;
   if (request.layout() == v1::GroupedGemmRequest::GLOBAL_SORTED) {
-    return GroupedGemmGlobalSorted(request, deadline);
+    return GroupedGemmGlobalSorted(request, deadline, request_id);
   }
-  return GroupedGemmPerShard(request, deadline);
+  return GroupedGemmPerShard(request, deadline, request_id);
 }
 
 namespace {
@@ -527,7 +558,7 @@ HostTensor RouteRows(const HostTensor& t, const RowRouting& routing) {
 }  // namespace
 
 absl::StatusOr<v1::GroupedGemmResponse> Coordinator::GroupedGemmGlobalSorted(
-    const v1::GroupedGemmRequest& request, absl::Time deadline) {
+    const v1::GroupedGemmRequest& request, absl::Time deadline, const std::string& request_id) {
   const bool ragged_k = request.ragged() == v1::GroupedGemmRequest::RAGGED_K;
   if (request.lhs().source_case() == v1::Tensor::kResident ||
       (ragged_k && request.rhs().source_case() == v1::Tensor::kResident)) {
@@ -579,7 +610,7 @@ absl::StatusOr<v1::GroupedGemmResponse> Coordinator::GroupedGemmGlobalSorted(
                             row_axes.empty() ? "" : absl::StrCat("((", absl::StrJoin(row_axes, ","), "),)")};
 
   HostTensor out;
-  auto response = GroupedGemmPerShard(request, deadline, std::move(decoded), ragged_k ? nullptr : &out);
+  auto response = GroupedGemmPerShard(request, deadline, request_id, std::move(decoded), ragged_k ? nullptr : &out);
   if (!response.ok() || ragged_k) return response;
   // Output rows back in the client's order.
   HostTensor client_out = *ZerosTensor(out.dtype, {lhs->shape[0], out.shape[1]});
@@ -593,7 +624,7 @@ absl::StatusOr<v1::GroupedGemmResponse> Coordinator::GroupedGemmGlobalSorted(
 }
 
 absl::StatusOr<v1::GroupedGemmResponse> Coordinator::GroupedGemmPerShard(
-    const v1::GroupedGemmRequest& request, absl::Time deadline,
+    const v1::GroupedGemmRequest& request, absl::Time deadline, const std::string& request_id,
     absl::flat_hash_map<std::string, DecodedOperand> decoded, HostTensor* out_tensor) {
   const absl::Time start = absl::Now();
   if (auto s = CheckReady(); !s.ok()) return s;
@@ -678,7 +709,7 @@ absl::StatusOr<v1::GroupedGemmResponse> Coordinator::GroupedGemmPerShard(
     claim.emplace(&registry_, request.keep_output_as());
     for (v1::Step& s : steps) s.mutable_gemm()->set_keep_output_as(shard_name);
   }
-  auto results = Dispatch(std::move(steps), StepDeadline(deadline));
+  auto results = Dispatch(std::move(steps), StepDeadline(deadline), request_id);
   if (!results.ok()) {
     if (!shard_name.empty()) DeleteShardsBestEffort(shard_name);
     return results.status();
@@ -686,6 +717,7 @@ absl::StatusOr<v1::GroupedGemmResponse> Coordinator::GroupedGemmPerShard(
 
   v1::GroupedGemmResponse response;
   if (request.include_plan()) PlanToProto(*plan, response.mutable_plan());
+  response.set_plan_summary(planner::PlanSummary(*plan));
   if (!shard_name.empty()) {
     Resident resident;
     resident.info.set_name(request.keep_output_as());

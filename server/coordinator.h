@@ -41,17 +41,32 @@ class Coordinator {
 
   absl::StatusOr<v1::RegisterResponse> Register(const v1::RegisterRequest& request);
   v1::ClusterInfo ClusterInfo() const;
+  // What the metrics read at each scrape.
+  struct Stats {
+    int workers_expected = 0;
+    int workers_registered = 0;
+    bool ready = false;
+    int64_t resident_tensors = 0;
+    int64_t resident_bytes = 0;  // logical bytes of the resident tensors
+    Dispatcher::Stats dispatch;
+  };
+  Stats GetStats() const;
 
   absl::StatusOr<v1::Plan> Plan(const v1::PlanRequest& request) const;
+  // `request_id` (the client's x-request-id, or one the service made) goes
+  // with every step the request sends, for the workers' logs.
   absl::StatusOr<v1::GroupedGemmResponse> GroupedGemm(const v1::GroupedGemmRequest& request,
-                                                      absl::Time deadline = absl::InfiniteFuture());
+                                                      absl::Time deadline = absl::InfiniteFuture(),
+                                                      const std::string& request_id = "");
   absl::StatusOr<v1::GroupedQuantizeResponse> GroupedQuantize(
-      const v1::GroupedQuantizeRequest& request, absl::Time deadline = absl::InfiniteFuture());
+      const v1::GroupedQuantizeRequest& request, absl::Time deadline = absl::InfiniteFuture(),
+      const std::string& request_id = "");
 
   // Resident tensors: the workers keep only their shards.
   absl::StatusOr<v1::PutTensorResponse> PutTensor(const std::string& name, HostTensor tensor,
                                                   const std::string& spec, bool overwrite,
-                                                  absl::Time deadline = absl::InfiniteFuture());
+                                                  absl::Time deadline = absl::InfiniteFuture(),
+                                                  const std::string& request_id = "");
   struct Fetched {
     v1::ResidentTensorInfo info;
     HostTensor tensor;
@@ -61,7 +76,8 @@ class Coordinator {
   // mesh is complete (UNAVAILABLE): checked before a put's data is received.
   absl::Status CheckTensorFits(const std::string& name, int64_t bytes) const;
   absl::StatusOr<Fetched> GetTensor(const std::string& name, absl::Time deadline = absl::InfiniteFuture());
-  absl::Status DeleteTensor(const std::string& name, absl::Time deadline = absl::InfiniteFuture());
+  absl::Status DeleteTensor(const std::string& name, absl::Time deadline = absl::InfiniteFuture(),
+                            const std::string& request_id = "");
   v1::ListTensorsResponse ListTensors() const;
 
   const planner::Mesh& mesh() const { return mesh_; }
@@ -79,16 +95,18 @@ class Coordinator {
   // request's; with `out_tensor`, the output (when not kept resident) is
   // moved there instead of encoded into the response's `out`.
   absl::StatusOr<v1::GroupedGemmResponse> GroupedGemmPerShard(
-      const v1::GroupedGemmRequest& request, absl::Time deadline,
+      const v1::GroupedGemmRequest& request, absl::Time deadline, const std::string& request_id,
       absl::flat_hash_map<std::string, DecodedOperand> decoded = {}, HostTensor* out_tensor = nullptr);
   absl::StatusOr<v1::GroupedGemmResponse> GroupedGemmGlobalSorted(const v1::GroupedGemmRequest& request,
-                                                                  absl::Time deadline);
+                                                                  absl::Time deadline,
+                                                                  const std::string& request_id);
   // UNAVAILABLE until every worker of the mesh has registered.
   absl::Status CheckReady() const;
   // The deadline of a request's steps: the client's, or the server's default.
   absl::Time StepDeadline(absl::Time client_deadline) const;
   // Dispatcher::Dispatch.
-  absl::StatusOr<std::vector<v1::StepResult>> Dispatch(std::vector<v1::Step> steps, absl::Time deadline);
+  absl::StatusOr<std::vector<v1::StepResult>> Dispatch(std::vector<v1::Step> steps, absl::Time deadline,
+                                                       const std::string& request_id);
   static struct TensorMeta MetaOf(const Resident& resident);
   // Resident shards that a running request has resolved are pinned: a
   // replacement or delete retires them, and they leave the workers when the
@@ -96,7 +114,8 @@ class Coordinator {
   void Unpin(const std::vector<std::string>& pins);
   // Deletes the shards now (the delete step's status), or when their last
   // pin goes (OK now).
-  absl::Status Retire(const std::string& shard_name, absl::Time deadline = absl::InfiniteFuture());
+  absl::Status Retire(const std::string& shard_name, absl::Time deadline = absl::InfiniteFuture(),
+                      const std::string& request_id = "");
   struct PinGuard {
     Coordinator* coordinator;
     std::vector<std::string> pins;
@@ -109,7 +128,8 @@ class Coordinator {
   absl::StatusOr<HostTensor> Assemble(DType dtype, const std::vector<int64_t>& shape,
                                       const planner::PartitionSpec& spec,
                                       const std::function<absl::StatusOr<HostTensor>(int)>& shard);
-  absl::Status DeleteShards(const std::string& shard_name, absl::Time deadline = absl::InfiniteFuture());
+  absl::Status DeleteShards(const std::string& shard_name, absl::Time deadline = absl::InfiniteFuture(),
+                            const std::string& request_id = "");
   void DeleteShardsBestEffort(const std::string& shard_name);
   // Retire, without waiting for the workers.
   void RetireBestEffort(const std::string& shard_name);

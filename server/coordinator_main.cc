@@ -11,7 +11,10 @@
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
+#include "logging/log.h"
+#include "metrics/http_exporter.h"
 #include "server/coordinator.h"
+#include "server/request_observer.h"
 #include "proto/transport.h"
 #include "server/service.h"
 
@@ -25,10 +28,24 @@ ABSL_FLAG(double, step_timeout_s, 120,
           "the longest a request's steps may take on the workers (queueing included) when the "
           "client sets no earlier deadline");
 
+ABSL_FLAG(std::string, metrics_listen, "",
+          "HOST:PORT to serve Prometheus metrics on (GET /metrics); empty: no metrics");
+ABSL_FLAG(std::string, log_format, "text", "text | json | logfmt: one line per request and event");
+ABSL_FLAG(std::string, log_level, "info",
+          "debug | info | warning | error (request lines are info; failed requests warning)");
+
 namespace shardgemm {
 namespace {
 
 int Run() {
+  auto log_format = logging::ParseFormat(absl::GetFlag(FLAGS_log_format));
+  auto log_level = logging::ParseLevel(absl::GetFlag(FLAGS_log_level));
+  if (!log_format.ok() || !log_level.ok()) {
+    std::cerr << "shardgemm-coordinator: "
+              << (log_format.ok() ? log_level.status() : log_format.status()).message() << "\n";
+    return 2;
+  }
+  logging::ConfigureProcessLogger(*log_format, *log_level, "coordinator");
   auto mesh = planner::ParseMesh(absl::GetFlag(FLAGS_mesh), absl::GetFlag(FLAGS_roles));
   if (!mesh.ok()) {
     std::cerr << "shardgemm-coordinator: --mesh/--roles: " << mesh.status().message() << "\n";
@@ -41,7 +58,20 @@ int Run() {
   CoordinatorOptions options;
   options.step_timeout = absl::Seconds(absl::GetFlag(FLAGS_step_timeout_s));
   Coordinator coordinator(*mesh, MakeGrpcWorkerChannel, options);
-  ShardGemmService service(&coordinator);
+  metrics::Registry registry;
+  const std::string metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
+  RequestObserver observer(&coordinator, metrics_listen.empty() ? nullptr : &registry,
+                           &logging::ProcessLogger());
+  std::unique_ptr<metrics::HttpExporter> exporter;
+  if (!metrics_listen.empty()) {
+    auto started = metrics::HttpExporter::Start(metrics_listen, &registry);
+    if (!started.ok()) {
+      std::cerr << "shardgemm-coordinator: " << started.status().message() << "\n";
+      return 1;
+    }
+    exporter = std::move(*started);
+  }
+  ShardGemmService service(&coordinator, &observer);
   RendezvousStore rendezvous;
   CoordinationService coordination(&coordinator, &rendezvous);
 
@@ -58,12 +88,14 @@ int Run() {
     std::cerr << "shardgemm-coordinator: cannot listen on " << absl::GetFlag(FLAGS_listen) << "\n";
     return 1;
   }
-  std::cerr << "shardgemm-coordinator: mesh " << planner::FormatMesh(*mesh) << " ("
-            << planner::NumWorkers(*mesh) << " workers expected), serving on port " << port
-            << "\n";
+  std::vector<logging::Field> serving = {{"mesh", planner::FormatMesh(*mesh)},
+                                         {"workers_expected", planner::NumWorkers(*mesh)},
+                                         {"port", port}};
+  if (exporter != nullptr) serving.push_back({"metrics_port", exporter->port()});
+  logging::ProcessLogger().Log(logging::Level::kInfo, "serving", serving);
 
   ServeUntilSignalled(server.get());
-  std::cerr << "shardgemm-coordinator: stopped\n";
+  logging::ProcessLogger().Log(logging::Level::kInfo, "stopped", {});
   return 0;
 }
 

@@ -170,6 +170,15 @@ absl::StatusOr<std::vector<v1::StepResult>> Dispatcher::Dispatch(std::vector<v1:
       }
     }
   }
+  {
+    absl::MutexLock lock(&stats_mu_);
+    for (size_t r = 0; r < results.size(); ++r) {
+      const absl::StatusCode code = results[r].status().code();
+      if (code != absl::StatusCode::kOk && code != absl::StatusCode::kAborted) {
+        ++failed_calls_[{static_cast<int>(r), code}];
+      }
+    }
+  }
   // The worker that failed says why; the others only report ABORTED.
   int failed = -1;
   for (size_t r = 0; r < results.size(); ++r) {
@@ -186,6 +195,17 @@ absl::StatusOr<std::vector<v1::StepResult>> Dispatcher::Dispatch(std::vector<v1:
   std::vector<v1::StepResult> out;
   for (auto& r : results) out.push_back(std::move(*r));
   return out;
+}
+
+Dispatcher::Stats Dispatcher::GetStats() const {
+  Stats stats;
+  {
+    absl::MutexLock lock(&sequence_mu_);
+    stats.steps_in_flight = static_cast<int64_t>(in_flight_.size());
+  }
+  absl::MutexLock lock(&stats_mu_);
+  stats.failed_calls = failed_calls_;
+  return stats;
 }
 
 }  // namespace shardgemm

@@ -8,6 +8,7 @@
 
 #include <functional>
 #include <memory>
+#include <map>
 #include <set>
 #include <string>
 #include <vector>
@@ -58,6 +59,14 @@ class Dispatcher {
   // Releases not yet sent (tests).
   size_t pending_releases() const;
 
+  struct Stats {
+    int64_t steps_in_flight = 0;  // numbered, not yet answered or given up on
+    // Worker calls that failed, by rank and status code (a peer's ABORTED
+    // is not counted: the failing worker is).
+    std::map<std::pair<int, absl::StatusCode>, int64_t> failed_calls;
+  };
+  Stats GetStats() const;
+
  private:
   // Numbers `steps` and returns the channels, under the lock Join holds
   // while it hands a (re)joining worker its first number: a worker gets
@@ -82,6 +91,8 @@ class Dispatcher {
   std::vector<std::string> releases_ ABSL_GUARDED_BY(sequence_mu_);
   // Numbered steps not yet answered or given up on (oldest_live_sequence).
   std::set<uint64_t> in_flight_ ABSL_GUARDED_BY(sequence_mu_);
+  mutable absl::Mutex stats_mu_;
+  std::map<std::pair<int, absl::StatusCode>, int64_t> failed_calls_ ABSL_GUARDED_BY(stats_mu_);
   mutable absl::Mutex workers_mu_;
   std::vector<Worker> workers_ ABSL_GUARDED_BY(workers_mu_);
   int joined_ ABSL_GUARDED_BY(workers_mu_) = 0;

@@ -10,22 +10,38 @@
 
 namespace shardgemm {
 
-grpc::Status ShardGemmService::GetClusterInfo(grpc::ServerContext*, const v1::ClusterInfoRequest*,
+RequestRecord ShardGemmService::Begin(RequestOp op, grpc::ServerContextBase* context) {
+  if (observer_ != nullptr) return observer_->Begin(op, context);
+  RequestRecord record;
+  record.op = op;
+  return record;
+}
+
+grpc::Status ShardGemmService::Finish(const RequestRecord& record, grpc::Status status) {
+  if (observer_ != nullptr) observer_->End(record, status);
+  return status;
+}
+
+grpc::Status ShardGemmService::GetClusterInfo(grpc::ServerContext* context, const v1::ClusterInfoRequest*,
                                               v1::ClusterInfo* info) {
+  RequestRecord record = Begin(RequestOp::kGetClusterInfo, context);
   *info = coordinator_->ClusterInfo();
-  return grpc::Status::OK;
+  return Finish(record, grpc::Status::OK);
 }
 
 grpc::ServerUnaryReactor* ShardGemmService::Plan(grpc::CallbackServerContext* context,
                                                  const v1::PlanRequest* request,
                                                  v1::PlanResponse* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  RequestRecord record = Begin(RequestOp::kPlan, context);
+  record.bytes_in = static_cast<int64_t>(request->ByteSizeLong());
   auto plan = coordinator_->Plan(*request);
   if (!plan.ok()) {
-    reactor->Finish(ToGrpcStatus(plan.status()));
+    reactor->Finish(Finish(record, ToGrpcStatus(plan.status())));
   } else {
     *response->mutable_plan() = std::move(*plan);
-    reactor->Finish(grpc::Status::OK);
+    record.bytes_out = static_cast<int64_t>(response->ByteSizeLong());
+    reactor->Finish(Finish(record, grpc::Status::OK));
   }
   return reactor;
 }
@@ -33,28 +49,53 @@ grpc::ServerUnaryReactor* ShardGemmService::Plan(grpc::CallbackServerContext* co
 grpc::Status ShardGemmService::GroupedGemm(grpc::ServerContext* context,
                                            const v1::GroupedGemmRequest* request,
                                            v1::GroupedGemmResponse* response) {
-  auto r = coordinator_->GroupedGemm(*request, DeadlineOf(context));
-  if (!r.ok()) return ToGrpcStatus(r.status());
+  RequestRecord record = Begin(RequestOp::kGroupedGemm, context);
+  record.bytes_in = static_cast<int64_t>(request->ByteSizeLong());
+  record.tensor = request->keep_output_as();
+  auto r = coordinator_->GroupedGemm(*request, DeadlineOf(context), record.request_id);
+  if (!r.ok()) return Finish(record, ToGrpcStatus(r.status()));
   *response = std::move(*r);
-  return grpc::Status::OK;
+  record.plan_summary = response->plan_summary();
+  record.server_seconds = response->server_seconds();
+  record.worker_seconds = response->worker_seconds();
+  record.host_to_device_bytes = response->host_to_device_bytes();
+  record.device_to_host_bytes = response->device_to_host_bytes();
+  record.bytes_out = static_cast<int64_t>(response->ByteSizeLong());
+  return Finish(record, grpc::Status::OK);
 }
 
 grpc::Status ShardGemmService::GroupedQuantize(grpc::ServerContext* context,
                                                const v1::GroupedQuantizeRequest* request,
                                                v1::GroupedQuantizeResponse* response) {
-  auto r = coordinator_->GroupedQuantize(*request, DeadlineOf(context));
-  if (!r.ok()) return ToGrpcStatus(r.status());
+  RequestRecord record = Begin(RequestOp::kGroupedQuantize, context);
+  record.bytes_in = static_cast<int64_t>(request->ByteSizeLong());
+  auto r = coordinator_->GroupedQuantize(*request, DeadlineOf(context), record.request_id);
+  if (!r.ok()) return Finish(record, ToGrpcStatus(r.status()));
   *response = std::move(*r);
-  return grpc::Status::OK;
+  record.plan_summary = response->plan_summary();
+  record.server_seconds = response->server_seconds();
+  record.worker_seconds = response->worker_seconds();
+  record.bytes_out = static_cast<int64_t>(response->ByteSizeLong());
+  return Finish(record, grpc::Status::OK);
 }
 
 grpc::Status ShardGemmService::PutTensor(grpc::ServerContext* context,
                                          grpc::ServerReader<v1::TensorChunk>* reader,
                                          v1::PutTensorResponse* response) {
+  RequestRecord record = Begin(RequestOp::kPutTensor, context);
+  record.path = BytePath::kStream;
+  grpc::Status status = ReceiveTensor(context, reader, response, &record);
+  return Finish(record, std::move(status));
+}
+
+grpc::Status ShardGemmService::ReceiveTensor(grpc::ServerContext* context,
+                                             grpc::ServerReader<v1::TensorChunk>* reader,
+                                             v1::PutTensorResponse* response, RequestRecord* record) {
   v1::TensorChunk first;
   if (!reader->Read(&first)) {
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "PutTensor got no chunks");
   }
+  record->tensor = first.name();
   auto dtype = DTypeFromProto(first.dtype(), "dtype");
   if (!dtype.ok()) return ToGrpcStatus(dtype.status());
   std::vector<int64_t> shape(first.shape().begin(), first.shape().end());
@@ -83,6 +124,7 @@ grpc::Status ShardGemmService::PutTensor(grpc::ServerContext* context,
     too_long = static_cast<int64_t>(tensor.bytes.size() + chunk.data().size()) > expected;
     if (!too_long) tensor.bytes += chunk.data();
   }
+  record->bytes_in = static_cast<int64_t>(tensor.bytes.size());
   if (too_long || static_cast<int64_t>(tensor.bytes.size()) != expected) {
     return grpc::Status(
         grpc::StatusCode::INVALID_ARGUMENT,
@@ -91,7 +133,7 @@ grpc::Status ShardGemmService::PutTensor(grpc::ServerContext* context,
                      tensor.bytes.size(), " or more"));
   }
   auto r = coordinator_->PutTensor(first.name(), std::move(tensor), first.spec(), first.overwrite(),
-                                   DeadlineOf(context));
+                                   DeadlineOf(context), record->request_id);
   if (!r.ok()) return ToGrpcStatus(r.status());
   *response = *r;
   return grpc::Status::OK;
@@ -99,8 +141,11 @@ grpc::Status ShardGemmService::PutTensor(grpc::ServerContext* context,
 
 grpc::Status ShardGemmService::GetTensor(grpc::ServerContext* context, const v1::GetTensorRequest* request,
                                          grpc::ServerWriter<v1::TensorChunk>* writer) {
+  RequestRecord record = Begin(RequestOp::kGetTensor, context);
+  record.path = BytePath::kStream;
+  record.tensor = request->name();
   auto fetched = coordinator_->GetTensor(request->name(), DeadlineOf(context));
-  if (!fetched.ok()) return ToGrpcStatus(fetched.status());
+  if (!fetched.ok()) return Finish(record, ToGrpcStatus(fetched.status()));
   const std::string& bytes = fetched->tensor.bytes;
   size_t offset = 0;
   do {
@@ -114,21 +159,28 @@ grpc::Status ShardGemmService::GetTensor(grpc::ServerContext* context, const v1:
     const size_t len = std::min<size_t>(kTensorChunkBytes, bytes.size() - offset);
     chunk.set_data(bytes.substr(offset, len));
     offset += len;
-    if (!writer->Write(chunk)) break;
+    if (!writer->Write(chunk)) {
+      return Finish(record, grpc::Status(grpc::StatusCode::CANCELLED, "the client stopped reading"));
+    }
+    record.bytes_out += static_cast<int64_t>(len);
   } while (offset < bytes.size());
-  return grpc::Status::OK;
+  return Finish(record, grpc::Status::OK);
 }
 
 grpc::Status ShardGemmService::DeleteTensor(grpc::ServerContext* context,
                                             const v1::DeleteTensorRequest* request,
                                             v1::DeleteTensorResponse*) {
-  return ToGrpcStatus(coordinator_->DeleteTensor(request->name(), DeadlineOf(context)));
+  RequestRecord record = Begin(RequestOp::kDeleteTensor, context);
+  record.tensor = request->name();
+  return Finish(record,
+                ToGrpcStatus(coordinator_->DeleteTensor(request->name(), DeadlineOf(context), record.request_id)));
 }
 
-grpc::Status ShardGemmService::ListTensors(grpc::ServerContext*, const v1::ListTensorsRequest*,
+grpc::Status ShardGemmService::ListTensors(grpc::ServerContext* context, const v1::ListTensorsRequest*,
                                            v1::ListTensorsResponse* response) {
+  RequestRecord record = Begin(RequestOp::kListTensors, context);
   *response = coordinator_->ListTensors();
-  return grpc::Status::OK;
+  return Finish(record, grpc::Status::OK);
 }
 
 grpc::Status CoordinationService::Register(grpc::ServerContext*,

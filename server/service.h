@@ -6,6 +6,7 @@
 #include "proto/shardgemm.grpc.pb.h"
 #include "server/coordinator.h"
 #include "server/rendezvous_store.h"
+#include "server/request_observer.h"
 
 namespace shardgemm {
 
@@ -13,7 +14,9 @@ namespace shardgemm {
 // the reactor path skips the synchronous server's thread hand-offs.
 class ShardGemmService final : public v1::ShardGemm::WithCallbackMethod_Plan<v1::ShardGemm::Service> {
  public:
-  explicit ShardGemmService(Coordinator* coordinator) : coordinator_(coordinator) {}
+  // `observer` (may be null) sees every request.
+  explicit ShardGemmService(Coordinator* coordinator, RequestObserver* observer = nullptr)
+      : coordinator_(coordinator), observer_(observer) {}
 
   grpc::Status GetClusterInfo(grpc::ServerContext*, const v1::ClusterInfoRequest*,
                               v1::ClusterInfo*) override;
@@ -33,7 +36,14 @@ class ShardGemmService final : public v1::ShardGemm::WithCallbackMethod_Plan<v1:
                            v1::ListTensorsResponse*) override;
 
  private:
+  // Records `record` with `status` (when observed) and returns `status`.
+  grpc::Status Finish(const RequestRecord& record, grpc::Status status);
+  grpc::Status ReceiveTensor(grpc::ServerContext* context, grpc::ServerReader<v1::TensorChunk>* reader,
+                             v1::PutTensorResponse* response, RequestRecord* record);
+  RequestRecord Begin(RequestOp op, grpc::ServerContextBase* context);
+
   Coordinator* coordinator_;
+  RequestObserver* observer_;
 };
 
 class CoordinationService final : public v1::Coordination::Service {

@@ -14,14 +14,19 @@
 
 namespace shardgemm {
 
-Executor::Executor(Backend* backend, ShardStore* store)
-    : backend_(backend), store_(store), collectives_(MakeLocalCollectives(position_)) {}
+Executor::Executor(Backend* backend, ShardStore* store) : backend_(backend), store_(store) {
+  auto timed = std::make_unique<TimedCollectives>(MakeLocalCollectives(position_));
+  timed_ = timed.get();
+  collectives_ = std::move(timed);
+}
 
 void Executor::Configure(const MeshPosition& position, std::unique_ptr<Collectives> collectives,
                          uint64_t next_sequence) {
   absl::MutexLock lock(&mu_);
   position_ = position;
-  collectives_ = std::move(collectives);
+  auto timed = std::make_unique<TimedCollectives>(std::move(collectives));
+  timed_ = timed.get();
+  collectives_ = std::move(timed);
   next_sequence_ = std::max<uint64_t>(next_sequence, 1);
   configured_ = true;
 }
@@ -40,6 +45,11 @@ absl::Status StaleStep(uint64_t sequence, uint64_t next_sequence) {
 }  // namespace
 
 absl::Status Executor::WaitForTurn(uint64_t sequence, uint64_t oldest_live, absl::Time deadline) {
+  steps_waiting_.fetch_add(1, std::memory_order_relaxed);
+  struct Done {
+    std::atomic<int64_t>* waiting;
+    ~Done() { waiting->fetch_sub(1, std::memory_order_relaxed); }
+  } done{&steps_waiting_};
   absl::MutexLock lock(&mu_);
   if (sequence < next_sequence_) return StaleStep(sequence, next_sequence_);
   auto configured = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return configured_; };
@@ -79,6 +89,8 @@ absl::StatusOr<v1::StepResult> Executor::Execute(v1::Step step, absl::Time deadl
   // never stored here, e.g. by a put that failed on this worker).
   for (const std::string& name : step.release_shards()) (void)store_->Delete(name);
   collectives_->BeginStep(step.sequence());
+  step_kernel_time_ = absl::ZeroDuration();
+  step_collective_start_ = timed_->elapsed();
   absl::StatusOr<v1::StepResult> result;
   switch (step.op_case()) {
     case v1::Step::kGemm:
@@ -262,6 +274,17 @@ void Executor::FinishResult(absl::Time start, int agreements, const Backend::Tra
   result->set_device_to_host_bytes(after.device_to_host - before.device_to_host);
   result->set_agreements(agreements);
   result->set_compute_seconds(absl::ToDoubleSeconds(absl::Now() - start));
+  result->set_kernel_seconds(absl::ToDoubleSeconds(step_kernel_time_));
+  result->set_collective_seconds(absl::ToDoubleSeconds(timed_->elapsed() - step_collective_start_));
+}
+
+template <typename F>
+auto Executor::TimeKernel(F&& f) {
+  const absl::Time start = absl::Now();
+  const absl::Duration collectives_before = timed_->elapsed();
+  auto result = f();
+  step_kernel_time_ += (absl::Now() - start) - (timed_->elapsed() - collectives_before);
+  return result;
 }
 
 absl::StatusOr<HostTensor> Executor::AllGatherWithStatus(const v1::CollectivePlan& c, const HostTensor* local,
@@ -575,7 +598,7 @@ absl::StatusOr<v1::StepResult> Executor::RunGemm(v1::GemmStep& gemm) {
   if (!gemm.keep_output_as().empty() && !has_after && local_dtype == *out_dtype &&
       backend_->KeepsOutputsOnDevice()) {
     local.keep_on_device = true;
-    auto kept = backend_->GroupedGemmToShard(local);
+    auto kept = TimeKernel([&] { return backend_->GroupedGemmToShard(local); });
     if (!kept.ok()) return kept.status();
     v1::StepResult result;
     v1::LocalTensor* info = result.mutable_out();
@@ -586,7 +609,7 @@ absl::StatusOr<v1::StepResult> Executor::RunGemm(v1::GemmStep& gemm) {
     FinishResult(start, agreements, transfers_before, &result);
     return result;
   }
-  absl::StatusOr<HostTensor> out = backend_->GroupedGemm(local);
+  absl::StatusOr<HostTensor> out = TimeKernel([&] { return backend_->GroupedGemm(local); });
   // A step whose only communication comes after its GEMM agrees after it
   // (fused into its all-reduce where it can), so a GEMM that fails on one
   // worker fails the step everywhere.
@@ -741,7 +764,7 @@ absl::StatusOr<v1::StepResult> Executor::RunQuantize(v1::QuantizeStep& q) {
   local.colwise = q.colwise();
   std::vector<float> scales(q.scales().begin(), q.scales().end());
   if (q.scaling() == v1::DELAYED) local.scales = &scales;
-  absl::StatusOr<QuantizeOutputs> out = backend_->GroupedQuantize(local);
+  absl::StatusOr<QuantizeOutputs> out = TimeKernel([&] { return backend_->GroupedQuantize(local); });
   status = out.status();
   // Shared scales: the per-group amax is max-reduced over the shards that
   // split a group's rows, then the data is cast again with the shared scale.
@@ -775,7 +798,7 @@ absl::StatusOr<v1::StepResult> Executor::RunQuantize(v1::QuantizeStep& q) {
     }
     LocalQuantize again = local;
     again.scales = &shared;
-    auto recast = backend_->GroupedQuantize(again);
+    auto recast = TimeKernel([&] { return backend_->GroupedQuantize(again); });
     if (!recast.ok()) return recast.status();
     recast->amax = std::move(*reduced);
     *out = std::move(*recast);

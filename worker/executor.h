@@ -4,6 +4,7 @@
 #ifndef SHARDGEMM_WORKER_EXECUTOR_H_
 #define SHARDGEMM_WORKER_EXECUTOR_H_
 
+#include <atomic>
 #include <memory>
 
 #include "absl/status/statusor.h"
@@ -13,6 +14,7 @@
 #include "worker/backend.h"
 #include "worker/collectives.h"
 #include "worker/shard_store.h"
+#include "worker/timed_collectives.h"
 
 namespace shardgemm {
 
@@ -34,6 +36,10 @@ class Executor {
   absl::StatusOr<v1::StepResult> Execute(v1::Step step, absl::Time deadline = absl::InfiniteFuture());
 
   const MeshPosition& position() const { return position_; }
+  // Steps waiting for their turn now (the worker's queue depth).
+  int64_t steps_waiting() const { return steps_waiting_.load(std::memory_order_relaxed); }
+  // Collective calls that failed since start (transport errors, timeouts).
+  int64_t collective_failures() const { return timed_->failures(); }
 
  private:
   absl::Status WaitForTurn(uint64_t sequence, uint64_t oldest_live, absl::Time deadline);
@@ -58,11 +64,19 @@ class Executor {
   // Times, agreements and the host<->device bytes of a step, into its result.
   void FinishResult(absl::Time start, int agreements, const Backend::Transfers& before,
                     v1::StepResult* result) const;
+  // Runs a backend call `f`, adding its time (less the collectives it ran) to the step's kernel time.
+  template <typename F>
+  auto TimeKernel(F&& f);
+  absl::Duration step_collective_start_;
 
   Backend* backend_;
   ShardStore* store_;
   MeshPosition position_;
-  std::unique_ptr<Collectives> collectives_;
+  std::unique_ptr<Collectives> collectives_;  // a TimedCollectives
+  TimedCollectives* timed_ = nullptr;          // collectives_, for its times
+  // The running step's kernel time (backend calls, less collectives they ran).
+  absl::Duration step_kernel_time_;
+  std::atomic<int64_t> steps_waiting_{0};
 
   absl::Mutex mu_;
   uint64_t next_sequence_ ABSL_GUARDED_BY(mu_) = 1;

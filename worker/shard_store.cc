@@ -76,6 +76,11 @@ int64_t ShardStore::used_bytes() const {
   return resident_bytes_ + reserved_bytes_;
 }
 
+int64_t ShardStore::num_shards() const {
+  absl::MutexLock lock(&mu_);
+  return static_cast<int64_t>(shards_.size());
+}
+
 int64_t ShardStore::device_used_bytes() const {
   absl::MutexLock lock(&mu_);
   return device_resident_bytes_;

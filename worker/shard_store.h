@@ -36,6 +36,7 @@ class ShardStore {
 
   int64_t used_bytes() const;
   int64_t device_used_bytes() const;
+  int64_t num_shards() const;
 
   // Holds `bytes` reserved (when `held`) until destroyed or Release()d.
   class ScopedReservation {

@@ -17,11 +17,14 @@
 #include "grpcpp/health_check_service_interface.h"
 #include "proto/shardgemm.grpc.pb.h"
 #include "proto/transport.h"
+#include "logging/log.h"
+#include "metrics/http_exporter.h"
 #include "worker/backend_factory.h"
 #include "worker/device_runtime.h"
 #include "worker/executor.h"
 #include "worker/gloo_collectives.h"
 #include "proto/grpc_status.h"
+#include "worker/step_observer.h"
 #include "worker/worker_service.h"
 
 ABSL_FLAG(std::string, coordinator, "127.0.0.1:50051", "coordinator address (host:port)");
@@ -40,11 +43,24 @@ ABSL_FLAG(int64_t, device_memory_budget_mb, -1,
 ABSL_FLAG(int, collective_timeout_s, 60,
           "a collective whose peers do not all arrive within this fails the request");
 ABSL_FLAG(int, register_timeout_s, 60, "how long to keep trying to reach the coordinator");
+ABSL_FLAG(std::string, metrics_listen, "",
+          "HOST:PORT to serve Prometheus metrics on (GET /metrics); empty: no metrics");
+ABSL_FLAG(std::string, log_format, "text", "text | json | logfmt: one line per step and event");
+ABSL_FLAG(std::string, log_level, "info",
+          "debug | info | warning | error (step lines are info; failed steps warning)");
 
 namespace shardgemm {
 namespace {
 
 int Run() {
+  auto log_format = logging::ParseFormat(absl::GetFlag(FLAGS_log_format));
+  auto log_level = logging::ParseLevel(absl::GetFlag(FLAGS_log_level));
+  if (!log_format.ok() || !log_level.ok()) {
+    std::cerr << "shardgemm-worker: " << (log_format.ok() ? log_level.status() : log_format.status()).message()
+              << "\n";
+    return 2;
+  }
+  logging::ConfigureProcessLogger(*log_format, *log_level, "worker");
   std::string note;
   auto backend = MakeBackend(absl::GetFlag(FLAGS_backend), absl::GetFlag(FLAGS_device),
                              absl::GetFlag(FLAGS_threads), &note);
@@ -60,7 +76,20 @@ int Run() {
   if (device_budget < 0) device_budget = (*backend)->DeviceMemoryBytes() / 10 * 8;
   ShardStore store(absl::GetFlag(FLAGS_memory_budget_mb) * 1024 * 1024, device_budget);
   Executor executor(backend->get(), &store);
-  WorkerServiceImpl service(&executor, &store, backend->get());
+  metrics::Registry registry;
+  std::unique_ptr<metrics::HttpExporter> exporter;
+  const std::string metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
+  StepObserver observer(&executor, &store, backend->get(), metrics_listen.empty() ? nullptr : &registry,
+                        &logging::ProcessLogger());
+  if (!metrics_listen.empty()) {
+    auto started = metrics::HttpExporter::Start(metrics_listen, &registry);
+    if (!started.ok()) {
+      std::cerr << "shardgemm-worker: " << started.status().message() << "\n";
+      return 1;
+    }
+    exporter = std::move(*started);
+  }
+  WorkerServiceImpl service(&executor, &store, backend->get(), &observer);
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -143,8 +172,10 @@ int Run() {
         std::chrono::seconds(absl::GetFlag(FLAGS_collective_timeout_s)));
   }
   executor.Configure(position, std::move(collectives), response.next_sequence());
-  std::cerr << "shardgemm-worker: rank " << position.rank << " serving on " << address
-            << " with backend " << (*backend)->Device() << "\n";
+  std::vector<logging::Field> serving = {
+      {"rank", position.rank}, {"address", address}, {"backend", (*backend)->Device()}};
+  if (exporter != nullptr) serving.push_back({"metrics_port", exporter->port()});
+  logging::ProcessLogger().Log(logging::Level::kInfo, "serving", serving);
   ServeUntilSignalled(server.get());
   return 0;
 }

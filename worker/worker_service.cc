@@ -1,5 +1,6 @@
 #include "worker/worker_service.h"
 
+#include "absl/time/clock.h"
 #include "proto/tensor_codec.h"
 #include "proto/transport.h"
 #include "proto/grpc_status.h"
@@ -8,9 +9,15 @@ namespace shardgemm {
 
 grpc::Status WorkerServiceImpl::Execute(grpc::ServerContext* context, const v1::Step* step,
                                         v1::StepResult* result) {
+  const absl::Time start = absl::Now();
   auto r = executor_->Execute(*step, DeadlineOf(context));
+  if (r.ok()) *result = std::move(*r);
+  if (observer_ != nullptr) {
+    observer_->Record(*step, absl::Now() - start, r.status(), r.ok() ? result : nullptr,
+                      static_cast<int64_t>(step->ByteSizeLong()),
+                      r.ok() ? static_cast<int64_t>(result->ByteSizeLong()) : 0);
+  }
   if (!r.ok()) return ToGrpcStatus(r.status());
-  *result = std::move(*r);
   return grpc::Status::OK;
 }
 

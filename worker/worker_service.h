@@ -4,13 +4,16 @@
 
 #include "proto/shardgemm.grpc.pb.h"
 #include "worker/executor.h"
+#include "worker/step_observer.h"
 
 namespace shardgemm {
 
 class WorkerServiceImpl final : public v1::Worker::Service {
  public:
-  WorkerServiceImpl(Executor* executor, ShardStore* store, Backend* backend)
-      : executor_(executor), store_(store), backend_(backend) {}
+  // `observer` (may be null) sees every step answered.
+  WorkerServiceImpl(Executor* executor, ShardStore* store, Backend* backend,
+                    StepObserver* observer = nullptr)
+      : executor_(executor), store_(store), backend_(backend), observer_(observer) {}
 
   grpc::Status Execute(grpc::ServerContext* context, const v1::Step* step,
                        v1::StepResult* result) override;
@@ -23,6 +26,7 @@ class WorkerServiceImpl final : public v1::Worker::Service {
   Executor* executor_;
   ShardStore* store_;
   Backend* backend_;
+  StepObserver* observer_;
 };
 
 }  // namespace shardgemm

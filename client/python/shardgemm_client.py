@@ -49,7 +49,19 @@ def from_tensor(t):
     return np.frombuffer(t.data, dtype=dtype).reshape(tuple(t.shape)).copy()
 
 
+REQUEST_ID_KEY = "x-request-id"
+
+
+def _metadata(request_id):
+    return [(REQUEST_ID_KEY, request_id)] if request_id else None
+
+
 class Client:
+    """Every call takes an optional request_id (sent as x-request-id metadata;
+    the coordinator's and every worker's log lines for the request carry it).
+    Without one the coordinator makes one; either way the id of the last
+    GroupedGemm, Plan, Put or Delete is in `last_request_id`."""
+
     def __init__(self, address, timeout=None):
         options = [("grpc.max_receive_message_length", _MAX_MESSAGE),
                    ("grpc.max_send_message_length", _MAX_MESSAGE),
@@ -59,6 +71,12 @@ class Client:
         self.channel = grpc.insecure_channel(address, options=options)
         self.stub = pb_grpc.ShardGemmStub(self.channel)
         self.timeout = timeout
+        self.last_request_id = None
+
+    def _note_request_id(self, call):
+        for key, value in call.initial_metadata() or ():
+            if key == REQUEST_ID_KEY:
+                self.last_request_id = value
 
     def close(self):
         self.channel.close()
@@ -84,17 +102,22 @@ class Client:
             req.out_dtype = PROTO_DTYPES[np.dtype(out_dtype)]
         return req
 
-    def grouped_gemm(self, *args, **kwargs):
+    def grouped_gemm(self, *args, request_id=None, **kwargs):
         """Returns (out array or None when kept resident, plan)."""
-        resp = self.stub.GroupedGemm(self.gemm_request(*args, **kwargs), timeout=self.timeout)
+        resp, call = self.stub.GroupedGemm.with_call(self.gemm_request(*args, **kwargs), timeout=self.timeout,
+                                                     metadata=_metadata(request_id))
+        self._note_request_id(call)
         out = None if resp.out.resident else from_tensor(resp.out)
         return out, resp.plan
 
-    def plan(self, *args, **kwargs):
+    def plan(self, *args, request_id=None, **kwargs):
         req = self.gemm_request(*args, **kwargs)
-        return self.stub.Plan(pb.PlanRequest(grouped_gemm=req), timeout=self.timeout).plan
+        resp, call = self.stub.Plan.with_call(pb.PlanRequest(grouped_gemm=req), timeout=self.timeout,
+                                              metadata=_metadata(request_id))
+        self._note_request_id(call)
+        return resp.plan
 
-    def put(self, name, array, spec="", overwrite=False):
+    def put(self, name, array, spec="", overwrite=False, request_id=None):
         a = np.ascontiguousarray(array)
         data = a.tobytes()
 
@@ -111,19 +134,24 @@ class Client:
                 if offset >= len(data):
                     return
 
-        return self.stub.PutTensor(chunks(), timeout=self.timeout)
+        resp, call = self.stub.PutTensor.with_call(chunks(), timeout=self.timeout, metadata=_metadata(request_id))
+        self._note_request_id(call)
+        return resp
 
-    def get(self, name):
+    def get(self, name, request_id=None):
         header, parts = None, []
-        for chunk in self.stub.GetTensor(pb.GetTensorRequest(name=name), timeout=self.timeout):
+        for chunk in self.stub.GetTensor(pb.GetTensorRequest(name=name), timeout=self.timeout,
+                                         metadata=_metadata(request_id)):
             if header is None:
                 header = chunk
             parts.append(chunk.data)
         dtype = NUMPY_DTYPES[header.dtype]
         return np.frombuffer(b"".join(parts), dtype=dtype).reshape(tuple(header.shape)).copy()
 
-    def delete(self, name):
-        self.stub.DeleteTensor(pb.DeleteTensorRequest(name=name), timeout=self.timeout)
+    def delete(self, name, request_id=None):
+        _, call = self.stub.DeleteTensor.with_call(pb.DeleteTensorRequest(name=name), timeout=self.timeout,
+                                                   metadata=_metadata(request_id))
+        self._note_request_id(call)
 
     def list(self):
         return list(self.stub.ListTensors(pb.ListTensorsRequest(), timeout=self.timeout).tensors)

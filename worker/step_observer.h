@@ -1,0 +1,46 @@
+// What a worker tells its operator about the steps it runs: Prometheus
+// metrics (steps by op and status, their time split into kernel, collective
+// and transfer, the queue of steps waiting for their turn, memory against
+// the budgets, resident shards, host<->device bytes, collective failures)
+// and one log line per step carrying the request's id.
+#ifndef SHARDGEMM_WORKER_STEP_OBSERVER_H_
+#define SHARDGEMM_WORKER_STEP_OBSERVER_H_
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "logging/log.h"
+#include "metrics/metrics.h"
+#include "proto/shardgemm.pb.h"
+#include "worker/backend.h"
+#include "worker/executor.h"
+#include "worker/shard_store.h"
+
+namespace shardgemm {
+
+class StepObserver {
+ public:
+  // `registry` null: no metrics (the worker has no --metrics_listen).
+  // Everything passed in must outlive the observer.
+  StepObserver(const Executor* executor, const ShardStore* store, const Backend* backend,
+               metrics::Registry* registry, logging::Logger* logger);
+
+  // One step answered: `result` when it succeeded; `bytes_in`/`bytes_out`
+  // are the step's and the result's encoded sizes.
+  void Record(const v1::Step& step, absl::Duration elapsed, const absl::Status& status,
+              const v1::StepResult* result, int64_t bytes_in, int64_t bytes_out);
+
+ private:
+  logging::Logger* logger_;
+  metrics::Family<metrics::Counter>* steps_ = nullptr;
+  metrics::Family<metrics::Histogram>* step_seconds_ = nullptr;
+  metrics::Family<metrics::Histogram>* phase_seconds_ = nullptr;
+  metrics::Family<metrics::Counter>* step_bytes_ = nullptr;
+  metrics::Family<metrics::Counter>* transfer_bytes_ = nullptr;
+};
+
+// The step's op as metrics and logs name it: "gemm", "quantize", "store", "delete_shard".
+const char* StepOpName(const v1::Step& step);
+
+}  // namespace shardgemm
+
+#endif  // SHARDGEMM_WORKER_STEP_OBSERVER_H_
