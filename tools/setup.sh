@@ -9,6 +9,7 @@ APT_PACKAGES=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev libgtest-dev libgmock-dev libbenchmark-dev libgloo-dev
   nlohmann-json3-dev libcpp-httplib-dev clang-14 libclang-rt-14-dev libgoogle-perftools-dev
+  prometheus  # the metrics test scrapes a real mesh with it
 )
 
 missing=()
