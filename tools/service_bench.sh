@@ -5,6 +5,7 @@
 #   MESH='dp=2,fsdp=2,ep=2' WORKERS=8 bash tools/service_bench.sh --local=cpu \
 #     --presets=tools/bench/cpu_presets.json --lhs_spec='((dp,fsdp,ep),None)' ...
 # Prints the bench's table; the servers' logs go to $LOGS (a temp dir).
+# COORDINATOR_FLAGS and WORKER_FLAGS add flags to the servers.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SERVER_BIN=${SERVER_BIN:-./bin}
@@ -20,7 +21,7 @@ cleanup() {
   wait 2>/dev/null || true
 }
 trap cleanup EXIT
-"$SERVER_BIN/shardgemm-coordinator" --listen="$ADDR" --mesh="$MESH" 2>"$LOGS/coordinator.log" &
+"$SERVER_BIN/shardgemm-coordinator" --listen="$ADDR" --mesh="$MESH" ${COORDINATOR_FLAGS:-} 2>"$LOGS/coordinator.log" &
 pids+=($!)
 for ((i = 0; i < WORKERS; i++)); do
   "$SERVER_BIN/shardgemm-worker" --coordinator="$ADDR" ${WORKER_FLAGS:-} 2>"$LOGS/worker$i.log" &
