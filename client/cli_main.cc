@@ -38,6 +38,9 @@
 #include "proto/plan_codec.h"
 
 ABSL_FLAG(std::string, coordinator, "127.0.0.1:50051", "coordinator address");
+ABSL_FLAG(std::string, request_id, "",
+          "id sent as x-request-id metadata, found in the coordinator's and workers' log lines "
+          "(default: the coordinator makes one; gemm prints it)");
 ABSL_FLAG(std::string, mesh, "", "plan offline on this mesh instead of asking the coordinator");
 ABSL_FLAG(std::string, roles, "", "roles for --mesh, e.g. 'dp=data,ep=expert'");
 ABSL_FLAG(std::string, lhs, "", "lhs: FILE.npy, SHAPE (random, e.g. 512x256) or resident:NAME, each optionally @SPEC");
@@ -178,6 +181,7 @@ v1::Compat CompatFlag() {
 
 int Cluster() {
   ShardGemmClient client(absl::GetFlag(FLAGS_coordinator));
+  client.set_request_id(absl::GetFlag(FLAGS_request_id));
   auto info = client.ClusterInfo();
   if (!info.ok()) return Fail(info.status());
   std::vector<std::string> axes;
@@ -251,6 +255,7 @@ int PlanCommand() {
     return 0;
   }
   ShardGemmClient client(absl::GetFlag(FLAGS_coordinator));
+  client.set_request_id(absl::GetFlag(FLAGS_request_id));
   auto plan = client.Plan(request);
   if (!plan.ok()) return Fail(plan.status());
   PrintPlan(*plan);
@@ -345,6 +350,7 @@ int Gemm() {
   ops.rhs_transposed = request.rhs_transposed();
 
   ShardGemmClient client(absl::GetFlag(FLAGS_coordinator));
+  client.set_request_id(absl::GetFlag(FLAGS_request_id));
   const absl::Time start = absl::Now();
   auto response = client.GroupedGemm(request);
   if (!response.ok()) return Fail(response.status());
@@ -353,11 +359,12 @@ int Gemm() {
   const auto& out = response->out();
   std::cout << "group sizes: " << absl::StrJoin(ops.group_sizes, ",") << "\n";
   std::cout << absl::StrFormat(
-      "result: %s %s%s  (%.3f ms round trip, %.3f ms on the server, %.3f ms in the slowest worker)\n",
+      "result: %s %s%s  (%.3f ms round trip, %.3f ms on the server, %.3f ms in the slowest worker; "
+      "request id %s)\n",
       ShapeToString(std::vector<int64_t>(out.shape().begin(), out.shape().end())),
       DTypeName(static_cast<DType>(static_cast<int>(out.dtype()))),
       out.resident().empty() ? "" : absl::StrCat(" kept as '", out.resident(), "'"), seconds * 1e3,
-      response->server_seconds() * 1e3, response->worker_seconds() * 1e3);
+      response->server_seconds() * 1e3, response->worker_seconds() * 1e3, client.last_request_id());
   if (!out.resident().empty()) return 0;
   auto result = HostTensorFromProto(out, "out");
   if (!result.ok()) return Fail(result.status());
@@ -595,6 +602,7 @@ int Quantize() {
   request.set_compat(CompatFlag());
   request.set_include_plan(true);
   ShardGemmClient client(absl::GetFlag(FLAGS_coordinator));
+  client.set_request_id(absl::GetFlag(FLAGS_request_id));
   auto r = client.GroupedQuantize(request);
   if (!r.ok()) return Fail(r.status());
   if (absl::GetFlag(FLAGS_show_plan)) PrintPlan(r->plan());
@@ -655,6 +663,7 @@ int Put(const std::string& name) {
   }
   if (!t.ok()) return Fail(t.status());
   ShardGemmClient client(absl::GetFlag(FLAGS_coordinator));
+  client.set_request_id(absl::GetFlag(FLAGS_request_id));
   auto r = client.PutTensor(name, *t, absl::GetFlag(FLAGS_spec), absl::GetFlag(FLAGS_overwrite));
   if (!r.ok()) return Fail(r.status());
   std::cout << "put '" << r->name() << "': " << ShapeToString(t->shape) << " "
@@ -665,6 +674,7 @@ int Put(const std::string& name) {
 
 int Get(const std::string& name) {
   ShardGemmClient client(absl::GetFlag(FLAGS_coordinator));
+  client.set_request_id(absl::GetFlag(FLAGS_request_id));
   auto t = client.GetTensor(name);
   if (!t.ok()) return Fail(t.status());
   std::cout << "got '" << name << "': " << ShapeToString(t->shape) << " " << DTypeName(t->dtype) << "\n";
@@ -677,6 +687,7 @@ int Get(const std::string& name) {
 
 int List() {
   ShardGemmClient client(absl::GetFlag(FLAGS_coordinator));
+  client.set_request_id(absl::GetFlag(FLAGS_request_id));
   auto r = client.ListTensors();
   if (!r.ok()) return Fail(r.status());
   for (const auto& t : r->tensors()) {
@@ -724,6 +735,7 @@ int main(int argc, char** argv) {
   if (command == "get") return Get(name);
   if (command == "delete") {
     ShardGemmClient client(absl::GetFlag(FLAGS_coordinator));
+  client.set_request_id(absl::GetFlag(FLAGS_request_id));
     absl::Status s = client.DeleteTensor(name);
     if (!s.ok()) return Fail(s);
     std::cout << "deleted '" << name << "'\n";

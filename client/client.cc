@@ -18,6 +18,16 @@ ShardGemmClient::ShardGemmClient(const std::string& address) {
       grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args));
 }
 
+void ShardGemmClient::Prepare(grpc::ClientContext* ctx) const {
+  if (!request_id_.empty()) ctx->AddMetadata("x-request-id", request_id_);
+}
+
+void ShardGemmClient::NoteRequestId(const grpc::ClientContext& ctx) {
+  const auto& metadata = ctx.GetServerInitialMetadata();
+  auto it = metadata.find("x-request-id");
+  if (it != metadata.end()) last_request_id_.assign(it->second.data(), it->second.size());
+}
+
 absl::StatusOr<v1::ClusterInfo> ShardGemmClient::WaitUntilReady(absl::Duration timeout) {
   const absl::Time deadline = absl::Now() + timeout;
   absl::Status last = absl::DeadlineExceededError("coordinator did not answer");
@@ -39,6 +49,7 @@ absl::StatusOr<v1::ClusterInfo> ShardGemmClient::WaitUntilReady(absl::Duration t
 
 absl::StatusOr<v1::ClusterInfo> ShardGemmClient::ClusterInfo() {
   grpc::ClientContext ctx;
+  Prepare(&ctx);
   v1::ClusterInfo info;
   grpc::Status s = stub_->GetClusterInfo(&ctx, v1::ClusterInfoRequest(), &info);
   if (!s.ok()) return FromGrpcStatus(s);
@@ -47,8 +58,10 @@ absl::StatusOr<v1::ClusterInfo> ShardGemmClient::ClusterInfo() {
 
 absl::StatusOr<v1::Plan> ShardGemmClient::Plan(const v1::PlanRequest& request) {
   grpc::ClientContext ctx;
+  Prepare(&ctx);
   v1::PlanResponse response;
   grpc::Status s = stub_->Plan(&ctx, request, &response);
+  NoteRequestId(ctx);
   if (!s.ok()) return FromGrpcStatus(s);
   return response.plan();
 }
@@ -56,8 +69,10 @@ absl::StatusOr<v1::Plan> ShardGemmClient::Plan(const v1::PlanRequest& request) {
 absl::StatusOr<v1::GroupedGemmResponse> ShardGemmClient::GroupedGemm(
     const v1::GroupedGemmRequest& request) {
   grpc::ClientContext ctx;
+  Prepare(&ctx);
   v1::GroupedGemmResponse response;
   grpc::Status s = stub_->GroupedGemm(&ctx, request, &response);
+  NoteRequestId(ctx);
   if (!s.ok()) return FromGrpcStatus(s);
   return response;
 }
@@ -65,8 +80,10 @@ absl::StatusOr<v1::GroupedGemmResponse> ShardGemmClient::GroupedGemm(
 absl::StatusOr<v1::GroupedQuantizeResponse> ShardGemmClient::GroupedQuantize(
     const v1::GroupedQuantizeRequest& request) {
   grpc::ClientContext ctx;
+  Prepare(&ctx);
   v1::GroupedQuantizeResponse response;
   grpc::Status s = stub_->GroupedQuantize(&ctx, request, &response);
+  NoteRequestId(ctx);
   if (!s.ok()) return FromGrpcStatus(s);
   return response;
 }
@@ -76,6 +93,7 @@ absl::StatusOr<v1::PutTensorResponse> ShardGemmClient::PutTensor(const std::stri
                                                                  const std::string& spec,
                                                                  bool overwrite) {
   grpc::ClientContext ctx;
+  Prepare(&ctx);
   v1::PutTensorResponse response;
   auto writer = stub_->PutTensor(&ctx, &response);
   size_t offset = 0;
@@ -95,12 +113,14 @@ absl::StatusOr<v1::PutTensorResponse> ShardGemmClient::PutTensor(const std::stri
   } while (offset < tensor.bytes.size());
   writer->WritesDone();
   grpc::Status s = writer->Finish();
+  NoteRequestId(ctx);
   if (!s.ok()) return FromGrpcStatus(s);
   return response;
 }
 
 absl::StatusOr<HostTensor> ShardGemmClient::GetTensor(const std::string& name) {
   grpc::ClientContext ctx;
+  Prepare(&ctx);
   v1::GetTensorRequest request;
   request.set_name(name);
   auto reader = stub_->GetTensor(&ctx, request);
@@ -127,14 +147,18 @@ absl::StatusOr<HostTensor> ShardGemmClient::GetTensor(const std::string& name) {
 
 absl::Status ShardGemmClient::DeleteTensor(const std::string& name) {
   grpc::ClientContext ctx;
+  Prepare(&ctx);
   v1::DeleteTensorRequest request;
   request.set_name(name);
   v1::DeleteTensorResponse response;
-  return FromGrpcStatus(stub_->DeleteTensor(&ctx, request, &response));
+  grpc::Status s = stub_->DeleteTensor(&ctx, request, &response);
+  NoteRequestId(ctx);
+  return FromGrpcStatus(s);
 }
 
 absl::StatusOr<v1::ListTensorsResponse> ShardGemmClient::ListTensors() {
   grpc::ClientContext ctx;
+  Prepare(&ctx);
   v1::ListTensorsResponse response;
   grpc::Status s = stub_->ListTensors(&ctx, v1::ListTensorsRequest(), &response);
   if (!s.ok()) return FromGrpcStatus(s);

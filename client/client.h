@@ -31,8 +31,19 @@ class ShardGemmClient {
   absl::Status DeleteTensor(const std::string& name);
   absl::StatusOr<v1::ListTensorsResponse> ListTensors();
 
+  // Sent with every later call as x-request-id metadata: the coordinator's
+  // and every worker's log lines for the request carry it. Empty: the
+  // coordinator makes one. Either way the id of the last call is
+  // last_request_id().
+  void set_request_id(std::string id) { request_id_ = std::move(id); }
+  const std::string& last_request_id() const { return last_request_id_; }
+
  private:
+  void Prepare(grpc::ClientContext* ctx) const;
+  void NoteRequestId(const grpc::ClientContext& ctx);
+
   std::unique_ptr<v1::ShardGemm::Stub> stub_;
+  std::string request_id_, last_request_id_;
 };
 
 }  // namespace shardgemm
