@@ -46,7 +46,7 @@ path-exclude /usr/share/locale/*
 path-include /usr/share/locale/locale.alias
 path-exclude /usr/share/lintian/*
 CFG
-cat >"$dir/etc/apt/apt.conf.d/docker-clean" <<'CFG'
+cat >"$dir/etc/apt/apt.conf.d/90shardgemm-no-recommends" <<'CFG'
 APT::Install-Recommends "false";
 APT::Install-Suggests "false";
 CFG
@@ -57,10 +57,14 @@ fi
 
 mount -t proc proc "$dir/proc"
 chroot "$dir" /usr/bin/env DEBIAN_FRONTEND=noninteractive sh -c \
-  'apt-get update -qq && apt-get -y -qq upgrade >/dev/null && apt-get clean'
+  'apt-get update -qq && apt-get -y -qq upgrade && apt-get clean' >"$dir.log" 2>&1 || {
+  tail -20 "$dir.log" >&2; rm -f "$dir.log"; exit 1; }
+rm -f "$dir.log"
 umount "$dir/proc"
 rm -rf "$dir"/var/lib/apt/lists/* "$dir"/var/cache/apt/*.bin "$dir"/var/log/*.log "$dir"/tmp/* \
   "$dir"/usr/share/doc/*/changelog* "$dir"/usr/share/man/* "$dir"/usr/share/info/*
+# Postinst scripts (OpenJDK's update-alternatives) link man pages into these.
+mkdir -p "$dir"/usr/share/man/man{1..8}
 : >"$dir/etc/resolv.conf"
 : >"$dir/etc/hostname"
 
