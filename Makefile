@@ -31,3 +31,16 @@ test: build
 clean:
 	$(BAZEL) clean
 	rm -rf bin client/python/shardgemm_pb
+
+# Container images (podman; tools/image/setup_podman.sh installs and configures
+# it, tools/image/make_base.sh makes the Debian base when it is missing) and the
+# one-host container mesh test. See docs/deploy.md.
+.PHONY: image image-cuda image-test
+image:
+	@bash tools/image/build.sh cpu
+
+image-cuda:
+	@bash tools/image/build.sh cuda
+
+image-test: build image
+	@bash tests/image_test.sh
