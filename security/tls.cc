@@ -1,0 +1,98 @@
+#include "security/tls.h"
+
+#include <fstream>
+#include <sstream>
+
+#include "absl/strings/str_cat.h"
+#include "grpcpp/security/auth_context.h"
+
+namespace shardgemm::security {
+
+namespace {
+
+absl::StatusOr<std::string> ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::InvalidArgumentError(absl::StrCat("tls_dir: cannot read ", path));
+  std::ostringstream text;
+  text << in.rdbuf();
+  if (text.str().empty()) return absl::InvalidArgumentError(absl::StrCat("tls_dir: ", path, " is empty"));
+  return text.str();
+}
+
+}  // namespace
+
+const char* RoleFileStem(Role role) {
+  switch (role) {
+    case Role::kCoordinator: return "coordinator";
+    case Role::kWorker: return "worker";
+    case Role::kClient: return "client";
+  }
+  return "client";
+}
+
+absl::StatusOr<Transport> Transport::FromFlags(const std::string& tls_dir, bool insecure, Role role) {
+  if (insecure && !tls_dir.empty()) {
+    return absl::InvalidArgumentError("insecure: --insecure and --tls_dir exclude each other");
+  }
+  if (insecure) return Insecure();
+  if (tls_dir.empty()) {
+    return absl::InvalidArgumentError(
+        "tls_dir: set --tls_dir to a directory of certificates (tools/make_certs.sh DIR makes one), "
+        "or --insecure for plaintext");
+  }
+  Transport t;
+  t.insecure_ = false;
+  t.role_ = role;
+  auto ca = ReadFile(tls_dir + "/ca.crt");
+  if (!ca.ok()) return ca.status();
+  t.ca_ = *ca;
+  const std::string stem = RoleFileStem(role);
+  auto cert = ReadFile(absl::StrCat(tls_dir, "/", stem, ".crt"));
+  auto key = ReadFile(absl::StrCat(tls_dir, "/", stem, ".key"));
+  if (role != Role::kClient) {
+    if (!cert.ok()) return cert.status();
+    if (!key.ok()) return key.status();
+  }
+  if (cert.ok() && key.ok()) {
+    t.cert_ = *cert;
+    t.key_ = *key;
+  }
+  return t;
+}
+
+Transport Transport::Insecure() { return Transport(); }
+
+std::shared_ptr<grpc::ServerCredentials> Transport::ServerCredentials() const {
+  if (insecure_) return grpc::InsecureServerCredentials();
+  grpc::SslServerCredentialsOptions options(
+      role_ == Role::kWorker ? GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY
+                             : GRPC_SSL_REQUEST_CLIENT_CERTIFICATE_AND_VERIFY);
+  options.pem_root_certs = ca_;
+  options.pem_key_cert_pairs.push_back({key_, cert_});
+  return grpc::SslServerCredentials(options);
+}
+
+std::shared_ptr<grpc::ChannelCredentials> Transport::ChannelCredentials() const {
+  if (insecure_) return grpc::InsecureChannelCredentials();
+  grpc::SslCredentialsOptions options;
+  options.pem_root_certs = ca_;
+  options.pem_private_key = key_;
+  options.pem_cert_chain = cert_;
+  return grpc::SslCredentials(options);
+}
+
+std::string PeerCommonName(const grpc::ServerContextBase& context) {
+  std::shared_ptr<const grpc::AuthContext> auth = context.auth_context();
+  if (auth == nullptr || !auth->IsPeerAuthenticated()) return "";
+  for (const grpc::string_ref& v : auth->FindPropertyValues("x509_common_name")) {
+    return std::string(v.data(), v.size());
+  }
+  return "";
+}
+
+bool Transport::CallerIs(const grpc::ServerContextBase& context, absl::string_view name) const {
+  if (insecure_) return true;
+  return PeerCommonName(context) == name;
+}
+
+}  // namespace shardgemm::security
