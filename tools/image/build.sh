@@ -19,7 +19,7 @@ bash tools/image/make_base.sh "$base"
 
 revision=$(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)
 git diff --quiet HEAD 2>/dev/null || revision+="-dirty"
-args=(--format docker --ignorefile deploy/image/dockerignore -f deploy/image/Dockerfile
+args=(--format docker --ignorefile deploy/image/Dockerfile.dockerignore -f deploy/image/Dockerfile
   --target "$variant" -t "$tag" --build-arg BASE_IMAGE="$base"
   --label org.opencontainers.image.revision="$revision")
 if [[ $variant == cuda ]]; then
