@@ -28,6 +28,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "client/client.h"
+#include "client/connect_flags.h"
 #include "client/npy.h"
 #include "client/reference.h"
 #include "kernels/fp8.h"
@@ -180,7 +181,7 @@ v1::Compat CompatFlag() {
 }
 
 int Cluster() {
-  ShardGemmClient client(absl::GetFlag(FLAGS_coordinator));
+  ShardGemmClient client(absl::GetFlag(FLAGS_coordinator), ClientCredentialsFromFlags("shardgemm"));
   client.set_request_id(absl::GetFlag(FLAGS_request_id));
   auto info = client.ClusterInfo();
   if (!info.ok()) return Fail(info.status());
@@ -254,7 +255,7 @@ int PlanCommand() {
     PrintPlan(proto);
     return 0;
   }
-  ShardGemmClient client(absl::GetFlag(FLAGS_coordinator));
+  ShardGemmClient client(absl::GetFlag(FLAGS_coordinator), ClientCredentialsFromFlags("shardgemm"));
   client.set_request_id(absl::GetFlag(FLAGS_request_id));
   auto plan = client.Plan(request);
   if (!plan.ok()) return Fail(plan.status());
@@ -349,7 +350,7 @@ int Gemm() {
   ops.ragged_k = request.ragged() == v1::GroupedGemmRequest::RAGGED_K;
   ops.rhs_transposed = request.rhs_transposed();
 
-  ShardGemmClient client(absl::GetFlag(FLAGS_coordinator));
+  ShardGemmClient client(absl::GetFlag(FLAGS_coordinator), ClientCredentialsFromFlags("shardgemm"));
   client.set_request_id(absl::GetFlag(FLAGS_request_id));
   const absl::Time start = absl::Now();
   auto response = client.GroupedGemm(request);
@@ -601,7 +602,7 @@ int Quantize() {
   request.set_shared_scales(absl::GetFlag(FLAGS_shared_scales));
   request.set_compat(CompatFlag());
   request.set_include_plan(true);
-  ShardGemmClient client(absl::GetFlag(FLAGS_coordinator));
+  ShardGemmClient client(absl::GetFlag(FLAGS_coordinator), ClientCredentialsFromFlags("shardgemm"));
   client.set_request_id(absl::GetFlag(FLAGS_request_id));
   auto r = client.GroupedQuantize(request);
   if (!r.ok()) return Fail(r.status());
@@ -662,7 +663,7 @@ int Put(const std::string& name) {
     t = RandomTensor(*dtype, *shape, absl::GetFlag(FLAGS_seed));
   }
   if (!t.ok()) return Fail(t.status());
-  ShardGemmClient client(absl::GetFlag(FLAGS_coordinator));
+  ShardGemmClient client(absl::GetFlag(FLAGS_coordinator), ClientCredentialsFromFlags("shardgemm"));
   client.set_request_id(absl::GetFlag(FLAGS_request_id));
   auto r = client.PutTensor(name, *t, absl::GetFlag(FLAGS_spec), absl::GetFlag(FLAGS_overwrite));
   if (!r.ok()) return Fail(r.status());
@@ -673,7 +674,7 @@ int Put(const std::string& name) {
 }
 
 int Get(const std::string& name) {
-  ShardGemmClient client(absl::GetFlag(FLAGS_coordinator));
+  ShardGemmClient client(absl::GetFlag(FLAGS_coordinator), ClientCredentialsFromFlags("shardgemm"));
   client.set_request_id(absl::GetFlag(FLAGS_request_id));
   auto t = client.GetTensor(name);
   if (!t.ok()) return Fail(t.status());
@@ -686,7 +687,7 @@ int Get(const std::string& name) {
 }
 
 int List() {
-  ShardGemmClient client(absl::GetFlag(FLAGS_coordinator));
+  ShardGemmClient client(absl::GetFlag(FLAGS_coordinator), ClientCredentialsFromFlags("shardgemm"));
   client.set_request_id(absl::GetFlag(FLAGS_request_id));
   auto r = client.ListTensors();
   if (!r.ok()) return Fail(r.status());
@@ -734,7 +735,7 @@ int main(int argc, char** argv) {
   if (command == "put") return Put(name);
   if (command == "get") return Get(name);
   if (command == "delete") {
-    ShardGemmClient client(absl::GetFlag(FLAGS_coordinator));
+    ShardGemmClient client(absl::GetFlag(FLAGS_coordinator), ClientCredentialsFromFlags("shardgemm"));
   client.set_request_id(absl::GetFlag(FLAGS_request_id));
     absl::Status s = client.DeleteTensor(name);
     if (!s.ok()) return Fail(s);

@@ -12,10 +12,10 @@ namespace {
 constexpr size_t kChunkBytes = 1 << 20;
 }  // namespace
 
-ShardGemmClient::ShardGemmClient(const std::string& address) {
+ShardGemmClient::ShardGemmClient(const std::string& address,
+                                 std::shared_ptr<grpc::ChannelCredentials> credentials) {
   grpc::ChannelArguments args = TensorChannelArguments();
-  stub_ = v1::ShardGemm::NewStub(
-      grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args));
+  stub_ = v1::ShardGemm::NewStub(grpc::CreateCustomChannel(address, std::move(credentials), args));
 }
 
 void ShardGemmClient::Prepare(grpc::ClientContext* ctx) const {

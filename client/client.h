@@ -8,13 +8,15 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "kernels/host_tensor.h"
+#include "grpcpp/security/credentials.h"
 #include "proto/shardgemm.grpc.pb.h"
 
 namespace shardgemm {
 
 class ShardGemmClient {
  public:
-  explicit ShardGemmClient(const std::string& address);
+  // `credentials`: MakeClientCredentials's (TLS and a token), or insecure ones.
+  ShardGemmClient(const std::string& address, std::shared_ptr<grpc::ChannelCredentials> credentials);
 
   // Waits up to `timeout` for the coordinator to answer and its mesh to be
   // complete.

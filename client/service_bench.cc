@@ -32,6 +32,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "client/client.h"
+#include "client/connect_flags.h"
 #include "kernels/cpu/grouped_gemm.h"
 #include "kernels/cuda/device_pool.h"
 #include "kernels/cuda/grouped_gemm.h"
@@ -243,7 +244,7 @@ int Main() {
   const int iters = absl::GetFlag(FLAGS_iters), warmup = absl::GetFlag(FLAGS_warmup);
   const int row_shards = absl::GetFlag(FLAGS_row_shards), expert_shards = absl::GetFlag(FLAGS_expert_shards);
 
-  ShardGemmClient client(absl::GetFlag(FLAGS_coordinator));
+  ShardGemmClient client(absl::GetFlag(FLAGS_coordinator), ClientCredentialsFromFlags("shardgemm-service-bench"));
   auto info = client.WaitUntilReady(absl::Seconds(60));
   if (!info.ok()) {
     std::fprintf(stderr, "coordinator: %s\n", std::string(info.status().message()).c_str());

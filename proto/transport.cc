@@ -29,6 +29,9 @@ void ConfigureTensorServer(grpc::ServerBuilder* builder) {
   builder->AddChannelArgument(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 64 << 20);
   builder->AddChannelArgument(GRPC_ARG_HTTP2_MAX_FRAME_SIZE, 16 << 20);
   builder->AddChannelArgument(GRPC_ARG_HTTP2_WRITE_BUFFER_SIZE, 64 << 20);
+  // No SO_REUSEPORT: a second process must not bind a server's port beside it
+  // and take part of its calls.
+  builder->AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
 }
 
 absl::Time DeadlineOf(const grpc::ServerContextBase* context) {
@@ -40,6 +43,15 @@ absl::Time DeadlineOf(const grpc::ServerContextBase* context) {
 std::chrono::system_clock::time_point ToGrpcDeadline(absl::Time deadline) {
   if (deadline == absl::InfiniteFuture()) return std::chrono::system_clock::time_point::max();
   return absl::ToChronoTime(deadline);
+}
+
+std::unique_ptr<grpc::Server> StartHealthOnlyServer(const std::string& address, int* port) {
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(address, grpc::InsecureServerCredentials(), port);
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (server == nullptr || *port == 0) return nullptr;
+  return server;
 }
 
 void ServeUntilSignalled(grpc::Server* server) {

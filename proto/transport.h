@@ -18,6 +18,11 @@ grpc::ChannelArguments TensorChannelArguments();
 void ConfigureTensorServer(grpc::ServerBuilder* builder);
 
 // Blocks until SIGINT or SIGTERM, then shuts the server down cleanly.
+// A plaintext server with only gRPC health checking (EnableDefaultHealthCheckService
+// must be on), for probes that speak no TLS (Kubernetes' native gRPC probes);
+// nullptr when it cannot listen.
+std::unique_ptr<grpc::Server> StartHealthOnlyServer(const std::string& address, int* port);
+
 void ServeUntilSignalled(grpc::Server* server);
 
 // A call's deadline as absl::Time and back (gRPC's "none" is the far future).

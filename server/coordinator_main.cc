@@ -13,6 +13,8 @@
 #include "grpcpp/health_check_service_interface.h"
 #include "logging/log.h"
 #include "metrics/http_exporter.h"
+#include "security/tls.h"
+#include "security/tokens.h"
 #include "server/coordinator.h"
 #include "server/request_observer.h"
 #include "proto/transport.h"
@@ -28,6 +30,15 @@ ABSL_FLAG(double, step_timeout_s, 120,
           "the longest a request's steps may take on the workers (queueing included) when the "
           "client sets no earlier deadline");
 
+ABSL_FLAG(std::string, tls_dir, "",
+          "certificates (ca.crt, coordinator.crt, coordinator.key; tools/make_certs.sh makes them): TLS "
+          "for clients, mutual TLS with the workers");
+ABSL_FLAG(bool, insecure, false, "plaintext, unauthenticated calls (instead of --tls_dir)");
+ABSL_FLAG(std::string, tokens_file, "",
+          "clients' bearer tokens, by SHA-256 with their tenant (default with --tls_dir: its tokens file)");
+ABSL_FLAG(std::string, health_listen, "",
+          "HOST:PORT for a plaintext gRPC health service only (for probes without TLS); empty: none");
+ABSL_FLAG(bool, reflection, true, "serve gRPC server reflection on the client port");
 ABSL_FLAG(std::string, metrics_listen, "",
           "HOST:PORT to serve Prometheus metrics on (GET /metrics); empty: no metrics");
 ABSL_FLAG(std::string, log_format, "text", "text | json | logfmt: one line per request and event");
@@ -46,6 +57,26 @@ int Run() {
     return 2;
   }
   logging::ConfigureProcessLogger(*log_format, *log_level, "coordinator");
+  auto transport = security::Transport::FromFlags(absl::GetFlag(FLAGS_tls_dir), absl::GetFlag(FLAGS_insecure),
+                                                  security::Role::kCoordinator);
+  if (!transport.ok()) {
+    std::cerr << "shardgemm-coordinator: " << transport.status().message() << "\n";
+    return 2;
+  }
+  std::unique_ptr<security::TokenFile> tokens;
+  if (transport->insecure()) {
+    logging::ProcessLogger().Log(logging::Level::kWarning, "insecure",
+                                 {{"message", "--insecure: plaintext calls, clients and workers not authenticated"}});
+  } else {
+    std::string tokens_file = absl::GetFlag(FLAGS_tokens_file);
+    if (tokens_file.empty()) tokens_file = absl::GetFlag(FLAGS_tls_dir) + "/tokens";
+    auto loaded = security::TokenFile::Load(tokens_file);
+    if (!loaded.ok()) {
+      std::cerr << "shardgemm-coordinator: " << loaded.status().message() << "\n";
+      return 2;
+    }
+    tokens = std::move(*loaded);
+  }
   auto mesh = planner::ParseMesh(absl::GetFlag(FLAGS_mesh), absl::GetFlag(FLAGS_roles));
   if (!mesh.ok()) {
     std::cerr << "shardgemm-coordinator: --mesh/--roles: " << mesh.status().message() << "\n";
@@ -57,7 +88,10 @@ int Run() {
   }
   CoordinatorOptions options;
   options.step_timeout = absl::Seconds(absl::GetFlag(FLAGS_step_timeout_s));
-  Coordinator coordinator(*mesh, MakeGrpcWorkerChannel, options);
+  std::shared_ptr<grpc::ChannelCredentials> worker_credentials = transport->ChannelCredentials();
+  Coordinator coordinator(
+      *mesh, [worker_credentials](const std::string& address) { return MakeGrpcWorkerChannel(address, worker_credentials); },
+      options);
   metrics::Registry registry;
   const std::string metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
   RequestObserver observer(&coordinator, metrics_listen.empty() ? nullptr : &registry,
@@ -71,15 +105,24 @@ int Run() {
     }
     exporter = std::move(*started);
   }
-  ShardGemmService service(&coordinator, &observer);
+  ShardGemmService service(&coordinator, &observer, tokens.get());
   RendezvousStore rendezvous;
-  CoordinationService coordination(&coordinator, &rendezvous);
+  CoordinationService coordination(&coordinator, &rendezvous, &*transport);
 
   grpc::EnableDefaultHealthCheckService(true);
-  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  if (absl::GetFlag(FLAGS_reflection)) grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  std::unique_ptr<grpc::Server> health;
+  int health_port = 0;
+  if (const std::string health_listen = absl::GetFlag(FLAGS_health_listen); !health_listen.empty()) {
+    health = StartHealthOnlyServer(health_listen, &health_port);
+    if (health == nullptr) {
+      std::cerr << "shardgemm-coordinator: health_listen: cannot listen on " << health_listen << "\n";
+      return 1;
+    }
+  }
   grpc::ServerBuilder builder;
   int port = 0;
-  builder.AddListeningPort(absl::GetFlag(FLAGS_listen), grpc::InsecureServerCredentials(), &port);
+  builder.AddListeningPort(absl::GetFlag(FLAGS_listen), transport->ServerCredentials(), &port);
   ConfigureTensorServer(&builder);
   builder.RegisterService(&service);
   builder.RegisterService(&coordination);
@@ -90,7 +133,9 @@ int Run() {
   }
   std::vector<logging::Field> serving = {{"mesh", planner::FormatMesh(*mesh)},
                                          {"workers_expected", planner::NumWorkers(*mesh)},
-                                         {"port", port}};
+                                         {"port", port},
+                                         {"tls", !transport->insecure()}};
+  if (health != nullptr) serving.push_back({"health_port", health_port});
   if (exporter != nullptr) serving.push_back({"metrics_port", exporter->port()});
   logging::ProcessLogger().Log(logging::Level::kInfo, "serving", serving);
 

@@ -14,9 +14,10 @@ constexpr absl::Duration kConnectTimeout = absl::Seconds(10);
 
 class GrpcWorkerChannel : public WorkerChannel {
  public:
-  explicit GrpcWorkerChannel(const std::string& address) : address_(address) {
+  GrpcWorkerChannel(const std::string& address, std::shared_ptr<grpc::ChannelCredentials> credentials)
+      : address_(address) {
     grpc::ChannelArguments args = TensorChannelArguments();
-    channel_ = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+    channel_ = grpc::CreateCustomChannel(address, std::move(credentials), args);
     stub_ = v1::Worker::NewStub(channel_);
   }
 
@@ -81,8 +82,9 @@ class GrpcWorkerChannel : public WorkerChannel {
 
 }  // namespace
 
-std::unique_ptr<WorkerChannel> MakeGrpcWorkerChannel(const std::string& address) {
-  return std::make_unique<GrpcWorkerChannel>(address);
+std::unique_ptr<WorkerChannel> MakeGrpcWorkerChannel(const std::string& address,
+                                                     std::shared_ptr<grpc::ChannelCredentials> credentials) {
+  return std::make_unique<GrpcWorkerChannel>(address, std::move(credentials));
 }
 
 }  // namespace shardgemm

@@ -118,6 +118,7 @@ void RequestObserver::End(const RequestRecord& record, const grpc::Status& statu
       {"code", code},
       {"elapsed_ms", absl::ToDoubleMilliseconds(elapsed)},
   };
+  if (!record.tenant.empty()) fields.push_back({"tenant", record.tenant});
   if (!record.tensor.empty()) fields.push_back({"tensor", record.tensor});
   if (!record.plan_summary.empty()) fields.push_back({"plan", record.plan_summary});
   if (record.server_seconds > 0) fields.push_back({"server_ms", record.server_seconds * 1e3});

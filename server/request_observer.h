@@ -41,6 +41,7 @@ inline constexpr char kRequestIdKey[] = "x-request-id";
 struct RequestRecord {
   RequestOp op = RequestOp::kGetClusterInfo;
   std::string request_id;
+  std::string tenant;  // the caller's, from its token (empty with --insecure)
   absl::Time start;
   BytePath path = BytePath::kInline;
   int64_t bytes_in = 0, bytes_out = 0;

@@ -17,6 +17,14 @@ RequestRecord ShardGemmService::Begin(RequestOp op, grpc::ServerContextBase* con
   return record;
 }
 
+grpc::Status ShardGemmService::Authenticate(const grpc::ServerContextBase& context, RequestRecord* record) {
+  if (tokens_ == nullptr) return grpc::Status::OK;
+  auto tenant = tokens_->Authenticate(context);
+  if (!tenant.ok()) return ToGrpcStatus(tenant.status());
+  record->tenant = *tenant;
+  return grpc::Status::OK;
+}
+
 grpc::Status ShardGemmService::Finish(const RequestRecord& record, grpc::Status status) {
   if (observer_ != nullptr) observer_->End(record, status);
   return status;
@@ -25,6 +33,7 @@ grpc::Status ShardGemmService::Finish(const RequestRecord& record, grpc::Status 
 grpc::Status ShardGemmService::GetClusterInfo(grpc::ServerContext* context, const v1::ClusterInfoRequest*,
                                               v1::ClusterInfo* info) {
   RequestRecord record = Begin(RequestOp::kGetClusterInfo, context);
+  if (grpc::Status a = Authenticate(*context, &record); !a.ok()) return Finish(record, std::move(a));
   *info = coordinator_->ClusterInfo();
   return Finish(record, grpc::Status::OK);
 }
@@ -34,6 +43,10 @@ grpc::ServerUnaryReactor* ShardGemmService::Plan(grpc::CallbackServerContext* co
                                                  v1::PlanResponse* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   RequestRecord record = Begin(RequestOp::kPlan, context);
+  if (grpc::Status a = Authenticate(*context, &record); !a.ok()) {
+    reactor->Finish(Finish(record, std::move(a)));
+    return reactor;
+  }
   record.bytes_in = static_cast<int64_t>(request->ByteSizeLong());
   auto plan = coordinator_->Plan(*request);
   if (!plan.ok()) {
@@ -50,6 +63,7 @@ grpc::Status ShardGemmService::GroupedGemm(grpc::ServerContext* context,
                                            const v1::GroupedGemmRequest* request,
                                            v1::GroupedGemmResponse* response) {
   RequestRecord record = Begin(RequestOp::kGroupedGemm, context);
+  if (grpc::Status a = Authenticate(*context, &record); !a.ok()) return Finish(record, std::move(a));
   record.bytes_in = static_cast<int64_t>(request->ByteSizeLong());
   record.tensor = request->keep_output_as();
   auto r = coordinator_->GroupedGemm(*request, DeadlineOf(context), record.request_id);
@@ -68,6 +82,7 @@ grpc::Status ShardGemmService::GroupedQuantize(grpc::ServerContext* context,
                                                const v1::GroupedQuantizeRequest* request,
                                                v1::GroupedQuantizeResponse* response) {
   RequestRecord record = Begin(RequestOp::kGroupedQuantize, context);
+  if (grpc::Status a = Authenticate(*context, &record); !a.ok()) return Finish(record, std::move(a));
   record.bytes_in = static_cast<int64_t>(request->ByteSizeLong());
   auto r = coordinator_->GroupedQuantize(*request, DeadlineOf(context), record.request_id);
   if (!r.ok()) return Finish(record, ToGrpcStatus(r.status()));
@@ -83,6 +98,7 @@ grpc::Status ShardGemmService::PutTensor(grpc::ServerContext* context,
                                          grpc::ServerReader<v1::TensorChunk>* reader,
                                          v1::PutTensorResponse* response) {
   RequestRecord record = Begin(RequestOp::kPutTensor, context);
+  if (grpc::Status a = Authenticate(*context, &record); !a.ok()) return Finish(record, std::move(a));
   record.path = BytePath::kStream;
   grpc::Status status = ReceiveTensor(context, reader, response, &record);
   return Finish(record, std::move(status));
@@ -142,6 +158,7 @@ grpc::Status ShardGemmService::ReceiveTensor(grpc::ServerContext* context,
 grpc::Status ShardGemmService::GetTensor(grpc::ServerContext* context, const v1::GetTensorRequest* request,
                                          grpc::ServerWriter<v1::TensorChunk>* writer) {
   RequestRecord record = Begin(RequestOp::kGetTensor, context);
+  if (grpc::Status a = Authenticate(*context, &record); !a.ok()) return Finish(record, std::move(a));
   record.path = BytePath::kStream;
   record.tensor = request->name();
   auto fetched = coordinator_->GetTensor(request->name(), DeadlineOf(context));
@@ -171,6 +188,7 @@ grpc::Status ShardGemmService::DeleteTensor(grpc::ServerContext* context,
                                             const v1::DeleteTensorRequest* request,
                                             v1::DeleteTensorResponse*) {
   RequestRecord record = Begin(RequestOp::kDeleteTensor, context);
+  if (grpc::Status a = Authenticate(*context, &record); !a.ok()) return Finish(record, std::move(a));
   record.tensor = request->name();
   return Finish(record,
                 ToGrpcStatus(coordinator_->DeleteTensor(request->name(), DeadlineOf(context), record.request_id)));
@@ -179,27 +197,37 @@ grpc::Status ShardGemmService::DeleteTensor(grpc::ServerContext* context,
 grpc::Status ShardGemmService::ListTensors(grpc::ServerContext* context, const v1::ListTensorsRequest*,
                                            v1::ListTensorsResponse* response) {
   RequestRecord record = Begin(RequestOp::kListTensors, context);
+  if (grpc::Status a = Authenticate(*context, &record); !a.ok()) return Finish(record, std::move(a));
   *response = coordinator_->ListTensors();
   return Finish(record, grpc::Status::OK);
 }
 
-grpc::Status CoordinationService::Register(grpc::ServerContext*,
+grpc::Status CoordinationService::CheckCaller(const grpc::ServerContext& context) const {
+  if (transport_ == nullptr || transport_->CallerIs(context, security::kWorkerName)) return grpc::Status::OK;
+  return grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
+                      "the Coordination service answers only mesh workers (a shardgemm-worker certificate)");
+}
+
+grpc::Status CoordinationService::Register(grpc::ServerContext* context,
                                            const v1::RegisterRequest* request,
                                            v1::RegisterResponse* response) {
+  if (grpc::Status s = CheckCaller(*context); !s.ok()) return s;
   auto r = coordinator_->Register(*request);
   if (!r.ok()) return ToGrpcStatus(r.status());
   *response = std::move(*r);
   return grpc::Status::OK;
 }
 
-grpc::Status CoordinationService::StoreSet(grpc::ServerContext*, const v1::StoreSetRequest* request,
+grpc::Status CoordinationService::StoreSet(grpc::ServerContext* context, const v1::StoreSetRequest* request,
                                            v1::StoreSetResponse*) {
+  if (grpc::Status s = CheckCaller(*context); !s.ok()) return s;
   store_->Set(request->key(), request->value());
   return grpc::Status::OK;
 }
 
-grpc::Status CoordinationService::StoreGet(grpc::ServerContext*, const v1::StoreGetRequest* request,
+grpc::Status CoordinationService::StoreGet(grpc::ServerContext* context, const v1::StoreGetRequest* request,
                                            v1::StoreGetResponse* response) {
+  if (grpc::Status s = CheckCaller(*context); !s.ok()) return s;
   const int64_t ms = request->timeout_ms() > 0 ? std::min<int64_t>(request->timeout_ms(), 600000) : 30000;
   auto values = store_->Get(std::vector<std::string>(request->keys().begin(), request->keys().end()),
                             absl::Milliseconds(ms));

@@ -6,6 +6,8 @@
 #include "proto/shardgemm.grpc.pb.h"
 #include "server/coordinator.h"
 #include "server/rendezvous_store.h"
+#include "security/tls.h"
+#include "security/tokens.h"
 #include "server/request_observer.h"
 
 namespace shardgemm {
@@ -14,9 +16,11 @@ namespace shardgemm {
 // the reactor path skips the synchronous server's thread hand-offs.
 class ShardGemmService final : public v1::ShardGemm::WithCallbackMethod_Plan<v1::ShardGemm::Service> {
  public:
-  // `observer` (may be null) sees every request.
-  explicit ShardGemmService(Coordinator* coordinator, RequestObserver* observer = nullptr)
-      : coordinator_(coordinator), observer_(observer) {}
+  // `observer` (may be null) sees every request. `tokens` (null: every
+  // caller is let in, as with --insecure) authenticates clients.
+  explicit ShardGemmService(Coordinator* coordinator, RequestObserver* observer = nullptr,
+                            security::TokenFile* tokens = nullptr)
+      : coordinator_(coordinator), observer_(observer), tokens_(tokens) {}
 
   grpc::Status GetClusterInfo(grpc::ServerContext*, const v1::ClusterInfoRequest*,
                               v1::ClusterInfo*) override;
@@ -41,15 +45,20 @@ class ShardGemmService final : public v1::ShardGemm::WithCallbackMethod_Plan<v1:
   grpc::Status ReceiveTensor(grpc::ServerContext* context, grpc::ServerReader<v1::TensorChunk>* reader,
                              v1::PutTensorResponse* response, RequestRecord* record);
   RequestRecord Begin(RequestOp op, grpc::ServerContextBase* context);
+  // The caller's tenant (UNAUTHENTICATED without a valid token), into `record`.
+  grpc::Status Authenticate(const grpc::ServerContextBase& context, RequestRecord* record);
 
   Coordinator* coordinator_;
   RequestObserver* observer_;
+  security::TokenFile* tokens_;
 };
 
 class CoordinationService final : public v1::Coordination::Service {
  public:
-  CoordinationService(Coordinator* coordinator, RendezvousStore* store)
-      : coordinator_(coordinator), store_(store) {}
+  // `transport` (null: accept every caller) lets in only workers' certificates.
+  CoordinationService(Coordinator* coordinator, RendezvousStore* store,
+                      const security::Transport* transport = nullptr)
+      : coordinator_(coordinator), store_(store), transport_(transport) {}
   grpc::Status Register(grpc::ServerContext*, const v1::RegisterRequest*,
                         v1::RegisterResponse*) override;
   grpc::Status StoreSet(grpc::ServerContext*, const v1::StoreSetRequest*,
@@ -58,8 +67,11 @@ class CoordinationService final : public v1::Coordination::Service {
                         v1::StoreGetResponse*) override;
 
  private:
+  grpc::Status CheckCaller(const grpc::ServerContext& context) const;
+
   Coordinator* coordinator_;
   RendezvousStore* store_;
+  const security::Transport* transport_;
 };
 
 // Chunk size for streamed tensors: well under gRPC's default 4 MiB limit.

@@ -9,6 +9,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "grpcpp/security/credentials.h"
 #include "proto/shardgemm.pb.h"
 
 namespace shardgemm {
@@ -25,7 +26,10 @@ class WorkerChannel {
   virtual absl::StatusOr<v1::LocalTensor> GetShard(const std::string& name, absl::Time deadline) = 0;
 };
 
-std::unique_ptr<WorkerChannel> MakeGrpcWorkerChannel(const std::string& address);
+// A channel to the worker at `address` with `credentials` (mutual TLS, or
+// insecure ones with --insecure).
+std::unique_ptr<WorkerChannel> MakeGrpcWorkerChannel(const std::string& address,
+                                                     std::shared_ptr<grpc::ChannelCredentials> credentials);
 
 }  // namespace shardgemm
 

@@ -36,12 +36,17 @@ def wait_for_port(port, timeout=30):
 class Cluster:
     """A coordinator with `workers` CPU workers on `mesh`."""
 
-    def __init__(self, tmp_path, mesh="dp=1", workers=1, roles="", worker_flags=(), coordinator_flags=()):
+    def __init__(self, tmp_path, mesh="dp=1", workers=1, roles="", worker_flags=(), coordinator_flags=(),
+                 tls_dir=None):
+        """Plaintext (--insecure) unless `tls_dir` names certificates (make_certs)."""
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.logs = tmp_path
         self.procs = []
-        cmd = [os.path.join(BIN, "shardgemm-coordinator"), f"--listen={self.address}", f"--mesh={mesh}"]
+        security = [f"--tls_dir={tls_dir}"] if tls_dir else ["--insecure"]
+        self.tls_dir = tls_dir
+        cmd = [os.path.join(BIN, "shardgemm-coordinator"), f"--listen={self.address}", f"--mesh={mesh}",
+               *security]
         if roles:
             cmd.append(f"--roles={roles}")
         cmd.extend(coordinator_flags)
@@ -50,8 +55,8 @@ class Cluster:
         for i in range(workers):
             self._start(f"worker{i}", [os.path.join(BIN, "shardgemm-worker"),
                                        f"--coordinator={self.address}", "--backend=cpu",
-                                       *worker_flags])
-        self.client = Client(self.address, timeout=60)
+                                       *security, *worker_flags])
+        self.client = Client(self.address, timeout=60, tls_dir=tls_dir)
         deadline = time.time() + 30
         while time.time() < deadline:
             try:
@@ -62,6 +67,11 @@ class Cluster:
             time.sleep(0.1)
         self.stop()
         raise RuntimeError("cluster did not become ready:\n" + self.log_text())
+
+    def cli_flags(self):
+        """The CLI's flags for this cluster: its address and security."""
+        security = [f"--tls_dir={self.tls_dir}"] if self.tls_dir else ["--insecure"]
+        return [f"--coordinator={self.address}", *security]
 
     def _start(self, name, cmd):
         log = open(os.path.join(self.logs, f"{name}.log"), "w")
@@ -90,6 +100,15 @@ class Cluster:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+
+
+@pytest.fixture(scope="session")
+def mesh_certs(tmp_path_factory):
+    """A mesh CA, certificates for 127.0.0.1 and a client token (tools/make_certs.sh), once per run."""
+    d = str(tmp_path_factory.mktemp("certs") / "tls")
+    subprocess.run(["bash", os.path.join(ROOT, "tools", "make_certs.sh"), d], check=True, capture_output=True,
+                   timeout=60)
+    return d
 
 
 @pytest.fixture

@@ -153,7 +153,7 @@ def test_cluster_info(cluster):
 
 
 def run_cli(cluster, *args):
-    return subprocess.run([os.path.join(BIN, "shardgemm"), *args, f"--coordinator={cluster.address}"],
+    return subprocess.run([os.path.join(BIN, "shardgemm"), *args, *cluster.cli_flags()],
                           capture_output=True, text=True, timeout=120)
 
 
@@ -204,7 +204,7 @@ def test_requests_refused_until_the_mesh_is_complete(cluster_factory, tmp_path):
     import conftest
     port = conftest.free_port()
     proc = subprocess.Popen([os.path.join(BIN, "shardgemm-coordinator"), f"--listen=127.0.0.1:{port}",
-                             "--mesh=dp=2"], stderr=subprocess.DEVNULL)
+                             "--mesh=dp=2", "--insecure"], stderr=subprocess.DEVNULL)
     try:
         from shardgemm_client import Client
         conftest.wait_for_port(port)

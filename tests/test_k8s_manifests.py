@@ -28,9 +28,6 @@ OVERLAYS = ("cpu", "gpu")
 # The oldest Kubernetes the manifests are for (native gRPC probes are GA from
 # 1.27) and the newest the validator knows.
 K8S_VERSIONS = ("1.29.0", kubernetes_validate.latest_version())
-# Flags the metrics/logging work is adding to both binaries: pending (a skip
-# that names them) while a binary does not have them, checked once it does.
-PENDING_FLAGS = {"metrics_listen", "log_format", "log_level"}
 CONFIG = "shardgemm-config"
 
 _rendered = {}
@@ -309,10 +306,15 @@ def test_resources_probes_and_security(overlay):
     data = config_data(docs)
     for w, c in containers(docs):
         name = w["metadata"]["name"]
-        grpc_port = port_of(flag_values(c)["listen"])
+        flags = flag_values(c)
+        grpc_port = port_of(flags["listen"])
         assert {"name": "grpc", "containerPort": grpc_port} in c["ports"], name
+        # The probes ask the plaintext health-only port (the kubelet's gRPC probes speak no TLS).
+        health_port = port_of(flags["health_listen"])
+        assert {"name": "health", "containerPort": health_port} in c["ports"], name
         for probe in ("readinessProbe", "livenessProbe"):
-            assert c[probe].get("grpc") == {"port": grpc_port}, f"{name} {probe}"
+            assert c[probe].get("grpc") == {"port": health_port}, f"{name} {probe}"
+        assert flags["tls_dir"] == "/etc/shardgemm/tls" and "insecure" not in flags, name
         res = c["resources"]
         for key in ("cpu", "memory"):
             assert key in res["requests"] and key in res["limits"], f"{name} {key}"
@@ -329,15 +331,17 @@ def test_resources_probes_and_security(overlay):
         assert ann["prometheus.io/scrape"] == "true"
         assert ann["prometheus.io/port"] == "9464" == flag_values(c)["metrics_listen"].rpartition(":")[2]
         assert {"name": "metrics", "containerPort": 9464} in c["ports"]
-        # The Secrets the security work's flags will read; the pods start without them.
+        # TLS on: each pod mounts the mesh CA and its own certificate, the coordinator the token hashes.
         volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
         mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
-        wanted = {"/etc/shardgemm/tls": "shardgemm-tls"}
-        if w["kind"] == "Deployment":
-            wanted["/etc/shardgemm/tokens"] = "shardgemm-client-tokens"
-        for path, secret in wanted.items():
-            v = volumes[mounts[path]]["secret"]
-            assert v["secretName"] == secret and v["optional"] is True, f"{name} {path}"
+        role = "coordinator" if w["kind"] == "Deployment" else "worker"
+        tls = volumes[mounts["/etc/shardgemm/tls"]]["secret"]
+        assert tls["secretName"] == "shardgemm-tls" and not tls.get("optional"), name
+        assert {i["key"] for i in tls["items"]} == {"ca.crt", f"{role}.crt", f"{role}.key"}, name
+        if role == "coordinator":
+            tokens = volumes[mounts["/etc/shardgemm/tokens"]]["secret"]
+            assert tokens["secretName"] == "shardgemm-client-tokens" and not tokens.get("optional")
+            assert flags["tokens_file"] == "/etc/shardgemm/tokens/tokens"
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -369,17 +373,15 @@ def binary_flags(binary):
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_binaries_take_every_flag(overlay):
-    missing, pending = [], []
+    missing = []
     for w, c in containers(render(overlay)):
         binary = os.path.basename(c["command"][0])
         assert c["command"][0] == f"/usr/local/bin/{binary}"
         have = binary_flags(binary)
         for flag in flag_values(c):
             if flag not in have:
-                (pending if flag in PENDING_FLAGS else missing).append(f"{binary} --{flag}")
+                missing.append(f"{binary} --{flag}")
     assert not missing, "flags the binaries do not take: " + ", ".join(missing)
-    if pending:
-        pytest.skip("pending the metrics/logging work, not in the binaries yet: " + ", ".join(pending))
 
 
 def _listening(port):
@@ -389,19 +391,16 @@ def _listening(port):
 
 def _loopback_args(container, data, overrides, pod_name="shardgemm-worker-0"):
     binary = os.path.basename(container["command"][0])
-    pending = PENDING_FLAGS - binary_flags(binary)  # left out until the binary has them
     env = env_values(container, data, pod_name)
     args = []
     for a in container["args"]:
         name = a[2:].partition("=")[0]
-        if name in pending:
-            continue
         args.append(f"--{name}={overrides[name]}" if name in overrides else expand(a, env))
     return [os.path.join(BIN, binary)] + args
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_rendered_configuration_starts_a_mesh(overlay, tmp_path):
+def test_rendered_configuration_starts_a_mesh(overlay, tmp_path, mesh_certs):
     """The coordinator and the StatefulSet's workers, run here with the rendered
     args and the ConfigMap's values; only the addresses become loopback ones
     (and the gpu overlay's workers run the CPU backend)."""
@@ -422,16 +421,19 @@ def test_rendered_configuration_starts_a_mesh(overlay, tmp_path):
 
     client = None
     try:
-        start("coordinator", _loopback_args(coord, data, {"listen": address, "metrics_listen": "127.0.0.1:0"}))
+        start("coordinator", _loopback_args(coord, data, {
+            "listen": address, "metrics_listen": "127.0.0.1:0", "health_listen": "127.0.0.1:0",
+            "tls_dir": mesh_certs, "tokens_file": os.path.join(mesh_certs, "tokens")}))
         deadline = time.time() + 30
         while not _listening(port_of(address)):
             assert procs[0][1].poll() is None and time.time() < deadline, "no coordinator:\n" + logs()
             time.sleep(0.05)
         overrides = {"coordinator": address, "listen": "127.0.0.1:0", "advertise_host": "127.0.0.1",
-                     "metrics_listen": "127.0.0.1:0", "backend": "cpu"}
+                     "metrics_listen": "127.0.0.1:0", "health_listen": "127.0.0.1:0", "backend": "cpu",
+                     "tls_dir": mesh_certs}
         for i in range(sts["spec"]["replicas"]):
             start(f"worker{i}", _loopback_args(worker, data, overrides, f"shardgemm-worker-{i}"))
-        client = Client(address, timeout=30)
+        client = Client(address, timeout=30, tls_dir=mesh_certs)
         deadline = time.time() + 60
         info = None
         while time.time() < deadline:

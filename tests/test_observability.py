@@ -185,14 +185,14 @@ def run_fails(cmd):
 
 
 def test_bad_observability_flags_are_refused_naming_the_flag():
-    rc, err = run_fails([os.path.join(BIN, "shardgemm-coordinator"), "--listen=127.0.0.1:0", "--log_format=xml"])
+    rc, err = run_fails([os.path.join(BIN, "shardgemm-coordinator"), "--listen=127.0.0.1:0", "--insecure", "--log_format=xml"])
     assert rc != 0 and "log_format" in err
-    rc, err = run_fails([os.path.join(BIN, "shardgemm-coordinator"), "--listen=127.0.0.1:0", "--log_level=loud"])
+    rc, err = run_fails([os.path.join(BIN, "shardgemm-coordinator"), "--listen=127.0.0.1:0", "--insecure", "--log_level=loud"])
     assert rc != 0 and "log_level" in err
-    rc, err = run_fails([os.path.join(BIN, "shardgemm-coordinator"), "--listen=127.0.0.1:0",
+    rc, err = run_fails([os.path.join(BIN, "shardgemm-coordinator"), "--listen=127.0.0.1:0", "--insecure",
                          "--metrics_listen=nowhere"])
     assert rc != 0 and "metrics_listen" in err
-    rc, err = run_fails([os.path.join(BIN, "shardgemm-worker"), "--backend=cpu", "--log_format=yaml"])
+    rc, err = run_fails([os.path.join(BIN, "shardgemm-worker"), "--backend=cpu", "--insecure", "--log_format=yaml"])
     assert rc != 0 and "log_format" in err
 
 

@@ -101,12 +101,12 @@ def test_cli_quantize_sharded_with_check(cluster_factory):
     from conftest import BIN
     c = cluster_factory(mesh="dp=2", workers=2)
     for extra in (["--shared_scales"], ["--format=e5m2"]):
-        r = subprocess.run([os.path.join(BIN, "shardgemm"), "quantize", f"--coordinator={c.address}",
+        r = subprocess.run([os.path.join(BIN, "shardgemm"), "quantize", *c.cli_flags(),
                             "--x=256x64@(dp,None)", "--group-sizes=30,0,50,40,60,10,0,18@(dp,)",
                             "--dtype=bf16", "--check", *extra], capture_output=True, text=True, timeout=60)
         assert r.returncode == 0, r.stderr
         assert "result matches reference" in r.stdout
-    r = subprocess.run([os.path.join(BIN, "shardgemm"), "quantize", f"--coordinator={c.address}",
+    r = subprocess.run([os.path.join(BIN, "shardgemm"), "quantize", *c.cli_flags(),
                         "--x=256x64@(dp,None)", "--group-sizes=300,0,0,0,0,0,0,0@(dp,)"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "INVALID_ARGUMENT" in r.stderr
@@ -309,7 +309,7 @@ def test_cli_quantize_scaling_modes_with_check(cluster_factory, scaling, extra):
     from conftest import BIN
     c = cluster_factory(mesh="dp=2", workers=2)
     # Aligned for 128-row blocks: group 0 has 128 rows on shard 0, groups 1-3 one shard each.
-    r = subprocess.run([os.path.join(BIN, "shardgemm"), "quantize", f"--coordinator={c.address}",
+    r = subprocess.run([os.path.join(BIN, "shardgemm"), "quantize", *c.cli_flags(),
                         "--x=512x256@(dp,None)", "--group-sizes=128,0,50,40,60,10,0,0@(dp,)",
                         "--dtype=bf16", f"--scaling={scaling}", "--check", *extra],
                        capture_output=True, text=True, timeout=60)

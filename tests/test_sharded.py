@@ -213,7 +213,7 @@ def test_sixteen_clients_mixed_requests(cluster_factory):
 
     def client_loop(i):
         local = np.random.default_rng(i)
-        c = Client(cl.address, timeout=120)
+        c = Client(cl.address, timeout=120, tls_dir=cl.tls_dir)
         try:
             for j in range(requests_per_client):
                 kind = (i + j) % 3

@@ -5,7 +5,9 @@
 #   MESH='dp=2,fsdp=2,ep=2' WORKERS=8 bash tools/service_bench.sh --local=cpu \
 #     --presets=tools/bench/cpu_presets.json --lhs_spec='((dp,fsdp,ep),None)' ...
 # Prints the bench's table; the servers' logs go to $LOGS (a temp dir).
-# COORDINATOR_FLAGS and WORKER_FLAGS add flags to the servers.
+# COORDINATOR_FLAGS and WORKER_FLAGS add flags to the servers. Plaintext
+# (--insecure) unless TLS_DIR names certificates (tools/make_certs.sh): then
+# TLS everywhere and the bench sends the token.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SERVER_BIN=${SERVER_BIN:-./bin}
@@ -15,16 +17,17 @@ ADDR=127.0.0.1:$PORT
 MESH=${MESH:-dp=1}
 WORKERS=${WORKERS:-1}
 LOGS=${LOGS:-$(mktemp -d)}
+if [[ -n ${TLS_DIR:-} ]]; then SECURITY="--tls_dir=$TLS_DIR"; else SECURITY="--insecure"; fi
 pids=()
 cleanup() {
   for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
   wait 2>/dev/null || true
 }
 trap cleanup EXIT
-"$SERVER_BIN/shardgemm-coordinator" --listen="$ADDR" --mesh="$MESH" ${COORDINATOR_FLAGS:-} 2>"$LOGS/coordinator.log" &
+"$SERVER_BIN/shardgemm-coordinator" --listen="$ADDR" --mesh="$MESH" $SECURITY ${COORDINATOR_FLAGS:-} 2>"$LOGS/coordinator.log" &
 pids+=($!)
 for ((i = 0; i < WORKERS; i++)); do
-  "$SERVER_BIN/shardgemm-worker" --coordinator="$ADDR" ${WORKER_FLAGS:-} 2>"$LOGS/worker$i.log" &
+  "$SERVER_BIN/shardgemm-worker" --coordinator="$ADDR" $SECURITY ${WORKER_FLAGS:-} 2>"$LOGS/worker$i.log" &
   pids+=($!)
 done
-"$BENCH" --coordinator="$ADDR" "$@"
+"$BENCH" --coordinator="$ADDR" $SECURITY "$@"

@@ -12,6 +12,10 @@
 #include "worker/backend.h"
 #include "worker/collectives.h"
 
+namespace grpc {
+class Channel;
+}  // namespace grpc
+
 namespace shardgemm {
 
 // True when `device` can run the device backend; otherwise `why_not` says
@@ -22,9 +26,10 @@ bool DeviceUsable(int device, std::string* why_not);
 std::unique_ptr<Backend> MakeDeviceBackend(int device, std::string* error);
 
 // The device backend's collectives (NCCL), rendezvous through the
-// coordinator's store under `prefix`; nullptr where the build has none.
+// coordinator's store (over `coordinator`, a channel with this worker's
+// credentials) under `prefix`; nullptr where the build has none.
 std::unique_ptr<Collectives> MakeDeviceCollectives(const MeshPosition& position, int device,
-                                                   const std::string& coordinator,
+                                                   std::shared_ptr<grpc::Channel> coordinator,
                                                    const std::string& prefix,
                                                    std::chrono::milliseconds timeout);
 

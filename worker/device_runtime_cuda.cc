@@ -29,10 +29,10 @@ std::unique_ptr<Backend> MakeDeviceBackend(int device, std::string* error) {
 }
 
 std::unique_ptr<Collectives> MakeDeviceCollectives(const MeshPosition& position, int device,
-                                                   const std::string& coordinator,
+                                                   std::shared_ptr<grpc::Channel> coordinator,
                                                    const std::string& prefix,
                                                    std::chrono::milliseconds timeout) {
-  return MakeNcclCollectives(position, device, CoordinatorIdExchange(coordinator, prefix), timeout);
+  return MakeNcclCollectives(position, device, CoordinatorIdExchange(std::move(coordinator), prefix), timeout);
 }
 
 }  // namespace shardgemm

@@ -12,7 +12,7 @@ std::unique_ptr<Backend> MakeDeviceBackend(int, std::string* error) {
   return nullptr;
 }
 
-std::unique_ptr<Collectives> MakeDeviceCollectives(const MeshPosition&, int, const std::string&,
+std::unique_ptr<Collectives> MakeDeviceCollectives(const MeshPosition&, int, std::shared_ptr<grpc::Channel>,
                                                    const std::string&, std::chrono::milliseconds) {
   return nullptr;
 }

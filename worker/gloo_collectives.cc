@@ -22,11 +22,8 @@ namespace {
 
 class CoordinatorStore : public gloo::rendezvous::Store {
  public:
-  CoordinatorStore(const std::string& coordinator, std::string prefix) : prefix_(std::move(prefix)) {
-    grpc::ChannelArguments args = TensorChannelArguments();
-    stub_ = v1::Coordination::NewStub(
-        grpc::CreateCustomChannel(coordinator, grpc::InsecureChannelCredentials(), args));
-  }
+  CoordinatorStore(std::shared_ptr<grpc::Channel> coordinator, std::string prefix)
+      : prefix_(std::move(prefix)), stub_(v1::Coordination::NewStub(std::move(coordinator))) {}
 
   void set(const std::string& key, const std::vector<char>& data) override {
     grpc::ClientContext ctx;
@@ -225,9 +222,9 @@ class GlooCollectives : public Collectives {
 
 }  // namespace
 
-std::shared_ptr<gloo::rendezvous::Store> MakeCoordinatorStore(const std::string& coordinator,
+std::shared_ptr<gloo::rendezvous::Store> MakeCoordinatorStore(std::shared_ptr<grpc::Channel> coordinator,
                                                               const std::string& namespace_prefix) {
-  return std::make_shared<CoordinatorStore>(coordinator, namespace_prefix);
+  return std::make_shared<CoordinatorStore>(std::move(coordinator), namespace_prefix);
 }
 
 std::unique_ptr<Collectives> MakeGlooCollectives(const MeshPosition& position,

@@ -17,10 +17,15 @@ class Store;
 }  // namespace rendezvous
 }  // namespace gloo
 
+namespace grpc {
+class Channel;
+}  // namespace grpc
+
 namespace shardgemm {
 
-// A Gloo rendezvous store backed by the coordinator's Coordination service.
-std::shared_ptr<gloo::rendezvous::Store> MakeCoordinatorStore(const std::string& coordinator,
+// A Gloo rendezvous store backed by the coordinator's Coordination service,
+// over `coordinator` (a channel with this worker's credentials).
+std::shared_ptr<gloo::rendezvous::Store> MakeCoordinatorStore(std::shared_ptr<grpc::Channel> coordinator,
                                                               const std::string& namespace_prefix);
 
 // `hostname`: the address peers reach this worker on. `timeout` bounds every

@@ -334,9 +334,8 @@ class NcclCollectives : public Collectives {
 
 }  // namespace
 
-IdExchange CoordinatorIdExchange(const std::string& coordinator, const std::string& prefix) {
-  auto stub = std::shared_ptr<v1::Coordination::Stub>(v1::Coordination::NewStub(
-      grpc::CreateChannel(coordinator, grpc::InsecureChannelCredentials())));
+IdExchange CoordinatorIdExchange(std::shared_ptr<grpc::Channel> coordinator, const std::string& prefix) {
+  auto stub = std::shared_ptr<v1::Coordination::Stub>(v1::Coordination::NewStub(std::move(coordinator)));
   IdExchange x;
   x.set = [stub, prefix](const std::string& key, const std::string& value) -> absl::Status {
     grpc::ClientContext ctx;

@@ -15,6 +15,10 @@
 #include "absl/status/statusor.h"
 #include "worker/collectives.h"
 
+namespace grpc {
+class Channel;
+}  // namespace grpc
+
 namespace shardgemm {
 
 // How a communicator's members exchange its unique id.
@@ -23,7 +27,9 @@ struct IdExchange {
   std::function<absl::StatusOr<std::string>(const std::string& key)> get;  // waits
 };
 
-IdExchange CoordinatorIdExchange(const std::string& coordinator, const std::string& prefix);
+// Through the coordinator's rendezvous store, over `coordinator` (a channel
+// with this worker's credentials).
+IdExchange CoordinatorIdExchange(std::shared_ptr<grpc::Channel> coordinator, const std::string& prefix);
 
 std::unique_ptr<Collectives> MakeNcclCollectives(const MeshPosition& position, int device,
                                                  IdExchange exchange,

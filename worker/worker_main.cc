@@ -19,6 +19,7 @@
 #include "proto/transport.h"
 #include "logging/log.h"
 #include "metrics/http_exporter.h"
+#include "security/tls.h"
 #include "worker/backend_factory.h"
 #include "worker/device_runtime.h"
 #include "worker/executor.h"
@@ -43,6 +44,12 @@ ABSL_FLAG(int64_t, device_memory_budget_mb, -1,
 ABSL_FLAG(int, collective_timeout_s, 60,
           "a collective whose peers do not all arrive within this fails the request");
 ABSL_FLAG(int, register_timeout_s, 60, "how long to keep trying to reach the coordinator");
+ABSL_FLAG(std::string, tls_dir, "",
+          "certificates (ca.crt, worker.crt, worker.key; tools/make_certs.sh makes them): mutual TLS "
+          "with the coordinator");
+ABSL_FLAG(bool, insecure, false, "plaintext, unauthenticated calls (instead of --tls_dir)");
+ABSL_FLAG(std::string, health_listen, "",
+          "HOST:PORT for a plaintext gRPC health service only (for probes without TLS); empty: none");
 ABSL_FLAG(std::string, metrics_listen, "",
           "HOST:PORT to serve Prometheus metrics on (GET /metrics); empty: no metrics");
 ABSL_FLAG(std::string, log_format, "text", "text | json | logfmt: one line per step and event");
@@ -61,6 +68,16 @@ int Run() {
     return 2;
   }
   logging::ConfigureProcessLogger(*log_format, *log_level, "worker");
+  auto transport = security::Transport::FromFlags(absl::GetFlag(FLAGS_tls_dir), absl::GetFlag(FLAGS_insecure),
+                                                  security::Role::kWorker);
+  if (!transport.ok()) {
+    std::cerr << "shardgemm-worker: " << transport.status().message() << "\n";
+    return 2;
+  }
+  if (transport->insecure()) {
+    logging::ProcessLogger().Log(logging::Level::kWarning, "insecure",
+                                 {{"message", "--insecure: plaintext calls, no identities checked"}});
+  }
   std::string note;
   auto backend = MakeBackend(absl::GetFlag(FLAGS_backend), absl::GetFlag(FLAGS_device),
                              absl::GetFlag(FLAGS_threads), &note);
@@ -89,14 +106,23 @@ int Run() {
     }
     exporter = std::move(*started);
   }
-  WorkerServiceImpl service(&executor, &store, backend->get(), &observer);
+  WorkerServiceImpl service(&executor, &store, backend->get(), &observer, &*transport);
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  std::unique_ptr<grpc::Server> health;
+  int health_port = 0;
+  if (const std::string health_listen = absl::GetFlag(FLAGS_health_listen); !health_listen.empty()) {
+    health = StartHealthOnlyServer(health_listen, &health_port);
+    if (health == nullptr) {
+      std::cerr << "shardgemm-worker: health_listen: cannot listen on " << health_listen << "\n";
+      return 1;
+    }
+  }
   grpc::ServerBuilder builder;
   int port = 0;
   const std::string listen = absl::GetFlag(FLAGS_listen);
-  builder.AddListeningPort(listen, grpc::InsecureServerCredentials(), &port);
+  builder.AddListeningPort(listen, transport->ServerCredentials(), &port);
   ConfigureTensorServer(&builder);
   builder.RegisterService(&service);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
@@ -115,8 +141,8 @@ int Run() {
   const std::string address = absl::StrCat(host, ":", port);
 
   grpc::ChannelArguments args = TensorChannelArguments();
-  auto channel = grpc::CreateCustomChannel(absl::GetFlag(FLAGS_coordinator),
-                                           grpc::InsecureChannelCredentials(), args);
+  auto channel = grpc::CreateCustomChannel(absl::GetFlag(FLAGS_coordinator), transport->ChannelCredentials(),
+                                           args);
   auto stub = v1::Coordination::NewStub(channel);
   v1::RegisterRequest request;
   request.set_address(address);
@@ -161,20 +187,21 @@ int Run() {
     collectives = MakeLocalCollectives(position);
   } else if ((*backend)->Name() == "cuda") {
     collectives = MakeDeviceCollectives(
-        position, absl::GetFlag(FLAGS_device), absl::GetFlag(FLAGS_coordinator),
-        response.session() + "/", std::chrono::seconds(absl::GetFlag(FLAGS_collective_timeout_s)));
+        position, absl::GetFlag(FLAGS_device), channel, response.session() + "/", std::chrono::seconds(absl::GetFlag(FLAGS_collective_timeout_s)));
   } else {
     // The CPU backend's collectives: Gloo over TCP, rendezvous through the
     // coordinator. (The CUDA backend's NCCL communicators plug in here.)
     collectives = MakeGlooCollectives(
         position,
-        MakeCoordinatorStore(absl::GetFlag(FLAGS_coordinator), response.session() + "/"), host,
+        MakeCoordinatorStore(channel, response.session() + "/"), host,
         std::chrono::seconds(absl::GetFlag(FLAGS_collective_timeout_s)));
   }
   executor.Configure(position, std::move(collectives), response.next_sequence());
   std::vector<logging::Field> serving = {
       {"rank", position.rank}, {"address", address}, {"backend", (*backend)->Device()}};
+  serving.push_back({"tls", !transport->insecure()});
   if (exporter != nullptr) serving.push_back({"metrics_port", exporter->port()});
+  if (health != nullptr) serving.push_back({"health_port", health_port});
   logging::ProcessLogger().Log(logging::Level::kInfo, "serving", serving);
   ServeUntilSignalled(server.get());
   return 0;

@@ -7,8 +7,15 @@
 
 namespace shardgemm {
 
+grpc::Status WorkerServiceImpl::CheckCaller(const grpc::ServerContext& context) const {
+  if (transport_ == nullptr || transport_->CallerIs(context, security::kCoordinatorName)) return grpc::Status::OK;
+  return grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
+                      "the Worker service answers only its coordinator (a shardgemm-coordinator certificate)");
+}
+
 grpc::Status WorkerServiceImpl::Execute(grpc::ServerContext* context, const v1::Step* step,
                                         v1::StepResult* result) {
+  if (grpc::Status s = CheckCaller(*context); !s.ok()) return s;
   const absl::Time start = absl::Now();
   auto r = executor_->Execute(*step, DeadlineOf(context));
   if (r.ok()) *result = std::move(*r);
@@ -21,8 +28,9 @@ grpc::Status WorkerServiceImpl::Execute(grpc::ServerContext* context, const v1::
   return grpc::Status::OK;
 }
 
-grpc::Status WorkerServiceImpl::GetShard(grpc::ServerContext*, const v1::GetShardRequest* request,
+grpc::Status WorkerServiceImpl::GetShard(grpc::ServerContext* context, const v1::GetShardRequest* request,
                                          v1::LocalTensor* shard) {
+  if (grpc::Status s = CheckCaller(*context); !s.ok()) return s;
   auto t = store_->Get(request->name());
   if (!t.ok()) return ToGrpcStatus(t.status());
   if ((*t)->host != nullptr) {
@@ -35,8 +43,9 @@ grpc::Status WorkerServiceImpl::GetShard(grpc::ServerContext*, const v1::GetShar
   return grpc::Status::OK;
 }
 
-grpc::Status WorkerServiceImpl::Status(grpc::ServerContext*, const v1::WorkerStatusRequest*,
+grpc::Status WorkerServiceImpl::Status(grpc::ServerContext* context, const v1::WorkerStatusRequest*,
                                        v1::WorkerStatus* status) {
+  if (grpc::Status s = CheckCaller(*context); !s.ok()) return s;
   status->set_rank(executor_->position().rank);
   status->set_backend(backend_->Name());
   status->set_memory_used_bytes(store_->used_bytes());

@@ -4,6 +4,7 @@
 
 #include "proto/shardgemm.grpc.pb.h"
 #include "worker/executor.h"
+#include "security/tls.h"
 #include "worker/step_observer.h"
 
 namespace shardgemm {
@@ -11,9 +12,11 @@ namespace shardgemm {
 class WorkerServiceImpl final : public v1::Worker::Service {
  public:
   // `observer` (may be null) sees every step answered.
+  // `transport` (null: accept every caller, as in-process tests do) decides
+  // who may call: only the coordinator's certificate.
   WorkerServiceImpl(Executor* executor, ShardStore* store, Backend* backend,
-                    StepObserver* observer = nullptr)
-      : executor_(executor), store_(store), backend_(backend), observer_(observer) {}
+                    StepObserver* observer = nullptr, const security::Transport* transport = nullptr)
+      : executor_(executor), store_(store), backend_(backend), observer_(observer), transport_(transport) {}
 
   grpc::Status Execute(grpc::ServerContext* context, const v1::Step* step,
                        v1::StepResult* result) override;
@@ -26,7 +29,11 @@ class WorkerServiceImpl final : public v1::Worker::Service {
   Executor* executor_;
   ShardStore* store_;
   Backend* backend_;
+  // PERMISSION_DENIED unless the caller is this mesh's coordinator.
+  grpc::Status CheckCaller(const grpc::ServerContext& context) const;
+
   StepObserver* observer_;
+  const security::Transport* transport_;
 };
 
 }  // namespace shardgemm

@@ -62,13 +62,30 @@ class Client:
     Without one the coordinator makes one; either way the id of the last
     GroupedGemm, Plan, Put or Delete is in `last_request_id`."""
 
-    def __init__(self, address, timeout=None):
+    def __init__(self, address, timeout=None, *, tls_dir=None, token=None):
+        """tls_dir: the mesh's certificates (ca.crt verifies the coordinator;
+        client.crt/client.key are sent when present); token: the bearer token
+        (default: tls_dir/client.token). Without tls_dir the channel is
+        plaintext, for a coordinator started with --insecure."""
         options = [("grpc.max_receive_message_length", _MAX_MESSAGE),
                    ("grpc.max_send_message_length", _MAX_MESSAGE),
                    ("grpc.initial_reconnect_backoff_ms", 50),
                    ("grpc.min_reconnect_backoff_ms", 50),
                    ("grpc.max_reconnect_backoff_ms", 1000)]
-        self.channel = grpc.insecure_channel(address, options=options)
+        if tls_dir:
+            def read(name):
+                path = os.path.join(tls_dir, name)
+                return open(path, "rb").read() if os.path.exists(path) else None
+            creds = grpc.ssl_channel_credentials(root_certificates=read("ca.crt"),
+                                                 private_key=read("client.key"),
+                                                 certificate_chain=read("client.crt"))
+            if token is None and read("client.token") is not None:
+                token = read("client.token").decode().strip()
+            if token:
+                creds = grpc.composite_channel_credentials(creds, grpc.access_token_call_credentials(token))
+            self.channel = grpc.secure_channel(address, creds, options=options)
+        else:
+            self.channel = grpc.insecure_channel(address, options=options)
         self.stub = pb_grpc.ShardGemmStub(self.channel)
         self.timeout = timeout
         self.last_request_id = None

@@ -8,10 +8,10 @@ B=${1:-.gpu_bundle/e2e}
 export LD_LIBRARY_PATH=$PWD/$B/lib:${LD_LIBRARY_PATH:-}
 export NCCL_NVLS_ENABLE=0
 ADDR=127.0.0.1:50061
-CLI="$B/bin/shardgemm --coordinator=$ADDR"
-$B/bin/shardgemm-coordinator --listen=$ADDR --mesh=dp=1 2>/tmp/coordinator.log &
+CLI="$B/bin/shardgemm --coordinator=$ADDR --insecure"  # loopback on a lent machine
+$B/bin/shardgemm-coordinator --listen=$ADDR --mesh=dp=1 --insecure 2>/tmp/coordinator.log &
 C=$!
-$B/bin/shardgemm-worker --coordinator=$ADDR --backend=cuda 2>/tmp/worker.log &
+$B/bin/shardgemm-worker --coordinator=$ADDR --backend=cuda --insecure 2>/tmp/worker.log &
 W=$!
 for _ in $(seq 100); do $CLI cluster 2>/dev/null | grep -q "(ready)" && break; sleep 0.2; done
 $CLI cluster; cat /tmp/worker.log

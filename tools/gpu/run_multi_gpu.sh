@@ -8,14 +8,14 @@ N=${2:-$(nvidia-smi -L | wc -l)}
 export LD_LIBRARY_PATH=$PWD/$B/lib:${LD_LIBRARY_PATH:-}
 export NCCL_NVLS_ENABLE=0
 ADDR=127.0.0.1:50071
-CLI="$B/bin/shardgemm --coordinator=$ADDR"
+CLI="$B/bin/shardgemm --coordinator=$ADDR --insecure"  # loopback on a lent machine
 fail=0
 pids=()
 start() {  # start MESH WORKERS
-  $B/bin/shardgemm-coordinator --listen=$ADDR --mesh="$1" 2>/tmp/coordinator.log &
+  $B/bin/shardgemm-coordinator --listen=$ADDR --mesh="$1" --insecure 2>/tmp/coordinator.log &
   pids=($!)
   for ((i = 0; i < $2; i++)); do
-    $B/bin/shardgemm-worker --coordinator=$ADDR --backend=${BACKEND:-cuda} --device=$i --collective_timeout_s=60 2>/tmp/worker$i.log &
+    $B/bin/shardgemm-worker --coordinator=$ADDR --backend=${BACKEND:-cuda} --device=$i --collective_timeout_s=60 --insecure 2>/tmp/worker$i.log &
     pids+=($!)
   done
   for _ in $(seq 150); do $CLI cluster 2>/dev/null | grep -q "(ready)" && break; sleep 0.2; done
