@@ -6,6 +6,7 @@
 #include <thread>
 #include <tuple>
 
+#include "absl/random/random.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_join.h"
@@ -21,11 +22,20 @@
 
 namespace shardgemm {
 
+namespace {
+// 128 random bits: a session a peer cannot guess (steps and rendezvous keys carry it).
+std::string MakeSessionId() {
+  absl::BitGen gen;
+  return absl::StrCat(absl::Hex(absl::Uniform<uint64_t>(gen), absl::kZeroPad16),
+                      absl::Hex(absl::Uniform<uint64_t>(gen), absl::kZeroPad16));
+}
+}  // namespace
+
 Coordinator::Coordinator(planner::Mesh mesh, Connector connect, CoordinatorOptions options)
     : options_(options),
       mesh_(std::move(mesh)),
       num_workers_(static_cast<int>(planner::NumWorkers(mesh_))),
-      session_(absl::StrCat(absl::ToUnixNanos(absl::Now()))),
+      session_(MakeSessionId()),
       dispatcher_(mesh_, std::move(connect), options_.dispatch_grace) {}
 
 absl::StatusOr<v1::RegisterResponse> Coordinator::Register(const v1::RegisterRequest& request) {
@@ -94,8 +104,9 @@ absl::Time Coordinator::StepDeadline(absl::Time client_deadline) const {
 absl::StatusOr<std::vector<v1::StepResult>> Coordinator::Dispatch(std::vector<v1::Step> steps,
                                                                   absl::Time deadline,
                                                                   const std::string& request_id) {
-  if (!request_id.empty()) {
-    for (v1::Step& s : steps) s.set_request_id(request_id);
+  for (v1::Step& s : steps) {
+    s.set_session(session_);
+    if (!request_id.empty()) s.set_request_id(request_id);
   }
   return dispatcher_.Dispatch(std::move(steps), deadline);
 }

@@ -4,9 +4,28 @@
 
 namespace shardgemm {
 
-void RendezvousStore::Set(const std::string& key, std::string value) {
+absl::Status RendezvousStore::Set(const std::string& key, std::string value) {
+  if (key.empty() || key.size() > kMaxKeyBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("key: ", key.size(), " bytes; a rendezvous key has 1 to ",
+                                                   kMaxKeyBytes));
+  }
+  if (value.size() > kMaxValueBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("value: ", value.size(), " bytes; a rendezvous value has at most ",
+                                                   kMaxValueBytes));
+  }
   absl::MutexLock lock(&mu_);
+  auto it = values_.find(key);
+  const size_t replaced = it == values_.end() ? 0 : key.size() + it->second.size();
+  if (it == values_.end() && values_.size() >= kMaxKeys) {
+    return absl::ResourceExhaustedError(absl::StrCat("the rendezvous store holds its limit of ", kMaxKeys, " keys"));
+  }
+  if (total_bytes_ - replaced + key.size() + value.size() > kMaxTotalBytes) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("the rendezvous store holds its limit of ", kMaxTotalBytes, " bytes"));
+  }
+  total_bytes_ = total_bytes_ - replaced + key.size() + value.size();
   values_[key] = std::move(value);
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::vector<std::string>> RendezvousStore::Get(const std::vector<std::string>& keys,

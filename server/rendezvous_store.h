@@ -13,9 +13,19 @@
 
 namespace shardgemm {
 
+// Bounded: only mesh members reach it (the Coordination service checks their
+// certificates), and a member that floods it still cannot exhaust the
+// coordinator's memory.
 class RendezvousStore {
  public:
-  void Set(const std::string& key, std::string value);
+  static constexpr size_t kMaxKeyBytes = 512;
+  static constexpr size_t kMaxValueBytes = 1 << 20;
+  static constexpr size_t kMaxKeys = 1 << 16;
+  static constexpr size_t kMaxTotalBytes = size_t{256} << 20;
+
+  // INVALID_ARGUMENT for a key or value past its limit, RESOURCE_EXHAUSTED
+  // when the store holds kMaxKeys keys or kMaxTotalBytes bytes already.
+  absl::Status Set(const std::string& key, std::string value);
   // The values of `keys`, waiting up to `timeout` for all of them;
   // DEADLINE_EXCEEDED naming a missing key otherwise.
   absl::StatusOr<std::vector<std::string>> Get(const std::vector<std::string>& keys,
@@ -24,6 +34,7 @@ class RendezvousStore {
  private:
   absl::Mutex mu_;
   absl::flat_hash_map<std::string, std::string> values_ ABSL_GUARDED_BY(mu_);
+  size_t total_bytes_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace shardgemm

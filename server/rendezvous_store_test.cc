@@ -2,6 +2,7 @@
 
 #include <thread>
 
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 
 namespace shardgemm {
@@ -11,8 +12,8 @@ TEST(RendezvousStoreTest, GetWaitsForSet) {
   RendezvousStore store;
   std::thread setter([&] {
     absl::SleepFor(absl::Milliseconds(50));
-    store.Set("a", "1");
-    store.Set("b", "2");
+    ASSERT_TRUE(store.Set("a", "1").ok());
+    ASSERT_TRUE(store.Set("b", "2").ok());
   });
   auto v = store.Get({"a", "b"}, absl::Seconds(10));
   setter.join();
@@ -22,10 +23,38 @@ TEST(RendezvousStoreTest, GetWaitsForSet) {
 
 TEST(RendezvousStoreTest, TimeoutNamesTheMissingKey) {
   RendezvousStore store;
-  store.Set("a", "1");
+  ASSERT_TRUE(store.Set("a", "1").ok());
   auto v = store.Get({"a", "zz"}, absl::Milliseconds(20));
   EXPECT_EQ(v.status().code(), absl::StatusCode::kDeadlineExceeded);
   EXPECT_NE(v.status().message().find("'zz'"), std::string::npos);
+}
+
+TEST(RendezvousStoreTest, KeysValuesAndTheirCountAreBounded) {
+  RendezvousStore store;
+  EXPECT_EQ(store.Set("", "v").code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(store.Set(std::string(RendezvousStore::kMaxKeyBytes + 1, 'k'), "v").code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(store.Set("k", std::string(RendezvousStore::kMaxValueBytes + 1, 'v')).code(),
+            absl::StatusCode::kInvalidArgument);
+  for (size_t i = 0; i < RendezvousStore::kMaxKeys; ++i) {
+    ASSERT_TRUE(store.Set(absl::StrCat("k", i), "v").ok()) << i;
+  }
+  EXPECT_EQ(store.Set("one-more", "v").code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_TRUE(store.Set("k7", "replaced").ok()) << "replacing a key adds none";
+  auto v = store.Get({"k7"}, absl::Milliseconds(10));
+  ASSERT_TRUE(v.ok());
+  EXPECT_EQ((*v)[0], "replaced");
+}
+
+TEST(RendezvousStoreTest, TotalBytesAreBounded) {
+  RendezvousStore store;
+  const std::string big(RendezvousStore::kMaxValueBytes, 'v');
+  size_t i = 0;
+  absl::Status s;
+  while ((s = store.Set(absl::StrCat("k", i), big)).ok()) ++i;
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_LE(i * big.size(), RendezvousStore::kMaxTotalBytes);
+  EXPECT_GT((i + 1) * (big.size() + 8), RendezvousStore::kMaxTotalBytes);
 }
 
 }  // namespace

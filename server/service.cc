@@ -221,8 +221,7 @@ grpc::Status CoordinationService::Register(grpc::ServerContext* context,
 grpc::Status CoordinationService::StoreSet(grpc::ServerContext* context, const v1::StoreSetRequest* request,
                                            v1::StoreSetResponse*) {
   if (grpc::Status s = CheckCaller(*context); !s.ok()) return s;
-  store_->Set(request->key(), request->value());
-  return grpc::Status::OK;
+  return ToGrpcStatus(store_->Set(request->key(), request->value()));
 }
 
 grpc::Status CoordinationService::StoreGet(grpc::ServerContext* context, const v1::StoreGetRequest* request,

@@ -21,8 +21,9 @@ Executor::Executor(Backend* backend, ShardStore* store) : backend_(backend), sto
 }
 
 void Executor::Configure(const MeshPosition& position, std::unique_ptr<Collectives> collectives,
-                         uint64_t next_sequence) {
+                         uint64_t next_sequence, std::string session) {
   absl::MutexLock lock(&mu_);
+  session_ = std::move(session);
   position_ = position;
   auto timed = std::make_unique<TimedCollectives>(std::move(collectives));
   timed_ = timed.get();
@@ -44,7 +45,8 @@ absl::Status StaleStep(uint64_t sequence, uint64_t next_sequence) {
 
 }  // namespace
 
-absl::Status Executor::WaitForTurn(uint64_t sequence, uint64_t oldest_live, absl::Time deadline) {
+absl::Status Executor::WaitForTurn(uint64_t sequence, uint64_t oldest_live, absl::Time deadline,
+                                   const std::string& session) {
   steps_waiting_.fetch_add(1, std::memory_order_relaxed);
   struct Done {
     std::atomic<int64_t>* waiting;
@@ -55,6 +57,12 @@ absl::Status Executor::WaitForTurn(uint64_t sequence, uint64_t oldest_live, absl
   auto configured = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return configured_; };
   if (!mu_.AwaitWithDeadline(absl::Condition(&configured), deadline)) {
     return absl::DeadlineExceededError("this worker has not joined the mesh yet");
+  }
+  if (!session_.empty() && session != session_) {
+    return absl::FailedPreconditionError("the step is not from this worker's coordinator session");
+  }
+  if (sequence > next_sequence_ && sequence - next_sequence_ > kSequenceWindow) {
+    return absl::InvalidArgumentError("the step is numbered too far ahead of this worker's place in the order");
   }
   while (true) {
     if (sequence < next_sequence_) return StaleStep(sequence, next_sequence_);  // gone on past it
@@ -84,7 +92,9 @@ void Executor::PassTurn() {
 }
 
 absl::StatusOr<v1::StepResult> Executor::Execute(v1::Step step, absl::Time deadline) {
-  if (auto s = WaitForTurn(step.sequence(), step.oldest_live_sequence(), deadline); !s.ok()) return s;
+  if (auto s = WaitForTurn(step.sequence(), step.oldest_live_sequence(), deadline, step.session()); !s.ok()) {
+    return s;
+  }
   // Shards the coordinator retired since the last step (a missing one was
   // never stored here, e.g. by a put that failed on this worker).
   for (const std::string& name : step.release_shards()) (void)store_->Delete(name);

@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <memory>
+#include <string>
 
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
@@ -24,8 +25,14 @@ class Executor {
 
   // Called once the coordinator has placed this worker on the mesh; steps
   // wait for it. `next_sequence`: the first step the coordinator will send.
+  // `session`: the coordinator's (its RegisterResponse); when set, a step of
+  // another session is refused.
   void Configure(const MeshPosition& position, std::unique_ptr<Collectives> collectives,
-                 uint64_t next_sequence = 1);
+                 uint64_t next_sequence = 1, std::string session = "");
+
+  // How far ahead of the next expected step a step may be numbered: the
+  // coordinator never has more in flight; a step past it is refused.
+  static constexpr uint64_t kSequenceWindow = uint64_t{1} << 16;
 
   // Waits until every step with a lower sequence number has run, then runs
   // this one. A step that fails still passes the turn on. There is no turn
@@ -42,7 +49,8 @@ class Executor {
   int64_t collective_failures() const { return timed_->failures(); }
 
  private:
-  absl::Status WaitForTurn(uint64_t sequence, uint64_t oldest_live, absl::Time deadline);
+  absl::Status WaitForTurn(uint64_t sequence, uint64_t oldest_live, absl::Time deadline,
+                           const std::string& session);
   void PassTurn();
   absl::StatusOr<v1::StepResult> RunGemm(v1::GemmStep& gemm);
   absl::StatusOr<HostTensor> ApplyCollective(const v1::CollectivePlan& c, const HostTensor& t);
@@ -81,6 +89,7 @@ class Executor {
   absl::Mutex mu_;
   uint64_t next_sequence_ ABSL_GUARDED_BY(mu_) = 1;
   bool configured_ ABSL_GUARDED_BY(mu_) = false;
+  std::string session_ ABSL_GUARDED_BY(mu_);
   bool running_ ABSL_GUARDED_BY(mu_) = false;  // a step has its turn
 };
 

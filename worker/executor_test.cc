@@ -293,6 +293,33 @@ TEST_F(ExecutorTest, StepNumberedBeforeTheWorkerJoinedIsRetryable) {
   EXPECT_NE(result.status().message().find("retry"), std::string::npos) << result.status();
 }
 
+TEST_F(ExecutorTest, StepsOfAnotherSessionAreRefusedAndRunNothing) {
+  executor_ = std::make_unique<Executor>(backend_.get(), &store_);
+  executor_->Configure(SingleWorkerPosition(), MakeLocalCollectives(SingleWorkerPosition()), 1, "session-a");
+  v1::Step replayed = GemmStep(F32({2, 3}, 1), F32({1, 3, 2}, 1), {2});
+  replayed.set_sequence(1);
+  replayed.set_session("session-old");
+  EXPECT_EQ(executor_->Execute(replayed).status().code(), absl::StatusCode::kFailedPrecondition);
+  // The refused step took no turn: this session's step 1 runs.
+  v1::Step own = replayed;
+  own.set_session("session-a");
+  EXPECT_TRUE(executor_->Execute(own, absl::Now() + absl::Seconds(10)).ok());
+  // Replayed and duplicated: behind the worker's place in the order.
+  EXPECT_EQ(executor_->Execute(own).status().code(), absl::StatusCode::kUnavailable);
+}
+
+TEST_F(ExecutorTest, AStepFarAheadOfTheOrderIsRefusedAtOnce) {
+  Executor& e = Make(SingleWorkerPosition());
+  v1::Step ahead = GemmStep(F32({2, 3}, 1), F32({1, 3, 2}, 1), {2});
+  ahead.set_sequence(1 + Executor::kSequenceWindow + 1);
+  const absl::Time start = absl::Now();
+  EXPECT_EQ(e.Execute(ahead, absl::Now() + absl::Seconds(30)).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5)) << "refused without waiting for its turn";
+  v1::Step first = GemmStep(F32({2, 3}, 1), F32({1, 3, 2}, 1), {2});
+  first.set_sequence(1);
+  EXPECT_TRUE(e.Execute(first, absl::Now() + absl::Seconds(10)).ok());
+}
+
 TEST_F(ExecutorTest, SharedScalesQuantizeAgreesOnce) {
   Executor& e = Make(FsdpOf2());
   v1::Step step;

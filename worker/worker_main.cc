@@ -196,7 +196,7 @@ int Run() {
         MakeCoordinatorStore(channel, response.session() + "/"), host,
         std::chrono::seconds(absl::GetFlag(FLAGS_collective_timeout_s)));
   }
-  executor.Configure(position, std::move(collectives), response.next_sequence());
+  executor.Configure(position, std::move(collectives), response.next_sequence(), response.session());
   std::vector<logging::Field> serving = {
       {"rank", position.rank}, {"address", address}, {"backend", (*backend)->Device()}};
   serving.push_back({"tls", !transport->insecure()});
