@@ -7,8 +7,12 @@
 # grouped GEMM with --check) and must print "result matches reference"; every
 # container must pass `podman healthcheck run`; the image must hold no compiler
 # and no Bazel. Containers and the network are removed whatever happens; every
-# wait is bounded. Ends with "image test: passed" (exit 0) or the failure and
-# the containers' logs (exit 1).
+# wait is bounded. TLS on every hop, as tools/demo.sh: a mesh CA and
+# certificates naming the containers (tools/make_certs.sh), the coordinator's
+# and the workers' material mounted into their containers, the host's CLI with
+# the CA and a token; the health checks go to each server's plaintext
+# health-only port (--health_listen=0.0.0.0:8080). Ends with "image test:
+# passed" (exit 0) or the failure and the containers' logs (exit 1).
 # Environment: SHARDGEMM_IMAGE (default localhost/shardgemm:cpu).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -60,6 +64,20 @@ wait_for() {
 [[ -x $CLI ]] || fail "$CLI is missing (make build)"
 podman image exists "$IMAGE" || fail "no image $IMAGE (make image)"
 
+# Certificates for every container name; each role's files in a folder of
+# its own, owned by the image's user (uid 10001), mounted read-only.
+workers=()
+for ((i = 0; i < WORKERS; i++)); do workers+=("$tag-worker$i"); done
+TLS=$logs/tls
+bash tools/make_certs.sh "$TLS" --hosts "$(IFS=,; echo "$COORD,${workers[*]}")" --days 2 >/dev/null \
+  || fail "tools/make_certs.sh"
+mkdir -p "$logs/coordinator-tls" "$logs/worker-tls"
+cp "$TLS"/{ca.crt,coordinator.crt,coordinator.key,tokens} "$logs/coordinator-tls/"
+cp "$TLS"/{ca.crt,worker.crt,worker.key} "$logs/worker-tls/"
+chown -R 10001:10001 "$logs/coordinator-tls" "$logs/worker-tls"
+chmod 700 "$logs/coordinator-tls" "$logs/worker-tls"
+SECURITY=--tls_dir=$TLS
+
 # Podman 4.3 schedules periodic health checks with systemd timers; with no
 # systemd here they are off, and `podman healthcheck run` below runs them.
 health_flags=()
@@ -74,31 +92,34 @@ timeout 60 podman network create "$NET" >/dev/null
 echo "== $COORD: shardgemm-coordinator --listen=0.0.0.0:50051 --mesh=$MESH, published on $ADDR"
 containers+=("$COORD")
 timeout 120 podman run -d --name "$COORD" --network "$NET" -p "$ADDR:50051" "${health_flags[@]}" \
+  -v "$logs/coordinator-tls:/etc/shardgemm/tls:ro" \
   "$IMAGE" shardgemm-coordinator --listen=0.0.0.0:50051 --mesh="$MESH" \
+  --tls_dir=/etc/shardgemm/tls --health_listen=0.0.0.0:8080 \
   >/dev/null 2>"$logs/run.err" || { cat "$logs/run.err" >&2; fail "podman run $COORD"; }
 wait_for 60 "$COORD healthy" timeout 10 podman healthcheck run "$COORD"
 
-for ((i = 0; i < WORKERS; i++)); do
-  w=$tag-worker$i
+for w in "${workers[@]}"; do
   echo "== $w: shardgemm-worker --coordinator=$COORD:50051 --listen=0.0.0.0:50052 --advertise_host=$w --backend=cpu"
   containers+=("$w")
-  timeout 120 podman run -d --name "$w" --network "$NET" -e SHARDGEMM_HEALTH_ADDR=127.0.0.1:50052 \
-    "${health_flags[@]}" "$IMAGE" shardgemm-worker --coordinator="$COORD:50051" \
+  timeout 120 podman run -d --name "$w" --network "$NET" "${health_flags[@]}" \
+    -v "$logs/worker-tls:/etc/shardgemm/tls:ro" \
+    "$IMAGE" shardgemm-worker --coordinator="$COORD:50051" \
     --listen=0.0.0.0:50052 --advertise_host="$w" --backend=cpu \
+    --tls_dir=/etc/shardgemm/tls --health_listen=0.0.0.0:8080 \
     >/dev/null 2>"$logs/run.err" || { cat "$logs/run.err" >&2; fail "podman run $w"; }
 done
 
-ready() { timeout 10 "$CLI" cluster --coordinator="$ADDR" 2>/dev/null | grep -q "(ready)"; }
+ready() { timeout 10 "$CLI" cluster --coordinator="$ADDR" "$SECURITY" 2>/dev/null | grep -q "(ready)"; }
 wait_for 90 "the mesh ready (all $WORKERS workers registered)" ready
-timeout 30 "$CLI" cluster --coordinator="$ADDR"
+timeout 30 "$CLI" cluster --coordinator="$ADDR" "$SECURITY"
 
 echo
 echo "== from the host: expert weights resident, 8 experts [8, 256, 128] bf16 over (ep, fsdp)"
-timeout 120 "$CLI" put experts --coordinator="$ADDR" --data=8x256x128 --dtype=bf16 --seed=7 \
+timeout 120 "$CLI" put experts --coordinator="$ADDR" "$SECURITY" --data=8x256x128 --dtype=bf16 --seed=7 \
   --spec='(ep, fsdp, None)' || fail "put experts"
 echo
 echo "== from the host: the sharded grouped GEMM, checked against the reference"
-timeout 300 "$CLI" gemm --coordinator="$ADDR" --lhs='1024x256@((fsdp, ep), None)' --rhs=resident:experts \
+timeout 300 "$CLI" gemm --coordinator="$ADDR" "$SECURITY" --lhs='1024x256@((fsdp, ep), None)' --rhs=resident:experts \
   --group-sizes='100,0,60,96, 30,30,30,30, 256,0,0,0, 1,2,3,200@((fsdp, ep),)' \
   --dtype=bf16 --seed=42 --check | tee "$logs/gemm.out" || fail "gemm"
 grep -q "result matches reference" "$logs/gemm.out" || fail 'no "result matches reference"'
