@@ -64,7 +64,7 @@ Coordinator::Stats Coordinator::GetStats() const {
   stats.workers_expected = num_workers_;
   stats.workers_registered = static_cast<int>(dispatcher_.Workers().size());
   stats.ready = dispatcher_.Complete();
-  for (const v1::ResidentTensorInfo& t : registry_.List()) {
+  for (const v1::ResidentTensorInfo& t : registry_.ListAll()) {
     ++stats.resident_tensors;
     auto dtype = DTypeFromProto(t.dtype(), "dtype");
     if (!dtype.ok()) continue;
@@ -74,6 +74,14 @@ Coordinator::Stats Coordinator::GetStats() const {
   }
   stats.dispatch = dispatcher_.GetStats();
   return stats;
+}
+
+absl::Status Coordinator::CheckTenantRoom(const std::string& tenant, const std::string& name) const {
+  if (options_.max_tensors_per_tenant <= 0 || registry_.Find(tenant, name).ok()) return absl::OkStatus();
+  if (registry_.Count(tenant) < options_.max_tensors_per_tenant) return absl::OkStatus();
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "name: ", tenant.empty() ? "this tenant" : absl::StrCat("tenant '", tenant, "'"), " holds its limit of ",
+      options_.max_tensors_per_tenant, " resident tensors (--max_tensors_per_tenant); delete one first"));
 }
 
 absl::Status Coordinator::CheckTensorFits(const std::string& name, int64_t bytes) const {
@@ -103,10 +111,10 @@ absl::Time Coordinator::StepDeadline(absl::Time client_deadline) const {
 
 absl::StatusOr<std::vector<v1::StepResult>> Coordinator::Dispatch(std::vector<v1::Step> steps,
                                                                   absl::Time deadline,
-                                                                  const std::string& request_id) {
+                                                                  const CallContext& call) {
   for (v1::Step& s : steps) {
     s.set_session(session_);
-    if (!request_id.empty()) s.set_request_id(request_id);
+    if (!call.request_id.empty()) s.set_request_id(call.request_id);
   }
   return dispatcher_.Dispatch(std::move(steps), deadline);
 }
@@ -116,16 +124,16 @@ void Coordinator::Unpin(const std::vector<std::string>& pins) {
 }
 
 absl::Status Coordinator::Retire(const std::string& shard_name, absl::Time deadline,
-                                const std::string& request_id) {
+                                const CallContext& call) {
   if (!registry_.Retire(shard_name)) return absl::OkStatus();  // deleted after its last request
-  return DeleteShards(shard_name, deadline, request_id);
+  return DeleteShards(shard_name, deadline, call);
 }
 
 absl::Status Coordinator::DeleteShards(const std::string& shard_name, absl::Time deadline,
-                                      const std::string& request_id) {
+                                      const CallContext& call) {
   std::vector<v1::Step> steps(num_workers_);
   for (v1::Step& s : steps) s.mutable_delete_shard()->set_name(shard_name);
-  auto results = Dispatch(std::move(steps), StepDeadline(deadline), request_id);
+  auto results = Dispatch(std::move(steps), StepDeadline(deadline), call);
   return results.ok() ? absl::OkStatus() : results.status();
 }
 
@@ -145,11 +153,12 @@ namespace {
 // A claimed name, released unless registered.
 class ClaimGuard {
  public:
-  ClaimGuard(ResidentRegistry* registry, std::string name) : registry_(registry), name_(std::move(name)) {}
+  ClaimGuard(ResidentRegistry* registry, std::string tenant, std::string name)
+      : registry_(registry), tenant_(std::move(tenant)), name_(std::move(name)) {}
   ClaimGuard(const ClaimGuard&) = delete;
   ClaimGuard& operator=(const ClaimGuard&) = delete;
   ~ClaimGuard() {
-    if (!registered_) registry_->Release(name_);
+    if (!registered_) registry_->Release(tenant_, name_);
   }
   // Registers the claimed tensor; returns the generation it replaced.
   std::string Register(Resident resident) {
@@ -159,7 +168,7 @@ class ClaimGuard {
 
  private:
   ResidentRegistry* registry_;
-  std::string name_;
+  std::string tenant_, name_;
   bool registered_ = false;
 };
 
@@ -169,7 +178,7 @@ absl::StatusOr<v1::PutTensorResponse> Coordinator::PutTensor(const std::string& 
                                                              HostTensor tensor,
                                                              const std::string& spec_text,
                                                              bool overwrite, absl::Time deadline,
-                                                             const std::string& request_id) {
+                                                             const CallContext& call) {
   if (auto s = CheckReady(); !s.ok()) return s;
   if (auto s = ValidateResidentName("name", name); !s.ok()) return s;
   auto spec = planner::ParsePartitionSpec(spec_text);
@@ -177,13 +186,14 @@ absl::StatusOr<v1::PutTensorResponse> Coordinator::PutTensor(const std::string& 
     return absl::InvalidArgumentError(absl::StrCat("spec: ", spec.status().message()));
   }
   if (auto s = planner::ValidatePartitionSpec(name, tensor.shape, *spec, mesh_); !s.ok()) return s;
-  auto claimed = registry_.Claim(name, overwrite);
+  if (auto s = CheckTenantRoom(call.tenant, name); !s.ok()) return s;
+  auto claimed = registry_.Claim(call.tenant, name, overwrite);
   if (!claimed.ok()) {
     return absl::Status(claimed.status().code(),
                         absl::StrCat(claimed.status().message(), " (set overwrite to replace it)"));
   }
   const std::string shard_name = *claimed;
-  ClaimGuard claim(&registry_, name);
+  ClaimGuard claim(&registry_, call.tenant, name);
   auto local_shape = planner::LocalShape(name, tensor.shape, *spec, mesh_);
   if (!local_shape.ok()) return local_shape.status();
   std::vector<v1::Step> steps(num_workers_);
@@ -194,7 +204,7 @@ absl::StatusOr<v1::PutTensorResponse> Coordinator::PutTensor(const std::string& 
     store->set_name(shard_name);
     HostTensorToProto(SliceBlock(tensor, *offsets, *local_shape), store->mutable_shard());
   }
-  auto results = Dispatch(std::move(steps), StepDeadline(deadline), request_id);
+  auto results = Dispatch(std::move(steps), StepDeadline(deadline), call);
   if (!results.ok()) {
     // Some workers may hold the new generation: drop it everywhere. The old
     // generation, if any, was never touched.
@@ -202,6 +212,7 @@ absl::StatusOr<v1::PutTensorResponse> Coordinator::PutTensor(const std::string& 
     return results.status();
   }
   Resident resident;
+  resident.tenant = call.tenant;
   resident.info.set_name(name);
   resident.info.set_dtype(DTypeToProto(tensor.dtype));
   resident.info.mutable_shape()->Assign(tensor.shape.begin(), tensor.shape.end());
@@ -222,10 +233,11 @@ absl::StatusOr<HostTensor> Coordinator::Assemble(
   return AssembleBlocks(mesh_, dtype, shape, spec, shard);
 }
 
-absl::StatusOr<Coordinator::Fetched> Coordinator::GetTensor(const std::string& name, absl::Time deadline) {
+absl::StatusOr<Coordinator::Fetched> Coordinator::GetTensor(const std::string& name, absl::Time deadline,
+                                                            const CallContext& call) {
   if (auto s = CheckReady(); !s.ok()) return s;
   PinGuard guard{this, {}};
-  auto resident = registry_.FindAndPin(name, &guard.pins);
+  auto resident = registry_.FindAndPin(call.tenant, name, &guard.pins);
   if (!resident.ok()) return resident.status();
   const std::vector<std::shared_ptr<WorkerChannel>> channels = dispatcher_.Channels();
   auto dtype = DTypeFromProto(resident->info.dtype(), "dtype");
@@ -241,16 +253,16 @@ absl::StatusOr<Coordinator::Fetched> Coordinator::GetTensor(const std::string& n
 }
 
 absl::Status Coordinator::DeleteTensor(const std::string& name, absl::Time deadline,
-                                      const std::string& request_id) {
+                                      const CallContext& call) {
   if (auto s = CheckReady(); !s.ok()) return s;
-  auto shard_name = registry_.Remove(name);
+  auto shard_name = registry_.Remove(call.tenant, name);
   if (!shard_name.ok()) return shard_name.status();
-  return Retire(*shard_name, deadline, request_id);
+  return Retire(*shard_name, deadline, call);
 }
 
-v1::ListTensorsResponse Coordinator::ListTensors() const {
+v1::ListTensorsResponse Coordinator::ListTensors(const CallContext& call) const {
   v1::ListTensorsResponse response;
-  for (v1::ResidentTensorInfo& info : registry_.List()) *response.add_tensors() = std::move(info);
+  for (v1::ResidentTensorInfo& info : registry_.List(call.tenant)) *response.add_tensors() = std::move(info);
   return response;
 }
 
@@ -401,9 +413,9 @@ TensorMeta Coordinator::MetaOf(const Resident& r) {
 }
 
 absl::StatusOr<TensorMeta> Coordinator::ResolveMeta(const v1::Tensor& t, const std::string& field,
-                                                   std::vector<std::string>* pins) {
+                                                   const std::string& tenant, std::vector<std::string>* pins) {
   if (t.source_case() == v1::Tensor::kResident) {
-    auto r = registry_.FindAndPin(t.resident(), pins);
+    auto r = registry_.FindAndPin(tenant, t.resident(), pins);
     if (!r.ok()) return r.status();
     return MetaOf(*r);
   }
@@ -411,13 +423,13 @@ absl::StatusOr<TensorMeta> Coordinator::ResolveMeta(const v1::Tensor& t, const s
 }
 
 absl::StatusOr<v1::GroupedQuantizeResponse> Coordinator::GroupedQuantize(
-    const v1::GroupedQuantizeRequest& request, absl::Time deadline, const std::string& request_id) {
+    const v1::GroupedQuantizeRequest& request, absl::Time deadline, const CallContext& call) {
   const absl::Time start = absl::Now();
   if (auto s = CheckReady(); !s.ok()) return s;
   absl::flat_hash_map<std::string, TensorMeta> metas;
   PinGuard guard{this, {}};
   auto resolve = [&](const v1::Tensor& t, const std::string& field) -> absl::StatusOr<TensorMeta> {
-    auto meta = ResolveMeta(t, field, &guard.pins);
+    auto meta = ResolveMeta(t, field, call.tenant, &guard.pins);
     if (meta.ok()) metas[field] = *meta;
     return meta;
   };
@@ -483,7 +495,7 @@ absl::StatusOr<v1::GroupedQuantizeResponse> Coordinator::GroupedQuantize(
   auto built = BuildQuantizeSteps(step_request);
   if (!built.ok()) return built.status();
   std::vector<v1::Step> steps = std::move(*built);
-  auto results = Dispatch(std::move(steps), StepDeadline(deadline), request_id);
+  auto results = Dispatch(std::move(steps), StepDeadline(deadline), call);
   if (!results.ok()) return results.status();
 
   v1::GroupedQuantizeResponse response;
@@ -510,10 +522,10 @@ absl::StatusOr<v1::GroupedQuantizeResponse> Coordinator::GroupedQuantize(
   return response;
 }
 
-absl::StatusOr<v1::Plan> Coordinator::Plan(const v1::PlanRequest& request) const {
-  auto resolve = [this](const v1::Tensor& t, const std::string& field) -> absl::StatusOr<TensorMeta> {
+absl::StatusOr<v1::Plan> Coordinator::Plan(const v1::PlanRequest& request, const CallContext& call) const {
+  auto resolve = [this, &call](const v1::Tensor& t, const std::string& field) -> absl::StatusOr<TensorMeta> {
     if (t.source_case() == v1::Tensor::kResident) {
-      auto r = registry_.Find(t.resident());
+      auto r = registry_.Find(call.tenant, t.resident());
       if (!r.ok()) return r.status();
       return MetaOf(*r);
     }
@@ -545,12 +557,12 @@ absl::StatusOr<v1::Plan> Coordinator::Plan(const v1::PlanRequest& request) const
 }
 
 absl::StatusOr<v1::GroupedGemmResponse> Coordinator::GroupedGemm(
-    const v1::GroupedGemmRequest& request, absl::Time deadline, const std::string& request_id) {
+    const v1::GroupedGemmRequest& request, absl::Time deadline, const CallContext& call) {
   if (auto s = ValidateGemmEnums(request); !s.ok()) return s;
   if (request.layout() == v1::GroupedGemmRequest::GLOBAL_SORTED) {
-    return GroupedGemmGlobalSorted(request, deadline, request_id);
+    return GroupedGemmGlobalSorted(request, deadline, call);
   }
-  return GroupedGemmPerShard(request, deadline, request_id);
+  return GroupedGemmPerShard(request, deadline, call);
 }
 
 namespace {
@@ -569,7 +581,7 @@ HostTensor RouteRows(const HostTensor& t, const RowRouting& routing) {
 }  // namespace
 
 absl::StatusOr<v1::GroupedGemmResponse> Coordinator::GroupedGemmGlobalSorted(
-    const v1::GroupedGemmRequest& request, absl::Time deadline, const std::string& request_id) {
+    const v1::GroupedGemmRequest& request, absl::Time deadline, const CallContext& call) {
   const bool ragged_k = request.ragged() == v1::GroupedGemmRequest::RAGGED_K;
   if (request.lhs().source_case() == v1::Tensor::kResident ||
       (ragged_k && request.rhs().source_case() == v1::Tensor::kResident)) {
@@ -621,7 +633,7 @@ absl::StatusOr<v1::GroupedGemmResponse> Coordinator::GroupedGemmGlobalSorted(
                             row_axes.empty() ? "" : absl::StrCat("((", absl::StrJoin(row_axes, ","), "),)")};
 
   HostTensor out;
-  auto response = GroupedGemmPerShard(request, deadline, request_id, std::move(decoded), ragged_k ? nullptr : &out);
+  auto response = GroupedGemmPerShard(request, deadline, call, std::move(decoded), ragged_k ? nullptr : &out);
   if (!response.ok() || ragged_k) return response;
   // Output rows back in the client's order.
   HostTensor client_out = *ZerosTensor(out.dtype, {lhs->shape[0], out.shape[1]});
@@ -635,7 +647,7 @@ absl::StatusOr<v1::GroupedGemmResponse> Coordinator::GroupedGemmGlobalSorted(
 }
 
 absl::StatusOr<v1::GroupedGemmResponse> Coordinator::GroupedGemmPerShard(
-    const v1::GroupedGemmRequest& request, absl::Time deadline, const std::string& request_id,
+    const v1::GroupedGemmRequest& request, absl::Time deadline, const CallContext& call,
     absl::flat_hash_map<std::string, DecodedOperand> decoded, HostTensor* out_tensor) {
   const absl::Time start = absl::Now();
   if (auto s = CheckReady(); !s.ok()) return s;
@@ -649,7 +661,7 @@ absl::StatusOr<v1::GroupedGemmResponse> Coordinator::GroupedGemmPerShard(
     if (auto it = decoded.find(field); it != decoded.end()) {
       meta = TensorMeta{it->second.tensor.dtype, it->second.tensor.shape, it->second.spec};
     } else {
-      meta = ResolveMeta(t, field, &guard.pins);
+      meta = ResolveMeta(t, field, call.tenant, &guard.pins);
     }
     if (meta.ok()) metas[field] = *meta;
     return meta;
@@ -711,16 +723,19 @@ absl::StatusOr<v1::GroupedGemmResponse> Coordinator::GroupedGemmPerShard(
   std::string shard_name;
   absl::optional<ClaimGuard> claim;
   if (!request.keep_output_as().empty()) {
-    auto claimed = registry_.Claim(request.keep_output_as(), request.overwrite_output());
+    if (auto s = CheckTenantRoom(call.tenant, request.keep_output_as()); !s.ok()) {
+      return absl::Status(s.code(), absl::StrCat("keep_output_as: ", s.message()));
+    }
+    auto claimed = registry_.Claim(call.tenant, request.keep_output_as(), request.overwrite_output());
     if (!claimed.ok()) {
       return absl::Status(claimed.status().code(), absl::StrCat("keep_output_as: ", claimed.status().message(),
                                                                 " (set overwrite_output to replace it)"));
     }
     shard_name = *claimed;
-    claim.emplace(&registry_, request.keep_output_as());
+    claim.emplace(&registry_, call.tenant, request.keep_output_as());
     for (v1::Step& s : steps) s.mutable_gemm()->set_keep_output_as(shard_name);
   }
-  auto results = Dispatch(std::move(steps), StepDeadline(deadline), request_id);
+  auto results = Dispatch(std::move(steps), StepDeadline(deadline), call);
   if (!results.ok()) {
     if (!shard_name.empty()) DeleteShardsBestEffort(shard_name);
     return results.status();
@@ -731,6 +746,7 @@ absl::StatusOr<v1::GroupedGemmResponse> Coordinator::GroupedGemmPerShard(
   response.set_plan_summary(planner::PlanSummary(*plan));
   if (!shard_name.empty()) {
     Resident resident;
+    resident.tenant = call.tenant;
     resident.info.set_name(request.keep_output_as());
     resident.info.set_dtype(DTypeToProto(plan->out_dtype));
     resident.info.mutable_shape()->Assign(plan->out_shape.begin(), plan->out_shape.end());

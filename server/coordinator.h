@@ -31,6 +31,17 @@ struct CoordinatorOptions {
   // How long past a step's deadline Dispatch waits for a channel that has
   // not reported back (gRPC channels report by the deadline themselves).
   absl::Duration dispatch_grace = absl::Seconds(5);
+  // Resident tensors one tenant may hold (0: no limit).
+  int64_t max_tensors_per_tenant = 0;
+};
+
+// Who asks: the caller's tenant (its token's; "" with --insecure), whose
+// namespace of resident tensors the request sees, and the request's id (the
+// client's x-request-id, or one the service made), which goes with every
+// step the request sends, for the workers' logs.
+struct CallContext {
+  std::string tenant;
+  std::string request_id;
 };
 
 class Coordinator {
@@ -52,21 +63,19 @@ class Coordinator {
   };
   Stats GetStats() const;
 
-  absl::StatusOr<v1::Plan> Plan(const v1::PlanRequest& request) const;
-  // `request_id` (the client's x-request-id, or one the service made) goes
-  // with every step the request sends, for the workers' logs.
+  absl::StatusOr<v1::Plan> Plan(const v1::PlanRequest& request, const CallContext& call = {}) const;
   absl::StatusOr<v1::GroupedGemmResponse> GroupedGemm(const v1::GroupedGemmRequest& request,
                                                       absl::Time deadline = absl::InfiniteFuture(),
-                                                      const std::string& request_id = "");
+                                                      const CallContext& call = {});
   absl::StatusOr<v1::GroupedQuantizeResponse> GroupedQuantize(
       const v1::GroupedQuantizeRequest& request, absl::Time deadline = absl::InfiniteFuture(),
-      const std::string& request_id = "");
+      const CallContext& call = {});
 
   // Resident tensors: the workers keep only their shards.
   absl::StatusOr<v1::PutTensorResponse> PutTensor(const std::string& name, HostTensor tensor,
                                                   const std::string& spec, bool overwrite,
                                                   absl::Time deadline = absl::InfiniteFuture(),
-                                                  const std::string& request_id = "");
+                                                  const CallContext& call = {});
   struct Fetched {
     v1::ResidentTensorInfo info;
     HostTensor tensor;
@@ -75,10 +84,14 @@ class Coordinator {
   // mesh even fully sharded (the workers' budgets together), or unless the
   // mesh is complete (UNAVAILABLE): checked before a put's data is received.
   absl::Status CheckTensorFits(const std::string& name, int64_t bytes) const;
-  absl::StatusOr<Fetched> GetTensor(const std::string& name, absl::Time deadline = absl::InfiniteFuture());
+  // RESOURCE_EXHAUSTED when `tenant` holds max_tensors_per_tenant tensors and
+  // `name` is not one of them.
+  absl::Status CheckTenantRoom(const std::string& tenant, const std::string& name) const;
+  absl::StatusOr<Fetched> GetTensor(const std::string& name, absl::Time deadline = absl::InfiniteFuture(),
+                                    const CallContext& call = {});
   absl::Status DeleteTensor(const std::string& name, absl::Time deadline = absl::InfiniteFuture(),
-                            const std::string& request_id = "");
-  v1::ListTensorsResponse ListTensors() const;
+                            const CallContext& call = {});
+  v1::ListTensorsResponse ListTensors(const CallContext& call = {}) const;
 
   const planner::Mesh& mesh() const { return mesh_; }
 
@@ -95,18 +108,18 @@ class Coordinator {
   // request's; with `out_tensor`, the output (when not kept resident) is
   // moved there instead of encoded into the response's `out`.
   absl::StatusOr<v1::GroupedGemmResponse> GroupedGemmPerShard(
-      const v1::GroupedGemmRequest& request, absl::Time deadline, const std::string& request_id,
+      const v1::GroupedGemmRequest& request, absl::Time deadline, const CallContext& call,
       absl::flat_hash_map<std::string, DecodedOperand> decoded = {}, HostTensor* out_tensor = nullptr);
   absl::StatusOr<v1::GroupedGemmResponse> GroupedGemmGlobalSorted(const v1::GroupedGemmRequest& request,
                                                                   absl::Time deadline,
-                                                                  const std::string& request_id);
+                                                                  const CallContext& call);
   // UNAVAILABLE until every worker of the mesh has registered.
   absl::Status CheckReady() const;
   // The deadline of a request's steps: the client's, or the server's default.
   absl::Time StepDeadline(absl::Time client_deadline) const;
   // Dispatcher::Dispatch.
   absl::StatusOr<std::vector<v1::StepResult>> Dispatch(std::vector<v1::Step> steps, absl::Time deadline,
-                                                       const std::string& request_id);
+                                                       const CallContext& call);
   static struct TensorMeta MetaOf(const Resident& resident);
   // Resident shards that a running request has resolved are pinned: a
   // replacement or delete retires them, and they leave the workers when the
@@ -115,21 +128,21 @@ class Coordinator {
   // Deletes the shards now (the delete step's status), or when their last
   // pin goes (OK now).
   absl::Status Retire(const std::string& shard_name, absl::Time deadline = absl::InfiniteFuture(),
-                      const std::string& request_id = "");
+                      const CallContext& call = {});
   struct PinGuard {
     Coordinator* coordinator;
     std::vector<std::string> pins;
     ~PinGuard() { coordinator->Unpin(pins); }
   };
   // Shape, dtype and spec of a request tensor, resident (pinned) or inline (validated).
-  absl::StatusOr<struct TensorMeta> ResolveMeta(const v1::Tensor& t, const std::string& field,
+  absl::StatusOr<struct TensorMeta> ResolveMeta(const v1::Tensor& t, const std::string& field, const std::string& tenant,
                                                 std::vector<std::string>* pins);
   // Reads back a sharded tensor (or a request output) from the workers.
   absl::StatusOr<HostTensor> Assemble(DType dtype, const std::vector<int64_t>& shape,
                                       const planner::PartitionSpec& spec,
                                       const std::function<absl::StatusOr<HostTensor>(int)>& shard);
   absl::Status DeleteShards(const std::string& shard_name, absl::Time deadline = absl::InfiniteFuture(),
-                            const std::string& request_id = "");
+                            const CallContext& call = {});
   void DeleteShardsBestEffort(const std::string& shard_name);
   // Retire, without waiting for the workers.
   void RetireBestEffort(const std::string& shard_name);

@@ -39,6 +39,9 @@ ABSL_FLAG(std::string, tokens_file, "",
 ABSL_FLAG(std::string, health_listen, "",
           "HOST:PORT for a plaintext gRPC health service only (for probes without TLS); empty: none");
 ABSL_FLAG(bool, reflection, true, "serve gRPC server reflection on the client port");
+ABSL_FLAG(int64_t, max_tensors_per_tenant, 10000, "resident tensors one tenant may hold (0: no limit)");
+ABSL_FLAG(int, max_requests_per_tenant, 64,
+          "GEMM, quantize, put and get requests one tenant may have running at once (0: no limit)");
 ABSL_FLAG(std::string, metrics_listen, "",
           "HOST:PORT to serve Prometheus metrics on (GET /metrics); empty: no metrics");
 ABSL_FLAG(std::string, log_format, "text", "text | json | logfmt: one line per request and event");
@@ -88,6 +91,7 @@ int Run() {
   }
   CoordinatorOptions options;
   options.step_timeout = absl::Seconds(absl::GetFlag(FLAGS_step_timeout_s));
+  options.max_tensors_per_tenant = absl::GetFlag(FLAGS_max_tensors_per_tenant);
   std::shared_ptr<grpc::ChannelCredentials> worker_credentials = transport->ChannelCredentials();
   Coordinator coordinator(
       *mesh, [worker_credentials](const std::string& address) { return MakeGrpcWorkerChannel(address, worker_credentials); },
@@ -105,7 +109,7 @@ int Run() {
     }
     exporter = std::move(*started);
   }
-  ShardGemmService service(&coordinator, &observer, tokens.get());
+  ShardGemmService service(&coordinator, &observer, tokens.get(), absl::GetFlag(FLAGS_max_requests_per_tenant));
   RendezvousStore rendezvous;
   CoordinationService coordination(&coordinator, &rendezvous, &*transport);
 

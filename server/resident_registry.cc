@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "absl/strings/escaping.h"
+#include "absl/random/random.h"
 #include "absl/strings/str_cat.h"
 
 namespace shardgemm {
@@ -28,18 +29,27 @@ absl::Status NotFound(const std::string& name) {
   return absl::NotFoundError(absl::StrCat("no resident tensor named '", name, "'"));
 }
 
+// Names carry no control characters, so the separator keeps tenants apart.
+std::string Key(const std::string& tenant, const std::string& name) { return absl::StrCat(tenant, "\x1f", name); }
+
+std::string RandomGeneration() {
+  thread_local absl::BitGen gen;
+  return absl::StrCat(absl::Hex(absl::Uniform<uint64_t>(gen), absl::kZeroPad16));
+}
+
 }  // namespace
 
-absl::StatusOr<Resident> ResidentRegistry::Find(const std::string& name) const {
+absl::StatusOr<Resident> ResidentRegistry::Find(const std::string& tenant, const std::string& name) const {
   absl::MutexLock lock(&mu_);
-  auto it = tensors_.find(name);
+  auto it = tensors_.find(Key(tenant, name));
   if (it == tensors_.end()) return NotFound(name);
   return it->second;
 }
 
-absl::StatusOr<Resident> ResidentRegistry::FindAndPin(const std::string& name, std::vector<std::string>* pins) {
+absl::StatusOr<Resident> ResidentRegistry::FindAndPin(const std::string& tenant, const std::string& name,
+                                                      std::vector<std::string>* pins) {
   absl::MutexLock lock(&mu_);
-  auto it = tensors_.find(name);
+  auto it = tensors_.find(Key(tenant, name));
   if (it == tensors_.end()) return NotFound(name);
   ++pins_[it->second.shard_name];
   pins->push_back(it->second.shard_name);
@@ -57,40 +67,43 @@ std::vector<std::string> ResidentRegistry::Unpin(const std::vector<std::string>&
   return to_delete;
 }
 
-absl::StatusOr<std::string> ResidentRegistry::Claim(const std::string& name, bool overwrite) {
+absl::StatusOr<std::string> ResidentRegistry::Claim(const std::string& tenant, const std::string& name,
+                                                    bool overwrite) {
+  const std::string key = Key(tenant, name);
   absl::MutexLock lock(&mu_);
-  if (!overwrite && tensors_.contains(name)) {
+  if (!overwrite && tensors_.contains(key)) {
     return absl::AlreadyExistsError(absl::StrCat("resident tensor '", name, "' exists"));
   }
-  if (!overwrite && claims_.contains(name)) {
+  if (!overwrite && claims_.contains(key)) {
     return absl::AlreadyExistsError(absl::StrCat("resident tensor '", name, "' is being made by another request"));
   }
-  ++claims_[name];
-  return absl::StrCat(name, "@", next_generation_++);
+  ++claims_[key];
+  return absl::StrCat(name, "@", RandomGeneration());
 }
 
-void ResidentRegistry::Release(const std::string& name) {
+void ResidentRegistry::Release(const std::string& tenant, const std::string& name) {
   absl::MutexLock lock(&mu_);
-  auto it = claims_.find(name);
+  auto it = claims_.find(Key(tenant, name));
   if (it != claims_.end() && --it->second <= 0) claims_.erase(it);
 }
 
 std::string ResidentRegistry::Register(Resident resident) {
+  const std::string tenant = resident.tenant;
   const std::string name = resident.info.name();
   std::string replaced;
   {
     absl::MutexLock lock(&mu_);
-    auto it = tensors_.find(name);
+    auto it = tensors_.find(Key(tenant, name));
     if (it != tensors_.end()) replaced = it->second.shard_name;
-    tensors_[name] = std::move(resident);
+    tensors_[Key(tenant, name)] = std::move(resident);
   }
-  Release(name);
+  Release(tenant, name);
   return replaced;
 }
 
-absl::StatusOr<std::string> ResidentRegistry::Remove(const std::string& name) {
+absl::StatusOr<std::string> ResidentRegistry::Remove(const std::string& tenant, const std::string& name) {
   absl::MutexLock lock(&mu_);
-  auto it = tensors_.find(name);
+  auto it = tensors_.find(Key(tenant, name));
   if (it == tensors_.end()) return NotFound(name);
   std::string shard = it->second.shard_name;
   tensors_.erase(it);
@@ -106,14 +119,34 @@ bool ResidentRegistry::Retire(const std::string& shard_name) {
   return true;
 }
 
-std::vector<v1::ResidentTensorInfo> ResidentRegistry::List() const {
+std::vector<v1::ResidentTensorInfo> ResidentRegistry::List(const std::string& tenant) const {
   std::vector<v1::ResidentTensorInfo> out;
   {
     absl::MutexLock lock(&mu_);
-    for (const auto& [name, resident] : tensors_) out.push_back(resident.info);
+    for (const auto& [key, resident] : tensors_) {
+      if (resident.tenant == tenant) out.push_back(resident.info);
+    }
   }
   std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.name() < b.name(); });
   return out;
+}
+
+std::vector<v1::ResidentTensorInfo> ResidentRegistry::ListAll() const {
+  std::vector<v1::ResidentTensorInfo> out;
+  absl::MutexLock lock(&mu_);
+  for (const auto& [key, resident] : tensors_) out.push_back(resident.info);
+  return out;
+}
+
+int64_t ResidentRegistry::Count(const std::string& tenant) const {
+  const std::string prefix = Key(tenant, "");
+  absl::MutexLock lock(&mu_);
+  int64_t n = 0;
+  for (const auto& [key, resident] : tensors_) n += resident.tenant == tenant;
+  for (const auto& [key, claims] : claims_) {
+    if (key.compare(0, prefix.size(), prefix) == 0 && !tensors_.contains(key)) ++n;
+  }
+  return n;
 }
 
 }  // namespace shardgemm

@@ -26,16 +26,20 @@ constexpr size_t kMaxResidentNameBytes = 256;
 absl::Status ValidateResidentName(absl::string_view field, absl::string_view name);
 
 struct Resident {
+  std::string tenant;  // whose it is: only that tenant finds, lists, replaces or deletes it
   v1::ResidentTensorInfo info;
   planner::PartitionSpec spec;
-  std::string shard_name;  // name@generation on the workers
+  std::string shard_name;  // name@generation on the workers (the generation is random: not guessable)
 };
 
+// Names are per tenant: each tenant (a token's; "" with --insecure) has its
+// own namespace, and another tenant's tensor is NOT_FOUND, as if absent.
 class ResidentRegistry {
  public:
-  absl::StatusOr<Resident> Find(const std::string& name) const;
+  absl::StatusOr<Resident> Find(const std::string& tenant, const std::string& name) const;
   // Find, and pin the generation found: it stays on the workers until Unpin.
-  absl::StatusOr<Resident> FindAndPin(const std::string& name, std::vector<std::string>* pins);
+  absl::StatusOr<Resident> FindAndPin(const std::string& tenant, const std::string& name,
+                                      std::vector<std::string>* pins);
   // The shards whose last pin this was and that were retired meanwhile:
   // the caller deletes them from the workers.
   std::vector<std::string> Unpin(const std::vector<std::string>& pins);
@@ -44,24 +48,28 @@ class ResidentRegistry {
   // workers' name of its new generation. ALREADY_EXISTS when it is resident
   // or claimed by a running request, unless `overwrite`. Release the claim
   // with Register or Release.
-  absl::StatusOr<std::string> Claim(const std::string& name, bool overwrite);
-  void Release(const std::string& name);
-  // Registers `resident` under its name, releasing the claim. Returns the
-  // generation it replaced, if any: the caller retires it.
+  absl::StatusOr<std::string> Claim(const std::string& tenant, const std::string& name, bool overwrite);
+  void Release(const std::string& tenant, const std::string& name);
+  // Registers `resident` under its tenant and name, releasing the claim.
+  // Returns the generation it replaced, if any: the caller retires it.
   std::string Register(Resident resident);
 
   // Removes `name`; returns its generation (NOT_FOUND if absent).
-  absl::StatusOr<std::string> Remove(const std::string& name);
+  absl::StatusOr<std::string> Remove(const std::string& tenant, const std::string& name);
   // Whether `shard_name` can leave the workers now (no pins); otherwise it
   // is marked, and Unpin hands it back with the last pin.
   bool Retire(const std::string& shard_name);
 
-  std::vector<v1::ResidentTensorInfo> List() const;  // by name
+  std::vector<v1::ResidentTensorInfo> List(const std::string& tenant) const;  // by name
+  // Every tenant's (the metrics).
+  std::vector<v1::ResidentTensorInfo> ListAll() const;
+  // How many tensors `tenant` holds (resident or being made).
+  int64_t Count(const std::string& tenant) const;
 
  private:
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, Resident> tensors_ ABSL_GUARDED_BY(mu_);
-  uint64_t next_generation_ ABSL_GUARDED_BY(mu_) = 1;
+
   absl::flat_hash_map<std::string, int> pins_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_set<std::string> retired_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, int> claims_ ABSL_GUARDED_BY(mu_);

@@ -1,5 +1,6 @@
 #include "server/resident_registry.h"
 
+#include <set>
 #include <string>
 #include <vector>
 
@@ -8,8 +9,9 @@
 namespace shardgemm {
 namespace {
 
-Resident Named(const std::string& name, const std::string& shard) {
+Resident Named(const std::string& name, const std::string& shard, const std::string& tenant = "") {
   Resident r;
+  r.tenant = tenant;
   r.info.set_name(name);
   r.shard_name = shard;
   return r;
@@ -17,45 +19,45 @@ Resident Named(const std::string& name, const std::string& shard) {
 
 TEST(ResidentRegistryTest, ClaimGivesANewGenerationAndRefusesAResidentName) {
   ResidentRegistry registry;
-  auto first = registry.Claim("w", /*overwrite=*/false);
+  auto first = registry.Claim("", "w", /*overwrite=*/false);
   ASSERT_TRUE(first.ok());
-  EXPECT_EQ(*first, "w@1");
+  EXPECT_EQ(first->rfind("w@", 0), 0u) << *first;
   // A second request may not make the same name while the first runs.
-  EXPECT_EQ(registry.Claim("w", false).status().code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_EQ(registry.Claim("", "w", false).status().code(), absl::StatusCode::kAlreadyExists);
   EXPECT_EQ(registry.Register(Named("w", *first)), "");
-  auto again = registry.Claim("w", false);
+  auto again = registry.Claim("", "w", false);
   EXPECT_EQ(again.status().code(), absl::StatusCode::kAlreadyExists);
   EXPECT_NE(again.status().message().find("exists"), std::string::npos);
   // With overwrite: a new generation, and the old one comes back to retire.
-  auto second = registry.Claim("w", true);
+  auto second = registry.Claim("", "w", true);
   ASSERT_TRUE(second.ok());
-  EXPECT_EQ(*second, "w@2");
-  EXPECT_EQ(registry.Register(Named("w", *second)), "w@1");
-  EXPECT_EQ(registry.Find("w")->shard_name, "w@2");
+  EXPECT_NE(*second, *first);
+  EXPECT_EQ(registry.Register(Named("w", *second)), *first);
+  EXPECT_EQ(registry.Find("", "w")->shard_name, *second);
 }
 
 TEST(ResidentRegistryTest, ReleasedClaimFreesTheName) {
   ResidentRegistry registry;
-  ASSERT_TRUE(registry.Claim("y", false).ok());
-  registry.Release("y");  // the request failed
-  EXPECT_TRUE(registry.Claim("y", false).ok());
-  EXPECT_EQ(registry.Find("y").status().code(), absl::StatusCode::kNotFound);
+  ASSERT_TRUE(registry.Claim("", "y", false).ok());
+  registry.Release("", "y");  // the request failed
+  EXPECT_TRUE(registry.Claim("", "y", false).ok());
+  EXPECT_EQ(registry.Find("", "y").status().code(), absl::StatusCode::kNotFound);
 }
 
 TEST(ResidentRegistryTest, PinnedGenerationLeavesOnlyAfterItsLastRequest) {
   ResidentRegistry registry;
   registry.Register(Named("w", "w@1"));
   std::vector<std::string> a, b;
-  ASSERT_TRUE(registry.FindAndPin("w", &a).ok());
-  ASSERT_TRUE(registry.FindAndPin("w", &b).ok());
-  ASSERT_TRUE(registry.Remove("w").ok());
+  ASSERT_TRUE(registry.FindAndPin("", "w", &a).ok());
+  ASSERT_TRUE(registry.FindAndPin("", "w", &b).ok());
+  ASSERT_TRUE(registry.Remove("", "w").ok());
   EXPECT_FALSE(registry.Retire("w@1"));  // two requests still read it
   EXPECT_TRUE(registry.Unpin(a).empty());
   EXPECT_EQ(registry.Unpin(b), std::vector<std::string>({"w@1"}));
   // Unpinned and not retired: nothing to delete.
   registry.Register(Named("x", "x@9"));
   std::vector<std::string> c;
-  ASSERT_TRUE(registry.FindAndPin("x", &c).ok());
+  ASSERT_TRUE(registry.FindAndPin("", "x", &c).ok());
   EXPECT_TRUE(registry.Unpin(c).empty());
   EXPECT_TRUE(registry.Retire("x@9"));
 }
@@ -63,18 +65,52 @@ TEST(ResidentRegistryTest, PinnedGenerationLeavesOnlyAfterItsLastRequest) {
 TEST(ResidentRegistryTest, MissingNamesAreNotFound) {
   ResidentRegistry registry;
   std::vector<std::string> pins;
-  EXPECT_EQ(registry.Find("z").status().code(), absl::StatusCode::kNotFound);
-  EXPECT_EQ(registry.FindAndPin("z", &pins).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(registry.Find("", "z").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(registry.FindAndPin("", "z", &pins).status().code(), absl::StatusCode::kNotFound);
   EXPECT_TRUE(pins.empty());
-  EXPECT_EQ(registry.Remove("z").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(registry.Remove("", "z").status().code(), absl::StatusCode::kNotFound);
 }
 
 TEST(ResidentRegistryTest, ListIsSortedByName) {
   ResidentRegistry registry;
   for (const char* n : {"b", "a", "c"}) registry.Register(Named(n, std::string(n) + "@1"));
   std::vector<std::string> names;
-  for (const auto& info : registry.List()) names.push_back(info.name());
+  for (const auto& info : registry.List("")) names.push_back(info.name());
   EXPECT_EQ(names, std::vector<std::string>({"a", "b", "c"}));
+}
+
+TEST(ResidentRegistryTest, GenerationsAreNotGuessable) {
+  ResidentRegistry registry;
+  std::set<std::string> seen;
+  for (int i = 0; i < 100; ++i) {
+    auto claimed = registry.Claim("", "w", /*overwrite=*/true);
+    ASSERT_TRUE(claimed.ok());
+    EXPECT_TRUE(seen.insert(*claimed).second) << "a generation came twice: " << *claimed;
+    EXPECT_EQ(claimed->size(), std::string("w@").size() + 16) << *claimed;
+  }
+}
+
+TEST(ResidentRegistryTest, EachTenantHasItsOwnNamespace) {
+  ResidentRegistry registry;
+  ASSERT_TRUE(registry.Claim("alice", "w", false).ok());
+  registry.Register(Named("w", "w@a", "alice"));
+  // Bob sees no "w": he cannot find, pin, list or remove Alice's, and may make his own.
+  std::vector<std::string> pins;
+  EXPECT_EQ(registry.Find("bob", "w").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(registry.FindAndPin("bob", "w", &pins).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(pins.empty());
+  EXPECT_TRUE(registry.List("bob").empty());
+  EXPECT_EQ(registry.Remove("bob", "w").status().code(), absl::StatusCode::kNotFound);
+  ASSERT_TRUE(registry.Claim("bob", "w", /*overwrite=*/false).ok()) << "Alice's name is not Bob's";
+  EXPECT_EQ(registry.Register(Named("w", "w@b", "bob")), "") << "Bob's put replaced nothing of Alice's";
+  EXPECT_EQ(registry.Find("alice", "w")->shard_name, "w@a");
+  EXPECT_EQ(registry.Find("bob", "w")->shard_name, "w@b");
+  EXPECT_EQ(registry.List("alice").size(), 1u);
+  EXPECT_EQ(registry.ListAll().size(), 2u);
+  EXPECT_EQ(registry.Count("alice"), 1);
+  ASSERT_TRUE(registry.Claim("alice", "pending", false).ok());
+  EXPECT_EQ(registry.Count("alice"), 2) << "a tensor being made counts";
+  EXPECT_EQ(registry.Count("carol"), 0);
 }
 
 TEST(ResidentRegistryTest, NamesAreValidated) {

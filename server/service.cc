@@ -10,11 +10,41 @@
 
 namespace shardgemm {
 
+namespace {
+CallContext CallOf(const RequestRecord& record) { return CallContext{record.tenant, record.request_id}; }
+}  // namespace
+
 RequestRecord ShardGemmService::Begin(RequestOp op, grpc::ServerContextBase* context) {
   if (observer_ != nullptr) return observer_->Begin(op, context);
   RequestRecord record;
   record.op = op;
   return record;
+}
+
+class ShardGemmService::Slot {
+ public:
+  Slot(ShardGemmService* service, std::string tenant) : service_(service), tenant_(std::move(tenant)) {}
+  ~Slot() {
+    absl::MutexLock lock(&service_->slots_mu_);
+    if (--service_->running_[tenant_] <= 0) service_->running_.erase(tenant_);
+  }
+
+ private:
+  ShardGemmService* service_;
+  std::string tenant_;
+};
+
+absl::StatusOr<std::unique_ptr<ShardGemmService::Slot>> ShardGemmService::TakeSlot(const std::string& tenant) {
+  absl::MutexLock lock(&slots_mu_);
+  int& running = running_[tenant];
+  if (max_requests_per_tenant_ > 0 && running >= max_requests_per_tenant_) {
+    if (running == 0) running_.erase(tenant);
+    return absl::ResourceExhaustedError(absl::StrCat(
+        tenant.empty() ? "this tenant" : absl::StrCat("tenant '", tenant, "'"), " has ", max_requests_per_tenant_,
+        " requests running, its limit (--max_requests_per_tenant); retry when one is done"));
+  }
+  ++running;
+  return std::make_unique<Slot>(this, tenant);
 }
 
 grpc::Status ShardGemmService::Authenticate(const grpc::ServerContextBase& context, RequestRecord* record) {
@@ -48,7 +78,7 @@ grpc::ServerUnaryReactor* ShardGemmService::Plan(grpc::CallbackServerContext* co
     return reactor;
   }
   record.bytes_in = static_cast<int64_t>(request->ByteSizeLong());
-  auto plan = coordinator_->Plan(*request);
+  auto plan = coordinator_->Plan(*request, CallOf(record));
   if (!plan.ok()) {
     reactor->Finish(Finish(record, ToGrpcStatus(plan.status())));
   } else {
@@ -64,9 +94,11 @@ grpc::Status ShardGemmService::GroupedGemm(grpc::ServerContext* context,
                                            v1::GroupedGemmResponse* response) {
   RequestRecord record = Begin(RequestOp::kGroupedGemm, context);
   if (grpc::Status a = Authenticate(*context, &record); !a.ok()) return Finish(record, std::move(a));
+  auto slot = TakeSlot(record.tenant);
+  if (!slot.ok()) return Finish(record, ToGrpcStatus(slot.status()));
   record.bytes_in = static_cast<int64_t>(request->ByteSizeLong());
   record.tensor = request->keep_output_as();
-  auto r = coordinator_->GroupedGemm(*request, DeadlineOf(context), record.request_id);
+  auto r = coordinator_->GroupedGemm(*request, DeadlineOf(context), CallOf(record));
   if (!r.ok()) return Finish(record, ToGrpcStatus(r.status()));
   *response = std::move(*r);
   record.plan_summary = response->plan_summary();
@@ -83,8 +115,10 @@ grpc::Status ShardGemmService::GroupedQuantize(grpc::ServerContext* context,
                                                v1::GroupedQuantizeResponse* response) {
   RequestRecord record = Begin(RequestOp::kGroupedQuantize, context);
   if (grpc::Status a = Authenticate(*context, &record); !a.ok()) return Finish(record, std::move(a));
+  auto slot = TakeSlot(record.tenant);
+  if (!slot.ok()) return Finish(record, ToGrpcStatus(slot.status()));
   record.bytes_in = static_cast<int64_t>(request->ByteSizeLong());
-  auto r = coordinator_->GroupedQuantize(*request, DeadlineOf(context), record.request_id);
+  auto r = coordinator_->GroupedQuantize(*request, DeadlineOf(context), CallOf(record));
   if (!r.ok()) return Finish(record, ToGrpcStatus(r.status()));
   *response = std::move(*r);
   record.plan_summary = response->plan_summary();
@@ -99,6 +133,8 @@ grpc::Status ShardGemmService::PutTensor(grpc::ServerContext* context,
                                          v1::PutTensorResponse* response) {
   RequestRecord record = Begin(RequestOp::kPutTensor, context);
   if (grpc::Status a = Authenticate(*context, &record); !a.ok()) return Finish(record, std::move(a));
+  auto slot = TakeSlot(record.tenant);
+  if (!slot.ok()) return Finish(record, ToGrpcStatus(slot.status()));
   record.path = BytePath::kStream;
   grpc::Status status = ReceiveTensor(context, reader, response, &record);
   return Finish(record, std::move(status));
@@ -149,7 +185,7 @@ grpc::Status ShardGemmService::ReceiveTensor(grpc::ServerContext* context,
                      tensor.bytes.size(), " or more"));
   }
   auto r = coordinator_->PutTensor(first.name(), std::move(tensor), first.spec(), first.overwrite(),
-                                   DeadlineOf(context), record->request_id);
+                                   DeadlineOf(context), CallOf(*record));
   if (!r.ok()) return ToGrpcStatus(r.status());
   *response = *r;
   return grpc::Status::OK;
@@ -159,9 +195,11 @@ grpc::Status ShardGemmService::GetTensor(grpc::ServerContext* context, const v1:
                                          grpc::ServerWriter<v1::TensorChunk>* writer) {
   RequestRecord record = Begin(RequestOp::kGetTensor, context);
   if (grpc::Status a = Authenticate(*context, &record); !a.ok()) return Finish(record, std::move(a));
+  auto slot = TakeSlot(record.tenant);
+  if (!slot.ok()) return Finish(record, ToGrpcStatus(slot.status()));
   record.path = BytePath::kStream;
   record.tensor = request->name();
-  auto fetched = coordinator_->GetTensor(request->name(), DeadlineOf(context));
+  auto fetched = coordinator_->GetTensor(request->name(), DeadlineOf(context), CallOf(record));
   if (!fetched.ok()) return Finish(record, ToGrpcStatus(fetched.status()));
   const std::string& bytes = fetched->tensor.bytes;
   size_t offset = 0;
@@ -191,14 +229,14 @@ grpc::Status ShardGemmService::DeleteTensor(grpc::ServerContext* context,
   if (grpc::Status a = Authenticate(*context, &record); !a.ok()) return Finish(record, std::move(a));
   record.tensor = request->name();
   return Finish(record,
-                ToGrpcStatus(coordinator_->DeleteTensor(request->name(), DeadlineOf(context), record.request_id)));
+                ToGrpcStatus(coordinator_->DeleteTensor(request->name(), DeadlineOf(context), CallOf(record))));
 }
 
 grpc::Status ShardGemmService::ListTensors(grpc::ServerContext* context, const v1::ListTensorsRequest*,
                                            v1::ListTensorsResponse* response) {
   RequestRecord record = Begin(RequestOp::kListTensors, context);
   if (grpc::Status a = Authenticate(*context, &record); !a.ok()) return Finish(record, std::move(a));
-  *response = coordinator_->ListTensors();
+  *response = coordinator_->ListTensors(CallOf(record));
   return Finish(record, grpc::Status::OK);
 }
 

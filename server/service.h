@@ -3,6 +3,8 @@
 #ifndef SHARDGEMM_SERVER_SERVICE_H_
 #define SHARDGEMM_SERVER_SERVICE_H_
 
+#include "absl/container/flat_hash_map.h"
+#include "absl/synchronization/mutex.h"
 #include "proto/shardgemm.grpc.pb.h"
 #include "server/coordinator.h"
 #include "server/rendezvous_store.h"
@@ -18,9 +20,14 @@ class ShardGemmService final : public v1::ShardGemm::WithCallbackMethod_Plan<v1:
  public:
   // `observer` (may be null) sees every request. `tokens` (null: every
   // caller is let in, as with --insecure) authenticates clients.
+  // `max_requests_per_tenant` (0: no limit) bounds one tenant's GEMM,
+  // quantize, put and get requests running at once.
   explicit ShardGemmService(Coordinator* coordinator, RequestObserver* observer = nullptr,
-                            security::TokenFile* tokens = nullptr)
-      : coordinator_(coordinator), observer_(observer), tokens_(tokens) {}
+                            security::TokenFile* tokens = nullptr, int max_requests_per_tenant = 0)
+      : coordinator_(coordinator),
+        observer_(observer),
+        tokens_(tokens),
+        max_requests_per_tenant_(max_requests_per_tenant) {}
 
   grpc::Status GetClusterInfo(grpc::ServerContext*, const v1::ClusterInfoRequest*,
                               v1::ClusterInfo*) override;
@@ -48,9 +55,17 @@ class ShardGemmService final : public v1::ShardGemm::WithCallbackMethod_Plan<v1:
   // The caller's tenant (UNAUTHENTICATED without a valid token), into `record`.
   grpc::Status Authenticate(const grpc::ServerContextBase& context, RequestRecord* record);
 
+  // Takes one of the tenant's request slots (RESOURCE_EXHAUSTED when none
+  // is free); the slot is given back when the returned guard goes.
+  class Slot;
+  absl::StatusOr<std::unique_ptr<Slot>> TakeSlot(const std::string& tenant);
+
   Coordinator* coordinator_;
   RequestObserver* observer_;
   security::TokenFile* tokens_;
+  const int max_requests_per_tenant_;
+  absl::Mutex slots_mu_;
+  absl::flat_hash_map<std::string, int> running_ ABSL_GUARDED_BY(slots_mu_);
 };
 
 class CoordinationService final : public v1::Coordination::Service {

@@ -278,3 +278,64 @@ def test_the_health_port_answers_plaintext_probes(cluster_factory, tls_dir):
     # The TLS port does not speak plaintext.
     r = subprocess.run([probe, f"--addr={cl.address}", "--timeout_s=2"], capture_output=True, text=True, timeout=20)
     assert r.returncode != 0
+
+
+def add_token(tls_dir, tenant):
+    """A new bearer token for `tenant`, appended (hashed) to the coordinator's tokens file."""
+    import hashlib
+    import secrets
+    token = secrets.token_hex(32)
+    with open(os.path.join(tls_dir, "tokens"), "a") as f:
+        f.write(f"sha256:{hashlib.sha256(token.encode()).hexdigest()} {tenant}\n")
+    return token
+
+
+def tenants(cluster, tls_dir, *names):
+    tokens = [add_token(tls_dir, n) for n in names]
+    time.sleep(1.1)  # the coordinator reads the changed file within a second
+    return [Client(cluster.address, timeout=30, tls_dir=tls_dir, token=t) for t in tokens]
+
+
+def test_a_tenant_cannot_list_read_use_replace_or_delete_anothers_tensor(secure, tls_dir):
+    alice, bob = tenants(secure, tls_dir, "alice", "bob")
+    lhs, rhs, sizes = inputs(3)
+    alice.put("experts", rhs, spec="(ep, None, None)")
+    assert [t.name for t in bob.list()] == []
+    assert code_of(lambda: bob.get("experts")) == grpc.StatusCode.NOT_FOUND
+    assert code_of(lambda: bob.delete("experts")) == grpc.StatusCode.NOT_FOUND
+    assert code_of(lambda: bob.grouped_gemm(lhs, "experts", sizes, lhs_spec="(ep, None)",
+                                            group_sizes_spec="(ep,)")) == grpc.StatusCode.NOT_FOUND
+    # Bob keeping an output as "experts" (overwrite) makes his own.
+    bob.grouped_gemm(lhs, rhs, sizes, lhs_spec="(ep, None)", rhs_spec="(ep, None, None)", group_sizes_spec="(ep,)",
+                     keep_output_as="experts", overwrite_output=True)
+    np.testing.assert_array_equal(alice.get("experts"), rhs)
+    # Bob's own "experts", even with overwrite, is his: Alice's is untouched.
+    mine = np.ones_like(rhs)
+    bob.put("experts", mine, spec="(ep, None, None)", overwrite=True)
+    np.testing.assert_array_equal(alice.get("experts"), rhs)
+    np.testing.assert_array_equal(bob.get("experts"), mine)
+    out, _ = alice.grouped_gemm(lhs, "experts", sizes, lhs_spec="(ep, None)", group_sizes_spec="(ep,)")
+    np.testing.assert_allclose(out, reference(lhs, rhs, sizes), rtol=1e-4, atol=1e-4)
+    bob.delete("experts")
+    assert [t.name for t in alice.list()] == ["experts"]
+    np.testing.assert_array_equal(alice.get("experts"), rhs)
+    # The demo token's tenant sees neither.
+    assert [t.name for t in secure.client.list()] == []
+    for c in (alice, bob):
+        c.close()
+
+
+def test_a_tenant_holds_at_most_its_limit_of_tensors(cluster_factory, tls_dir):
+    cl = cluster_factory(mesh="dp=1", workers=1, tls_dir=tls_dir, coordinator_flags=["--max_tensors_per_tenant=2"])
+    alice, bob = tenants(cl, tls_dir, "alice", "bob")
+    w = np.zeros((2, 2), np.float32)
+    alice.put("a", w)
+    alice.put("b", w)
+    with pytest.raises(grpc.RpcError) as e:
+        alice.put("c", w)
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_tensors_per_tenant" in e.value.details()
+    alice.put("a", w + 1, overwrite=True)  # replacing one of its own is fine
+    bob.put("c", w)  # another tenant's room is its own
+    alice.delete("b")
+    alice.put("c", w)
+    assert sorted(t.name for t in alice.list()) == ["a", "c"]
