@@ -36,11 +36,13 @@ namespace {
 
 // A step numbered before this worker's place in the global order: the worker
 // (re)joined after the coordinator had numbered it, so the step's request
-// started without it. The server's business, not the client's: retryable.
-absl::Status StaleStep(uint64_t sequence, uint64_t next_sequence) {
-  return absl::UnavailableError(absl::StrCat(
-      "step ", sequence, " was numbered before this worker joined the mesh at step ", next_sequence,
-      " (it restarted while the request was in flight); retry the request"));
+// started without it, or the coordinator gave up on it. The server's
+// business, not the client's: retryable. The message names no sequence
+// numbers (clients see it; the worker's step log line has them).
+absl::Status StaleStep() {
+  return absl::UnavailableError(
+      "the step was numbered before this worker's place in the order (the worker rejoined the mesh while the "
+      "request was in flight, or the coordinator gave up on the step); retry the request");
 }
 
 }  // namespace
@@ -53,7 +55,7 @@ absl::Status Executor::WaitForTurn(uint64_t sequence, uint64_t oldest_live, absl
     ~Done() { waiting->fetch_sub(1, std::memory_order_relaxed); }
   } done{&steps_waiting_};
   absl::MutexLock lock(&mu_);
-  if (sequence < next_sequence_) return StaleStep(sequence, next_sequence_);
+  if (sequence < next_sequence_) return StaleStep();
   auto configured = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return configured_; };
   if (!mu_.AwaitWithDeadline(absl::Condition(&configured), deadline)) {
     return absl::DeadlineExceededError("this worker has not joined the mesh yet");
@@ -65,7 +67,7 @@ absl::Status Executor::WaitForTurn(uint64_t sequence, uint64_t oldest_live, absl
     return absl::InvalidArgumentError("the step is numbered too far ahead of this worker's place in the order");
   }
   while (true) {
-    if (sequence < next_sequence_) return StaleStep(sequence, next_sequence_);  // gone on past it
+    if (sequence < next_sequence_) return StaleStep();  // gone on past it
     // Steps the coordinator has answered or given up on without this
     // worker (their calls were cancelled before they arrived) will not
     // come: with no step running, go on to the oldest one still live.
@@ -77,8 +79,7 @@ absl::Status Executor::WaitForTurn(uint64_t sequence, uint64_t oldest_live, absl
       return next_sequence_ != seen_next || running_ != seen_running;
     };
     if (!mu_.AwaitWithDeadline(absl::Condition(&changed), deadline)) {
-      return absl::DeadlineExceededError(absl::StrCat("step ", sequence, " was still waiting for step ",
-                                                      next_sequence_, " at its deadline"));
+      return absl::DeadlineExceededError("the step was still waiting for an earlier one at its deadline");
     }
   }
   running_ = true;

@@ -4,6 +4,15 @@
 
 namespace shardgemm {
 
+namespace {
+// Names the tensor, not its generation: the random part of a shard's name
+// stays inside the mesh.
+absl::Status NoShard(const std::string& name) {
+  return absl::NotFoundError(
+      absl::StrCat("no resident shard of '", name.substr(0, name.rfind('@')), "' on this worker"));
+}
+}  // namespace
+
 absl::Status ShardStore::Put(const std::string& name, HostTensor shard) {
   return Put(name, Shard::OnHost(std::move(shard)));
 }
@@ -38,7 +47,7 @@ absl::StatusOr<std::shared_ptr<const Shard>> ShardStore::Get(const std::string& 
   absl::MutexLock lock(&mu_);
   auto it = shards_.find(name);
   if (it == shards_.end()) {
-    return absl::NotFoundError(absl::StrCat("no resident shard '", name, "' on this worker"));
+    return NoShard(name);
   }
   return it->second;
 }
@@ -47,7 +56,7 @@ absl::Status ShardStore::Delete(const std::string& name) {
   absl::MutexLock lock(&mu_);
   auto it = shards_.find(name);
   if (it == shards_.end()) {
-    return absl::NotFoundError(absl::StrCat("no resident shard '", name, "' on this worker"));
+    return NoShard(name);
   }
   resident_bytes_ -= it->second->HostBytes();
   device_resident_bytes_ -= it->second->DeviceBytes();
