@@ -55,3 +55,17 @@ def test_probe_fails_once_the_server_stopped(cluster):
 def test_probe_refuses_missing_addr():
     r, _ = probe()
     assert r.returncode == 1
+
+
+def test_probe_on_the_health_ports_of_a_tls_mesh(cluster_factory, mesh_certs):
+    """As in the images: the servers speak TLS on their main ports and serve a
+    plaintext health-only port (--health_listen), which the probe checks."""
+    coordinator_health, worker_health = free_port(), free_port()
+    c = cluster_factory(tls_dir=mesh_certs, coordinator_flags=[f"--health_listen=127.0.0.1:{coordinator_health}"],
+                        worker_flags=[f"--health_listen=127.0.0.1:{worker_health}"])
+    for port in (coordinator_health, worker_health):
+        r, _ = probe(f"--addr=127.0.0.1:{port}")
+        assert r.returncode == 0, r.stdout + r.stderr
+    r, elapsed = probe(f"--addr={c.address}", "--timeout_s=1")  # plaintext against the TLS port
+    assert r.returncode != 0, r.stdout
+    assert elapsed < 5
