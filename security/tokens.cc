@@ -15,6 +15,15 @@
 
 namespace shardgemm::security {
 
+const char* GrantName(Grant grant) {
+  switch (grant) {
+    case Grant::kCompute: return "compute";
+    case Grant::kRead: return "read";
+    case Grant::kWrite: return "write";
+  }
+  return "unknown";
+}
+
 bool ValidTenant(const std::string& tenant) {
   if (tenant.empty() || tenant.size() > 64) return false;
   for (char c : tenant) {
@@ -52,7 +61,7 @@ absl::StatusOr<std::unique_ptr<TokenFile>> TokenFile::Load(const std::string& pa
 absl::Status TokenFile::Reload() {
   std::ifstream in(path_);
   if (!in) return absl::InvalidArgumentError(absl::StrCat("tokens_file: cannot read ", path_));
-  std::map<std::string, std::string> tenants;
+  std::map<std::string, Principal> principals;
   std::string line;
   int number = 0;
   while (std::getline(in, line)) {
@@ -60,14 +69,28 @@ absl::Status TokenFile::Reload() {
     absl::string_view text = absl::StripAsciiWhitespace(line);
     if (text.empty() || text[0] == '#') continue;
     std::vector<std::string> words = absl::StrSplit(text, absl::ByAnyChar(" \t"), absl::SkipEmpty());
-    if (words.size() != 2 || !absl::StartsWith(words[0], "sha256:") || words[0].size() != 7 + 64 ||
-        !ValidTenant(words[1])) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "tokens_file: ", path_, " line ", number, " is not 'sha256:<64 hex digits> TENANT'"));
+    const auto bad = [&] {
+      return absl::InvalidArgumentError(absl::StrCat("tokens_file: ", path_, " line ", number,
+                                                     " is not 'sha256:<64 hex digits> TENANT [compute,read,write]'"));
+    };
+    if (words.size() < 2 || words.size() > 3 || !absl::StartsWith(words[0], "sha256:") ||
+        words[0].size() != 7 + 64 || !ValidTenant(words[1])) {
+      return bad();
     }
-    tenants[absl::AsciiStrToLower(words[0].substr(7))] = words[1];
+    Principal p;
+    p.tenant = words[1];
+    if (words.size() == 3) {
+      p.grants = 0;
+      for (absl::string_view g : absl::StrSplit(words[2], ',')) {
+        if (g == "compute") p.grants |= static_cast<uint8_t>(Grant::kCompute);
+        else if (g == "read") p.grants |= static_cast<uint8_t>(Grant::kRead);
+        else if (g == "write") p.grants |= static_cast<uint8_t>(Grant::kWrite);
+        else return bad();
+      }
+    }
+    principals[absl::AsciiStrToLower(words[0].substr(7))] = std::move(p);
   }
-  tenant_by_hash_ = std::move(tenants);
+  principal_by_hash_ = std::move(principals);
   mtime_ns_ = MtimeNs(path_);
   return absl::OkStatus();
 }
@@ -79,21 +102,21 @@ void TokenFile::MaybeReload() {
   if (MtimeNs(path_) != mtime_ns_) {
     // A file mid-rewrite (or gone) keeps the last good set, but not forever:
     // one that cannot be read revokes every token.
-    if (!Reload().ok()) tenant_by_hash_.clear();
+    if (!Reload().ok()) principal_by_hash_.clear();
   }
 }
 
-absl::StatusOr<std::string> TokenFile::TenantOf(const std::string& token) {
+absl::StatusOr<Principal> TokenFile::TenantOf(const std::string& token) {
   const std::string hash = Sha256Hex(token);
   absl::MutexLock lock(&mu_);
   MaybeReload();
-  for (const auto& [stored, tenant] : tenant_by_hash_) {
-    if (CRYPTO_memcmp(stored.data(), hash.data(), hash.size()) == 0) return tenant;
+  for (const auto& [stored, principal] : principal_by_hash_) {
+    if (CRYPTO_memcmp(stored.data(), hash.data(), hash.size()) == 0) return principal;
   }
   return absl::UnauthenticatedError("the bearer token is not valid");
 }
 
-absl::StatusOr<std::string> TokenFile::Authenticate(const grpc::ServerContextBase& context) {
+absl::StatusOr<Principal> TokenFile::Authenticate(const grpc::ServerContextBase& context) {
   const auto& metadata = context.client_metadata();
   auto it = metadata.find("authorization");
   if (it == metadata.end()) {

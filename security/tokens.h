@@ -1,8 +1,12 @@
 // Bearer tokens for clients. The coordinator reads a tokens file (a
 // Kubernetes Secret mounts one): one line per token, its SHA-256 (the file
-// holds no token itself) and the tenant it acts for:
+// holds no token itself), the tenant it acts for, and optionally what it may
+// do (default: all of it):
 //
-//   sha256:<64 hex digits> TENANT
+//   sha256:<64 hex digits> TENANT [compute,read,write]
+//
+// compute: GEMM, quantize and plan requests; read: get, list and cluster
+// info; write: put, delete, and a GEMM's keep_output_as.
 //
 // Lines starting with '#' and blank lines are skipped. The file is read
 // again when it changes (checked at most once a second), so a token is
@@ -25,6 +29,16 @@ bool ValidTenant(const std::string& tenant);
 // Lowercase hex SHA-256 of `text`.
 std::string Sha256Hex(const std::string& text);
 
+enum class Grant : uint8_t { kCompute = 1, kRead = 2, kWrite = 4 };
+const char* GrantName(Grant grant);
+
+// Who a valid token speaks for, and what it may do.
+struct Principal {
+  std::string tenant;
+  uint8_t grants = 7;
+  bool Has(Grant g) const { return (grants & static_cast<uint8_t>(g)) != 0; }
+};
+
 class TokenFile {
  public:
   // INVALID_ARGUMENT naming the file and line for a malformed one.
@@ -32,8 +46,8 @@ class TokenFile {
 
   // The tenant of the caller's "authorization: Bearer TOKEN" metadata:
   // UNAUTHENTICATED without one or for a token not in the file.
-  absl::StatusOr<std::string> Authenticate(const grpc::ServerContextBase& context);
-  absl::StatusOr<std::string> TenantOf(const std::string& token);
+  absl::StatusOr<Principal> Authenticate(const grpc::ServerContextBase& context);
+  absl::StatusOr<Principal> TenantOf(const std::string& token);
 
  private:
   explicit TokenFile(std::string path) : path_(std::move(path)) {}
@@ -42,7 +56,7 @@ class TokenFile {
 
   const std::string path_;
   absl::Mutex mu_;
-  std::map<std::string, std::string> tenant_by_hash_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, Principal> principal_by_hash_ ABSL_GUARDED_BY(mu_);
   int64_t mtime_ns_ ABSL_GUARDED_BY(mu_) = 0;
   absl::Time checked_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
 };

@@ -33,8 +33,8 @@ TEST(TokensTest, AKnownTokenGivesItsTenantAnUnknownOneIsUnauthenticated) {
       WriteTokens("# comment\n\nsha256:" + Sha256Hex("s3cret") + " alice\nsha256:" + Sha256Hex("other") + " bob\n");
   auto file = TokenFile::Load(path);
   ASSERT_TRUE(file.ok()) << file.status();
-  EXPECT_EQ(*(*file)->TenantOf("s3cret"), "alice");
-  EXPECT_EQ(*(*file)->TenantOf("other"), "bob");
+  EXPECT_EQ((*file)->TenantOf("s3cret")->tenant, "alice");
+  EXPECT_EQ((*file)->TenantOf("other")->tenant, "bob");
   EXPECT_EQ((*file)->TenantOf("s3cre").status().code(), absl::StatusCode::kUnauthenticated);
   EXPECT_EQ((*file)->TenantOf("").status().code(), absl::StatusCode::kUnauthenticated);
   std::remove(path.c_str());
@@ -48,7 +48,7 @@ TEST(TokensTest, ARemovedLineRevokesItsTokenOnceTheFileChanges) {
   absl::SleepFor(absl::Milliseconds(1100));  // past the reload interval, and a new mtime
   std::ofstream(path) << "sha256:" + Sha256Hex("t2") + " bob\n";
   EXPECT_EQ((*file)->TenantOf("t1").status().code(), absl::StatusCode::kUnauthenticated);
-  EXPECT_EQ(*(*file)->TenantOf("t2"), "bob");
+  EXPECT_EQ((*file)->TenantOf("t2")->tenant, "bob");
   std::remove(path.c_str());
 }
 
@@ -64,6 +64,23 @@ TEST(TokensTest, MalformedFilesAreRefusedNamingTheLine) {
     std::remove(path.c_str());
   }
   EXPECT_EQ(TokenFile::Load("/nonexistent/tokens").status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(TokensTest, GrantsDefaultToAllAndOtherwiseAreWhatTheLineSays) {
+  const std::string path = WriteTokens("sha256:" + Sha256Hex("all") + " alice\nsha256:" + Sha256Hex("ro") +
+                                       " alice read,compute\n");
+  auto file = TokenFile::Load(path);
+  ASSERT_TRUE(file.ok()) << file.status();
+  auto all = (*file)->TenantOf("all");
+  EXPECT_TRUE(all->Has(Grant::kWrite) && all->Has(Grant::kRead) && all->Has(Grant::kCompute));
+  auto ro = (*file)->TenantOf("ro");
+  EXPECT_EQ(ro->tenant, "alice");
+  EXPECT_TRUE(ro->Has(Grant::kRead) && ro->Has(Grant::kCompute));
+  EXPECT_FALSE(ro->Has(Grant::kWrite));
+  std::remove(path.c_str());
+  const std::string bad = WriteTokens("sha256:" + Sha256Hex("x") + " alice read,admin\n");
+  EXPECT_EQ(TokenFile::Load(bad).status().code(), absl::StatusCode::kInvalidArgument);
+  std::remove(bad.c_str());
 }
 
 TEST(TokensTest, TenantNames) {

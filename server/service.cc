@@ -47,11 +47,22 @@ absl::StatusOr<std::unique_ptr<ShardGemmService::Slot>> ShardGemmService::TakeSl
   return std::make_unique<Slot>(this, tenant);
 }
 
-grpc::Status ShardGemmService::Authenticate(const grpc::ServerContextBase& context, RequestRecord* record) {
+grpc::Status ShardGemmService::Authenticate(const grpc::ServerContextBase& context, RequestRecord* record,
+                                            security::Grant needed) {
   if (tokens_ == nullptr) return grpc::Status::OK;
-  auto tenant = tokens_->Authenticate(context);
-  if (!tenant.ok()) return ToGrpcStatus(tenant.status());
-  record->tenant = *tenant;
+  auto principal = tokens_->Authenticate(context);
+  if (!principal.ok()) return ToGrpcStatus(principal.status());
+  record->tenant = principal->tenant;
+  if (!principal->Has(needed)) {
+    return grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
+                        absl::StrCat("the token of tenant '", principal->tenant, "' is not granted ",
+                                     security::GrantName(needed), " (", RequestOpName(record->op), ")"));
+  }
+  if (record->op == RequestOp::kGroupedGemm && !record->tensor.empty() && !principal->Has(security::Grant::kWrite)) {
+    return grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
+                        absl::StrCat("keep_output_as: the token of tenant '", principal->tenant,
+                                     "' is not granted write"));
+  }
   return grpc::Status::OK;
 }
 
@@ -63,7 +74,9 @@ grpc::Status ShardGemmService::Finish(const RequestRecord& record, grpc::Status 
 grpc::Status ShardGemmService::GetClusterInfo(grpc::ServerContext* context, const v1::ClusterInfoRequest*,
                                               v1::ClusterInfo* info) {
   RequestRecord record = Begin(RequestOp::kGetClusterInfo, context);
-  if (grpc::Status a = Authenticate(*context, &record); !a.ok()) return Finish(record, std::move(a));
+  if (grpc::Status a = Authenticate(*context, &record, security::Grant::kRead); !a.ok()) {
+    return Finish(record, std::move(a));
+  }
   *info = coordinator_->ClusterInfo();
   return Finish(record, grpc::Status::OK);
 }
@@ -73,7 +86,7 @@ grpc::ServerUnaryReactor* ShardGemmService::Plan(grpc::CallbackServerContext* co
                                                  v1::PlanResponse* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   RequestRecord record = Begin(RequestOp::kPlan, context);
-  if (grpc::Status a = Authenticate(*context, &record); !a.ok()) {
+  if (grpc::Status a = Authenticate(*context, &record, security::Grant::kCompute); !a.ok()) {
     reactor->Finish(Finish(record, std::move(a)));
     return reactor;
   }
@@ -93,11 +106,13 @@ grpc::Status ShardGemmService::GroupedGemm(grpc::ServerContext* context,
                                            const v1::GroupedGemmRequest* request,
                                            v1::GroupedGemmResponse* response) {
   RequestRecord record = Begin(RequestOp::kGroupedGemm, context);
-  if (grpc::Status a = Authenticate(*context, &record); !a.ok()) return Finish(record, std::move(a));
+  record.tensor = request->keep_output_as();
+  if (grpc::Status a = Authenticate(*context, &record, security::Grant::kCompute); !a.ok()) {
+    return Finish(record, std::move(a));
+  }
   auto slot = TakeSlot(record.tenant);
   if (!slot.ok()) return Finish(record, ToGrpcStatus(slot.status()));
   record.bytes_in = static_cast<int64_t>(request->ByteSizeLong());
-  record.tensor = request->keep_output_as();
   auto r = coordinator_->GroupedGemm(*request, DeadlineOf(context), CallOf(record));
   if (!r.ok()) return Finish(record, ToGrpcStatus(r.status()));
   *response = std::move(*r);
@@ -114,7 +129,9 @@ grpc::Status ShardGemmService::GroupedQuantize(grpc::ServerContext* context,
                                                const v1::GroupedQuantizeRequest* request,
                                                v1::GroupedQuantizeResponse* response) {
   RequestRecord record = Begin(RequestOp::kGroupedQuantize, context);
-  if (grpc::Status a = Authenticate(*context, &record); !a.ok()) return Finish(record, std::move(a));
+  if (grpc::Status a = Authenticate(*context, &record, security::Grant::kCompute); !a.ok()) {
+    return Finish(record, std::move(a));
+  }
   auto slot = TakeSlot(record.tenant);
   if (!slot.ok()) return Finish(record, ToGrpcStatus(slot.status()));
   record.bytes_in = static_cast<int64_t>(request->ByteSizeLong());
@@ -132,7 +149,9 @@ grpc::Status ShardGemmService::PutTensor(grpc::ServerContext* context,
                                          grpc::ServerReader<v1::TensorChunk>* reader,
                                          v1::PutTensorResponse* response) {
   RequestRecord record = Begin(RequestOp::kPutTensor, context);
-  if (grpc::Status a = Authenticate(*context, &record); !a.ok()) return Finish(record, std::move(a));
+  if (grpc::Status a = Authenticate(*context, &record, security::Grant::kWrite); !a.ok()) {
+    return Finish(record, std::move(a));
+  }
   auto slot = TakeSlot(record.tenant);
   if (!slot.ok()) return Finish(record, ToGrpcStatus(slot.status()));
   record.path = BytePath::kStream;
@@ -194,7 +213,9 @@ grpc::Status ShardGemmService::ReceiveTensor(grpc::ServerContext* context,
 grpc::Status ShardGemmService::GetTensor(grpc::ServerContext* context, const v1::GetTensorRequest* request,
                                          grpc::ServerWriter<v1::TensorChunk>* writer) {
   RequestRecord record = Begin(RequestOp::kGetTensor, context);
-  if (grpc::Status a = Authenticate(*context, &record); !a.ok()) return Finish(record, std::move(a));
+  if (grpc::Status a = Authenticate(*context, &record, security::Grant::kRead); !a.ok()) {
+    return Finish(record, std::move(a));
+  }
   auto slot = TakeSlot(record.tenant);
   if (!slot.ok()) return Finish(record, ToGrpcStatus(slot.status()));
   record.path = BytePath::kStream;
@@ -226,7 +247,9 @@ grpc::Status ShardGemmService::DeleteTensor(grpc::ServerContext* context,
                                             const v1::DeleteTensorRequest* request,
                                             v1::DeleteTensorResponse*) {
   RequestRecord record = Begin(RequestOp::kDeleteTensor, context);
-  if (grpc::Status a = Authenticate(*context, &record); !a.ok()) return Finish(record, std::move(a));
+  if (grpc::Status a = Authenticate(*context, &record, security::Grant::kWrite); !a.ok()) {
+    return Finish(record, std::move(a));
+  }
   record.tensor = request->name();
   return Finish(record,
                 ToGrpcStatus(coordinator_->DeleteTensor(request->name(), DeadlineOf(context), CallOf(record))));
@@ -235,7 +258,9 @@ grpc::Status ShardGemmService::DeleteTensor(grpc::ServerContext* context,
 grpc::Status ShardGemmService::ListTensors(grpc::ServerContext* context, const v1::ListTensorsRequest*,
                                            v1::ListTensorsResponse* response) {
   RequestRecord record = Begin(RequestOp::kListTensors, context);
-  if (grpc::Status a = Authenticate(*context, &record); !a.ok()) return Finish(record, std::move(a));
+  if (grpc::Status a = Authenticate(*context, &record, security::Grant::kRead); !a.ok()) {
+    return Finish(record, std::move(a));
+  }
   *response = coordinator_->ListTensors(CallOf(record));
   return Finish(record, grpc::Status::OK);
 }

@@ -53,7 +53,9 @@ class ShardGemmService final : public v1::ShardGemm::WithCallbackMethod_Plan<v1:
                              v1::PutTensorResponse* response, RequestRecord* record);
   RequestRecord Begin(RequestOp op, grpc::ServerContextBase* context);
   // The caller's tenant (UNAUTHENTICATED without a valid token), into `record`.
-  grpc::Status Authenticate(const grpc::ServerContextBase& context, RequestRecord* record);
+  // PERMISSION_DENIED when the token lacks `needed` (or write, for a GEMM
+  // that keeps its output: record->tensor set first).
+  grpc::Status Authenticate(const grpc::ServerContextBase& context, RequestRecord* record, security::Grant needed);
 
   // Takes one of the tenant's request slots (RESOURCE_EXHAUSTED when none
   // is free); the slot is given back when the returned guard goes.

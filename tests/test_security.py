@@ -339,3 +339,69 @@ def test_a_tenant_holds_at_most_its_limit_of_tensors(cluster_factory, tls_dir):
     alice.delete("b")
     alice.put("c", w)
     assert sorted(t.name for t in alice.list()) == ["a", "c"]
+
+
+def test_a_token_does_only_what_it_is_granted(secure, tls_dir):
+    import hashlib
+    import secrets
+    token = secrets.token_hex(32)
+    with open(os.path.join(tls_dir, "tokens"), "a") as f:
+        f.write(f"sha256:{hashlib.sha256(token.encode()).hexdigest()} demo read,compute\n")
+    time.sleep(1.1)
+    lhs, rhs, sizes = inputs(4)
+    secure.client.put("w", rhs, spec="(ep, None, None)")  # the full demo token
+    ro = Client(secure.address, timeout=30, tls_dir=tls_dir, token=token)
+    np.testing.assert_array_equal(ro.get("w"), rhs)  # the same tenant's tensor: read is granted
+    out, _ = ro.grouped_gemm(lhs, "w", sizes, lhs_spec="(ep, None)", group_sizes_spec="(ep,)")
+    np.testing.assert_allclose(out, reference(lhs, rhs, sizes), rtol=1e-4, atol=1e-4)
+    for call in (lambda: ro.put("v", rhs, spec="(ep, None, None)"), lambda: ro.delete("w"),
+                 lambda: ro.grouped_gemm(lhs, "w", sizes, lhs_spec="(ep, None)", group_sizes_spec="(ep,)",
+                                         keep_output_as="y")):
+        with pytest.raises(grpc.RpcError) as e:
+            call()
+        assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED and "write" in e.value.details()
+    assert [t.name for t in secure.client.list()] == ["w"]
+    ro.close()
+
+
+def test_a_mesh_member_flooding_the_store_is_bounded(secure, tls_dir):
+    creds = grpc.ssl_channel_credentials(root_certificates=read(os.path.join(tls_dir, "ca.crt")),
+                                         private_key=read(os.path.join(tls_dir, "worker.key")),
+                                         certificate_chain=read(os.path.join(tls_dir, "worker.crt")))
+    stub = pb_grpc.CoordinationStub(grpc.secure_channel(secure.address, creds))
+    assert code_of(lambda: stub.StoreSet(pb.StoreSetRequest(key="k", value=b"v" * (2 << 20)), timeout=10)) == \
+        grpc.StatusCode.INVALID_ARGUMENT
+    assert code_of(lambda: stub.StoreSet(pb.StoreSetRequest(key="k" * 1000, value=b"v"), timeout=10)) == \
+        grpc.StatusCode.INVALID_ARGUMENT
+    big = b"v" * (1 << 20)
+    code = None
+    for i in range(300):  # 300 MiB asked for; the store holds at most 256 MiB
+        try:
+            stub.StoreSet(pb.StoreSetRequest(key=f"flood/{i}", value=big), timeout=10)
+        except grpc.RpcError as e:
+            code = e.code()
+            break
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    still_right(secure)
+
+
+def test_a_replayed_or_duplicated_step_is_refused(secure, tls_dir):
+    """Even with the coordinator's own certificate: a step of another session,
+    one already run, and one far ahead are refused, and the order holds."""
+    secure.client.put("w", inputs()[1], spec="(ep, None, None)")
+    creds = grpc.ssl_channel_credentials(root_certificates=read(os.path.join(tls_dir, "ca.crt")),
+                                         private_key=read(os.path.join(tls_dir, "coordinator.key")),
+                                         certificate_chain=read(os.path.join(tls_dir, "coordinator.crt")))
+    for address in worker_addresses(secure):
+        stub = pb_grpc.WorkerStub(grpc.secure_channel(address, creds))
+        forged = pb.Step(sequence=1, session="not-the-session", store=pb.StoreShardStep(name="evil@1"))
+        assert code_of(lambda: stub.Execute(forged, timeout=5)) in (grpc.StatusCode.FAILED_PRECONDITION,
+                                                                    grpc.StatusCode.UNAVAILABLE)
+        replayed = pb.Step(sequence=1, store=pb.StoreShardStep(name="evil@1"))  # step 1 ran long ago
+        assert code_of(lambda: stub.Execute(replayed, timeout=5)) in (grpc.StatusCode.FAILED_PRECONDITION,
+                                                                      grpc.StatusCode.UNAVAILABLE)
+        ahead = pb.Step(sequence=10**9, store=pb.StoreShardStep(name="evil@1"))
+        assert code_of(lambda: stub.Execute(ahead, timeout=5)) in (grpc.StatusCode.FAILED_PRECONDITION,
+                                                                   grpc.StatusCode.INVALID_ARGUMENT)
+    np.testing.assert_array_equal(secure.client.get("w"), inputs()[1])
+    still_right(secure)
