@@ -61,6 +61,7 @@ wait_for() {
   done
 }
 
+[[ $(id -u) -eq 0 ]] || fail "run as root (rootful podman, as make image builds)"
 [[ -x $CLI ]] || fail "$CLI is missing (make build)"
 podman image exists "$IMAGE" || fail "no image $IMAGE (make image)"
 

@@ -12,6 +12,10 @@ variant=${1:-cpu}
 shift || true
 case $variant in cpu | cuda) ;; *) echo "usage: $0 cpu|cuda [podman build flags]" >&2; exit 2 ;; esac
 tag=${SHARDGEMM_IMAGE:-localhost/shardgemm:$variant}
+if [[ $(id -u) -ne 0 ]]; then
+  echo "image: run as root (rootful podman; make_base.sh runs debootstrap)" >&2
+  exit 1
+fi
 base=${SHARDGEMM_BASE_IMAGE:-localhost/shardgemm-base:bookworm}
 
 bash tools/image/setup_podman.sh
