@@ -16,6 +16,10 @@ FORBIDDEN = {
     "planner": {"server", "worker", "client", "proto"},
     "proto": {"server", "worker", "client"},
     "kernels": {"server", "worker", "client", "planner", "proto"},
+    # Libraries any process uses: below the servers and the client.
+    "metrics": {"server", "worker", "client", "planner", "proto", "security", "logging"},
+    "logging": {"server", "worker", "client", "planner", "proto", "security", "metrics"},
+    "security": {"server", "worker", "client", "planner", "proto", "metrics", "logging"},
 }
 
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
