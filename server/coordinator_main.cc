@@ -112,6 +112,15 @@ int Run() {
   ShardGemmService service(&coordinator, &observer, tokens.get(), absl::GetFlag(FLAGS_max_requests_per_tenant));
   RendezvousStore rendezvous;
   CoordinationService coordination(&coordinator, &rendezvous, &*transport);
+  if (!metrics_listen.empty()) {
+    auto* keys = registry.AddGauge("shardgemm_rendezvous_keys",
+                                   "Keys in the workers' rendezvous store (forgotten once a communicator is built).");
+    auto* bytes = registry.AddGauge("shardgemm_rendezvous_bytes", "Bytes in the workers' rendezvous store.");
+    registry.AddCollector([&rendezvous, keys, bytes] {
+      keys->With({})->Set(static_cast<double>(rendezvous.num_keys()));
+      bytes->With({})->Set(static_cast<double>(rendezvous.num_bytes()));
+    });
+  }
 
   grpc::EnableDefaultHealthCheckService(true);
   if (absl::GetFlag(FLAGS_reflection)) grpc::reflection::InitProtoReflectionServerBuilderPlugin();

@@ -50,4 +50,24 @@ absl::StatusOr<std::vector<std::string>> RendezvousStore::Get(const std::vector<
   return out;
 }
 
+void RendezvousStore::Erase(const std::vector<std::string>& keys) {
+  absl::MutexLock lock(&mu_);
+  for (const std::string& k : keys) {
+    auto it = values_.find(k);
+    if (it == values_.end()) continue;
+    total_bytes_ -= k.size() + it->second.size();
+    values_.erase(it);
+  }
+}
+
+size_t RendezvousStore::num_keys() const {
+  absl::MutexLock lock(&mu_);
+  return values_.size();
+}
+
+size_t RendezvousStore::num_bytes() const {
+  absl::MutexLock lock(&mu_);
+  return total_bytes_;
+}
+
 }  // namespace shardgemm

@@ -30,9 +30,14 @@ class RendezvousStore {
   // DEADLINE_EXCEEDED naming a missing key otherwise.
   absl::StatusOr<std::vector<std::string>> Get(const std::vector<std::string>& keys,
                                                absl::Duration timeout);
+  // Forgets `keys` (those absent are skipped): members delete theirs once
+  // their communicator is built.
+  void Erase(const std::vector<std::string>& keys);
+  size_t num_keys() const;
+  size_t num_bytes() const;
 
  private:
-  absl::Mutex mu_;
+  mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, std::string> values_ ABSL_GUARDED_BY(mu_);
   size_t total_bytes_ ABSL_GUARDED_BY(mu_) = 0;
 };

@@ -46,6 +46,18 @@ TEST(RendezvousStoreTest, KeysValuesAndTheirCountAreBounded) {
   EXPECT_EQ((*v)[0], "replaced");
 }
 
+TEST(RendezvousStoreTest, ErasedKeysAreForgottenAndTheirBytesFreed) {
+  RendezvousStore store;
+  ASSERT_TRUE(store.Set("a", "12345").ok());
+  ASSERT_TRUE(store.Set("b", "x").ok());
+  EXPECT_EQ(store.num_keys(), 2u);
+  EXPECT_EQ(store.num_bytes(), 1u + 5 + 1 + 1);
+  store.Erase({"a", "never-set"});
+  EXPECT_EQ(store.num_keys(), 1u);
+  EXPECT_EQ(store.num_bytes(), 2u);
+  EXPECT_EQ(store.Get({"a"}, absl::Milliseconds(10)).status().code(), absl::StatusCode::kDeadlineExceeded);
+}
+
 TEST(RendezvousStoreTest, TotalBytesAreBounded) {
   RendezvousStore store;
   const std::string big(RendezvousStore::kMaxValueBytes, 'v');

@@ -298,4 +298,11 @@ grpc::Status CoordinationService::StoreGet(grpc::ServerContext* context, const v
   return grpc::Status::OK;
 }
 
+grpc::Status CoordinationService::StoreDelete(grpc::ServerContext* context, const v1::StoreDeleteRequest* request,
+                                              v1::StoreDeleteResponse*) {
+  if (grpc::Status s = CheckCaller(*context); !s.ok()) return s;
+  store_->Erase(std::vector<std::string>(request->keys().begin(), request->keys().end()));
+  return grpc::Status::OK;
+}
+
 }  // namespace shardgemm

@@ -82,6 +82,8 @@ class CoordinationService final : public v1::Coordination::Service {
                         v1::StoreSetResponse*) override;
   grpc::Status StoreGet(grpc::ServerContext*, const v1::StoreGetRequest*,
                         v1::StoreGetResponse*) override;
+  grpc::Status StoreDelete(grpc::ServerContext*, const v1::StoreDeleteRequest*,
+                           v1::StoreDeleteResponse*) override;
 
  private:
   grpc::Status CheckCaller(const grpc::ServerContext& context) const;

@@ -210,3 +210,24 @@ def test_logfmt_lines_carry_the_request_id(cluster_factory):
         time.sleep(0.05)
     assert re.search(r"level=info component=coordinator event=request request_id=lf-1 op=grouped_gemm code=OK", coord)
     assert re.search(r"component=worker event=step request_id=lf-1 sequence=\d+ op=gemm code=OK", worker)
+
+
+def test_the_rendezvous_store_forgets_a_groups_keys_once_it_is_connected(cluster_factory):
+    cl = cluster_factory(mesh="fsdp=2", workers=2, coordinator_flags=["--metrics_listen=127.0.0.1:0",
+                                                                     "--log_format=json"])
+    rng = np.random.default_rng(7)
+    lhs = rng.standard_normal((32, 16)).astype(np.float32)
+    rhs = rng.standard_normal((2, 16, 8)).astype(np.float32)
+    # The weight's K split over fsdp: the plan all-gathers it, which builds the workers' Gloo group.
+    out, plan = cl.client.grouped_gemm(lhs, rhs, [10, 6, 8, 8], lhs_spec="(fsdp, None)",
+                                       rhs_spec="(None, fsdp, None)", group_sizes_spec="(fsdp,)", include_plan=True)
+    assert len(plan.collectives) > 0 and out.shape == (32, 8)
+    port = metrics_port(cl, "coordinator")
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        if sample(scrape(port), "shardgemm_rendezvous_keys") == 0:
+            break
+        time.sleep(0.1)
+    text = scrape(port)
+    assert sample(text, "shardgemm_rendezvous_keys") == 0, text
+    assert sample(text, "shardgemm_rendezvous_bytes") == 0

@@ -34,6 +34,25 @@ class CoordinatorStore : public gloo::rendezvous::Store {
     v1::StoreSetResponse response;
     grpc::Status s = stub_->StoreSet(&ctx, request, &response);
     if (!s.ok()) throw gloo::IoException("rendezvous set failed: " + s.error_message());
+    std::lock_guard<std::mutex> lock(mu_);
+    own_keys_.push_back(request.key());
+  }
+
+  // The keys this member set. Once its full mesh is connected every peer
+  // has read them (each connected to it through its address), so the store
+  // may forget them. Best effort: a failure leaves them until the session ends.
+  void ForgetOwnKeys() {
+    v1::StoreDeleteRequest request;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (std::string& k : own_keys_) request.add_keys(std::move(k));
+      own_keys_.clear();
+    }
+    if (request.keys_size() == 0) return;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    v1::StoreDeleteResponse response;
+    (void)stub_->StoreDelete(&ctx, request, &response);
   }
 
   std::vector<char> get(const std::string& key) override {
@@ -63,6 +82,8 @@ class CoordinatorStore : public gloo::rendezvous::Store {
 
   std::string prefix_;
   std::unique_ptr<v1::Coordination::Stub> stub_;
+  std::mutex mu_;
+  std::vector<std::string> own_keys_;
 };
 
 // FP32 view of a float tensor for reductions (BF16/F16 reduce in FP32).
@@ -204,6 +225,7 @@ class GlooCollectives : public Collectives {
       ctx->setTimeout(timeout_);
       gloo::rendezvous::PrefixStore prefixed(prefix, *store_);
       ctx->connectFullMesh(prefixed, device_);
+      if (auto* coordinator = dynamic_cast<CoordinatorStore*>(store_.get())) coordinator->ForgetOwnKeys();
       contexts_[key] = ctx;
       return std::shared_ptr<gloo::Context>(ctx);
     } catch (const std::exception& e) {

@@ -298,6 +298,8 @@ class NcclCollectives : public Collectives {
       return s;
     }
     comms_[key] = comm;
+    // Every member is in the communicator: all have read the id.
+    if (*index == 0 && exchange_.forget) exchange_.forget(id_key);
     return comm;
   }
 
@@ -355,6 +357,14 @@ IdExchange CoordinatorIdExchange(std::shared_ptr<grpc::Channel> coordinator, con
     grpc::Status s = stub->StoreGet(&ctx, request, &response);
     if (!s.ok()) return absl::UnavailableError(s.error_message());
     return response.values(0);
+  };
+  x.forget = [stub, prefix](const std::string& key) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    v1::StoreDeleteRequest request;
+    request.add_keys(prefix + key);
+    v1::StoreDeleteResponse response;
+    (void)stub->StoreDelete(&ctx, request, &response);
   };
   return x;
 }

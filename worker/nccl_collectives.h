@@ -25,6 +25,8 @@ namespace shardgemm {
 struct IdExchange {
   std::function<absl::Status(const std::string& key, const std::string& value)> set;
   std::function<absl::StatusOr<std::string>(const std::string& key)> get;  // waits
+  // Deletes a key this member set, once every member has it (optional).
+  std::function<void(const std::string& key)> forget;
 };
 
 // Through the coordinator's rendezvous store, over `coordinator` (a channel
