@@ -36,7 +36,52 @@ Coordinator::Coordinator(planner::Mesh mesh, Connector connect, CoordinatorOptio
       mesh_(std::move(mesh)),
       num_workers_(static_cast<int>(planner::NumWorkers(mesh_))),
       session_(MakeSessionId()),
-      dispatcher_(mesh_, std::move(connect), options_.dispatch_grace) {}
+      dispatcher_(mesh_, std::move(connect), options_.dispatch_grace) {
+  {
+    absl::MutexLock lock(&heartbeat_mu_);
+    missed_.assign(num_workers_, 0);
+  }
+  if (options_.heartbeat_interval > absl::ZeroDuration()) {
+    heartbeat_ = std::thread([this] {
+      absl::MutexLock lock(&heartbeat_mu_);
+      auto stopping = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(heartbeat_mu_) { return stopping_; };
+      while (!heartbeat_mu_.AwaitWithTimeout(absl::Condition(&stopping), options_.heartbeat_interval)) {
+        heartbeat_mu_.Unlock();
+        Heartbeat();
+        heartbeat_mu_.Lock();
+      }
+    });
+  }
+}
+
+Coordinator::~Coordinator() {
+  {
+    absl::MutexLock lock(&heartbeat_mu_);
+    stopping_ = true;
+  }
+  if (heartbeat_.joinable()) heartbeat_.join();
+}
+
+void Coordinator::Heartbeat() {
+  const std::vector<std::shared_ptr<WorkerChannel>> channels = dispatcher_.Channels();
+  // A ping waits at most one interval (a second without a heartbeat thread).
+  const absl::Duration wait =
+      options_.heartbeat_interval > absl::ZeroDuration() ? options_.heartbeat_interval : absl::Seconds(1);
+  for (int r = 0; r < static_cast<int>(channels.size()); ++r) {
+    if (channels[r] == nullptr) continue;
+    const absl::Status s = channels[r]->Ping(absl::Now() + wait);
+    int missed = 0;
+    {
+      absl::MutexLock lock(&heartbeat_mu_);
+      missed = s.ok() ? 0 : ++missed_[r];
+    }
+    if (s.ok()) {
+      dispatcher_.MarkUp(r);
+    } else if (missed >= options_.heartbeat_misses) {
+      dispatcher_.MarkDown(r, absl::Status(s.code(), absl::StrCat(missed, " heartbeats missed (", s.message(), ")")));
+    }
+  }
+}
 
 absl::StatusOr<v1::RegisterResponse> Coordinator::Register(const v1::RegisterRequest& request) {
   auto joined = dispatcher_.Join(request);
@@ -62,7 +107,12 @@ v1::ClusterInfo Coordinator::ClusterInfo() const {
 Coordinator::Stats Coordinator::GetStats() const {
   Stats stats;
   stats.workers_expected = num_workers_;
-  stats.workers_registered = static_cast<int>(dispatcher_.Workers().size());
+  const std::vector<v1::WorkerInfo> workers = dispatcher_.Workers();
+  stats.workers_registered = static_cast<int>(workers.size());
+  stats.up.assign(num_workers_, false);
+  for (const v1::WorkerInfo& w : workers) {
+    if (w.rank() >= 0 && w.rank() < num_workers_) stats.up[w.rank()] = !w.down();
+  }
   stats.ready = dispatcher_.Complete();
   for (const v1::ResidentTensorInfo& t : registry_.ListAll()) {
     ++stats.resident_tensors;

@@ -7,6 +7,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
@@ -33,6 +34,10 @@ struct CoordinatorOptions {
   absl::Duration dispatch_grace = absl::Seconds(5);
   // Resident tensors one tenant may hold (0: no limit).
   int64_t max_tensors_per_tenant = 0;
+  // How often every worker is pinged (zero: no heartbeat), and after how
+  // many missed answers in a row it is marked down.
+  absl::Duration heartbeat_interval = absl::ZeroDuration();
+  int heartbeat_misses = 3;
 };
 
 // Who asks: the caller's tenant (its token's; "" with --insecure), whose
@@ -49,6 +54,14 @@ class Coordinator {
   using Connector = std::function<std::unique_ptr<WorkerChannel>(const std::string& address)>;
 
   Coordinator(planner::Mesh mesh, Connector connect, CoordinatorOptions options = {});
+  ~Coordinator();
+  Coordinator(const Coordinator&) = delete;
+  Coordinator& operator=(const Coordinator&) = delete;
+
+  // One heartbeat round: pings every registered worker, marks down one that
+  // missed heartbeat_misses in a row and up one that answers. The heartbeat
+  // thread runs it every heartbeat_interval; tests call it directly.
+  void Heartbeat();
 
   absl::StatusOr<v1::RegisterResponse> Register(const v1::RegisterRequest& request);
   v1::ClusterInfo ClusterInfo() const;
@@ -59,6 +72,7 @@ class Coordinator {
     bool ready = false;
     int64_t resident_tensors = 0;
     int64_t resident_bytes = 0;  // logical bytes of the resident tensors
+    std::vector<bool> up;        // by rank: registered and answering its heartbeat
     Dispatcher::Stats dispatch;
   };
   Stats GetStats() const;
@@ -155,6 +169,11 @@ class Coordinator {
   Dispatcher dispatcher_;
 
   ResidentRegistry registry_;
+
+  absl::Mutex heartbeat_mu_;
+  std::vector<int> missed_ ABSL_GUARDED_BY(heartbeat_mu_);
+  bool stopping_ ABSL_GUARDED_BY(heartbeat_mu_) = false;
+  std::thread heartbeat_;
 };
 
 }  // namespace shardgemm

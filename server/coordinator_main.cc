@@ -39,6 +39,11 @@ ABSL_FLAG(std::string, tokens_file, "",
 ABSL_FLAG(std::string, health_listen, "",
           "HOST:PORT for a plaintext gRPC health service only (for probes without TLS); empty: none");
 ABSL_FLAG(bool, reflection, true, "serve gRPC server reflection on the client port");
+ABSL_FLAG(double, heartbeat_interval_s, 1,
+          "how often the coordinator pings every worker (0: never); a worker that misses "
+          "--heartbeat_misses in a row is marked down: the mesh is not ready, requests fail at once "
+          "naming it, and a worker registering from another address may take its rank");
+ABSL_FLAG(int, heartbeat_misses, 3, "missed heartbeats in a row that mark a worker down");
 ABSL_FLAG(int64_t, max_tensors_per_tenant, 10000, "resident tensors one tenant may hold (0: no limit)");
 ABSL_FLAG(int, max_requests_per_tenant, 64,
           "GEMM, quantize, put and get requests one tenant may have running at once (0: no limit)");
@@ -92,6 +97,12 @@ int Run() {
   CoordinatorOptions options;
   options.step_timeout = absl::Seconds(absl::GetFlag(FLAGS_step_timeout_s));
   options.max_tensors_per_tenant = absl::GetFlag(FLAGS_max_tensors_per_tenant);
+  if (!(absl::GetFlag(FLAGS_heartbeat_interval_s) >= 0) || absl::GetFlag(FLAGS_heartbeat_misses) < 1) {
+    std::cerr << "shardgemm-coordinator: --heartbeat_interval_s must be >= 0 and --heartbeat_misses >= 1\n";
+    return 2;
+  }
+  options.heartbeat_interval = absl::Seconds(absl::GetFlag(FLAGS_heartbeat_interval_s));
+  options.heartbeat_misses = absl::GetFlag(FLAGS_heartbeat_misses);
   std::shared_ptr<grpc::ChannelCredentials> worker_credentials = transport->ChannelCredentials();
   Coordinator coordinator(
       *mesh, [worker_credentials](const std::string& address) { return MakeGrpcWorkerChannel(address, worker_credentials); },

@@ -771,3 +771,75 @@ INSTANTIATE_TEST_SUITE_P(FailingRank, CoordinatorFailureTest, ::testing::Values(
 
 }  // namespace
 }  // namespace shardgemm
+
+namespace shardgemm {
+namespace {
+
+// ------------------------------------------------------------- liveness --
+
+TEST(CoordinatorLivenessTest, AWorkerMissingItsHeartbeatsIsDownAndRequestsFailAtOnceNamingIt) {
+  auto mesh = MakeMesh("dp=2");
+  Coordinator& c = mesh->coordinator();
+  FakeWorkerChannel gone = mesh->worker(1);
+  gone.SetPing(absl::UnavailableError("connection refused"));
+  c.Heartbeat();
+  c.Heartbeat();
+  EXPECT_TRUE(c.ClusterInfo().ready()) << "two misses of three: still up";
+  c.Heartbeat();
+  const v1::ClusterInfo info = c.ClusterInfo();
+  EXPECT_FALSE(info.ready());
+  ASSERT_EQ(info.workers_size(), 2);
+  EXPECT_TRUE(info.workers(1).down());
+  EXPECT_THAT(info.workers(1).down_reason(), HasSubstr("connection refused"));
+  EXPECT_FALSE(info.workers(0).down());
+  const int steps_before = gone.num_steps();
+  const Gemm any(8, 4, 5, {1, 2, 0, 3, 0, 1}, 2);
+  const absl::Time start = absl::Now();
+  auto r = c.GroupedGemm(any.Request("(dp, None)", "(dp,)"));
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(std::string(r.status().message()), HasSubstr("worker rank 1"));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(1)) << "failed at once, not at a deadline";
+  EXPECT_EQ(gone.num_steps(), steps_before) << "nothing was sent to the mesh";
+  // It answers again: up, and requests run.
+  gone.SetPing(absl::OkStatus());
+  c.Heartbeat();
+  EXPECT_TRUE(c.ClusterInfo().ready());
+  RunAnyStep(c);
+}
+
+TEST(CoordinatorLivenessTest, AWorkerRegisteringFromAnotherAddressTakesTheRankThatIsDown) {
+  auto mesh = MakeMesh("dp=2");
+  Coordinator& c = mesh->coordinator();
+  // While every rank answers, a third worker is refused.
+  EXPECT_EQ(mesh->Register("fake:spare").status().code(), absl::StatusCode::kResourceExhausted);
+  mesh->worker(0).SetPing(absl::DeadlineExceededError("no answer"));
+  for (int i = 0; i < 3; ++i) c.Heartbeat();
+  ASSERT_FALSE(c.ClusterInfo().ready());
+  ASSERT_OK_AND_ASSIGN(v1::RegisterResponse joined, mesh->Register("fake:restarted"));
+  EXPECT_EQ(joined.rank(), 0);
+  const v1::ClusterInfo info = c.ClusterInfo();
+  EXPECT_TRUE(info.ready());
+  EXPECT_EQ(info.workers(0).address(), "fake:restarted");
+  EXPECT_FALSE(info.workers(0).down());
+  const int before = mesh->fake("fake:restarted").num_steps();
+  RunAnyStep(c);
+  EXPECT_EQ(mesh->fake("fake:restarted").num_steps(), before + 1) << "rank 0's steps go to the new worker";
+}
+
+TEST(CoordinatorLivenessTest, TheHeartbeatThreadMarksAWorkerDownByItself) {
+  FakeMesh::Options options;
+  options.coordinator.heartbeat_interval = absl::Milliseconds(20);
+  options.coordinator.heartbeat_misses = 2;
+  auto mesh = MakeMesh("dp=2", options);
+  Coordinator& c = mesh->coordinator();
+  mesh->worker(1).SetPing(absl::UnavailableError("gone"));
+  const absl::Time deadline = absl::Now() + absl::Seconds(5);
+  while (c.ClusterInfo().ready() && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(10));
+  EXPECT_FALSE(c.ClusterInfo().ready());
+  mesh->worker(1).SetPing(absl::OkStatus());
+  while (!c.ClusterInfo().ready() && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(10));
+  EXPECT_TRUE(c.ClusterInfo().ready());
+}
+
+}  // namespace
+}  // namespace shardgemm

@@ -26,14 +26,20 @@ absl::StatusOr<Dispatcher::Joined> Dispatcher::Join(const v1::RegisterRequest& r
     // A worker that restarts on the same address gets its rank back.
     if (workers_[r].channel != nullptr && workers_[r].info.address() == request.address()) rank = r;
   }
-  if (rank < 0) {
-    if (joined_ == num_workers_) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "the mesh ", planner::FormatMesh(mesh_), " already has all ", num_workers_, " workers"));
+  if (rank < 0 && joined_ == num_workers_) {
+    // A worker restarted on another address takes a rank that is down.
+    for (int r = 0; r < num_workers_ && rank < 0; ++r) {
+      if (workers_[r].down) rank = r;
     }
-    rank = joined_++;
+    if (rank < 0) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "the mesh ", planner::FormatMesh(mesh_), " already has all ", num_workers_, " workers, all answering"));
+    }
   }
+  if (rank < 0) rank = joined_++;
   Worker& w = workers_[rank];
+  w.down = false;
+  w.down_because.clear();
   w.channel = connect_(request.address());
   w.info.set_rank(rank);
   w.info.set_address(request.address());
@@ -50,14 +56,21 @@ std::vector<v1::WorkerInfo> Dispatcher::Workers() const {
   std::vector<v1::WorkerInfo> out;
   absl::MutexLock lock(&workers_mu_);
   for (const Worker& w : workers_) {
-    if (w.channel != nullptr) out.push_back(w.info);
+    if (w.channel == nullptr) continue;
+    out.push_back(w.info);
+    out.back().set_down(w.down);
+    out.back().set_down_reason(w.down_because);
   }
   return out;
 }
 
 bool Dispatcher::Complete() const {
   absl::MutexLock lock(&workers_mu_);
-  return joined_ == num_workers_;
+  if (joined_ < num_workers_) return false;
+  for (const Worker& w : workers_) {
+    if (w.down) return false;
+  }
+  return true;
 }
 
 absl::Status Dispatcher::CheckComplete() const {
@@ -66,7 +79,38 @@ absl::Status Dispatcher::CheckComplete() const {
     return absl::UnavailableError(absl::StrCat("the mesh is not complete: ", num_workers_ - joined_, " of ",
                                                num_workers_, " workers have not registered"));
   }
+  for (int r = 0; r < num_workers_; ++r) {
+    if (workers_[r].down) {
+      return absl::UnavailableError(absl::StrCat("worker rank ", r, " (", workers_[r].info.address(),
+                                                 ") is not answering: ", workers_[r].down_because,
+                                                 "; the mesh is ready again when it answers or a worker "
+                                                 "takes its rank"));
+    }
+  }
   return absl::OkStatus();
+}
+
+void Dispatcher::MarkDown(int rank, const absl::Status& why) {
+  absl::MutexLock lock(&workers_mu_);
+  if (rank < 0 || rank >= num_workers_ || workers_[rank].channel == nullptr) return;
+  workers_[rank].down = true;
+  workers_[rank].down_because = std::string(why.message());
+}
+
+void Dispatcher::MarkUp(int rank) {
+  absl::MutexLock lock(&workers_mu_);
+  if (rank < 0 || rank >= num_workers_) return;
+  workers_[rank].down = false;
+  workers_[rank].down_because.clear();
+}
+
+std::vector<int> Dispatcher::DownRanks() const {
+  std::vector<int> out;
+  absl::MutexLock lock(&workers_mu_);
+  for (int r = 0; r < num_workers_; ++r) {
+    if (workers_[r].down) out.push_back(r);
+  }
+  return out;
 }
 
 std::vector<std::shared_ptr<WorkerChannel>> Dispatcher::Channels() const {

@@ -40,9 +40,20 @@ class Dispatcher {
   int num_workers() const { return num_workers_; }
   // The registered workers, by rank.
   std::vector<v1::WorkerInfo> Workers() const;
+  // Every rank has joined and none is marked down.
   bool Complete() const;
-  // UNAVAILABLE (with how many are missing) until every rank has joined.
+  // UNAVAILABLE (with how many are missing, or which rank is down) until
+  // every rank has joined and answers its heartbeat.
   absl::Status CheckComplete() const;
+
+  // Liveness, from the coordinator's heartbeat: a rank marked down makes the
+  // mesh incomplete (requests fail at once naming it) and its rank free for
+  // a worker registering from another address; marked up again when it
+  // answers (or re-registers).
+  void MarkDown(int rank, const absl::Status& why);
+  void MarkUp(int rank);
+  // The ranks marked down (for ClusterInfo and metrics).
+  std::vector<int> DownRanks() const;
   // The channel of every rank (null where none has joined).
   std::vector<std::shared_ptr<WorkerChannel>> Channels() const;
 
@@ -78,6 +89,8 @@ class Dispatcher {
   struct Worker {
     v1::WorkerInfo info;
     std::shared_ptr<WorkerChannel> channel;  // shared: a dispatch may outlive a re-registration
+    bool down = false;
+    std::string down_because;
   };
 
   const planner::Mesh mesh_;

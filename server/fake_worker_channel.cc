@@ -27,6 +27,7 @@ struct FakeWorkerChannel::State {
   std::vector<v1::Step> steps ABSL_GUARDED_BY(mu);
   Handler handler ABSL_GUARDED_BY(mu);
   bool never_answer ABSL_GUARDED_BY(mu) = false;
+  absl::Status ping ABSL_GUARDED_BY(mu);
   HoldIf hold_if ABSL_GUARDED_BY(mu);
   absl::Duration delay ABSL_GUARDED_BY(mu) = absl::ZeroDuration();
   std::vector<Held> held ABSL_GUARDED_BY(mu);
@@ -176,6 +177,17 @@ absl::StatusOr<v1::LocalTensor> FakeWorkerChannel::GetShard(const std::string& n
     return absl::NotFoundError(absl::StrCat("no resident shard '", name, "' on this worker"));
   }
   return it->second;
+}
+
+absl::Status FakeWorkerChannel::Ping(absl::Time deadline) {
+  (void)deadline;
+  absl::MutexLock lock(&state_->mu);
+  return state_->ping;
+}
+
+void FakeWorkerChannel::SetPing(absl::Status status) {
+  absl::MutexLock lock(&state_->mu);
+  state_->ping = std::move(status);
 }
 
 void FakeWorkerChannel::SetHandler(Handler handler) {

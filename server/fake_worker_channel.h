@@ -44,12 +44,15 @@ class FakeWorkerChannel : public WorkerChannel {
 
   void ExecuteAsync(const v1::Step& step, absl::Time deadline, ExecuteDone done) override;
   absl::StatusOr<v1::LocalTensor> GetShard(const std::string& name, absl::Time deadline) override;
+  absl::Status Ping(absl::Time deadline) override;
 
   // --- behaviour (takes effect for steps received afterwards) ---
 
   // How steps are answered; nullptr restores RunTrivialWorker. A handler may
   // call RunTrivialWorker to fall back to it.
   void SetHandler(Handler handler);
+  // What Ping answers (OK by default; an error: a dead worker's heartbeat).
+  void SetPing(absl::Status status);
   // Steps are received and recorded but not answered (a hung worker), until
   // AnswerHeld. SetHoldIf holds only the steps `hold` picks (nullptr: none).
   void SetNeverAnswer(bool never);

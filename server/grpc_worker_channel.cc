@@ -60,6 +60,17 @@ class GrpcWorkerChannel : public WorkerChannel {
     return shard;
   }
 
+  // The worker's Status RPC, which answers on its own thread whatever its
+  // steps are doing; no wait for a connection beyond the deadline.
+  absl::Status Ping(absl::Time deadline) override {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(ToGrpcDeadline(deadline));
+    ctx.set_wait_for_ready(true);
+    v1::WorkerStatus status;
+    grpc::Status s = stub_->Status(&ctx, v1::WorkerStatusRequest(), &status);
+    return FromGrpcStatus(s);
+  }
+
  private:
   // A registered worker is listening, but a first connect attempt can still
   // fail transiently (seen under load in CI), and a call on a channel in

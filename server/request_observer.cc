@@ -55,7 +55,11 @@ RequestObserver::RequestObserver(const Coordinator* coordinator, metrics::Regist
                                        "Steps sent to the workers and not yet answered or given up on.");
   auto* workers = registry->AddGauge("shardgemm_workers", "Workers the mesh expects and has registered.",
                                      {"state"});
-  auto* ready = registry->AddGauge("shardgemm_mesh_ready", "1 when every rank of the mesh has registered.");
+  auto* ready = registry->AddGauge("shardgemm_mesh_ready",
+                                   "1 when every rank of the mesh has registered and answers its heartbeat.");
+  auto* up = registry->AddGauge("shardgemm_worker_up",
+                                "By rank: 1 while registered and answering the heartbeat, 0 when missing or down.",
+                                {"rank"});
   auto* tensors = registry->AddGauge("shardgemm_resident_tensors", "Resident tensors in the registry.");
   auto* resident_bytes =
       registry->AddGauge("shardgemm_resident_bytes", "Logical bytes of the resident tensors (before sharding).");
@@ -69,6 +73,7 @@ RequestObserver::RequestObserver(const Coordinator* coordinator, metrics::Regist
     workers->With({"expected"})->Set(stats.workers_expected);
     workers->With({"registered"})->Set(stats.workers_registered);
     ready->With({})->Set(stats.ready ? 1 : 0);
+    for (size_t r = 0; r < stats.up.size(); ++r) up->With({std::to_string(r)})->Set(stats.up[r] ? 1 : 0);
     tensors->With({})->Set(static_cast<double>(stats.resident_tensors));
     resident_bytes->With({})->Set(static_cast<double>(stats.resident_bytes));
     for (const auto& [key, count] : stats.dispatch.failed_calls) {

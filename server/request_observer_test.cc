@@ -94,7 +94,8 @@ TEST(RequestObserverTest, FailedWorkerCallsAreCountedByRankAndCode) {
   }
   EXPECT_THAT(registry.Render(),
               HasSubstr("shardgemm_worker_call_failures_total{rank=\"1\",code=\"UNAVAILABLE\"} 2\n"));
-  EXPECT_THAT(registry.Render(), Not(HasSubstr("rank=\"0\"")));
+  EXPECT_THAT(registry.Render(), Not(HasSubstr("shardgemm_worker_call_failures_total{rank=\"0\"")));
+  EXPECT_THAT(registry.Render(), HasSubstr("shardgemm_worker_up{rank=\"1\"} 1\n")) << "failed calls are not a heartbeat";
   gone.SetHandler(nullptr);
 }
 

@@ -24,6 +24,8 @@ class WorkerChannel {
   // latest DEADLINE_EXCEEDED soon after `deadline`).
   virtual void ExecuteAsync(const v1::Step& step, absl::Time deadline, ExecuteDone done) = 0;
   virtual absl::StatusOr<v1::LocalTensor> GetShard(const std::string& name, absl::Time deadline) = 0;
+  // A liveness check (the heartbeat): OK when the worker answers by `deadline`.
+  virtual absl::Status Ping(absl::Time deadline) = 0;
 };
 
 // A channel to the worker at `address` with `credentials` (mutual TLS, or

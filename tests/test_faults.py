@@ -1,0 +1,77 @@
+"""A worker killed and replaced (issue: faults), CPU workers on loopback.
+
+The coordinator's heartbeat marks a killed worker down within a few
+heartbeats: the mesh reports it, requests fail at once naming the rank, and
+a worker started afresh (on a new port) takes the rank; the next request is
+right."""
+import os
+import signal
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from conftest import BIN
+
+
+def inputs(seed=0):
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((64, 32)).astype(np.float32), rng.standard_normal((4, 32, 16)).astype(np.float32),
+            [10, 22, 20, 12])
+
+
+def reference(lhs, rhs, sizes):
+    out = np.zeros((lhs.shape[0], rhs.shape[2]), np.float32)
+    for shard in range(2):
+        row = shard * lhs.shape[0] // 2
+        for g in range(2):
+            n = sizes[shard * 2 + g]
+            out[row:row + n] = lhs[row:row + n] @ rhs[shard * 2 + g]
+            row += n
+    return out
+
+
+def gemm(client, seed):
+    lhs, rhs, sizes = inputs(seed)
+    out, _ = client.grouped_gemm(lhs, rhs, sizes, lhs_spec="(ep, None)", rhs_spec="(ep, None, None)",
+                                 group_sizes_spec="(ep,)")
+    np.testing.assert_allclose(out, reference(lhs, rhs, sizes), rtol=1e-4, atol=1e-4)
+
+
+def wait_until(predicate, timeout):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_killed_worker_is_down_within_its_heartbeats_and_a_new_one_takes_its_rank(cluster_factory):
+    cl = cluster_factory(mesh="ep=2", workers=2,
+                         coordinator_flags=["--heartbeat_interval_s=0.2", "--heartbeat_misses=2"])
+    gemm(cl.client, 1)
+    victim = dict(cl.procs)["worker1"]
+    victim.send_signal(signal.SIGKILL)
+    victim.wait(timeout=10)
+    killed = time.time()
+    assert wait_until(lambda: not cl.client.cluster_info().ready, 5), "the mesh still reports ready"
+    detected = time.time() - killed
+    info = cl.client.cluster_info()
+    down = [w.rank for w in info.workers if w.down]
+    assert len(down) == 1
+    rank = down[0]
+    start = time.time()
+    with pytest.raises(grpc.RpcError) as e:
+        gemm(cl.client, 2)
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE and f"worker rank {rank}" in e.value.details()
+    assert time.time() - start < 1.0, "a request to a mesh with a dead worker fails at once"
+    # A worker started afresh, on a port of its own, takes the rank.
+    cl._start("worker1-restarted", [os.path.join(BIN, "shardgemm-worker"), f"--coordinator={cl.address}",
+                                    "--backend=cpu", "--insecure"])
+    assert wait_until(lambda: cl.client.cluster_info().ready, 10), cl.log_text()
+    info = cl.client.cluster_info()
+    assert not any(w.down for w in info.workers)
+    gemm(cl.client, 3)
+    print(f"down detected {detected:.2f} s after the kill")
