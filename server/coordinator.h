@@ -108,6 +108,7 @@ class Coordinator {
   v1::ListTensorsResponse ListTensors(const CallContext& call = {}) const;
 
   const planner::Mesh& mesh() const { return mesh_; }
+  const std::string& session() const { return session_; }
 
  private:
 

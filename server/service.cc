@@ -305,4 +305,11 @@ grpc::Status CoordinationService::StoreDelete(grpc::ServerContext* context, cons
   return grpc::Status::OK;
 }
 
+grpc::Status CoordinationService::Session(grpc::ServerContext* context, const v1::SessionRequest*,
+                                          v1::SessionResponse* response) {
+  if (grpc::Status s = CheckCaller(*context); !s.ok()) return s;
+  response->set_session(coordinator_->session());
+  return grpc::Status::OK;
+}
+
 }  // namespace shardgemm

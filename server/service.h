@@ -84,6 +84,7 @@ class CoordinationService final : public v1::Coordination::Service {
                         v1::StoreGetResponse*) override;
   grpc::Status StoreDelete(grpc::ServerContext*, const v1::StoreDeleteRequest*,
                            v1::StoreDeleteResponse*) override;
+  grpc::Status Session(grpc::ServerContext*, const v1::SessionRequest*, v1::SessionResponse*) override;
 
  private:
   grpc::Status CheckCaller(const grpc::ServerContext& context) const;

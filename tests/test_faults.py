@@ -75,3 +75,43 @@ def test_a_killed_worker_is_down_within_its_heartbeats_and_a_new_one_takes_its_r
     assert not any(w.down for w in info.workers)
     gemm(cl.client, 3)
     print(f"down detected {detected:.2f} s after the kill")
+
+
+def test_workers_register_again_by_themselves_with_a_restarted_coordinator(cluster_factory):
+    cl = cluster_factory(mesh="fsdp=2", workers=2)
+    rng = np.random.default_rng(11)
+    lhs = rng.standard_normal((32, 16)).astype(np.float32)
+    rhs = rng.standard_normal((2, 16, 8)).astype(np.float32)
+    sizes = [10, 6, 8, 8]
+
+    def gathered_gemm():
+        # K of the weight split over fsdp: the plan all-gathers it, through the workers' Gloo group.
+        out, _ = cl.client.grouped_gemm(lhs, rhs, sizes, lhs_spec="(fsdp, None)", rhs_spec="(None, fsdp, None)",
+                                        group_sizes_spec="(fsdp,)")
+        want = np.zeros((32, 8), np.float32)
+        for shard in range(2):
+            row = shard * 16
+            for g in range(2):
+                n = sizes[shard * 2 + g]
+                want[row:row + n] = lhs[row:row + n] @ rhs[g]
+                row += n
+        np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4)
+
+    gathered_gemm()
+    cl.coordinator.send_signal(signal.SIGKILL)
+    cl.coordinator.wait(timeout=10)
+    restarted = time.time()
+    cl._start("coordinator-restarted", [os.path.join(BIN, "shardgemm-coordinator"), f"--listen={cl.address}",
+                                        "--mesh=fsdp=2", "--insecure"])
+
+    def ready():
+        try:
+            return cl.client.cluster_info().ready
+        except grpc.RpcError:
+            return False
+
+    assert wait_until(ready, 10), "the workers did not register again:\n" + cl.log_text()
+    rejoined = time.time() - restarted
+    assert rejoined < 5, f"the mesh took {rejoined:.1f} s"
+    gathered_gemm()  # the collectives are rebuilt for the new session
+    print(f"mesh ready {rejoined:.2f} s after the coordinator restarted")

@@ -23,6 +23,10 @@ Executor::Executor(Backend* backend, ShardStore* store) : backend_(backend), sto
 void Executor::Configure(const MeshPosition& position, std::unique_ptr<Collectives> collectives,
                          uint64_t next_sequence, std::string session) {
   absl::MutexLock lock(&mu_);
+  // A step still running uses the collectives replaced here (a re-registration
+  // with a restarted coordinator): let it end first; its collectives time out.
+  auto idle = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return !running_; };
+  mu_.AwaitWithTimeout(absl::Condition(&idle), absl::Minutes(10));
   session_ = std::move(session);
   position_ = position;
   auto timed = std::make_unique<TimedCollectives>(std::move(collectives));
@@ -67,6 +71,9 @@ absl::Status Executor::WaitForTurn(uint64_t sequence, uint64_t oldest_live, absl
     return absl::InvalidArgumentError("the step is numbered too far ahead of this worker's place in the order");
   }
   while (true) {
+    if (!session_.empty() && session != session_) {  // the worker re-registered meanwhile
+      return absl::FailedPreconditionError("the step is not from this worker's coordinator session");
+    }
     if (sequence < next_sequence_) return StaleStep();  // gone on past it
     // Steps the coordinator has answered or given up on without this
     // worker (their calls were cancelled before they arrived) will not

@@ -85,6 +85,13 @@ int64_t ShardStore::used_bytes() const {
   return resident_bytes_ + reserved_bytes_;
 }
 
+void ShardStore::Clear() {
+  absl::MutexLock lock(&mu_);
+  shards_.clear();
+  resident_bytes_ = 0;
+  device_resident_bytes_ = 0;
+}
+
 int64_t ShardStore::num_shards() const {
   absl::MutexLock lock(&mu_);
   return static_cast<int64_t>(shards_.size());

@@ -11,6 +11,7 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
@@ -58,6 +59,67 @@ ABSL_FLAG(std::string, log_level, "info",
 
 namespace shardgemm {
 namespace {
+
+// What a worker needs to build its collectives once it knows its place.
+struct Mesher {
+  std::string backend;
+  int device = 0;
+  std::shared_ptr<grpc::Channel> coordinator;
+  std::string host;  // the address peers reach this worker on
+  std::chrono::milliseconds timeout;
+};
+
+struct Joined {
+  MeshPosition position;
+  std::string session;
+};
+
+// Registers with the coordinator (retrying while it is unreachable, at most
+// `patience`), then gives the executor its place, session and collectives.
+absl::StatusOr<Joined> Join(v1::Coordination::Stub* stub, const v1::RegisterRequest& request,
+                            absl::Duration patience, const Mesher& mesher, Executor* executor) {
+  v1::RegisterResponse response;
+  const absl::Time give_up = absl::Now() + patience;
+  while (true) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    ctx.set_wait_for_ready(true);
+    grpc::Status s = stub->Register(&ctx, request, &response);
+    if (s.ok()) break;
+    if (s.error_code() != grpc::StatusCode::UNAVAILABLE && s.error_code() != grpc::StatusCode::DEADLINE_EXCEEDED) {
+      return absl::FailedPreconditionError(absl::StrCat("registration refused: ", s.error_message()));
+    }
+    if (absl::Now() > give_up) return absl::UnavailableError("no coordinator answered the registration");
+    absl::SleepFor(absl::Milliseconds(200));
+  }
+  Joined joined;
+  MeshPosition& position = joined.position;
+  position.rank = response.rank();
+  for (const auto& axis : response.mesh().axes()) {
+    position.axis_names.push_back(axis.name());
+    position.axis_sizes.push_back(axis.size());
+  }
+  int64_t rest = position.rank;
+  position.coords.assign(position.axis_sizes.size(), 0);
+  for (int d = static_cast<int>(position.axis_sizes.size()) - 1; d >= 0; --d) {
+    position.coords[d] = rest % position.axis_sizes[d];
+    rest /= position.axis_sizes[d];
+  }
+  std::unique_ptr<Collectives> collectives;
+  if (position.NumWorkers() == 1) {
+    collectives = MakeLocalCollectives(position);
+  } else if (mesher.backend == "cuda") {
+    collectives = MakeDeviceCollectives(position, mesher.device, mesher.coordinator, response.session() + "/",
+                                        mesher.timeout);
+  } else {
+    // The CPU backend's collectives: Gloo over TCP, rendezvous through the coordinator.
+    collectives = MakeGlooCollectives(position, MakeCoordinatorStore(mesher.coordinator, response.session() + "/"),
+                                      mesher.host, mesher.timeout);
+  }
+  executor->Configure(position, std::move(collectives), response.next_sequence(), response.session());
+  joined.session = response.session();
+  return joined;
+}
 
 int Run() {
   auto log_format = logging::ParseFormat(absl::GetFlag(FLAGS_log_format));
@@ -149,54 +211,39 @@ int Run() {
   request.set_backend((*backend)->Name());
   request.set_device((*backend)->Device());
   request.set_memory_budget_bytes(store.budget_bytes());
-  v1::RegisterResponse response;
-  const absl::Time give_up = absl::Now() + absl::Seconds(absl::GetFlag(FLAGS_register_timeout_s));
-  while (true) {
-    grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
-    ctx.set_wait_for_ready(true);
-    grpc::Status s = stub->Register(&ctx, request, &response);
-    if (s.ok()) break;
-    if (s.error_code() != grpc::StatusCode::UNAVAILABLE &&
-        s.error_code() != grpc::StatusCode::DEADLINE_EXCEEDED) {
-      std::cerr << "shardgemm-worker: registration refused: " << s.error_message() << "\n";
-      return 1;
+  const Mesher mesher{(*backend)->Name(), absl::GetFlag(FLAGS_device), channel, host,
+                      std::chrono::seconds(absl::GetFlag(FLAGS_collective_timeout_s))};
+  auto joined = Join(stub.get(), request, absl::Seconds(absl::GetFlag(FLAGS_register_timeout_s)), mesher, &executor);
+  if (!joined.ok()) {
+    std::cerr << "shardgemm-worker: " << joined.status().message() << "\n";
+    return 1;
+  }
+  MeshPosition position = joined->position;
+  // A coordinator that restarts forgets its workers: watch its session and
+  // register again when it changes (the shards held for the old one are
+  // dropped; its registry is gone with it).
+  absl::Notification stop_watching;
+  std::thread watcher([&] {
+    std::string session = joined->session;
+    while (!stop_watching.WaitForNotificationWithTimeout(absl::Seconds(1))) {
+      grpc::ClientContext ctx;
+      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+      v1::SessionResponse current;
+      if (!stub->Session(&ctx, v1::SessionRequest(), &current).ok() || current.session() == session) continue;
+      logging::ProcessLogger().Log(logging::Level::kWarning, "coordinator_restarted",
+                                   {{"message", "the coordinator has a new session: registering again"}});
+      store.Clear();
+      auto again = Join(stub.get(), request, absl::Seconds(absl::GetFlag(FLAGS_register_timeout_s)), mesher,
+                        &executor);
+      if (!again.ok()) {
+        logging::ProcessLogger().Log(logging::Level::kError, "register_failed",
+                                     {{"message", std::string(again.status().message())}});
+        continue;
+      }
+      session = again->session;
+      logging::ProcessLogger().Log(logging::Level::kInfo, "registered", {{"rank", again->position.rank}});
     }
-    if (absl::Now() > give_up) {
-      std::cerr << "shardgemm-worker: no coordinator at " << absl::GetFlag(FLAGS_coordinator)
-                << "\n";
-      return 1;
-    }
-    absl::SleepFor(absl::Milliseconds(200));
-  }
-
-  MeshPosition position;
-  position.rank = response.rank();
-  for (const auto& axis : response.mesh().axes()) {
-    position.axis_names.push_back(axis.name());
-    position.axis_sizes.push_back(axis.size());
-  }
-  int64_t rest = position.rank;
-  position.coords.assign(position.axis_sizes.size(), 0);
-  for (int d = static_cast<int>(position.axis_sizes.size()) - 1; d >= 0; --d) {
-    position.coords[d] = rest % position.axis_sizes[d];
-    rest /= position.axis_sizes[d];
-  }
-  std::unique_ptr<Collectives> collectives;
-  if (position.NumWorkers() == 1) {
-    collectives = MakeLocalCollectives(position);
-  } else if ((*backend)->Name() == "cuda") {
-    collectives = MakeDeviceCollectives(
-        position, absl::GetFlag(FLAGS_device), channel, response.session() + "/", std::chrono::seconds(absl::GetFlag(FLAGS_collective_timeout_s)));
-  } else {
-    // The CPU backend's collectives: Gloo over TCP, rendezvous through the
-    // coordinator. (The CUDA backend's NCCL communicators plug in here.)
-    collectives = MakeGlooCollectives(
-        position,
-        MakeCoordinatorStore(channel, response.session() + "/"), host,
-        std::chrono::seconds(absl::GetFlag(FLAGS_collective_timeout_s)));
-  }
-  executor.Configure(position, std::move(collectives), response.next_sequence(), response.session());
+  });
   std::vector<logging::Field> serving = {
       {"rank", position.rank}, {"address", address}, {"backend", (*backend)->Device()}};
   serving.push_back({"tls", !transport->insecure()});
@@ -204,6 +251,8 @@ int Run() {
   if (health != nullptr) serving.push_back({"health_port", health_port});
   logging::ProcessLogger().Log(logging::Level::kInfo, "serving", serving);
   ServeUntilSignalled(server.get());
+  stop_watching.Notify();
+  watcher.join();
   return 0;
 }
 
