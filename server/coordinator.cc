@@ -64,9 +64,10 @@ Coordinator::~Coordinator() {
 
 void Coordinator::Heartbeat() {
   const std::vector<std::shared_ptr<WorkerChannel>> channels = dispatcher_.Channels();
-  // A ping waits at most one interval (a second without a heartbeat thread).
-  const absl::Duration wait =
-      options_.heartbeat_interval > absl::ZeroDuration() ? options_.heartbeat_interval : absl::Seconds(1);
+  // A ping waits one interval, and at least 2 s: a loaded machine (every
+  // core busy with steps) answers late, which is not being dead. A killed
+  // worker's ping fails at once (connection refused).
+  const absl::Duration wait = std::max(options_.heartbeat_interval, absl::Seconds(2));
   for (int r = 0; r < static_cast<int>(channels.size()); ++r) {
     if (channels[r] == nullptr) continue;
     const absl::Status s = channels[r]->Ping(absl::Now() + wait);

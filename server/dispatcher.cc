@@ -199,16 +199,29 @@ absl::StatusOr<std::vector<v1::StepResult>> Dispatcher::Dispatch(std::vector<v1:
   std::vector<absl::StatusOr<v1::StepResult>> results;
   {
     absl::MutexLock lock(&pending->mu);
+    // Done when every worker answered, or one failed on its own (not a
+    // peer's ABORTED): a dead or failing worker fails the request at once,
+    // and its peers' steps end by themselves (their collectives time out).
     auto all_answered = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(pending->mu) {
-      return pending->answered == steps.size();
+      if (pending->answered == steps.size()) return true;
+      for (const auto& r : pending->results) {
+        if (r.has_value() && !r->ok() && r->status().code() != absl::StatusCode::kAborted) return true;
+      }
+      return false;
     };
     // The channel enforces the deadline itself; the grace covers a channel
     // (or a fake) that does not.
     pending->mu.AwaitWithDeadline(absl::Condition(&all_answered), deadline + grace_);
     Done(steps[0].sequence());  // answered, or given up on: later steps need not wait for it
+    bool another_failed = false;
+    for (const auto& r : pending->results) {
+      if (r.has_value() && !r->ok() && r->status().code() != absl::StatusCode::kAborted) another_failed = true;
+    }
     for (size_t r = 0; r < steps.size(); ++r) {
       if (pending->results[r].has_value()) {
         results.push_back(std::move(*pending->results[r]));
+      } else if (another_failed) {
+        results.push_back(absl::AbortedError("still running when another worker failed the step"));
       } else {
         results.push_back(absl::DeadlineExceededError("no answer by the step's deadline"));
       }

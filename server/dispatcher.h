@@ -59,8 +59,9 @@ class Dispatcher {
 
   // Gives `steps` (one per rank) the next sequence number and sends them to
   // every worker at once, without a thread per worker; fails if any worker
-  // fails (with the failing worker's status, not a peer's ABORTED), and
-  // with DEADLINE_EXCEEDED for one that has not answered by `deadline`.
+  // fails (with the failing worker's status, not a peer's ABORTED), as soon
+  // as one does, and with DEADLINE_EXCEEDED for one that has not answered by
+  // `deadline`.
   absl::StatusOr<std::vector<v1::StepResult>> Dispatch(std::vector<v1::Step> steps, absl::Time deadline);
   // Numbers and sends `steps` like Dispatch, without waiting for answers.
   void DispatchDetached(std::vector<v1::Step> steps, absl::Time deadline);

@@ -55,6 +55,41 @@ TEST_F(DispatcherTest, WorkersJoinInOrderAndGetTheirRankBack) {
             std::vector<int64_t>({1, 1}));
 }
 
+TEST_F(DispatcherTest, AWorkerThatFailsFailsTheDispatchAtOnceWithoutWaitingForItsPeers) {
+  auto d = Make("dp=2");
+  ASSERT_TRUE(d->Join(At("alive")).ok());
+  ASSERT_TRUE(d->Join(At("dead")).ok());
+  fakes_.at("alive").SetNeverAnswer(true);  // stuck in a collective with the dead one
+  fakes_.at("dead").SetHandler([](const v1::Step&) -> absl::StatusOr<v1::StepResult> {
+    return absl::UnavailableError("connection refused");
+  });
+  const absl::Time start = absl::Now();
+  auto r = d->Dispatch(DeleteSteps(2), absl::Now() + absl::Seconds(30));
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_NE(r.status().message().find("worker 1"), std::string::npos) << r.status();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5)) << "not at the 30 s deadline";
+  fakes_.at("dead").SetHandler(nullptr);
+  fakes_.at("alive").SetNeverAnswer(false);
+  fakes_.at("alive").AnswerHeld();
+}
+
+TEST_F(DispatcherTest, APeersAbortedWaitsForTheWorkerThatFailed) {
+  auto d = Make("dp=2");
+  ASSERT_TRUE(d->Join(At("a")).ok());
+  ASSERT_TRUE(d->Join(At("b")).ok());
+  fakes_.at("a").SetHandler([](const v1::Step&) -> absl::StatusOr<v1::StepResult> {
+    return absl::AbortedError("another worker failed this step");
+  });
+  fakes_.at("b").SetAnswerDelay(absl::Milliseconds(200));
+  fakes_.at("b").SetHandler([](const v1::Step&) -> absl::StatusOr<v1::StepResult> {
+    return absl::ResourceExhaustedError("over the memory budget");
+  });
+  auto r = d->Dispatch(DeleteSteps(2), absl::Now() + absl::Seconds(30));
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted) << "the cause, not the peer's ABORTED";
+  fakes_.at("a").SetHandler(nullptr);
+  fakes_.at("b").SetHandler(nullptr);
+}
+
 TEST_F(DispatcherTest, EveryWorkerGetsTheSameNumberAndNumbersIncrease) {
   auto d = Make("dp=2");
   ASSERT_TRUE(d->Join(At("a")).ok());

@@ -22,8 +22,9 @@ namespace {
 
 class CoordinatorStore : public gloo::rendezvous::Store {
  public:
-  CoordinatorStore(std::shared_ptr<grpc::Channel> coordinator, std::string prefix)
-      : prefix_(std::move(prefix)), stub_(v1::Coordination::NewStub(std::move(coordinator))) {}
+  CoordinatorStore(std::shared_ptr<grpc::Channel> coordinator, std::string prefix,
+                   std::chrono::milliseconds timeout)
+      : prefix_(std::move(prefix)), stub_(v1::Coordination::NewStub(std::move(coordinator))), timeout_(timeout) {}
 
   void set(const std::string& key, const std::vector<char>& data) override {
     grpc::ClientContext ctx;
@@ -56,11 +57,13 @@ class CoordinatorStore : public gloo::rendezvous::Store {
   }
 
   std::vector<char> get(const std::string& key) override {
-    auto values = Fetch({key}, kDefaultTimeout);
+    auto values = Fetch({key}, timeout_);
     return std::vector<char>(values[0].begin(), values[0].end());
   }
 
-  void wait(const std::vector<std::string>& keys) override { wait(keys, kDefaultTimeout); }
+  // Gloo's own waits (connectFullMesh's gets) use its 30 s default: ours is
+  // the collective timeout, so a peer that never comes fails the step in time.
+  void wait(const std::vector<std::string>& keys) override { wait(keys, timeout_); }
   void wait(const std::vector<std::string>& keys,
             const std::chrono::milliseconds& timeout) override {
     Fetch(keys, timeout);
@@ -84,6 +87,7 @@ class CoordinatorStore : public gloo::rendezvous::Store {
   std::unique_ptr<v1::Coordination::Stub> stub_;
   std::mutex mu_;
   std::vector<std::string> own_keys_;
+  const std::chrono::milliseconds timeout_;
 };
 
 // FP32 view of a float tensor for reductions (BF16/F16 reduce in FP32).
@@ -245,8 +249,9 @@ class GlooCollectives : public Collectives {
 }  // namespace
 
 std::shared_ptr<gloo::rendezvous::Store> MakeCoordinatorStore(std::shared_ptr<grpc::Channel> coordinator,
-                                                              const std::string& namespace_prefix) {
-  return std::make_shared<CoordinatorStore>(std::move(coordinator), namespace_prefix);
+                                                              const std::string& namespace_prefix,
+                                                              std::chrono::milliseconds timeout) {
+  return std::make_shared<CoordinatorStore>(std::move(coordinator), namespace_prefix, timeout);
 }
 
 std::unique_ptr<Collectives> MakeGlooCollectives(const MeshPosition& position,

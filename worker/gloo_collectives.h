@@ -25,8 +25,10 @@ namespace shardgemm {
 
 // A Gloo rendezvous store backed by the coordinator's Coordination service,
 // over `coordinator` (a channel with this worker's credentials).
+// `timeout` bounds every wait for a key.
 std::shared_ptr<gloo::rendezvous::Store> MakeCoordinatorStore(std::shared_ptr<grpc::Channel> coordinator,
-                                                              const std::string& namespace_prefix);
+                                                              const std::string& namespace_prefix,
+                                                              std::chrono::milliseconds timeout);
 
 // `hostname`: the address peers reach this worker on. `timeout` bounds every
 // collective: a peer that never arrives is an error, not a hang.

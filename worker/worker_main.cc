@@ -113,7 +113,7 @@ absl::StatusOr<Joined> Join(v1::Coordination::Stub* stub, const v1::RegisterRequ
                                         mesher.timeout);
   } else {
     // The CPU backend's collectives: Gloo over TCP, rendezvous through the coordinator.
-    collectives = MakeGlooCollectives(position, MakeCoordinatorStore(mesher.coordinator, response.session() + "/"),
+    collectives = MakeGlooCollectives(position, MakeCoordinatorStore(mesher.coordinator, response.session() + "/", mesher.timeout),
                                       mesher.host, mesher.timeout);
   }
   executor->Configure(position, std::move(collectives), response.next_sequence(), response.session());
