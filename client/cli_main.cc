@@ -693,7 +693,8 @@ int List() {
   if (!r.ok()) return Fail(r.status());
   for (const auto& t : r->tensors()) {
     std::cout << t.name() << "  " << absl::StrJoin(t.shape(), "x") << " "
-              << DTypeName(static_cast<DType>(static_cast<int>(t.dtype()))) << "  " << t.spec() << "\n";
+              << DTypeName(static_cast<DType>(static_cast<int>(t.dtype()))) << "  " << t.spec()
+              << (t.lost() ? "  LOST: " + t.lost_reason() : "") << "\n";
   }
   return 0;
 }

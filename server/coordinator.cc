@@ -1,5 +1,7 @@
 #include "server/coordinator.h"
 
+#include <set>
+
 #include <cstring>
 #include <limits>
 #include <map>
@@ -87,6 +89,14 @@ void Coordinator::Heartbeat() {
 absl::StatusOr<v1::RegisterResponse> Coordinator::Register(const v1::RegisterRequest& request) {
   auto joined = dispatcher_.Join(request);
   if (!joined.ok()) return joined.status();
+  if (joined->rejoined) {
+    // Every resident tensor has a shard on every rank: those this worker
+    // does not hold (a restarted process holds none) are lost, not served
+    // from what the other ranks still have.
+    const std::set<std::string> held(request.shards().begin(), request.shards().end());
+    registry_.MarkLostUnlessHeld(
+        held, absl::StrCat("worker rank ", joined->rank, " (", request.address(), ") rejoined without its shard"));
+  }
   v1::RegisterResponse response;
   response.set_rank(joined->rank);
   response.set_session(session_);
@@ -306,8 +316,13 @@ absl::StatusOr<Coordinator::Fetched> Coordinator::GetTensor(const std::string& n
 absl::Status Coordinator::DeleteTensor(const std::string& name, absl::Time deadline,
                                       const CallContext& call) {
   if (auto s = CheckReady(); !s.ok()) return s;
+  const bool lost = registry_.IsLost(call.tenant, name);
   auto shard_name = registry_.Remove(call.tenant, name);
   if (!shard_name.ok()) return shard_name.status();
+  if (lost) {  // some worker lacks its shard: the others drop theirs with the next step
+    RetireBestEffort(*shard_name);
+    return absl::OkStatus();
+  }
   return Retire(*shard_name, deadline, call);
 }
 

@@ -38,6 +38,7 @@ absl::StatusOr<Dispatcher::Joined> Dispatcher::Join(const v1::RegisterRequest& r
   }
   if (rank < 0) rank = joined_++;
   Worker& w = workers_[rank];
+  const bool rejoined = w.channel != nullptr;
   w.down = false;
   w.down_because.clear();
   w.channel = connect_(request.address());
@@ -49,7 +50,7 @@ absl::StatusOr<Dispatcher::Joined> Dispatcher::Join(const v1::RegisterRequest& r
   auto coords = planner::RankToCoords(mesh_, rank);
   if (coords.ok()) w.info.mutable_coords()->Assign(coords->begin(), coords->end());
   // A worker that (re)joins starts at the current place in the global order.
-  return Joined{rank, next_sequence_};
+  return Joined{rank, next_sequence_, rejoined};
 }
 
 std::vector<v1::WorkerInfo> Dispatcher::Workers() const {

@@ -33,6 +33,7 @@ class Dispatcher {
   struct Joined {
     int rank = 0;
     uint64_t next_sequence = 0;  // the first step this worker will be sent
+    bool rejoined = false;       // the rank had a worker before (restarted or replaced)
   };
   // RESOURCE_EXHAUSTED when every rank is taken by another address.
   absl::StatusOr<Joined> Join(const v1::RegisterRequest& request);

@@ -37,13 +37,37 @@ std::string RandomGeneration() {
   return absl::StrCat(absl::Hex(absl::Uniform<uint64_t>(gen), absl::kZeroPad16));
 }
 
+absl::Status Lost(const Resident& r) {
+  return absl::DataLossError(absl::StrCat("resident tensor '", r.info.name(), "' is lost: ", r.info.lost_reason(),
+                                          "; delete it and put it again"));
+}
+
 }  // namespace
 
 absl::StatusOr<Resident> ResidentRegistry::Find(const std::string& tenant, const std::string& name) const {
   absl::MutexLock lock(&mu_);
   auto it = tensors_.find(Key(tenant, name));
   if (it == tensors_.end()) return NotFound(name);
+  if (it->second.info.lost()) return Lost(it->second);
   return it->second;
+}
+
+bool ResidentRegistry::IsLost(const std::string& tenant, const std::string& name) const {
+  absl::MutexLock lock(&mu_);
+  auto it = tensors_.find(Key(tenant, name));
+  return it != tensors_.end() && it->second.info.lost();
+}
+
+int ResidentRegistry::MarkLostUnlessHeld(const std::set<std::string>& held, const std::string& why) {
+  absl::MutexLock lock(&mu_);
+  int marked = 0;
+  for (auto& [key, resident] : tensors_) {
+    if (resident.info.lost() || held.count(resident.shard_name) > 0) continue;
+    resident.info.set_lost(true);
+    resident.info.set_lost_reason(why);
+    ++marked;
+  }
+  return marked;
 }
 
 absl::StatusOr<Resident> ResidentRegistry::FindAndPin(const std::string& tenant, const std::string& name,
@@ -51,6 +75,7 @@ absl::StatusOr<Resident> ResidentRegistry::FindAndPin(const std::string& tenant,
   absl::MutexLock lock(&mu_);
   auto it = tensors_.find(Key(tenant, name));
   if (it == tensors_.end()) return NotFound(name);
+  if (it->second.info.lost()) return Lost(it->second);
   ++pins_[it->second.shard_name];
   pins->push_back(it->second.shard_name);
   return it->second;

@@ -11,6 +11,8 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
+#include <set>
+
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
@@ -54,7 +56,9 @@ class ResidentRegistry {
   // Returns the generation it replaced, if any: the caller retires it.
   std::string Register(Resident resident);
 
-  // Removes `name`; returns its generation (NOT_FOUND if absent).
+  // Whether `name` is resident and lost.
+  bool IsLost(const std::string& tenant, const std::string& name) const;
+  // Removes `name`, lost or not; returns its generation (NOT_FOUND if absent).
   absl::StatusOr<std::string> Remove(const std::string& tenant, const std::string& name);
   // Whether `shard_name` can leave the workers now (no pins); otherwise it
   // is marked, and Unpin hands it back with the last pin.
@@ -63,6 +67,9 @@ class ResidentRegistry {
   std::vector<v1::ResidentTensorInfo> List(const std::string& tenant) const;  // by name
   // Every tenant's (the metrics).
   std::vector<v1::ResidentTensorInfo> ListAll() const;
+  // A worker (re)joined holding only `held`: every tensor whose shard it
+  // lacks is lost (`why` says where). Returns how many were marked.
+  int MarkLostUnlessHeld(const std::set<std::string>& held, const std::string& why);
   // How many tensors `tenant` holds (resident or being made).
   int64_t Count(const std::string& tenant) const;
 

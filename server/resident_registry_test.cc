@@ -126,3 +126,29 @@ TEST(ResidentRegistryTest, NamesAreValidated) {
 
 }  // namespace
 }  // namespace shardgemm
+
+namespace shardgemm {
+namespace {
+
+TEST(ResidentRegistryTest, TensorsWhoseShardARejoinedWorkerLacksAreLost) {
+  ResidentRegistry registry;
+  registry.Register(Named("kept", "kept@1"));
+  registry.Register(Named("gone", "gone@1"));
+  EXPECT_EQ(registry.MarkLostUnlessHeld({"kept@1"}, "worker rank 1 rejoined without its shard"), 1);
+  EXPECT_TRUE(registry.Find("", "kept").ok());
+  auto gone = registry.Find("", "gone");
+  EXPECT_EQ(gone.status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_NE(gone.status().message().find("worker rank 1"), std::string::npos);
+  std::vector<std::string> pins;
+  EXPECT_EQ(registry.FindAndPin("", "gone", &pins).status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_TRUE(pins.empty());
+  EXPECT_TRUE(registry.IsLost("", "gone"));
+  bool listed_lost = false;
+  for (const auto& info : registry.List("")) listed_lost |= info.name() == "gone" && info.lost();
+  EXPECT_TRUE(listed_lost);
+  EXPECT_TRUE(registry.Remove("", "gone").ok()) << "a lost tensor can be deleted";
+  EXPECT_EQ(registry.MarkLostUnlessHeld({}, "again"), 1) << "only not-yet-lost ones count";
+}
+
+}  // namespace
+}  // namespace shardgemm

@@ -115,3 +115,32 @@ def test_workers_register_again_by_themselves_with_a_restarted_coordinator(clust
     assert rejoined < 5, f"the mesh took {rejoined:.1f} s"
     gathered_gemm()  # the collectives are rebuilt for the new session
     print(f"mesh ready {rejoined:.2f} s after the coordinator restarted")
+
+
+def test_tensors_whose_shards_died_with_a_worker_are_reported_lost_never_served(cluster_factory):
+    cl = cluster_factory(mesh="ep=2", workers=2,
+                         coordinator_flags=["--heartbeat_interval_s=0.2", "--heartbeat_misses=2"])
+    lhs, rhs, sizes = inputs(5)
+    cl.client.put("experts", rhs, spec="(ep, None, None)")
+    cl.client.put("replicated", rhs)  # every worker holds all of it: a survivor could serve it whole
+    victim = dict(cl.procs)["worker0"]
+    victim.send_signal(signal.SIGKILL)
+    victim.wait(timeout=10)
+    assert wait_until(lambda: not cl.client.cluster_info().ready, 5)
+    cl._start("worker0-restarted", [os.path.join(BIN, "shardgemm-worker"), f"--coordinator={cl.address}",
+                                    "--backend=cpu", "--insecure"])
+    assert wait_until(lambda: cl.client.cluster_info().ready, 10), cl.log_text()
+    listed = {t.name: t for t in cl.client.list()}
+    assert set(listed) == {"experts", "replicated"}
+    for name in listed:
+        assert listed[name].lost and "rejoined without its shard" in listed[name].lost_reason
+        with pytest.raises(grpc.RpcError) as e:
+            cl.client.get(name)
+        assert e.value.code() == grpc.StatusCode.DATA_LOSS and name in e.value.details()
+    with pytest.raises(grpc.RpcError) as e:
+        cl.client.grouped_gemm(lhs, "experts", sizes, lhs_spec="(ep, None)", group_sizes_spec="(ep,)")
+    assert e.value.code() == grpc.StatusCode.DATA_LOSS
+    cl.client.delete("experts")
+    cl.client.put("experts", rhs, spec="(ep, None, None)")
+    out, _ = cl.client.grouped_gemm(lhs, "experts", sizes, lhs_spec="(ep, None)", group_sizes_spec="(ep,)")
+    np.testing.assert_allclose(out, reference(lhs, rhs, sizes), rtol=1e-4, atol=1e-4)

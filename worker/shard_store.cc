@@ -92,6 +92,13 @@ void ShardStore::Clear() {
   device_resident_bytes_ = 0;
 }
 
+std::vector<std::string> ShardStore::Names() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<std::string> names;
+  for (const auto& [name, shard] : shards_) names.push_back(name);
+  return names;
+}
+
 int64_t ShardStore::num_shards() const {
   absl::MutexLock lock(&mu_);
   return static_cast<int64_t>(shards_.size());

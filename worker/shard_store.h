@@ -5,6 +5,7 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
@@ -39,6 +40,7 @@ class ShardStore {
   int64_t used_bytes() const;
   int64_t device_used_bytes() const;
   int64_t num_shards() const;
+  std::vector<std::string> Names() const;
 
   // Holds `bytes` reserved (when `held`) until destroyed or Release()d.
   class ScopedReservation {

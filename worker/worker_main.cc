@@ -76,8 +76,10 @@ struct Joined {
 
 // Registers with the coordinator (retrying while it is unreachable, at most
 // `patience`), then gives the executor its place, session and collectives.
-absl::StatusOr<Joined> Join(v1::Coordination::Stub* stub, const v1::RegisterRequest& request,
+absl::StatusOr<Joined> Join(v1::Coordination::Stub* stub, v1::RegisterRequest request, const ShardStore& store,
                             absl::Duration patience, const Mesher& mesher, Executor* executor) {
+  request.clear_shards();
+  for (std::string& name : store.Names()) request.add_shards(std::move(name));
   v1::RegisterResponse response;
   const absl::Time give_up = absl::Now() + patience;
   while (true) {
@@ -213,7 +215,8 @@ int Run() {
   request.set_memory_budget_bytes(store.budget_bytes());
   const Mesher mesher{(*backend)->Name(), absl::GetFlag(FLAGS_device), channel, host,
                       std::chrono::seconds(absl::GetFlag(FLAGS_collective_timeout_s))};
-  auto joined = Join(stub.get(), request, absl::Seconds(absl::GetFlag(FLAGS_register_timeout_s)), mesher, &executor);
+  auto joined = Join(stub.get(), request, store, absl::Seconds(absl::GetFlag(FLAGS_register_timeout_s)), mesher,
+                     &executor);
   if (!joined.ok()) {
     std::cerr << "shardgemm-worker: " << joined.status().message() << "\n";
     return 1;
@@ -233,7 +236,7 @@ int Run() {
       logging::ProcessLogger().Log(logging::Level::kWarning, "coordinator_restarted",
                                    {{"message", "the coordinator has a new session: registering again"}});
       store.Clear();
-      auto again = Join(stub.get(), request, absl::Seconds(absl::GetFlag(FLAGS_register_timeout_s)), mesher,
+      auto again = Join(stub.get(), request, store, absl::Seconds(absl::GetFlag(FLAGS_register_timeout_s)), mesher,
                         &executor);
       if (!again.ok()) {
         logging::ProcessLogger().Log(logging::Level::kError, "register_failed",
