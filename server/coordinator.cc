@@ -64,6 +64,10 @@ Coordinator::~Coordinator() {
   if (heartbeat_.joinable()) heartbeat_.join();
 }
 
+absl::Status Coordinator::MakeDurable(const std::string& state_dir) {
+  return registry_.MakeDurable(absl::StrCat(state_dir, "/registry.pb"));
+}
+
 void Coordinator::Heartbeat() {
   const std::vector<std::shared_ptr<WorkerChannel>> channels = dispatcher_.Channels();
   // A ping waits one interval, and at least 2 s: a loaded machine (every
@@ -89,6 +93,17 @@ void Coordinator::Heartbeat() {
 absl::StatusOr<v1::RegisterResponse> Coordinator::Register(const v1::RegisterRequest& request) {
   auto joined = dispatcher_.Join(request);
   if (!joined.ok()) return joined.status();
+  {
+    absl::MutexLock lock(&reconcile_mu_);
+    if (reported_.size() != static_cast<size_t>(num_workers_)) reported_.resize(num_workers_);
+    reported_[joined->rank] = std::set<std::string>(request.shards().begin(), request.shards().end());
+    if (!reconciled_ && dispatcher_.Complete()) {
+      reconciled_ = true;
+      std::vector<std::string> orphans;
+      registry_.Reconcile(reported_, &orphans);
+      for (const std::string& shard : orphans) dispatcher_.Release(shard);  // with the next step
+    }
+  }
   if (joined->rejoined) {
     // Every resident tensor has a shard on every rank: those this worker
     // does not hold (a restarted process holds none) are lost, not served

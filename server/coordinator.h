@@ -7,6 +7,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <set>
 #include <thread>
 #include <vector>
 
@@ -62,6 +63,12 @@ class Coordinator {
   // missed heartbeat_misses in a row and up one that answers. The heartbeat
   // thread runs it every heartbeat_interval; tests call it directly.
   void Heartbeat();
+
+  // Keeps the registry of resident tensors in `state_dir` (registry.pb),
+  // loading what is there: after a restart the workers register again with
+  // their shards and the registry is reconciled with them once every rank
+  // is back (tensors a rank lacks are lost, shards no tensor owns dropped).
+  absl::Status MakeDurable(const std::string& state_dir);
 
   absl::StatusOr<v1::RegisterResponse> Register(const v1::RegisterRequest& request);
   v1::ClusterInfo ClusterInfo() const;
@@ -170,6 +177,10 @@ class Coordinator {
   Dispatcher dispatcher_;
 
   ResidentRegistry registry_;
+
+  absl::Mutex reconcile_mu_;
+  std::vector<std::set<std::string>> reported_ ABSL_GUARDED_BY(reconcile_mu_);  // shards by rank, at registration
+  bool reconciled_ ABSL_GUARDED_BY(reconcile_mu_) = false;
 
   absl::Mutex heartbeat_mu_;
   std::vector<int> missed_ ABSL_GUARDED_BY(heartbeat_mu_);

@@ -44,6 +44,9 @@ ABSL_FLAG(double, heartbeat_interval_s, 1,
           "--heartbeat_misses in a row is marked down: the mesh is not ready, requests fail at once "
           "naming it, and a worker registering from another address may take its rank");
 ABSL_FLAG(int, heartbeat_misses, 3, "missed heartbeats in a row that mark a worker down");
+ABSL_FLAG(std::string, state_dir, "",
+          "keep the registry of resident tensors here (fsync'd on every put and delete), so a restarted "
+          "coordinator lists and serves them again; empty: in memory only");
 ABSL_FLAG(int64_t, max_tensors_per_tenant, 10000, "resident tensors one tenant may hold (0: no limit)");
 ABSL_FLAG(int, max_requests_per_tenant, 64,
           "GEMM, quantize, put and get requests one tenant may have running at once (0: no limit)");
@@ -107,6 +110,12 @@ int Run() {
   Coordinator coordinator(
       *mesh, [worker_credentials](const std::string& address) { return MakeGrpcWorkerChannel(address, worker_credentials); },
       options);
+  if (const std::string state_dir = absl::GetFlag(FLAGS_state_dir); !state_dir.empty()) {
+    if (auto s = coordinator.MakeDurable(state_dir); !s.ok()) {
+      std::cerr << "shardgemm-coordinator: " << s.message() << "\n";
+      return 2;
+    }
+  }
   metrics::Registry registry;
   const std::string metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
   RequestObserver observer(&coordinator, metrics_listen.empty() ? nullptr : &registry,

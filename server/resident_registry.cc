@@ -1,6 +1,13 @@
 #include "server/resident_registry.h"
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <iostream>
 
 #include "absl/strings/escaping.h"
 #include "absl/random/random.h"
@@ -67,7 +74,99 @@ int ResidentRegistry::MarkLostUnlessHeld(const std::set<std::string>& held, cons
     resident.info.set_lost_reason(why);
     ++marked;
   }
+  if (marked > 0) Persist();
   return marked;
+}
+
+int ResidentRegistry::Reconcile(const std::vector<std::set<std::string>>& held_by_rank,
+                                std::vector<std::string>* orphans) {
+  absl::MutexLock lock(&mu_);
+  int lost = 0;
+  std::set<std::string> owned;
+  for (auto& [key, resident] : tensors_) {
+    owned.insert(resident.shard_name);
+    if (resident.info.lost()) continue;
+    for (size_t r = 0; r < held_by_rank.size(); ++r) {
+      if (held_by_rank[r].count(resident.shard_name) > 0) continue;
+      resident.info.set_lost(true);
+      resident.info.set_lost_reason(
+          absl::StrCat("worker rank ", r, " did not have its shard when the coordinator restarted"));
+      ++lost;
+      break;
+    }
+  }
+  std::set<std::string> orphan_set;
+  for (const auto& held : held_by_rank) {
+    for (const std::string& shard : held) {
+      if (owned.count(shard) == 0) orphan_set.insert(shard);
+    }
+  }
+  orphans->assign(orphan_set.begin(), orphan_set.end());
+  if (lost > 0) Persist();
+  return lost;
+}
+
+absl::Status ResidentRegistry::MakeDurable(const std::string& path) {
+  absl::MutexLock lock(&mu_);
+  std::ifstream in(path, std::ios::binary);
+  if (in) {
+    v1::RegistryState state;
+    if (!state.ParseFromIstream(&in)) {
+      return absl::InvalidArgumentError(absl::StrCat("state_dir: ", path, " is not a registry state file"));
+    }
+    for (const v1::RegistryState::Entry& e : state.entries()) {
+      Resident r;
+      r.tenant = e.tenant();
+      r.info = e.info();
+      r.shard_name = e.shard_name();
+      auto spec = planner::ParsePartitionSpec(r.info.spec());
+      if (!spec.ok()) {
+        return absl::InvalidArgumentError(absl::StrCat("state_dir: ", path, ": tensor '", r.info.name(),
+                                                       "' has the spec '", r.info.spec(), "'"));
+      }
+      r.spec = *spec;
+      tensors_[Key(r.tenant, r.info.name())] = std::move(r);
+    }
+  }
+  state_path_ = path;
+  Persist();  // proves the directory is writable now, not at the first put
+  return absl::OkStatus();
+}
+
+void ResidentRegistry::Persist() {
+  if (state_path_.empty()) return;
+  v1::RegistryState state;
+  for (const auto& [key, resident] : tensors_) {
+    v1::RegistryState::Entry* e = state.add_entries();
+    e->set_tenant(resident.tenant);
+    *e->mutable_info() = resident.info;
+    e->set_shard_name(resident.shard_name);
+  }
+  const std::string bytes = state.SerializeAsString();
+  const std::string tmp = state_path_ + ".tmp";
+  const int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+  bool ok = fd >= 0;
+  size_t written = 0;
+  while (ok && written < bytes.size()) {
+    const ssize_t n = write(fd, bytes.data() + written, bytes.size() - written);
+    if (n <= 0) ok = false;
+    else written += static_cast<size_t>(n);
+  }
+  if (ok) ok = fsync(fd) == 0;
+  if (fd >= 0) close(fd);
+  if (ok) ok = rename(tmp.c_str(), state_path_.c_str()) == 0;
+  if (ok) {
+    const std::string dir = state_path_.substr(0, state_path_.rfind('/') == std::string::npos ? 0 : state_path_.rfind('/'));
+    const int dfd = open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY);
+    if (dfd >= 0) {
+      (void)fsync(dfd);
+      close(dfd);
+    }
+  }
+  if (!ok) {
+    std::cerr << "shardgemm-coordinator: cannot write the registry to " << state_path_ << ": " << std::strerror(errno)
+              << "\n";
+  }
 }
 
 absl::StatusOr<Resident> ResidentRegistry::FindAndPin(const std::string& tenant, const std::string& name,
@@ -121,6 +220,7 @@ std::string ResidentRegistry::Register(Resident resident) {
     auto it = tensors_.find(Key(tenant, name));
     if (it != tensors_.end()) replaced = it->second.shard_name;
     tensors_[Key(tenant, name)] = std::move(resident);
+    Persist();
   }
   Release(tenant, name);
   return replaced;
@@ -132,6 +232,7 @@ absl::StatusOr<std::string> ResidentRegistry::Remove(const std::string& tenant, 
   if (it == tensors_.end()) return NotFound(name);
   std::string shard = it->second.shard_name;
   tensors_.erase(it);
+  Persist();
   return shard;
 }
 

@@ -38,6 +38,12 @@ struct Resident {
 // own namespace, and another tenant's tensor is NOT_FOUND, as if absent.
 class ResidentRegistry {
  public:
+  // Durable from here on: every change to the tensors is written to `path`
+  // (a new file fsync'd and renamed over the old) before it returns; what
+  // the file holds now is loaded first. INVALID_ARGUMENT naming the file
+  // when it cannot be read or parsed.
+  absl::Status MakeDurable(const std::string& path);
+
   absl::StatusOr<Resident> Find(const std::string& tenant, const std::string& name) const;
   // Find, and pin the generation found: it stays on the workers until Unpin.
   absl::StatusOr<Resident> FindAndPin(const std::string& tenant, const std::string& name,
@@ -70,6 +76,10 @@ class ResidentRegistry {
   // A worker (re)joined holding only `held`: every tensor whose shard it
   // lacks is lost (`why` says where). Returns how many were marked.
   int MarkLostUnlessHeld(const std::set<std::string>& held, const std::string& why);
+  // After a restart, once every rank has registered with the shards it
+  // holds: tensors some rank lacks a shard of are lost; `orphans` gets the
+  // shards no tensor owns (the workers drop them). Returns how many were lost.
+  int Reconcile(const std::vector<std::set<std::string>>& held_by_rank, std::vector<std::string>* orphans);
   // How many tensors `tenant` holds (resident or being made).
   int64_t Count(const std::string& tenant) const;
 
@@ -80,6 +90,9 @@ class ResidentRegistry {
   absl::flat_hash_map<std::string, int> pins_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_set<std::string> retired_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, int> claims_ ABSL_GUARDED_BY(mu_);
+  std::string state_path_ ABSL_GUARDED_BY(mu_);
+  // Writes the tensors to state_path_ (when durable).
+  void Persist() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 };
 
 }  // namespace shardgemm

@@ -1,5 +1,8 @@
 #include "server/resident_registry.h"
 
+#include <stdlib.h>
+
+#include <fstream>
 #include <set>
 #include <string>
 #include <vector>
@@ -148,6 +151,44 @@ TEST(ResidentRegistryTest, TensorsWhoseShardARejoinedWorkerLacksAreLost) {
   EXPECT_TRUE(listed_lost);
   EXPECT_TRUE(registry.Remove("", "gone").ok()) << "a lost tensor can be deleted";
   EXPECT_EQ(registry.MarkLostUnlessHeld({}, "again"), 1) << "only not-yet-lost ones count";
+}
+
+}  // namespace
+}  // namespace shardgemm
+
+namespace shardgemm {
+namespace {
+
+TEST(ResidentRegistryTest, ADurableRegistryComesBackFromItsFile) {
+  char dir[] = "/tmp/shardgemm_registry_XXXXXX";
+  ASSERT_NE(mkdtemp(dir), nullptr);
+  const std::string path = std::string(dir) + "/registry.pb";
+  {
+    ResidentRegistry registry;
+    ASSERT_TRUE(registry.MakeDurable(path).ok());
+    Resident w = Named("w", "w@a", "alice");
+    w.info.set_spec("(ep, None)");
+    registry.Register(w);
+    Resident x = Named("x", "x@b", "bob");
+    x.info.set_spec("(None, fsdp)");
+    registry.Register(x);
+    ASSERT_TRUE(registry.Remove("bob", "x").ok());
+  }
+  ResidentRegistry again;
+  ASSERT_TRUE(again.MakeDurable(path).ok());
+  auto w = again.Find("alice", "w");
+  ASSERT_TRUE(w.ok()) << w.status();
+  EXPECT_EQ(w->shard_name, "w@a");
+  EXPECT_EQ(planner::FormatPartitionSpec(w->spec), "(ep, None)");
+  EXPECT_EQ(again.Find("bob", "x").status().code(), absl::StatusCode::kNotFound) << "the delete was kept too";
+  // Reconciled with what the ranks hold: rank 1 lacks w's shard; "stray" is no one's.
+  std::vector<std::string> orphans;
+  EXPECT_EQ(again.Reconcile({{"w@a", "stray@1"}, {}}, &orphans), 1);
+  EXPECT_EQ(orphans, std::vector<std::string>({"stray@1"}));
+  EXPECT_EQ(again.Find("alice", "w").status().code(), absl::StatusCode::kDataLoss);
+  std::ofstream(path) << "garbage";
+  ResidentRegistry broken;
+  EXPECT_EQ(broken.MakeDurable(path).code(), absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace

@@ -144,3 +144,42 @@ def test_tensors_whose_shards_died_with_a_worker_are_reported_lost_never_served(
     cl.client.put("experts", rhs, spec="(ep, None, None)")
     out, _ = cl.client.grouped_gemm(lhs, "experts", sizes, lhs_spec="(ep, None)", group_sizes_spec="(ep,)")
     np.testing.assert_allclose(out, reference(lhs, rhs, sizes), rtol=1e-4, atol=1e-4)
+
+
+def test_a_coordinator_restarted_with_its_state_dir_serves_every_tensor_again(cluster_factory, tmp_path):
+    state = tmp_path / "state"
+    state.mkdir()
+    cl = cluster_factory(mesh="ep=2", workers=2, coordinator_flags=[f"--state_dir={state}"])
+    lhs, rhs, sizes = inputs(6)
+    cl.client.put("experts", rhs, spec="(ep, None, None)")
+    cl.client.put("replicated", rhs * 2)
+    cl.client.put("dropped", rhs)
+    cl.client.delete("dropped")
+    cl.coordinator.send_signal(signal.SIGKILL)
+    cl.coordinator.wait(timeout=10)
+    restarted = time.time()
+    cl._start("coordinator-restarted", [os.path.join(BIN, "shardgemm-coordinator"), f"--listen={cl.address}",
+                                        "--mesh=ep=2", "--insecure", f"--state_dir={state}"])
+
+    def ready():
+        try:
+            return cl.client.cluster_info().ready
+        except grpc.RpcError:
+            return False
+
+    assert wait_until(ready, 10), cl.log_text()
+    assert time.time() - restarted < 5
+    listed = {t.name: t for t in cl.client.list()}
+    assert set(listed) == {"experts", "replicated"} and not any(t.lost for t in listed.values())
+    np.testing.assert_array_equal(cl.client.get("experts"), rhs)
+    np.testing.assert_array_equal(cl.client.get("replicated"), rhs * 2)
+    out, _ = cl.client.grouped_gemm(lhs, "experts", sizes, lhs_spec="(ep, None)", group_sizes_spec="(ep,)")
+    np.testing.assert_allclose(out, reference(lhs, rhs, sizes), rtol=1e-4, atol=1e-4)
+
+
+def test_a_coordinator_refuses_a_state_file_it_cannot_read(tmp_path):
+    (tmp_path / "registry.pb").write_bytes(b"\xff\xff not a registry")
+    import subprocess
+    p = subprocess.run([os.path.join(BIN, "shardgemm-coordinator"), "--listen=127.0.0.1:0", "--insecure",
+                        f"--state_dir={tmp_path}"], capture_output=True, text=True, timeout=20)
+    assert p.returncode == 2 and "registry.pb" in p.stderr, p.stderr

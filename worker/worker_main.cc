@@ -223,8 +223,8 @@ int Run() {
   }
   MeshPosition position = joined->position;
   // A coordinator that restarts forgets its workers: watch its session and
-  // register again when it changes (the shards held for the old one are
-  // dropped; its registry is gone with it).
+  // register again when it changes, with the shards held (a coordinator
+  // with a durable registry keeps those it knows and drops the others).
   absl::Notification stop_watching;
   std::thread watcher([&] {
     std::string session = joined->session;
@@ -235,7 +235,6 @@ int Run() {
       if (!stub->Session(&ctx, v1::SessionRequest(), &current).ok() || current.session() == session) continue;
       logging::ProcessLogger().Log(logging::Level::kWarning, "coordinator_restarted",
                                    {{"message", "the coordinator has a new session: registering again"}});
-      store.Clear();
       auto again = Join(stub.get(), request, store, absl::Seconds(absl::GetFlag(FLAGS_register_timeout_s)), mesher,
                         &executor);
       if (!again.ok()) {
