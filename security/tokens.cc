@@ -59,6 +59,9 @@ absl::StatusOr<std::unique_ptr<TokenFile>> TokenFile::Load(const std::string& pa
 }
 
 absl::Status TokenFile::Reload() {
+  // The time first: a write landing while the file is read shows as a newer
+  // time at the next check, and is read then.
+  const int64_t mtime = MtimeNs(path_);
   std::ifstream in(path_);
   if (!in) return absl::InvalidArgumentError(absl::StrCat("tokens_file: cannot read ", path_));
   std::map<std::string, Principal> principals;
@@ -91,7 +94,7 @@ absl::Status TokenFile::Reload() {
     principals[absl::AsciiStrToLower(words[0].substr(7))] = std::move(p);
   }
   principal_by_hash_ = std::move(principals);
-  mtime_ns_ = MtimeNs(path_);
+  mtime_ns_ = mtime;
   return absl::OkStatus();
 }
 

@@ -94,9 +94,19 @@ absl::StatusOr<v1::RegisterResponse> Coordinator::Register(const v1::RegisterReq
   auto joined = dispatcher_.Join(request);
   if (!joined.ok()) return joined.status();
   {
+    absl::MutexLock lock(&heartbeat_mu_);
+    missed_[joined->rank] = 0;  // a new worker does not inherit its rank's missed heartbeats
+  }
+  // Shards count only on the rank they were stored for: a worker given
+  // another rank than the one it held holds none of this rank's blocks.
+  std::set<std::string> held;
+  if (!request.has_previous_rank() || request.previous_rank() == joined->rank) {
+    held.insert(request.shards().begin(), request.shards().end());
+  }
+  {
     absl::MutexLock lock(&reconcile_mu_);
     if (reported_.size() != static_cast<size_t>(num_workers_)) reported_.resize(num_workers_);
-    reported_[joined->rank] = std::set<std::string>(request.shards().begin(), request.shards().end());
+    reported_[joined->rank] = held;
     if (!reconciled_ && dispatcher_.Complete()) {
       reconciled_ = true;
       std::vector<std::string> orphans;
@@ -108,7 +118,6 @@ absl::StatusOr<v1::RegisterResponse> Coordinator::Register(const v1::RegisterReq
     // Every resident tensor has a shard on every rank: those this worker
     // does not hold (a restarted process holds none) are lost, not served
     // from what the other ranks still have.
-    const std::set<std::string> held(request.shards().begin(), request.shards().end());
     registry_.MarkLostUnlessHeld(
         held, absl::StrCat("worker rank ", joined->rank, " (", request.address(), ") rejoined without its shard"));
   }

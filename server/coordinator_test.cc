@@ -1,5 +1,7 @@
 #include "server/coordinator.h"
 
+#include <stdlib.h>
+
 #include <algorithm>
 #include <atomic>
 #include <memory>
@@ -839,6 +841,49 @@ TEST(CoordinatorLivenessTest, TheHeartbeatThreadMarksAWorkerDownByItself) {
   mesh->worker(1).SetPing(absl::OkStatus());
   while (!c.ClusterInfo().ready() && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(10));
   EXPECT_TRUE(c.ClusterInfo().ready());
+}
+
+}  // namespace
+}  // namespace shardgemm
+
+namespace shardgemm {
+namespace {
+
+TEST(CoordinatorRestartTest, ShardsReportedForAnotherRankDoNotCountAndTheTensorIsLost) {
+  // A restarted coordinator whose registry says "w" has shard w@1 on every rank.
+  char dir[] = "/tmp/shardgemm_coord_XXXXXX";
+  ASSERT_NE(mkdtemp(dir), nullptr);
+  {
+    ResidentRegistry registry;
+    ASSERT_TRUE(registry.MakeDurable(std::string(dir) + "/registry.pb").ok());
+    Resident w;
+    w.info.set_name("w");
+    w.info.set_spec("(dp, None)");
+    w.info.set_dtype(v1::F32);
+    w.info.add_shape(4);
+    w.info.add_shape(2);
+    w.shard_name = "w@1";
+    registry.Register(w);
+  }
+  FakeMesh::Options options;
+  options.workers = 0;
+  auto mesh = MakeMesh("dp=2", options);
+  Coordinator& c = mesh->coordinator();
+  ASSERT_TRUE(c.MakeDurable(dir).ok());
+  // Both workers held rank 0 before (one of them is wrong about it): the second is given rank 1,
+  // where its w@1 is rank 0's block, not rank 1's.
+  for (const char* address : {"fake:a", "fake:b"}) {
+    v1::RegisterRequest r;
+    r.set_address(address);
+    r.set_previous_rank(0);
+    r.add_shards("w@1");
+    ASSERT_OK(c.Register(r).status());
+  }
+  ASSERT_TRUE(c.ClusterInfo().ready());
+  const v1::ListTensorsResponse listed = c.ListTensors();
+  ASSERT_EQ(listed.tensors_size(), 1);
+  EXPECT_TRUE(listed.tensors(0).lost()) << "never assembled from two copies of rank 0's block";
+  EXPECT_EQ(c.GetTensor("w").status().code(), absl::StatusCode::kDataLoss);
 }
 
 }  // namespace

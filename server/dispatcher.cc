@@ -26,6 +26,13 @@ absl::StatusOr<Dispatcher::Joined> Dispatcher::Join(const v1::RegisterRequest& r
     // A worker that restarts on the same address gets its rank back.
     if (workers_[r].channel != nullptr && workers_[r].info.address() == request.address()) rank = r;
   }
+  // A worker registering again with a restarted coordinator asks for the
+  // rank its shards belong to.
+  if (rank < 0 && request.has_previous_rank() && request.previous_rank() >= 0 &&
+      request.previous_rank() < num_workers_) {
+    const Worker& was = workers_[request.previous_rank()];
+    if (was.channel == nullptr || was.down) rank = request.previous_rank();
+  }
   if (rank < 0 && joined_ == num_workers_) {
     // A worker restarted on another address takes a rank that is down.
     for (int r = 0; r < num_workers_ && rank < 0; ++r) {
@@ -36,8 +43,14 @@ absl::StatusOr<Dispatcher::Joined> Dispatcher::Join(const v1::RegisterRequest& r
           "the mesh ", planner::FormatMesh(mesh_), " already has all ", num_workers_, " workers, all answering"));
     }
   }
-  if (rank < 0) rank = joined_++;
+  if (rank < 0) {
+    // The lowest rank no worker has taken (ranks asked for by number may be taken out of order).
+    for (int r = 0; r < num_workers_ && rank < 0; ++r) {
+      if (workers_[r].channel == nullptr) rank = r;
+    }
+  }
   Worker& w = workers_[rank];
+  if (w.channel == nullptr) ++joined_;
   const bool rejoined = w.channel != nullptr;
   w.down = false;
   w.down_because.clear();

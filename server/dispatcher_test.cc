@@ -90,6 +90,21 @@ TEST_F(DispatcherTest, APeersAbortedWaitsForTheWorkerThatFailed) {
   fakes_.at("b").SetHandler(nullptr);
 }
 
+TEST_F(DispatcherTest, WorkersRegisteringAgainGetTheRanksTheyHeldWhateverTheOrder) {
+  auto d = Make("dp=3");
+  v1::RegisterRequest second = At("was-2");
+  second.set_previous_rank(2);
+  v1::RegisterRequest zeroth = At("was-0");
+  zeroth.set_previous_rank(0);
+  EXPECT_EQ(d->Join(second)->rank, 2);
+  EXPECT_EQ(d->Join(zeroth)->rank, 0);
+  EXPECT_EQ(d->Join(At("fresh"))->rank, 1) << "a fresh worker takes the lowest free rank";
+  EXPECT_TRUE(d->Complete());
+  v1::RegisterRequest taken = At("also-0");
+  taken.set_previous_rank(0);
+  EXPECT_EQ(d->Join(taken).status().code(), absl::StatusCode::kResourceExhausted) << "rank 0 is held and answering";
+}
+
 TEST_F(DispatcherTest, EveryWorkerGetsTheSameNumberAndNumbersIncrease) {
   auto d = Make("dp=2");
   ASSERT_TRUE(d->Join(At("a")).ok());

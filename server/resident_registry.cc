@@ -109,6 +109,10 @@ int ResidentRegistry::Reconcile(const std::vector<std::set<std::string>>& held_b
 absl::Status ResidentRegistry::MakeDurable(const std::string& path) {
   absl::MutexLock lock(&mu_);
   std::ifstream in(path, std::ios::binary);
+  if (!in && errno != ENOENT) {
+    return absl::InvalidArgumentError(absl::StrCat("state_dir: cannot read ", path, ": ", std::strerror(errno)));
+  }
+  absl::flat_hash_map<std::string, Resident> loaded;
   if (in) {
     v1::RegistryState state;
     if (!state.ParseFromIstream(&in)) {
@@ -125,9 +129,10 @@ absl::Status ResidentRegistry::MakeDurable(const std::string& path) {
                                                        "' has the spec '", r.info.spec(), "'"));
       }
       r.spec = *spec;
-      tensors_[Key(r.tenant, r.info.name())] = std::move(r);
+      loaded[Key(r.tenant, r.info.name())] = std::move(r);
     }
   }
+  for (auto& [key, resident] : loaded) tensors_[key] = std::move(resident);
   state_path_ = path;
   Persist();  // proves the directory is writable now, not at the first put
   return absl::OkStatus();

@@ -26,7 +26,7 @@ void Executor::Configure(const MeshPosition& position, std::unique_ptr<Collectiv
   // A step still running uses the collectives replaced here (a re-registration
   // with a restarted coordinator): let it end first; its collectives time out.
   auto idle = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return !running_; };
-  mu_.AwaitWithTimeout(absl::Condition(&idle), absl::Minutes(10));
+  mu_.Await(absl::Condition(&idle));
   session_ = std::move(session);
   position_ = position;
   auto timed = std::make_unique<TimedCollectives>(std::move(collectives));
@@ -50,6 +50,12 @@ absl::Status StaleStep() {
 }
 
 }  // namespace
+
+void Executor::AwaitIdle() {
+  absl::MutexLock lock(&mu_);
+  auto idle = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return !running_; };
+  mu_.Await(absl::Condition(&idle));
+}
 
 absl::Status Executor::WaitForTurn(uint64_t sequence, uint64_t oldest_live, absl::Time deadline,
                                    const std::string& session) {

@@ -43,6 +43,8 @@ class Executor {
   absl::StatusOr<v1::StepResult> Execute(v1::Step step, absl::Time deadline = absl::InfiniteFuture());
 
   const MeshPosition& position() const { return position_; }
+  // Returns once no step is running (a running step's collectives are bounded by their timeout).
+  void AwaitIdle();
   // Steps waiting for their turn now (the worker's queue depth).
   int64_t steps_waiting() const { return steps_waiting_.load(std::memory_order_relaxed); }
   // Collective calls that failed since start (transport errors, timeouts).

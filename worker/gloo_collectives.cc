@@ -8,6 +8,7 @@
 #include "absl/strings/str_join.h"
 #include "gloo/allgather.h"
 #include "gloo/allreduce.h"
+#include "gloo/barrier.h"
 #include "gloo/math.h"
 #include "gloo/rendezvous/context.h"
 #include "gloo/rendezvous/prefix_store.h"
@@ -39,8 +40,9 @@ class CoordinatorStore : public gloo::rendezvous::Store {
     own_keys_.push_back(request.key());
   }
 
-  // The keys this member set. Once its full mesh is connected every peer
-  // has read them (each connected to it through its address), so the store
+  // The keys this member set. Once every member's full mesh is connected
+  // (a barrier on the new context after connectFullMesh: a member that is
+  // connected may still have a peer that has not read its key) the store
   // may forget them. Best effort: a failure leaves them until the session ends.
   void ForgetOwnKeys() {
     v1::StoreDeleteRequest request;
@@ -229,7 +231,12 @@ class GlooCollectives : public Collectives {
       ctx->setTimeout(timeout_);
       gloo::rendezvous::PrefixStore prefixed(prefix, *store_);
       ctx->connectFullMesh(prefixed, device_);
-      if (auto* coordinator = dynamic_cast<CoordinatorStore*>(store_.get())) coordinator->ForgetOwnKeys();
+      if (auto* coordinator = dynamic_cast<CoordinatorStore*>(store_.get())) {
+        gloo::BarrierOptions every_member_connected(ctx);
+        every_member_connected.setTimeout(timeout_);
+        gloo::barrier(every_member_connected);
+        coordinator->ForgetOwnKeys();
+      }
       contexts_[key] = ctx;
       return std::shared_ptr<gloo::Context>(ctx);
     } catch (const std::exception& e) {

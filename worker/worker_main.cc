@@ -78,6 +78,9 @@ struct Joined {
 // `patience`), then gives the executor its place, session and collectives.
 absl::StatusOr<Joined> Join(v1::Coordination::Stub* stub, v1::RegisterRequest request, const ShardStore& store,
                             absl::Duration patience, const Mesher& mesher, Executor* executor) {
+  // Steps of the old session still running end first (their collectives
+  // time out): the new coordinator counts this worker ready once it answers.
+  executor->AwaitIdle();
   request.clear_shards();
   for (std::string& name : store.Names()) request.add_shards(std::move(name));
   v1::RegisterResponse response;
@@ -222,6 +225,7 @@ int Run() {
     return 1;
   }
   MeshPosition position = joined->position;
+  request.set_previous_rank(static_cast<int32_t>(position.rank));
   // A coordinator that restarts forgets its workers: watch its session and
   // register again when it changes, with the shards held (a coordinator
   // with a durable registry keeps those it knows and drops the others).
@@ -243,6 +247,7 @@ int Run() {
         continue;
       }
       session = again->session;
+      request.set_previous_rank(static_cast<int32_t>(again->position.rank));
       logging::ProcessLogger().Log(logging::Level::kInfo, "registered", {{"rank", again->position.rank}});
     }
   });
