@@ -83,9 +83,10 @@ void Coordinator::Heartbeat() {
       missed = s.ok() ? 0 : ++missed_[r];
     }
     if (s.ok()) {
-      dispatcher_.MarkUp(r);
+      dispatcher_.MarkUp(r, channels[r].get());
     } else if (missed >= options_.heartbeat_misses) {
-      dispatcher_.MarkDown(r, absl::Status(s.code(), absl::StrCat(missed, " heartbeats missed (", s.message(), ")")));
+      dispatcher_.MarkDown(r, absl::Status(s.code(), absl::StrCat(missed, " heartbeats missed (", s.message(), ")")),
+                           channels[r].get());
     }
   }
 }
@@ -161,14 +162,6 @@ Coordinator::Stats Coordinator::GetStats() const {
   return stats;
 }
 
-absl::Status Coordinator::CheckTenantRoom(const std::string& tenant, const std::string& name) const {
-  if (options_.max_tensors_per_tenant <= 0 || registry_.Find(tenant, name).ok()) return absl::OkStatus();
-  if (registry_.Count(tenant) < options_.max_tensors_per_tenant) return absl::OkStatus();
-  return absl::ResourceExhaustedError(absl::StrCat(
-      "name: ", tenant.empty() ? "this tenant" : absl::StrCat("tenant '", tenant, "'"), " holds its limit of ",
-      options_.max_tensors_per_tenant, " resident tensors (--max_tensors_per_tenant); delete one first"));
-}
-
 absl::Status Coordinator::CheckTensorFits(const std::string& name, int64_t bytes) const {
   if (auto s = CheckReady(); !s.ok()) return s;
   int64_t total = 0;
@@ -219,7 +212,9 @@ absl::Status Coordinator::DeleteShards(const std::string& shard_name, absl::Time
   std::vector<v1::Step> steps(num_workers_);
   for (v1::Step& s : steps) s.mutable_delete_shard()->set_name(shard_name);
   auto results = Dispatch(std::move(steps), StepDeadline(deadline), call);
-  return results.ok() ? absl::OkStatus() : results.status();
+  // A worker without the shard (replaced since) has nothing to delete.
+  if (!results.ok() && results.status().code() != absl::StatusCode::kNotFound) return results.status();
+  return absl::OkStatus();
 }
 
 void Coordinator::DeleteShardsBestEffort(const std::string& shard_name) {
@@ -271,11 +266,11 @@ absl::StatusOr<v1::PutTensorResponse> Coordinator::PutTensor(const std::string& 
     return absl::InvalidArgumentError(absl::StrCat("spec: ", spec.status().message()));
   }
   if (auto s = planner::ValidatePartitionSpec(name, tensor.shape, *spec, mesh_); !s.ok()) return s;
-  if (auto s = CheckTenantRoom(call.tenant, name); !s.ok()) return s;
-  auto claimed = registry_.Claim(call.tenant, name, overwrite);
+  auto claimed = registry_.Claim(call.tenant, name, overwrite, options_.max_tensors_per_tenant);
   if (!claimed.ok()) {
-    return absl::Status(claimed.status().code(),
-                        absl::StrCat(claimed.status().message(), " (set overwrite to replace it)"));
+    const bool exists = claimed.status().code() == absl::StatusCode::kAlreadyExists;
+    return absl::Status(claimed.status().code(), absl::StrCat(claimed.status().message(),
+                                                              exists ? " (set overwrite to replace it)" : ""));
   }
   const std::string shard_name = *claimed;
   ClaimGuard claim(&registry_, call.tenant, name);
@@ -813,13 +808,13 @@ absl::StatusOr<v1::GroupedGemmResponse> Coordinator::GroupedGemmPerShard(
   std::string shard_name;
   absl::optional<ClaimGuard> claim;
   if (!request.keep_output_as().empty()) {
-    if (auto s = CheckTenantRoom(call.tenant, request.keep_output_as()); !s.ok()) {
-      return absl::Status(s.code(), absl::StrCat("keep_output_as: ", s.message()));
-    }
-    auto claimed = registry_.Claim(call.tenant, request.keep_output_as(), request.overwrite_output());
+    auto claimed = registry_.Claim(call.tenant, request.keep_output_as(), request.overwrite_output(),
+                                   options_.max_tensors_per_tenant);
     if (!claimed.ok()) {
-      return absl::Status(claimed.status().code(), absl::StrCat("keep_output_as: ", claimed.status().message(),
-                                                                " (set overwrite_output to replace it)"));
+      const bool exists = claimed.status().code() == absl::StatusCode::kAlreadyExists;
+      return absl::Status(claimed.status().code(),
+                          absl::StrCat("keep_output_as: ", claimed.status().message(),
+                                       exists ? " (set overwrite_output to replace it)" : ""));
     }
     shard_name = *claimed;
     claim.emplace(&registry_, call.tenant, request.keep_output_as());

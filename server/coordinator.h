@@ -105,9 +105,7 @@ class Coordinator {
   // mesh even fully sharded (the workers' budgets together), or unless the
   // mesh is complete (UNAVAILABLE): checked before a put's data is received.
   absl::Status CheckTensorFits(const std::string& name, int64_t bytes) const;
-  // RESOURCE_EXHAUSTED when `tenant` holds max_tensors_per_tenant tensors and
-  // `name` is not one of them.
-  absl::Status CheckTenantRoom(const std::string& tenant, const std::string& name) const;
+
   absl::StatusOr<Fetched> GetTensor(const std::string& name, absl::Time deadline = absl::InfiniteFuture(),
                                     const CallContext& call = {});
   absl::Status DeleteTensor(const std::string& name, absl::Time deadline = absl::InfiniteFuture(),

@@ -104,16 +104,16 @@ absl::Status Dispatcher::CheckComplete() const {
   return absl::OkStatus();
 }
 
-void Dispatcher::MarkDown(int rank, const absl::Status& why) {
+void Dispatcher::MarkDown(int rank, const absl::Status& why, const WorkerChannel* channel) {
   absl::MutexLock lock(&workers_mu_);
-  if (rank < 0 || rank >= num_workers_ || workers_[rank].channel == nullptr) return;
+  if (rank < 0 || rank >= num_workers_ || workers_[rank].channel.get() != channel) return;
   workers_[rank].down = true;
   workers_[rank].down_because = std::string(why.message());
 }
 
-void Dispatcher::MarkUp(int rank) {
+void Dispatcher::MarkUp(int rank, const WorkerChannel* channel) {
   absl::MutexLock lock(&workers_mu_);
-  if (rank < 0 || rank >= num_workers_) return;
+  if (rank < 0 || rank >= num_workers_ || workers_[rank].channel.get() != channel) return;
   workers_[rank].down = false;
   workers_[rank].down_because.clear();
 }

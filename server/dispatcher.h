@@ -51,8 +51,10 @@ class Dispatcher {
   // mesh incomplete (requests fail at once naming it) and its rank free for
   // a worker registering from another address; marked up again when it
   // answers (or re-registers).
-  void MarkDown(int rank, const absl::Status& why);
-  void MarkUp(int rank);
+  // `channel`: the one the heartbeat pinged; a rank that has a new worker
+  // since is left alone.
+  void MarkDown(int rank, const absl::Status& why, const WorkerChannel* channel);
+  void MarkUp(int rank, const WorkerChannel* channel);
   // The ranks marked down (for ClusterInfo and metrics).
   std::vector<int> DownRanks() const;
   // The channel of every rank (null where none has joined).

@@ -197,9 +197,15 @@ std::vector<std::string> ResidentRegistry::Unpin(const std::vector<std::string>&
 }
 
 absl::StatusOr<std::string> ResidentRegistry::Claim(const std::string& tenant, const std::string& name,
-                                                    bool overwrite) {
+                                                    bool overwrite, int64_t max_per_tenant) {
   const std::string key = Key(tenant, name);
   absl::MutexLock lock(&mu_);
+  if (max_per_tenant > 0 && !tensors_.contains(key) && !claims_.contains(key) &&
+      CountLocked(tenant) >= max_per_tenant) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        tenant.empty() ? "this tenant" : absl::StrCat("tenant '", tenant, "'"), " holds its limit of ",
+        max_per_tenant, " resident tensors (--max_tensors_per_tenant); delete one first"));
+  }
   if (!overwrite && tensors_.contains(key)) {
     return absl::AlreadyExistsError(absl::StrCat("resident tensor '", name, "' exists"));
   }
@@ -270,8 +276,12 @@ std::vector<v1::ResidentTensorInfo> ResidentRegistry::ListAll() const {
 }
 
 int64_t ResidentRegistry::Count(const std::string& tenant) const {
-  const std::string prefix = Key(tenant, "");
   absl::MutexLock lock(&mu_);
+  return CountLocked(tenant);
+}
+
+int64_t ResidentRegistry::CountLocked(const std::string& tenant) const {
+  const std::string prefix = Key(tenant, "");
   int64_t n = 0;
   for (const auto& [key, resident] : tensors_) n += resident.tenant == tenant;
   for (const auto& [key, claims] : claims_) {

@@ -56,7 +56,11 @@ class ResidentRegistry {
   // workers' name of its new generation. ALREADY_EXISTS when it is resident
   // or claimed by a running request, unless `overwrite`. Release the claim
   // with Register or Release.
-  absl::StatusOr<std::string> Claim(const std::string& tenant, const std::string& name, bool overwrite);
+  // `max_per_tenant` > 0: RESOURCE_EXHAUSTED when a new name would give the
+  // tenant more tensors (resident or being made) than that, counted under
+  // the same lock as the claim.
+  absl::StatusOr<std::string> Claim(const std::string& tenant, const std::string& name, bool overwrite,
+                                    int64_t max_per_tenant = 0);
   void Release(const std::string& tenant, const std::string& name);
   // Registers `resident` under its tenant and name, releasing the claim.
   // Returns the generation it replaced, if any: the caller retires it.
@@ -93,6 +97,7 @@ class ResidentRegistry {
   std::string state_path_ ABSL_GUARDED_BY(mu_);
   // Writes the tensors to state_path_ (when durable).
   void Persist() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  int64_t CountLocked(const std::string& tenant) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 };
 
 }  // namespace shardgemm

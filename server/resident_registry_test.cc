@@ -193,3 +193,21 @@ TEST(ResidentRegistryTest, ADurableRegistryComesBackFromItsFile) {
 
 }  // namespace
 }  // namespace shardgemm
+
+namespace shardgemm {
+namespace {
+
+TEST(ResidentRegistryTest, TheTenantLimitIsCountedWithTheClaim) {
+  ResidentRegistry registry;
+  ASSERT_TRUE(registry.Claim("alice", "a", false, /*max_per_tenant=*/2).ok());
+  ASSERT_TRUE(registry.Claim("alice", "b", false, 2).ok());  // being made: counted already
+  auto third = registry.Claim("alice", "c", false, 2);
+  EXPECT_EQ(third.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(third.status().message().find("max_tensors_per_tenant"), std::string::npos);
+  EXPECT_TRUE(registry.Claim("bob", "c", false, 2).ok()) << "another tenant's room is its own";
+  registry.Register(Named("a", "a@1", "alice"));
+  EXPECT_TRUE(registry.Claim("alice", "a", /*overwrite=*/true, 2).ok()) << "replacing its own adds nothing";
+}
+
+}  // namespace
+}  // namespace shardgemm
