@@ -241,7 +241,8 @@ class ClaimGuard {
     if (!registered_) registry_->Release(tenant_, name_);
   }
   // Registers the claimed tensor; returns the generation it replaced.
-  std::string Register(Resident resident) {
+  // The registry released the claim either way.
+  absl::StatusOr<std::string> Register(Resident resident) {
     registered_ = true;
     return registry_->Register(std::move(resident));
   }
@@ -299,8 +300,12 @@ absl::StatusOr<v1::PutTensorResponse> Coordinator::PutTensor(const std::string& 
   resident.info.set_spec(planner::FormatPartitionSpec(*spec));
   resident.spec = *spec;
   resident.shard_name = shard_name;
-  const std::string replaced = claim.Register(std::move(resident));
-  if (!replaced.empty()) RetireBestEffort(replaced);  // the new generation is in
+  auto replaced = claim.Register(std::move(resident));
+  if (!replaced.ok()) {  // not kept (its registry could not be written): nor are its shards
+    DeleteShardsBestEffort(shard_name);
+    return replaced.status();
+  }
+  if (!replaced->empty()) RetireBestEffort(*replaced);  // the new generation is in
   v1::PutTensorResponse response;
   response.set_name(name);
   response.set_bytes(tensor.NumBytes());
@@ -839,8 +844,12 @@ absl::StatusOr<v1::GroupedGemmResponse> Coordinator::GroupedGemmPerShard(
     resident.spec = plan->out_spec;
     resident.shard_name = shard_name;
     const std::string spec_text = resident.info.spec();
-    const std::string replaced = claim->Register(std::move(resident));
-    if (!replaced.empty()) RetireBestEffort(replaced);  // the new generation is in
+    auto replaced = claim->Register(std::move(resident));
+    if (!replaced.ok()) {
+      DeleteShardsBestEffort(shard_name);
+      return absl::Status(replaced.status().code(), absl::StrCat("keep_output_as: ", replaced.status().message()));
+    }
+    if (!replaced->empty()) RetireBestEffort(*replaced);  // the new generation is in
     response.mutable_out()->set_dtype(DTypeToProto(plan->out_dtype));
     response.mutable_out()->mutable_shape()->Assign(plan->out_shape.begin(), plan->out_shape.end());
     response.mutable_out()->set_resident(request.keep_output_as());

@@ -863,7 +863,7 @@ TEST(CoordinatorRestartTest, ShardsReportedForAnotherRankDoNotCountAndTheTensorI
     w.info.add_shape(4);
     w.info.add_shape(2);
     w.shard_name = "w@1";
-    registry.Register(w);
+    (void)registry.Register(w);
   }
   FakeMesh::Options options;
   options.workers = 0;

@@ -12,6 +12,7 @@
 #include "absl/strings/escaping.h"
 #include "absl/random/random.h"
 #include "absl/strings/str_cat.h"
+#include "absl/types/optional.h"
 
 namespace shardgemm {
 
@@ -74,7 +75,7 @@ int ResidentRegistry::MarkLostUnlessHeld(const std::set<std::string>& held, cons
     resident.info.set_lost_reason(why);
     ++marked;
   }
-  if (marked > 0) Persist();
+  if (marked > 0) (void)Persist();  // a failure is logged; a restart marks them again
   return marked;
 }
 
@@ -102,7 +103,7 @@ int ResidentRegistry::Reconcile(const std::vector<std::set<std::string>>& held_b
     }
   }
   orphans->assign(orphan_set.begin(), orphan_set.end());
-  if (lost > 0) Persist();
+  if (lost > 0) (void)Persist();
   return lost;
 }
 
@@ -134,12 +135,11 @@ absl::Status ResidentRegistry::MakeDurable(const std::string& path) {
   }
   for (auto& [key, resident] : loaded) tensors_[key] = std::move(resident);
   state_path_ = path;
-  Persist();  // proves the directory is writable now, not at the first put
-  return absl::OkStatus();
+  return Persist();  // proves the directory is writable now, not at the first put
 }
 
-void ResidentRegistry::Persist() {
-  if (state_path_.empty()) return;
+absl::Status ResidentRegistry::Persist() {
+  if (state_path_.empty()) return absl::OkStatus();
   v1::RegistryState state;
   for (const auto& [key, resident] : tensors_) {
     v1::RegistryState::Entry* e = state.add_entries();
@@ -151,15 +151,20 @@ void ResidentRegistry::Persist() {
   const std::string tmp = state_path_ + ".tmp";
   const int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
   bool ok = fd >= 0;
+  int error = ok ? 0 : errno;
   size_t written = 0;
   while (ok && written < bytes.size()) {
     const ssize_t n = write(fd, bytes.data() + written, bytes.size() - written);
-    if (n <= 0) ok = false;
-    else written += static_cast<size_t>(n);
+    if (n <= 0) {
+      ok = false;
+      error = errno;
+    } else {
+      written += static_cast<size_t>(n);
+    }
   }
-  if (ok) ok = fsync(fd) == 0;
+  if (ok && fsync(fd) != 0) ok = false, error = errno;
   if (fd >= 0) close(fd);
-  if (ok) ok = rename(tmp.c_str(), state_path_.c_str()) == 0;
+  if (ok && rename(tmp.c_str(), state_path_.c_str()) != 0) ok = false, error = errno;
   if (ok) {
     const std::string dir = state_path_.substr(0, state_path_.rfind('/') == std::string::npos ? 0 : state_path_.rfind('/'));
     const int dfd = open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY);
@@ -169,9 +174,13 @@ void ResidentRegistry::Persist() {
     }
   }
   if (!ok) {
-    std::cerr << "shardgemm-coordinator: cannot write the registry to " << state_path_ << ": " << std::strerror(errno)
-              << "\n";
+    (void)unlink(tmp.c_str());
+    const std::string why =
+        absl::StrCat("state_dir: cannot write the registry to ", state_path_, ": ", std::strerror(error));
+    std::cerr << "shardgemm-coordinator: " << why << "\n";
+    return absl::UnavailableError(why);
   }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<Resident> ResidentRegistry::FindAndPin(const std::string& tenant, const std::string& name,
@@ -222,18 +231,29 @@ void ResidentRegistry::Release(const std::string& tenant, const std::string& nam
   if (it != claims_.end() && --it->second <= 0) claims_.erase(it);
 }
 
-std::string ResidentRegistry::Register(Resident resident) {
+absl::StatusOr<std::string> ResidentRegistry::Register(Resident resident) {
   const std::string tenant = resident.tenant;
   const std::string name = resident.info.name();
+  const std::string key = Key(tenant, name);
   std::string replaced;
+  absl::Status persisted;
   {
     absl::MutexLock lock(&mu_);
-    auto it = tensors_.find(Key(tenant, name));
-    if (it != tensors_.end()) replaced = it->second.shard_name;
-    tensors_[Key(tenant, name)] = std::move(resident);
-    Persist();
+    auto it = tensors_.find(key);
+    absl::optional<Resident> before;
+    if (it != tensors_.end()) {
+      replaced = it->second.shard_name;
+      before = it->second;
+    }
+    tensors_[key] = std::move(resident);
+    persisted = Persist();
+    if (!persisted.ok()) {  // not kept: as it was
+      if (before.has_value()) tensors_[key] = std::move(*before);
+      else tensors_.erase(key);
+    }
   }
   Release(tenant, name);
+  if (!persisted.ok()) return persisted;
   return replaced;
 }
 
@@ -242,8 +262,12 @@ absl::StatusOr<std::string> ResidentRegistry::Remove(const std::string& tenant, 
   auto it = tensors_.find(Key(tenant, name));
   if (it == tensors_.end()) return NotFound(name);
   std::string shard = it->second.shard_name;
+  Resident removed = std::move(it->second);
   tensors_.erase(it);
-  Persist();
+  if (absl::Status s = Persist(); !s.ok()) {
+    tensors_[Key(tenant, name)] = std::move(removed);  // not deleted
+    return s;
+  }
   return shard;
 }
 

@@ -63,12 +63,14 @@ class ResidentRegistry {
                                     int64_t max_per_tenant = 0);
   void Release(const std::string& tenant, const std::string& name);
   // Registers `resident` under its tenant and name, releasing the claim.
-  // Returns the generation it replaced, if any: the caller retires it.
-  std::string Register(Resident resident);
+  // Returns the generation it replaced, if any: the caller retires it. When
+  // durable and the file cannot be written: UNAVAILABLE, and nothing changed.
+  absl::StatusOr<std::string> Register(Resident resident);
 
   // Whether `name` is resident and lost.
   bool IsLost(const std::string& tenant, const std::string& name) const;
-  // Removes `name`, lost or not; returns its generation (NOT_FOUND if absent).
+  // Removes `name`, lost or not; returns its generation (NOT_FOUND if absent;
+  // UNAVAILABLE, and it stays, when a durable registry cannot be written).
   absl::StatusOr<std::string> Remove(const std::string& tenant, const std::string& name);
   // Whether `shard_name` can leave the workers now (no pins); otherwise it
   // is marked, and Unpin hands it back with the last pin.
@@ -96,7 +98,7 @@ class ResidentRegistry {
   absl::flat_hash_map<std::string, int> claims_ ABSL_GUARDED_BY(mu_);
   std::string state_path_ ABSL_GUARDED_BY(mu_);
   // Writes the tensors to state_path_ (when durable).
-  void Persist() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status Persist() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   int64_t CountLocked(const std::string& tenant) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 };
 

@@ -27,7 +27,7 @@ TEST(ResidentRegistryTest, ClaimGivesANewGenerationAndRefusesAResidentName) {
   EXPECT_EQ(first->rfind("w@", 0), 0u) << *first;
   // A second request may not make the same name while the first runs.
   EXPECT_EQ(registry.Claim("", "w", false).status().code(), absl::StatusCode::kAlreadyExists);
-  EXPECT_EQ(registry.Register(Named("w", *first)), "");
+  EXPECT_EQ(*registry.Register(Named("w", *first)), "");
   auto again = registry.Claim("", "w", false);
   EXPECT_EQ(again.status().code(), absl::StatusCode::kAlreadyExists);
   EXPECT_NE(again.status().message().find("exists"), std::string::npos);
@@ -35,7 +35,7 @@ TEST(ResidentRegistryTest, ClaimGivesANewGenerationAndRefusesAResidentName) {
   auto second = registry.Claim("", "w", true);
   ASSERT_TRUE(second.ok());
   EXPECT_NE(*second, *first);
-  EXPECT_EQ(registry.Register(Named("w", *second)), *first);
+  EXPECT_EQ(*registry.Register(Named("w", *second)), *first);
   EXPECT_EQ(registry.Find("", "w")->shard_name, *second);
 }
 
@@ -49,7 +49,7 @@ TEST(ResidentRegistryTest, ReleasedClaimFreesTheName) {
 
 TEST(ResidentRegistryTest, PinnedGenerationLeavesOnlyAfterItsLastRequest) {
   ResidentRegistry registry;
-  registry.Register(Named("w", "w@1"));
+  (void)registry.Register(Named("w", "w@1"));
   std::vector<std::string> a, b;
   ASSERT_TRUE(registry.FindAndPin("", "w", &a).ok());
   ASSERT_TRUE(registry.FindAndPin("", "w", &b).ok());
@@ -58,7 +58,7 @@ TEST(ResidentRegistryTest, PinnedGenerationLeavesOnlyAfterItsLastRequest) {
   EXPECT_TRUE(registry.Unpin(a).empty());
   EXPECT_EQ(registry.Unpin(b), std::vector<std::string>({"w@1"}));
   // Unpinned and not retired: nothing to delete.
-  registry.Register(Named("x", "x@9"));
+  (void)registry.Register(Named("x", "x@9"));
   std::vector<std::string> c;
   ASSERT_TRUE(registry.FindAndPin("", "x", &c).ok());
   EXPECT_TRUE(registry.Unpin(c).empty());
@@ -76,7 +76,7 @@ TEST(ResidentRegistryTest, MissingNamesAreNotFound) {
 
 TEST(ResidentRegistryTest, ListIsSortedByName) {
   ResidentRegistry registry;
-  for (const char* n : {"b", "a", "c"}) registry.Register(Named(n, std::string(n) + "@1"));
+  for (const char* n : {"b", "a", "c"}) (void)registry.Register(Named(n, std::string(n) + "@1"));
   std::vector<std::string> names;
   for (const auto& info : registry.List("")) names.push_back(info.name());
   EXPECT_EQ(names, std::vector<std::string>({"a", "b", "c"}));
@@ -96,7 +96,7 @@ TEST(ResidentRegistryTest, GenerationsAreNotGuessable) {
 TEST(ResidentRegistryTest, EachTenantHasItsOwnNamespace) {
   ResidentRegistry registry;
   ASSERT_TRUE(registry.Claim("alice", "w", false).ok());
-  registry.Register(Named("w", "w@a", "alice"));
+  (void)registry.Register(Named("w", "w@a", "alice"));
   // Bob sees no "w": he cannot find, pin, list or remove Alice's, and may make his own.
   std::vector<std::string> pins;
   EXPECT_EQ(registry.Find("bob", "w").status().code(), absl::StatusCode::kNotFound);
@@ -105,7 +105,7 @@ TEST(ResidentRegistryTest, EachTenantHasItsOwnNamespace) {
   EXPECT_TRUE(registry.List("bob").empty());
   EXPECT_EQ(registry.Remove("bob", "w").status().code(), absl::StatusCode::kNotFound);
   ASSERT_TRUE(registry.Claim("bob", "w", /*overwrite=*/false).ok()) << "Alice's name is not Bob's";
-  EXPECT_EQ(registry.Register(Named("w", "w@b", "bob")), "") << "Bob's put replaced nothing of Alice's";
+  EXPECT_EQ(*registry.Register(Named("w", "w@b", "bob")), "") << "Bob's put replaced nothing of Alice's";
   EXPECT_EQ(registry.Find("alice", "w")->shard_name, "w@a");
   EXPECT_EQ(registry.Find("bob", "w")->shard_name, "w@b");
   EXPECT_EQ(registry.List("alice").size(), 1u);
@@ -135,8 +135,8 @@ namespace {
 
 TEST(ResidentRegistryTest, TensorsWhoseShardARejoinedWorkerLacksAreLost) {
   ResidentRegistry registry;
-  registry.Register(Named("kept", "kept@1"));
-  registry.Register(Named("gone", "gone@1"));
+  (void)registry.Register(Named("kept", "kept@1"));
+  (void)registry.Register(Named("gone", "gone@1"));
   EXPECT_EQ(registry.MarkLostUnlessHeld({"kept@1"}, "worker rank 1 rejoined without its shard"), 1);
   EXPECT_TRUE(registry.Find("", "kept").ok());
   auto gone = registry.Find("", "gone");
@@ -168,10 +168,10 @@ TEST(ResidentRegistryTest, ADurableRegistryComesBackFromItsFile) {
     ASSERT_TRUE(registry.MakeDurable(path).ok());
     Resident w = Named("w", "w@a", "alice");
     w.info.set_spec("(ep, None)");
-    registry.Register(w);
+    (void)registry.Register(w);
     Resident x = Named("x", "x@b", "bob");
     x.info.set_spec("(None, fsdp)");
-    registry.Register(x);
+    (void)registry.Register(x);
     ASSERT_TRUE(registry.Remove("bob", "x").ok());
   }
   ResidentRegistry again;
@@ -205,8 +205,37 @@ TEST(ResidentRegistryTest, TheTenantLimitIsCountedWithTheClaim) {
   EXPECT_EQ(third.status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_NE(third.status().message().find("max_tensors_per_tenant"), std::string::npos);
   EXPECT_TRUE(registry.Claim("bob", "c", false, 2).ok()) << "another tenant's room is its own";
-  registry.Register(Named("a", "a@1", "alice"));
+  (void)registry.Register(Named("a", "a@1", "alice"));
   EXPECT_TRUE(registry.Claim("alice", "a", /*overwrite=*/true, 2).ok()) << "replacing its own adds nothing";
+}
+
+}  // namespace
+}  // namespace shardgemm
+
+namespace shardgemm {
+namespace {
+
+TEST(ResidentRegistryTest, APutOrDeleteThatCannotBeWrittenDownIsRefusedAndChangesNothing) {
+  char dir[] = "/tmp/shardgemm_unwritable_XXXXXX";
+  ASSERT_NE(mkdtemp(dir), nullptr);
+  const std::string path = std::string(dir) + "/registry.pb";
+  ResidentRegistry registry;
+  ASSERT_TRUE(registry.MakeDurable(path).ok());
+  Resident kept = Named("kept", "kept@1");
+  kept.info.set_spec("(dp, None)");
+  ASSERT_TRUE(registry.Register(kept).ok());
+  std::remove(path.c_str());
+  ASSERT_EQ(rmdir(dir), 0);  // the state directory is gone: nothing can be written
+  ASSERT_TRUE(registry.Claim("", "new", false).ok());
+  Resident fresh = Named("new", "new@1");
+  fresh.info.set_spec("(dp, None)");
+  auto put = registry.Register(fresh);
+  EXPECT_EQ(put.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_NE(put.status().message().find("state_dir"), std::string::npos);
+  EXPECT_EQ(registry.Find("", "new").status().code(), absl::StatusCode::kNotFound) << "not kept";
+  EXPECT_TRUE(registry.Claim("", "new", false).ok()) << "and its claim was released";
+  EXPECT_EQ(registry.Remove("", "kept").status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_TRUE(registry.Find("", "kept").ok()) << "not deleted either";
 }
 
 }  // namespace
