@@ -1,13 +1,12 @@
 #include "client/connect_flags.h"
 
 #include <cstdlib>
-#include <fstream>
 #include <iostream>
-#include <sstream>
 
 #include "absl/flags/flag.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "security/tls.h"
 
 ABSL_FLAG(std::string, tls_dir, "",
           "the mesh's certificates (ca.crt; client.crt/.key when there): TLS to the coordinator");
@@ -15,18 +14,6 @@ ABSL_FLAG(std::string, token_file, "", "the bearer token (default: TLS_DIR/clien
 ABSL_FLAG(bool, insecure, false, "plaintext, no token (a coordinator started with --insecure)");
 
 namespace shardgemm {
-
-namespace {
-
-absl::StatusOr<std::string> Read(const std::string& path, const char* flag) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::InvalidArgumentError(absl::StrCat(flag, ": cannot read ", path));
-  std::ostringstream text;
-  text << in.rdbuf();
-  return text.str();
-}
-
-}  // namespace
 
 absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeClientCredentials(const ClientSecurity& security) {
   if (security.insecure) {
@@ -40,11 +27,11 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeClientCredentials(
         "tls_dir: set --tls_dir to the mesh's certificates (with --token_file), or --insecure");
   }
   grpc::SslCredentialsOptions options;
-  auto ca = Read(security.tls_dir + "/ca.crt", "tls_dir");
+  auto ca = security::ReadCredentialFile(security.tls_dir + "/ca.crt", "tls_dir");
   if (!ca.ok()) return ca.status();
   options.pem_root_certs = *ca;
-  auto cert = Read(security.tls_dir + "/client.crt", "tls_dir");
-  auto key = Read(security.tls_dir + "/client.key", "tls_dir");
+  auto cert = security::ReadCredentialFile(security.tls_dir + "/client.crt", "tls_dir");
+  auto key = security::ReadCredentialFile(security.tls_dir + "/client.key", "tls_dir");
   if (cert.ok() && key.ok()) {
     options.pem_cert_chain = *cert;
     options.pem_private_key = *key;
@@ -61,7 +48,7 @@ std::shared_ptr<grpc::ChannelCredentials> ClientCredentialsFromFlags(const char*
   std::string token_file = absl::GetFlag(FLAGS_token_file);
   if (token_file.empty() && !security.tls_dir.empty()) token_file = security.tls_dir + "/client.token";
   if (!security.insecure && !token_file.empty()) {
-    auto token = Read(token_file, "token_file");
+    auto token = security::ReadCredentialFile(token_file, "token_file");
     if (!token.ok()) {
       std::cerr << program << ": " << token.status().message() << "\n";
       std::exit(2);

@@ -222,4 +222,13 @@ void ConfigureProcessLogger(Format format, Level min_level, std::string componen
   ProcessLoggerSlot() = std::move(logger);
 }
 
+absl::Status ConfigureProcessLogger(absl::string_view format, absl::string_view level, std::string component) {
+  auto f = ParseFormat(format);
+  if (!f.ok()) return f.status();
+  auto l = ParseLevel(level);
+  if (!l.ok()) return l.status();
+  ConfigureProcessLogger(*f, *l, std::move(component));
+  return absl::OkStatus();
+}
+
 }  // namespace shardgemm::logging

@@ -65,6 +65,9 @@ class Logger {
 // stderr until then).
 Logger& ProcessLogger();
 void ConfigureProcessLogger(Format format, Level min_level, std::string component);
+// The same from the --log_format and --log_level flags' text;
+// INVALID_ARGUMENT naming the flag, and nothing changed, for a bad one.
+absl::Status ConfigureProcessLogger(absl::string_view format, absl::string_view level, std::string component);
 
 }  // namespace shardgemm::logging
 

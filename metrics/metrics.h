@@ -24,6 +24,9 @@ namespace shardgemm::metrics {
 class Counter {
  public:
   void Increment(double by = 1.0);
+  // For a counter kept elsewhere (read by a collector): up to `total`,
+  // never down.
+  void RaiseTo(double total) { Increment(total - Value()); }
   double Value() const { return value_.load(std::memory_order_relaxed); }
 
  private:

@@ -8,18 +8,14 @@
 
 namespace shardgemm::security {
 
-namespace {
-
-absl::StatusOr<std::string> ReadFile(const std::string& path) {
+absl::StatusOr<std::string> ReadCredentialFile(const std::string& path, absl::string_view flag) {
   std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::InvalidArgumentError(absl::StrCat("tls_dir: cannot read ", path));
+  if (!in) return absl::InvalidArgumentError(absl::StrCat(flag, ": cannot read ", path));
   std::ostringstream text;
   text << in.rdbuf();
-  if (text.str().empty()) return absl::InvalidArgumentError(absl::StrCat("tls_dir: ", path, " is empty"));
+  if (text.str().empty()) return absl::InvalidArgumentError(absl::StrCat(flag, ": ", path, " is empty"));
   return text.str();
 }
-
-}  // namespace
 
 const char* RoleFileStem(Role role) {
   switch (role) {
@@ -43,12 +39,12 @@ absl::StatusOr<Transport> Transport::FromFlags(const std::string& tls_dir, bool 
   Transport t;
   t.insecure_ = false;
   t.role_ = role;
-  auto ca = ReadFile(tls_dir + "/ca.crt");
+  auto ca = ReadCredentialFile(tls_dir + "/ca.crt", "tls_dir");
   if (!ca.ok()) return ca.status();
   t.ca_ = *ca;
   const std::string stem = RoleFileStem(role);
-  auto cert = ReadFile(absl::StrCat(tls_dir, "/", stem, ".crt"));
-  auto key = ReadFile(absl::StrCat(tls_dir, "/", stem, ".key"));
+  auto cert = ReadCredentialFile(absl::StrCat(tls_dir, "/", stem, ".crt"), "tls_dir");
+  auto key = ReadCredentialFile(absl::StrCat(tls_dir, "/", stem, ".key"), "tls_dir");
   if (role != Role::kClient) {
     if (!cert.ok()) return cert.status();
     if (!key.ok()) return key.status();

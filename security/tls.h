@@ -54,6 +54,10 @@ class Transport {
   std::string ca_, cert_, key_;
 };
 
+// A certificate, key or token file's contents; INVALID_ARGUMENT naming
+// `flag` and the path when it cannot be read or is empty.
+absl::StatusOr<std::string> ReadCredentialFile(const std::string& path, absl::string_view flag);
+
 // The common name of the caller's verified certificate; empty without one.
 std::string PeerCommonName(const grpc::ServerContextBase& context);
 

@@ -60,14 +60,12 @@ namespace shardgemm {
 namespace {
 
 int Run() {
-  auto log_format = logging::ParseFormat(absl::GetFlag(FLAGS_log_format));
-  auto log_level = logging::ParseLevel(absl::GetFlag(FLAGS_log_level));
-  if (!log_format.ok() || !log_level.ok()) {
-    std::cerr << "shardgemm-coordinator: "
-              << (log_format.ok() ? log_level.status() : log_format.status()).message() << "\n";
+  if (auto s = logging::ConfigureProcessLogger(absl::GetFlag(FLAGS_log_format), absl::GetFlag(FLAGS_log_level),
+                                              "coordinator");
+      !s.ok()) {
+    std::cerr << "shardgemm-coordinator: " << s.message() << "\n";
     return 2;
   }
-  logging::ConfigureProcessLogger(*log_format, *log_level, "coordinator");
   auto transport = security::Transport::FromFlags(absl::GetFlag(FLAGS_tls_dir), absl::GetFlag(FLAGS_insecure),
                                                   security::Role::kCoordinator);
   if (!transport.ok()) {

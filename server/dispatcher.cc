@@ -118,15 +118,6 @@ void Dispatcher::MarkUp(int rank, const WorkerChannel* channel) {
   workers_[rank].down_because.clear();
 }
 
-std::vector<int> Dispatcher::DownRanks() const {
-  std::vector<int> out;
-  absl::MutexLock lock(&workers_mu_);
-  for (int r = 0; r < num_workers_; ++r) {
-    if (workers_[r].down) out.push_back(r);
-  }
-  return out;
-}
-
 std::vector<std::shared_ptr<WorkerChannel>> Dispatcher::Channels() const {
   std::vector<std::shared_ptr<WorkerChannel>> channels;
   absl::MutexLock lock(&workers_mu_);
@@ -216,21 +207,20 @@ absl::StatusOr<std::vector<v1::StepResult>> Dispatcher::Dispatch(std::vector<v1:
     // Done when every worker answered, or one failed on its own (not a
     // peer's ABORTED): a dead or failing worker fails the request at once,
     // and its peers' steps end by themselves (their collectives time out).
-    auto all_answered = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(pending->mu) {
-      if (pending->answered == steps.size()) return true;
+    auto one_failed = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(pending->mu) {
       for (const auto& r : pending->results) {
         if (r.has_value() && !r->ok() && r->status().code() != absl::StatusCode::kAborted) return true;
       }
       return false;
     };
+    auto all_answered = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(pending->mu) {
+      return pending->answered == steps.size() || one_failed();
+    };
     // The channel enforces the deadline itself; the grace covers a channel
     // (or a fake) that does not.
     pending->mu.AwaitWithDeadline(absl::Condition(&all_answered), deadline + grace_);
     Done(steps[0].sequence());  // answered, or given up on: later steps need not wait for it
-    bool another_failed = false;
-    for (const auto& r : pending->results) {
-      if (r.has_value() && !r->ok() && r->status().code() != absl::StatusCode::kAborted) another_failed = true;
-    }
+    const bool another_failed = one_failed();
     for (size_t r = 0; r < steps.size(); ++r) {
       if (pending->results[r].has_value()) {
         results.push_back(std::move(*pending->results[r]));

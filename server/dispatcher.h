@@ -55,8 +55,6 @@ class Dispatcher {
   // since is left alone.
   void MarkDown(int rank, const absl::Status& why, const WorkerChannel* channel);
   void MarkUp(int rank, const WorkerChannel* channel);
-  // The ranks marked down (for ClusterInfo and metrics).
-  std::vector<int> DownRanks() const;
   // The channel of every rank (null where none has joined).
   std::vector<std::shared_ptr<WorkerChannel>> Channels() const;
 

@@ -78,7 +78,7 @@ RequestObserver::RequestObserver(const Coordinator* coordinator, metrics::Regist
     resident_bytes->With({})->Set(static_cast<double>(stats.resident_bytes));
     for (const auto& [key, count] : stats.dispatch.failed_calls) {
       metrics::Counter* c = failed->With({std::to_string(key.first), absl::StatusCodeToString(key.second)});
-      c->Increment(static_cast<double>(count) - c->Value());
+      c->RaiseTo(static_cast<double>(count));
     }
   });
 }

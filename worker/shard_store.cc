@@ -85,13 +85,6 @@ int64_t ShardStore::used_bytes() const {
   return resident_bytes_ + reserved_bytes_;
 }
 
-void ShardStore::Clear() {
-  absl::MutexLock lock(&mu_);
-  shards_.clear();
-  resident_bytes_ = 0;
-  device_resident_bytes_ = 0;
-}
-
 std::vector<std::string> ShardStore::Names() const {
   absl::MutexLock lock(&mu_);
   std::vector<std::string> names;

@@ -29,8 +29,6 @@ class ShardStore {
   // Shared so a running step keeps its input alive across a concurrent delete.
   absl::StatusOr<std::shared_ptr<const Shard>> Get(const std::string& name) const;
   absl::Status Delete(const std::string& name);
-  // Drops every shard (a coordinator that restarted no longer knows them).
-  void Clear();
 
   // Reserves room for a request's transient host buffers; RESOURCE_EXHAUSTED
   // when resident + reserved would pass the budget.

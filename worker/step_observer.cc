@@ -52,8 +52,7 @@ StepObserver::StepObserver(const Executor* executor, const ShardStore* store, co
     memory->With({"device", "used"})->Set(static_cast<double>(store->device_used_bytes()));
     memory->With({"device", "budget"})->Set(static_cast<double>(store->device_budget_bytes()));
     shards->With({})->Set(static_cast<double>(store->num_shards()));
-    metrics::Counter* f = failures->With({});
-    f->Increment(static_cast<double>(executor->collective_failures()) - f->Value());
+    failures->With({})->RaiseTo(static_cast<double>(executor->collective_failures()));
     info->With({std::to_string(executor->position().rank), backend->Name()})->Set(1);
   });
 }
@@ -62,6 +61,10 @@ void StepObserver::Record(const v1::Step& step, absl::Duration elapsed, const ab
                           const v1::StepResult* result, int64_t bytes_in, int64_t bytes_out) {
   const char* op = StepOpName(step);
   const std::string code = absl::StatusCodeToString(status.code());
+  // What is neither kernel nor collective moved the step's bytes.
+  const double transfer = result == nullptr ? 0.0
+                          : std::max(0.0, result->compute_seconds() - result->kernel_seconds() -
+                                              result->collective_seconds());
   if (steps_ != nullptr) {
     steps_->With({op, code})->Increment();
     step_seconds_->With({op})->Observe(absl::ToDoubleSeconds(elapsed));
@@ -72,7 +75,7 @@ void StepObserver::Record(const v1::Step& step, absl::Duration elapsed, const ab
       const double kernel = result->kernel_seconds(), collective = result->collective_seconds();
       phase_seconds_->With({"kernel"})->Observe(kernel);
       phase_seconds_->With({"collective"})->Observe(collective);
-      phase_seconds_->With({"transfer"})->Observe(std::max(0.0, result->compute_seconds() - kernel - collective));
+      phase_seconds_->With({"transfer"})->Observe(transfer);
       transfer_bytes_->With({"host_to_device"})->Increment(static_cast<double>(result->host_to_device_bytes()));
       transfer_bytes_->With({"device_to_host"})->Increment(static_cast<double>(result->device_to_host_bytes()));
     }
@@ -90,9 +93,7 @@ void StepObserver::Record(const v1::Step& step, absl::Duration elapsed, const ab
     fields.push_back({"compute_ms", result->compute_seconds() * 1e3});
     fields.push_back({"kernel_ms", result->kernel_seconds() * 1e3});
     fields.push_back({"collective_ms", result->collective_seconds() * 1e3});
-    fields.push_back({"transfer_ms",
-                      std::max(0.0, result->compute_seconds() - result->kernel_seconds() -
-                                        result->collective_seconds()) * 1e3});
+    fields.push_back({"transfer_ms", transfer * 1e3});
     fields.push_back({"host_to_device_bytes", result->host_to_device_bytes()});
     fields.push_back({"device_to_host_bytes", result->device_to_host_bytes()});
   }

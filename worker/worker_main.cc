@@ -127,14 +127,12 @@ absl::StatusOr<Joined> Join(v1::Coordination::Stub* stub, v1::RegisterRequest re
 }
 
 int Run() {
-  auto log_format = logging::ParseFormat(absl::GetFlag(FLAGS_log_format));
-  auto log_level = logging::ParseLevel(absl::GetFlag(FLAGS_log_level));
-  if (!log_format.ok() || !log_level.ok()) {
-    std::cerr << "shardgemm-worker: " << (log_format.ok() ? log_level.status() : log_format.status()).message()
-              << "\n";
+  if (auto s = logging::ConfigureProcessLogger(absl::GetFlag(FLAGS_log_format), absl::GetFlag(FLAGS_log_level),
+                                              "worker");
+      !s.ok()) {
+    std::cerr << "shardgemm-worker: " << s.message() << "\n";
     return 2;
   }
-  logging::ConfigureProcessLogger(*log_format, *log_level, "worker");
   auto transport = security::Transport::FromFlags(absl::GetFlag(FLAGS_tls_dir), absl::GetFlag(FLAGS_insecure),
                                                   security::Role::kWorker);
   if (!transport.ok()) {
