@@ -46,10 +46,11 @@ absl::StatusOr<TensorMeta> InlineTensorMeta(const v1::Tensor& tensor, const std:
   return meta;
 }
 
-bool HasBias(const v1::GroupedGemmRequest& request) {
-  return request.has_bias() && (request.bias().dtype() != v1::DTYPE_UNSPECIFIED ||
-                                request.bias().source_case() != v1::Tensor::SOURCE_NOT_SET);
+bool IsGiven(const v1::Tensor& tensor) {
+  return tensor.dtype() != v1::DTYPE_UNSPECIFIED || tensor.source_case() != v1::Tensor::SOURCE_NOT_SET;
 }
+
+bool HasBias(const v1::GroupedGemmRequest& request) { return request.has_bias() && IsGiven(request.bias()); }
 
 namespace {
 
@@ -105,6 +106,22 @@ absl::Status ValidateCompat(v1::Compat compat) {
   return absl::OkStatus();
 }
 
+namespace {
+
+absl::StatusOr<planner::ScalingMode> PlannerScalingMode(v1::ScalingMode scaling) {
+  switch (scaling) {
+    case v1::SCALING_UNSPECIFIED:
+    case v1::CURRENT: return planner::ScalingMode::kCurrent;
+    case v1::DELAYED: return planner::ScalingMode::kDelayed;
+    case v1::MXFP8: return planner::ScalingMode::kMxfp8;
+    case v1::BLOCK_FP8: return planner::ScalingMode::kBlock;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat("scaling: unknown mode ", static_cast<int>(scaling)));
+  }
+}
+
+}  // namespace
+
 absl::StatusOr<planner::PlanRequest> GemmPlanRequest(const v1::GroupedGemmRequest& request,
                                                      const planner::Mesh& mesh,
                                                      const TensorResolver& resolve) {
@@ -129,6 +146,60 @@ absl::StatusOr<planner::PlanRequest> GemmPlanRequest(const v1::GroupedGemmReques
     if (!op.ok()) return op.status();
     out.operands.push_back(std::move(*op));
   }
+  auto mode = PlannerScalingMode(request.scaling());
+  if (!mode.ok()) return mode.status();
+  out.attrs.scaling_mode = *mode;
+  const bool quantize_lhs = request.has_quantize_lhs();
+  if (quantize_lhs) {
+    // Planned as the FP8 GEMM it runs: lhs in its FP8 dtype, with the
+    // scales the workers' quantize makes (laid out as the GEMM takes them).
+    planner::OperandRequest& lhs = out.operands[0];
+    if (!IsGemmFloat(lhs.dtype)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "quantize_lhs: lhs must be f32, bf16 or f16 to be quantized, got ", DTypeName(lhs.dtype)));
+    }
+    const v1::DType to = request.quantize_lhs().dtype() == v1::DTYPE_UNSPECIFIED ? v1::F8E4M3
+                                                                                 : request.quantize_lhs().dtype();
+    if (to != v1::F8E4M3 && to != v1::F8E5M2) {
+      return absl::InvalidArgumentError("quantize_lhs.dtype must be F8E4M3 or F8E5M2");
+    }
+    if (*mode != planner::ScalingMode::kCurrent && *mode != planner::ScalingMode::kBlock) {
+      return absl::InvalidArgumentError(
+          "scaling: quantize_lhs computes CURRENT (per-group) or BLOCK_FP8 (1x128) scales; "
+          "DELAYED and MXFP8 need lhs quantized by the client (GroupedQuantize)");
+    }
+    if (IsGiven(request.lhs_scale_inv())) {
+      return absl::InvalidArgumentError("lhs_scale_inv: not sent with quantize_lhs (the workers make it)");
+    }
+    if (out.op == planner::OpKind::kGroupedGemmRaggedK) {
+      return absl::InvalidArgumentError("quantize_lhs: the fused quantize + GEMM is ragged M (the forward)");
+    }
+    lhs.dtype = to == v1::F8E4M3 ? DType::kF8E4M3 : DType::kF8E5M2;
+    planner::OperandRequest scale;
+    scale.name = "lhs_scale_inv";
+    scale.dtype = DType::kF32;
+    if (*mode == planner::ScalingMode::kCurrent) {
+      scale.shape = out.operands[2].shape;  // group_sizes
+      scale.spec = out.operands[2].spec;
+    } else {
+      if (lhs.shape.size() != 2 || lhs.shape[1] % 128 != 0) {
+        return absl::InvalidArgumentError(absl::StrCat("lhs dim 1: BLOCK_FP8 needs K a multiple of 128, got ",
+                                                       lhs.shape.size() == 2 ? lhs.shape[1] : -1));
+      }
+      scale.shape = {lhs.shape[0], lhs.shape[1] / 128};
+      scale.spec = lhs.spec;
+    }
+    out.operands.push_back(std::move(scale));
+  } else if (IsGiven(request.lhs_scale_inv())) {
+    auto op = Operand(request.lhs_scale_inv(), "lhs_scale_inv", resolve);
+    if (!op.ok()) return op.status();
+    out.operands.push_back(std::move(*op));
+  }
+  if (IsGiven(request.rhs_scale_inv())) {
+    auto op = Operand(request.rhs_scale_inv(), "rhs_scale_inv", resolve);
+    if (!op.ok()) return op.status();
+    out.operands.push_back(std::move(*op));
+  }
   if (request.out_dtype() != v1::DTYPE_UNSPECIFIED) {
     auto d = DTypeFromProto(request.out_dtype(), "out_dtype");
     if (!d.ok()) return d.status();
@@ -139,7 +210,7 @@ absl::StatusOr<planner::PlanRequest> GemmPlanRequest(const v1::GroupedGemmReques
     out.attrs.out_dtype = *d;
   } else {
     DType lhs = out.operands[0].dtype;
-    out.attrs.out_dtype = IsGemmFloat(lhs) ? lhs : DType::kF32;
+    out.attrs.out_dtype = IsGemmFloat(lhs) ? lhs : DType::kBF16;
   }
   if (auto s = SetOutSpec(request.out_spec(), &out); !s.ok()) return s;
   return out;
@@ -211,6 +282,8 @@ constexpr std::pair<v1::TensorRole, absl::string_view> kTensorRoleNames[] = {
     {v1::TENSOR_SCALE_INV, "scale_inv"},
     {v1::TENSOR_COLWISE_SCALE_INV, "colwise_scale_inv"},
     {v1::TENSOR_AMAX, "amax"},
+    {v1::TENSOR_LHS_SCALE_INV, "lhs_scale_inv"},
+    {v1::TENSOR_RHS_SCALE_INV, "rhs_scale_inv"},
 };
 
 v1::CollectivePhase PhaseToProto(planner::Phase phase) {
@@ -242,6 +315,22 @@ absl::StatusOr<ScalingMode> KernelScalingMode(v1::ScalingMode scaling, bool bloc
     case v1::DELAYED: return ScalingMode::kDelayed;
     case v1::MXFP8: return ScalingMode::kMxfp8;
     case v1::BLOCK_FP8: return block_2d ? ScalingMode::kBlock128x128 : ScalingMode::kBlock1x128;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat("scaling: unknown mode ", static_cast<int>(scaling)));
+  }
+}
+
+absl::StatusOr<GemmScalingModes> KernelGemmScalingModes(v1::ScalingMode scaling, bool ragged_k) {
+  switch (scaling) {
+    case v1::SCALING_UNSPECIFIED:
+    case v1::CURRENT: return GemmScalingModes{ScalingMode::kCurrent, ScalingMode::kCurrent};
+    case v1::DELAYED: return GemmScalingModes{ScalingMode::kDelayed, ScalingMode::kDelayed};
+    case v1::MXFP8: return GemmScalingModes{ScalingMode::kMxfp8, ScalingMode::kMxfp8};
+    case v1::BLOCK_FP8:
+      // Ragged M: 1x128 activations, 128x128 weights. Ragged K (wgrad): both
+      // operands are colwise activations and gradients, 128x1 along the rows.
+      return GemmScalingModes{ScalingMode::kBlock1x128,
+                              ragged_k ? ScalingMode::kBlock1x128 : ScalingMode::kBlock128x128};
     default:
       return absl::InvalidArgumentError(absl::StrCat("scaling: unknown mode ", static_cast<int>(scaling)));
   }

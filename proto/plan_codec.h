@@ -29,6 +29,8 @@ using TensorResolver =
 // The meta of an inline tensor, validated (dtype known, dims, data length).
 absl::StatusOr<TensorMeta> InlineTensorMeta(const v1::Tensor& tensor, const std::string& field);
 
+// A request tensor that is set (a dtype or a source), not a default message.
+bool IsGiven(const v1::Tensor& tensor);
 bool HasBias(const v1::GroupedGemmRequest& request);
 
 // INVALID_ARGUMENT naming the field for an enum outside its declared values
@@ -50,6 +52,15 @@ void CollectiveToProto(const planner::Collective& c, v1::CollectivePlan* out);
 // or, with block_2d, 128x128 blocks; INVALID_ARGUMENT for a value outside
 // the enum.
 absl::StatusOr<ScalingMode> KernelScalingMode(v1::ScalingMode scaling, bool block_2d);
+
+// The kernels' scaling modes of an FP8 GEMM's operands for the wire's
+// `scaling`: tensor modes on both sides; BLOCK_FP8 is 1x128 lhs with
+// 128x128 rhs for ragged M and 128x1 on both (kBlock1x128) for ragged K.
+struct GemmScalingModes {
+  ScalingMode lhs = ScalingMode::kCurrent;
+  ScalingMode rhs = ScalingMode::kCurrent;
+};
+absl::StatusOr<GemmScalingModes> KernelGemmScalingModes(v1::ScalingMode scaling, bool ragged_k);
 
 // The planner's operand and output names ("lhs", "out", "data", ...) as
 // wire roles, and back: the one mapping between the two vocabularies.

@@ -1,5 +1,7 @@
 #include "server/coordinator.h"
 
+#include <algorithm>
+#include <memory>
 #include <set>
 
 #include <cstring>
@@ -383,6 +385,116 @@ absl::Status CheckGroupSizes(const std::vector<int64_t>& sizes, const planner::P
   return absl::OkStatus();
 }
 
+// The GEMM's operand dtypes: 16/32-bit floats, or FP8 with both scales
+// (quantize_lhs: a float lhs the workers quantize, and an FP8 rhs). The
+// planner checks the pairing, shapes and layouts of what is given; the
+// service runs no FP8 GEMM without its scales.
+absl::Status CheckFp8Operands(const v1::GroupedGemmRequest& request,
+                              absl::flat_hash_map<std::string, TensorMeta>& metas) {
+  const bool quantize_lhs = request.has_quantize_lhs();
+  const bool fp8 = IsFloat8(metas["lhs"].dtype) || IsFloat8(metas["rhs"].dtype) || quantize_lhs;
+  for (const char* name : {"lhs", "rhs"}) {
+    const DType d = metas[name].dtype;
+    if (IsGemmFloat(d) || IsFloat8(d)) continue;
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, ".dtype must be f32, bf16, f16, f8e4m3 or f8e5m2, got ", DTypeName(d)));
+  }
+  if (!fp8) return absl::OkStatus();
+  if (quantize_lhs && !IsFloat8(metas["rhs"].dtype)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "rhs.dtype: quantize_lhs runs an FP8 GEMM, so rhs must be f8e4m3 or f8e5m2 (with rhs_scale_inv), got ",
+        DTypeName(metas["rhs"].dtype)));
+  }
+  if (!quantize_lhs && IsFloat8(metas["lhs"].dtype) != IsFloat8(metas["rhs"].dtype)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "rhs.dtype: lhs is ", DTypeName(metas["lhs"].dtype), " and rhs ", DTypeName(metas["rhs"].dtype),
+        ": both FP8 (with their scales) or both 16/32-bit floats; set quantize_lhs to quantize a float lhs "
+        "for an FP8 rhs"));
+  }
+  if (!quantize_lhs && !IsGiven(request.lhs_scale_inv())) {
+    return absl::InvalidArgumentError(
+        "lhs_scale_inv: an FP8 lhs needs its inverse scales (laid out per `scaling`; see the proto)");
+  }
+  if (!IsGiven(request.rhs_scale_inv())) {
+    return absl::InvalidArgumentError(
+        "rhs_scale_inv: an FP8 rhs needs its inverse scales (laid out per `scaling`; see the proto)");
+  }
+  return absl::OkStatus();
+}
+
+// A grouped quantize output kept resident: its request field, name, and
+// the tensor it is (the GEMM operand layout for scales).
+struct KeptOutput {
+  const char* field = "";
+  v1::TensorRole role = v1::TENSOR_ROLE_UNSPECIFIED;
+  std::string name;
+  DType dtype = DType::kInvalid;
+  std::vector<int64_t> shape;
+  planner::PartitionSpec spec;
+  std::string shard_name;  // claimed
+};
+
+absl::StatusOr<std::vector<KeptOutput>> QuantizeKeeps(const v1::GroupedQuantizeRequest& request,
+                                                      const planner::Plan& plan, const std::vector<int64_t>& x_shape,
+                                                      int flatten, const std::vector<int64_t>& sizes) {
+  std::vector<KeptOutput> keeps;
+  const v1::QuantizeKeep& keep = request.keep();
+  if (keep.rowwise_data().empty() && keep.scale_inv().empty()) return keeps;
+  if (request.colwise()) {
+    return absl::InvalidArgumentError(
+        "keep: kept outputs are the rowwise data and its scales (a GEMM operand); ask without colwise");
+  }
+  if (!keep.rowwise_data().empty() && keep.rowwise_data() == keep.scale_inv()) {
+    return absl::InvalidArgumentError("keep: rowwise_data and scale_inv need different names");
+  }
+  auto output = [&](const char* name) -> const planner::PlanOutput* {
+    for (const planner::PlanOutput& o : plan.outputs) {
+      if (o.name == name) return &o;
+    }
+    return nullptr;
+  };
+  const planner::PlanOutput* data = output("data");
+  const planner::PlanOutput* scale = output("scale_inv");
+  if (data == nullptr || scale == nullptr) return absl::InternalError("the quantize plan lacks data or scale_inv");
+  if (!keep.rowwise_data().empty()) {
+    if (auto s = ValidateResidentName("keep.rowwise_data", keep.rowwise_data()); !s.ok()) return s;
+    keeps.push_back({"rowwise_data", v1::TENSOR_ROWWISE_DATA, keep.rowwise_data(), data->dtype, data->global_shape,
+                     data->spec, ""});
+  }
+  if (!keep.scale_inv().empty()) {
+    if (auto s = ValidateResidentName("keep.scale_inv", keep.scale_inv()); !s.ok()) return s;
+    KeptOutput k{"scale_inv", v1::TENSOR_SCALE_INV, keep.scale_inv(), scale->dtype, scale->global_shape,
+                 scale->spec, ""};
+    int64_t rows = 1, cols = 1;
+    for (size_t d = 0; d < x_shape.size(); ++d) (static_cast<int>(d) < flatten ? rows : cols) *= x_shape[d];
+    planner::PartitionSpec rows_spec;
+    rows_spec.dims = {data->spec.dims.empty() ? std::vector<std::string>() : data->spec.dims[0]};
+    if (request.scaling() == v1::BLOCK_FP8 && request.block_2d()) {
+      // 128x128 weights: every group (expert) N rows, kept as [G, N/128, K/128].
+      const int64_t n = sizes.empty() ? 0 : sizes[0];
+      for (int64_t g : sizes) {
+        if (g != n || n % 128 != 0) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "keep.scale_inv: 128x128 weight scales are kept as [G, N/128, K/128]: every group_sizes entry must "
+              "be N, a multiple of 128 (got ", g, ")"));
+        }
+      }
+      k.shape = {static_cast<int64_t>(sizes.size()), n / 128, cols / 128};
+      rows_spec.dims.push_back({});
+      rows_spec.dims.push_back({});
+    } else if (request.scaling() == v1::BLOCK_FP8 || request.scaling() == v1::MXFP8) {
+      const int64_t b = request.scaling() == v1::MXFP8 ? 32 : 128;
+      k.shape = {rows, cols / b};  // [M, K/b]: one per row and block of K
+      rows_spec.dims.push_back({});
+    } else {
+      rows_spec = scale->spec;  // per group, like group_sizes
+    }
+    k.spec = rows_spec;
+    keeps.push_back(std::move(k));
+  }
+  return keeps;
+}
+
 // The response field of a quantize output.
 v1::Tensor* QuantizeField(v1::TensorRole role, v1::GroupedQuantizeResponse* response) {
   switch (role) {
@@ -585,13 +697,67 @@ absl::StatusOr<v1::GroupedQuantizeResponse> Coordinator::GroupedQuantize(
   auto built = BuildQuantizeSteps(step_request);
   if (!built.ok()) return built.status();
   std::vector<v1::Step> steps = std::move(*built);
+
+  // Kept outputs: each name claimed now, registered once every worker holds
+  // its shard (a failed step leaves no shard and no name behind).
+  auto keeps = QuantizeKeeps(request, *plan, x_op->global_shape, flatten, *sizes);
+  if (!keeps.ok()) return keeps.status();
+  std::vector<std::unique_ptr<ClaimGuard>> claims;
+  std::vector<std::string> kept_shards;
+  auto drop_kept = [&] {
+    for (const std::string& shard : kept_shards) DeleteShardsBestEffort(shard);
+  };
+  for (KeptOutput& k : *keeps) {
+    auto claimed = registry_.Claim(call.tenant, k.name, request.keep().overwrite(), options_.max_tensors_per_tenant);
+    if (!claimed.ok()) {
+      const bool exists = claimed.status().code() == absl::StatusCode::kAlreadyExists;
+      return absl::Status(claimed.status().code(), absl::StrCat("keep.", k.field, ": ", claimed.status().message(),
+                                                                exists ? " (set keep.overwrite to replace it)" : ""));
+    }
+    k.shard_name = *claimed;
+    claims.push_back(std::make_unique<ClaimGuard>(&registry_, call.tenant, k.name));
+    for (v1::Step& step : steps) {
+      if (k.role == v1::TENSOR_ROWWISE_DATA) step.mutable_quantize()->set_keep_rowwise_data_as(k.shard_name);
+      if (k.role == v1::TENSOR_SCALE_INV) step.mutable_quantize()->set_keep_scale_inv_as(k.shard_name);
+    }
+  }
+  for (const KeptOutput& k : *keeps) kept_shards.push_back(k.shard_name);
   auto results = Dispatch(std::move(steps), StepDeadline(deadline), call);
-  if (!results.ok()) return results.status();
+  if (!results.ok()) {
+    drop_kept();
+    return results.status();
+  }
 
   v1::GroupedQuantizeResponse response;
+  bool scale_kept = false;
+  for (size_t i = 0; i < keeps->size(); ++i) {
+    KeptOutput& k = (*keeps)[i];
+    scale_kept |= k.role == v1::TENSOR_SCALE_INV;
+    Resident resident;
+    resident.tenant = call.tenant;
+    resident.info.set_name(k.name);
+    resident.info.set_dtype(DTypeToProto(k.dtype));
+    resident.info.mutable_shape()->Assign(k.shape.begin(), k.shape.end());
+    resident.info.set_spec(planner::FormatPartitionSpec(k.spec));
+    resident.spec = k.spec;
+    resident.shard_name = k.shard_name;
+    auto replaced = claims[i]->Register(std::move(resident));
+    if (!replaced.ok()) {
+      drop_kept();  // the ones registered before stay listed but lose their shards: report it
+      return absl::Status(replaced.status().code(), absl::StrCat("keep.", k.field, ": ", replaced.status().message()));
+    }
+    if (!replaced->empty()) RetireBestEffort(*replaced);
+    v1::Tensor* field = QuantizeField(k.role, &response);
+    field->set_dtype(DTypeToProto(k.dtype));
+    field->mutable_shape()->Assign(k.shape.begin(), k.shape.end());
+    field->set_resident(k.name);
+    field->set_spec(planner::FormatPartitionSpec(k.spec));
+  }
   for (size_t i = 0; i < plan->outputs.size(); ++i) {
     const planner::PlanOutput& o = plan->outputs[i];
     if (block && IsBlockAssembled(bq.mode, o.name)) continue;
+    const v1::TensorRole role = TensorRoleFromName(o.name);
+    if (std::any_of(keeps->begin(), keeps->end(), [&](const KeptOutput& k) { return k.role == role; })) continue;
     auto assembled = Assemble(o.dtype, o.global_shape, o.spec, [&](int r) {
       return WorkerOutput((*results)[r], o.name, r);
     });
@@ -600,7 +766,7 @@ absl::StatusOr<v1::GroupedQuantizeResponse> Coordinator::GroupedQuantize(
     HostTensorToProto(*assembled, field);
     field->set_spec(planner::FormatPartitionSpec(o.spec));
   }
-  if (block) {
+  if (block && !scale_kept) {
     if (auto s = AssembleBlockScaled(*plan, *results, *sizes, groups, bq, &response); !s.ok()) return s;
   }
   if (request.include_plan()) PlanToProto(*plan, response.mutable_plan());
@@ -683,6 +849,11 @@ absl::StatusOr<v1::GroupedGemmResponse> Coordinator::GroupedGemmGlobalSorted(
         "keep_output_as: the GLOBAL_SORTED layout returns rows in the client's order; keep "
         "outputs resident with the PER_SHARD layout");
   }
+  if (IsGiven(request.lhs_scale_inv()) || (ragged_k && IsGiven(request.rhs_scale_inv()))) {
+    return absl::InvalidArgumentError(
+        "lhs_scale_inv: layout GLOBAL_SORTED routes the rows itself, and per-row-group scales would not "
+        "follow them; send FP8 operands with the PER_SHARD layout, or BF16 lhs with quantize_lhs");
+  }
   auto lhs = HostTensorFromProto(request.lhs(), "lhs");
   if (!lhs.ok()) return lhs.status();
   if (lhs->shape.size() != 2) return absl::InvalidArgumentError("lhs must be [M, K]");
@@ -758,17 +929,21 @@ absl::StatusOr<v1::GroupedGemmResponse> Coordinator::GroupedGemmPerShard(
   };
   auto plan_request = GemmPlanRequest(request, mesh_, resolve);
   if (!plan_request.ok()) return plan_request.status();
-  for (const char* name : {"lhs", "rhs"}) {
-    if (!IsGemmFloat(metas[name].dtype)) {
-      return absl::InvalidArgumentError(absl::StrCat(name, ".dtype must be f32, bf16 or f16, got ",
-                                                     DTypeName(metas[name].dtype)));
-    }
-  }
+  if (auto s = CheckFp8Operands(request, metas); !s.ok()) return s;
   if (!metas["group_sizes"].resident_shard.empty()) {
     return absl::InvalidArgumentError("group_sizes must be sent inline, not as a resident tensor");
   }
   auto plan = planner::MakePlan(*plan_request);
   if (!plan.ok()) return plan.status();
+  if (request.scaling() == v1::MXFP8 && IsFloat8(metas["rhs"].dtype)) {
+    for (const v1::WorkerInfo& w : dispatcher_.Workers()) {
+      if (w.backend() != "cpu") {
+        return absl::UnimplementedError(absl::StrCat(
+            "scaling: MXFP8 GEMM needs Blackwell (cuBLASLt's VEC32_UE8M0); rank ", w.rank(), " is ",
+            w.device(), ". Use BLOCK_FP8 (1x128 x 128x128) or per-group CURRENT scaling on Hopper"));
+      }
+    }
+  }
   auto group_sizes_tensor = decoded.contains("group_sizes")
                                 ? absl::StatusOr<HostTensor>(std::move(decoded["group_sizes"].tensor))
                                 : HostTensorFromProto(request.group_sizes(), "group_sizes");
@@ -785,13 +960,18 @@ absl::StatusOr<v1::GroupedGemmResponse> Coordinator::GroupedGemmPerShard(
   // Decode inline operands once; each worker gets its block. (A std::map:
   // the step request points at its values.)
   std::map<std::string, HostTensor> inline_tensors;
-  const std::pair<const v1::Tensor*, const char*> sources[] = {
-      {&request.lhs(), "lhs"}, {&request.rhs(), "rhs"}, {&request.bias(), "bias"}};
+  const std::pair<const v1::Tensor*, const char*> sources[] = {{&request.lhs(), "lhs"},
+                                                               {&request.rhs(), "rhs"},
+                                                               {&request.bias(), "bias"},
+                                                               {&request.lhs_scale_inv(), "lhs_scale_inv"},
+                                                               {&request.rhs_scale_inv(), "rhs_scale_inv"}};
   GemmStepsRequest step_request;
   step_request.plan = &*plan;
   step_request.mesh = &mesh_;
   step_request.ragged = request.ragged();
   step_request.rhs_transposed = request.rhs_transposed();
+  step_request.scaling = request.scaling();
+  if (request.has_quantize_lhs()) step_request.quantize_lhs_to = planner::FindPlanOperand(*plan, "lhs")->dtype;
   step_request.group_sizes = std::move(*group_sizes);
   for (const auto& [tensor, name] : sources) {
     if (!metas.contains(name)) continue;
@@ -863,6 +1043,7 @@ absl::StatusOr<v1::GroupedGemmResponse> Coordinator::GroupedGemmPerShard(
     } else {
       HostTensorToProto(*out, response.mutable_out());
     }
+    response.mutable_out()->set_spec(planner::FormatPartitionSpec(plan->out_spec));
   }
   double worker_seconds = 0;
   int64_t h2d = 0, d2h = 0;

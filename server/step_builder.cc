@@ -10,7 +10,10 @@ absl::StatusOr<std::vector<v1::Step>> BuildGemmSteps(const GemmStepsRequest& req
   const planner::Mesh& mesh = *request.mesh;
   const int num_workers = static_cast<int>(plan.workers.size());
   bool any_collective = false;
-  for (const planner::Collective& c : plan.collectives) any_collective |= c.phase != planner::Phase::kWithin;
+  for (const planner::Collective& c : plan.collectives) {
+    any_collective |= c.phase != planner::Phase::kWithin &&
+                      !(request.quantize_lhs_to != DType::kInvalid && c.tensor == "lhs_scale_inv");
+  }
   std::vector<v1::Step> steps(num_workers);
   for (int r = 0; r < num_workers; ++r) {
     const planner::WorkerPlan& wp = plan.workers[r];
@@ -24,14 +27,21 @@ absl::StatusOr<std::vector<v1::Step>> BuildGemmSteps(const GemmStepsRequest& req
     }
     for (int64_t i = wp.group_sizes_begin; i < wp.group_sizes_end; ++i) gemm->add_group_sizes(request.group_sizes[i]);
     gemm->set_apply_bias(request.operands.contains("bias") && wp.apply_bias);
-    for (const char* name : {"lhs", "rhs", "bias"}) {
+    gemm->set_scaling(request.scaling);
+    if (request.quantize_lhs_to != DType::kInvalid) gemm->set_quantize_lhs_to(DTypeToProto(request.quantize_lhs_to));
+    using Field = v1::LocalTensor* (v1::GemmStep::*)();
+    const std::pair<const char*, Field> fields[] = {
+        {"lhs", &v1::GemmStep::mutable_lhs},
+        {"rhs", &v1::GemmStep::mutable_rhs},
+        {"bias", &v1::GemmStep::mutable_bias},
+        {"lhs_scale_inv", &v1::GemmStep::mutable_lhs_scale_inv},
+        {"rhs_scale_inv", &v1::GemmStep::mutable_rhs_scale_inv}};
+    for (const auto& [name, field] : fields) {
       auto it = request.operands.find(name);
       if (it == request.operands.end()) continue;
+      v1::LocalTensor* local = (gemm->*field)();
       const planner::PlanOperand* op = planner::FindPlanOperand(plan, name);
       if (op == nullptr) return absl::InternalError(absl::StrCat("the plan has no operand ", name));
-      v1::LocalTensor* local = std::string(name) == "lhs"   ? gemm->mutable_lhs()
-                               : std::string(name) == "rhs" ? gemm->mutable_rhs()
-                                                            : gemm->mutable_bias();
       const GemmOperand& operand = it->second;
       if (!operand.meta.resident_shard.empty()) {
         local->set_dtype(DTypeToProto(operand.meta.dtype));
@@ -49,7 +59,10 @@ absl::StatusOr<std::vector<v1::Step>> BuildGemmSteps(const GemmStepsRequest& req
       HostTensorToProto(SliceBlock(*operand.tensor, *offsets, op->input_local_shape), local);
     }
     for (const planner::Collective& c : plan.collectives) {
-      if (c.phase != planner::Phase::kWithin) CollectiveToProto(c, gemm->add_collectives());
+      if (c.phase == planner::Phase::kWithin) continue;
+      // The step's own quantize makes lhs's scales in its compute layout.
+      if (request.quantize_lhs_to != DType::kInvalid && c.tensor == "lhs_scale_inv") continue;
+      CollectiveToProto(c, gemm->add_collectives());
     }
     // Every worker takes the same decision, so the agreement itself matches.
     gemm->set_agree(any_collective && num_workers > 1);

@@ -29,8 +29,12 @@ struct GemmStepsRequest {
   v1::GroupedGemmRequest::Ragged ragged = v1::GroupedGemmRequest::RAGGED_M;
   bool rhs_transposed = false;
   std::vector<int64_t> group_sizes;  // the request's, all entries
-  // "lhs", "rhs" and, when present, "bias".
+  // "lhs", "rhs" and, when present, "bias", "lhs_scale_inv", "rhs_scale_inv".
   absl::flat_hash_map<std::string, GemmOperand> operands;
+  v1::ScalingMode scaling = v1::SCALING_UNSPECIFIED;  // of FP8 operands
+  // Set: the workers quantize lhs to this FP8 dtype before the GEMM (no
+  // lhs_scale_inv operand is sent, and its collectives are dropped).
+  DType quantize_lhs_to = DType::kInvalid;
 };
 
 // The GEMM step of every rank: its block (or shard) of each operand, its

@@ -1,6 +1,7 @@
 #include "worker/backend.h"
 
 #include "absl/strings/str_cat.h"
+#include "kernels/gemm_scale_layout.h"
 
 namespace shardgemm {
 
@@ -22,6 +23,26 @@ absl::StatusOr<HostTensor> GroupedGemmAfterHostGather(Backend* backend, const Lo
   h.resident_rhs = nullptr;
   h.rhs_gather = LocalGemm::RhsGather();
   return backend->GroupedGemm(h);
+}
+
+absl::StatusOr<QuantizedLhs> QuantizeLhsForGemm(Backend* backend, const LocalGemm& g) {
+  if (g.lhs == nullptr || g.lhs->shape.size() != 2) return absl::InvalidArgumentError("lhs: must be [M, K]");
+  LocalQuantize q;
+  q.x = g.lhs;
+  q.m = g.lhs->shape[0];
+  q.k = g.lhs->shape[1];
+  q.group_sizes = g.group_sizes;
+  q.out_dtype = g.quantize_lhs_to;
+  q.rowwise = true;
+  q.mode = g.lhs_mode;
+  auto outputs = backend->GroupedQuantize(q);
+  if (!outputs.ok()) return outputs.status();
+  auto scales = GemmScalesFromQuantize(g.lhs_mode, outputs->scale_inv, q.m, q.k, q.group_sizes);
+  if (!scales.ok()) return scales.status();
+  QuantizedLhs out;
+  out.data = std::move(outputs->rowwise_data);
+  out.scale_inv = std::move(*scales);
+  return out;
 }
 
 absl::StatusOr<Shard> Backend::GroupedGemmToShard(const LocalGemm& gemm) {

@@ -33,6 +33,18 @@ struct LocalGemm {
   std::vector<int64_t> group_sizes;  // this worker's local groups
   bool rhs_transposed = false;
   DType out_dtype = DType::kF32;
+  // FP8 GEMM (FP8 rhs): the operands' scales in the GEMM's layouts
+  // (GroupedGemmRequest.lhs_scale_inv / rhs_scale_inv) and the kernels' modes.
+  const HostTensor* lhs_scale_inv = nullptr;
+  const HostTensor* rhs_scale_inv = nullptr;
+  // Set when rhs_scale_inv is a resident shard (a device copy may be reused).
+  std::shared_ptr<const HostTensor> resident_rhs_scale_inv;
+  ScalingMode lhs_mode = ScalingMode::kCurrent;
+  ScalingMode rhs_mode = ScalingMode::kCurrent;
+  // Set: lhs is F32/BF16/F16, quantized by the backend to this FP8 dtype in
+  // lhs_mode (kCurrent: a scale per local group; kBlock1x128) before the
+  // FP8 GEMM; lhs_scale_inv is then null.
+  DType quantize_lhs_to = DType::kInvalid;
   // The FSDP weight gather, handed to a backend that CanGatherOnDevice()
   // (the executor decides; ragged M only): `rhs` (and `resident_rhs`) is then
   // this worker's shard, and the GEMM runs on the members' shards gathered
@@ -127,6 +139,14 @@ class Backend {
 // `backend` on the gathered weight: for the calls a device backend keeps on
 // the host (the CPU fallback, ragged K).
 absl::StatusOr<HostTensor> GroupedGemmAfterHostGather(Backend* backend, const LocalGemm& g);
+
+// The FP8 lhs of a fused quantize + GEMM (`g.quantize_lhs_to` set), made
+// by `backend`'s grouped quantize on the host path: the rowwise data and its
+// scales in the GEMM's layout.
+struct QuantizedLhs {
+  HostTensor data, scale_inv;
+};
+absl::StatusOr<QuantizedLhs> QuantizeLhsForGemm(Backend* backend, const LocalGemm& g);
 
 std::unique_ptr<Backend> MakeCpuBackend(int num_threads);
 

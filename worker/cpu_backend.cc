@@ -1,6 +1,8 @@
 #include <thread>
+#include <tuple>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/cpu/fp8_grouped_gemm.h"
 #include "kernels/cpu/grouped_gemm.h"
 #include "kernels/cpu/quantize.h"
 #include "worker/backend.h"
@@ -21,6 +23,7 @@ class CpuBackend : public Backend {
     // Never asked for (CanGatherOnDevice is false), but a gather handed over
     // still runs: on the host.
     if (g.rhs_gather.enabled) return GroupedGemmAfterHostGather(this, g);
+    if (IsFloat8(g.rhs->dtype)) return Fp8GroupedGemm(g);
     const HostTensor& lhs = *g.lhs;
     const HostTensor& rhs = *g.rhs;
     cpu::GroupedGemmArgs a;
@@ -65,6 +68,68 @@ class CpuBackend : public Backend {
     PointQuantizeOutputs(q, {at(out->rowwise_data), at(out->colwise_data), at(out->scale_inv),
                              at(out->colwise_scale_inv), at(out->amax)}, &a);
     if (auto s = cpu::GroupedQuantize(a); !s.ok()) return s;
+    return out;
+  }
+
+  // The reference FP8 GEMM: dequantize, FP32 accumulate.
+  absl::StatusOr<HostTensor> Fp8GroupedGemm(const LocalGemm& g) {
+    QuantizedLhs quantized;
+    const HostTensor* lhs = g.lhs;
+    const HostTensor* lhs_scale = g.lhs_scale_inv;
+    if (g.quantize_lhs_to != DType::kInvalid) {
+      auto q = QuantizeLhsForGemm(this, g);
+      if (!q.ok()) return q.status();
+      quantized = std::move(*q);
+      lhs = &quantized.data;
+      lhs_scale = &quantized.scale_inv;
+    }
+    if (lhs_scale == nullptr || g.rhs_scale_inv == nullptr) {
+      return absl::InvalidArgumentError("scale_inv: an FP8 GEMM needs both operands' scales");
+    }
+    const HostTensor& rhs = *g.rhs;
+    cpu::Fp8GroupedGemmArgs a;
+    a.ragged_k = g.ragged_k;
+    a.lhs_dtype = lhs->dtype;
+    a.rhs_dtype = rhs.dtype;
+    a.lhs = reinterpret_cast<const uint8_t*>(lhs->bytes.data());
+    a.rhs = reinterpret_cast<const uint8_t*>(rhs.bytes.data());
+    a.lhs_mode = g.lhs_mode;
+    a.rhs_mode = g.rhs_mode;
+    a.lhs_scale_inv = lhs_scale->bytes.data();
+    a.rhs_scale_inv = g.rhs_scale_inv->bytes.data();
+    a.m = lhs->shape.at(0);
+    a.k = lhs->shape.at(1);
+    a.num_groups = static_cast<int64_t>(g.group_sizes.size());
+    a.group_sizes = g.group_sizes.data();
+    a.rhs_transposed = g.rhs_transposed;
+    a.out_dtype = g.out_dtype;
+    std::vector<int64_t> out_shape;
+    if (g.ragged_k) {
+      a.n = rhs.shape.at(1);
+      out_shape = {a.num_groups, a.k, a.n};
+    } else {
+      a.n = g.rhs_transposed ? rhs.shape.at(1) : rhs.shape.at(2);
+      out_shape = {a.m, a.n};
+      if (g.bias != nullptr) {
+        a.bias_dtype = g.bias->dtype;
+        a.bias = g.bias->bytes.data();
+      }
+    }
+    // The scales' shapes are the GEMM's contract: a wrong one is named.
+    for (const auto& [t, want, name] :
+         {std::make_tuple(lhs_scale, cpu::Fp8LhsScaleShape(a), "lhs_scale_inv"),
+          std::make_tuple(g.rhs_scale_inv, cpu::Fp8RhsScaleShape(a), "rhs_scale_inv")}) {
+      if (t->shape != want) {
+        return absl::InvalidArgumentError(absl::StrCat(name, ": local shape ", ShapeToString(t->shape),
+                                                       ", expected ", ShapeToString(want), " (",
+                                                       ScalingModeName(name[0] == 'l' ? a.lhs_mode : a.rhs_mode),
+                                                       " scaling)"));
+      }
+    }
+    auto out = ZerosTensor(g.out_dtype, out_shape);
+    if (!out.ok()) return out.status();
+    a.out = out->bytes.empty() ? nullptr : &out->bytes[0];
+    if (auto s = cpu::Fp8GroupedGemm(a, num_threads_); !s.ok()) return s;
     return out;
   }
 

@@ -1,6 +1,7 @@
 // The CUDA backend: the grouped GEMM of kernels/cuda (our sm90 kernel and
 // cuBLASLt routes, chosen per shape) and the grouped quantize kernels, on one
 // stream, with device memory from the runner's pool.
+#include <cublasLt.h>
 #include <cuda_runtime_api.h>
 
 #include <atomic>
@@ -13,6 +14,8 @@
 #include "kernels/cpu/quantize.h"
 #include "kernels/cuda/cuda_status.h"
 #include "kernels/cuda/device_pool.h"
+#include "kernels/cuda/fp8_gemm.h"
+#include "kernels/gemm_scale_layout.h"
 #include "kernels/cuda/grouped_gemm.h"
 #include "kernels/cuda/quantize.h"
 #include "worker/backend.h"
@@ -91,6 +94,8 @@ class CudaBackend : public Backend {
       if (staged_[i] != nullptr) cudaEventDestroy(staged_[i]);
     }
     (void)cuda::ReleaseQuantizeWorkspace(stream_);
+    if (lt_workspace_ != nullptr) cudaFree(lt_workspace_);
+    if (lt_ != nullptr) cublasLtDestroy(lt_);
     cudaStreamDestroy(stream_);
   }
 
@@ -202,9 +207,127 @@ class CudaBackend : public Backend {
     return absl::OkStatus();
   }
 
+  // The FP8 GEMM: cuBLASLt FP8 (kernels/cuda/fp8_gemm.h) for ragged M with
+  // [G, N, K] weights and tensor or 1x128 x 128x128 block scales, the lhs
+  // quantized on the device when the step asks; other FP8 shapes (ragged K,
+  // [G, K, N] weights: cuBLASLt's FP8 is TN only on Hopper) run on the host
+  // reference. A kept output is brought to the host.
+  absl::StatusOr<HostTensor> RunFp8(const LocalGemm& g) {
+    if (g.lhs_device != nullptr || g.rhs_device != nullptr) {
+      return absl::InternalError("a device operand reached the FP8 GEMM path");
+    }
+    if (g.lhs_mode == ScalingMode::kMxfp8 || g.rhs_mode == ScalingMode::kMxfp8) {
+      return absl::UnimplementedError(
+          "scaling: MXFP8 GEMM needs Blackwell (cuBLASLt's VEC32_UE8M0); not available on Hopper");
+    }
+    if (g.rhs_gather.enabled) return GroupedGemmAfterHostGather(this, g);
+    const bool tensor = g.rhs_mode == ScalingMode::kCurrent || g.rhs_mode == ScalingMode::kDelayed;
+    if (g.ragged_k || !g.rhs_transposed || g.bias != nullptr || g.lhs->shape.at(1) % 16 != 0) {
+      return cpu_->GroupedGemm(g);
+    }
+    cudaSetDevice(device_);
+    if (lt_ == nullptr) {
+      if (cublasLtCreate(&lt_) != CUBLAS_STATUS_SUCCESS) return absl::InternalError("cublasLtCreate failed");
+      if (auto s = CudaStatus(cudaMalloc(&lt_workspace_, kLtWorkspaceBytes), "cuBLASLt workspace"); !s.ok()) {
+        return s;
+      }
+    }
+    const HostTensor& lhs = *g.lhs;
+    const HostTensor& rhs = *g.rhs;
+    const int64_t m = lhs.shape[0], k = lhs.shape[1], groups = static_cast<int64_t>(g.group_sizes.size());
+    const int64_t n = rhs.shape.at(1);
+    if (rhs.shape.size() != 3 || rhs.shape[0] != groups || rhs.shape[2] != k) {
+      return absl::InvalidArgumentError(absl::StrCat("rhs: ", ShapeToString(rhs.shape), ", expected [", groups,
+                                                     ", N, ", k, "] (rhs_transposed)"));
+    }
+    Scratch scratch(&runner_->pool(), &uploaded_);
+    cuda::Fp8GroupedGemmArgs a;
+    a.m = m;
+    a.n = n;
+    a.k = k;
+    a.group_sizes = g.group_sizes.data();
+    a.num_groups = groups;
+    a.out_dtype = g.out_dtype;
+    a.lhs_mode = g.lhs_mode;
+    a.rhs_mode = g.rhs_mode;
+    a.rhs_format = rhs.dtype == DType::kF8E5M2 ? Fp8Format::kE5M2 : Fp8Format::kE4M3;
+    a.workspace = lt_workspace_;
+    a.workspace_bytes = kLtWorkspaceBytes;
+    // rhs and its scales: the resident weight's device copy is kept.
+    auto d_rhs = g.resident_rhs != nullptr ? DeviceCopy(g.resident_rhs, g.resident_lhs.get())
+                                           : scratch.Upload(rhs.bytes.data(), rhs.NumBytes(), stream_);
+    if (!d_rhs.ok()) return d_rhs.status();
+    a.rhs = static_cast<const uint8_t*>(*d_rhs);
+    const std::vector<int64_t> weight_groups(static_cast<size_t>(groups), n);
+    HostTensor rhs_scales;
+    if (tensor) {
+      rhs_scales = *g.rhs_scale_inv;
+    } else {
+      auto converted = QuantizeScalesFromGemm(g.rhs_mode, *g.rhs_scale_inv, groups * n, k, weight_groups);
+      if (!converted.ok()) return absl::InvalidArgumentError(absl::StrCat("rhs_", converted.status().message()));
+      rhs_scales = std::move(*converted);
+    }
+    auto d_rhs_scale = scratch.Upload(rhs_scales.bytes.data(), rhs_scales.NumBytes(), stream_);
+    if (!d_rhs_scale.ok()) return d_rhs_scale.status();
+    a.rhs_scale_inv = *d_rhs_scale;
+    // lhs: uploaded FP8 with its scales, or quantized here from the float lhs.
+    auto d_lhs_in = g.resident_lhs != nullptr ? DeviceCopy(g.resident_lhs, g.resident_rhs.get())
+                                              : scratch.Upload(lhs.bytes.data(), lhs.NumBytes(), stream_);
+    if (!d_lhs_in.ok()) return d_lhs_in.status();
+    if (g.quantize_lhs_to != DType::kInvalid) {
+      LocalQuantize q;
+      q.x = &lhs;
+      q.m = m;
+      q.k = k;
+      q.group_sizes = g.group_sizes;
+      q.out_dtype = g.quantize_lhs_to;
+      q.mode = g.lhs_mode;
+      GroupedQuantizeArgs qa = QuantizeArgs(q, *d_lhs_in);
+      auto layout = GetQuantizeLayout(qa);
+      if (!layout.ok()) return layout.status();
+      auto d_data = scratch.Take(m * k);
+      auto d_scale = scratch.Take(layout->rowwise_scale_elems * 4);
+      auto d_amax = scratch.Take(groups * 4);  // current scaling's per-group amax (not returned)
+      for (const auto* st : {&d_data, &d_scale, &d_amax}) {
+        if (!st->ok()) return st->status();
+      }
+      PointQuantizeOutputs(q, {*d_data, nullptr, *d_scale, nullptr, tensor ? *d_amax : nullptr}, &qa);
+      if (auto s = cuda::GroupedQuantize(qa, stream_); !s.ok()) return s;
+      a.lhs = static_cast<const uint8_t*>(*d_data);
+      a.lhs_scale_inv = *d_scale;
+      a.lhs_format = g.quantize_lhs_to == DType::kF8E5M2 ? Fp8Format::kE5M2 : Fp8Format::kE4M3;
+    } else {
+      a.lhs = static_cast<const uint8_t*>(*d_lhs_in);
+      a.lhs_format = lhs.dtype == DType::kF8E5M2 ? Fp8Format::kE5M2 : Fp8Format::kE4M3;
+      HostTensor lhs_scales;
+      if (tensor) {
+        lhs_scales = *g.lhs_scale_inv;
+      } else {
+        auto converted = QuantizeScalesFromGemm(g.lhs_mode, *g.lhs_scale_inv, m, k, g.group_sizes);
+        if (!converted.ok()) return absl::InvalidArgumentError(absl::StrCat("lhs_", converted.status().message()));
+        lhs_scales = std::move(*converted);
+      }
+      auto d_lhs_scale = scratch.Upload(lhs_scales.bytes.data(), lhs_scales.NumBytes(), stream_);
+      if (!d_lhs_scale.ok()) return d_lhs_scale.status();
+      a.lhs_scale_inv = *d_lhs_scale;
+    }
+    const int64_t out_bytes = m * n * DTypeSize(g.out_dtype);
+    auto d_out = scratch.Take(out_bytes);
+    if (!d_out.ok()) return d_out.status();
+    a.out = *d_out;
+    if (auto s = cuda::Fp8GroupedGemm(a, lt_, stream_); !s.ok()) return s;
+    HostTensor out;
+    out.dtype = g.out_dtype;
+    out.shape = {m, n};
+    if (auto st = DownloadInto(*d_out, out_bytes, &out); !st.ok()) return st;
+    if (auto st = CudaStatus(cudaStreamSynchronize(stream_), "FP8 grouped GEMM"); !st.ok()) return st;
+    return out;
+  }
+
   absl::StatusOr<GemmOutput> Run(const LocalGemm& g, bool keep) {
     const HostTensor& lhs = *g.lhs;
     const HostTensor& rhs = *g.rhs;
+    if (IsFloat8(rhs.dtype)) return OnHost(RunFp8(g));
     // The GPU kernels take BF16 or F16 operands of one dtype; F32 (and
     // mixed) inputs keep FP32 arithmetic on the host reference kernels.
     if (lhs.dtype != rhs.dtype || !(lhs.dtype == DType::kBF16 || lhs.dtype == DType::kF16)) {
@@ -444,6 +567,9 @@ class CudaBackend : public Backend {
   void* staging_[2] = {nullptr, nullptr};  // pinned, for DownloadInto (the step's thread only)
   cudaEvent_t staged_[2] = {nullptr, nullptr};
   bool said_device_gather_ = false;
+  static constexpr int64_t kLtWorkspaceBytes = int64_t{32} << 20;
+  cublasLtHandle_t lt_ = nullptr;  // the FP8 GEMM's, made on first use
+  void* lt_workspace_ = nullptr;
   std::map<const HostTensor*, Cached> cache_;
   std::unique_ptr<cuda::GroupedGemmRunner> runner_;
   cudaStream_t stream_;

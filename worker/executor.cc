@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "kernels/fp8.h"
+#include "kernels/gemm_scale_layout.h"
 #include "proto/plan_codec.h"
 #include "proto/tensor_codec.h"
 
@@ -212,6 +213,44 @@ int64_t NumElementsOf(const std::vector<int64_t>& shape) {
   return std::accumulate(shape.begin(), shape.end(), int64_t{1}, std::multiplies<int64_t>());
 }
 
+// An FP8 step's dtypes, scales and modes, from the step alone: FP8 lhs and
+// rhs (not both E5M2) with both scales, or a float lhs the step quantizes
+// (quantize_lhs_to) with an FP8 rhs and its scales; float steps carry none.
+absl::Status CheckFp8Step(const v1::GemmStep& gemm, DType lhs, DType rhs, bool lhs_scale, bool rhs_scale) {
+  const bool quantize = gemm.quantize_lhs_to() != v1::DTYPE_UNSPECIFIED;
+  if (!quantize && !IsFloat8(lhs) && !IsFloat8(rhs)) {
+    if (lhs_scale || rhs_scale) return absl::InvalidArgumentError("scale_inv operands on a step without FP8 operands");
+    return absl::OkStatus();
+  }
+  if (!v1::ScalingMode_IsValid(gemm.scaling())) {
+    return absl::InvalidArgumentError(absl::StrCat("scaling: unknown mode ", static_cast<int>(gemm.scaling())));
+  }
+  if (!IsFloat8(rhs)) return absl::InvalidArgumentError("rhs: an FP8 GEMM step needs an FP8 rhs");
+  if (!rhs_scale) return absl::InvalidArgumentError("rhs_scale_inv: an FP8 rhs needs its scales");
+  if (quantize) {
+    auto to = DTypeFromProto(gemm.quantize_lhs_to(), "quantize_lhs_to");
+    if (!to.ok()) return to.status();
+    if (!IsFloat8(*to)) return absl::InvalidArgumentError("quantize_lhs_to: must be f8e4m3 or f8e5m2");
+    if (!IsGemmFloat(lhs)) return absl::InvalidArgumentError("lhs: quantize_lhs_to needs an f32, bf16 or f16 lhs");
+    if (lhs_scale) return absl::InvalidArgumentError("lhs_scale_inv: the step's quantize makes it");
+    if (gemm.ragged() == v1::GroupedGemmRequest::RAGGED_K) {
+      return absl::InvalidArgumentError("quantize_lhs_to: the fused quantize + GEMM is ragged M");
+    }
+    if (gemm.scaling() != v1::SCALING_UNSPECIFIED && gemm.scaling() != v1::CURRENT &&
+        gemm.scaling() != v1::BLOCK_FP8) {
+      return absl::InvalidArgumentError("scaling: quantize_lhs_to makes CURRENT or BLOCK_FP8 scales");
+    }
+    lhs = *to;
+  } else {
+    if (!IsFloat8(lhs)) return absl::InvalidArgumentError("lhs: an FP8 GEMM step needs an FP8 lhs");
+    if (!lhs_scale) return absl::InvalidArgumentError("lhs_scale_inv: an FP8 lhs needs its scales");
+  }
+  if (lhs == DType::kF8E5M2 && rhs == DType::kF8E5M2) {
+    return absl::InvalidArgumentError("rhs: f8e5m2 x f8e5m2 GEMM is not supported (one side must be f8e4m3)");
+  }
+  return absl::OkStatus();
+}
+
 bool IsReduction(const v1::CollectivePlan& c) {
   return c.kind() == v1::COLLECTIVE_ALL_REDUCE_SUM || c.kind() == v1::COLLECTIVE_REDUCE_SCATTER;
 }
@@ -388,12 +427,21 @@ absl::StatusOr<v1::StepResult> Executor::RunGemm(v1::GemmStep& gemm) {
     return collectives_->Agree(local, agree_axes);
   };
   const bool ragged_k = gemm.ragged() == v1::GroupedGemmRequest::RAGGED_K;
-  const bool has_bias = gemm.has_bias();  // before mutable_bias() creates one
-  const v1::TensorRole roles[] = {v1::TENSOR_LHS, v1::TENSOR_RHS, v1::TENSOR_BIAS};
-  v1::LocalTensor* protos[] = {gemm.mutable_lhs(), gemm.mutable_rhs(), gemm.mutable_bias()};
+  // The step's operands; the optional ones are present only when sent
+  // (looked at before mutable_*() creates them).
+  constexpr int kOperands = 5;
+  constexpr int kBias = 2, kLhsScale = 3, kRhsScale = 4;
+  const v1::TensorRole roles[kOperands] = {v1::TENSOR_LHS, v1::TENSOR_RHS, v1::TENSOR_BIAS,
+                                           v1::TENSOR_LHS_SCALE_INV, v1::TENSOR_RHS_SCALE_INV};
+  const bool present[kOperands] = {true, true, gemm.has_bias(), gemm.has_lhs_scale_inv(),
+                                   gemm.has_rhs_scale_inv()};
+  v1::LocalTensor* protos[kOperands] = {gemm.mutable_lhs(), gemm.mutable_rhs(),
+                                        present[kBias] ? gemm.mutable_bias() : nullptr,
+                                        present[kLhsScale] ? gemm.mutable_lhs_scale_inv() : nullptr,
+                                        present[kRhsScale] ? gemm.mutable_rhs_scale_inv() : nullptr};
   auto index_of = [&](v1::TensorRole role) {
-    for (int i = 0; i < 3; ++i) {
-      if (roles[i] == role && (i < 2 || has_bias)) return i;
+    for (int i = 0; i < kOperands; ++i) {
+      if (roles[i] == role && present[i]) return i;
     }
     return -1;
   };
@@ -404,10 +452,11 @@ absl::StatusOr<v1::StepResult> Executor::RunGemm(v1::GemmStep& gemm) {
   // and where each collective runs.
   auto out_dtype = DTypeFromProto(gemm.out_dtype(), "out_dtype");
   if (!out_dtype.ok()) return out_dtype.status();
-  DType declared_dtype[3] = {DType::kInvalid, DType::kInvalid, DType::kInvalid};
-  std::vector<int64_t> declared_shape[3], compute_shape[3];
-  for (int i = 0; i < 3; ++i) {
-    if (i == 2 && !has_bias) break;
+  DType declared_dtype[kOperands] = {DType::kInvalid, DType::kInvalid, DType::kInvalid, DType::kInvalid,
+                                     DType::kInvalid};
+  std::vector<int64_t> declared_shape[kOperands], compute_shape[kOperands];
+  for (int i = 0; i < kOperands; ++i) {
+    if (!present[i]) continue;
     auto d = DTypeFromProto(protos[i]->dtype(), RoleName(roles[i]));
     if (!d.ok()) return d.status();
     declared_dtype[i] = *d;
@@ -417,6 +466,10 @@ absl::StatusOr<v1::StepResult> Executor::RunGemm(v1::GemmStep& gemm) {
     if (auto n = CheckedNumElements(declared_shape[i], DTypeSize(*d), RoleName(roles[i])); !n.ok()) {
       return n.status();
     }
+  }
+  if (auto s = CheckFp8Step(gemm, declared_dtype[0], declared_dtype[1], present[kLhsScale], present[kRhsScale]);
+      !s.ok()) {
+    return s;
   }
   bool before_communicates = false, after_communicates = false;
   for (const auto& c : gemm.collectives()) {
@@ -508,11 +561,11 @@ absl::StatusOr<v1::StepResult> Executor::RunGemm(v1::GemmStep& gemm) {
   }
 
   // Stage 1, local: inputs, memory (this worker alone may fail here).
-  Input lhs, rhs, bias;
-  Input* inputs[] = {&lhs, &rhs, &bias};
+  Input lhs, rhs, bias, lhs_scale, rhs_scale;
+  Input* inputs[kOperands] = {&lhs, &rhs, &bias, &lhs_scale, &rhs_scale};
   absl::Status prepared;
-  for (int i = 0; i < 3 && prepared.ok(); ++i) {
-    if (i == 2 && !has_bias) break;
+  for (int i = 0; i < kOperands && prepared.ok(); ++i) {
+    if (!present[i]) continue;
     auto in = ResolveInput(std::move(*protos[i]), *store_, RoleName(roles[i]));
     if (!in.ok()) {
       prepared = in.status();
@@ -526,19 +579,19 @@ absl::StatusOr<v1::StepResult> Executor::RunGemm(v1::GemmStep& gemm) {
   }
   // Device-only shards stay on the device for the device GEMM (and its
   // device weight gather); every host path takes their bytes first.
-  for (int i = 0; i < 3 && prepared.ok(); ++i) {
+  for (int i = 0; i < kOperands && prepared.ok(); ++i) {
     if (inputs[i]->device == nullptr) continue;
     bool host_collective = false;
     for (const auto& c : gemm.collectives()) {
       host_collective |= c.phase() == v1::PHASE_BEFORE && c.tensor() == roles[i] && &c != device_gather;
     }
-    if (!device_gemm || i == 2 || host_collective) prepared = EnsureOnHost(backend_, inputs[i]);
+    if (!device_gemm || i >= kBias || host_collective) prepared = EnsureOnHost(backend_, inputs[i]);
   }
   int64_t working_bytes = 0;
   if (prepared.ok()) {
     // Inline inputs (resident ones are already counted), host gathers and
     // the output. A weight gathered on the device takes device memory.
-    for (int i = 0; i < 3; ++i) {
+    for (int i = 0; i < kOperands; ++i) {
       if (inputs[i]->tensor != nullptr && !inputs[i]->resident) {
         working_bytes = SaturatingAdd(working_bytes, inputs[i]->tensor->NumBytes());
       }
@@ -600,6 +653,18 @@ absl::StatusOr<v1::StepResult> Executor::RunGemm(v1::GemmStep& gemm) {
   local.lhs_device = lhs.device;
   local.rhs_device = rhs.device;
   local.bias = gemm.apply_bias() ? bias.tensor.get() : nullptr;
+  local.lhs_scale_inv = lhs_scale.tensor.get();
+  local.rhs_scale_inv = rhs_scale.tensor.get();
+  if (rhs_scale.resident) local.resident_rhs_scale_inv = rhs_scale.tensor;
+  if (IsFloat8(declared_dtype[1])) {
+    auto modes = KernelGemmScalingModes(gemm.scaling(), ragged_k);
+    if (!modes.ok()) return modes.status();  // checked in CheckFp8Step: not reached
+    local.lhs_mode = modes->lhs;
+    local.rhs_mode = modes->rhs;
+  }
+  if (gemm.quantize_lhs_to() != v1::DTYPE_UNSPECIFIED) {
+    local.quantize_lhs_to = *DTypeFromProto(gemm.quantize_lhs_to(), "quantize_lhs_to");  // checked
+  }
   local.group_sizes.assign(gemm.group_sizes().begin(), gemm.group_sizes().end());
   local.rhs_transposed = gemm.rhs_transposed();
   local.out_dtype = local_dtype;
@@ -829,25 +894,48 @@ absl::StatusOr<v1::StepResult> Executor::RunQuantize(v1::QuantizeStep& q) {
   }
 
   v1::StepResult result;
-  auto add = [&](v1::TensorRole role, HostTensor&& t) {
+  // An output the step keeps goes to the store under its shard name; the
+  // result then names it.
+  const std::string keep_data = q.keep_rowwise_data_as(), keep_scale = q.keep_scale_inv_as();
+  if (!keep_scale.empty()) {
+    auto gemm_scales = GemmScalesFromQuantize(local.mode, out->scale_inv, local.m, local.k, local.group_sizes);
+    if (!gemm_scales.ok()) return gemm_scales.status();
+    out->scale_inv = std::move(*gemm_scales);
+  }
+  if (!keep_data.empty() || !keep_scale.empty()) reservation.Release();
+  absl::Status kept;
+  auto add = [&](v1::TensorRole role, HostTensor&& t, const std::string& keep_as = "") {
     v1::StepOutput* o = result.add_outputs();
     o->set_role(role);
-    HostTensorToProto(std::move(t), o->mutable_tensor());
+    if (keep_as.empty()) {
+      HostTensorToProto(std::move(t), o->mutable_tensor());
+      return;
+    }
+    o->mutable_tensor()->set_dtype(DTypeToProto(t.dtype));
+    o->mutable_tensor()->mutable_shape()->Assign(t.shape.begin(), t.shape.end());
+    o->mutable_tensor()->set_resident(keep_as);
+    kept.Update(store_->Put(keep_as, std::move(t)));
   };
   if (local.rowwise) {
     out->rowwise_data.shape = x.tensor->shape;
-    add(v1::TENSOR_ROWWISE_DATA, std::move(out->rowwise_data));
+    add(v1::TENSOR_ROWWISE_DATA, std::move(out->rowwise_data), keep_data);
   }
   if (local.colwise) {
     out->colwise_data.shape = x.tensor->shape;
     add(v1::TENSOR_COLWISE_DATA, std::move(out->colwise_data));
   }
   if (local.block_scaled()) {
-    if (local.rowwise) add(v1::TENSOR_SCALE_INV, std::move(out->scale_inv));
+    if (local.rowwise) add(v1::TENSOR_SCALE_INV, std::move(out->scale_inv), keep_scale);
     if (local.colwise) add(v1::TENSOR_COLWISE_SCALE_INV, std::move(out->colwise_scale_inv));
   } else {
-    add(v1::TENSOR_SCALE_INV, std::move(out->scale_inv));
+    add(v1::TENSOR_SCALE_INV, std::move(out->scale_inv), keep_scale);
     add(v1::TENSOR_AMAX, std::move(out->amax));
+  }
+  if (!kept.ok()) {
+    for (const std::string& name : {keep_data, keep_scale}) {
+      if (!name.empty()) (void)store_->Delete(name);
+    }
+    return kept;
   }
   FinishResult(start, agreements, transfers_before, &result);
   return result;

@@ -32,6 +32,7 @@ NUMPY_DTYPES = {
     pb.I64: np.dtype(np.int64),
 }
 PROTO_DTYPES = {v: k for k, v in NUMPY_DTYPES.items()}
+SCALING = {"current": pb.CURRENT, "delayed": pb.DELAYED, "mxfp8": pb.MXFP8, "block": pb.BLOCK_FP8}
 
 
 def to_tensor(array, spec=""):
@@ -104,7 +105,13 @@ class Client:
     def gemm_request(self, lhs, rhs, group_sizes, bias=None, *, rhs_transposed=False,
                      ragged_k=False, lhs_spec="", rhs_spec="", group_sizes_spec="", bias_spec="",
                      out_dtype=None, out_spec="", compat="default", keep_output_as="",
-                     overwrite_output=False, include_plan=False, global_sorted=False):
+                     overwrite_output=False, include_plan=False, global_sorted=False,
+                     lhs_scale_inv=None, rhs_scale_inv=None, lhs_scale_spec="", rhs_scale_spec="",
+                     scaling="current", quantize_lhs=None):
+        """FP8: lhs/rhs FP8 arrays (or resident names) with lhs_scale_inv and
+        rhs_scale_inv in the layouts of the proto's GroupedGemmRequest, under
+        `scaling` ("current", "delayed", "block", "mxfp8"); quantize_lhs (an
+        FP8 numpy dtype) quantizes a float lhs on the workers instead."""
         req = pb.GroupedGemmRequest(
             ragged=pb.GroupedGemmRequest.RAGGED_K if ragged_k else pb.GroupedGemmRequest.RAGGED_M,
             lhs=to_tensor(lhs, lhs_spec), rhs=to_tensor(rhs, rhs_spec),
@@ -117,7 +124,33 @@ class Client:
             req.bias.CopyFrom(to_tensor(bias, bias_spec))
         if out_dtype is not None:
             req.out_dtype = PROTO_DTYPES[np.dtype(out_dtype)]
+        req.scaling = SCALING[scaling]
+        if lhs_scale_inv is not None:
+            req.lhs_scale_inv.CopyFrom(to_tensor(lhs_scale_inv, lhs_scale_spec))
+        if rhs_scale_inv is not None:
+            req.rhs_scale_inv.CopyFrom(to_tensor(rhs_scale_inv, rhs_scale_spec))
+        if quantize_lhs is not None:
+            req.quantize_lhs.dtype = PROTO_DTYPES[np.dtype(quantize_lhs)]
         return req
+
+    def grouped_quantize(self, x, group_sizes, *, x_spec="", group_sizes_spec="", out_dtype=None,
+                         scaling="current", rowwise=True, colwise=False, block_2d=False, flatten_axis=0,
+                         shared_scales=False, scales=None, keep_rowwise_data_as="", keep_scale_inv_as="",
+                         overwrite=False, include_plan=False, request_id=None):
+        """Returns the GroupedQuantizeResponse (kept outputs name their resident tensors)."""
+        req = pb.GroupedQuantizeRequest(
+            x=to_tensor(x, x_spec), group_sizes=to_tensor(np.asarray(group_sizes, dtype=np.int64), group_sizes_spec),
+            scaling=SCALING[scaling], rowwise=rowwise, colwise=colwise, block_2d=block_2d,
+            flatten_axis=flatten_axis, shared_scales=shared_scales, include_plan=include_plan,
+            keep=pb.QuantizeKeep(rowwise_data=keep_rowwise_data_as, scale_inv=keep_scale_inv_as,
+                                 overwrite=overwrite))
+        if out_dtype is not None:
+            req.out_dtype = PROTO_DTYPES[np.dtype(out_dtype)]
+        if scales is not None:
+            req.scales.CopyFrom(to_tensor(np.asarray(scales, dtype=np.float32)))
+        resp, call = self.stub.GroupedQuantize.with_call(req, timeout=self.timeout, metadata=_metadata(request_id))
+        self._note_request_id(call)
+        return resp
 
     def grouped_gemm(self, *args, request_id=None, **kwargs):
         """Returns (out array or None when kept resident, plan)."""
