@@ -17,6 +17,7 @@
 // --threads (wall clock). For a sharded mesh, give the specs: the local op
 // is then one worker's share (the preset is per worker, as its note says)
 // and the request's global shapes are the preset's times the row shards.
+#include <cublasLt.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -35,7 +36,11 @@
 #include "client/connect_flags.h"
 #include "kernels/cpu/grouped_gemm.h"
 #include "kernels/cuda/device_pool.h"
+#include "kernels/cpu/fp8_grouped_gemm.h"
+#include "kernels/cpu/quantize.h"
+#include "kernels/cuda/fp8_gemm.h"
 #include "kernels/cuda/grouped_gemm.h"
+#include "kernels/cuda/quantize.h"
 #include "kernels/fp8.h"
 #include "nlohmann/json.hpp"
 #include "proto/tensor_codec.h"
@@ -57,6 +62,11 @@ ABSL_FLAG(std::string, group_sizes_spec, "", "group_sizes partition spec of the 
 ABSL_FLAG(int, row_shards, 1, "row shards of the request's lhs (the product of the lhs spec's row axes)");
 ABSL_FLAG(int, expert_shards, 1, "expert shards of the request's rhs (the ep size when rhs dim 0 is split)");
 ABSL_FLAG(std::string, json, "", "append one JSON line per preset here");
+ABSL_FLAG(std::string, weight_group_sizes_spec, "", "--op=fp8: group_sizes spec of the weights' quantize (ep)");
+ABSL_FLAG(std::string, op, "gemm",
+          "gemm: the BF16 grouped GEMM; fp8: the fused quantize + FP8 grouped GEMM (per-group current scaling, "
+          "E4M3) on weights quantized once and kept resident ([G, N, K]); the local op is the same quantize + "
+          "FP8 GEMM");
 
 namespace shardgemm {
 namespace {
@@ -208,6 +218,178 @@ class CudaLocalOp : public LocalOp {
   void* pinned_ = nullptr;
 };
 
+// The local quantize + FP8 GEMM: lhs (BF16 [M, K]) quantized per group
+// (current scaling, E4M3) then the FP8 grouped GEMM against weights
+// quantized once ([G, N, K], one scale per expert). BF16 output.
+GroupedQuantizeArgs CurrentQuantizeArgs(const void* x, int64_t m, int64_t k, const std::vector<int64_t>& sizes) {
+  GroupedQuantizeArgs a;
+  a.x = x;
+  a.x_dtype = DType::kBF16;
+  a.m = m;
+  a.k = k;
+  a.group_sizes = sizes.data();
+  a.num_groups = static_cast<int64_t>(sizes.size());
+  a.mode = ScalingMode::kCurrent;
+  a.rowwise = true;
+  return a;
+}
+
+class CudaFp8LocalOp : public LocalOp {
+ public:
+  static absl::StatusOr<std::unique_ptr<CudaFp8LocalOp>> Create(const HostTensor& lhs, const HostTensor& w,
+                                                                std::vector<int64_t> sizes) {
+    auto op = std::unique_ptr<CudaFp8LocalOp>(new CudaFp8LocalOp);
+    op->m_ = lhs.shape[0];
+    op->k_ = lhs.shape[1];
+    op->g_ = w.shape[0];
+    op->n_ = w.shape[1];
+    op->sizes_ = std::move(sizes);
+    op->weight_sizes_.assign(static_cast<size_t>(op->g_), op->n_);
+    op->out_ = *ZerosTensor(DType::kBF16, {op->m_, op->n_});
+    cudaStreamCreate(&op->stream_);
+    cudaEventCreate(&op->begin_);
+    cudaEventCreate(&op->end_);
+    if (cublasLtCreate(&op->lt_) != CUBLAS_STATUS_SUCCESS) return absl::InternalError("cublasLtCreate failed");
+    auto alloc = [&](int64_t bytes) -> void* {
+      void* p = nullptr;
+      if (cudaMalloc(&p, std::max<int64_t>(bytes, 256)) != cudaSuccess) return nullptr;
+      op->held_.push_back(p);
+      return p;
+    };
+    void* d_w = alloc(w.NumBytes());
+    op->lhs_ = alloc(lhs.NumBytes());
+    op->lhs8_ = alloc(op->m_ * op->k_);
+    op->lhs_scale_ = alloc(op->g_ * 4 * 2);
+    op->lhs_amax_ = alloc(static_cast<int64_t>(op->sizes_.size()) * 4);
+    op->w8_ = alloc(w.NumElements());
+    op->w_scale_ = alloc(op->g_ * 4);
+    void* w_amax = alloc(op->g_ * 4);
+    op->d_out_ = alloc(op->out_.NumBytes());
+    op->workspace_ = alloc(kWorkspace);
+    op->d_sizes_ = alloc(static_cast<int64_t>(op->sizes_.size()) * 8);
+    for (void* p : op->held_) {
+      if (p == nullptr) return absl::ResourceExhaustedError("local FP8 op: cudaMalloc failed");
+    }
+    cudaMemcpy(d_w, w.bytes.data(), w.NumBytes(), cudaMemcpyHostToDevice);
+    cudaMemcpy(op->lhs_, lhs.bytes.data(), lhs.NumBytes(), cudaMemcpyHostToDevice);
+    cudaMemcpy(op->d_sizes_, op->sizes_.data(), op->sizes_.size() * 8, cudaMemcpyHostToDevice);
+    GroupedQuantizeArgs wq = CurrentQuantizeArgs(d_w, op->g_ * op->n_, op->k_, op->weight_sizes_);
+    wq.rowwise_data = static_cast<uint8_t*>(op->w8_);
+    wq.rowwise_scale_inv = op->w_scale_;
+    wq.amax = static_cast<float*>(w_amax);
+    if (auto s = cuda::GroupedQuantize(wq, op->stream_); !s.ok()) return s;
+    if (cudaStreamSynchronize(op->stream_) != cudaSuccess) return absl::InternalError("weight quantize failed");
+    return op;
+  }
+  absl::StatusOr<double> Run() override {
+    cudaEventRecord(begin_, stream_);
+    GroupedQuantizeArgs q = CurrentQuantizeArgs(lhs_, m_, k_, sizes_);
+    q.rowwise_data = static_cast<uint8_t*>(lhs8_);
+    q.rowwise_scale_inv = lhs_scale_;
+    q.amax = static_cast<float*>(lhs_amax_);
+    if (auto s = cuda::GroupedQuantize(q, stream_); !s.ok()) return s;
+    cuda::Fp8GroupedGemmArgs a;
+    a.lhs = static_cast<const uint8_t*>(lhs8_);
+    a.lhs_scale_inv = lhs_scale_;
+    a.rhs = static_cast<const uint8_t*>(w8_);
+    a.rhs_scale_inv = w_scale_;
+    a.m = m_;
+    a.n = n_;
+    a.k = k_;
+    a.group_sizes = sizes_.data();
+    a.num_groups = static_cast<int64_t>(sizes_.size());
+    a.out = d_out_;
+    a.out_dtype = DType::kBF16;
+    a.workspace = workspace_;
+    a.workspace_bytes = kWorkspace;
+    if (auto s = cuda::Fp8GroupedGemm(a, lt_, stream_); !s.ok()) return s;
+    cudaEventRecord(end_, stream_);
+    if (cudaEventSynchronize(end_) != cudaSuccess) return absl::InternalError("local FP8 GEMM failed");
+    float ms = 0;
+    cudaEventElapsedTime(&ms, begin_, end_);
+    return ms * 1e-3;
+  }
+  absl::StatusOr<HostTensor> Output() override {
+    if (cudaMemcpy(&out_.bytes[0], d_out_, out_.NumBytes(), cudaMemcpyDeviceToHost) != cudaSuccess) {
+      return absl::InternalError("download failed");
+    }
+    return out_;
+  }
+  ~CudaFp8LocalOp() override {
+    for (void* p : held_) {
+      if (p != nullptr) cudaFree(p);
+    }
+    if (lt_ != nullptr) cublasLtDestroy(lt_);
+  }
+
+ private:
+  static constexpr int64_t kWorkspace = int64_t{32} << 20;
+  CudaFp8LocalOp() = default;
+  int64_t m_ = 0, k_ = 0, g_ = 0, n_ = 0;
+  std::vector<int64_t> sizes_, weight_sizes_;
+  std::vector<void*> held_;
+  void *lhs_ = nullptr, *lhs8_ = nullptr, *lhs_scale_ = nullptr, *lhs_amax_ = nullptr, *w8_ = nullptr,
+       *w_scale_ = nullptr, *d_out_ = nullptr, *workspace_ = nullptr, *d_sizes_ = nullptr;
+  HostTensor out_;
+  cudaStream_t stream_ = nullptr;
+  cudaEvent_t begin_ = nullptr, end_ = nullptr;
+  cublasLtHandle_t lt_ = nullptr;
+};
+
+// The same on the CPU reference kernels (wall clock).
+class CpuFp8LocalOp : public LocalOp {
+ public:
+  CpuFp8LocalOp(const HostTensor& lhs, const HostTensor& w, std::vector<int64_t> sizes, int threads)
+      : lhs_(lhs), sizes_(std::move(sizes)), threads_(threads) {
+    const int64_t g = w.shape[0], n = w.shape[1], k = w.shape[2];
+    std::vector<int64_t> weight_sizes(static_cast<size_t>(g), n);
+    w8_ = *ZerosTensor(DType::kF8E4M3, w.shape);
+    w_scale_ = *ZerosTensor(DType::kF32, {g});
+    HostTensor amax = *ZerosTensor(DType::kF32, {g});
+    GroupedQuantizeArgs wq = CurrentQuantizeArgs(w.bytes.data(), g * n, k, weight_sizes);
+    wq.rowwise_data = w8_.data<uint8_t>();
+    wq.rowwise_scale_inv = w_scale_.data<float>();
+    wq.amax = amax.data<float>();
+    (void)cpu::GroupedQuantize(wq);
+    out_ = *ZerosTensor(DType::kBF16, {lhs.shape[0], n});
+  }
+  absl::StatusOr<double> Run() override {
+    const absl::Time start = absl::Now();
+    const int64_t m = lhs_.shape[0], k = lhs_.shape[1];
+    HostTensor x8 = *ZerosTensor(DType::kF8E4M3, {m, k});
+    HostTensor xs = *ZerosTensor(DType::kF32, {static_cast<int64_t>(sizes_.size())});
+    HostTensor amax = xs;
+    GroupedQuantizeArgs q = CurrentQuantizeArgs(lhs_.bytes.data(), m, k, sizes_);
+    q.rowwise_data = x8.data<uint8_t>();
+    q.rowwise_scale_inv = xs.data<float>();
+    q.amax = amax.data<float>();
+    if (auto s = cpu::GroupedQuantize(q); !s.ok()) return s;
+    cpu::Fp8GroupedGemmArgs a;
+    a.lhs_dtype = a.rhs_dtype = DType::kF8E4M3;
+    a.lhs = x8.data<uint8_t>();
+    a.rhs = w8_.data<uint8_t>();
+    a.lhs_scale_inv = xs.data<float>();
+    a.rhs_scale_inv = w_scale_.data<float>();
+    a.m = m;
+    a.k = k;
+    a.n = w8_.shape[1];
+    a.num_groups = static_cast<int64_t>(sizes_.size());
+    a.group_sizes = sizes_.data();
+    a.rhs_transposed = true;
+    a.out_dtype = DType::kBF16;
+    a.out = &out_.bytes[0];
+    if (auto s = cpu::Fp8GroupedGemm(a, threads_); !s.ok()) return s;
+    return absl::ToDoubleSeconds(absl::Now() - start);
+  }
+  absl::StatusOr<HostTensor> Output() override { return out_; }
+
+ private:
+  const HostTensor& lhs_;
+  std::vector<int64_t> sizes_;
+  int threads_;
+  HostTensor w8_, w_scale_, out_;
+};
+
 // Max |a - b| over max |b| (both as F32).
 double RelativeError(const HostTensor& a, const HostTensor& b) {
   if (a.shape != b.shape) return INFINITY;
@@ -241,6 +423,11 @@ int Main() {
   const DType dtype = absl::GetFlag(FLAGS_dtype) == "f32" ? DType::kF32 : DType::kBF16;
   const bool on_cuda = absl::GetFlag(FLAGS_local) == "cuda";
   const bool returned = absl::GetFlag(FLAGS_returned);
+  const bool fp8 = absl::GetFlag(FLAGS_op) == "fp8";
+  if (!fp8 && absl::GetFlag(FLAGS_op) != "gemm") {
+    std::fprintf(stderr, "--op: gemm or fp8, not '%s'\n", absl::GetFlag(FLAGS_op).c_str());
+    return 2;
+  }
   const int iters = absl::GetFlag(FLAGS_iters), warmup = absl::GetFlag(FLAGS_warmup);
   const int row_shards = absl::GetFlag(FLAGS_row_shards), expert_shards = absl::GetFlag(FLAGS_expert_shards);
 
@@ -251,7 +438,8 @@ int Main() {
     return 1;
   }
   std::printf("# service bench: %d workers, local op on %s, %s, output %s, %d calls after %d\n",
-              info->workers_size(), on_cuda ? "cuda" : "cpu", std::string(DTypeName(dtype)).c_str(),
+              info->workers_size(), on_cuda ? "cuda" : "cpu",
+              fp8 ? "quantize + fp8 gemm (e4m3, per-group scales, bf16 out)" : std::string(DTypeName(dtype)).c_str(),
               returned ? "returned" : "kept", iters, warmup);
   std::printf("# %-18s %9s %9s %9s %9s %9s %9s %9s %9s %7s %9s %11s %11s %s\n", "preset", "local_us",
               "d2h_us", "server50", "server90", "worker50", "worker90", "rtt50", "rtt90", "ratio", "added_us",
@@ -263,11 +451,23 @@ int Main() {
     // One worker's share: m rows per local group, G local experts.
     const int64_t local_rows = p.g * p.m;
     HostTensor lhs_local = Random(dtype, {local_rows, p.k}, 1);
-    HostTensor rhs_local = Random(dtype, {p.g, p.k, p.n}, 2);
+    // FP8 weights are [G, N, K] (Hopper's FP8 GEMM is TN).
+    HostTensor rhs_local = Random(dtype, fp8 ? std::vector<int64_t>{p.g, p.n, p.k} : std::vector<int64_t>{p.g, p.k, p.n}, 2);
     std::vector<int64_t> local_sizes(p.g, p.m);
     std::unique_ptr<LocalOp> local;
     CudaLocalOp* cuda_local = nullptr;
-    if (on_cuda) {
+    if (fp8) {
+      if (on_cuda) {
+        auto op = CudaFp8LocalOp::Create(lhs_local, rhs_local, local_sizes);
+        if (!op.ok()) {
+          std::fprintf(stderr, "%s: local op: %s\n", p.name.c_str(), std::string(op.status().message()).c_str());
+          return 1;
+        }
+        local = std::move(*op);
+      } else {
+        local = std::make_unique<CpuFp8LocalOp>(lhs_local, rhs_local, local_sizes, absl::GetFlag(FLAGS_threads));
+      }
+    } else if (on_cuda) {
       auto op = CudaLocalOp::Create(lhs_local, rhs_local, local_sizes);
       if (!op.ok()) {
         std::fprintf(stderr, "%s: local op: %s\n", p.name.c_str(), std::string(op.status().message()).c_str());
@@ -313,6 +513,29 @@ int Main() {
     v1::GroupedGemmRequest request;
     request.mutable_lhs()->set_resident("bench_lhs");
     request.mutable_rhs()->set_resident("bench_rhs");
+    if (fp8) {
+      // The weights quantized once on the workers and kept; each request
+      // quantizes lhs in its step.
+      v1::GroupedQuantizeRequest wq;
+      wq.mutable_x()->set_resident("bench_rhs");
+      HostTensor weight_sizes = *ZerosTensor(DType::kI64, {p.g * expert_shards});
+      for (int64_t i = 0; i < weight_sizes.NumElements(); ++i) weight_sizes.data<int64_t>()[i] = p.n;
+      HostTensorToProto(weight_sizes, wq.mutable_group_sizes());
+      wq.mutable_group_sizes()->set_spec(absl::GetFlag(FLAGS_weight_group_sizes_spec));
+      wq.set_flatten_axis(2);
+      wq.set_rowwise(true);
+      wq.mutable_keep()->set_rowwise_data("bench_w8");
+      wq.mutable_keep()->set_scale_inv("bench_w8_scale");
+      wq.mutable_keep()->set_overwrite(true);
+      if (auto r = client.GroupedQuantize(wq); !r.ok()) {
+        std::fprintf(stderr, "%s: weight quantize: %s\n", p.name.c_str(), std::string(r.status().message()).c_str());
+        return 1;
+      }
+      request.mutable_rhs()->set_resident("bench_w8");
+      request.mutable_rhs_scale_inv()->set_resident("bench_w8_scale");
+      request.set_rhs_transposed(true);
+      request.mutable_quantize_lhs()->set_dtype(v1::F8E4M3);
+    }
     HostTensorToProto(sizes, request.mutable_group_sizes());
     request.mutable_group_sizes()->set_spec(absl::GetFlag(FLAGS_group_sizes_spec));
     request.set_out_dtype(DTypeToProto(dtype));
@@ -367,7 +590,9 @@ int Main() {
                           {"h2d_bytes", h2d}, {"d2h_bytes", d2h}, {"check", check}};
       json_out << j.dump() << "\n";
     }
-    for (const char* name : {"bench_lhs", "bench_rhs", "bench_out"}) (void)client.DeleteTensor(name);
+    for (const char* name : {"bench_lhs", "bench_rhs", "bench_out", "bench_w8", "bench_w8_scale"}) {
+      (void)client.DeleteTensor(name);
+    }
   }
   return failures == 0 ? 0 : 1;
 }

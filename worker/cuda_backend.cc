@@ -212,7 +212,7 @@ class CudaBackend : public Backend {
   // quantized on the device when the step asks; other FP8 shapes (ragged K,
   // [G, K, N] weights: cuBLASLt's FP8 is TN only on Hopper) run on the host
   // reference. A kept output is brought to the host.
-  absl::StatusOr<HostTensor> RunFp8(const LocalGemm& g) {
+  absl::StatusOr<GemmOutput> RunFp8(const LocalGemm& g, bool keep) {
     if (g.lhs_device != nullptr || g.rhs_device != nullptr) {
       return absl::InternalError("a device operand reached the FP8 GEMM path");
     }
@@ -220,10 +220,10 @@ class CudaBackend : public Backend {
       return absl::UnimplementedError(
           "scaling: MXFP8 GEMM needs Blackwell (cuBLASLt's VEC32_UE8M0); not available on Hopper");
     }
-    if (g.rhs_gather.enabled) return GroupedGemmAfterHostGather(this, g);
+    if (g.rhs_gather.enabled) return OnHost(GroupedGemmAfterHostGather(this, g));
     const bool tensor = g.rhs_mode == ScalingMode::kCurrent || g.rhs_mode == ScalingMode::kDelayed;
     if (g.ragged_k || !g.rhs_transposed || g.bias != nullptr || g.lhs->shape.at(1) % 16 != 0) {
-      return cpu_->GroupedGemm(g);
+      return OnHost(cpu_->GroupedGemm(g));
     }
     cudaSetDevice(device_);
     if (lt_ == nullptr) {
@@ -312,22 +312,37 @@ class CudaBackend : public Backend {
       a.lhs_scale_inv = *d_lhs_scale;
     }
     const int64_t out_bytes = m * n * DTypeSize(g.out_dtype);
-    auto d_out = scratch.Take(out_bytes);
+    std::shared_ptr<StreamDeviceBuffer> kept;
+    absl::StatusOr<void*> d_out = absl::UnknownError("not allocated");
+    if (keep) {
+      auto buffer = StreamDeviceBuffer::Allocate(device_, out_bytes, stream_);
+      if (!buffer.ok()) return buffer.status();
+      kept = *buffer;
+      d_out = kept->data();
+    } else {
+      d_out = scratch.Take(out_bytes);
+    }
     if (!d_out.ok()) return d_out.status();
     a.out = *d_out;
     if (auto s = cuda::Fp8GroupedGemm(a, lt_, stream_); !s.ok()) return s;
-    HostTensor out;
-    out.dtype = g.out_dtype;
-    out.shape = {m, n};
-    if (auto st = DownloadInto(*d_out, out_bytes, &out); !st.ok()) return st;
+    GemmOutput result;
+    result.dtype = g.out_dtype;
+    result.shape = {m, n};
+    if (keep) {
+      result.device = std::move(kept);
+    } else {
+      result.host.dtype = g.out_dtype;
+      result.host.shape = {m, n};
+      if (auto st = DownloadInto(*d_out, out_bytes, &result.host); !st.ok()) return st;
+    }
     if (auto st = CudaStatus(cudaStreamSynchronize(stream_), "FP8 grouped GEMM"); !st.ok()) return st;
-    return out;
+    return result;
   }
 
   absl::StatusOr<GemmOutput> Run(const LocalGemm& g, bool keep) {
     const HostTensor& lhs = *g.lhs;
     const HostTensor& rhs = *g.rhs;
-    if (IsFloat8(rhs.dtype)) return OnHost(RunFp8(g));
+    if (IsFloat8(rhs.dtype)) return RunFp8(g, keep);
     // The GPU kernels take BF16 or F16 operands of one dtype; F32 (and
     // mixed) inputs keep FP32 arithmetic on the host reference kernels.
     if (lhs.dtype != rhs.dtype || !(lhs.dtype == DType::kBF16 || lhs.dtype == DType::kF16)) {
