@@ -1,10 +1,14 @@
 #include "kernels/cuda/fp8_gemm.h"
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/cuda/cu_dtype.h"
 #include "kernels/cuda/cuda_status.h"
+#include "kernels/cuda/heuristics_sm90.h"
+#include "kernels/cuda/sm90_fp8_grouped_gemm.h"
 
 namespace shardgemm {
 namespace cuda {
@@ -33,13 +37,37 @@ struct Descs {
   }
 };
 
+// Multiprocessor count of the current device when it is sm_90 (our kernel's
+// only target), else 0; cached per device.
+int Sm90SmCount() {
+  constexpr int kMaxDevices = 64;
+  static int cached[kMaxDevices];  // 0: not looked up, -1: not sm_90, else SMs
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kMaxDevices) {
+    cudaGetLastError();
+    return 0;
+  }
+  if (cached[dev] == 0) {
+    int major = 0, minor = 0, sms = 0;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
+      cudaGetLastError();
+      return 0;
+    }
+    cached[dev] = (major == 9 && minor == 0 && sms > 0) ? sms : -1;
+  }
+  return cached[dev] > 0 ? cached[dev] : 0;
+}
+
 }  // namespace
 
 absl::Status Fp8GroupedGemm(const Fp8GroupedGemmArgs& a, cublasLtHandle_t handle, cudaStream_t stream) {
   if (a.m < 0) return absl::InvalidArgumentError("m: negative");
   if (a.n <= 0) return absl::InvalidArgumentError("n: must be positive");
   if (a.k <= 0 || a.k % 16 != 0) return absl::InvalidArgumentError("k: must be a positive multiple of 16 (FP8)");
-  if (a.num_groups > 0 && a.group_sizes == nullptr) return absl::InvalidArgumentError("group_sizes: null");
+  if (a.num_groups > 0 && a.group_sizes == nullptr && a.device_group_sizes == nullptr)
+    return absl::InvalidArgumentError("group_sizes: null");
   if (a.out_dtype != DType::kBF16 && a.out_dtype != DType::kF16 && a.out_dtype != DType::kF32) {
     return absl::InvalidArgumentError("out_dtype: not bf16, f16 or f32");
   }
@@ -61,6 +89,52 @@ absl::Status Fp8GroupedGemm(const Fp8GroupedGemmArgs& a, cublasLtHandle_t handle
     return absl::UnimplementedError(absl::StrCat("scaling modes lhs=", ScalingModeName(a.lhs_mode), " rhs=",
                                                  ScalingModeName(a.rhs_mode),
                                                  ": supported are tensor x tensor and block_1x128 x block_128x128"));
+  }
+  // Our sm90 kernel: tensor x tensor, device sizes given, params it takes.
+  if (tensor && a.device_group_sizes != nullptr && a.num_groups > 0) {
+    Sm90Fp8GroupedGemmParams p;
+    p.lhs_format = a.lhs_format == Fp8Format::kE4M3 ? Sm90Fp8Format::kE4M3 : Sm90Fp8Format::kE5M2;
+    p.rhs_format = a.rhs_format == Fp8Format::kE4M3 ? Sm90Fp8Format::kE4M3 : Sm90Fp8Format::kE5M2;
+    p.out_dtype = ToCu(a.out_dtype);
+    p.lhs = a.lhs, p.rhs = a.rhs;
+    p.lhs_scale_inv = static_cast<const float*>(a.lhs_scale_inv);
+    p.rhs_scale_inv = static_cast<const float*>(a.rhs_scale_inv);
+    p.out = a.out;
+    p.group_sizes = a.device_group_sizes;
+    p.m = a.m, p.k = a.k, p.n = a.n, p.num_groups = a.num_groups;
+    Fp8ShapeInfo info;
+    info.num_groups = a.num_groups;
+    info.m = a.m, info.k = a.k, info.n = a.n;
+    if (a.group_sizes != nullptr) {
+      info.max_group = 0;
+      for (int64_t g = 0; g < a.num_groups; ++g) info.max_group = std::max(info.max_group, a.group_sizes[g]);
+    }
+    info.fast_accum = a.fast_accum;
+    const int sms = Sm90SmCount();
+    info.num_sms = sms > 0 ? sms : 132;
+    // The tile is chosen first; whether the kernel takes the params does not depend on it.
+    info.kernel_ok = sms > 0 && Sm90Fp8GroupedGemmUnsupportedReason(p) == nullptr;
+    const Fp8Choice choice = ChooseSm90Fp8(info);
+    p.tile_m = choice.tile_m, p.tile_n = choice.tile_n, p.promote = choice.promote;
+    if (choice.ours && Sm90Fp8GroupedGemmUnsupportedReason(p) == nullptr) {
+      if (a.group_sizes != nullptr) {  // the same checks of the host sizes as the cuBLASLt route
+        GroupedQuantizeArgs lq;
+        lq.m = a.m, lq.k = a.k, lq.group_sizes = a.group_sizes, lq.num_groups = a.num_groups, lq.mode = a.lhs_mode;
+        absl::StatusOr<QuantizeLayout> ll = GetQuantizeLayout(lq);
+        if (!ll.ok()) return ll.status();
+      }
+      const char* detail = "";
+      cudaError_t e = LaunchSm90Fp8GroupedGemm(p, sms, stream, &detail);
+      if (e != cudaSuccess) return CudaStatus(e, absl::StrCat("sm90 FP8 grouped GEMM: ", detail));
+      if (a.stats) {
+        a.stats->ours = true;
+        a.stats->ours_tile_m = p.tile_m, a.stats->ours_tile_n = p.tile_n, a.stats->ours_promote = p.promote;
+      }
+      return absl::OkStatus();
+    }
+  }
+  if (a.group_sizes == nullptr) {
+    return absl::InvalidArgumentError("group_sizes: null (the host sizes are needed where our sm90 kernel cannot run)");
   }
   // Scale offsets per group, as GroupedQuantize laid them out.
   GroupedQuantizeArgs lq;

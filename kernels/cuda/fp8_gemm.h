@@ -13,6 +13,10 @@
 //   (kBlock1x128, kBlock128x128): cuBLASLt's VEC128_32F (B) and
 //     BLK128x128_32F (A) block scales;
 //   kMxfp8: UnimplementedError (cuBLASLt's VEC32_UE8M0 needs Blackwell).
+// Tensor x tensor scales with device_group_sizes given: our persistent sm90
+// FP8 kernel (sm90_fp8_grouped_gemm.h), one launch for all groups, when it
+// can run the params on this device (ChooseSm90Fp8 in heuristics_sm90.h picks
+// its tile and promotion); else the cuBLASLt loop. stats->ours says which.
 // Anything cuBLASLt has no kernel for is an UnimplementedError naming the mode.
 // Scales are copied to 256-byte-aligned slots (stream-ordered scratch) before
 // the calls; a group whose row count cuBLASLt refuses runs padded to a
@@ -38,6 +42,9 @@ namespace cuda {
 struct Fp8GemmStats {
   int64_t direct_groups = 0;  // one cuBLASLt call on the group's own rows
   int64_t padded_groups = 0;  // cuBLASLt refused m_g; ran padded to a multiple of 16 in scratch
+  bool ours = false;          // our sm90 FP8 kernel ran (one launch; no cuBLASLt calls)
+  int ours_tile_m = 0, ours_tile_n = 0;  // its tile
+  bool ours_promote = false;             // its FP32 promotion per 128-K block
 };
 
 struct Fp8GroupedGemmArgs {
@@ -50,8 +57,12 @@ struct Fp8GroupedGemmArgs {
   ScalingMode rhs_mode = ScalingMode::kCurrent;
   Fp8Format rhs_format = Fp8Format::kE4M3;
   int64_t m = 0, n = 0, k = 0;
-  const int64_t* group_sizes = nullptr;  // host, [num_groups]
+  const int64_t* group_sizes = nullptr;  // host, [num_groups] (may be null when our kernel runs)
   int64_t num_groups = 0;
+  // Optional device copy of group_sizes: lets tensor x tensor scaling run our
+  // sm90 kernel, which reads the sizes (and the [num_groups] float scales) on
+  // the device. Null: always the cuBLASLt loop.
+  const int64_t* device_group_sizes = nullptr;
   void* out = nullptr;  // [m, n] device; padding rows are zeroed
   DType out_dtype = DType::kBF16;  // kBF16, kF16 or kF32
   bool fast_accum = false;  // CUBLASLT_MATMUL_DESC_FAST_ACCUM

@@ -42,6 +42,19 @@
 // Ragged K (wgrad: out[g] is K x N, the group is the contracting dim)
 //  6. Equal groups: strided-batched cuBLASLt; else one call per group.
 //
+// FP8 grouped GEMM, tensor x tensor scales (ChooseSm90Fp8, fp8_gemm.cc)
+//  F1. Our kernel whenever it can run the params: one launch for all groups,
+//      scales read on the device, no per-group host work (the cuBLASLt route
+//      is one call per group plus a scale copy to aligned slots).
+//  F2. Tile: 64x256 when groups average <= 64 rows (decode: half the MMA
+//      work of 128-row tiles); else 128x256 when that gives at least
+//      2 waves of tiles on the SMs (fewer operand bytes per FLOP out of L2:
+//      48 KB per 128-K block for 128x256x128, against 32 KB for 128x128x128
+//      at half the FLOPs); else 128x128 (more, smaller tiles).
+//  F3. FP32 promotion per 128-K block (as cuBLASLt without FAST_ACCUM and
+//      torch._scaled_grouped_mm's default) unless the caller asked for fast
+//      accumulation; fast accumulation runs the 128x256 tile unpromoted.
+//
 // cuBLASLt autotuning (ChooseLtTune; the runner does the timing)
 //  T1. Calls under 2 GFLOP run the heuristic's first pick: timing would cost
 //      more than it could win back.
@@ -133,6 +146,25 @@ Choice ChooseSm90(const ShapeInfo& s) {
   } else {
     c.strategy = Strategy::kLtLoop;
   }
+  return c;
+}
+
+Fp8Choice ChooseSm90Fp8(const Fp8ShapeInfo& s) {
+  Fp8Choice c;
+  c.ours = s.kernel_ok;  // F1
+  const int64_t g = s.num_groups > 0 ? s.num_groups : 1;
+  const int64_t avg_rows = s.m / g;
+  const int64_t n_tiles_256 = (s.n + 255) / 256;
+  const int64_t tiles_256 = (s.m / 128 + g) * n_tiles_256;  // upper estimate over all groups
+  if (avg_rows <= 64) {  // F2
+    c.tile_m = 64, c.tile_n = 256;
+  } else if (tiles_256 >= 2 * static_cast<int64_t>(s.num_sms)) {
+    c.tile_m = 128, c.tile_n = 256;
+  } else {
+    c.tile_m = 128, c.tile_n = 128;
+  }
+  c.promote = !s.fast_accum;  // F3
+  if (!c.promote) c.tile_m = 128, c.tile_n = 256;
   return c;
 }
 

@@ -53,6 +53,22 @@ struct Choice {
 
 Choice ChooseSm90(const ShapeInfo& s);
 
+// --- FP8 grouped GEMM (fp8_gemm.cc): our sm90 FP8 kernel or one cuBLASLt call per group ---
+struct Fp8ShapeInfo {
+  int64_t num_groups = 0;
+  int64_t m = 0, k = 0, n = 0;  // m = rows of lhs (padding included)
+  int64_t max_group = -1;       // largest group when the host sizes are known, else -1
+  bool fast_accum = false;      // the caller allows FP8 accumulation without promotion
+  bool kernel_ok = false;       // our kernel can run the params (device sm_90, device sizes given, ...)
+  int num_sms = 132;
+};
+struct Fp8Choice {
+  bool ours = false;
+  int tile_m = 128, tile_n = 128;  // our kernel's tile: 128x256, 128x128 or 64x256
+  bool promote = true;             // FP32 promotion per 128-K block (false: fast accumulation)
+};
+Fp8Choice ChooseSm90Fp8(const Fp8ShapeInfo& s);
+
 // --- cuBLASLt autotuning: how much to time, per problem (rules in the .cc) ---
 enum class LtTune : int {
   kNone = 0,    // the heuristic's first pick
