@@ -115,7 +115,7 @@ absl::Status Fp8GroupedGemm(const Fp8GroupedGemmArgs& a, cublasLtHandle_t handle
     // The tile is chosen first; whether the kernel takes the params does not depend on it.
     info.kernel_ok = sms > 0 && Sm90Fp8GroupedGemmUnsupportedReason(p) == nullptr;
     const Fp8Choice choice = ChooseSm90Fp8(info);
-    p.tile_m = choice.tile_m, p.tile_n = choice.tile_n, p.promote = choice.promote;
+    p.tile_m = choice.tile_m, p.tile_n = choice.tile_n, p.promote = choice.promote, p.tma_store = choice.tma_store;
     if (choice.ours && Sm90Fp8GroupedGemmUnsupportedReason(p) == nullptr) {
       if (a.group_sizes != nullptr) {  // the same checks of the host sizes as the cuBLASLt route
         GroupedQuantizeArgs lq;
@@ -129,6 +129,7 @@ absl::Status Fp8GroupedGemm(const Fp8GroupedGemmArgs& a, cublasLtHandle_t handle
       if (a.stats) {
         a.stats->ours = true;
         a.stats->ours_tile_m = p.tile_m, a.stats->ours_tile_n = p.tile_n, a.stats->ours_promote = p.promote;
+        a.stats->ours_tma_store = p.tma_store && (p.tile_m == 128 && p.tile_n >= 192);
       }
       return absl::OkStatus();
     }

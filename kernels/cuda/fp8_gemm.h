@@ -45,6 +45,7 @@ struct Fp8GemmStats {
   bool ours = false;          // our sm90 FP8 kernel ran (one launch; no cuBLASLt calls)
   int ours_tile_m = 0, ours_tile_n = 0;  // its tile
   bool ours_promote = false;             // its FP32 promotion per 128-K block
+  bool ours_tma_store = false;           // its TMA-store epilogue (where the tile has one)
 };
 
 struct Fp8GroupedGemmArgs {

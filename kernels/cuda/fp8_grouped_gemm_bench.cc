@@ -230,7 +230,8 @@ int Main(int argc, char** argv) {
     const double lt_loop = timed("lt_loop", via_dispatch(out_lt, false, false, nullptr));
     SHARDGEMM_CHECK_CUDA(cudaStreamSynchronize(s));
     const std::string tile = ours_stats.ours ? absl::StrCat(ours_stats.ours_tile_m, "x", ours_stats.ours_tile_n,
-                                                            ours_stats.ours_promote ? "" : " fast")
+                                                            ours_stats.ours_promote ? "" : " fast",
+                                                            ours_stats.ours_tma_store ? " tma" : "")
                                              : std::string("(cuBLASLt)");
     const std::vector<uint16_t> ref = Download(out_lt, M * p.n);
     const Compare main_check = CompareRows(Download(out_ours, M * p.n), ref, p.n);
@@ -244,12 +245,16 @@ int Main(int argc, char** argv) {
       struct Cfg {
         const char* name;
         int tm, tn;
-        bool promote;
+        bool promote, tma;
       };
-      const Cfg cfgs[] = {{"sm90_128x256", 128, 256, true},
-                          {"sm90_128x128", 128, 128, true},
-                          {"sm90_64x256", 64, 256, true},
-                          {"sm90_128x256_fast", 128, 256, false}};
+      const Cfg cfgs[] = {{"sm90_128x256", 128, 256, true, true},
+                          {"sm90_128x256_direct", 128, 256, true, false},
+                          {"sm90_128x192", 128, 192, true, true},
+                          {"sm90_128x192_direct", 128, 192, true, false},
+                          {"sm90_128x128", 128, 128, true, false},
+                          {"sm90_64x256", 64, 256, true, false},
+                          {"sm90_128x256_fast", 128, 256, false, true},
+                          {"sm90_128x256_fast_direct", 128, 256, false, false}};
       for (const Cfg& c : cfgs) {
         Sm90Fp8GroupedGemmParams k;
         k.out_dtype = CuDType::kBF16;
@@ -257,7 +262,7 @@ int Main(int argc, char** argv) {
         k.lhs_scale_inv = static_cast<const float*>(dsl), k.rhs_scale_inv = static_cast<const float*>(dsr);
         k.group_sizes = static_cast<const int64_t*>(dsizes);
         k.m = M, k.k = p.k, k.n = p.n, k.num_groups = p.g;
-        k.tile_m = c.tm, k.tile_n = c.tn, k.promote = c.promote;
+        k.tile_m = c.tm, k.tile_n = c.tn, k.promote = c.promote, k.tma_store = c.tma;
         SHARDGEMM_CHECK_CUDA(cudaMemset(out_var, 0xff, M * p.n * 2));
         var_tflops[c.name] = timed(c.name, [&]() -> absl::Status {
           const char* detail = "";

@@ -230,9 +230,11 @@ Sm90Fp8GroupedGemmParams Params(const Problem& p, DevProblem& d) {
 
 struct TileConfig {
   int tm, tn;
-  bool promote;
+  bool promote, tma_store;
 };
-const TileConfig kConfigs[] = {{128, 256, true}, {128, 128, true}, {64, 256, true}, {128, 256, false}};
+const TileConfig kConfigs[] = {{128, 256, true, true},  {128, 256, true, false}, {128, 192, true, true},
+                               {128, 192, true, false}, {128, 128, true, false}, {64, 256, true, false},
+                               {128, 256, false, true}, {128, 256, false, false}};
 
 // Every tile configuration of the kernel on one case.
 void RunAllConfigs(const Case& c, int num_sms, uint64_t seed) {
@@ -240,18 +242,20 @@ void RunAllConfigs(const Case& c, int num_sms, uint64_t seed) {
   DevProblem d(p);
   for (const TileConfig& t : kConfigs) {
     Sm90Fp8GroupedGemmParams k = Params(p, d);
-    k.tile_m = t.tm, k.tile_n = t.tn, k.promote = t.promote;
+    k.tile_m = t.tm, k.tile_n = t.tn, k.promote = t.promote, k.tma_store = t.tma_store;
     ASSERT_EQ(Sm90Fp8GroupedGemmUnsupportedReason(k), nullptr);
     d.Poison();
     const char* detail = "";
     ASSERT_EQ(LaunchSm90Fp8GroupedGemm(k, num_sms, nullptr, &detail), cudaSuccess) << detail;
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     Check ch = Compare(p, d.Download(p), t.promote);
-    std::printf("  %-28s %s x %s -> %-4s tile %dx%d%s: rel_l2 %.2e, max |err|/S %.2e, wrong %lld\n", c.name.c_str(),
-                Fp8FormatName(c.lf), Fp8FormatName(c.rf), std::string(DTypeName(c.out)).c_str(), t.tm, t.tn,
-                t.promote ? " promoted" : " fast-accum", ch.rel_l2, ch.max_err_rel_mag,
+    std::printf("  %-28s %s x %s -> %-4s tile %dx%d%s%s: rel_l2 %.2e, max |err|/S %.2e, wrong %lld\n",
+                c.name.c_str(), Fp8FormatName(c.lf), Fp8FormatName(c.rf), std::string(DTypeName(c.out)).c_str(), t.tm,
+                t.tn, t.promote ? " promoted" : " fast-accum", t.tma_store ? " tma-store" : "", ch.rel_l2,
+                ch.max_err_rel_mag,
                 static_cast<long long>(ch.wrong));
-    EXPECT_EQ(ch.wrong, 0) << c.name << " tile " << t.tm << "x" << t.tn << " promote " << t.promote << ": "
+    EXPECT_EQ(ch.wrong, 0) << c.name << " tile " << t.tm << "x" << t.tn << " promote " << t.promote << " tma "
+                           << t.tma_store << ": "
                            << ch.first_wrong;
     EXPECT_EQ(ch.bad_padding, 0) << c.name << ": padding bytes not zero";
   }

@@ -66,6 +66,7 @@ struct Fp8Choice {
   bool ours = false;
   int tile_m = 128, tile_n = 128;  // our kernel's tile: 128x256, 128x128 or 64x256
   bool promote = true;             // FP32 promotion per 128-K block (false: fast accumulation)
+  bool tma_store = true;           // epilogue by TMA store where the tile has one (128x256, 128x192)
 };
 Fp8Choice ChooseSm90Fp8(const Fp8ShapeInfo& s);
 

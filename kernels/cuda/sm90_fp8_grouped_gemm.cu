@@ -32,7 +32,9 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstring>
 #include <mutex>
+#include <type_traits>
 
 #include "kernels/cuda/sm90_common.cuh"
 #include "kernels/cuda/sm90_fp8_grouped_gemm.h"
@@ -52,6 +54,7 @@ constexpr int kConsumerRegs = 232;  // 128 * 40 + 256 * 232 <= 65536
 struct KernelArgs {
   void* out;
   int out_dtype;  // CuDType as int
+  int tma_out;    // 1: map_out is valid (16-bit out, 16-byte rows): full sub-tiles leave by TMA store
   const float* lhs_scale;
   const float* rhs_scale;
   const int64_t* group_sizes;
@@ -68,8 +71,13 @@ __device__ __forceinline__ void Wgmma(float (&d)[WN / 2], uint64_t da, uint64_t 
     else if constexpr (kFa == 0 && kFb == 1) Wgmma_m64n256k32_e4m3_e5m2(d, da, db, scale_d);
     else if constexpr (kFa == 1 && kFb == 0) Wgmma_m64n256k32_e5m2_e4m3(d, da, db, scale_d);
     else Wgmma_m64n256k32_e5m2_e5m2(d, da, db, scale_d);
+  } else if constexpr (WN == 192) {
+    if constexpr (kFa == 0 && kFb == 0) Wgmma_m64n192k32_e4m3_e4m3(d, da, db, scale_d);
+    else if constexpr (kFa == 0 && kFb == 1) Wgmma_m64n192k32_e4m3_e5m2(d, da, db, scale_d);
+    else if constexpr (kFa == 1 && kFb == 0) Wgmma_m64n192k32_e5m2_e4m3(d, da, db, scale_d);
+    else Wgmma_m64n192k32_e5m2_e5m2(d, da, db, scale_d);
   } else {
-    static_assert(WN == 128, "wgmma widths: 128, 256");
+    static_assert(WN == 128, "wgmma widths: 128, 192, 256");
     if constexpr (kFa == 0 && kFb == 0) Wgmma_m64n128k32_e4m3_e4m3(d, da, db, scale_d);
     else if constexpr (kFa == 0 && kFb == 1) Wgmma_m64n128k32_e4m3_e5m2(d, da, db, scale_d);
     else if constexpr (kFa == 1 && kFb == 0) Wgmma_m64n128k32_e5m2_e4m3(d, da, db, scale_d);
@@ -128,31 +136,80 @@ __device__ __forceinline__ void StoreTile(const float (&acc)[WN / 2], void* out_
   }
 }
 
-template <int BM, int BN, bool kPromote>
+// Writes one consumer's 64 x WN tile (scaled, 16-bit) into its staging area
+// in shared memory: WN/64 boxes of [64 rows x 64 columns] (8 KB each), each
+// row 128 bytes with the 128-byte swizzle (16-byte chunk c of row r at chunk
+// c ^ (r % 8)), as the TMA store of the output map reads them. A warp's
+// 4-byte stores then cover all 32 banks.
+template <typename TOut, int WN>
+__device__ __forceinline__ void StageTile(const float (&acc)[WN / 2], uint32_t staging, int warp_in_wg, int lane,
+                                          float scale) {
+#pragma unroll
+  for (int j = 0; j < WN / 8; ++j) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = warp_in_wg * 16 + lane / 4 + 8 * h;
+      const uint32_t addr = staging + (j / 8) * 8192 + r * 128 + (((j % 8) ^ (lane / 4)) * 16) + 4 * (lane & 3);
+      uint32_t v;
+      if constexpr (sizeof(TOut) == 2 && std::is_same<TOut, __half>::value) {
+        __half2 x = __floats2half2_rn(acc[4 * j + 2 * h] * scale, acc[4 * j + 2 * h + 1] * scale);
+        v = *reinterpret_cast<uint32_t*>(&x);
+      } else {
+        __nv_bfloat162 x = __floats2bfloat162_rn(acc[4 * j + 2 * h] * scale, acc[4 * j + 2 * h + 1] * scale);
+        v = *reinterpret_cast<uint32_t*>(&x);
+      }
+      asm volatile("st.shared.b32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
+    }
+  }
+}
+
+__device__ __forceinline__ void NamedBarrier(int id, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void TmaStore2d(const CUtensorMap* map, uint32_t src, int c0, int c1) {
+  asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];" ::"l"(
+                   reinterpret_cast<uint64_t>(map)),
+               "r"(src), "r"(c0), "r"(c1)
+               : "memory");
+}
+__device__ __forceinline__ void BulkCommit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void BulkWaitRead() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
+__device__ __forceinline__ void BulkWait() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+
+constexpr int kSmemLimit = 232448;  // per block on sm_90 (227 KB)
+constexpr int kOffsetBytes = 2 * (2048 + 1) * 4;  // row and tile offsets of kSm90Fp8MaxGroups groups
+
+// kTmaStore: the epilogue stages each consumer's tile in shared memory and
+// sends it out by TMA store (asynchronous: the consumer goes on with the next
+// tile at once), which costs the ring stages that the staging area takes.
+template <int BM, int BN, bool kPromote, bool kTmaStore>
 struct Config {
   static constexpr int kWN = BM == 128 ? BN : BN / 2;  // columns per consumer
-  // Promotion works on pieces of at most 128 columns (a 64-register temporary).
-  static constexpr int kHalves = (kPromote && kWN > 128) ? kWN / 128 : 1;
+  // Promotion works on pieces of at most 192 columns (a temporary of WN/2 registers).
+  static constexpr int kHalves = (kPromote && kWN > 192) ? 2 : 1;
   static constexpr int kWNH = kWN / kHalves;
   static constexpr int kABytes = BM * kBK;
   static constexpr int kBBytes = BN * kBK;
   static constexpr int kStageBytes = kABytes + kBBytes;
-  static constexpr int kStages = (BM == 128 && BN == 256) ? 4 : (BM == 64 ? 5 : 6);
+  static constexpr int kStagingBytes = kTmaStore ? BM * BN * 2 : 0;  // 16-bit out only
+  static constexpr int kFit = (kSmemLimit - 1024 - kOffsetBytes - 256 - kStagingBytes) / kStageBytes;
+  static constexpr int kStages = kFit < 6 ? kFit : 6;
   static constexpr int kRingBytes = kStages * kStageBytes;
+  static_assert(kWN % 64 == 0, "staging boxes are 64 columns wide");
 };
 
-template <int BM, int BN, bool kPromote>
+template <int BM, int BN, bool kPromote, bool kTmaStore>
 constexpr int SmemBytes(int num_groups) {
-  return 1024 /*align slack*/ + Config<BM, BN, kPromote>::kRingBytes + 2 * Config<BM, BN, kPromote>::kStages * 8 +
-         2 * (num_groups + 1) * 4;
+  using C = Config<BM, BN, kPromote, kTmaStore>;
+  return 1024 /*align slack*/ + C::kRingBytes + C::kStagingBytes + 2 * C::kStages * 8 + 2 * (num_groups + 1) * 4;
 }
 
-template <int BM, int BN, bool kPromote, int kFa, int kFb>
+template <int BM, int BN, bool kPromote, bool kTmaStore, int kFa, int kFb>
 __global__ void __launch_bounds__(kThreads, 1)
     Fp8GroupedGemmKernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
-                         const KernelArgs args) {
+                         const __grid_constant__ CUtensorMap map_out, const KernelArgs args) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  using C = Config<BM, BN, kPromote>;
+  using C = Config<BM, BN, kPromote, kTmaStore>;
   constexpr int kStages = C::kStages;
   constexpr int kWN = C::kWN;
   constexpr int kHalves = C::kHalves;
@@ -160,7 +217,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   uint8_t* ring = smem;
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + C::kRingBytes);
+  uint8_t* staging = smem + C::kRingBytes;  // kStagingBytes, 1024-aligned
+  uint64_t* full = reinterpret_cast<uint64_t*>(staging + C::kStagingBytes);
   uint64_t* empty = full + kStages;
   int* row_start = reinterpret_cast<int*>(empty + kStages);
   int* tile_start = row_start + args.num_groups + 1;
@@ -325,8 +383,30 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
 
       const int group_end = min(row_start[g] + g_rows, args.m);
-      const int row_base = row0 + (BM == 128 ? c * 64 : 0) + warp_in_wg * 16 + lane / 4;
-      const int col_base = n0 + (BM == 128 ? 0 : c * kWN) + 2 * (lane & 3);
+      const int sub_row0 = row0 + (BM == 128 ? c * 64 : 0), sub_col0 = n0 + (BM == 128 ? 0 : c * kWN);
+      const int row_base = sub_row0 + warp_in_wg * 16 + lane / 4;
+      const int col_base = sub_col0 + 2 * (lane & 3);
+      // TMA store of the 64 x WN sub-tile when all its rows are the group's
+      // (the store clips columns past n and rows past m, not group ends).
+      if (kTmaStore && args.tma_out && sub_row0 + 64 <= group_end) {
+        const bool leader = warp_in_wg == 0 && lane == 0;
+        const uint32_t my_staging = SmemAddr(staging) + c * (64 * kWN * 2);
+        if (leader) BulkWaitRead();  // the previous tile's store has read the staging area
+        NamedBarrier(1 + c, 128);
+        if (args.out_dtype == static_cast<int>(CuDType::kF16)) {
+          StageTile<__half, kWN>(acc, my_staging, warp_in_wg, lane, scale);
+        } else {
+          StageTile<__nv_bfloat16, kWN>(acc, my_staging, warp_in_wg, lane, scale);
+        }
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        NamedBarrier(1 + c, 128);
+        if (leader) {
+#pragma unroll
+          for (int b = 0; b < kWN / 64; ++b) TmaStore2d(&map_out, my_staging + b * 8192, sub_col0 + b * 64, sub_row0);
+          BulkCommit();
+        }
+        continue;
+      }
       if (args.out_dtype == static_cast<int>(CuDType::kBF16)) {
         StoreTile<__nv_bfloat16, kWN>(acc, args.out, args.n, row_base, col_base, group_end, scale);
       } else if (args.out_dtype == static_cast<int>(CuDType::kF16)) {
@@ -335,13 +415,14 @@ __global__ void __launch_bounds__(kThreads, 1)
         StoreTile<float, kWN>(acc, args.out, args.n, row_base, col_base, group_end, scale);
       }
     }
+    if (kTmaStore && args.tma_out && (tid & 127) == 0) BulkWait();  // stores done before the block exits
   }
 #endif
 }
 
 // --- host side ---
 
-template <int BM, int BN, bool kPromote, int kFa, int kFb>
+template <int BM, int BN, bool kPromote, bool kTmaStore, int kFa, int kFb>
 cudaError_t LaunchTyped(const Sm90Fp8GroupedGemmParams& p, int num_sms, cudaStream_t stream, const char** detail) {
   EncodeTiledFn encode = GetEncodeTiled();
   if (encode == nullptr) {
@@ -374,9 +455,27 @@ cudaError_t LaunchTyped(const Sm90Fp8GroupedGemmParams& p, int num_sms, cudaStre
       return cudaErrorInvalidValue;
     }
   }
+  // Output map for the TMA-store epilogue: 16-bit out, rows of 16-byte multiples, 16-byte aligned.
+  CUtensorMap map_out;
+  std::memset(&map_out, 0, sizeof(map_out));
+  const bool tma_out = kTmaStore && p.out_dtype != CuDType::kF32 && p.n % 8 == 0 &&
+                       (reinterpret_cast<uintptr_t>(p.out) & 15) == 0;
+  if (tma_out) {
+    cuuint64_t dims[2] = {static_cast<cuuint64_t>(p.n), static_cast<cuuint64_t>(p.m)};
+    cuuint64_t strides[1] = {static_cast<cuuint64_t>(p.n) * 2};
+    cuuint32_t box[2] = {64, 64};
+    cuuint32_t estr[2] = {1, 1};
+    if (encode(&map_out, CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, p.out, dims, strides, box, estr,
+               CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_NONE,
+               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS) {
+      *detail = "cuTensorMapEncodeTiled failed for out";
+      return cudaErrorInvalidValue;
+    }
+  }
   KernelArgs a;
   a.out = p.out;
   a.out_dtype = static_cast<int>(p.out_dtype);
+  a.tma_out = tma_out ? 1 : 0;
   a.lhs_scale = p.lhs_scale_inv;
   a.rhs_scale = p.rhs_scale_inv;
   a.group_sizes = p.group_sizes;
@@ -384,25 +483,25 @@ cudaError_t LaunchTyped(const Sm90Fp8GroupedGemmParams& p, int num_sms, cudaStre
   a.m = static_cast<int>(p.m);
   a.n = static_cast<int>(p.n);
   a.k = static_cast<int>(p.k);
-  auto kernel = Fp8GroupedGemmKernel<BM, BN, kPromote, kFa, kFb>;
-  const int smem = SmemBytes<BM, BN, kPromote>(static_cast<int>(p.num_groups));
+  auto kernel = Fp8GroupedGemmKernel<BM, BN, kPromote, kTmaStore, kFa, kFb>;
+  const int smem = SmemBytes<BM, BN, kPromote, kTmaStore>(static_cast<int>(p.num_groups));
   static std::once_flag once;
   static cudaError_t attr_err = cudaSuccess;
   std::call_once(once, [&] {
     attr_err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    SmemBytes<BM, BN, kPromote>(static_cast<int>(kSm90Fp8MaxGroups)));
+                                    SmemBytes<BM, BN, kPromote, kTmaStore>(static_cast<int>(kSm90Fp8MaxGroups)));
   });
   if (attr_err != cudaSuccess) return attr_err;
-  kernel<<<num_sms, kThreads, smem, stream>>>(map_a, map_b, a);
+  kernel<<<num_sms, kThreads, smem, stream>>>(map_a, map_b, map_out, a);
   return cudaGetLastError();
 }
 
-template <int BM, int BN, bool kPromote>
+template <int BM, int BN, bool kPromote, bool kTmaStore>
 cudaError_t DispatchFormats(const Sm90Fp8GroupedGemmParams& p, int num_sms, cudaStream_t s, const char** d) {
   const bool a5 = p.lhs_format == Sm90Fp8Format::kE5M2, b5 = p.rhs_format == Sm90Fp8Format::kE5M2;
-  if (!a5 && !b5) return LaunchTyped<BM, BN, kPromote, 0, 0>(p, num_sms, s, d);
-  if (!a5 && b5) return LaunchTyped<BM, BN, kPromote, 0, 1>(p, num_sms, s, d);
-  if (a5 && !b5) return LaunchTyped<BM, BN, kPromote, 1, 0>(p, num_sms, s, d);
+  if (!a5 && !b5) return LaunchTyped<BM, BN, kPromote, kTmaStore, 0, 0>(p, num_sms, s, d);
+  if (!a5 && b5) return LaunchTyped<BM, BN, kPromote, kTmaStore, 0, 1>(p, num_sms, s, d);
+  if (a5 && !b5) return LaunchTyped<BM, BN, kPromote, kTmaStore, 1, 0>(p, num_sms, s, d);
   *d = "e5m2 x e5m2 has no FP8 GEMM";
   return cudaErrorInvalidValue;
 }
@@ -416,9 +515,9 @@ const char* Sm90Fp8GroupedGemmUnsupportedReason(const Sm90Fp8GroupedGemmParams& 
     return "e5m2 x e5m2 has no FP8 GEMM";
   if (p.out_dtype != CuDType::kBF16 && p.out_dtype != CuDType::kF16 && p.out_dtype != CuDType::kF32)
     return "output must be bf16, f16 or f32";
-  const bool tile_ok = (p.tile_m == 128 && p.tile_n == 256) || (p.tile_m == 128 && p.tile_n == 128) ||
-                       (p.tile_m == 64 && p.tile_n == 256);
-  if (!tile_ok) return "tile must be 128x256, 128x128 or 64x256";
+  const bool tile_ok = (p.tile_m == 128 && p.tile_n == 256) || (p.tile_m == 128 && p.tile_n == 192) ||
+                       (p.tile_m == 128 && p.tile_n == 128) || (p.tile_m == 64 && p.tile_n == 256);
+  if (!tile_ok) return "tile must be 128x256, 128x192, 128x128 or 64x256";
   if (!p.promote && !(p.tile_m == 128 && p.tile_n == 256)) return "fast accumulation (no promotion) needs the 128x256 tile";
   if (p.num_groups < 1 || p.num_groups > kSm90Fp8MaxGroups) return "num_groups out of range for the sm90 FP8 kernel";
   if (p.k < 1 || p.k % 16 != 0) return "k must be a positive multiple of 16 (16-byte TMA strides)";
@@ -446,10 +545,19 @@ cudaError_t LaunchSm90Fp8GroupedGemm(const Sm90Fp8GroupedGemmParams& p, int num_
     return cudaErrorInvalidValue;
   }
   if (p.m == 0) return cudaSuccess;  // nothing to compute or zero
-  if (p.tile_m == 64) return DispatchFormats<64, 256, true>(p, num_sms, stream, detail);
-  if (p.tile_n == 128) return DispatchFormats<128, 128, true>(p, num_sms, stream, detail);
-  if (p.promote) return DispatchFormats<128, 256, true>(p, num_sms, stream, detail);
-  return DispatchFormats<128, 256, false>(p, num_sms, stream, detail);
+  const bool tma = p.tma_store;
+  if (p.tile_m == 64) return DispatchFormats<64, 256, true, false>(p, num_sms, stream, detail);
+  if (p.tile_n == 128) return DispatchFormats<128, 128, true, false>(p, num_sms, stream, detail);
+  if (p.tile_n == 192) {
+    return tma ? DispatchFormats<128, 192, true, true>(p, num_sms, stream, detail)
+               : DispatchFormats<128, 192, true, false>(p, num_sms, stream, detail);
+  }
+  if (p.promote) {
+    return tma ? DispatchFormats<128, 256, true, true>(p, num_sms, stream, detail)
+               : DispatchFormats<128, 256, true, false>(p, num_sms, stream, detail);
+  }
+  return tma ? DispatchFormats<128, 256, false, true>(p, num_sms, stream, detail)
+             : DispatchFormats<128, 256, false, false>(p, num_sms, stream, detail);
 }
 
 }  // namespace cuda

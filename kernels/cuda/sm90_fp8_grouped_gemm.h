@@ -45,9 +45,15 @@ struct Sm90Fp8GroupedGemmParams {
   void* out = nullptr;                              // [m, n]; rows past sum(group_sizes) are zeroed
   const int64_t* group_sizes = nullptr;             // device, [num_groups]
   int64_t m = 0, k = 0, n = 0, num_groups = 0;
-  // Tile (rows x columns of out per block): 128x256, 128x128 or 64x256.
+  // Tile (rows x columns of out per block): 128x256, 128x192, 128x128 or 64x256.
   int tile_m = 128, tile_n = 128;
   bool promote = true;  // FP32 accumulation per 128-K block; false (fast accumulation) with 128x256 only
+  // Epilogue by TMA store (128x256 and 128x192 tiles): each consumer stages
+  // its scaled 16-bit sub-tile in shared memory and leaves it to the copy
+  // engine, going on with the next tile at once; the staging area costs ring
+  // stages. Applies where the output is bf16 / f16 with n % 8 == 0 and to
+  // sub-tiles whose rows are all the group's; elsewhere the direct stores.
+  bool tma_store = true;
 };
 
 // Largest number of groups the kernel takes (group offsets live in shared memory).

@@ -22,7 +22,7 @@ namespace shardgemm {
 namespace cuda {
 namespace sm90 {
 """)
-    for n in (128, 256):
+    for n in (128, 192, 256):
         for ta in ("e4m3", "e5m2"):
             for tb in ("e4m3", "e5m2"):
                 nr = n // 2
