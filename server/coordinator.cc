@@ -11,6 +11,7 @@
 #include <tuple>
 
 #include "absl/random/random.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_join.h"
@@ -248,6 +249,8 @@ class ClaimGuard {
     registered_ = true;
     return registry_->Register(std::move(resident));
   }
+  // The claim is taken care of elsewhere (ResidentRegistry::RegisterAll).
+  void Registered() { registered_ = true; }
 
  private:
   ResidentRegistry* registry_;
@@ -465,8 +468,8 @@ absl::StatusOr<std::vector<KeptOutput>> QuantizeKeeps(const v1::GroupedQuantizeR
     if (auto s = ValidateResidentName("keep.scale_inv", keep.scale_inv()); !s.ok()) return s;
     KeptOutput k{"scale_inv", v1::TENSOR_SCALE_INV, keep.scale_inv(), scale->dtype, scale->global_shape,
                  scale->spec, ""};
-    int64_t rows = 1, cols = 1;
-    for (size_t d = 0; d < x_shape.size(); ++d) (static_cast<int>(d) < flatten ? rows : cols) *= x_shape[d];
+    int64_t cols = 1;
+    for (size_t d = flatten; d < x_shape.size(); ++d) cols *= x_shape[d];
     planner::PartitionSpec rows_spec;
     rows_spec.dims = {data->spec.dims.empty() ? std::vector<std::string>() : data->spec.dims[0]};
     if (request.scaling() == v1::BLOCK_FP8 && request.block_2d()) {
@@ -483,9 +486,14 @@ absl::StatusOr<std::vector<KeptOutput>> QuantizeKeeps(const v1::GroupedQuantizeR
       rows_spec.dims.push_back({});
       rows_spec.dims.push_back({});
     } else if (request.scaling() == v1::BLOCK_FP8 || request.scaling() == v1::MXFP8) {
+      // One per row and block of K, with x's row dims (weights [G, N, K]
+      // keep [G, N, K/b], the GEMM's transposed rhs layout).
       const int64_t b = request.scaling() == v1::MXFP8 ? 32 : 128;
-      k.shape = {rows, cols / b};  // [M, K/b]: one per row and block of K
-      rows_spec.dims.push_back({});
+      k.shape.assign(x_shape.begin(), x_shape.begin() + flatten);
+      k.shape.push_back(cols / b);
+      rows_spec.dims.assign(data->spec.dims.begin(),
+                            data->spec.dims.begin() + std::min<size_t>(flatten, data->spec.dims.size()));
+      rows_spec.dims.resize(k.shape.size());
     } else {
       rows_spec = scale->spec;  // per group, like group_sizes
     }
@@ -600,6 +608,25 @@ absl::Status AssembleBlockScaled(const planner::Plan& plan, const std::vector<v1
     HostTensorToProto(out->colwise_data, response->mutable_colwise_data());
   }
   response->mutable_scale_group_sizes()->Assign(groups.sizes.begin(), groups.sizes.end());
+  // Where each group's scales are, so that a client need not know the padding rules.
+  auto layout = BlockLayout(bq.mode, bq.m, bq.k, bq.rowwise, bq.colwise, groups.sizes);
+  if (!layout.ok()) return layout.status();
+  if (bq.rowwise) {
+    response->mutable_scale_inv_offsets()->Assign(layout->rowwise_scale_offset.begin(),
+                                                  layout->rowwise_scale_offset.end());
+    for (size_t g = 0; g < groups.sizes.size(); ++g) {
+      response->add_scale_inv_block_shape(layout->rowwise_scale_rows[g]);
+      response->add_scale_inv_block_shape(layout->rowwise_scale_cols[g]);
+    }
+  }
+  if (bq.colwise) {
+    response->mutable_colwise_scale_inv_offsets()->Assign(layout->colwise_scale_offset.begin(),
+                                                          layout->colwise_scale_offset.end());
+    for (size_t g = 0; g < groups.sizes.size(); ++g) {
+      response->add_colwise_scale_inv_block_shape(layout->colwise_scale_rows[g]);
+      response->add_colwise_scale_inv_block_shape(layout->colwise_scale_cols[g]);
+    }
+  }
   return absl::OkStatus();
 }
 
@@ -730,6 +757,7 @@ absl::StatusOr<v1::GroupedQuantizeResponse> Coordinator::GroupedQuantize(
 
   v1::GroupedQuantizeResponse response;
   bool scale_kept = false;
+  std::vector<Resident> kept_residents;
   for (size_t i = 0; i < keeps->size(); ++i) {
     KeptOutput& k = (*keeps)[i];
     scale_kept |= k.role == v1::TENSOR_SCALE_INV;
@@ -741,12 +769,7 @@ absl::StatusOr<v1::GroupedQuantizeResponse> Coordinator::GroupedQuantize(
     resident.info.set_spec(planner::FormatPartitionSpec(k.spec));
     resident.spec = k.spec;
     resident.shard_name = k.shard_name;
-    auto replaced = claims[i]->Register(std::move(resident));
-    if (!replaced.ok()) {
-      drop_kept();  // the ones registered before stay listed but lose their shards: report it
-      return absl::Status(replaced.status().code(), absl::StrCat("keep.", k.field, ": ", replaced.status().message()));
-    }
-    if (!replaced->empty()) RetireBestEffort(*replaced);
+    kept_residents.push_back(std::move(resident));
     v1::Tensor* field = QuantizeField(k.role, &response);
     field->set_dtype(DTypeToProto(k.dtype));
     field->mutable_shape()->Assign(k.shape.begin(), k.shape.end());
@@ -761,13 +784,32 @@ absl::StatusOr<v1::GroupedQuantizeResponse> Coordinator::GroupedQuantize(
     auto assembled = Assemble(o.dtype, o.global_shape, o.spec, [&](int r) {
       return WorkerOutput((*results)[r], o.name, r);
     });
-    if (!assembled.ok()) return assembled.status();
+    if (!assembled.ok()) {
+      drop_kept();
+      return assembled.status();
+    }
     v1::Tensor* field = QuantizeField(TensorRoleFromName(o.name), &response);
     HostTensorToProto(*assembled, field);
     field->set_spec(planner::FormatPartitionSpec(o.spec));
   }
   if (block && !scale_kept) {
-    if (auto s = AssembleBlockScaled(*plan, *results, *sizes, groups, bq, &response); !s.ok()) return s;
+    if (auto s = AssembleBlockScaled(*plan, *results, *sizes, groups, bq, &response); !s.ok()) {
+      drop_kept();
+      return s;
+    }
+  }
+  // Kept outputs are registered together, last: a failed request leaves
+  // none of them (and replaces nothing).
+  if (!kept_residents.empty()) {
+    for (auto& claim : claims) claim->Registered();
+    auto replaced = registry_.RegisterAll(std::move(kept_residents));
+    if (!replaced.ok()) {
+      drop_kept();
+      return absl::Status(replaced.status().code(), absl::StrCat("keep: ", replaced.status().message()));
+    }
+    for (const std::string& r : *replaced) {
+      if (!r.empty()) RetireBestEffort(r);
+    }
   }
   if (request.include_plan()) PlanToProto(*plan, response.mutable_plan());
   response.set_plan_summary(planner::PlanSummary(*plan));
@@ -849,7 +891,8 @@ absl::StatusOr<v1::GroupedGemmResponse> Coordinator::GroupedGemmGlobalSorted(
         "keep_output_as: the GLOBAL_SORTED layout returns rows in the client's order; keep "
         "outputs resident with the PER_SHARD layout");
   }
-  if (IsGiven(request.lhs_scale_inv()) || (ragged_k && IsGiven(request.rhs_scale_inv()))) {
+  if (IsGiven(request.lhs_scale_inv()) || (ragged_k && IsGiven(request.rhs_scale_inv())) ||
+      request.lhs().dtype() == v1::F8E4M3 || request.lhs().dtype() == v1::F8E5M2) {
     return absl::InvalidArgumentError(
         "lhs_scale_inv: layout GLOBAL_SORTED routes the rows itself, and per-row-group scales would not "
         "follow them; send FP8 operands with the PER_SHARD layout, or BF16 lhs with quantize_lhs");
@@ -903,7 +946,7 @@ absl::StatusOr<v1::GroupedGemmResponse> Coordinator::GroupedGemmGlobalSorted(
     if (routing->source_row[i] < 0) continue;
     std::memcpy(&client_out.bytes[routing->source_row[i] * row_bytes], &out.bytes[i * row_bytes], row_bytes);
   }
-  HostTensorToProto(client_out, response->mutable_out());
+  HostTensorToProto(client_out, response->mutable_out());  // the client's rows: no spec of the plan's
   return response;
 }
 
@@ -934,10 +977,18 @@ absl::StatusOr<v1::GroupedGemmResponse> Coordinator::GroupedGemmPerShard(
     return absl::InvalidArgumentError("group_sizes must be sent inline, not as a resident tensor");
   }
   auto plan = planner::MakePlan(*plan_request);
+  if (!plan.ok() && request.has_quantize_lhs() &&
+      absl::StrContains(plan.status().message(), "lhs_scale_inv")) {
+    // The operand is the one the workers' quantize makes, not the client's.
+    return absl::Status(plan.status().code(),
+                        absl::StrCat("quantize_lhs: the scales the workers make (lhs_scale_inv, per group for "
+                                     "CURRENT, 1x128 blocks of K for BLOCK_FP8) cannot be laid out: ",
+                                     plan.status().message()));
+  }
   if (!plan.ok()) return plan.status();
   if (request.scaling() == v1::MXFP8 && IsFloat8(metas["rhs"].dtype)) {
     for (const v1::WorkerInfo& w : dispatcher_.Workers()) {
-      if (w.backend() != "cpu") {
+      if (w.backend() == "cuda") {
         return absl::UnimplementedError(absl::StrCat(
             "scaling: MXFP8 GEMM needs Blackwell (cuBLASLt's VEC32_UE8M0); rank ", w.rank(), " is ",
             w.device(), ". Use BLOCK_FP8 (1x128 x 128x128) or per-group CURRENT scaling on Hopper"));
@@ -1042,8 +1093,8 @@ absl::StatusOr<v1::GroupedGemmResponse> Coordinator::GroupedGemmPerShard(
       *out_tensor = std::move(*out);
     } else {
       HostTensorToProto(*out, response.mutable_out());
+      response.mutable_out()->set_spec(planner::FormatPartitionSpec(plan->out_spec));
     }
-    response.mutable_out()->set_spec(planner::FormatPartitionSpec(plan->out_spec));
   }
   double worker_seconds = 0;
   int64_t h2d = 0, d2h = 0;

@@ -232,27 +232,40 @@ void ResidentRegistry::Release(const std::string& tenant, const std::string& nam
 }
 
 absl::StatusOr<std::string> ResidentRegistry::Register(Resident resident) {
-  const std::string tenant = resident.tenant;
-  const std::string name = resident.info.name();
-  const std::string key = Key(tenant, name);
-  std::string replaced;
+  std::vector<Resident> one;
+  one.push_back(std::move(resident));
+  auto replaced = RegisterAll(std::move(one));
+  if (!replaced.ok()) return replaced.status();
+  return std::move(replaced->front());
+}
+
+absl::StatusOr<std::vector<std::string>> ResidentRegistry::RegisterAll(std::vector<Resident> residents) {
+  std::vector<std::pair<std::string, std::string>> names;  // tenant, name
+  for (const Resident& r : residents) names.emplace_back(r.tenant, r.info.name());
+  std::vector<std::string> replaced(residents.size());
   absl::Status persisted;
   {
     absl::MutexLock lock(&mu_);
-    auto it = tensors_.find(key);
-    absl::optional<Resident> before;
-    if (it != tensors_.end()) {
-      replaced = it->second.shard_name;
-      before = it->second;
+    std::vector<absl::optional<Resident>> before(residents.size());
+    for (size_t i = 0; i < residents.size(); ++i) {
+      const std::string key = Key(names[i].first, names[i].second);
+      auto it = tensors_.find(key);
+      if (it != tensors_.end()) {
+        replaced[i] = it->second.shard_name;
+        before[i] = it->second;
+      }
+      tensors_[key] = std::move(residents[i]);
     }
-    tensors_[key] = std::move(resident);
     persisted = Persist();
     if (!persisted.ok()) {  // not kept: as it was
-      if (before.has_value()) tensors_[key] = std::move(*before);
-      else tensors_.erase(key);
+      for (size_t i = residents.size(); i-- > 0;) {
+        const std::string key = Key(names[i].first, names[i].second);
+        if (before[i].has_value()) tensors_[key] = std::move(*before[i]);
+        else tensors_.erase(key);
+      }
     }
   }
-  Release(tenant, name);
+  for (const auto& [tenant, name] : names) Release(tenant, name);
   if (!persisted.ok()) return persisted;
   return replaced;
 }

@@ -66,6 +66,10 @@ class ResidentRegistry {
   // Returns the generation it replaced, if any: the caller retires it. When
   // durable and the file cannot be written: UNAVAILABLE, and nothing changed.
   absl::StatusOr<std::string> Register(Resident resident);
+  // Registers all of `residents` or none (one durable write), releasing
+  // their claims either way; returns the generations they replaced (empty
+  // strings for new names), in order.
+  absl::StatusOr<std::vector<std::string>> RegisterAll(std::vector<Resident> residents);
 
   // Whether `name` is resident and lost.
   bool IsLost(const std::string& tenant, const std::string& name) const;

@@ -238,5 +238,30 @@ TEST(ResidentRegistryTest, APutOrDeleteThatCannotBeWrittenDownIsRefusedAndChange
   EXPECT_TRUE(registry.Find("", "kept").ok()) << "not deleted either";
 }
 
+// A quantize keeping its data and scales registers both or neither: a
+// pair that cannot be written down leaves the names as they were.
+TEST(ResidentRegistryTest, RegisterAllKeepsAllOrNone) {
+  char dir[] = "/tmp/shardgemm_pair_XXXXXX";
+  ASSERT_NE(mkdtemp(dir), nullptr);
+  const std::string path = std::string(dir) + "/registry.pb";
+  ResidentRegistry registry;
+  ASSERT_TRUE(registry.MakeDurable(path).ok());
+  ASSERT_TRUE(registry.Register(Named("w8", "w8@old")).ok());
+  for (const char* name : {"w8", "w8_scale"}) ASSERT_TRUE(registry.Claim("", name, /*overwrite=*/true).ok());
+  std::vector<Resident> pair = {Named("w8", "w8@new"), Named("w8_scale", "w8_scale@new")};
+  auto replaced = registry.RegisterAll(pair);
+  ASSERT_TRUE(replaced.ok()) << replaced.status();
+  EXPECT_EQ(*replaced, (std::vector<std::string>{"w8@old", ""}));
+  EXPECT_EQ(registry.Find("", "w8_scale")->shard_name, "w8_scale@new");
+  std::remove(path.c_str());
+  ASSERT_EQ(rmdir(dir), 0);
+  for (const char* name : {"w8", "w8_scale"}) ASSERT_TRUE(registry.Claim("", name, /*overwrite=*/true).ok());
+  auto failed = registry.RegisterAll({Named("w8", "w8@third"), Named("w8_scale", "w8_scale@third")});
+  EXPECT_EQ(failed.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(registry.Find("", "w8")->shard_name, "w8@new") << "neither replaced";
+  EXPECT_EQ(registry.Find("", "w8_scale")->shard_name, "w8_scale@new");
+  EXPECT_TRUE(registry.Claim("", "w8", true).ok()) << "claims released";
+}
+
 }  // namespace
 }  // namespace shardgemm

@@ -286,3 +286,45 @@ def test_mxfp8_runs_on_cpu_workers(cluster_factory):
     ref = per_shard_reference(x8.astype(np.float64) * np.repeat(xs, 32, axis=1),
                               w8.astype(np.float64) * np.repeat(ws, 32, axis=2), sizes, plan, rhs_transposed=True)
     assert_close(out, ref, k)
+
+
+def test_mxfp8_kept_weight_scales_are_a_gemm_rhs_operand(cluster_factory):
+    """The kept pair is a GEMM operand as it stands: MXFP8 weights
+    [G, N, K] keep their scales as [G, N, K/32], the transposed rhs layout."""
+    c = cluster_factory(mesh="dp=1", workers=1).client
+    m, k, n, g = 32, 64, 16, 2
+    w = rand(g, n, k)
+    c.put("w", w)
+    c.grouped_quantize("w", [n] * g, flatten_axis=2, scaling="mxfp8",
+                       keep_rowwise_data_as="w8", keep_scale_inv_as="w8_scale")
+    listed = {t.name: list(t.shape) for t in c.list()}
+    assert listed["w8"] == [g, n, k]
+    # The shape the GEMM takes for an MXFP8 rhs_transposed operand.
+    assert listed["w8_scale"] == [g, n, k // 32], listed
+    sizes = [12, 20]
+    xe = np.full((m, k // 32), 127, np.uint8).view(np.dtype(ml_dtypes.float8_e8m0fnu))
+    x8 = cast(rand(m, k), E4M3)
+    out, _ = c.grouped_gemm(x8, "w8", sizes, rhs_transposed=True, lhs_scale_inv=xe, rhs_scale_inv="w8_scale",
+                            scaling="mxfp8", out_dtype=np.float32)
+    assert out.shape == (m, n)
+
+
+def test_block_kept_weights_ep_sharded_fused_forward(cluster_factory):
+    """128x128 weight scales kept over ep=2 and the fused 1x128 forward."""
+    c = cluster_factory(mesh="ep=2", workers=2).client
+    m, k, n, g = 64, 256, 128, 4
+    w = rand(g, n, k)
+    c.put("w", w, spec="(ep, None, None)")
+    c.grouped_quantize("w", [n] * g, group_sizes_spec="(ep,)", flatten_axis=2, scaling="block", block_2d=True,
+                       keep_rowwise_data_as="w8", keep_scale_inv_as="w8_scale")
+    w8, ws = quantize_blocks(w, (1, 128, 128))
+    np.testing.assert_array_equal(c.get("w8_scale"), ws)
+    x = rand(m, k)
+    sizes = uneven_sizes(2, 2, m // 2)
+    out, plan = c.grouped_gemm(x, "w8", sizes, rhs_transposed=True, lhs_spec="(ep, None)", group_sizes_spec="(ep,)",
+                               rhs_scale_inv="w8_scale", scaling="block", quantize_lhs=E4M3, out_dtype=np.float32,
+                               include_plan=True)
+    x8, xs = quantize_blocks(x, (1, 128))
+    ref = per_shard_reference(deq(x8, expand_blocks(xs, (1, 128))), deq(w8, expand_blocks(ws, (1, 128, 128))),
+                              sizes, plan, rhs_transposed=True)
+    assert_close(out, ref, k)

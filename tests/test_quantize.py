@@ -156,6 +156,28 @@ def test_block_scaling_single_worker_matches_numpy(cluster, mode):
             want = reference.quantize_blocks(x, sizes, mode, fmt, rowwise, colwise)
             expect_matches_reference(r, want, rowwise, colwise)
             assert not r.HasField("amax")
+            expect_group_offsets(r, mode, x.shape[1], sizes, rowwise, colwise)
+
+
+def expect_group_offsets(r, mode, k, sizes, rowwise, colwise):
+    """The response says where each group's scale block is and its shape
+    (docs/quantization.md's padded layouts), covering the flat scales."""
+    up = lambda a, b: -(-a // b) * b  # noqa: E731
+    for on, offsets, shapes, scales, colwise_side in [
+            (rowwise, r.scale_inv_offsets, r.scale_inv_block_shape, r.scale_inv, False),
+            (colwise, r.colwise_scale_inv_offsets, r.colwise_scale_inv_block_shape, r.colwise_scale_inv, True)]:
+        if not on:
+            assert len(offsets) == 0
+            continue
+        assert len(offsets) == len(sizes) + 1 and offsets[0] == 0
+        assert offsets[-1] == np.prod(scales.shape)
+        for g, mg in enumerate(sizes):
+            rows, cols = shapes[2 * g], shapes[2 * g + 1]
+            assert offsets[g + 1] - offsets[g] == rows * cols
+            if mode == "block" and not colwise_side:
+                assert (rows, cols) == (-(-k // 128), up(mg, 4))  # [ceil(K/128), roundup(m_g, 4)]
+            if mode == "mxfp8" and not colwise_side:
+                assert (rows, cols) == (up(mg, 128), up(k // 32, 4))
 
 
 def shard_sizes(workers, block):

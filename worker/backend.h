@@ -113,6 +113,9 @@ class Backend {
   virtual std::string Device() const = 0;  // human-readable device description
   virtual absl::StatusOr<HostTensor> GroupedGemm(const LocalGemm& gemm) = 0;
   virtual absl::StatusOr<QuantizeOutputs> GroupedQuantize(const LocalQuantize& q) = 0;
+  // Whether an FP8 GEMM of this kind runs on the host reference (which
+  // dequantizes both operands to FP32 copies: the step reserves them).
+  virtual bool Fp8GemmOnHost(bool ragged_k, bool rhs_transposed) const { return true; }
   // Whether GroupedGemm takes LocalGemm::rhs_gather and gathers on its device.
   virtual bool CanGatherOnDevice() const { return false; }
 

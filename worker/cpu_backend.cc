@@ -1,3 +1,4 @@
+#include <new>
 #include <thread>
 #include <tuple>
 
@@ -23,7 +24,13 @@ class CpuBackend : public Backend {
     // Never asked for (CanGatherOnDevice is false), but a gather handed over
     // still runs: on the host.
     if (g.rhs_gather.enabled) return GroupedGemmAfterHostGather(this, g);
-    if (IsFloat8(g.rhs->dtype)) return Fp8GroupedGemm(g);
+    if (IsFloat8(g.rhs->dtype)) {
+      try {
+        return Fp8GroupedGemm(g);
+      } catch (const std::bad_alloc&) {  // the FP32 copies of the operands
+        return absl::ResourceExhaustedError("FP8 GEMM: no host memory for the dequantized operands");
+      }
+    }
     const HostTensor& lhs = *g.lhs;
     const HostTensor& rhs = *g.rhs;
     cpu::GroupedGemmArgs a;

@@ -102,6 +102,7 @@ class CudaBackend : public Backend {
   std::string Name() const override { return "cuda"; }
   std::string Device() const override { return name_; }
   bool CanGatherOnDevice() const override { return true; }
+  bool Fp8GemmOnHost(bool ragged_k, bool rhs_transposed) const override { return ragged_k || !rhs_transposed; }
   bool KeepsOutputsOnDevice() const override { return true; }
   int64_t DeviceMemoryBytes() const override { return total_memory_; }
   Transfers TransferCounts() const override { return {uploaded_.load(), downloaded_.load()}; }
@@ -222,7 +223,10 @@ class CudaBackend : public Backend {
     }
     if (g.rhs_gather.enabled) return OnHost(GroupedGemmAfterHostGather(this, g));
     const bool tensor = g.rhs_mode == ScalingMode::kCurrent || g.rhs_mode == ScalingMode::kDelayed;
-    if (g.ragged_k || !g.rhs_transposed || g.bias != nullptr || g.lhs->shape.at(1) % 16 != 0) {
+    // cuBLASLt's FP8 takes K in 16s and output rows in 16-byte multiples.
+    const int64_t local_n = g.rhs->shape.size() == 3 ? g.rhs->shape[1] : 0;
+    if (g.ragged_k || !g.rhs_transposed || g.bias != nullptr || g.lhs->shape.at(1) % 16 != 0 ||
+        (local_n * DTypeSize(g.out_dtype)) % 16 != 0) {
       return OnHost(cpu_->GroupedGemm(g));
     }
     cudaSetDevice(device_);
@@ -260,16 +264,23 @@ class CudaBackend : public Backend {
     a.rhs = static_cast<const uint8_t*>(*d_rhs);
     const std::vector<int64_t> weight_groups(static_cast<size_t>(groups), n);
     HostTensor rhs_scales;
-    if (tensor) {
+    if (tensor && g.resident_rhs_scale_inv != nullptr) {
+      // A resident weight's per-expert scales: kept on the device with it.
+      auto d = DeviceCopy(g.resident_rhs_scale_inv, g.resident_rhs.get());
+      if (!d.ok()) return d.status();
+      a.rhs_scale_inv = *d;
+    } else if (tensor) {
       rhs_scales = *g.rhs_scale_inv;
     } else {
       auto converted = QuantizeScalesFromGemm(g.rhs_mode, *g.rhs_scale_inv, groups * n, k, weight_groups);
       if (!converted.ok()) return absl::InvalidArgumentError(absl::StrCat("rhs_", converted.status().message()));
       rhs_scales = std::move(*converted);
     }
-    auto d_rhs_scale = scratch.Upload(rhs_scales.bytes.data(), rhs_scales.NumBytes(), stream_);
-    if (!d_rhs_scale.ok()) return d_rhs_scale.status();
-    a.rhs_scale_inv = *d_rhs_scale;
+    if (a.rhs_scale_inv == nullptr) {
+      auto d_rhs_scale = scratch.Upload(rhs_scales.bytes.data(), rhs_scales.NumBytes(), stream_);
+      if (!d_rhs_scale.ok()) return d_rhs_scale.status();
+      a.rhs_scale_inv = *d_rhs_scale;
+    }
     // lhs: uploaded FP8 with its scales, or quantized here from the float lhs.
     auto d_lhs_in = g.resident_lhs != nullptr ? DeviceCopy(g.resident_lhs, g.resident_rhs.get())
                                               : scratch.Upload(lhs.bytes.data(), lhs.NumBytes(), stream_);

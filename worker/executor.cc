@@ -8,6 +8,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "kernels/cpu/fp8_grouped_gemm.h"
 #include "kernels/fp8.h"
 #include "kernels/gemm_scale_layout.h"
 #include "proto/plan_codec.h"
@@ -508,6 +509,32 @@ absl::StatusOr<v1::StepResult> Executor::RunGemm(v1::GemmStep& gemm) {
       return absl::InvalidArgumentError(absl::StrCat("local rhs has ", rs[0], " groups but group_sizes has ", g));
     }
   }
+  // FP8 scales: dtype and compute shape as the GEMM's layouts want them
+  // (a crafted step must not reach a kernel with a short scale buffer).
+  if (IsFloat8(declared_dtype[1])) {
+    auto modes = KernelGemmScalingModes(gemm.scaling(), ragged_k);
+    if (!modes.ok()) return modes.status();
+    cpu::Fp8GroupedGemmArgs shape_of;
+    shape_of.ragged_k = ragged_k;
+    shape_of.lhs_mode = modes->lhs;
+    shape_of.rhs_mode = modes->rhs;
+    shape_of.m = compute_shape[0][0];
+    shape_of.k = compute_shape[0][1];
+    shape_of.n = ragged_k ? compute_shape[1][1] : compute_shape[1][gemm.rhs_transposed() ? 1 : 2];
+    shape_of.num_groups = g;
+    shape_of.rhs_transposed = gemm.rhs_transposed();
+    const DType scale_dtype = modes->lhs == ScalingMode::kMxfp8 ? DType::kE8M0 : DType::kF32;
+    for (const auto& [i, want] : {std::make_pair(kLhsScale, cpu::Fp8LhsScaleShape(shape_of)),
+                                  std::make_pair(kRhsScale, cpu::Fp8RhsScaleShape(shape_of))}) {
+      if (!present[i]) continue;  // a fused quantize makes lhs's
+      if (declared_dtype[i] != scale_dtype || compute_shape[i] != want) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            RoleName(roles[i]), ": ", DTypeName(declared_dtype[i]), " ", ShapeToString(compute_shape[i]),
+            " after its collectives, but ", ScalingModeName(i == kLhsScale ? modes->lhs : modes->rhs),
+            " scaling of this step's operands needs ", DTypeName(scale_dtype), " ", ShapeToString(want)));
+      }
+    }
+  }
   const std::vector<int64_t> local_out_shape =
       ragged_k ? std::vector<int64_t>{g, compute_shape[0][1], compute_shape[1][1]}
                : std::vector<int64_t>{compute_shape[0][0],
@@ -602,6 +629,16 @@ absl::StatusOr<v1::StepResult> Executor::RunGemm(v1::GemmStep& gemm) {
       working_bytes = SaturatingAdd(working_bytes, DTypeSize(declared_dtype[i]) * NumElementsOf(compute_shape[i]));
     }
     working_bytes = SaturatingAdd(working_bytes, NumElementsOf(local_out_shape) * 4);
+    if (IsFloat8(declared_dtype[1]) && backend_->Fp8GemmOnHost(ragged_k, gemm.rhs_transposed())) {
+      // The host reference's FP32 copies of both operands (and a quantized lhs).
+      const int64_t lhs_elements = NumElementsOf(compute_shape[0]), rhs_elements = NumElementsOf(compute_shape[1]);
+      const int64_t elements = SaturatingAdd(lhs_elements, rhs_elements);
+      const int64_t f32_bytes = elements > std::numeric_limits<int64_t>::max() / 4
+                                    ? std::numeric_limits<int64_t>::max()
+                                    : elements * 4;
+      working_bytes = SaturatingAdd(working_bytes, f32_bytes);
+      if (gemm.quantize_lhs_to() != v1::DTYPE_UNSPECIFIED) working_bytes = SaturatingAdd(working_bytes, lhs_elements);
+    }
     prepared = store_->Reserve(working_bytes);
   }
   ShardStore::ScopedReservation reservation(store_, working_bytes, prepared.ok());
@@ -900,6 +937,12 @@ absl::StatusOr<v1::StepResult> Executor::RunQuantize(v1::QuantizeStep& q) {
   if (!keep_scale.empty()) {
     auto gemm_scales = GemmScalesFromQuantize(local.mode, out->scale_inv, local.m, local.k, local.group_sizes);
     if (!gemm_scales.ok()) return gemm_scales.status();
+    if (local.mode == ScalingMode::kBlock1x128 || local.mode == ScalingMode::kMxfp8) {
+      // [M, K/b] with x's row dims: weights [G, N, K] keep [G, N, K/b].
+      std::vector<int64_t> shape(x.tensor->shape.begin(), x.tensor->shape.begin() + flatten);
+      shape.push_back(gemm_scales->shape.back());
+      gemm_scales->shape = std::move(shape);
+    }
     out->scale_inv = std::move(*gemm_scales);
   }
   if (!keep_data.empty() || !keep_scale.empty()) reservation.Release();

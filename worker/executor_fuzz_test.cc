@@ -55,6 +55,17 @@ void FillTensor(Gen& g, v1::LocalTensor* t, int rank) {
   t->set_data(std::string(static_cast<size_t>(g.Coin(90) ? bytes : g.Int(0, 64)), '\0'));
 }
 
+// An FP8 operand: FP8 bytes (mostly of the right length).
+void FillFp8Tensor(Gen& g, v1::LocalTensor* t, int rank) {
+  FillTensor(g, t, rank);
+  t->set_dtype(g.Coin(70) ? v1::F8E4M3 : g.Coin(50) ? v1::F8E5M2 : AnyDtype(g));
+  if (t->source_case() == v1::LocalTensor::kData) {
+    int64_t n = 1;
+    for (int64_t d : t->shape()) n = (d > 0 && n < (1 << 20)) ? n * d : 0;
+    if (g.Coin(90)) t->set_data(std::string(static_cast<size_t>(n > 0 && n < (1 << 16) ? n : 0), '\0'));
+  }
+}
+
 v1::CollectivePlan AnyCollective(Gen& g) {
   v1::CollectivePlan c;
   c.set_phase(static_cast<v1::CollectivePhase>(g.Int(0, 4)));
@@ -81,6 +92,14 @@ v1::Step AnyStep(Gen& g, uint64_t sequence) {
     gemm->set_agree(g.Coin());
     for (int64_t i = 0, n = g.Int(0, 3); i < n; ++i) *gemm->add_collectives() = AnyCollective(g);
     if (g.Coin(20)) gemm->set_keep_output_as("kept@" + std::to_string(g.Int(1, 3)));
+    if (g.Coin(30)) {  // an FP8 step: FP8 operands, their scales, a mode, maybe the fused quantize
+      if (g.Coin(70)) FillFp8Tensor(g, gemm->mutable_lhs(), static_cast<int>(g.Int(1, 3)));
+      FillFp8Tensor(g, gemm->mutable_rhs(), static_cast<int>(g.Int(1, 4)));
+      if (g.Coin(80)) FillTensor(g, gemm->mutable_lhs_scale_inv(), static_cast<int>(g.Int(1, 3)));
+      if (g.Coin(80)) FillTensor(g, gemm->mutable_rhs_scale_inv(), static_cast<int>(g.Int(1, 4)));
+      gemm->set_scaling(static_cast<v1::ScalingMode>(g.Int(0, 6)));
+      if (g.Coin(30)) gemm->set_quantize_lhs_to(g.Coin(70) ? v1::F8E4M3 : AnyDtype(g));
+    }
   } else {
     v1::QuantizeStep* q = step.mutable_quantize();
     FillTensor(g, q->mutable_x(), static_cast<int>(g.Int(1, 3)));
@@ -91,6 +110,8 @@ v1::Step AnyStep(Gen& g, uint64_t sequence) {
     q->set_colwise(g.Coin());
     q->set_flatten_axis(static_cast<int32_t>(g.Int(-2, 3)));
     q->set_agree(g.Coin());
+    if (g.Coin(15)) q->set_keep_rowwise_data_as("q@" + std::to_string(g.Int(1, 3)));
+    if (g.Coin(15)) q->set_keep_scale_inv_as("s@" + std::to_string(g.Int(1, 3)));
     for (int64_t i = 0, n = g.Int(0, 2); i < n; ++i) *q->add_collectives() = AnyCollective(g);
   }
   return step;
