@@ -264,12 +264,9 @@ class CudaBackend : public Backend {
     a.rhs = static_cast<const uint8_t*>(*d_rhs);
     const std::vector<int64_t> weight_groups(static_cast<size_t>(groups), n);
     HostTensor rhs_scales;
-    if (tensor && g.resident_rhs_scale_inv != nullptr) {
-      // A resident weight's per-expert scales: kept on the device with it.
-      auto d = DeviceCopy(g.resident_rhs_scale_inv, g.resident_rhs.get());
-      if (!d.ok()) return d.status();
-      a.rhs_scale_inv = *d;
-    } else if (tensor) {
+    // The scales are small and uploaded each call: a cached copy could be
+    // evicted by the next operand's (DeviceCopy spares one other).
+    if (tensor) {
       rhs_scales = *g.rhs_scale_inv;
     } else {
       auto converted = QuantizeScalesFromGemm(g.rhs_mode, *g.rhs_scale_inv, groups * n, k, weight_groups);
