@@ -297,6 +297,7 @@ class CudaFp8LocalOp : public LocalOp {
     a.n = n_;
     a.k = k_;
     a.group_sizes = sizes_.data();
+    a.device_group_sizes = static_cast<const int64_t*>(d_sizes_);  // our sm90 kernel, as the worker runs it
     a.num_groups = static_cast<int64_t>(sizes_.size());
     a.out = d_out_;
     a.out_dtype = DType::kBF16;

@@ -257,6 +257,10 @@ class CudaBackend : public Backend {
     a.rhs_format = rhs.dtype == DType::kF8E5M2 ? Fp8Format::kE5M2 : Fp8Format::kE4M3;
     a.workspace = lt_workspace_;
     a.workspace_bytes = kLtWorkspaceBytes;
+    // Device group sizes let tensor scaling run our one-launch sm90 kernel.
+    auto d_sizes = scratch.Upload(g.group_sizes.data(), groups * 8, stream_);
+    if (!d_sizes.ok()) return d_sizes.status();
+    a.device_group_sizes = static_cast<const int64_t*>(*d_sizes);
     // rhs and its scales: the resident weight's device copy is kept.
     auto d_rhs = g.resident_rhs != nullptr ? DeviceCopy(g.resident_rhs, g.resident_lhs.get())
                                            : scratch.Upload(rhs.bytes.data(), rhs.NumBytes(), stream_);
