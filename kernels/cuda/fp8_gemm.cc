@@ -90,8 +90,8 @@ absl::Status Fp8GroupedGemm(const Fp8GroupedGemmArgs& a, cublasLtHandle_t handle
                                                  ScalingModeName(a.rhs_mode),
                                                  ": supported are tensor x tensor and block_1x128 x block_128x128"));
   }
-  // Our sm90 kernel: tensor x tensor, device sizes given, params it takes.
-  if (tensor && a.device_group_sizes != nullptr && a.num_groups > 0) {
+  // Our sm90 kernel: tensor x tensor or block x block, device sizes given, params it takes.
+  if (a.device_group_sizes != nullptr && a.num_groups > 0) {
     Sm90Fp8GroupedGemmParams p;
     p.lhs_format = a.lhs_format == Fp8Format::kE4M3 ? Sm90Fp8Format::kE4M3 : Sm90Fp8Format::kE5M2;
     p.rhs_format = a.rhs_format == Fp8Format::kE4M3 ? Sm90Fp8Format::kE4M3 : Sm90Fp8Format::kE5M2;
@@ -102,7 +102,9 @@ absl::Status Fp8GroupedGemm(const Fp8GroupedGemmArgs& a, cublasLtHandle_t handle
     p.out = a.out;
     p.group_sizes = a.device_group_sizes;
     p.m = a.m, p.k = a.k, p.n = a.n, p.num_groups = a.num_groups;
+    p.block_scaling = block;
     Fp8ShapeInfo info;
+    info.block_scaling = block;
     info.num_groups = a.num_groups;
     info.m = a.m, info.k = a.k, info.n = a.n;
     if (a.group_sizes != nullptr) {
@@ -129,7 +131,8 @@ absl::Status Fp8GroupedGemm(const Fp8GroupedGemmArgs& a, cublasLtHandle_t handle
       if (a.stats) {
         a.stats->ours = true;
         a.stats->ours_tile_m = p.tile_m, a.stats->ours_tile_n = p.tile_n, a.stats->ours_promote = p.promote;
-        a.stats->ours_tma_store = p.tma_store && (p.tile_m == 128 && p.tile_n >= 192);
+        a.stats->ours_tma_store = p.tma_store;
+        a.stats->ours_block_scaling = p.block_scaling;
       }
       return absl::OkStatus();
     }

@@ -13,7 +13,8 @@
 //   (kBlock1x128, kBlock128x128): cuBLASLt's VEC128_32F (B) and
 //     BLK128x128_32F (A) block scales;
 //   kMxfp8: UnimplementedError (cuBLASLt's VEC32_UE8M0 needs Blackwell).
-// Tensor x tensor scales with device_group_sizes given: our persistent sm90
+// Tensor x tensor or block_1x128 x block_128x128 scales with
+// device_group_sizes given: our persistent sm90
 // FP8 kernel (sm90_fp8_grouped_gemm.h), one launch for all groups, when it
 // can run the params on this device (ChooseSm90Fp8 in heuristics_sm90.h picks
 // its tile and promotion); else the cuBLASLt loop. stats->ours says which.
@@ -45,7 +46,8 @@ struct Fp8GemmStats {
   bool ours = false;          // our sm90 FP8 kernel ran (one launch; no cuBLASLt calls)
   int ours_tile_m = 0, ours_tile_n = 0;  // its tile
   bool ours_promote = false;             // its FP32 promotion per 128-K block
-  bool ours_tma_store = false;           // its TMA-store epilogue (where the tile has one)
+  bool ours_tma_store = false;           // its TMA-store epilogue
+  bool ours_block_scaling = false;       // it ran 1x128 x 128x128 block scales
 };
 
 struct Fp8GroupedGemmArgs {

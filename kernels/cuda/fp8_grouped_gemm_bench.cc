@@ -4,6 +4,10 @@
 //   fp8_grouped_gemm_bench --presets presets.json [--iters 20] [--warmup 5] [--json out.jsonl]
 //                          [--round N] [--main-only]
 //
+// Then the same for block scaling (1x128 lhs x 128x128 rhs FP32 block
+// scales, promoted per 128-K block): ours against cuBLASLt's block-scaled
+// per-group loop.
+//
 // Per preset (balanced groups, as the peer script): FP8 E4M3 x E4M3 with
 // per-group (tensor) scales, BF16 out, FP32 accumulation with promotion (no
 // FAST_ACCUM, as torch._scaled_grouped_mm's default). Timed, each as one
@@ -165,16 +169,20 @@ int Main(int argc, char** argv) {
   std::printf("# %-18s %4s %5s %5s %6s %8s %-14s %8s %6s\n", "", "", "", "", "", "TFLOP/s", "", "TFLOP/s", "");
   int failures = 0;
   uint64_t seed = 1;
+  for (const bool block : {false, true}) {
+  if (block) {
+    std::printf("# block scaling: 1x128 (lhs) x 128x128 (rhs) FP32 scales in GroupedQuantize's layouts, promoted per"
+                " 128-K block; ratio: ours / the cuBLASLt block-scaled loop\n");
+  }
   for (const Preset& p : presets) {
     const int64_t M = p.g * p.m;
     std::vector<uint8_t> hl(static_cast<size_t>(M * p.k)), hr(static_cast<size_t>(p.g * p.n * p.k));
     FillFp8(hl, seed++);
     FillFp8(hr, seed++);
-    std::vector<float> sl(p.g), sr(p.g);
-    for (int64_t g = 0; g < p.g; ++g) {
-      sl[g] = 0.5f + 0.03f * static_cast<float>(g % 37);
-      sr[g] = 2.0f - 0.02f * static_cast<float>(g % 41);
-    }
+    const int64_t kbc = (p.k + 127) / 128, kb4 = (kbc + 3) / 4 * 4, nbc = (p.n + 127) / 128;
+    std::vector<float> sl(block ? p.g * kbc * ((p.m + 3) / 4 * 4) : p.g), sr(block ? p.g * nbc * kb4 : p.g);
+    for (size_t i = 0; i < sl.size(); ++i) sl[i] = 0.5f + 0.03f * static_cast<float>((i * 7) % 37);
+    for (size_t i = 0; i < sr.size(); ++i) sr[i] = 2.0f - 0.02f * static_cast<float>((i * 11) % 41);
     const std::vector<int64_t> sizes(p.g, p.m);
     void *lhs, *rhs, *out_ours, *out_lt, *out_var, *dsl, *dsr, *dsizes;
     SHARDGEMM_CHECK_CUDA(cudaMalloc(&lhs, hl.size()));
@@ -182,13 +190,13 @@ int Main(int argc, char** argv) {
     SHARDGEMM_CHECK_CUDA(cudaMalloc(&out_ours, M * p.n * 2));
     SHARDGEMM_CHECK_CUDA(cudaMalloc(&out_lt, M * p.n * 2));
     SHARDGEMM_CHECK_CUDA(cudaMalloc(&out_var, M * p.n * 2));
-    SHARDGEMM_CHECK_CUDA(cudaMalloc(&dsl, p.g * 4));
-    SHARDGEMM_CHECK_CUDA(cudaMalloc(&dsr, p.g * 4));
+    SHARDGEMM_CHECK_CUDA(cudaMalloc(&dsl, sl.size() * 4));
+    SHARDGEMM_CHECK_CUDA(cudaMalloc(&dsr, sr.size() * 4));
     SHARDGEMM_CHECK_CUDA(cudaMalloc(&dsizes, p.g * 8));
     SHARDGEMM_CHECK_CUDA(cudaMemcpy(lhs, hl.data(), hl.size(), cudaMemcpyHostToDevice));
     SHARDGEMM_CHECK_CUDA(cudaMemcpy(rhs, hr.data(), hr.size(), cudaMemcpyHostToDevice));
-    SHARDGEMM_CHECK_CUDA(cudaMemcpy(dsl, sl.data(), p.g * 4, cudaMemcpyHostToDevice));
-    SHARDGEMM_CHECK_CUDA(cudaMemcpy(dsr, sr.data(), p.g * 4, cudaMemcpyHostToDevice));
+    SHARDGEMM_CHECK_CUDA(cudaMemcpy(dsl, sl.data(), sl.size() * 4, cudaMemcpyHostToDevice));
+    SHARDGEMM_CHECK_CUDA(cudaMemcpy(dsr, sr.data(), sr.size() * 4, cudaMemcpyHostToDevice));
     SHARDGEMM_CHECK_CUDA(cudaMemcpy(dsizes, sizes.data(), p.g * 8, cudaMemcpyHostToDevice));
     const double flops = 2.0 * M * p.k * p.n;
 
@@ -197,6 +205,7 @@ int Main(int argc, char** argv) {
     a.rhs = static_cast<const uint8_t*>(rhs), a.rhs_scale_inv = dsr;
     a.m = M, a.n = p.n, a.k = p.k, a.group_sizes = sizes.data(), a.num_groups = p.g;
     a.out_dtype = DType::kBF16, a.workspace = ws, a.workspace_bytes = ws_bytes;
+    if (block) a.lhs_mode = ScalingMode::kBlock1x128, a.rhs_mode = ScalingMode::kBlock128x128;
     std::string errors;
     // Times `fn` (one call = one grouped GEMM); -1 when its first call failed.
     auto timed = [&](const std::string& what, const std::function<absl::Status()>& fn) -> double {
@@ -251,12 +260,14 @@ int Main(int argc, char** argv) {
                           {"sm90_128x256_direct", 128, 256, true, false},
                           {"sm90_128x192", 128, 192, true, true},
                           {"sm90_128x192_direct", 128, 192, true, false},
-                          {"sm90_128x128", 128, 128, true, false},
-                          {"sm90_64x256", 64, 256, true, false},
+                          {"sm90_128x128", 128, 128, true, true},
+                          {"sm90_64x256", 64, 256, true, true},
                           {"sm90_128x256_fast", 128, 256, false, true},
                           {"sm90_128x256_fast_direct", 128, 256, false, false}};
       for (const Cfg& c : cfgs) {
+        if (block && (c.tn == 192 || !c.promote || !c.tma)) continue;
         Sm90Fp8GroupedGemmParams k;
+        k.block_scaling = block;
         k.out_dtype = CuDType::kBF16;
         k.lhs = lhs, k.rhs = rhs, k.out = out_var;
         k.lhs_scale_inv = static_cast<const float*>(dsl), k.rhs_scale_inv = static_cast<const float*>(dsr);
@@ -273,9 +284,11 @@ int Main(int argc, char** argv) {
         var_checks[c.name] = CompareRows(DownloadRows(out_var, M, p.n, step), ref_rows, p.n);
         if (var_checks[c.name].wrong > 0 && c.promote) ok = false;
       }
-      var_tflops["lt_loop_fast"] = timed("lt_loop_fast", via_dispatch(out_var, false, true, nullptr));
-      SHARDGEMM_CHECK_CUDA(cudaStreamSynchronize(s));
-      var_checks["lt_loop_fast"] = CompareRows(DownloadRows(out_var, M, p.n, step), ref_rows, p.n);
+      if (!block) {
+        var_tflops["lt_loop_fast"] = timed("lt_loop_fast", via_dispatch(out_var, false, true, nullptr));
+        SHARDGEMM_CHECK_CUDA(cudaStreamSynchronize(s));
+        var_checks["lt_loop_fast"] = CompareRows(DownloadRows(out_var, M, p.n, step), ref_rows, p.n);
+      }
     }
     if (!ok) ++failures;
     std::printf("  %-18s %4lld %5lld %5lld %6lld %8.1f %-14s %8.1f %6.3f  %9.2e %8lld %s%s\n", p.name.c_str(),
@@ -293,6 +306,7 @@ int Main(int argc, char** argv) {
     if (jf) {
       nlohmann::json j;
       j["preset"] = p.name;
+      j["mode"] = block ? "block" : "tensor";
       j["round"] = round;
       j["ours_tflops"] = ours;
       j["ours_tile"] = tile;
@@ -310,6 +324,7 @@ int Main(int argc, char** argv) {
       std::fflush(jf);
     }
     for (void* b : {lhs, rhs, out_ours, out_lt, out_var, dsl, dsr, dsizes}) cudaFree(b);
+  }
   }
   if (jf) std::fclose(jf);
   cudaFree(ws);

@@ -46,23 +46,29 @@
 //  F1. Our kernel whenever it can run the params: one launch for all groups,
 //      scales read on the device, no per-group host work (the cuBLASLt route
 //      is one call per group plus a scale copy to aligned slots).
-//  F2. Tile 128x256 with the TMA-store epilogue on every preset: it was the
-//      fastest configuration on all six (H200, one run, TFLOP/s, promoted,
+//  F2. Tile 128x256 with the TMA-store epilogue, except 64x256 (also with
+//      the TMA store) when groups average <= 64 rows. 128x256 was the
+//      fastest configuration on the five larger presets (H200, one run, TFLOP/s, promoted,
 //      128x256 TMA store / 128x192 TMA store / 128x256 direct stores /
 //      128x128 / 64x256): mixtral 1288 / 1247 / 1079 / 949 / 903,
 //      deepseek-up 1280 / 1231 / 1150 / 962 / 961, deepseek-down 1210 /
 //      1180 / 927 / 850 / 812, qwen3-ep8 1070 / 1051 / 787 / 729 / 710,
 //      qwen3 (G128 m128) 808 / 806 / 683 / 674 / 682, small-decode (G64 m64)
-//      298 / 293 / 272 / 265 / 282. The TMA store lets the consumers go on
-//      with the next tile at once (its staging area costs a ring stage: 3
-//      instead of 4); 128x256 moves the fewest operand bytes per FLOP out
-//      of L2 (48 KB per 128-K block against 32 KB for 128x128 at half the
-//      FLOPs), and even on decode shapes (64-row groups, half of each
-//      128-row tile wasted) it beat 64x256.
+//      298 / 293 / 272 / 265 / 282, the last two with direct stores). The
+//      TMA store lets the consumers go on with the next tile at once (its
+//      staging area costs a ring stage: 3 instead of 4); 128x256 moves the
+//      fewest operand bytes per FLOP out of L2 (48 KB per 128-K block
+//      against 32 KB for 128x128 at half the FLOPs). With the TMA store on
+//      64x256 too, small-decode (64-row groups: half of each 128-row tile
+//      wasted) ran 328 on 64x256 against 296 on 128x256 (block scales: 290
+//      against 270), while qwen3 (128-row groups) stayed on 128x256 (790;
+//      64x256 762).
 //  F3. FP32 promotion per 128-K block (as cuBLASLt without FAST_ACCUM and
 //      torch._scaled_grouped_mm's default; our output is bit-identical to
 //      cuBLASLt's there) unless the caller asked for fast accumulation,
 //      which runs the same tile unpromoted (mixtral 1497, deepseek-up 1453).
+//      Block scales (1x128 x 128x128) are always promoted, with the block's
+//      scales: the same tile.
 //
 // cuBLASLt autotuning (ChooseLtTune; the runner does the timing)
 //  T1. Calls under 2 GFLOP run the heuristic's first pick: timing would cost
@@ -161,8 +167,11 @@ Choice ChooseSm90(const ShapeInfo& s) {
 Fp8Choice ChooseSm90Fp8(const Fp8ShapeInfo& s) {
   Fp8Choice c;
   c.ours = s.kernel_ok;  // F1
+  const int64_t avg_rows = s.m / (s.num_groups > 0 ? s.num_groups : 1);  // padding rows included
   c.tile_m = 128, c.tile_n = 256, c.tma_store = true;  // F2
-  c.promote = !s.fast_accum;                            // F3
+  if (avg_rows <= 64) c.tile_m = 64;
+  c.promote = !s.fast_accum || s.block_scaling;         // F3
+  if (!c.promote) c.tile_m = 128;                       // fast accumulation: 128x256 only
   return c;
 }
 

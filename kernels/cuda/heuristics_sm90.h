@@ -59,6 +59,7 @@ struct Fp8ShapeInfo {
   int64_t m = 0, k = 0, n = 0;  // m = rows of lhs (padding included)
   int64_t max_group = -1;       // largest group when the host sizes are known, else -1
   bool fast_accum = false;      // the caller allows FP8 accumulation without promotion
+  bool block_scaling = false;   // 1x128 x 128x128 block scales (always promoted)
   bool kernel_ok = false;       // our kernel can run the params (device sm_90, device sizes given, ...)
   int num_sms = 132;
 };

@@ -55,6 +55,7 @@ struct KernelArgs {
   void* out;
   int out_dtype;  // CuDType as int
   int tma_out;    // 1: map_out is valid (16-bit out, 16-byte rows): full sub-tiles leave by TMA store
+  // kBlock: lhs_scale / rhs_scale are GroupedQuantize's 1x128 / 128x128 block scales.
   const float* lhs_scale;
   const float* rhs_scale;
   const int64_t* group_sizes;
@@ -177,7 +178,8 @@ __device__ __forceinline__ void BulkWaitRead() { asm volatile("cp.async.bulk.wai
 __device__ __forceinline__ void BulkWait() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
 
 constexpr int kSmemLimit = 232448;  // per block on sm_90 (227 KB)
-constexpr int kOffsetBytes = 2 * (2048 + 1) * 4;  // row and tile offsets of kSm90Fp8MaxGroups groups
+// Row, tile and (block scaling) 4-row-rounded row offsets of kSm90Fp8MaxGroups groups.
+constexpr int kOffsetBytes = 3 * (kSm90Fp8MaxGroups + 1) * 4;
 
 // kTmaStore: the epilogue stages each consumer's tile in shared memory and
 // sends it out by TMA store (asynchronous: the consumer goes on with the next
@@ -201,15 +203,16 @@ struct Config {
 template <int BM, int BN, bool kPromote, bool kTmaStore>
 constexpr int SmemBytes(int num_groups) {
   using C = Config<BM, BN, kPromote, kTmaStore>;
-  return 1024 /*align slack*/ + C::kRingBytes + C::kStagingBytes + 2 * C::kStages * 8 + 2 * (num_groups + 1) * 4;
+  return 1024 /*align slack*/ + C::kRingBytes + C::kStagingBytes + 2 * C::kStages * 8 + 3 * (num_groups + 1) * 4;
 }
 
-template <int BM, int BN, bool kPromote, bool kTmaStore, int kFa, int kFb>
+template <int BM, int BN, bool kPromote, bool kTmaStore, bool kBlock, int kFa, int kFb>
 __global__ void __launch_bounds__(kThreads, 1)
     Fp8GroupedGemmKernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                          const __grid_constant__ CUtensorMap map_out, const KernelArgs args) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using C = Config<BM, BN, kPromote, kTmaStore>;
+  static_assert(!kBlock || (kPromote && C::kWNH == 128), "block scales: promoted 128-column pieces");
   constexpr int kStages = C::kStages;
   constexpr int kWN = C::kWN;
   constexpr int kHalves = C::kHalves;
@@ -222,7 +225,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint64_t* empty = full + kStages;
   int* row_start = reinterpret_cast<int*>(empty + kStages);
   int* tile_start = row_start + args.num_groups + 1;
-  __shared__ int warp_rows[kThreads / 32], warp_tiles[kThreads / 32];
+  int* row4_start = tile_start + args.num_groups + 1;  // kBlock: sum of roundup(rows, 4) before each group
+  __shared__ int warp_rows[kThreads / 32], warp_tiles[kThreads / 32], warp_rows4[kThreads / 32];
 
   const int tid = threadIdx.x;
   const int G = args.num_groups;
@@ -232,35 +236,39 @@ __global__ void __launch_bounds__(kThreads, 1)
   {
     const int chunk = (G + kThreads - 1) / kThreads;
     const int beg = min(G, tid * chunk), end = min(G, beg + chunk);
-    int rows = 0, tiles = 0;
+    int rows = 0, tiles = 0, rows4 = 0;
     for (int i = beg; i < end; ++i) {
       int64_t s = args.group_sizes[i];
       int r = static_cast<int>(s < 0 ? 0 : (s > args.m ? args.m : s));
       rows += r;
+      rows4 += (r + 3) & ~3;
       tiles += (r + BM - 1) / BM * n_tiles;
     }
     const int lane = tid & 31, warp = tid >> 5;
-    int inc_r = rows, inc_t = tiles;
+    int inc_r = rows, inc_t = tiles, inc_4 = rows4;
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
       int vr = __shfl_up_sync(0xffffffffu, inc_r, o);
       int vt = __shfl_up_sync(0xffffffffu, inc_t, o);
-      if (lane >= o) { inc_r += vr; inc_t += vt; }
+      int v4 = __shfl_up_sync(0xffffffffu, inc_4, o);
+      if (lane >= o) { inc_r += vr; inc_t += vt; inc_4 += v4; }
     }
-    if (lane == 31) { warp_rows[warp] = inc_r; warp_tiles[warp] = inc_t; }
+    if (lane == 31) { warp_rows[warp] = inc_r; warp_tiles[warp] = inc_t; warp_rows4[warp] = inc_4; }
     if (tid == 0) {
       for (int s = 0; s < kStages; ++s) { BarInit(&full[s], 1); BarInit(&empty[s], 8); }
       asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
-    int run_r = inc_r - rows, run_t = inc_t - tiles;
-    for (int w = 0; w < warp; ++w) { run_r += warp_rows[w]; run_t += warp_tiles[w]; }
+    int run_r = inc_r - rows, run_t = inc_t - tiles, run_4 = inc_4 - rows4;
+    for (int w = 0; w < warp; ++w) { run_r += warp_rows[w]; run_t += warp_tiles[w]; run_4 += warp_rows4[w]; }
     for (int i = beg; i < end; ++i) {
       row_start[i] = run_r;
       tile_start[i] = run_t;
+      row4_start[i] = run_4;
       int64_t s = args.group_sizes[i];
       int r = static_cast<int>(s < 0 ? 0 : (s > args.m ? args.m : s));
       run_r += r;
+      run_4 += (r + 3) & ~3;
       run_t += (r + BM - 1) / BM * n_tiles;
     }
     if (tid == kThreads - 1) {  // totals
@@ -334,7 +342,29 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int mt_count = (g_rows + BM - 1) / BM;
       const int row0 = row_start[g] + (local % mt_count) * BM;
       const int n0 = (local / mt_count) * BN;
-      const float scale = __ldg(args.lhs_scale + g) * __ldg(args.rhs_scale + g);
+      const float scale = kBlock ? 1.f : __ldg(args.lhs_scale + g) * __ldg(args.rhs_scale + g);
+      // kBlock: this thread's two rows' 1x128 scales (column kb of the group's
+      // [num_kb][roundup(rows, 4)] block) and the 128x128 scale of each
+      // 128-column half (row nb, column kb of the group's [ceil(n/128)][roundup(num_kb, 4)]).
+      const float* sa_p0 = nullptr;
+      const float* sa_p1 = nullptr;
+      const float* sb_p[kHalves];
+      int sa_ld = 0;
+      if constexpr (kBlock) {
+        const int lr = (BM == 128 ? c * 64 : 0) + (local % mt_count) * BM + warp_in_wg * 16 + lane / 4;
+        const int lr0 = min(lr, g_rows - 1), lr1 = min(lr + 8, g_rows - 1);
+        const float* lbase = args.lhs_scale + static_cast<int64_t>(num_kb) * row4_start[g];
+        sa_ld = (g_rows + 3) & ~3;
+        sa_p0 = lbase + lr0;
+        sa_p1 = lbase + lr1;
+        const int nbc = (args.n + 127) / 128, kb4 = (num_kb + 3) & ~3;
+        const float* rbase = args.rhs_scale + static_cast<int64_t>(g) * nbc * kb4;
+#pragma unroll
+        for (int hf = 0; hf < kHalves; ++hf) {
+          const int nb = min((n0 + (BM == 128 ? 0 : c * kWN) + hf * kWNH) / 128, nbc - 1);
+          sb_p[hf] = rbase + static_cast<int64_t>(nb) * kb4;
+        }
+      }
       if constexpr (!kPromote) {
         int prev_stage = 0;
         for (int kb = 0; kb < num_kb; ++kb) {
@@ -360,7 +390,28 @@ __global__ void __launch_bounds__(kThreads, 1)
       } else {
 #pragma unroll
         for (int i = 0; i < kWN / 2; ++i) acc[i] = 0.f;
+        // kBlock: the next K block's scales are loaded one block ahead (their
+        // latency hides behind this block's wgmmas).
+        float n_a0 = 0.f, n_a1 = 0.f, n_b[kHalves];
+        if constexpr (kBlock) {
+          n_a0 = __ldg(sa_p0);
+          n_a1 = __ldg(sa_p1);
+#pragma unroll
+          for (int hf = 0; hf < kHalves; ++hf) n_b[hf] = __ldg(sb_p[hf]);
+        }
         for (int kb = 0; kb < num_kb; ++kb) {
+          float s_a0 = 0.f, s_a1 = 0.f, s_b[kHalves];
+          if constexpr (kBlock) {
+            s_a0 = n_a0, s_a1 = n_a1;
+#pragma unroll
+            for (int hf = 0; hf < kHalves; ++hf) s_b[hf] = n_b[hf];
+            if (kb + 1 < num_kb) {
+              n_a0 = __ldg(sa_p0 + static_cast<int64_t>(kb + 1) * sa_ld);
+              n_a1 = __ldg(sa_p1 + static_cast<int64_t>(kb + 1) * sa_ld);
+#pragma unroll
+              for (int hf = 0; hf < kHalves; ++hf) n_b[hf] = __ldg(sb_p[hf] + kb + 1);
+            }
+          }
           BarWait(&full[stage], phase);
           const uint32_t sa = ring_addr + stage * C::kStageBytes + a_off;
           const uint32_t sb = ring_addr + stage * C::kStageBytes + C::kABytes + b_off;
@@ -375,8 +426,16 @@ __global__ void __launch_bounds__(kThreads, 1)
             WgmmaCommit();
             WgmmaWait<0>();
             if (hf == kHalves - 1) release(stage);
+            if constexpr (kBlock) {
+              // Fragment i is row half (i >> 1) & 1 (rows lane/4 and lane/4 + 8).
+              const float f0 = s_a0 * s_b[hf], f1 = s_a1 * s_b[hf];
 #pragma unroll
-            for (int i = 0; i < kWNH / 2; ++i) acc[hf * (kWNH / 2) + i] += tmp[i];
+              for (int i = 0; i < kWNH / 2; ++i)
+                acc[hf * (kWNH / 2) + i] = fmaf(tmp[i], ((i >> 1) & 1) ? f1 : f0, acc[hf * (kWNH / 2) + i]);
+            } else {
+#pragma unroll
+              for (int i = 0; i < kWNH / 2; ++i) acc[hf * (kWNH / 2) + i] += tmp[i];
+            }
           }
           if (++stage == kStages) { stage = 0; phase ^= 1; }
         }
@@ -422,7 +481,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 // --- host side ---
 
-template <int BM, int BN, bool kPromote, bool kTmaStore, int kFa, int kFb>
+template <int BM, int BN, bool kPromote, bool kTmaStore, bool kBlock, int kFa, int kFb>
 cudaError_t LaunchTyped(const Sm90Fp8GroupedGemmParams& p, int num_sms, cudaStream_t stream, const char** detail) {
   EncodeTiledFn encode = GetEncodeTiled();
   if (encode == nullptr) {
@@ -483,7 +542,7 @@ cudaError_t LaunchTyped(const Sm90Fp8GroupedGemmParams& p, int num_sms, cudaStre
   a.m = static_cast<int>(p.m);
   a.n = static_cast<int>(p.n);
   a.k = static_cast<int>(p.k);
-  auto kernel = Fp8GroupedGemmKernel<BM, BN, kPromote, kTmaStore, kFa, kFb>;
+  auto kernel = Fp8GroupedGemmKernel<BM, BN, kPromote, kTmaStore, kBlock, kFa, kFb>;
   const int smem = SmemBytes<BM, BN, kPromote, kTmaStore>(static_cast<int>(p.num_groups));
   static std::once_flag once;
   static cudaError_t attr_err = cudaSuccess;
@@ -496,12 +555,12 @@ cudaError_t LaunchTyped(const Sm90Fp8GroupedGemmParams& p, int num_sms, cudaStre
   return cudaGetLastError();
 }
 
-template <int BM, int BN, bool kPromote, bool kTmaStore>
+template <int BM, int BN, bool kPromote, bool kTmaStore, bool kBlock = false>
 cudaError_t DispatchFormats(const Sm90Fp8GroupedGemmParams& p, int num_sms, cudaStream_t s, const char** d) {
   const bool a5 = p.lhs_format == Sm90Fp8Format::kE5M2, b5 = p.rhs_format == Sm90Fp8Format::kE5M2;
-  if (!a5 && !b5) return LaunchTyped<BM, BN, kPromote, kTmaStore, 0, 0>(p, num_sms, s, d);
-  if (!a5 && b5) return LaunchTyped<BM, BN, kPromote, kTmaStore, 0, 1>(p, num_sms, s, d);
-  if (a5 && !b5) return LaunchTyped<BM, BN, kPromote, kTmaStore, 1, 0>(p, num_sms, s, d);
+  if (!a5 && !b5) return LaunchTyped<BM, BN, kPromote, kTmaStore, kBlock, 0, 0>(p, num_sms, s, d);
+  if (!a5 && b5) return LaunchTyped<BM, BN, kPromote, kTmaStore, kBlock, 0, 1>(p, num_sms, s, d);
+  if (a5 && !b5) return LaunchTyped<BM, BN, kPromote, kTmaStore, kBlock, 1, 0>(p, num_sms, s, d);
   *d = "e5m2 x e5m2 has no FP8 GEMM";
   return cudaErrorInvalidValue;
 }
@@ -519,6 +578,8 @@ const char* Sm90Fp8GroupedGemmUnsupportedReason(const Sm90Fp8GroupedGemmParams& 
                        (p.tile_m == 128 && p.tile_n == 128) || (p.tile_m == 64 && p.tile_n == 256);
   if (!tile_ok) return "tile must be 128x256, 128x192, 128x128 or 64x256";
   if (!p.promote && !(p.tile_m == 128 && p.tile_n == 256)) return "fast accumulation (no promotion) needs the 128x256 tile";
+  if (p.block_scaling && !p.promote) return "block scaling promotes every 128-K block (promote must be set)";
+  if (p.block_scaling && p.tile_n == 192) return "block scaling: tile 128x256, 128x128 or 64x256";
   if (p.num_groups < 1 || p.num_groups > kSm90Fp8MaxGroups) return "num_groups out of range for the sm90 FP8 kernel";
   if (p.k < 1 || p.k % 16 != 0) return "k must be a positive multiple of 16 (16-byte TMA strides)";
   if (p.m < 0 || p.n < 1) return "m must be >= 0 and n >= 1";
@@ -546,8 +607,23 @@ cudaError_t LaunchSm90Fp8GroupedGemm(const Sm90Fp8GroupedGemmParams& p, int num_
   }
   if (p.m == 0) return cudaSuccess;  // nothing to compute or zero
   const bool tma = p.tma_store;
-  if (p.tile_m == 64) return DispatchFormats<64, 256, true, false>(p, num_sms, stream, detail);
-  if (p.tile_n == 128) return DispatchFormats<128, 128, true, false>(p, num_sms, stream, detail);
+  if (p.block_scaling) {
+    if (p.tile_m == 64) {
+      return tma ? DispatchFormats<64, 256, true, true, true>(p, num_sms, stream, detail)
+                 : DispatchFormats<64, 256, true, false, true>(p, num_sms, stream, detail);
+    }
+    if (p.tile_n == 128) return DispatchFormats<128, 128, true, true, true>(p, num_sms, stream, detail);
+    return tma ? DispatchFormats<128, 256, true, true, true>(p, num_sms, stream, detail)
+               : DispatchFormats<128, 256, true, false, true>(p, num_sms, stream, detail);
+  }
+  if (p.tile_m == 64) {
+    return tma ? DispatchFormats<64, 256, true, true>(p, num_sms, stream, detail)
+               : DispatchFormats<64, 256, true, false>(p, num_sms, stream, detail);
+  }
+  if (p.tile_n == 128) {
+    return tma ? DispatchFormats<128, 128, true, true>(p, num_sms, stream, detail)
+               : DispatchFormats<128, 128, true, false>(p, num_sms, stream, detail);
+  }
   if (p.tile_n == 192) {
     return tma ? DispatchFormats<128, 192, true, true>(p, num_sms, stream, detail)
                : DispatchFormats<128, 192, true, false>(p, num_sms, stream, detail);

@@ -6,6 +6,7 @@
 // from the device group sizes (no host copy). sm_90a only.
 //
 //   out[rows of g] = (lhs[rows of g] @ rhs[g]^T) * lhs_scale_inv[g] * rhs_scale_inv[g]
+// or, with block_scaling, 1x128 (lhs) x 128x128 (rhs) block scales (below).
 //
 // lhs [m, k] FP8, rhs [g, n, k] FP8 (K-major: FP8 wgmma takes K-major A and B
 // only), scales device float [g]. Rows past sum(group_sizes) are zeroed.
@@ -54,10 +55,19 @@ struct Sm90Fp8GroupedGemmParams {
   // stages. Applies where the output is bf16 / f16 with n % 8 == 0 and to
   // sub-tiles whose rows are all the group's; elsewhere the direct stores.
   bool tma_store = true;
+  // Block scaling instead of per-group scales (DeepGEMM's recipe): lhs 1x128
+  // and rhs 128x128 FP32 scale_inv blocks in GroupedQuantize's layouts, and
+  // the FP32 accumulators promoted per 128-K block with each block's scales:
+  //   out[r, c] = sum_kb (lhs[r, kb] . rhs[g][c, kb]) * ls[r, kb] * rs[g][c / 128, kb]
+  // lhs_scale_inv: per group g (in order) a [ceil(k/128)][roundup(rows_g, 4)]
+  //   block (row r's scale of K block kb at kb * roundup(rows_g, 4) + r);
+  // rhs_scale_inv: per group a [ceil(n/128)][roundup(ceil(k/128), 4)] block.
+  // Tiles 128x256, 128x128 or 64x256; promote must be set.
+  bool block_scaling = false;
 };
 
 // Largest number of groups the kernel takes (group offsets live in shared memory).
-constexpr int64_t kSm90Fp8MaxGroups = 2048;
+constexpr int kSm90Fp8MaxGroups = 1024;
 
 // Null when the kernel can run these params, else why not (static string).
 const char* Sm90Fp8GroupedGemmUnsupportedReason(const Sm90Fp8GroupedGemmParams& p);

@@ -36,7 +36,7 @@ nvidia-smi --query-gpu=clocks.sm,temperature.gpu,power.draw --format=csv,noheade
 date -u +"# %Y-%m-%dT%H:%M:%SZ"
 python3 - "$OUTD/fp8_peer.jsonl" "$OUTD"/fp8_ours.*.jsonl <<'PY' | tee "$OUTD/fp8_table.md"
 import json, statistics, sys
-peer, ours, order = {}, {}, []
+peer, ours, block, order = {}, {}, {}, []
 for path in sys.argv[1:]:
     for l in open(path):
         l = l.strip()
@@ -45,6 +45,9 @@ for path in sys.argv[1:]:
         r = json.loads(l)
         name = r.get("preset")
         if "ours_tflops" in r:
+            if r.get("mode", "tensor") == "block":
+                block.setdefault(name, []).append(r)
+                continue
             ours.setdefault(name, []).append(r)
             if name not in order:
                 order.append(name)
@@ -63,17 +66,36 @@ for name in order:
     print("| %s | %s | %s | %.3f | %s | %s | %s | %s |" % (name, f(pt), f(ot), med(ot) / med(pt) if pt else float("nan"),
           ours[name][0]["ours_tile"], f(lt), f(dn), chk))
 print()
-print("Round 1, every configuration of our kernel (TFLOP/s; max rel err vs cuBLASLt, wrong values on sampled rows):")
+print("Block scaling (1x128 lhs x 128x128 rhs, FP32 scales, promoted per 128-K block):")
 print()
-names = []
+print("| preset | ours, block scales (rounds) | ours block / ours per-group (medians) | tile | cuBLASLt block-scaled loop (rounds) | check: max rel err vs cuBLASLt, wrong |")
+print("|---|---|---|---|---|---|")
 for name in order:
-    for v in ours[name][0].get("variants", {}):
-        if v not in names:
-            names.append(v)
-print("| preset | " + " | ".join(names) + " |")
-print("|---|" + "---|" * len(names))
-for name in order:
-    vs = ours[name][0].get("variants", {})
-    print("| %s | " % name + " | ".join("%.0f (%.1e, %d)" % (vs[v]["tflops"], vs[v]["max_rel_err_vs_lt"], vs[v]["wrong_vs_lt"]) if v in vs else "-" for v in names) + " |")
+    if name not in block:
+        continue
+    bt = [r["ours_tflops"] for r in block[name]]
+    ot = [r["ours_tflops"] for r in ours[name]]
+    lt = [r["lt_loop_tflops"] for r in block[name]]
+    chk = ", ".join("%.1e, %d" % (r["max_rel_err_vs_lt"], r["wrong_vs_lt"]) for r in block[name])
+    print("| %s | %s | %.3f | %s | %s | %s |" % (name, f(bt), med(bt) / med(ot), block[name][0]["ours_tile"], f(lt), chk))
+print()
+def variants(title, recs):
+    print(title)
+    print()
+    names = []
+    for name in order:
+        for v in recs.get(name, [{}])[0].get("variants", {}):
+            if v not in names:
+                names.append(v)
+    print("| preset | " + " | ".join(names) + " |")
+    print("|---|" + "---|" * len(names))
+    for name in order:
+        if name not in recs:
+            continue
+        vs = recs[name][0].get("variants", {})
+        print("| %s | " % name + " | ".join("%.0f (%.1e, %d)" % (vs[v]["tflops"], vs[v]["max_rel_err_vs_lt"], vs[v]["wrong_vs_lt"]) if v in vs else "-" for v in names) + " |")
+    print()
+variants("Round 1, every configuration of our kernel, per-group scales (TFLOP/s; max rel err vs cuBLASLt, wrong values on sampled rows):", ours)
+variants("Round 1, block scales:", block)
 PY
 exit $rc
