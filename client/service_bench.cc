@@ -62,6 +62,8 @@ ABSL_FLAG(std::string, group_sizes_spec, "", "group_sizes partition spec of the 
 ABSL_FLAG(int, row_shards, 1, "row shards of the request's lhs (the product of the lhs spec's row axes)");
 ABSL_FLAG(int, expert_shards, 1, "expert shards of the request's rhs (the ep size when rhs dim 0 is split)");
 ABSL_FLAG(std::string, json, "", "append one JSON line per preset here");
+ABSL_FLAG(std::string, fp8_scaling, "current",
+          "--op=fp8: current (per-group tensor scales) or block (1x128 activations x 128x128 weights)");
 ABSL_FLAG(std::string, weight_group_sizes_spec, "", "--op=fp8: group_sizes spec of the weights' quantize (ep)");
 ABSL_FLAG(std::string, op, "gemm",
           "gemm: the BF16 grouped GEMM; fp8: the fused quantize + FP8 grouped GEMM (per-group current scaling, "
@@ -221,7 +223,8 @@ class CudaLocalOp : public LocalOp {
 // The local quantize + FP8 GEMM: lhs (BF16 [M, K]) quantized per group
 // (current scaling, E4M3) then the FP8 grouped GEMM against weights
 // quantized once ([G, N, K], one scale per expert). BF16 output.
-GroupedQuantizeArgs CurrentQuantizeArgs(const void* x, int64_t m, int64_t k, const std::vector<int64_t>& sizes) {
+GroupedQuantizeArgs CurrentQuantizeArgs(const void* x, int64_t m, int64_t k, const std::vector<int64_t>& sizes,
+                                        ScalingMode mode = ScalingMode::kCurrent) {
   GroupedQuantizeArgs a;
   a.x = x;
   a.x_dtype = DType::kBF16;
@@ -229,10 +232,12 @@ GroupedQuantizeArgs CurrentQuantizeArgs(const void* x, int64_t m, int64_t k, con
   a.k = k;
   a.group_sizes = sizes.data();
   a.num_groups = static_cast<int64_t>(sizes.size());
-  a.mode = ScalingMode::kCurrent;
+  a.mode = mode;
   a.rowwise = true;
   return a;
 }
+
+bool BlockFp8() { return absl::GetFlag(FLAGS_fp8_scaling) == "block"; }
 
 class CudaFp8LocalOp : public LocalOp {
  public:
@@ -259,10 +264,16 @@ class CudaFp8LocalOp : public LocalOp {
     void* d_w = alloc(w.NumBytes());
     op->lhs_ = alloc(lhs.NumBytes());
     op->lhs8_ = alloc(op->m_ * op->k_);
-    op->lhs_scale_ = alloc(op->g_ * 4 * 2);
+    const ScalingMode lhs_mode = BlockFp8() ? ScalingMode::kBlock1x128 : ScalingMode::kCurrent;
+    const ScalingMode w_mode = BlockFp8() ? ScalingMode::kBlock128x128 : ScalingMode::kCurrent;
+    auto lhs_layout = GetQuantizeLayout(CurrentQuantizeArgs(nullptr, op->m_, op->k_, op->sizes_, lhs_mode));
+    auto w_layout = GetQuantizeLayout(CurrentQuantizeArgs(nullptr, op->g_ * op->n_, op->k_, op->weight_sizes_, w_mode));
+    if (!lhs_layout.ok()) return lhs_layout.status();
+    if (!w_layout.ok()) return w_layout.status();
+    op->lhs_scale_ = alloc(lhs_layout->rowwise_scale_elems * 4);
     op->lhs_amax_ = alloc(static_cast<int64_t>(op->sizes_.size()) * 4);
     op->w8_ = alloc(w.NumElements());
-    op->w_scale_ = alloc(op->g_ * 4);
+    op->w_scale_ = alloc(w_layout->rowwise_scale_elems * 4);
     void* w_amax = alloc(op->g_ * 4);
     op->d_out_ = alloc(op->out_.NumBytes());
     op->workspace_ = alloc(kWorkspace);
@@ -273,22 +284,27 @@ class CudaFp8LocalOp : public LocalOp {
     cudaMemcpy(d_w, w.bytes.data(), w.NumBytes(), cudaMemcpyHostToDevice);
     cudaMemcpy(op->lhs_, lhs.bytes.data(), lhs.NumBytes(), cudaMemcpyHostToDevice);
     cudaMemcpy(op->d_sizes_, op->sizes_.data(), op->sizes_.size() * 8, cudaMemcpyHostToDevice);
-    GroupedQuantizeArgs wq = CurrentQuantizeArgs(d_w, op->g_ * op->n_, op->k_, op->weight_sizes_);
+    GroupedQuantizeArgs wq = CurrentQuantizeArgs(d_w, op->g_ * op->n_, op->k_, op->weight_sizes_, w_mode);
     wq.rowwise_data = static_cast<uint8_t*>(op->w8_);
     wq.rowwise_scale_inv = op->w_scale_;
-    wq.amax = static_cast<float*>(w_amax);
+    wq.amax = BlockFp8() ? nullptr : static_cast<float*>(w_amax);
     if (auto s = cuda::GroupedQuantize(wq, op->stream_); !s.ok()) return s;
     if (cudaStreamSynchronize(op->stream_) != cudaSuccess) return absl::InternalError("weight quantize failed");
     return op;
   }
   absl::StatusOr<double> Run() override {
     cudaEventRecord(begin_, stream_);
-    GroupedQuantizeArgs q = CurrentQuantizeArgs(lhs_, m_, k_, sizes_);
+    GroupedQuantizeArgs q = CurrentQuantizeArgs(lhs_, m_, k_, sizes_,
+                                                BlockFp8() ? ScalingMode::kBlock1x128 : ScalingMode::kCurrent);
     q.rowwise_data = static_cast<uint8_t*>(lhs8_);
     q.rowwise_scale_inv = lhs_scale_;
-    q.amax = static_cast<float*>(lhs_amax_);
+    q.amax = BlockFp8() ? nullptr : static_cast<float*>(lhs_amax_);
     if (auto s = cuda::GroupedQuantize(q, stream_); !s.ok()) return s;
     cuda::Fp8GroupedGemmArgs a;
+    if (BlockFp8()) {
+      a.lhs_mode = ScalingMode::kBlock1x128;
+      a.rhs_mode = ScalingMode::kBlock128x128;
+    }
     a.lhs = static_cast<const uint8_t*>(lhs8_);
     a.lhs_scale_inv = lhs_scale_;
     a.rhs = static_cast<const uint8_t*>(w8_);
@@ -440,7 +456,9 @@ int Main() {
   }
   std::printf("# service bench: %d workers, local op on %s, %s, output %s, %d calls after %d\n",
               info->workers_size(), on_cuda ? "cuda" : "cpu",
-              fp8 ? "quantize + fp8 gemm (e4m3, per-group scales, bf16 out)" : std::string(DTypeName(dtype)).c_str(),
+              fp8 ? (BlockFp8() ? "quantize + fp8 gemm (e4m3, 1x128 x 128x128 block scales, bf16 out)"
+                                : "quantize + fp8 gemm (e4m3, per-group scales, bf16 out)")
+                  : std::string(DTypeName(dtype)).c_str(),
               returned ? "returned" : "kept", iters, warmup);
   std::printf("# %-18s %9s %9s %9s %9s %9s %9s %9s %9s %7s %9s %11s %11s %s\n", "preset", "local_us",
               "d2h_us", "server50", "server90", "worker50", "worker90", "rtt50", "rtt90", "ratio", "added_us",
@@ -466,6 +484,10 @@ int Main() {
         }
         local = std::move(*op);
       } else {
+        if (BlockFp8()) {
+          std::fprintf(stderr, "--fp8_scaling=block: the CPU local op has per-group scales only\n");
+          return 2;
+        }
         local = std::make_unique<CpuFp8LocalOp>(lhs_local, rhs_local, local_sizes, absl::GetFlag(FLAGS_threads));
       }
     } else if (on_cuda) {
@@ -525,6 +547,11 @@ int Main() {
       wq.mutable_group_sizes()->set_spec(absl::GetFlag(FLAGS_weight_group_sizes_spec));
       wq.set_flatten_axis(2);
       wq.set_rowwise(true);
+      if (BlockFp8()) {
+        wq.set_scaling(v1::BLOCK_FP8);
+        wq.set_block_2d(true);
+        request.set_scaling(v1::BLOCK_FP8);
+      }
       wq.mutable_keep()->set_rowwise_data("bench_w8");
       wq.mutable_keep()->set_scale_inv("bench_w8_scale");
       wq.mutable_keep()->set_overwrite(true);
@@ -584,6 +611,7 @@ int Main() {
     std::fflush(stdout);
     if (json_out) {
       nlohmann::json j = {{"preset", p.name}, {"workers", info->workers_size()}, {"local", on_cuda ? "cuda" : "cpu"},
+                          {"op", fp8 ? "fp8_" + absl::GetFlag(FLAGS_fp8_scaling) : "gemm"},
                           {"returned", returned}, {"local_p50_us", l.p50 * 1e6}, {"d2h_p50_us", dd.p50 * 1e6},
                           {"server_p50_us", sv.p50 * 1e6}, {"server_p90_us", sv.p90 * 1e6},
                           {"worker_p50_us", wk.p50 * 1e6}, {"worker_p90_us", wk.p90 * 1e6},

@@ -5,13 +5,14 @@ plan text of line N of examples.txt ('|'-separated plan_text_main args).
   bazel --output_base=/tmp/bazel_planner build //planner:plan_text_main
   python3 planner/docgen/gen_sharding_doc.py \
       /tmp/bazel_planner/execroot/shardgemm/bazel-out/k8-fastbuild/bin/planner/plan_text_main
+(or bazel-bin/planner/plan_text_main of the default output base)
 """
 import os
 import subprocess
 import sys
 
 here = os.path.dirname(os.path.abspath(__file__))
-root = os.path.abspath(os.path.join(here, "..", "..", ".."))
+root = os.path.abspath(os.path.join(here, "..", ".."))
 binary = sys.argv[1]
 text = open(os.path.join(here, "sharding.md.tmpl")).read()
 for n, line in enumerate(open(os.path.join(here, "examples.txt")).read().splitlines()):
