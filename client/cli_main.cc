@@ -5,6 +5,9 @@
 //                    --group-sizes '32@((dp,fsdp,ep),)' [--mesh dp=2,fsdp=2,ep=2 [--roles ...]] [--json]
 //   shardgemm gemm   --lhs a.npy|MxK[@SPEC]|resident:NAME --rhs ... [--group-sizes 3,5,0,8[@SPEC]]
 //                    [--groups G --seed S] [--check] [--out out.npy] [--request req.json]
+//                    FP8: [--lhs_scale_inv F|resident:N] [--rhs_scale_inv F|resident:N] [--scaling S]
+//                    [--quantize_lhs e4m3]
+//   shardgemm quantize ... [--keep_data_as NAME --keep_scale_as NAME] [--flatten_axis A]
 //   shardgemm put NAME --data w.npy|SHAPE [--dtype bf16] [--spec SPEC]
 //   shardgemm get NAME --out w.npy
 //   shardgemm delete NAME
@@ -15,6 +18,7 @@
 #include <random>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -72,7 +76,15 @@ ABSL_FLAG(std::string, scales, "", "quantize --scaling=delayed: one scale per --
 ABSL_FLAG(bool, colwise, false, "quantize: colwise output too");
 ABSL_FLAG(bool, colwise_only, false, "quantize: colwise output only");
 ABSL_FLAG(std::string, spec, "", "put: partition spec");
-ABSL_FLAG(bool, overwrite, false, "put, gemm --keep_as: replace an existing resident tensor");
+ABSL_FLAG(bool, overwrite, false, "put, gemm --keep_as, quantize --keep_*: replace an existing resident tensor");
+ABSL_FLAG(std::string, lhs_scale_inv, "", "gemm: FP8 lhs's scales (as --lhs; layouts per --scaling, see the proto)");
+ABSL_FLAG(std::string, rhs_scale_inv, "", "gemm: FP8 rhs's scales (as --lhs)");
+ABSL_FLAG(std::string, quantize_lhs, "",
+          "gemm: quantize a float lhs on the workers to e4m3 or e5m2, then the FP8 GEMM (rhs FP8 with "
+          "--rhs_scale_inv; --scaling current or block)");
+ABSL_FLAG(std::string, keep_data_as, "", "quantize: keep the rowwise data resident under this name");
+ABSL_FLAG(std::string, keep_scale_as, "", "quantize: keep its scales resident (the GEMM's layout) under this name");
+ABSL_FLAG(int, flatten_axis, 0, "quantize: dims before it are rows (0: all but the last)");
 
 namespace shardgemm {
 namespace {
@@ -139,6 +151,43 @@ absl::Status OperandFromFlag(const std::string& value, absl::string_view what, D
   HostTensorToProto(*t, out);
   out->set_spec(spec);
   *host = std::move(*t);
+  return absl::OkStatus();
+}
+
+// The FP8 GEMM's flags: the operands' scales (a file, or resident:NAME,
+// each optionally @SPEC), --scaling and the fused --quantize_lhs.
+absl::Status SetFp8GemmFlags(uint64_t seed, v1::GroupedGemmRequest* request) {
+  HostTensor unused;
+  const std::tuple<std::string, v1::Tensor*, const char*> scales[] = {
+      {absl::GetFlag(FLAGS_lhs_scale_inv), request->mutable_lhs_scale_inv(), "--lhs_scale_inv"},
+      {absl::GetFlag(FLAGS_rhs_scale_inv), request->mutable_rhs_scale_inv(), "--rhs_scale_inv"}};
+  for (const auto& [flag, field, name] : scales) {
+    if (flag.empty()) continue;
+    if (!absl::StartsWith(flag, "resident:") && !absl::EndsWith(SplitSpec(flag).first, ".npy")) {
+      return absl::InvalidArgumentError(absl::StrCat(name, ": a FILE.npy or resident:NAME (scales are not random)"));
+    }
+    if (auto s = OperandFromFlag(flag, name, DType::kF32, seed, field, &unused); !s.ok()) return s;
+  }
+  if (!IsGiven(request->lhs_scale_inv())) request->clear_lhs_scale_inv();
+  if (!IsGiven(request->rhs_scale_inv())) request->clear_rhs_scale_inv();
+  const std::string scaling = absl::GetFlag(FLAGS_scaling);
+  if (scaling == "current") {
+    request->set_scaling(v1::CURRENT);
+  } else if (scaling == "delayed") {
+    request->set_scaling(v1::DELAYED);
+  } else if (scaling == "mxfp8") {
+    request->set_scaling(v1::MXFP8);
+  } else if (scaling == "block") {
+    request->set_scaling(v1::BLOCK_FP8);
+  } else {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--scaling: for a GEMM, current, delayed, mxfp8 or block, not '", scaling, "'"));
+  }
+  const std::string q = absl::GetFlag(FLAGS_quantize_lhs);
+  if (!q.empty()) {
+    if (q != "e4m3" && q != "e5m2") return absl::InvalidArgumentError("--quantize_lhs: e4m3 or e5m2");
+    request->mutable_quantize_lhs()->set_dtype(q == "e4m3" ? v1::F8E4M3 : v1::F8E5M2);
+  }
   return absl::OkStatus();
 }
 
@@ -345,8 +394,14 @@ int Gemm() {
       if (!od.ok()) return Fail(od.status());
       request.set_out_dtype(DTypeToProto(*od));
     }
+    if (auto s = SetFp8GemmFlags(seed, &request); !s.ok()) return Fail(s);
   }
   request.set_include_plan(true);
+  if (absl::GetFlag(FLAGS_check) && (IsGiven(request.rhs_scale_inv()) || request.has_quantize_lhs())) {
+    return Fail(absl::InvalidArgumentError(
+        "--check: the CLI's reference is the 16/32-bit GEMM; FP8 GEMMs are checked against the reference in "
+        "tests/test_fp8_gemm.py (and kernels/cpu/fp8_grouped_gemm)"));
+  }
   ops.ragged_k = request.ragged() == v1::GroupedGemmRequest::RAGGED_K;
   ops.rhs_transposed = request.rhs_transposed();
 
@@ -602,10 +657,28 @@ int Quantize() {
   request.set_shared_scales(absl::GetFlag(FLAGS_shared_scales));
   request.set_compat(CompatFlag());
   request.set_include_plan(true);
+  request.set_flatten_axis(absl::GetFlag(FLAGS_flatten_axis));
+  request.mutable_keep()->set_rowwise_data(absl::GetFlag(FLAGS_keep_data_as));
+  request.mutable_keep()->set_scale_inv(absl::GetFlag(FLAGS_keep_scale_as));
+  request.mutable_keep()->set_overwrite(absl::GetFlag(FLAGS_overwrite));
+  const bool keeping = !absl::GetFlag(FLAGS_keep_data_as).empty() || !absl::GetFlag(FLAGS_keep_scale_as).empty();
+  if (keeping && absl::GetFlag(FLAGS_check)) {
+    return Fail(absl::InvalidArgumentError("--check reads the returned outputs: drop --keep_data_as/--keep_scale_as"));
+  }
   ShardGemmClient client(absl::GetFlag(FLAGS_coordinator), ClientCredentialsFromFlags("shardgemm"));
   client.set_request_id(absl::GetFlag(FLAGS_request_id));
   auto r = client.GroupedQuantize(request);
   if (!r.ok()) return Fail(r.status());
+  if (keeping) {
+    if (absl::GetFlag(FLAGS_show_plan)) PrintPlan(r->plan());
+    for (const v1::Tensor* t : {&r->rowwise_data(), &r->scale_inv()}) {
+      if (t->resident().empty()) continue;
+      std::cout << "kept '" << t->resident() << "': "
+                << ShapeToString(std::vector<int64_t>(t->shape().begin(), t->shape().end())) << " "
+                << DTypeName(static_cast<DType>(static_cast<int>(t->dtype()))) << " @" << t->spec() << "\n";
+    }
+    return 0;
+  }
   if (absl::GetFlag(FLAGS_show_plan)) PrintPlan(r->plan());
   const bool block = request.scaling() == v1::MXFP8 || request.scaling() == v1::BLOCK_FP8;
   const v1::Tensor& first = request.rowwise() ? r->rowwise_data() : r->colwise_data();

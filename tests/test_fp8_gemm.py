@@ -328,3 +328,32 @@ def test_block_kept_weights_ep_sharded_fused_forward(cluster_factory):
     ref = per_shard_reference(deq(x8, expand_blocks(xs, (1, 128))), deq(w8, expand_blocks(ws, (1, 128, 128))),
                               sizes, plan, rhs_transposed=True)
     assert_close(out, ref, k)
+
+
+def test_cli_quantizes_weights_once_and_runs_the_fused_fp8_gemm(cluster_factory):
+    """The README's FP8 lines: put BF16 weights, keep their FP8 form and
+    scales, run the fused forward; its result equals the Python client's."""
+    import os
+    import subprocess
+    from conftest import BIN
+    cl = cluster_factory(mesh="ep=2", workers=2)
+
+    def cli(*args):
+        r = subprocess.run([os.path.join(BIN, "shardgemm"), *args, *cl.cli_flags(), "--show_plan=false"],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stdout + r.stderr
+        return r.stdout
+
+    w = rand(8, 128, 256).astype(ml_dtypes.bfloat16)
+    cl.client.put("w", w, spec="(ep, None, None)")
+    out = cli("quantize", "--x=resident:w", "--group-sizes=" + ",".join(["128"] * 8) + "@(ep,)",
+              "--flatten_axis=2", "--keep_data_as=w8", "--keep_scale_as=w8_scale")
+    assert "kept 'w8': 8x128x256 f8e4m3 @(ep, None, None)" in out and "kept 'w8_scale': 8 f32 @(ep,)" in out
+    x = rand(1024, 256).astype(ml_dtypes.bfloat16)
+    cl.client.put("x", x, spec="(ep, None)")
+    sizes = [100, 0, 60, 96, 30, 30, 30, 30]
+    cli("gemm", "--lhs=resident:x", "--rhs=resident:w8", "--rhs_transposed", "--rhs_scale_inv=resident:w8_scale",
+        "--quantize_lhs=e4m3", "--group-sizes=" + ",".join(map(str, sizes)) + "@(ep,)", "--keep_as=y")
+    want, _ = cl.client.grouped_gemm("x", "w8", sizes, rhs_transposed=True, group_sizes_spec="(ep,)",
+                                     rhs_scale_inv="w8_scale", quantize_lhs=E4M3)
+    assert np.array_equal(cl.client.get("y").view(np.uint16), want.view(np.uint16))
