@@ -719,6 +719,29 @@ TEST(CoordinatorEnumTest, QuantizeCompatOutOfRangeIsRefused) {
 
 // -------------------------------------------------------- CheckTensorFits --
 
+// Hopper has no MXFP8 GEMM: a mesh with a CUDA worker refuses it before
+// any worker is sent a step (nothing held is touched).
+TEST(CoordinatorFp8Test, Mxfp8GemmOnACudaMeshIsUnimplementedBeforeDispatch) {
+  FakeMesh::Options options;
+  options.backend = "cuda";
+  auto mesh = MakeMesh("dp=1", options);
+  const int64_t m = 32, k = 64, n = 16;
+  v1::GroupedGemmRequest r;
+  HostTensorToProto(*ZerosTensor(DType::kF8E4M3, {m, k}), r.mutable_lhs());
+  HostTensorToProto(*ZerosTensor(DType::kF8E4M3, {1, n, k}), r.mutable_rhs());
+  r.set_rhs_transposed(true);
+  HostTensor sizes = *ZerosTensor(DType::kI64, {1});
+  sizes.data<int64_t>()[0] = m;
+  HostTensorToProto(sizes, r.mutable_group_sizes());
+  HostTensorToProto(*ZerosTensor(DType::kE8M0, {m, k / 32}), r.mutable_lhs_scale_inv());
+  HostTensorToProto(*ZerosTensor(DType::kE8M0, {1, n, k / 32}), r.mutable_rhs_scale_inv());
+  r.set_scaling(v1::MXFP8);
+  auto out = mesh->coordinator().GroupedGemm(r, absl::InfiniteFuture(), CallContext());
+  EXPECT_EQ(out.status().code(), absl::StatusCode::kUnimplemented) << out.status();
+  EXPECT_THAT(std::string(out.status().message()), HasSubstr("MXFP8"));
+  EXPECT_EQ(mesh->worker(0).num_steps(), 0);
+}
+
 TEST(CoordinatorBudgetTest, TensorMustFitTheWorkersBudgetsTogether) {
   FakeMesh::Options options;
   options.memory_budget_bytes = kMiB;

@@ -336,10 +336,10 @@ int FakeMesh::connects(const std::string& address) const {
 }
 
 absl::StatusOr<v1::RegisterResponse> FakeMesh::Register(const std::string& address,
-                                                        int64_t memory_budget_bytes) {
+                                                        int64_t memory_budget_bytes, const std::string& backend) {
   v1::RegisterRequest request;
   request.set_address(address);
-  request.set_backend("fake");
+  request.set_backend(backend);
   request.set_device("in-process");
   request.set_memory_budget_bytes(memory_budget_bytes);
   return coordinator_->Register(request);
@@ -361,7 +361,7 @@ absl::StatusOr<std::unique_ptr<FakeMesh>> FakeMesh::Create(absl::string_view mes
   fake_mesh->coordinator_ = std::make_unique<Coordinator>(*mesh, std::move(connect), options.coordinator);
   const int workers = options.workers < 0 ? static_cast<int>(planner::NumWorkers(*mesh)) : options.workers;
   for (int i = 0; i < workers; ++i) {
-    auto r = fake_mesh->Register(Address(i), options.memory_budget_bytes);
+    auto r = fake_mesh->Register(Address(i), options.memory_budget_bytes, options.backend);
     if (!r.ok()) return r.status();
   }
   return fake_mesh;

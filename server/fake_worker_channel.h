@@ -96,6 +96,7 @@ class FakeMesh {
     std::string roles;                      // ParseMesh's roles text
     int workers = -1;                       // how many to register; -1: the whole mesh
     int64_t memory_budget_bytes = 1 << 30;  // each registered worker's
+    std::string backend = "fake";           // what each registered worker reports (RegisterRequest.backend)
     CoordinatorOptions coordinator;
   };
 
@@ -113,7 +114,8 @@ class FakeMesh {
   static std::string Address(int i);
   // Registers the fake at `address` (what a worker process does on start).
   absl::StatusOr<v1::RegisterResponse> Register(const std::string& address,
-                                                int64_t memory_budget_bytes = 1 << 30);
+                                                int64_t memory_budget_bytes = 1 << 30,
+                                                const std::string& backend = "fake");
   // How many times the Coordinator asked the Connector for `address`.
   int connects(const std::string& address) const;
 
