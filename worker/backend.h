@@ -37,6 +37,8 @@ struct LocalGemm {
   // (GroupedGemmRequest.lhs_scale_inv / rhs_scale_inv) and the kernels' modes.
   const HostTensor* lhs_scale_inv = nullptr;
   const HostTensor* rhs_scale_inv = nullptr;
+  // Set when rhs_scale_inv is a resident shard (a device copy may be kept).
+  std::shared_ptr<const HostTensor> resident_rhs_scale_inv;
   ScalingMode lhs_mode = ScalingMode::kCurrent;
   ScalingMode rhs_mode = ScalingMode::kCurrent;
   // Set: lhs is F32/BF16/F16, quantized by the backend to this FP8 dtype in

@@ -94,6 +94,7 @@ class CudaBackend : public Backend {
       if (staged_[i] != nullptr) cudaEventDestroy(staged_[i]);
     }
     (void)cuda::ReleaseQuantizeWorkspace(stream_);
+    for (auto& [key, cached] : scale_cache_) cudaFree(cached.device);
     if (lt_workspace_ != nullptr) cudaFree(lt_workspace_);
     if (lt_ != nullptr) cublasLtDestroy(lt_);
     cudaStreamDestroy(stream_);
@@ -268,9 +269,14 @@ class CudaBackend : public Backend {
     a.rhs = static_cast<const uint8_t*>(*d_rhs);
     const std::vector<int64_t> weight_groups(static_cast<size_t>(groups), n);
     HostTensor rhs_scales;
-    // The scales are small and uploaded each call: a cached copy could be
-    // evicted by the next operand's (DeviceCopy spares one other).
-    if (tensor) {
+    // A resident weight's scales, in the kernel's layout, stay on the device
+    // while the shard lives (their own cache: DeviceCopy's eviction would
+    // free them under this call). Others are converted and uploaded.
+    if (g.resident_rhs_scale_inv != nullptr) {
+      auto d = WeightScales(g, groups * n, k, weight_groups, tensor);
+      if (!d.ok()) return d.status();
+      a.rhs_scale_inv = *d;
+    } else if (tensor) {
       rhs_scales = *g.rhs_scale_inv;
     } else {
       auto converted = QuantizeScalesFromGemm(g.rhs_mode, *g.rhs_scale_inv, groups * n, k, weight_groups);
@@ -587,6 +593,43 @@ class CudaBackend : public Backend {
     return *d;
   }
 
+  // The device copy of a resident weight's scales in the FP8 kernel's
+  // layout, made once per shard and freed after the shard is gone.
+  absl::StatusOr<void*> WeightScales(const LocalGemm& g, int64_t rows, int64_t k,
+                                     const std::vector<int64_t>& weight_groups, bool tensor) {
+    for (auto it = scale_cache_.begin(); it != scale_cache_.end();) {
+      if (it->second.host.expired()) {
+        cudaFree(it->second.device);
+        it = scale_cache_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    const std::shared_ptr<const HostTensor>& host = g.resident_rhs_scale_inv;
+    if (auto it = scale_cache_.find(host.get()); it != scale_cache_.end()) return it->second.device;
+    HostTensor converted;
+    if (tensor) {
+      converted = *host;
+    } else {
+      auto c = QuantizeScalesFromGemm(g.rhs_mode, *host, rows, k, weight_groups);
+      if (!c.ok()) return absl::InvalidArgumentError(absl::StrCat("rhs_", c.status().message()));
+      converted = std::move(*c);
+    }
+    void* d = nullptr;
+    if (auto s = CudaStatus(cudaMalloc(&d, std::max<int64_t>(converted.NumBytes(), 256)), "weight scales"); !s.ok()) {
+      return s;
+    }
+    if (auto s = CudaStatus(cudaMemcpy(d, converted.bytes.data(), converted.NumBytes(), cudaMemcpyHostToDevice),
+                            "upload weight scales");
+        !s.ok()) {
+      cudaFree(d);
+      return s;
+    }
+    uploaded_ += converted.NumBytes();
+    scale_cache_[host.get()] = Cached{host, d};
+    return d;
+  }
+
   int device_;
   int64_t total_memory_ = 0;
   std::atomic<int64_t> uploaded_{0}, downloaded_{0};
@@ -598,6 +641,7 @@ class CudaBackend : public Backend {
   cublasLtHandle_t lt_ = nullptr;  // the FP8 GEMM's, made on first use
   void* lt_workspace_ = nullptr;
   std::map<const HostTensor*, Cached> cache_;
+  std::map<const HostTensor*, Cached> scale_cache_;  // WeightScales
   std::unique_ptr<cuda::GroupedGemmRunner> runner_;
   cudaStream_t stream_;
   std::string name_;

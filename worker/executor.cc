@@ -692,6 +692,7 @@ absl::StatusOr<v1::StepResult> Executor::RunGemm(v1::GemmStep& gemm) {
   local.bias = gemm.apply_bias() ? bias.tensor.get() : nullptr;
   local.lhs_scale_inv = lhs_scale.tensor.get();
   local.rhs_scale_inv = rhs_scale.tensor.get();
+  if (rhs_scale.resident) local.resident_rhs_scale_inv = rhs_scale.tensor;
   if (IsFloat8(declared_dtype[1])) {
     auto modes = KernelGemmScalingModes(gemm.scaling(), ragged_k);
     if (!modes.ok()) return modes.status();  // checked in CheckFp8Step: not reached
