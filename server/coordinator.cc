@@ -234,6 +234,20 @@ void Coordinator::RetireBestEffort(const std::string& shard_name) {
 namespace {
 
 // A claimed name, released unless registered.
+// A request whose caller has gone (its deadline passed while the workers
+// finished, or it was cancelled) keeps nothing: the error says so, and the
+// caller retries from where it stood.
+absl::Status Abandoned(absl::Time deadline, const CallContext& call, absl::string_view what) {
+  if (call.cancelled && call.cancelled()) {
+    return absl::CancelledError(absl::StrCat("the request was cancelled; ", what, " was not kept"));
+  }
+  if (absl::Now() > deadline) {
+    return absl::DeadlineExceededError(
+        absl::StrCat("the request's deadline passed as the workers finished; ", what, " was not kept"));
+  }
+  return absl::OkStatus();
+}
+
 class ClaimGuard {
  public:
   ClaimGuard(ResidentRegistry* registry, std::string tenant, std::string name)
@@ -291,6 +305,9 @@ absl::StatusOr<v1::PutTensorResponse> Coordinator::PutTensor(const std::string& 
     HostTensorToProto(SliceBlock(tensor, *offsets, *local_shape), store->mutable_shard());
   }
   auto results = Dispatch(std::move(steps), StepDeadline(deadline), call);
+  if (absl::Status gone = Abandoned(deadline, call, absl::StrCat("'", name, "'")); results.ok() && !gone.ok()) {
+    results = gone;
+  }
   if (!results.ok()) {
     // Some workers may hold the new generation: drop it everywhere. The old
     // generation, if any, was never touched.
@@ -750,6 +767,10 @@ absl::StatusOr<v1::GroupedQuantizeResponse> Coordinator::GroupedQuantize(
   }
   for (const KeptOutput& k : *keeps) kept_shards.push_back(k.shard_name);
   auto results = Dispatch(std::move(steps), StepDeadline(deadline), call);
+  if (absl::Status gone = Abandoned(deadline, call, "the kept output");
+      results.ok() && !keeps->empty() && !gone.ok()) {
+    results = gone;
+  }
   if (!results.ok()) {
     drop_kept();
     return results.status();
@@ -1057,6 +1078,10 @@ absl::StatusOr<v1::GroupedGemmResponse> Coordinator::GroupedGemmPerShard(
     for (v1::Step& s : steps) s.mutable_gemm()->set_keep_output_as(shard_name);
   }
   auto results = Dispatch(std::move(steps), StepDeadline(deadline), call);
+  if (results.ok() && !shard_name.empty()) {
+    absl::Status gone = Abandoned(deadline, call, absl::StrCat("keep_output_as '", request.keep_output_as(), "'"));
+    if (!gone.ok()) results = gone;
+  }
   if (!results.ok()) {
     if (!shard_name.empty()) DeleteShardsBestEffort(shard_name);
     return results.status();

@@ -48,6 +48,8 @@ struct CoordinatorOptions {
 struct CallContext {
   std::string tenant;
   std::string request_id;
+  // Whether the client has gone (the RPC was cancelled); null: never.
+  std::function<bool()> cancelled;
 };
 
 class Coordinator {

@@ -497,6 +497,33 @@ TEST(CoordinatorDeadlineTest, HungWorkerDoesNotHoldAKeptOutputOrPutPastTheDeadli
   EXPECT_LT(absl::Now() - deadline, 2 * absl::Milliseconds(100) + kSlack);
 }
 
+// A worker that answers after the caller's deadline (within the grace):
+// the request fails as the caller saw it, and nothing is kept.
+TEST(CoordinatorDeadlineTest, AKeptOutputOrPutWhoseDeadlinePassedIsNotKept) {
+  FakeMesh::Options options = ShortGrace();
+  auto mesh = MakeMesh("dp=2", options);
+  Coordinator& c = mesh->coordinator();
+  mesh->worker(0).SetAnswerDelay(absl::Milliseconds(100));  // past a 50 ms deadline, within the grace
+  const Gemm gemm(8, 4, 5, {1, 2, 0, 3, 0, 1}, 2);
+  v1::GroupedGemmRequest keep = gemm.Request("(dp, None)", "(dp,)");
+  keep.set_keep_output_as("y");
+  auto r = c.GroupedGemm(keep, absl::Now() + absl::Milliseconds(50));
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kDeadlineExceeded) << r.status();
+  EXPECT_THAT(std::string(r.status().message()), HasSubstr("not kept"));
+  auto put = c.PutTensor("w", F32({2}, {1, 2}), "", false, absl::Now() + absl::Milliseconds(50));
+  EXPECT_EQ(put.status().code(), absl::StatusCode::kDeadlineExceeded) << put.status();
+  EXPECT_TRUE(c.ListTensors().tensors().empty()) << "nothing kept";
+  // A cancelled caller likewise.
+  mesh->worker(0).SetAnswerDelay(absl::ZeroDuration());
+  CallContext gone;
+  gone.cancelled = [] { return true; };
+  auto cancelled = c.GroupedGemm(keep, absl::InfiniteFuture(), gone);
+  EXPECT_EQ(cancelled.status().code(), absl::StatusCode::kCancelled) << cancelled.status();
+  EXPECT_TRUE(c.ListTensors().tensors().empty());
+  ASSERT_OK(c.GroupedGemm(keep).status());  // and the name is free
+  EXPECT_EQ(c.ListTensors().tensors_size(), 1);
+}
+
 // --------------------------------------------------------- keep_output_as --
 
 // Dispatches one small step on a dp=2 mesh: retired shards ride on it.

@@ -11,7 +11,11 @@
 namespace shardgemm {
 
 namespace {
-CallContext CallOf(const RequestRecord& record) { return CallContext{record.tenant, record.request_id}; }
+CallContext CallOf(const RequestRecord& record, grpc::ServerContextBase* context = nullptr) {
+  CallContext call{record.tenant, record.request_id, nullptr};
+  if (context != nullptr) call.cancelled = [context] { return context->IsCancelled(); };
+  return call;
+}
 }  // namespace
 
 RequestRecord ShardGemmService::Begin(RequestOp op, grpc::ServerContextBase* context) {
@@ -113,7 +117,7 @@ grpc::Status ShardGemmService::GroupedGemm(grpc::ServerContext* context,
   auto slot = TakeSlot(record.tenant);
   if (!slot.ok()) return Finish(record, ToGrpcStatus(slot.status()));
   record.bytes_in = static_cast<int64_t>(request->ByteSizeLong());
-  auto r = coordinator_->GroupedGemm(*request, DeadlineOf(context), CallOf(record));
+  auto r = coordinator_->GroupedGemm(*request, DeadlineOf(context), CallOf(record, context));
   if (!r.ok()) return Finish(record, ToGrpcStatus(r.status()));
   *response = std::move(*r);
   record.plan_summary = response->plan_summary();
@@ -135,7 +139,7 @@ grpc::Status ShardGemmService::GroupedQuantize(grpc::ServerContext* context,
   auto slot = TakeSlot(record.tenant);
   if (!slot.ok()) return Finish(record, ToGrpcStatus(slot.status()));
   record.bytes_in = static_cast<int64_t>(request->ByteSizeLong());
-  auto r = coordinator_->GroupedQuantize(*request, DeadlineOf(context), CallOf(record));
+  auto r = coordinator_->GroupedQuantize(*request, DeadlineOf(context), CallOf(record, context));
   if (!r.ok()) return Finish(record, ToGrpcStatus(r.status()));
   *response = std::move(*r);
   record.plan_summary = response->plan_summary();
@@ -204,7 +208,7 @@ grpc::Status ShardGemmService::ReceiveTensor(grpc::ServerContext* context,
                      tensor.bytes.size(), " or more"));
   }
   auto r = coordinator_->PutTensor(first.name(), std::move(tensor), first.spec(), first.overwrite(),
-                                   DeadlineOf(context), CallOf(*record));
+                                   DeadlineOf(context), CallOf(*record, context));
   if (!r.ok()) return ToGrpcStatus(r.status());
   *response = *r;
   return grpc::Status::OK;
