@@ -197,7 +197,7 @@ absl::StatusOr<std::vector<v1::StepResult>> Coordinator::Dispatch(std::vector<v1
     s.set_session(session_);
     if (!call.request_id.empty()) s.set_request_id(call.request_id);
   }
-  return dispatcher_.Dispatch(std::move(steps), deadline);
+  return dispatcher_.Dispatch(std::move(steps), deadline, call.cancelled);
 }
 
 void Coordinator::Unpin(const std::vector<std::string>& pins) {

@@ -1,5 +1,7 @@
 #include "server/dispatcher.h"
 
+#include <algorithm>
+
 #include <atomic>
 
 #include "absl/strings/str_cat.h"
@@ -171,7 +173,8 @@ void Dispatcher::DispatchDetached(std::vector<v1::Step> steps, absl::Time deadli
   answered();
 }
 
-absl::StatusOr<std::vector<v1::StepResult>> Dispatcher::Dispatch(std::vector<v1::Step> steps, absl::Time deadline) {
+absl::StatusOr<std::vector<v1::StepResult>> Dispatcher::Dispatch(std::vector<v1::Step> steps, absl::Time deadline,
+                                                                 const std::function<bool()>& cancelled) {
   if (static_cast<int>(steps.size()) != num_workers_) {
     return absl::InternalError(absl::StrCat(steps.size(), " steps for ", num_workers_, " workers"));
   }
@@ -218,8 +221,21 @@ absl::StatusOr<std::vector<v1::StepResult>> Dispatcher::Dispatch(std::vector<v1:
     };
     // The channel enforces the deadline itself; the grace covers a channel
     // (or a fake) that does not.
-    pending->mu.AwaitWithDeadline(absl::Condition(&all_answered), deadline + grace_);
+    bool gone = false;
+    if (cancelled == nullptr) {
+      pending->mu.AwaitWithDeadline(absl::Condition(&all_answered), deadline + grace_);
+    } else {
+      // Polled: the caller's cancellation has no wakeup of its own.
+      const absl::Time give_up = deadline + grace_;
+      while (!all_answered() && absl::Now() < give_up && !(gone = cancelled())) {
+        pending->mu.AwaitWithDeadline(absl::Condition(&all_answered),
+                                      std::min(give_up, absl::Now() + kCancelPoll));
+      }
+    }
     Done(steps[0].sequence());  // answered, or given up on: later steps need not wait for it
+    if (gone && pending->answered < steps.size()) {
+      return absl::CancelledError("the client cancelled the request before every worker answered");
+    }
     const bool another_failed = one_failed();
     for (size_t r = 0; r < steps.size(); ++r) {
       if (pending->results[r].has_value()) {

@@ -63,7 +63,11 @@ class Dispatcher {
   // fails (with the failing worker's status, not a peer's ABORTED), as soon
   // as one does, and with DEADLINE_EXCEEDED for one that has not answered by
   // `deadline`.
-  absl::StatusOr<std::vector<v1::StepResult>> Dispatch(std::vector<v1::Step> steps, absl::Time deadline);
+  // `cancelled` (optional) is polled while waiting: once it says the caller
+  // has gone, Dispatch returns CANCELLED without waiting for the answers
+  // (the workers' calls end by their deadline; later steps do not wait).
+  absl::StatusOr<std::vector<v1::StepResult>> Dispatch(std::vector<v1::Step> steps, absl::Time deadline,
+                                                       const std::function<bool()>& cancelled = nullptr);
   // Numbers and sends `steps` like Dispatch, without waiting for answers.
   void DispatchDetached(std::vector<v1::Step> steps, absl::Time deadline);
   // Every worker drops `shard_name` with the next step dispatched (in the
@@ -81,6 +85,8 @@ class Dispatcher {
   Stats GetStats() const;
 
  private:
+  // How often a waiting Dispatch looks at its caller's cancellation.
+  static constexpr absl::Duration kCancelPoll = absl::Milliseconds(20);
   // Numbers `steps` and returns the channels, under the lock Join holds
   // while it hands a (re)joining worker its first number: a worker gets
   // either every step numbered before it joined or none of them.

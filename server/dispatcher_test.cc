@@ -1,8 +1,10 @@
 #include "server/dispatcher.h"
 
+#include <atomic>
 #include <map>
 #include <memory>
 #include <string>
+#include <thread>
 
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
@@ -71,6 +73,34 @@ TEST_F(DispatcherTest, AWorkerThatFailsFailsTheDispatchAtOnceWithoutWaitingForIt
   fakes_.at("dead").SetHandler(nullptr);
   fakes_.at("alive").SetNeverAnswer(false);
   fakes_.at("alive").AnswerHeld();
+}
+
+// A client that goes away is not waited for: Dispatch returns CANCELLED
+// within a poll of the cancellation, and the next dispatch is not held
+// behind the abandoned one's numbers.
+TEST_F(DispatcherTest, ACancelledCallerIsNotWaitedFor) {
+  auto d = Make("dp=2");
+  ASSERT_TRUE(d->Join(At("a")).ok());
+  ASSERT_TRUE(d->Join(At("b")).ok());
+  for (const char* w : {"a", "b"}) {
+    fakes_.at(w).SetHandler([](const v1::Step&) -> absl::StatusOr<v1::StepResult> { return v1::StepResult(); });
+  }
+  fakes_.at("b").SetNeverAnswer(true);
+  std::atomic<bool> gone{false};
+  std::thread client([&] {
+    absl::SleepFor(absl::Milliseconds(50));
+    gone = true;
+  });
+  const absl::Time start = absl::Now();
+  auto r = d->Dispatch(DeleteSteps(2), absl::Now() + absl::Seconds(30), [&] { return gone.load(); });
+  client.join();
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kCancelled) << r.status();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(1)) << "not at the 30 s deadline";
+  fakes_.at("b").SetNeverAnswer(false);
+  fakes_.at("b").AnswerHeld();
+  auto next = d->Dispatch(DeleteSteps(2), absl::Now() + absl::Seconds(5), [] { return false; });
+  EXPECT_TRUE(next.ok()) << next.status();
+  for (const char* w : {"a", "b"}) fakes_.at(w).SetHandler(nullptr);
 }
 
 TEST_F(DispatcherTest, APeersAbortedWaitsForTheWorkerThatFailed) {

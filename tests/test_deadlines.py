@@ -63,3 +63,37 @@ def test_frozen_worker_fails_requests_by_their_deadline_and_the_mesh_recovers(cl
     from shardgemm_client import from_tensor
     assert_close(from_tensor(resp.out), _reference(lhs, rhs, sizes), 32)
     assert c.alive()
+
+
+def test_a_cancelled_keep_output_as_keeps_nothing_and_the_mesh_serves_the_next(cluster_factory):
+    """A client that cancels while a worker is frozen: the request ends
+    CANCELLED (the coordinator's log line says so), nothing is kept under
+    the name, and once the worker is back the name is free and the next
+    request is right. (gRPC's sync server reports the cancellation to the
+    handler only once the frozen worker answers, so the wait itself is
+    bounded by the deadline, not cut short.)"""
+    c = cluster_factory(mesh="dp=2", workers=2, coordinator_flags=["--step_timeout_s=20"])
+    client = c.client
+    lhs = rng.standard_normal((64, 32)).astype(np.float32)
+    rhs = rng.standard_normal((2, 32, 16)).astype(np.float32)
+    sizes = [10, 22, 16, 16]
+    worker = next(p for name, p in c.procs if name == "worker1")
+    os.kill(worker.pid, signal.SIGSTOP)
+    try:
+        req = client.gemm_request(lhs, rhs, sizes, lhs_spec="(dp, None)", group_sizes_spec="(dp,)",
+                                  keep_output_as="y")
+        call = client.stub.GroupedGemm.future(req, timeout=60)
+        time.sleep(0.5)
+        call.cancel()
+        time.sleep(0.5)
+    finally:
+        os.kill(worker.pid, signal.SIGCONT)
+    deadline = time.time() + 10
+    while time.time() < deadline and "code=CANCELLED" not in c.log_text():
+        time.sleep(0.05)
+    assert "op=grouped_gemm code=CANCELLED" in c.log_text(), c.log_text()
+    assert "y" not in {t.name for t in client.list()}
+    out, _ = client.grouped_gemm(lhs, rhs, sizes, lhs_spec="(dp, None)", group_sizes_spec="(dp,)",
+                                 keep_output_as="y")
+    assert out is None and "y" in {t.name for t in client.list()}
+    assert_close(client.get("y"), _reference(lhs, rhs, sizes), 32)
