@@ -7,7 +7,9 @@
 # Prints the bench's table; the servers' logs go to $LOGS (a temp dir).
 # COORDINATOR_FLAGS and WORKER_FLAGS add flags to the servers. Plaintext
 # (--insecure) unless TLS_DIR names certificates (tools/make_certs.sh): then
-# TLS everywhere and the bench sends the token.
+# TLS everywhere and the bench sends the token. SERVER_SECURITY, when set
+# (even empty), replaces the servers' security flags only (a build older than
+# --insecure gets SERVER_SECURITY= ; the bench keeps --insecure).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SERVER_BIN=${SERVER_BIN:-./bin}
@@ -18,16 +20,17 @@ MESH=${MESH:-dp=1}
 WORKERS=${WORKERS:-1}
 LOGS=${LOGS:-$(mktemp -d)}
 if [[ -n ${TLS_DIR:-} ]]; then SECURITY="--tls_dir=$TLS_DIR"; else SECURITY="--insecure"; fi
+SERVER_SECURITY=${SERVER_SECURITY-$SECURITY}
 pids=()
 cleanup() {
   for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
   wait 2>/dev/null || true
 }
 trap cleanup EXIT
-"$SERVER_BIN/shardgemm-coordinator" --listen="$ADDR" --mesh="$MESH" $SECURITY ${COORDINATOR_FLAGS:-} 2>"$LOGS/coordinator.log" &
+"$SERVER_BIN/shardgemm-coordinator" --listen="$ADDR" --mesh="$MESH" $SERVER_SECURITY ${COORDINATOR_FLAGS:-} 2>"$LOGS/coordinator.log" &
 pids+=($!)
 for ((i = 0; i < WORKERS; i++)); do
-  "$SERVER_BIN/shardgemm-worker" --coordinator="$ADDR" $SECURITY ${WORKER_FLAGS:-} 2>"$LOGS/worker$i.log" &
+  "$SERVER_BIN/shardgemm-worker" --coordinator="$ADDR" $SERVER_SECURITY ${WORKER_FLAGS:-} 2>"$LOGS/worker$i.log" &
   pids+=($!)
 done
 "$BENCH" --coordinator="$ADDR" $SECURITY "$@"
