@@ -11,6 +11,29 @@
 namespace shardgemm {
 namespace {
 
+// The dims, groups, output dtype and bias of either kernel's arguments for
+// `g` (lhs as the kernel reads it); returns the output's shape.
+template <typename Args>
+std::vector<int64_t> SetGemmShape(const LocalGemm& g, const HostTensor& lhs, Args* a) {
+  const HostTensor& rhs = *g.rhs;
+  a->m = lhs.shape.at(0);
+  a->k = lhs.shape.at(1);
+  a->num_groups = static_cast<int64_t>(g.group_sizes.size());
+  a->group_sizes = g.group_sizes.data();
+  a->rhs_transposed = g.rhs_transposed;
+  a->out_dtype = g.out_dtype;
+  if (g.ragged_k) {
+    a->n = rhs.shape.at(1);
+    return {a->num_groups, a->k, a->n};
+  }
+  a->n = g.rhs_transposed ? rhs.shape.at(1) : rhs.shape.at(2);
+  if (g.bias != nullptr) {
+    a->bias_dtype = g.bias->dtype;
+    a->bias = g.bias->bytes.data();
+  }
+  return {a->m, a->n};
+}
+
 class CpuBackend : public Backend {
  public:
   explicit CpuBackend(int num_threads)
@@ -36,26 +59,9 @@ class CpuBackend : public Backend {
     cpu::GroupedGemmArgs a;
     a.lhs_dtype = lhs.dtype;
     a.rhs_dtype = rhs.dtype;
-    a.out_dtype = g.out_dtype;
     a.lhs = lhs.bytes.data();
     a.rhs = rhs.bytes.data();
-    a.m = lhs.shape.at(0);
-    a.k = lhs.shape.at(1);
-    a.num_groups = static_cast<int64_t>(g.group_sizes.size());
-    a.group_sizes = g.group_sizes.data();
-    a.rhs_transposed = g.rhs_transposed;
-    std::vector<int64_t> out_shape;
-    if (g.ragged_k) {
-      a.n = rhs.shape.at(1);
-      out_shape = {a.num_groups, a.k, a.n};
-    } else {
-      a.n = g.rhs_transposed ? rhs.shape.at(1) : rhs.shape.at(2);
-      out_shape = {a.m, a.n};
-      if (g.bias != nullptr) {
-        a.bias_dtype = g.bias->dtype;
-        a.bias = g.bias->bytes.data();
-      }
-    }
+    const std::vector<int64_t> out_shape = SetGemmShape(g, lhs, &a);
     auto out = ZerosTensor(g.out_dtype, out_shape);
     if (!out.ok()) return out.status();
     a.out = out->bytes.empty() ? nullptr : &out->bytes[0];
@@ -104,24 +110,7 @@ class CpuBackend : public Backend {
     a.rhs_mode = g.rhs_mode;
     a.lhs_scale_inv = lhs_scale->bytes.data();
     a.rhs_scale_inv = g.rhs_scale_inv->bytes.data();
-    a.m = lhs->shape.at(0);
-    a.k = lhs->shape.at(1);
-    a.num_groups = static_cast<int64_t>(g.group_sizes.size());
-    a.group_sizes = g.group_sizes.data();
-    a.rhs_transposed = g.rhs_transposed;
-    a.out_dtype = g.out_dtype;
-    std::vector<int64_t> out_shape;
-    if (g.ragged_k) {
-      a.n = rhs.shape.at(1);
-      out_shape = {a.num_groups, a.k, a.n};
-    } else {
-      a.n = g.rhs_transposed ? rhs.shape.at(1) : rhs.shape.at(2);
-      out_shape = {a.m, a.n};
-      if (g.bias != nullptr) {
-        a.bias_dtype = g.bias->dtype;
-        a.bias = g.bias->bytes.data();
-      }
-    }
+    const std::vector<int64_t> out_shape = SetGemmShape(g, *lhs, &a);
     // The scales' shapes are the GEMM's contract: a wrong one is named.
     for (const auto& [t, want, name] :
          {std::make_tuple(lhs_scale, cpu::Fp8LhsScaleShape(a), "lhs_scale_inv"),
