@@ -405,37 +405,18 @@ absl::Status CheckGroupSizes(const std::vector<int64_t>& sizes, const planner::P
   return absl::OkStatus();
 }
 
-// The GEMM's operand dtypes: 16/32-bit floats, or FP8 with both scales
-// (quantize_lhs: a float lhs the workers quantize, and an FP8 rhs). The
-// planner checks the pairing, shapes and layouts of what is given; the
-// service runs no FP8 GEMM without its scales.
-absl::Status CheckFp8Operands(const v1::GroupedGemmRequest& request,
-                              absl::flat_hash_map<std::string, TensorMeta>& metas) {
-  const bool quantize_lhs = request.has_quantize_lhs();
-  const bool fp8 = IsFloat8(metas["lhs"].dtype) || IsFloat8(metas["rhs"].dtype) || quantize_lhs;
-  for (const char* name : {"lhs", "rhs"}) {
-    const DType d = metas[name].dtype;
-    if (IsGemmFloat(d) || IsFloat8(d)) continue;
+// The planner checks FP8 operands' dtypes, their pairing and their scales'
+// layouts, and lets the scales be absent (a plan of the data alone); the
+// service runs no FP8 GEMM without them. `plan`'s lhs is FP8 for a fused
+// quantize too (the workers make its scales).
+absl::Status CheckFp8ScalesGiven(const v1::GroupedGemmRequest& request, const planner::Plan& plan) {
+  if (!IsFloat8(planner::FindPlanOperand(plan, "lhs")->dtype)) return absl::OkStatus();
+  if (planner::FindPlanOperand(plan, "lhs_scale_inv") == nullptr) {
     return absl::InvalidArgumentError(
-        absl::StrCat(name, ".dtype must be f32, bf16, f16, f8e4m3 or f8e5m2, got ", DTypeName(d)));
+        "lhs_scale_inv: an FP8 lhs needs its inverse scales (laid out per `scaling`; see the proto), or send "
+        "a float lhs with quantize_lhs");
   }
-  if (!fp8) return absl::OkStatus();
-  if (quantize_lhs && !IsFloat8(metas["rhs"].dtype)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "rhs.dtype: quantize_lhs runs an FP8 GEMM, so rhs must be f8e4m3 or f8e5m2 (with rhs_scale_inv), got ",
-        DTypeName(metas["rhs"].dtype)));
-  }
-  if (!quantize_lhs && IsFloat8(metas["lhs"].dtype) != IsFloat8(metas["rhs"].dtype)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "rhs.dtype: lhs is ", DTypeName(metas["lhs"].dtype), " and rhs ", DTypeName(metas["rhs"].dtype),
-        ": both FP8 (with their scales) or both 16/32-bit floats; set quantize_lhs to quantize a float lhs "
-        "for an FP8 rhs"));
-  }
-  if (!quantize_lhs && !IsGiven(request.lhs_scale_inv())) {
-    return absl::InvalidArgumentError(
-        "lhs_scale_inv: an FP8 lhs needs its inverse scales (laid out per `scaling`; see the proto)");
-  }
-  if (!IsGiven(request.rhs_scale_inv())) {
+  if (planner::FindPlanOperand(plan, "rhs_scale_inv") == nullptr) {
     return absl::InvalidArgumentError(
         "rhs_scale_inv: an FP8 rhs needs its inverse scales (laid out per `scaling`; see the proto)");
   }
@@ -993,7 +974,6 @@ absl::StatusOr<v1::GroupedGemmResponse> Coordinator::GroupedGemmPerShard(
   };
   auto plan_request = GemmPlanRequest(request, mesh_, resolve);
   if (!plan_request.ok()) return plan_request.status();
-  if (auto s = CheckFp8Operands(request, metas); !s.ok()) return s;
   if (!metas["group_sizes"].resident_shard.empty()) {
     return absl::InvalidArgumentError("group_sizes must be sent inline, not as a resident tensor");
   }
@@ -1007,6 +987,7 @@ absl::StatusOr<v1::GroupedGemmResponse> Coordinator::GroupedGemmPerShard(
                                      plan.status().message()));
   }
   if (!plan.ok()) return plan.status();
+  if (auto s = CheckFp8ScalesGiven(request, *plan); !s.ok()) return s;
   if (request.scaling() == v1::MXFP8 && IsFloat8(metas["rhs"].dtype)) {
     for (const v1::WorkerInfo& w : dispatcher_.Workers()) {
       if (w.backend() == "cuda") {

@@ -226,7 +226,7 @@ class CudaBackend : public Backend {
     const bool tensor = g.rhs_mode == ScalingMode::kCurrent || g.rhs_mode == ScalingMode::kDelayed;
     // cuBLASLt's FP8 takes K in 16s and output rows in 16-byte multiples.
     const int64_t local_n = g.rhs->shape.size() == 3 ? g.rhs->shape[1] : 0;
-    if (g.ragged_k || !g.rhs_transposed || g.bias != nullptr || g.lhs->shape.at(1) % 16 != 0 ||
+    if (Fp8GemmOnHost(g.ragged_k, g.rhs_transposed) || g.bias != nullptr || g.lhs->shape.at(1) % 16 != 0 ||
         (local_n * DTypeSize(g.out_dtype)) % 16 != 0) {
       return OnHost(cpu_->GroupedGemm(g));
     }

@@ -511,9 +511,11 @@ absl::StatusOr<v1::StepResult> Executor::RunGemm(v1::GemmStep& gemm) {
   }
   // FP8 scales: dtype and compute shape as the GEMM's layouts want them
   // (a crafted step must not reach a kernel with a short scale buffer).
+  GemmScalingModes fp8_modes;  // the kernels' modes of an FP8 step's operands
   if (IsFloat8(declared_dtype[1])) {
     auto modes = KernelGemmScalingModes(gemm.scaling(), ragged_k);
     if (!modes.ok()) return modes.status();
+    fp8_modes = *modes;
     cpu::Fp8GroupedGemmArgs shape_of;
     shape_of.ragged_k = ragged_k;
     shape_of.lhs_mode = modes->lhs;
@@ -693,12 +695,8 @@ absl::StatusOr<v1::StepResult> Executor::RunGemm(v1::GemmStep& gemm) {
   local.lhs_scale_inv = lhs_scale.tensor.get();
   local.rhs_scale_inv = rhs_scale.tensor.get();
   if (rhs_scale.resident) local.resident_rhs_scale_inv = rhs_scale.tensor;
-  if (IsFloat8(declared_dtype[1])) {
-    auto modes = KernelGemmScalingModes(gemm.scaling(), ragged_k);
-    if (!modes.ok()) return modes.status();  // checked in CheckFp8Step: not reached
-    local.lhs_mode = modes->lhs;
-    local.rhs_mode = modes->rhs;
-  }
+  local.lhs_mode = fp8_modes.lhs;
+  local.rhs_mode = fp8_modes.rhs;
   if (gemm.quantize_lhs_to() != v1::DTYPE_UNSPECIFIED) {
     local.quantize_lhs_to = *DTypeFromProto(gemm.quantize_lhs_to(), "quantize_lhs_to");  // checked
   }
