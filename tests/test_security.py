@@ -3,10 +3,13 @@
 A coordinator and two CPU workers with TLS (mutual inside the mesh) and
 bearer tokens, certificates from tools/make_certs.sh. Each attack gets the
 right status, and a checked request afterwards is still right."""
+import ipaddress
 import os
 import shutil
+import signal
 import socket
 import subprocess
+import threading
 import time
 
 import grpc
@@ -405,3 +408,126 @@ def test_a_replayed_or_duplicated_step_is_refused(secure, tls_dir):
                                                                    grpc.StatusCode.INVALID_ARGUMENT)
     np.testing.assert_array_equal(secure.client.get("w"), inputs()[1])
     still_right(secure)
+
+
+def listening_addresses(pid):
+    """(address, port) of every TCP socket process `pid` listens on: its socket
+    inodes (/proc/PID/fd) found in /proc/PID/net/tcp and tcp6 in state LISTEN;
+    an IPv4-mapped IPv6 address as its IPv4 one."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:  # closed meanwhile
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[len("socket:["):-1])
+    found = set()
+    for table in ("tcp", "tcp6"):
+        try:
+            with open(f"/proc/{pid}/net/{table}") as f:
+                rows = f.read().splitlines()[1:]
+        except FileNotFoundError:
+            continue
+        for row in rows:
+            fields = row.split()
+            local, state, inode = fields[1], fields[3], fields[9]
+            if state != "0A" or inode not in inodes:  # 0A: LISTEN
+                continue
+            hex_address, hex_port = local.split(":")
+            raw = bytes.fromhex(hex_address)
+            # The kernel prints each 32-bit word in host (little-endian) order.
+            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+            address = ipaddress.ip_address(raw)
+            if address.version == 6 and address.ipv4_mapped is not None:
+                address = address.ipv4_mapped
+            found.add((str(address), int(hex_port, 16)))
+    return found
+
+
+def ipv6_loopback():
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1"])
+def test_the_collectives_listen_only_on_the_workers_mesh_address(cluster_factory, tls_dir, host):
+    """A CPU mesh of two on `host` runs a request whose plan all-gathers the
+    weight, which builds the group's Gloo context. Gloo listens only while a
+    pair connects (milliseconds), so one worker runs in slow motion (SIGCONT
+    for half a millisecond, then SIGSTOP while both workers' sockets are
+    read): every socket either listens on beside its gRPC port is on the mesh
+    address, none on a wildcard, and the request is right."""
+    if host == "::1" and not ipv6_loopback():
+        pytest.skip("no IPv6 loopback here")
+    listen = "127.0.0.1:0" if host == "127.0.0.1" else "[::1]:0"
+    cl = cluster_factory(mesh="fsdp=2", workers=2, tls_dir=tls_dir,
+                         coordinator_flags=["--heartbeat_misses=60"],  # the slowed worker is not marked down
+                         worker_flags=[f"--listen={listen}", "--collective_timeout_s=60"])
+    rng = np.random.default_rng(5)
+    lhs = rng.standard_normal((32, 16)).astype(np.float32)
+    rhs = rng.standard_normal((2, 16, 8)).astype(np.float32)
+    sizes = [10, 6, 8, 8]
+    cl.client.put("x", lhs, spec="(fsdp, None)")
+    cl.client.put("w", rhs, spec="(None, fsdp, None)")  # K split over fsdp: the plan gathers it
+    workers = [p for _, p in cl.procs[1:]]
+    slowed = workers[1]
+    serving = {p.pid: listening_addresses(p.pid) for p in workers}  # the gRPC ports
+    assert all(serving.values()), serving
+    result = {}
+
+    def request():
+        try:
+            result["out"], result["plan"] = cl.client.grouped_gemm("x", "w", sizes, group_sizes_spec="(fsdp,)",
+                                                                   include_plan=True)
+        except Exception as e:  # noqa: BLE001 - reported below
+            result["error"] = e
+
+    caller = threading.Thread(target=request, daemon=True)
+    seen = {p.pid: set() for p in workers}
+    slowed.send_signal(signal.SIGSTOP)
+    try:
+        caller.start()
+        time.sleep(0.3)  # the other worker is in the step, waiting for its peer
+        deadline = time.time() + 60
+        while caller.is_alive() and time.time() < deadline:
+            slowed.send_signal(signal.SIGCONT)
+            time.sleep(0.0005)
+            slowed.send_signal(signal.SIGSTOP)
+            for p in workers:
+                seen[p.pid] |= listening_addresses(p.pid)
+    finally:
+        slowed.send_signal(signal.SIGCONT)
+    caller.join(60)
+    assert not caller.is_alive(), "the request did not finish"
+    assert "error" not in result, f"{result.get('error')}\n{cl.log_text()}"
+    assert [(c.kind, list(c.axes)) for c in result["plan"].collectives] == [(pb.COLLECTIVE_ALL_GATHER, ["fsdp"])]
+    want = np.zeros((32, 8), np.float32)
+    for shard in range(2):
+        row = shard * 16
+        for g in range(2):
+            n = sizes[shard * 2 + g]
+            want[row:row + n] = lhs[row:row + n] @ rhs[g]
+            row += n
+    np.testing.assert_allclose(result["out"], want, rtol=1e-4, atol=1e-4)
+    collective = {pid: seen[pid] - serving[pid] for pid in seen}
+    assert any(collective.values()), f"no collective socket seen listening: {seen}"
+    assert {address for pid in seen for address, _ in seen[pid] | serving[pid]} == {host}, seen
+
+
+def test_a_worker_whose_mesh_address_is_no_interfaces_refuses_to_start(tls_dir):
+    """A mesh host that is, or resolves to, a wildcard (\"0\" is 0.0.0.0 to the
+    resolver), or that names no address of this host, is refused at start:
+    the collectives would bind every interface, or none."""
+    for host, says in (("0", "wildcard"), ("0.0.0.0", "wildcard"), ("[::]", "wildcard"),
+                       ("192.0.2.123", "no address of this host")):
+        started = time.time()
+        p = subprocess.run([os.path.join(BIN, "shardgemm-worker"), "--coordinator=127.0.0.1:9", "--backend=cpu",
+                            f"--tls_dir={tls_dir}", f"--advertise_host={host}", "--register_timeout_s=5"],
+                           capture_output=True, text=True, timeout=30)
+        assert p.returncode == 1 and says in p.stderr, (host, p.stderr)
+        assert time.time() - started < 5, host  # at once, not after trying to register

@@ -30,7 +30,8 @@ std::shared_ptr<gloo::rendezvous::Store> MakeCoordinatorStore(std::shared_ptr<gr
                                                               const std::string& namespace_prefix,
                                                               std::chrono::milliseconds timeout);
 
-// `hostname`: the address peers reach this worker on. `timeout` bounds every
+// `hostname`: the mesh address, numeric (MeshInterface): the device binds it
+// and nothing else, and peers reach this worker there. `timeout` bounds every
 // collective: a peer that never arrives is an error, not a hang.
 std::unique_ptr<Collectives> MakeGlooCollectives(const MeshPosition& position,
                                                  std::shared_ptr<gloo::rendezvous::Store> store,

@@ -2,6 +2,7 @@
 // the steps it is sent.
 #include <atomic>
 #include <csignal>
+#include <cstdlib>
 #include <iostream>
 #include <memory>
 #include <string>
@@ -25,6 +26,7 @@
 #include "worker/device_runtime.h"
 #include "worker/executor.h"
 #include "worker/gloo_collectives.h"
+#include "worker/mesh_address.h"
 #include "proto/grpc_status.h"
 #include "worker/step_observer.h"
 #include "worker/worker_service.h"
@@ -65,7 +67,7 @@ struct Mesher {
   std::string backend;
   int device = 0;
   std::shared_ptr<grpc::Channel> coordinator;
-  std::string host;  // the address peers reach this worker on
+  std::string host;  // the mesh address (numeric): the only one the collectives bind
   std::chrono::milliseconds timeout;
 };
 
@@ -152,6 +154,46 @@ int Run() {
   }
   if (!note.empty()) std::cerr << "shardgemm-worker: " << note << "\n";
 
+  // The mesh host: what the worker registers with (a name or an address).
+  const std::string listen = absl::GetFlag(FLAGS_listen);
+  std::string host = absl::GetFlag(FLAGS_advertise_host);
+  if (host.empty()) host = listen.substr(0, listen.rfind(':'));
+  if (host == "0.0.0.0" || host == "[::]" || host == "::" || host.empty()) {
+    std::cerr << "shardgemm-worker: the mesh host '" << host << "' (--advertise_host, or the --listen host of "
+              << listen << ") is a wildcard address; set --advertise_host to the name or address the "
+                 "mesh reaches this worker at\n";
+    return 1;
+  }
+  // Its address on this host is the only one the collectives bind: Gloo's
+  // device is created on it, NCCL's bootstrap and sockets are pinned to its
+  // interface (before any communicator exists). A name is retried while it
+  // does not resolve here yet (a pod's DNS record comes after the pod).
+  absl::StatusOr<NetInterface> mesh;
+  const absl::Time resolve_until = absl::Now() + absl::Seconds(absl::GetFlag(FLAGS_register_timeout_s));
+  while (true) {
+    mesh = MeshInterface(host, LocalInterfaces());
+    const bool name = CanonicalAddress(UnbracketHost(host)).empty();
+    const bool may_come = mesh.status().code() == absl::StatusCode::kUnavailable ||
+                          (name && mesh.status().code() == absl::StatusCode::kNotFound);
+    if (mesh.ok() || !may_come || absl::Now() > resolve_until) break;
+    absl::SleepFor(absl::Milliseconds(500));
+  }
+  if (!mesh.ok()) {
+    std::cerr << "shardgemm-worker: the mesh address (--advertise_host, or the --listen host): "
+              << mesh.status().message() << "\n";
+    return 1;
+  }
+  // Said in the "serving" line.
+  std::vector<logging::Field> pinned = {{"collectives_address", mesh->address}, {"interface", mesh->name}};
+  if ((*backend)->Name() == "cuda") {
+    const auto nccl = NcclSocketEnvironment(*mesh, [](const char* name) { return std::getenv(name); });
+    for (const auto& [name, value] : nccl) {
+      setenv(name.c_str(), value.c_str(), 1);
+      pinned.push_back({name, value});
+    }
+    if (nccl.empty()) pinned.push_back({"NCCL_SOCKET_IFNAME", std::string(std::getenv("NCCL_SOCKET_IFNAME"))});
+  }
+
   // Device memory for resident shards and kept outputs: by default most of
   // the device, leaving room for a step's working buffers.
   int64_t device_budget = absl::GetFlag(FLAGS_device_memory_budget_mb) * 1024 * 1024;
@@ -186,21 +228,12 @@ int Run() {
   }
   grpc::ServerBuilder builder;
   int port = 0;
-  const std::string listen = absl::GetFlag(FLAGS_listen);
   builder.AddListeningPort(listen, transport->ServerCredentials(), &port);
   ConfigureTensorServer(&builder);
   builder.RegisterService(&service);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || port == 0) {
     std::cerr << "shardgemm-worker: cannot listen on " << listen << "\n";
-    return 1;
-  }
-  std::string host = absl::GetFlag(FLAGS_advertise_host);
-  if (host.empty()) host = listen.substr(0, listen.rfind(':'));
-  if (host == "0.0.0.0" || host == "[::]" || host == "::" || host.empty()) {
-    std::cerr << "shardgemm-worker: --listen=" << listen
-              << " is a wildcard address; set --advertise_host to the name or address the "
-                 "mesh reaches this worker at\n";
     return 1;
   }
   const std::string address = absl::StrCat(host, ":", port);
@@ -214,7 +247,7 @@ int Run() {
   request.set_backend((*backend)->Name());
   request.set_device((*backend)->Device());
   request.set_memory_budget_bytes(store.budget_bytes());
-  const Mesher mesher{(*backend)->Name(), absl::GetFlag(FLAGS_device), channel, host,
+  const Mesher mesher{(*backend)->Name(), absl::GetFlag(FLAGS_device), channel, mesh->address,
                       std::chrono::seconds(absl::GetFlag(FLAGS_collective_timeout_s))};
   auto joined = Join(stub.get(), request, store, absl::Seconds(absl::GetFlag(FLAGS_register_timeout_s)), mesher,
                      &executor);
@@ -252,6 +285,7 @@ int Run() {
   std::vector<logging::Field> serving = {
       {"rank", position.rank}, {"address", address}, {"backend", (*backend)->Device()}};
   serving.push_back({"tls", !transport->insecure()});
+  serving.insert(serving.end(), pinned.begin(), pinned.end());
   if (exporter != nullptr) serving.push_back({"metrics_port", exporter->port()});
   if (health != nullptr) serving.push_back({"health_port", health_port});
   logging::ProcessLogger().Log(logging::Level::kInfo, "serving", serving);
