@@ -1,3 +1,4 @@
+#include <atomic>
 #include <chrono>
 
 #include "absl/strings/str_cat.h"
@@ -61,11 +62,13 @@ class GrpcWorkerChannel : public WorkerChannel {
   }
 
   // The worker's Status RPC, which answers on its own thread whatever its
-  // steps are doing; no wait for a connection beyond the deadline.
+  // steps are doing. Not wait-for-ready: a killed worker's ping fails at
+  // once (connection refused), not at the ping's deadline (at least 2 s,
+  // which made a dead worker's detection take misses x 2 s); a connection
+  // in reconnect backoff (at most 1 s, proto/transport.cc) is one miss.
   absl::Status Ping(absl::Time deadline) override {
     grpc::ClientContext ctx;
     ctx.set_deadline(ToGrpcDeadline(deadline));
-    ctx.set_wait_for_ready(true);
     v1::WorkerStatus status;
     grpc::Status s = stub_->Status(&ctx, v1::WorkerStatusRequest(), &status);
     return FromGrpcStatus(s);
@@ -74,18 +77,29 @@ class GrpcWorkerChannel : public WorkerChannel {
  private:
   // A registered worker is listening, but a first connect attempt can still
   // fail transiently (seen under load in CI), and a call on a channel in
-  // transient failure fails at once: wait for the connection, at most
-  // kConnectTimeout (a dead worker fails its steps fast, not at the
-  // request's deadline) and never past the deadline.
+  // transient failure fails at once: until the channel has connected once,
+  // wait for the connection, at most kConnectTimeout and never past the
+  // deadline. Once it has, no wait: the call itself waits for a reconnect
+  // (a connection reset) and fails at once where the worker refuses (it
+  // died). The wait blocks the caller, which sends every rank's step in
+  // turn, so a dead worker waited for here held its peers' steps (and the
+  // whole mesh, in the global order) until the deadline.
   absl::Status Connected(absl::Time deadline) {
-    if (channel_->GetState(/*try_to_connect=*/true) == GRPC_CHANNEL_READY) return absl::OkStatus();
+    if (channel_->GetState(/*try_to_connect=*/true) == GRPC_CHANNEL_READY || connected_once_.load()) {
+      connected_once_.store(true);
+      return absl::OkStatus();
+    }
     const absl::Time start = absl::Now();
     const absl::Time until = std::min(deadline, start + kConnectTimeout);
-    if (channel_->WaitForConnected(ToGrpcDeadline(until))) return absl::OkStatus();
+    if (channel_->WaitForConnected(ToGrpcDeadline(until))) {
+      connected_once_.store(true);
+      return absl::OkStatus();
+    }
     return absl::UnavailableError(absl::StrCat("worker at ", address_, ": not connected within ",
                                                absl::FormatDuration(until - start)));
   }
 
+  std::atomic<bool> connected_once_{false};
   std::string address_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Worker::Stub> stub_;
