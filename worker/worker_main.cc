@@ -87,16 +87,32 @@ absl::StatusOr<Joined> Join(v1::Coordination::Stub* stub, v1::RegisterRequest re
   for (std::string& name : store.Names()) request.add_shards(std::move(name));
   v1::RegisterResponse response;
   const absl::Time give_up = absl::Now() + patience;
+  bool said_full = false;
   while (true) {
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
     ctx.set_wait_for_ready(true);
     grpc::Status s = stub->Register(&ctx, request, &response);
     if (s.ok()) break;
-    if (s.error_code() != grpc::StatusCode::UNAVAILABLE && s.error_code() != grpc::StatusCode::DEADLINE_EXCEEDED) {
+    if (s.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED) {
+      // Every rank is taken and answering. A worker restarted at once after
+      // a crash (a supervisor, a new port) replaces one the coordinator marks
+      // down only after its heartbeat misses: keep trying, within patience.
+      if (absl::Now() > give_up) {
+        return absl::FailedPreconditionError(absl::StrCat("registration refused: ", s.error_message()));
+      }
+      if (!said_full) {
+        said_full = true;
+        logging::ProcessLogger().Log(
+            logging::Level::kWarning, "mesh_full",
+            {{"message", absl::StrCat(s.error_message(), "; trying again until a rank is free")}});
+      }
+    } else if (s.error_code() != grpc::StatusCode::UNAVAILABLE &&
+               s.error_code() != grpc::StatusCode::DEADLINE_EXCEEDED) {
       return absl::FailedPreconditionError(absl::StrCat("registration refused: ", s.error_message()));
+    } else if (absl::Now() > give_up) {
+      return absl::UnavailableError("no coordinator answered the registration");
     }
-    if (absl::Now() > give_up) return absl::UnavailableError("no coordinator answered the registration");
     absl::SleepFor(absl::Milliseconds(200));
   }
   Joined joined;
