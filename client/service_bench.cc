@@ -5,6 +5,7 @@
 //   shardgemm-service-bench --coordinator=HOST:PORT --presets presets.json
 //       [--local=cuda|cpu] [--iters 20] [--warmup 3] [--returned] [--scale_rows 1.0]
 //       [--lhs_spec '(ep, None)' --rhs_spec '(ep, None, None)' --group_sizes_spec '(ep,)']
+//       [--concurrency N]
 //
 // Weights and activations are put resident first; each call then names
 // them, and keeps its output resident (or, with --returned, sends it back).
@@ -17,6 +18,10 @@
 // --threads (wall clock). For a sharded mesh, give the specs: the local op
 // is then one worker's share (the preset is per worker, as its note says)
 // and the request's global shapes are the preset's times the row shards.
+// With --concurrency N > 1 the timed calls are N callers at once (each its
+// own client, --iters calls each, every caller keeping its own output): the
+// percentiles are over all their calls, and a throughput line follows the
+// preset's (calls per second of wall clock, first call to last answer).
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
@@ -26,11 +31,16 @@
 #include <fstream>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/synchronization/blocking_counter.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "client/client.h"
 #include "client/connect_flags.h"
@@ -52,6 +62,9 @@ ABSL_FLAG(std::string, local, "cuda", "where the local op runs: cuda or cpu");
 ABSL_FLAG(int, threads, 0, "CPU local op threads (0: hardware concurrency)");
 ABSL_FLAG(int, iters, 20, "timed calls per preset and side");
 ABSL_FLAG(int, warmup, 3, "untimed calls first");
+ABSL_FLAG(int, concurrency, 1,
+          "callers at once in the timed calls (each its own client, --iters calls each); >1 adds a "
+          "throughput line");
 ABSL_FLAG(bool, returned, false, "return the output to the client instead of keeping it resident");
 ABSL_FLAG(std::string, dtype, "bf16", "operand and output dtype: bf16 or f32");
 ABSL_FLAG(double, scale_rows, 1.0, "scale every preset's rows per group (small CPU runs)");
@@ -574,21 +587,86 @@ int Main() {
     std::vector<double> server_s, worker_s, rtt_s;
     int64_t h2d = 0, d2h = 0;
     v1::GroupedGemmResponse last;
-    for (int i = 0; i < warmup + iters; ++i) {
-      const absl::Time start = absl::Now();
-      auto r = client.GroupedGemm(request);
-      const double rtt = absl::ToDoubleSeconds(absl::Now() - start);
-      if (!r.ok()) {
-        std::fprintf(stderr, "%s: request: %s\n", p.name.c_str(), std::string(r.status().message()).c_str());
-        return 1;
+    const int concurrency = std::max(1, absl::GetFlag(FLAGS_concurrency));
+    double wall_s = 0;
+    if (concurrency == 1) {
+      for (int i = 0; i < warmup + iters; ++i) {
+        const absl::Time start = absl::Now();
+        auto r = client.GroupedGemm(request);
+        const double rtt = absl::ToDoubleSeconds(absl::Now() - start);
+        if (!r.ok()) {
+          std::fprintf(stderr, "%s: request: %s\n", p.name.c_str(), std::string(r.status().message()).c_str());
+          return 1;
+        }
+        if (i < warmup) continue;
+        wall_s += rtt;
+        rtt_s.push_back(rtt);
+        server_s.push_back(r->server_seconds());
+        worker_s.push_back(r->worker_seconds());
+        h2d = r->host_to_device_bytes();
+        d2h = r->device_to_host_bytes();
+        last = std::move(*r);
       }
-      if (i < warmup) continue;
-      rtt_s.push_back(rtt);
-      server_s.push_back(r->server_seconds());
-      worker_s.push_back(r->worker_seconds());
-      h2d = r->host_to_device_bytes();
-      d2h = r->device_to_host_bytes();
-      last = std::move(*r);
+    } else {
+      // N callers, each its own client and output name (caller 0 keeps
+      // bench_out, the one checked), warmed up, then released together.
+      struct Caller {
+        std::unique_ptr<ShardGemmClient> client;
+        v1::GroupedGemmRequest request;
+        std::vector<double> server_s, worker_s, rtt_s;
+        absl::StatusOr<v1::GroupedGemmResponse> last;
+      };
+      std::vector<Caller> callers(concurrency);
+      for (int c = 0; c < concurrency; ++c) {
+        callers[c].client = std::make_unique<ShardGemmClient>(absl::GetFlag(FLAGS_coordinator),
+                                                              ClientCredentialsFromFlags("shardgemm-service-bench"));
+        callers[c].request = request;
+        if (!returned && c > 0) callers[c].request.set_keep_output_as(absl::StrCat("bench_out_", c));
+      }
+      absl::BlockingCounter warm(concurrency), finished(concurrency);
+      absl::Notification go;
+      absl::Mutex done_mu;
+      absl::Time last_answer = absl::InfinitePast();
+      std::vector<std::thread> threads;
+      for (int c = 0; c < concurrency; ++c) {
+        threads.emplace_back([&, c] {
+          Caller& me = callers[c];
+          for (int i = 0; i < std::max(1, warmup); ++i) me.last = me.client->GroupedGemm(me.request);
+          warm.DecrementCount();
+          go.WaitForNotification();
+          for (int i = 0; i < iters && me.last.ok(); ++i) {
+            const absl::Time start = absl::Now();
+            me.last = me.client->GroupedGemm(me.request);
+            if (!me.last.ok()) break;
+            me.rtt_s.push_back(absl::ToDoubleSeconds(absl::Now() - start));
+            me.server_s.push_back(me.last->server_seconds());
+            me.worker_s.push_back(me.last->worker_seconds());
+          }
+          {
+            absl::MutexLock lock(&done_mu);
+            last_answer = std::max(last_answer, absl::Now());
+          }
+          finished.DecrementCount();
+        });
+      }
+      warm.Wait();
+      const absl::Time released = absl::Now();
+      go.Notify();
+      finished.Wait();
+      for (std::thread& t : threads) t.join();
+      wall_s = absl::ToDoubleSeconds(last_answer - released);
+      for (Caller& c : callers) {
+        if (!c.last.ok()) {
+          std::fprintf(stderr, "%s: request: %s\n", p.name.c_str(), std::string(c.last.status().message()).c_str());
+          return 1;
+        }
+        rtt_s.insert(rtt_s.end(), c.rtt_s.begin(), c.rtt_s.end());
+        server_s.insert(server_s.end(), c.server_s.begin(), c.server_s.end());
+        worker_s.insert(worker_s.end(), c.worker_s.begin(), c.worker_s.end());
+      }
+      h2d = callers[0].last->host_to_device_bytes();
+      d2h = callers[0].last->device_to_host_bytes();
+      last = std::move(*callers[0].last);
     }
     absl::StatusOr<HostTensor> got = returned ? HostTensorFromProto(last.out(), "out") : client.GetTensor("bench_out");
     auto want = local->Output();
@@ -608,6 +686,11 @@ int Main() {
                 p.name.c_str(), l.p50 * 1e6, dd.p50 * 1e6, sv.p50 * 1e6, sv.p90 * 1e6, wk.p50 * 1e6, wk.p90 * 1e6,
                 rt.p50 * 1e6, rt.p90 * 1e6, sv.p50 / l.p50, (sv.p50 - l.p50) * 1e6, static_cast<long long>(h2d),
                 static_cast<long long>(d2h), check.c_str());
+    const double calls_per_s = wall_s > 0 ? static_cast<double>(rtt_s.size()) / wall_s : 0;
+    if (concurrency > 1) {
+      std::printf("  %-18s throughput %.1f calls/s (%d callers, %zu calls in %.3f s)\n", p.name.c_str(), calls_per_s,
+                  concurrency, rtt_s.size(), wall_s);
+    }
     std::fflush(stdout);
     if (json_out) {
       nlohmann::json j = {{"preset", p.name}, {"workers", info->workers_size()}, {"local", on_cuda ? "cuda" : "cpu"},
@@ -616,12 +699,14 @@ int Main() {
                           {"server_p50_us", sv.p50 * 1e6}, {"server_p90_us", sv.p90 * 1e6},
                           {"worker_p50_us", wk.p50 * 1e6}, {"worker_p90_us", wk.p90 * 1e6},
                           {"rtt_p50_us", rt.p50 * 1e6}, {"rtt_p90_us", rt.p90 * 1e6},
-                          {"h2d_bytes", h2d}, {"d2h_bytes", d2h}, {"check", check}};
+                          {"h2d_bytes", h2d}, {"d2h_bytes", d2h}, {"check", check},
+                          {"concurrency", concurrency}, {"calls_per_s", calls_per_s}};
       json_out << j.dump() << "\n";
     }
     for (const char* name : {"bench_lhs", "bench_rhs", "bench_out", "bench_w8", "bench_w8_scale"}) {
       (void)client.DeleteTensor(name);
     }
+    for (int c = 1; c < concurrency && !returned; ++c) (void)client.DeleteTensor(absl::StrCat("bench_out_", c));
   }
   return failures == 0 ? 0 : 1;
 }
