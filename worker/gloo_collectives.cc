@@ -121,6 +121,7 @@ class GlooCollectives : public Collectives {
       opts.setInput(const_cast<char*>(local.bytes.data()), local.bytes.size());
       opts.setOutput(&gathered[0], gathered.size());
       opts.setTimeout(timeout_);
+      opts.setTag(Tag());
       gloo::allgather(opts);
     } catch (const std::exception& e) {
       return Broken(axes, e);
@@ -200,8 +201,18 @@ class GlooCollectives : public Collectives {
     Fn fn = op == ReduceOp::kSum ? static_cast<Fn>(&gloo::sum<T>) : static_cast<Fn>(&gloo::max<T>);
     opts.setReduceFunction(fn);
     opts.setTimeout(timeout_);
+    opts.setTag(Tag());
     gloo::allreduce(opts);
   }
+
+  // Gloo pairs a collective's messages by (kind, tag) only, not by our
+  // step: with one tag for every step, a member that missed a step its peers
+  // ran (its call lost on the way, or given up on while it was frozen) paired
+  // its next step's pieces with their previous step's, and both steps
+  // "succeeded" with each other's data (wrong answers served, found by the
+  // fault tests). Tagged with the step's sequence, such a pair never matches:
+  // the collective times out and the context is dropped.
+  uint32_t Tag() const { return static_cast<uint32_t>(step_); }
 
   absl::Status Broken(const std::vector<std::string>& axes, const std::exception& e) {
     // A context that timed out or lost a peer cannot be trusted again.
