@@ -183,3 +183,317 @@ def test_a_coordinator_refuses_a_state_file_it_cannot_read(tmp_path):
     p = subprocess.run([os.path.join(BIN, "shardgemm-coordinator"), "--listen=127.0.0.1:0", "--insecure",
                         f"--state_dir={tmp_path}"], capture_output=True, text=True, timeout=20)
     assert p.returncode == 2 and "registry.pb" in p.stderr, p.stderr
+
+
+# --- Dropped connections and slow workers ----------------------------------------------------
+#
+# A TCP proxy between the coordinator and one worker. A worker registers the
+# host it advertises (--advertise_host, else its --listen host) with the port
+# it listens on, and binds its collectives to that host, which must be an
+# address of this machine: so every worker of these meshes has its
+# collectives on ::1, and the proxied one listens on 127.0.0.1:P and
+# advertises [::1], where the proxy listens on [::1]:P. The coordinator's
+# calls to it (steps, heartbeats) go through the proxy; Gloo's do not.
+
+import select  # noqa: E402
+import socket  # noqa: E402
+import struct  # noqa: E402
+import threading  # noqa: E402
+
+from conftest import Cluster, free_port  # noqa: E402
+from shardgemm_client import from_tensor  # noqa: E402
+
+CLEAR = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED, grpc.StatusCode.DEADLINE_EXCEEDED}
+
+
+class Proxy:
+    """Listens on `listen` and relays each connection to `target`, one thread
+    per connection; each chunk waits `delay_s` first. `reset_on_request(n,
+    towards_target)`: the next chunk of at least n bytes in that direction
+    (a step with its tensors, or a step's answer; heartbeats are far smaller)
+    is dropped and both ends of every connection are reset (RST)."""
+
+    def __init__(self, listen, target):
+        self.target = target
+        self.sock = socket.socket(socket.AF_INET6 if ":" in listen[0] else socket.AF_INET)
+        self.sock.bind(listen)
+        self.sock.listen(64)
+        self.sock.settimeout(0.05)
+        self.delay_s = 0.0
+        self.trigger = None
+        self.towards_target = True
+        self.triggered = threading.Event()
+        self.epoch = 0  # a connection of an older epoch resets itself
+        self.accepted = 0
+        self.closed = False
+        self.threads = [threading.Thread(target=self._accept, daemon=True)]
+        self.threads[0].start()
+
+    def reset_on_request(self, min_bytes, towards_target=True):
+        self.triggered.clear()
+        self.towards_target = towards_target
+        self.trigger = min_bytes
+
+    def _accept(self):
+        while not self.closed:
+            try:
+                c, _ = self.sock.accept()
+            except (socket.timeout, BlockingIOError):
+                continue
+            except OSError:
+                return
+            try:
+                u = socket.create_connection(self.target, timeout=5)
+            except OSError:
+                c.close()
+                continue
+            self.accepted += 1
+            t = threading.Thread(target=self._relay, args=(c, u, self.epoch), daemon=True)
+            self.threads.append(t)
+            t.start()
+
+    def _relay(self, c, u, epoch):
+        peer = {c: u, u: c}
+        reset = False
+        try:
+            while not self.closed and not reset:
+                if self.epoch != epoch:
+                    reset = True
+                    break
+                for s in select.select([c, u], [], [], 0.05)[0]:
+                    data = s.recv(1 << 16)
+                    if not data:
+                        raise EOFError
+                    if self.trigger is not None and (s is c) == self.towards_target and len(data) >= self.trigger:
+                        self.trigger = None
+                        self.epoch += 1
+                        self.triggered.set()
+                        reset = True
+                        break
+                    if self.delay_s:
+                        time.sleep(self.delay_s)
+                    peer[s].sendall(data)
+        except (OSError, EOFError):
+            pass
+        for s in (c, u):
+            try:
+                if reset:
+                    s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                s.close()
+            except OSError:
+                pass
+
+    def close(self):
+        self.closed = True
+        self.sock.close()
+        for t in self.threads:
+            t.join(timeout=5)
+            assert not t.is_alive(), "a proxy thread did not end"
+
+
+class ProxiedCluster(Cluster):
+    """A Cluster whose `proxied` worker is reached through a Proxy (self.proxy)."""
+
+    def __init__(self, tmp_path, proxied="worker1", **kwargs):
+        self.proxy = None
+        self._proxied = proxied
+        super().__init__(tmp_path, **kwargs)
+
+    def _start(self, name, cmd):
+        if name == self._proxied:
+            port = free_port()
+            self.proxy = Proxy(("::1", port), ("127.0.0.1", port))
+            cmd = cmd + [f"--listen=127.0.0.1:{port}", "--advertise_host=[::1]"]
+        elif name.startswith("worker"):
+            cmd = cmd + ["--listen=[::1]:0"]
+        return super()._start(name, cmd)
+
+    def stop(self):
+        super().stop()
+        if self.proxy is not None:
+            self.proxy.close()
+
+
+@pytest.fixture
+def proxied_cluster(tmp_path):
+    made = []
+
+    def make(**kwargs):
+        c = ProxiedCluster(tmp_path, **kwargs)
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        c.stop()
+
+
+# fsdp=2, short timeouts: a step a worker never sees leaves its peer in the
+# collective for --collective_timeout_s; the request is bounded by the step timeout.
+FSDP_FLAGS = dict(mesh="fsdp=2", workers=2, worker_flags=["--collective_timeout_s=2"],
+                  coordinator_flags=["--heartbeat_interval_s=0.2", "--heartbeat_misses=2", "--step_timeout_s=6"])
+STEP_TIMEOUT_S = 6
+COLLECTIVE_TIMEOUT_S = 2
+
+
+def gathered_gemm(client, rng, timeout=30):
+    """A GEMM whose weight the plan all-gathers over fsdp (each worker's piece
+    crosses Gloo), with fresh data: (outcome, seconds, detail), the outcome
+    OK (right), WRONG, or the status code's name."""
+    lhs = rng.standard_normal((256, 64)).astype(np.float32)  # each worker's step carries 32 KiB of it
+    rhs = rng.standard_normal((2, 64, 32)).astype(np.float32)
+    sizes = [100, 28, 64, 64]
+    want = np.zeros((256, 32))
+    for shard in range(2):
+        row = shard * 128
+        for g in range(2):
+            n = sizes[shard * 2 + g]
+            want[row:row + n] = lhs[row:row + n].astype(np.float64) @ rhs[g]
+            row += n
+    req = client.gemm_request(lhs, rhs, sizes, lhs_spec="(fsdp, None)", rhs_spec="(None, fsdp, None)",
+                              group_sizes_spec="(fsdp,)")
+    start = time.time()
+    try:
+        out = from_tensor(client.stub.GroupedGemm(req, timeout=timeout).out)
+    except grpc.RpcError as e:
+        return e.code().name, time.time() - start, e.details() or ""
+    took = time.time() - start
+    err = float(np.abs(out - want).max())
+    return ("OK" if err <= 1e-3 else "WRONG"), took, f"max error {err:.3g}"
+
+
+def concurrently(fn, n, timeout):
+    """n calls of fn() at once; every thread checked for having finished."""
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(fn())) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=timeout)
+        assert not t.is_alive(), "a request thread is still waiting"
+    return results
+
+
+def assert_right_or_clear(results, bound_s):
+    for outcome, took, detail in results:
+        assert outcome != "WRONG", f"a wrong answer was served: {detail}"
+        assert outcome == "OK" or (grpc.StatusCode[outcome] in CLEAR and detail), (outcome, detail)
+        assert took < bound_s, (outcome, took, detail)
+
+
+def right_again(client, rng, tries=4):
+    """Right within `tries` requests, each after the previous one's failure
+    plus the collective timeout (the peers' collectives of the lost step end)."""
+    seen = []
+    for _ in range(tries):
+        r = gathered_gemm(client, rng)
+        seen.append(r[:2])
+        assert r[0] != "WRONG", r
+        if r[0] == "OK":
+            return seen
+        time.sleep(COLLECTIVE_TIMEOUT_S + 0.5)
+    raise AssertionError(f"not right again after {tries} requests: {seen}")
+
+
+def test_a_connection_reset_while_a_worker_answers_fails_the_request_at_once_and_the_next_is_right(
+        proxied_cluster):
+    cl = proxied_cluster(**FSDP_FLAGS)
+    rng = np.random.default_rng(21)
+    assert gathered_gemm(cl.client, rng)[0] == "OK"
+    cl.proxy.reset_on_request(8192, towards_target=False)  # the proxied worker's answer (a 16 KiB block)
+    outcome, took, detail = gathered_gemm(cl.client, rng)
+    assert cl.proxy.triggered.is_set()
+    assert outcome == "UNAVAILABLE" and "worker" in detail, (outcome, detail)
+    assert took < 2, f"the dropped request took {took:.2f} s (step timeout {STEP_TIMEOUT_S} s)"
+    # The coordinator reconnects (a new connection through the proxy); every worker ran the step, so
+    # the collectives are in step: the next request, and concurrent ones, are right.
+    outcome, _, detail = gathered_gemm(cl.client, rng)
+    assert outcome == "OK", (outcome, detail)
+    assert all(r[0] == "OK" for r in concurrently(lambda: gathered_gemm(cl.client, rng), 4, 30))
+    assert cl.proxy.accepted >= 2 and cl.client.cluster_info().ready
+    print(f"dropped answer: UNAVAILABLE after {took:.3f} s; next request right")
+
+
+def test_a_step_lost_on_the_way_to_one_worker_fails_clearly_and_never_pairs_wrong_pieces(proxied_cluster):
+    """The worker never gets the step; its peer runs it and waits in the
+    all-gather. Requests right behind it (concurrent) are right or clear
+    errors: never served from another step's pieces (Gloo pairs messages by
+    tag, and the tag is the step's sequence). The mesh is right again once
+    the lost step's collective has timed out."""
+    cl = proxied_cluster(**FSDP_FLAGS)
+    rng = np.random.default_rng(22)
+    assert gathered_gemm(cl.client, rng)[0] == "OK"
+    cl.proxy.reset_on_request(8192, towards_target=True)
+    outcome, took, detail = gathered_gemm(cl.client, rng)
+    assert cl.proxy.triggered.is_set()
+    assert outcome == "UNAVAILABLE" and "worker" in detail, (outcome, detail)
+    assert took < 2, took
+    behind = concurrently(lambda: gathered_gemm(cl.client, rng), 4, STEP_TIMEOUT_S + 10)
+    assert_right_or_clear(behind, STEP_TIMEOUT_S + 3)
+    seen = right_again(cl.client, rng)
+    assert all(r[0] == "OK" for r in concurrently(lambda: gathered_gemm(cl.client, rng), 4, 30))
+    print(f"lost step: UNAVAILABLE after {took:.3f} s; right behind it {[r[0] for r in behind]}; "
+          f"then {seen}")
+
+
+def test_a_worker_frozen_past_a_deadline_never_pairs_wrong_pieces(cluster_factory):
+    """The step whose deadline passed while the worker was frozen is given
+    up on; its peer ran its all-gather. Concurrent requests after SIGCONT
+    are right or clear errors, and the mesh is right again."""
+    cl = cluster_factory(**FSDP_FLAGS)
+    rng = np.random.default_rng(23)
+    assert gathered_gemm(cl.client, rng)[0] == "OK"
+    worker = dict(cl.procs)["worker1"]
+    os.kill(worker.pid, signal.SIGSTOP)
+    try:
+        outcome, took, _ = gathered_gemm(cl.client, rng, timeout=1)
+        assert outcome == "DEADLINE_EXCEEDED" and took < 2
+        time.sleep(0.5)
+    finally:
+        os.kill(worker.pid, signal.SIGCONT)
+    behind = concurrently(lambda: gathered_gemm(cl.client, rng), 4, STEP_TIMEOUT_S + 10)
+    assert_right_or_clear(behind, STEP_TIMEOUT_S + 3)
+    seen = right_again(cl.client, rng)
+    print(f"frozen past a deadline: right behind it {[r[0] for r in behind]}; then {seen}")
+
+
+def test_a_slow_link_to_one_worker_makes_requests_later_and_right(proxied_cluster):
+    cl = proxied_cluster(**FSDP_FLAGS)
+    rng = np.random.default_rng(24)
+    outcome, fast, _ = gathered_gemm(cl.client, rng)
+    assert outcome == "OK"
+    cl.proxy.delay_s = 0.1  # every chunk either way, heartbeats included
+    slow = [gathered_gemm(cl.client, rng) for _ in range(3)]
+    slow += concurrently(lambda: gathered_gemm(cl.client, rng), 3, 30)
+    for outcome, took, detail in slow:
+        assert outcome == "OK", (outcome, detail)
+        assert took >= 0.2, took  # the step there and its answer back
+    info = cl.client.cluster_info()
+    assert info.ready and not any(w.down for w in info.workers), "a slow worker is not down"
+    cl.proxy.delay_s = 0
+    assert gathered_gemm(cl.client, rng)[0] == "OK"
+    print(f"slow link: {fast * 1e3:.0f} ms -> {', '.join(f'{r[1] * 1e3:.0f}' for r in slow)} ms, all right")
+
+
+def test_a_worker_frozen_for_less_than_the_deadline_answers_late_and_right(cluster_factory):
+    cl = cluster_factory(**FSDP_FLAGS)
+    rng = np.random.default_rng(25)
+    assert gathered_gemm(cl.client, rng)[0] == "OK"
+    worker = dict(cl.procs)["worker1"]
+    os.kill(worker.pid, signal.SIGSTOP)
+    thaw = threading.Timer(1.5, lambda: os.kill(worker.pid, signal.SIGCONT))
+    thaw.start()
+    try:
+        late = concurrently(lambda: gathered_gemm(cl.client, rng, timeout=STEP_TIMEOUT_S), 3, 30)
+    finally:
+        thaw.join(timeout=5)
+        assert not thaw.is_alive()
+        os.kill(worker.pid, signal.SIGCONT)
+    for outcome, took, detail in late:
+        assert outcome == "OK", (outcome, detail)
+        assert 1.2 < took < STEP_TIMEOUT_S, took
+    # A ping waits at least 2 s: 1.5 s frozen is no missed heartbeat.
+    info = cl.client.cluster_info()
+    assert info.ready and not any(w.down for w in info.workers)
+    assert gathered_gemm(cl.client, rng)[0] == "OK"
+    print(f"frozen 1.5 s: answered after {', '.join(f'{r[1]:.2f}' for r in late)} s, right")
