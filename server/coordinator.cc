@@ -200,6 +200,31 @@ absl::StatusOr<std::vector<v1::StepResult>> Coordinator::Dispatch(std::vector<v1
   return dispatcher_.Dispatch(std::move(steps), deadline, call.cancelled);
 }
 
+void Coordinator::DispatchThen(std::vector<v1::Step> steps, absl::Time deadline, const CallContext& call,
+                               Dispatcher::DispatchDone done) {
+  for (v1::Step& s : steps) {
+    s.set_session(session_);
+    if (!call.request_id.empty()) s.set_request_id(call.request_id);
+  }
+  if (call.cancellation == nullptr) {
+    dispatcher_.DispatchAsync(std::move(steps), deadline, std::move(done));
+    return;
+  }
+  std::shared_ptr<Cancellation> cancellation = call.cancellation;
+  std::shared_ptr<PendingDispatch> pending = dispatcher_.DispatchAsync(
+      std::move(steps), deadline,
+      [cancellation, done = std::move(done)](absl::StatusOr<std::vector<v1::StepResult>> results) {
+        cancellation->Clear();
+        done(std::move(results));
+      });
+  // The client's cancellation ends the dispatch at once (not when its
+  // workers answer); a dispatch done already ignores it.
+  std::weak_ptr<PendingDispatch> weak = pending;
+  cancellation->OnCancel([weak] {
+    if (auto p = weak.lock()) p->Cancel();
+  });
+}
+
 void Coordinator::Unpin(const std::vector<std::string>& pins) {
   for (const std::string& shard : registry_.Unpin(pins)) DeleteShardsBestEffort(shard);
 }
@@ -272,7 +297,63 @@ class ClaimGuard {
   bool registered_ = false;
 };
 
+// A synchronous caller's wait for an answer that comes on another thread.
+template <typename T>
+class Answer {
+ public:
+  void Set(absl::StatusOr<T> value) {
+    absl::MutexLock lock(&mu_);
+    if (!value_.has_value()) value_ = std::move(value);
+  }
+  // Until the answer comes or `until`; `cancelled` (optional) is polled and,
+  // once true, cancels `cancellation` (which answers at once).
+  absl::StatusOr<T> Wait(absl::Time until, const std::function<bool()>& cancelled = nullptr,
+                         Cancellation* cancellation = nullptr) {
+    absl::MutexLock lock(&mu_);
+    auto have = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return value_.has_value(); };
+    while (!have() && absl::Now() < until) {
+      if (cancelled != nullptr && cancellation != nullptr && cancelled()) {
+        mu_.Unlock();
+        cancellation->Cancel();
+        mu_.Lock();
+        if (have()) break;
+      }
+      mu_.AwaitWithDeadline(absl::Condition(&have),
+                            cancelled == nullptr ? until : std::min(until, absl::Now() + kCancelPoll));
+    }
+    if (!have()) return absl::DeadlineExceededError("no answer from the workers by the step's deadline and grace");
+    return std::move(*value_);
+  }
+
+ private:
+  static constexpr absl::Duration kCancelPoll = absl::Milliseconds(20);
+  absl::Mutex mu_;
+  absl::optional<absl::StatusOr<T>> value_ ABSL_GUARDED_BY(mu_);
+};
+
+// Past a dispatch's own bound (its deadline and grace), how long a
+// synchronous caller still waits for the answer to be delivered.
+constexpr absl::Duration kAnswerMargin = absl::Seconds(1);
+// Requests and results larger than this are decoded and assembled on a
+// thread of their own, not on the gRPC thread that delivered them.
+constexpr size_t kOffloadBytes = size_t{1} << 20;
+
 }  // namespace
+
+// A GEMM request between its dispatch and its workers' answers.
+struct Coordinator::GemmCall {
+  explicit GemmCall(Coordinator* coordinator) : guard{coordinator, {}} {}
+  const v1::GroupedGemmRequest* request = nullptr;  // the caller's: outlives the call
+  absl::Time start;
+  absl::Time deadline;
+  CallContext call;
+  PinGuard guard;  // the resident operands, pinned until the call is done
+  planner::Plan plan;
+  std::string shard_name;              // keep_output_as's new generation
+  std::unique_ptr<ClaimGuard> claim;   // keep_output_as's name, released unless registered
+  HostTensor* out_tensor = nullptr;
+  std::vector<v1::Step> steps;
+};
 
 absl::StatusOr<v1::PutTensorResponse> Coordinator::PutTensor(const std::string& name,
                                                              HostTensor tensor,
@@ -865,6 +946,22 @@ absl::StatusOr<v1::GroupedGemmResponse> Coordinator::GroupedGemm(
   return GroupedGemmPerShard(request, deadline, call);
 }
 
+void Coordinator::GroupedGemmAsync(const v1::GroupedGemmRequest& request, absl::Time deadline, CallContext call,
+                                   GemmDone done) {
+  if (auto s = ValidateGemmEnums(request); !s.ok()) {
+    done(s);
+    return;
+  }
+  if (request.layout() == v1::GroupedGemmRequest::GLOBAL_SORTED || request.ByteSizeLong() > kOffloadBytes) {
+    // Routing rows or decoding large inline operands takes a thread of its own.
+    std::thread([this, &request, deadline, call = std::move(call), done = std::move(done)] {
+      done(GroupedGemm(request, deadline, call));
+    }).detach();
+    return;
+  }
+  StartGroupedGemmPerShard(request, deadline, call, {}, nullptr, std::move(done));
+}
+
 namespace {
 
 // Rows of `t` ([rows, cols]) laid out per `routing` (padding rows zero).
@@ -952,22 +1049,26 @@ absl::StatusOr<v1::GroupedGemmResponse> Coordinator::GroupedGemmGlobalSorted(
   return response;
 }
 
-absl::StatusOr<v1::GroupedGemmResponse> Coordinator::GroupedGemmPerShard(
+absl::StatusOr<std::shared_ptr<Coordinator::GemmCall>> Coordinator::PrepareGroupedGemm(
     const v1::GroupedGemmRequest& request, absl::Time deadline, const CallContext& call,
     absl::flat_hash_map<std::string, DecodedOperand> decoded, HostTensor* out_tensor) {
-  const absl::Time start = absl::Now();
+  auto c = std::make_shared<GemmCall>(this);
+  c->start = absl::Now();
+  c->request = &request;
+  c->deadline = deadline;
+  c->call = call;
+  c->out_tensor = out_tensor;
   if (auto s = CheckReady(); !s.ok()) return s;
   if (!request.keep_output_as().empty()) {
     if (auto s = ValidateResidentName("keep_output_as", request.keep_output_as()); !s.ok()) return s;
   }
   absl::flat_hash_map<std::string, TensorMeta> metas;
-  PinGuard guard{this, {}};
   auto resolve = [&](const v1::Tensor& t, const std::string& field) -> absl::StatusOr<TensorMeta> {
     absl::StatusOr<TensorMeta> meta;
     if (auto it = decoded.find(field); it != decoded.end()) {
       meta = TensorMeta{it->second.tensor.dtype, it->second.tensor.shape, it->second.spec};
     } else {
-      meta = ResolveMeta(t, field, call.tenant, &guard.pins);
+      meta = ResolveMeta(t, field, call.tenant, &c->guard.pins);
     }
     if (meta.ok()) metas[field] = *meta;
     return meta;
@@ -1044,7 +1145,6 @@ absl::StatusOr<v1::GroupedGemmResponse> Coordinator::GroupedGemmPerShard(
   if (!built.ok()) return built.status();
   std::vector<v1::Step> steps = std::move(*built);
   std::string shard_name;
-  absl::optional<ClaimGuard> claim;
   if (!request.keep_output_as().empty()) {
     auto claimed = registry_.Claim(call.tenant, request.keep_output_as(), request.overwrite_output(),
                                    options_.max_tensors_per_tenant);
@@ -1055,12 +1155,22 @@ absl::StatusOr<v1::GroupedGemmResponse> Coordinator::GroupedGemmPerShard(
                                        exists ? " (set overwrite_output to replace it)" : ""));
     }
     shard_name = *claimed;
-    claim.emplace(&registry_, call.tenant, request.keep_output_as());
+    c->claim = std::make_unique<ClaimGuard>(&registry_, call.tenant, request.keep_output_as());
     for (v1::Step& s : steps) s.mutable_gemm()->set_keep_output_as(shard_name);
   }
-  auto results = Dispatch(std::move(steps), StepDeadline(deadline), call);
+  c->shard_name = std::move(shard_name);
+  c->steps = std::move(steps);
+  c->plan = std::move(*plan);
+  return c;
+}
+
+absl::StatusOr<v1::GroupedGemmResponse> Coordinator::CompleteGroupedGemm(
+    GemmCall& c, absl::StatusOr<std::vector<v1::StepResult>> results) {
+  const v1::GroupedGemmRequest& request = *c.request;
+  const planner::Plan* plan = &c.plan;
+  const std::string& shard_name = c.shard_name;
   if (results.ok() && !shard_name.empty()) {
-    absl::Status gone = Abandoned(deadline, call, absl::StrCat("keep_output_as '", request.keep_output_as(), "'"));
+    absl::Status gone = Abandoned(c.deadline, c.call, absl::StrCat("keep_output_as '", request.keep_output_as(), "'"));
     if (!gone.ok()) results = gone;
   }
   if (!results.ok()) {
@@ -1073,7 +1183,7 @@ absl::StatusOr<v1::GroupedGemmResponse> Coordinator::GroupedGemmPerShard(
   response.set_plan_summary(planner::PlanSummary(*plan));
   if (!shard_name.empty()) {
     Resident resident;
-    resident.tenant = call.tenant;
+    resident.tenant = c.call.tenant;
     resident.info.set_name(request.keep_output_as());
     resident.info.set_dtype(DTypeToProto(plan->out_dtype));
     resident.info.mutable_shape()->Assign(plan->out_shape.begin(), plan->out_shape.end());
@@ -1081,7 +1191,7 @@ absl::StatusOr<v1::GroupedGemmResponse> Coordinator::GroupedGemmPerShard(
     resident.spec = plan->out_spec;
     resident.shard_name = shard_name;
     const std::string spec_text = resident.info.spec();
-    auto replaced = claim->Register(std::move(resident));
+    auto replaced = c.claim->Register(std::move(resident));
     if (!replaced.ok()) {
       DeleteShardsBestEffort(shard_name);
       return absl::Status(replaced.status().code(), absl::StrCat("keep_output_as: ", replaced.status().message()));
@@ -1095,8 +1205,8 @@ absl::StatusOr<v1::GroupedGemmResponse> Coordinator::GroupedGemmPerShard(
     auto out = Assemble(plan->out_dtype, plan->out_shape, plan->out_spec,
                         [&](int r) { return HostTensorFromProto(std::move(*(*results)[r].mutable_out()), "out"); });
     if (!out.ok()) return out.status();
-    if (out_tensor != nullptr) {
-      *out_tensor = std::move(*out);
+    if (c.out_tensor != nullptr) {
+      *c.out_tensor = std::move(*out);
     } else {
       HostTensorToProto(*out, response.mutable_out());
       response.mutable_out()->set_spec(planner::FormatPartitionSpec(plan->out_spec));
@@ -1112,8 +1222,50 @@ absl::StatusOr<v1::GroupedGemmResponse> Coordinator::GroupedGemmPerShard(
   response.set_worker_seconds(worker_seconds);
   response.set_host_to_device_bytes(h2d);
   response.set_device_to_host_bytes(d2h);
-  response.set_server_seconds(absl::ToDoubleSeconds(absl::Now() - start));
+  response.set_server_seconds(absl::ToDoubleSeconds(absl::Now() - c.start));
   return response;
+}
+
+void Coordinator::StartGroupedGemmPerShard(const v1::GroupedGemmRequest& request, absl::Time deadline,
+                                           const CallContext& call,
+                                           absl::flat_hash_map<std::string, DecodedOperand> decoded,
+                                           HostTensor* out_tensor, GemmDone done) {
+  auto prepared = PrepareGroupedGemm(request, deadline, call, std::move(decoded), out_tensor);
+  if (!prepared.ok()) {
+    done(prepared.status());
+    return;
+  }
+  std::shared_ptr<GemmCall> c = std::move(*prepared);
+  std::vector<v1::Step> steps = std::move(c->steps);
+  DispatchThen(std::move(steps), StepDeadline(deadline), c->call,
+               [this, c, done = std::move(done)](absl::StatusOr<std::vector<v1::StepResult>> results) {
+                 size_t out_bytes = 0;
+                 if (results.ok()) {
+                   for (const v1::StepResult& r : *results) out_bytes += r.out().data().size();
+                 }
+                 if (out_bytes <= kOffloadBytes) {
+                   done(CompleteGroupedGemm(*c, std::move(results)));
+                   return;
+                 }
+                 // Assembling a large output takes a thread of its own.
+                 std::thread([this, c, done, results = std::move(results)]() mutable {
+                   done(CompleteGroupedGemm(*c, std::move(results)));
+                 }).detach();
+               });
+}
+
+absl::StatusOr<v1::GroupedGemmResponse> Coordinator::GroupedGemmPerShard(
+    const v1::GroupedGemmRequest& request, absl::Time deadline, const CallContext& call,
+    absl::flat_hash_map<std::string, DecodedOperand> decoded, HostTensor* out_tensor) {
+  auto answer = std::make_shared<Answer<v1::GroupedGemmResponse>>();
+  CallContext with_cancellation = call;
+  if (call.cancelled != nullptr && call.cancellation == nullptr) {
+    with_cancellation.cancellation = std::make_shared<Cancellation>();  // fed by polling `cancelled`
+  }
+  StartGroupedGemmPerShard(request, deadline, with_cancellation, std::move(decoded), out_tensor,
+                           [answer](absl::StatusOr<v1::GroupedGemmResponse> r) { answer->Set(std::move(r)); });
+  return answer->Wait(StepDeadline(deadline) + options_.dispatch_grace + kAnswerMargin, call.cancelled,
+                      with_cancellation.cancellation.get());
 }
 
 }  // namespace shardgemm

@@ -50,6 +50,9 @@ struct CallContext {
   std::string request_id;
   // Whether the client has gone (the RPC was cancelled); null: never.
   std::function<bool()> cancelled;
+  // The same, pushed (the callback API's OnCancel): a dispatch in flight
+  // ends at once. Null: `cancelled` is polled, or there is none.
+  std::shared_ptr<Cancellation> cancellation;
 };
 
 class Coordinator {
@@ -90,6 +93,12 @@ class Coordinator {
   absl::StatusOr<v1::GroupedGemmResponse> GroupedGemm(const v1::GroupedGemmRequest& request,
                                                       absl::Time deadline = absl::InfiniteFuture(),
                                                       const CallContext& call = {});
+  // GroupedGemm without a thread waiting on the workers: `done` runs once,
+  // on the thread of the last worker's answer (or inline when the request
+  // fails before dispatch). `request` must outlive the call.
+  using GemmDone = std::function<void(absl::StatusOr<v1::GroupedGemmResponse>)>;
+  void GroupedGemmAsync(const v1::GroupedGemmRequest& request, absl::Time deadline, CallContext call,
+                        GemmDone done);
   absl::StatusOr<v1::GroupedQuantizeResponse> GroupedQuantize(
       const v1::GroupedQuantizeRequest& request, absl::Time deadline = absl::InfiniteFuture(),
       const CallContext& call = {});
@@ -132,6 +141,18 @@ class Coordinator {
   absl::StatusOr<v1::GroupedGemmResponse> GroupedGemmPerShard(
       const v1::GroupedGemmRequest& request, absl::Time deadline, const CallContext& call,
       absl::flat_hash_map<std::string, DecodedOperand> decoded = {}, HostTensor* out_tensor = nullptr);
+  // The PER_SHARD layout in two halves around its dispatch: what the steps
+  // need (plan, pins, claimed name, the steps), and the response from the
+  // workers' answers.
+  struct GemmCall;
+  absl::StatusOr<std::shared_ptr<GemmCall>> PrepareGroupedGemm(
+      const v1::GroupedGemmRequest& request, absl::Time deadline, const CallContext& call,
+      absl::flat_hash_map<std::string, DecodedOperand> decoded, HostTensor* out_tensor);
+  absl::StatusOr<v1::GroupedGemmResponse> CompleteGroupedGemm(GemmCall& c,
+                                                              absl::StatusOr<std::vector<v1::StepResult>> results);
+  void StartGroupedGemmPerShard(const v1::GroupedGemmRequest& request, absl::Time deadline, const CallContext& call,
+                                absl::flat_hash_map<std::string, DecodedOperand> decoded, HostTensor* out_tensor,
+                                GemmDone done);
   absl::StatusOr<v1::GroupedGemmResponse> GroupedGemmGlobalSorted(const v1::GroupedGemmRequest& request,
                                                                   absl::Time deadline,
                                                                   const CallContext& call);
@@ -142,6 +163,9 @@ class Coordinator {
   // Dispatcher::Dispatch.
   absl::StatusOr<std::vector<v1::StepResult>> Dispatch(std::vector<v1::Step> steps, absl::Time deadline,
                                                        const CallContext& call);
+  // Dispatch without a thread waiting; the call's cancellation ends it at once.
+  void DispatchThen(std::vector<v1::Step> steps, absl::Time deadline, const CallContext& call,
+                    Dispatcher::DispatchDone done);
   static struct TensorMeta MetaOf(const Resident& resident);
   // Resident shards that a running request has resolved are pinned: a
   // replacement or delete retires them, and they leave the workers when the

@@ -15,6 +15,21 @@ Dispatcher::Dispatcher(planner::Mesh mesh, Connector connect, absl::Duration gra
       connect_(std::move(connect)),
       grace_(grace) {
   workers_.resize(num_workers_);
+  watchdog_ = std::thread([this] { Watchdog(); });
+}
+
+Dispatcher::~Dispatcher() {
+  std::vector<std::weak_ptr<PendingDispatch>> left;
+  {
+    absl::MutexLock lock(&watch_mu_);
+    stopping_ = true;
+    left = std::move(watched_);
+  }
+  watchdog_.join();
+  // Nothing may call back into the dispatcher once it is gone.
+  for (auto& w : left) {
+    if (auto p = w.lock()) p->Expire();
+  }
 }
 
 absl::StatusOr<Dispatcher::Joined> Dispatcher::Join(const v1::RegisterRequest& request) {
@@ -173,73 +188,96 @@ void Dispatcher::DispatchDetached(std::vector<v1::Step> steps, absl::Time deadli
   answered();
 }
 
-absl::StatusOr<std::vector<v1::StepResult>> Dispatcher::Dispatch(std::vector<v1::Step> steps, absl::Time deadline,
-                                                                 const std::function<bool()>& cancelled) {
-  if (static_cast<int>(steps.size()) != num_workers_) {
-    return absl::InternalError(absl::StrCat(steps.size(), " steps for ", num_workers_, " workers"));
-  }
-  // The answers of one dispatch; shared with the callbacks, which may come
-  // after Dispatch has given up on a worker that did not answer in time.
-  struct Pending {
-    absl::Mutex mu;
-    std::vector<absl::optional<absl::StatusOr<v1::StepResult>>> results ABSL_GUARDED_BY(mu);
-    size_t answered ABSL_GUARDED_BY(mu) = 0;
-  };
-  auto pending = std::make_shared<Pending>();
+void Cancellation::Cancel() {
+  std::function<void()> action;
   {
-    absl::MutexLock lock(&pending->mu);
-    pending->results.resize(steps.size());
+    absl::MutexLock lock(&mu_);
+    if (cancelled_) return;
+    cancelled_ = true;
+    action = std::move(action_);
+    action_ = nullptr;
   }
-  const std::vector<std::shared_ptr<WorkerChannel>> channels = Number(&steps);
-  for (size_t r = 0; r < steps.size(); ++r) {
-    if (channels[r] == nullptr) {
-      absl::MutexLock lock(&pending->mu);
-      pending->results[r] = absl::UnavailableError("not registered");
-      ++pending->answered;
-      continue;
+  if (action) action();
+}
+
+bool Cancellation::cancelled() const {
+  absl::MutexLock lock(&mu_);
+  return cancelled_;
+}
+
+void Cancellation::OnCancel(std::function<void()> action) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (!cancelled_) {
+      action_ = std::move(action);
+      return;
     }
-    channels[r]->ExecuteAsync(steps[r], deadline, [pending, r](absl::StatusOr<v1::StepResult> result) {
-      absl::MutexLock lock(&pending->mu);
-      pending->results[r] = std::move(result);
-      ++pending->answered;
-    });
   }
+  action();
+}
+
+void Cancellation::Clear() {
+  absl::MutexLock lock(&mu_);
+  action_ = nullptr;
+}
+
+PendingDispatch::PendingDispatch(Dispatcher* dispatcher, size_t workers, uint64_t sequence, absl::Time give_up,
+                                 Done done)
+    : dispatcher_(dispatcher), sequence_(sequence), give_up_(give_up), done_(std::move(done)) {
+  results_.resize(workers);
+}
+
+bool PendingDispatch::Complete() const {
+  if (answered_ == results_.size()) return true;
+  for (const auto& r : results_) {
+    if (r.has_value() && !r->ok() && r->status().code() != absl::StatusCode::kAborted) return true;
+  }
+  return false;
+}
+
+void PendingDispatch::Answer(size_t rank, absl::StatusOr<v1::StepResult> result) {
+  mu_.Lock();
+  if (finished_ || rank >= results_.size() || results_[rank].has_value()) {
+    mu_.Unlock();
+    return;
+  }
+  results_[rank] = std::move(result);
+  ++answered_;
+  if (!Complete()) {
+    mu_.Unlock();
+    return;
+  }
+  Finish(absl::OkStatus());
+}
+
+void PendingDispatch::Cancel() {
+  mu_.Lock();
+  if (finished_) {
+    mu_.Unlock();
+    return;
+  }
+  Finish(absl::CancelledError("the client cancelled the request before every worker answered"));
+}
+
+void PendingDispatch::Expire() {
+  mu_.Lock();
+  if (finished_) {
+    mu_.Unlock();
+    return;
+  }
+  Finish(absl::OkStatus());
+}
+
+void PendingDispatch::Finish(absl::Status why) {
+  finished_ = true;
+  Done done = std::move(done_);
+  done_ = nullptr;
+  const bool another_failed = Complete() && answered_ < results_.size();
   std::vector<absl::StatusOr<v1::StepResult>> results;
-  {
-    absl::MutexLock lock(&pending->mu);
-    // Done when every worker answered, or one failed on its own (not a
-    // peer's ABORTED): a dead or failing worker fails the request at once,
-    // and its peers' steps end by themselves (their collectives time out).
-    auto one_failed = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(pending->mu) {
-      for (const auto& r : pending->results) {
-        if (r.has_value() && !r->ok() && r->status().code() != absl::StatusCode::kAborted) return true;
-      }
-      return false;
-    };
-    auto all_answered = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(pending->mu) {
-      return pending->answered == steps.size() || one_failed();
-    };
-    // The channel enforces the deadline itself; the grace covers a channel
-    // (or a fake) that does not.
-    bool gone = false;
-    if (cancelled == nullptr) {
-      pending->mu.AwaitWithDeadline(absl::Condition(&all_answered), deadline + grace_);
-    } else {
-      // Polled: the caller's cancellation has no wakeup of its own.
-      const absl::Time give_up = deadline + grace_;
-      while (!all_answered() && absl::Now() < give_up && !(gone = cancelled())) {
-        pending->mu.AwaitWithDeadline(absl::Condition(&all_answered),
-                                      std::min(give_up, absl::Now() + kCancelPoll));
-      }
-    }
-    Done(steps[0].sequence());  // answered, or given up on: later steps need not wait for it
-    if (gone && pending->answered < steps.size()) {
-      return absl::CancelledError("the client cancelled the request before every worker answered");
-    }
-    const bool another_failed = one_failed();
-    for (size_t r = 0; r < steps.size(); ++r) {
-      if (pending->results[r].has_value()) {
-        results.push_back(std::move(*pending->results[r]));
+  if (why.ok()) {
+    for (auto& r : results_) {
+      if (r.has_value()) {
+        results.push_back(std::move(*r));
       } else if (another_failed) {
         results.push_back(absl::AbortedError("still running when another worker failed the step"));
       } else {
@@ -247,6 +285,87 @@ absl::StatusOr<std::vector<v1::StepResult>> Dispatcher::Dispatch(std::vector<v1:
       }
     }
   }
+  mu_.Unlock();
+  dispatcher_->Done(sequence_);  // answered, or given up on: later steps need not wait for it
+  if (!why.ok()) {
+    done(std::move(why));
+  } else {
+    done(dispatcher_->Resolve(std::move(results)));
+  }
+}
+
+std::shared_ptr<PendingDispatch> Dispatcher::DispatchAsync(std::vector<v1::Step> steps, absl::Time deadline,
+                                                           DispatchDone done) {
+  if (static_cast<int>(steps.size()) != num_workers_) {
+    std::shared_ptr<PendingDispatch> refused(new PendingDispatch(this, 0, 0, deadline, std::move(done)));
+    refused->mu_.Lock();
+    refused->finished_ = true;
+    DispatchDone d = std::move(refused->done_);
+    refused->mu_.Unlock();
+    d(absl::InternalError(absl::StrCat(steps.size(), " steps for ", num_workers_, " workers")));
+    return refused;
+  }
+  const std::vector<std::shared_ptr<WorkerChannel>> channels = Number(&steps);
+  std::shared_ptr<PendingDispatch> pending(
+      new PendingDispatch(this, steps.size(), steps[0].sequence(), deadline + grace_, std::move(done)));
+  {
+    absl::MutexLock lock(&watch_mu_);
+    watched_.push_back(pending);
+  }
+  for (size_t r = 0; r < steps.size(); ++r) {
+    if (channels[r] == nullptr) {
+      pending->Answer(r, absl::UnavailableError("not registered"));
+      continue;
+    }
+    channels[r]->ExecuteAsync(steps[r], deadline, [pending, r](absl::StatusOr<v1::StepResult> result) {
+      pending->Answer(r, std::move(result));
+    });
+  }
+  return pending;
+}
+
+absl::StatusOr<std::vector<v1::StepResult>> Dispatcher::Dispatch(std::vector<v1::Step> steps, absl::Time deadline,
+                                                                 const std::function<bool()>& cancelled) {
+  struct Wait {
+    absl::Mutex mu;
+    absl::optional<absl::StatusOr<std::vector<v1::StepResult>>> result ABSL_GUARDED_BY(mu);
+  };
+  auto wait = std::make_shared<Wait>();
+  std::shared_ptr<PendingDispatch> pending =
+      DispatchAsync(std::move(steps), deadline, [wait](absl::StatusOr<std::vector<v1::StepResult>> r) {
+        absl::MutexLock lock(&wait->mu);
+        wait->result = std::move(r);
+      });
+  auto have = [&wait]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(wait->mu) { return wait->result.has_value(); };
+  // The channel enforces the deadline itself; the grace covers a channel
+  // (or a fake) that does not.
+  const absl::Time give_up = deadline + grace_;
+  wait->mu.Lock();
+  if (cancelled == nullptr) {
+    wait->mu.AwaitWithDeadline(absl::Condition(&have), give_up);
+  } else {
+    // Polled: this caller's cancellation has no wakeup of its own.
+    while (!have() && absl::Now() < give_up) {
+      if (cancelled()) {
+        wait->mu.Unlock();
+        pending->Cancel();
+        wait->mu.Lock();
+        break;
+      }
+      wait->mu.AwaitWithDeadline(absl::Condition(&have), std::min(give_up, absl::Now() + kCancelPoll));
+    }
+  }
+  if (!have()) {
+    wait->mu.Unlock();
+    pending->Expire();
+    wait->mu.Lock();
+  }
+  absl::StatusOr<std::vector<v1::StepResult>> result = std::move(*wait->result);
+  wait->mu.Unlock();
+  return result;
+}
+
+absl::StatusOr<std::vector<v1::StepResult>> Dispatcher::Resolve(std::vector<absl::StatusOr<v1::StepResult>> results) {
   {
     absl::MutexLock lock(&stats_mu_);
     for (size_t r = 0; r < results.size(); ++r) {
@@ -272,6 +391,31 @@ absl::StatusOr<std::vector<v1::StepResult>> Dispatcher::Dispatch(std::vector<v1:
   std::vector<v1::StepResult> out;
   for (auto& r : results) out.push_back(std::move(*r));
   return out;
+}
+
+void Dispatcher::Watchdog() {
+  absl::MutexLock lock(&watch_mu_);
+  while (!stopping_) {
+    watch_mu_.AwaitWithTimeout(absl::Condition(&stopping_), kWatchdogPeriod);
+    if (stopping_) break;
+    const absl::Time now = absl::Now();
+    std::vector<std::shared_ptr<PendingDispatch>> expired;
+    std::vector<std::weak_ptr<PendingDispatch>> live;
+    for (auto& w : watched_) {
+      std::shared_ptr<PendingDispatch> p = w.lock();
+      if (p == nullptr) continue;
+      if (now >= p->give_up_) {
+        expired.push_back(std::move(p));
+      } else {
+        live.push_back(std::move(w));
+      }
+    }
+    watched_ = std::move(live);
+    watch_mu_.Unlock();
+    for (auto& p : expired) p->Expire();
+    expired.clear();
+    watch_mu_.Lock();
+  }
 }
 
 Dispatcher::Stats Dispatcher::GetStats() const {

@@ -11,16 +11,69 @@
 #include <map>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "absl/types/optional.h"
 #include "planner/mesh.h"
 #include "proto/shardgemm.pb.h"
 #include "server/worker_channel.h"
 
 namespace shardgemm {
+
+// A caller's cancellation, pushed to whoever waits on its behalf (the
+// callback API's OnCancel calls Cancel; a dispatch in flight registers how
+// to end itself).
+class Cancellation {
+ public:
+  // Runs the registered action, if any, once (outside the lock).
+  void Cancel();
+  bool cancelled() const;
+  // Runs `action` at Cancel(), or at once if cancelled already. One action
+  // at a time: a later one replaces it; Clear() removes it.
+  void OnCancel(std::function<void()> action);
+  void Clear();
+
+ private:
+  mutable absl::Mutex mu_;
+  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
+  std::function<void()> action_ ABSL_GUARDED_BY(mu_);
+};
+
+class Dispatcher;
+
+// One dispatch in flight (Dispatcher::DispatchAsync): its answers so far.
+class PendingDispatch {
+ public:
+  // Ends the dispatch with CANCELLED unless every worker has answered (the
+  // workers' calls end by their deadline; later steps do not wait for it).
+  void Cancel();
+
+ private:
+  friend class Dispatcher;
+  using Done = std::function<void(absl::StatusOr<std::vector<v1::StepResult>>)>;
+  PendingDispatch(Dispatcher* dispatcher, size_t workers, uint64_t sequence, absl::Time give_up, Done done);
+  // A worker's answer; ends the dispatch when every worker has answered or
+  // one failed on its own (not a peer's ABORTED).
+  void Answer(size_t rank, absl::StatusOr<v1::StepResult> result);
+  // Past the deadline and its grace: the missing answers are DEADLINE_EXCEEDED.
+  void Expire();
+  // Ends the dispatch once: `why` (CANCELLED), or from the answers so far.
+  void Finish(absl::Status why) ABSL_UNLOCK_FUNCTION(mu_);
+  bool Complete() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  Dispatcher* const dispatcher_;
+  const uint64_t sequence_;
+  const absl::Time give_up_;
+  mutable absl::Mutex mu_;
+  std::vector<absl::optional<absl::StatusOr<v1::StepResult>>> results_ ABSL_GUARDED_BY(mu_);
+  size_t answered_ ABSL_GUARDED_BY(mu_) = 0;
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;
+  Done done_ ABSL_GUARDED_BY(mu_);
+};
 
 class Dispatcher {
  public:
@@ -29,6 +82,9 @@ class Dispatcher {
   // `grace`: how long past a step's deadline Dispatch waits for a channel
   // that has not reported back (gRPC channels report by the deadline).
   Dispatcher(planner::Mesh mesh, Connector connect, absl::Duration grace);
+  ~Dispatcher();
+  Dispatcher(const Dispatcher&) = delete;
+  Dispatcher& operator=(const Dispatcher&) = delete;
 
   struct Joined {
     int rank = 0;
@@ -68,6 +124,13 @@ class Dispatcher {
   // (the workers' calls end by their deadline; later steps do not wait).
   absl::StatusOr<std::vector<v1::StepResult>> Dispatch(std::vector<v1::Step> steps, absl::Time deadline,
                                                        const std::function<bool()>& cancelled = nullptr);
+  // Dispatch without a thread waiting: `done` runs exactly once with what
+  // Dispatch would return, on the thread of the answer that completes it
+  // (a channel's callback, or inline), at the latest at `deadline` plus the
+  // grace (a watchdog ends a dispatch whose channel never reported back).
+  using DispatchDone = std::function<void(absl::StatusOr<std::vector<v1::StepResult>>)>;
+  std::shared_ptr<PendingDispatch> DispatchAsync(std::vector<v1::Step> steps, absl::Time deadline,
+                                                 DispatchDone done);
   // Numbers and sends `steps` like Dispatch, without waiting for answers.
   void DispatchDetached(std::vector<v1::Step> steps, absl::Time deadline);
   // Every worker drops `shard_name` with the next step dispatched (in the
@@ -93,6 +156,13 @@ class Dispatcher {
   std::vector<std::shared_ptr<WorkerChannel>> Number(std::vector<v1::Step>* steps);
   // The step numbered `sequence` is answered or given up on.
   void Done(uint64_t sequence);
+  friend class PendingDispatch;
+  // Counts a finished dispatch's failed calls; the failing worker's status.
+  absl::StatusOr<std::vector<v1::StepResult>> Resolve(std::vector<absl::StatusOr<v1::StepResult>> results);
+  // Ends the asynchronous dispatches past their deadline and grace, every
+  // kWatchdogPeriod, until the dispatcher goes.
+  void Watchdog();
+  static constexpr absl::Duration kWatchdogPeriod = absl::Milliseconds(100);
 
   struct Worker {
     v1::WorkerInfo info;
@@ -117,6 +187,11 @@ class Dispatcher {
   mutable absl::Mutex workers_mu_;
   std::vector<Worker> workers_ ABSL_GUARDED_BY(workers_mu_);
   int joined_ ABSL_GUARDED_BY(workers_mu_) = 0;
+  // The asynchronous dispatches not yet finished (weak: finishing drops them).
+  mutable absl::Mutex watch_mu_;
+  std::vector<std::weak_ptr<PendingDispatch>> watched_ ABSL_GUARDED_BY(watch_mu_);
+  bool stopping_ ABSL_GUARDED_BY(watch_mu_) = false;
+  std::thread watchdog_;
 };
 
 }  // namespace shardgemm

@@ -106,27 +106,60 @@ grpc::ServerUnaryReactor* ShardGemmService::Plan(grpc::CallbackServerContext* co
   return reactor;
 }
 
-grpc::Status ShardGemmService::GroupedGemm(grpc::ServerContext* context,
-                                           const v1::GroupedGemmRequest* request,
-                                           v1::GroupedGemmResponse* response) {
+namespace {
+
+// A unary call on the callback API that hears of its client's cancellation
+// at once (OnCancel), whatever is waiting on its behalf.
+class CancellableReactor : public grpc::ServerUnaryReactor {
+ public:
+  const std::shared_ptr<Cancellation>& cancellation() const { return cancellation_; }
+  void OnCancel() override { cancellation_->Cancel(); }
+  void OnDone() override { delete this; }
+
+ private:
+  const std::shared_ptr<Cancellation> cancellation_ = std::make_shared<Cancellation>();
+};
+
+}  // namespace
+
+grpc::ServerUnaryReactor* ShardGemmService::GroupedGemm(grpc::CallbackServerContext* context,
+                                                        const v1::GroupedGemmRequest* request,
+                                                        v1::GroupedGemmResponse* response) {
+  auto* reactor = new CancellableReactor;
   RequestRecord record = Begin(RequestOp::kGroupedGemm, context);
   record.tensor = request->keep_output_as();
   if (grpc::Status a = Authenticate(*context, &record, security::Grant::kCompute); !a.ok()) {
-    return Finish(record, std::move(a));
+    reactor->Finish(Finish(record, std::move(a)));
+    return reactor;
   }
   auto slot = TakeSlot(record.tenant);
-  if (!slot.ok()) return Finish(record, ToGrpcStatus(slot.status()));
+  if (!slot.ok()) {
+    reactor->Finish(Finish(record, ToGrpcStatus(slot.status())));
+    return reactor;
+  }
   record.bytes_in = static_cast<int64_t>(request->ByteSizeLong());
-  auto r = coordinator_->GroupedGemm(*request, DeadlineOf(context), CallOf(record, context));
-  if (!r.ok()) return Finish(record, ToGrpcStatus(r.status()));
-  *response = std::move(*r);
-  record.plan_summary = response->plan_summary();
-  record.server_seconds = response->server_seconds();
-  record.worker_seconds = response->worker_seconds();
-  record.host_to_device_bytes = response->host_to_device_bytes();
-  record.device_to_host_bytes = response->device_to_host_bytes();
-  record.bytes_out = static_cast<int64_t>(response->ByteSizeLong());
-  return Finish(record, grpc::Status::OK);
+  CallContext call = CallOf(record);
+  call.cancellation = reactor->cancellation();
+  call.cancelled = [c = call.cancellation] { return c->cancelled(); };
+  std::shared_ptr<Slot> held(std::move(*slot));
+  coordinator_->GroupedGemmAsync(
+      *request, DeadlineOf(context), std::move(call),
+      [this, reactor, response, record, held](absl::StatusOr<v1::GroupedGemmResponse> r) mutable {
+        held.reset();  // the tenant's slot is free before the client hears back
+        if (!r.ok()) {
+          reactor->Finish(Finish(record, ToGrpcStatus(r.status())));
+          return;
+        }
+        *response = std::move(*r);
+        record.plan_summary = response->plan_summary();
+        record.server_seconds = response->server_seconds();
+        record.worker_seconds = response->worker_seconds();
+        record.host_to_device_bytes = response->host_to_device_bytes();
+        record.device_to_host_bytes = response->device_to_host_bytes();
+        record.bytes_out = static_cast<int64_t>(response->ByteSizeLong());
+        reactor->Finish(Finish(record, grpc::Status::OK));
+      });
+  return reactor;
 }
 
 grpc::Status ShardGemmService::GroupedQuantize(grpc::ServerContext* context,

@@ -14,9 +14,11 @@
 
 namespace shardgemm {
 
-// Plan is served on the callback API: a dry run is short, CPU-bound work, and
-// the reactor path skips the synchronous server's thread hand-offs.
-class ShardGemmService final : public v1::ShardGemm::WithCallbackMethod_Plan<v1::ShardGemm::Service> {
+// Plan and GroupedGemm are served on the callback API: the reactor path
+// skips the synchronous server's thread hand-offs, a GEMM's workers answer
+// it with no thread waiting, and a client's cancellation reaches it at once.
+class ShardGemmService final
+    : public v1::ShardGemm::WithCallbackMethod_GroupedGemm<v1::ShardGemm::WithCallbackMethod_Plan<v1::ShardGemm::Service>> {
  public:
   // `observer` (may be null) sees every request. `tokens` (null: every
   // caller is let in, as with --insecure) authenticates clients.
@@ -33,8 +35,8 @@ class ShardGemmService final : public v1::ShardGemm::WithCallbackMethod_Plan<v1:
                               v1::ClusterInfo*) override;
   grpc::ServerUnaryReactor* Plan(grpc::CallbackServerContext* context, const v1::PlanRequest* request,
                                  v1::PlanResponse* response) override;
-  grpc::Status GroupedGemm(grpc::ServerContext*, const v1::GroupedGemmRequest*,
-                           v1::GroupedGemmResponse*) override;
+  grpc::ServerUnaryReactor* GroupedGemm(grpc::CallbackServerContext* context, const v1::GroupedGemmRequest* request,
+                                        v1::GroupedGemmResponse* response) override;
   grpc::Status GroupedQuantize(grpc::ServerContext*, const v1::GroupedQuantizeRequest*,
                                v1::GroupedQuantizeResponse*) override;
   grpc::Status PutTensor(grpc::ServerContext*, grpc::ServerReader<v1::TensorChunk>*,

@@ -69,9 +69,9 @@ def test_a_cancelled_keep_output_as_keeps_nothing_and_the_mesh_serves_the_next(c
     """A client that cancels while a worker is frozen: the request ends
     CANCELLED (the coordinator's log line says so), nothing is kept under
     the name, and once the worker is back the name is free and the next
-    request is right. (gRPC's sync server reports the cancellation to the
-    handler only once the frozen worker answers, so the wait itself is
-    bounded by the deadline, not cut short.)"""
+    request is right. (gRPC 1.51's server hears of the cancellation only when
+    the frozen worker answers, on the callback API as on the sync one, so
+    the wait itself is bounded by the deadline, not cut short.)"""
     c = cluster_factory(mesh="dp=2", workers=2, coordinator_flags=["--step_timeout_s=20"])
     client = c.client
     lhs = rng.standard_normal((64, 32)).astype(np.float32)
@@ -97,3 +97,4 @@ def test_a_cancelled_keep_output_as_keeps_nothing_and_the_mesh_serves_the_next(c
                                  keep_output_as="y")
     assert out is None and "y" in {t.name for t in client.list()}
     assert_close(client.get("y"), _reference(lhs, rhs, sizes), 32)
+

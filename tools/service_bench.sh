@@ -10,6 +10,8 @@
 # TLS everywhere and the bench sends the token. SERVER_SECURITY, when set
 # (even empty), replaces the servers' security flags only (a build older than
 # --insecure gets SERVER_SECURITY= ; the bench keeps --insecure).
+# COORDINATOR_CPUS, WORKER_CPUS and BENCH_CPUS (taskset -c lists, e.g. 2 or
+# 2-3) pin the processes to cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SERVER_BIN=${SERVER_BIN:-./bin}
@@ -21,16 +23,21 @@ WORKERS=${WORKERS:-1}
 LOGS=${LOGS:-$(mktemp -d)}
 if [[ -n ${TLS_DIR:-} ]]; then SECURITY="--tls_dir=$TLS_DIR"; else SECURITY="--insecure"; fi
 SERVER_SECURITY=${SERVER_SECURITY-$SECURITY}
+pinned() {  # CPU_LIST COMMAND...: COMMAND on those cores (all when empty), in this process
+  local cpus=$1
+  shift
+  if [[ -n $cpus ]]; then exec taskset -c "$cpus" "$@"; else exec "$@"; fi
+}
 pids=()
 cleanup() {
   for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
   wait 2>/dev/null || true
 }
 trap cleanup EXIT
-"$SERVER_BIN/shardgemm-coordinator" --listen="$ADDR" --mesh="$MESH" $SERVER_SECURITY ${COORDINATOR_FLAGS:-} 2>"$LOGS/coordinator.log" &
+pinned "${COORDINATOR_CPUS:-}" "$SERVER_BIN/shardgemm-coordinator" --listen="$ADDR" --mesh="$MESH" $SERVER_SECURITY ${COORDINATOR_FLAGS:-} 2>"$LOGS/coordinator.log" &
 pids+=($!)
 for ((i = 0; i < WORKERS; i++)); do
-  "$SERVER_BIN/shardgemm-worker" --coordinator="$ADDR" $SERVER_SECURITY ${WORKER_FLAGS:-} 2>"$LOGS/worker$i.log" &
+  pinned "${WORKER_CPUS:-}" "$SERVER_BIN/shardgemm-worker" --coordinator="$ADDR" $SERVER_SECURITY ${WORKER_FLAGS:-} 2>"$LOGS/worker$i.log" &
   pids+=($!)
 done
-"$BENCH" --coordinator="$ADDR" $SECURITY "$@"
+(pinned "${BENCH_CPUS:-}" "$BENCH" --coordinator="$ADDR" $SECURITY "$@")
