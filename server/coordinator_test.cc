@@ -524,6 +524,61 @@ TEST(CoordinatorDeadlineTest, AKeptOutputOrPutWhoseDeadlinePassedIsNotKept) {
   EXPECT_EQ(c.ListTensors().tensors_size(), 1);
 }
 
+// GroupedGemmAsync: no thread waits on the workers. Its callback comes with
+// the right answer once they reply; a pushed cancellation (the callback
+// API's OnCancel) ends a request held by a stuck worker at once, keeps
+// nothing, and frees the name; and a failure before dispatch calls back
+// inline.
+TEST(CoordinatorAsyncTest, TheCallbackCarriesTheAnswerAndACancellationEndsItAtOnce) {
+  auto mesh = MakeMesh("dp=2", ShortGrace());
+  Coordinator& c = mesh->coordinator();
+  const Gemm gemm(8, 4, 5, {1, 2, 0, 3, 0, 1}, 2);
+  const v1::GroupedGemmRequest request = gemm.Request("(dp, None)", "(dp,)");
+  absl::Notification answered;
+  absl::StatusOr<v1::GroupedGemmResponse> got = absl::UnknownError("no answer");
+  c.GroupedGemmAsync(request, absl::Now() + absl::Seconds(10), {}, [&](absl::StatusOr<v1::GroupedGemmResponse> r) {
+    got = std::move(r);
+    answered.Notify();
+  });
+  ASSERT_TRUE(answered.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  ASSERT_OK(got.status());
+  EXPECT_EQ(Floats(got->out()), gemm.Reference());
+
+  mesh->worker(1).SetNeverAnswer(true);
+  v1::GroupedGemmRequest keep = request;
+  keep.set_keep_output_as("y");
+  CallContext call;
+  call.cancellation = std::make_shared<Cancellation>();
+  call.cancelled = [cancellation = call.cancellation] { return cancellation->cancelled(); };
+  absl::Notification cancelled;
+  absl::Status status;
+  c.GroupedGemmAsync(keep, absl::Now() + absl::Seconds(30), call, [&](absl::StatusOr<v1::GroupedGemmResponse> r) {
+    status = r.status();
+    cancelled.Notify();
+  });
+  ASSERT_TRUE(mesh->worker(1).AwaitHeld(1, absl::Seconds(5)));
+  EXPECT_FALSE(cancelled.HasBeenNotified());
+  const absl::Time start = absl::Now();
+  call.cancellation->Cancel();
+  ASSERT_TRUE(cancelled.WaitForNotificationWithTimeout(absl::Seconds(5)));
+  EXPECT_LT(absl::Now() - start, absl::Milliseconds(100)) << "at once, not when the worker answers";
+  EXPECT_EQ(status.code(), absl::StatusCode::kCancelled) << status;
+  EXPECT_TRUE(c.ListTensors().tensors().empty()) << "nothing kept";
+  mesh->worker(1).SetNeverAnswer(false);
+  mesh->worker(1).AnswerHeld();
+  ASSERT_OK(c.GroupedGemm(keep).status());  // the name is free
+  EXPECT_EQ(c.ListTensors().tensors_size(), 1);
+
+  v1::GroupedGemmRequest bad = request;
+  bad.mutable_lhs()->set_spec("(nope, None)");
+  bool inline_answer = false;
+  c.GroupedGemmAsync(bad, absl::Now() + absl::Seconds(5), {}, [&](absl::StatusOr<v1::GroupedGemmResponse> r) {
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+    inline_answer = true;
+  });
+  EXPECT_TRUE(inline_answer);
+}
+
 // --------------------------------------------------------- keep_output_as --
 
 // Dispatches one small step on a dp=2 mesh: retired shards ride on it.

@@ -6,6 +6,7 @@
 #include <string>
 #include <thread>
 
+#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "server/fake_worker_channel.h"
@@ -203,6 +204,116 @@ TEST_F(DispatcherTest, WorkerThatNeverAnswersIsDeadlineExceededInTime) {
 TEST_F(DispatcherTest, StepsForTheWrongNumberOfWorkersAreRefused) {
   auto d = Make("dp=2");
   EXPECT_EQ(d->Dispatch(DeleteSteps(3), absl::Now() + absl::Seconds(1)).status().code(), absl::StatusCode::kInternal);
+}
+
+// The asynchronous dispatch: its callback runs exactly once, with every
+// worker's answer, on the thread of the last answer; nothing waits.
+TEST_F(DispatcherTest, AnAsynchronousDispatchCallsBackOnceWithEveryAnswer) {
+  auto d = Make("dp=2");
+  ASSERT_TRUE(d->Join(At("a")).ok());
+  ASSERT_TRUE(d->Join(At("b")).ok());
+  for (const char* w : {"a", "b"}) {
+    fakes_.at(w).SetHandler([](const v1::Step&) -> absl::StatusOr<v1::StepResult> { return v1::StepResult(); });
+  }
+  fakes_.at("b").SetNeverAnswer(true);
+  absl::Mutex mu;
+  int calls = 0;
+  absl::StatusOr<std::vector<v1::StepResult>> got = absl::UnknownError("not yet");
+  d->DispatchAsync(DeleteSteps(2), absl::Now() + absl::Seconds(30),
+                   [&](absl::StatusOr<std::vector<v1::StepResult>> r) {
+                     absl::MutexLock lock(&mu);
+                     ++calls;
+                     got = std::move(r);
+                   });
+  ASSERT_TRUE(fakes_.at("b").AwaitHeld(1, absl::Seconds(5)));
+  {
+    absl::MutexLock lock(&mu);
+    EXPECT_EQ(calls, 0) << "one worker has not answered";
+  }
+  fakes_.at("b").SetNeverAnswer(false);
+  fakes_.at("b").AnswerHeld();
+  absl::MutexLock lock(&mu);
+  auto answered = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return calls > 0; };
+  ASSERT_TRUE(mu.AwaitWithTimeout(absl::Condition(&answered), absl::Seconds(5)));
+  EXPECT_EQ(calls, 1);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(got->size(), 2u);
+}
+
+// A channel that never reports back (a fake: gRPC's report by the deadline)
+// cannot hold an asynchronous dispatch: the watchdog ends it at the
+// deadline plus the grace (100 ms here), DEADLINE_EXCEEDED naming the worker.
+TEST_F(DispatcherTest, AWatchdogEndsAnAsynchronousDispatchNoChannelAnswers) {
+  auto d = Make("dp=2");
+  ASSERT_TRUE(d->Join(At("a")).ok());
+  ASSERT_TRUE(d->Join(At("b")).ok());
+  for (const char* w : {"a", "b"}) {
+    fakes_.at(w).SetHandler([](const v1::Step&) -> absl::StatusOr<v1::StepResult> { return v1::StepResult(); });
+  }
+  fakes_.at("b").SetNeverAnswer(true);
+  absl::Notification done;
+  absl::Status status;
+  const absl::Time start = absl::Now();
+  d->DispatchAsync(DeleteSteps(2), start + absl::Milliseconds(100),
+                   [&](absl::StatusOr<std::vector<v1::StepResult>> r) {
+                     status = r.status();
+                     done.Notify();
+                   });
+  ASSERT_TRUE(done.WaitForNotificationWithTimeout(absl::Seconds(5)));
+  EXPECT_EQ(status.code(), absl::StatusCode::kDeadlineExceeded) << status;
+  EXPECT_NE(status.message().find("worker 1"), std::string::npos) << status;
+  EXPECT_GE(absl::Now() - start, absl::Milliseconds(200));
+  fakes_.at("b").SetNeverAnswer(false);
+  fakes_.at("b").AnswerHeld();
+}
+
+// Cancel ends the dispatch at once with CANCELLED; the late answer is
+// dropped (the callback is not called again), and the next dispatch runs.
+TEST_F(DispatcherTest, ACancelledAsynchronousDispatchEndsAtOnceAndIgnoresLateAnswers) {
+  auto d = Make("dp=2");
+  ASSERT_TRUE(d->Join(At("a")).ok());
+  ASSERT_TRUE(d->Join(At("b")).ok());
+  for (const char* w : {"a", "b"}) {
+    fakes_.at(w).SetHandler([](const v1::Step&) -> absl::StatusOr<v1::StepResult> { return v1::StepResult(); });
+  }
+  fakes_.at("b").SetNeverAnswer(true);
+  std::atomic<int> calls{0};
+  absl::Status status;
+  auto pending = d->DispatchAsync(DeleteSteps(2), absl::Now() + absl::Seconds(30),
+                                  [&](absl::StatusOr<std::vector<v1::StepResult>> r) {
+                                    status = r.status();
+                                    ++calls;
+                                  });
+  ASSERT_TRUE(fakes_.at("b").AwaitHeld(1, absl::Seconds(5)));
+  EXPECT_EQ(calls.load(), 0);
+  pending->Cancel();
+  EXPECT_EQ(calls.load(), 1) << "inline, at once";
+  EXPECT_EQ(status.code(), absl::StatusCode::kCancelled) << status;
+  fakes_.at("b").SetNeverAnswer(false);
+  fakes_.at("b").AnswerHeld();
+  pending->Cancel();
+  EXPECT_EQ(calls.load(), 1);
+  auto next = d->Dispatch(DeleteSteps(2), absl::Now() + absl::Seconds(5));
+  EXPECT_TRUE(next.ok()) << next.status();
+  EXPECT_EQ(d->GetStats().steps_in_flight, 0);
+}
+
+TEST(Cancellation, RunsItsActionOnceAndAtOnceWhenCancelledAlready) {
+  Cancellation c;
+  int runs = 0;
+  c.OnCancel([&] { ++runs; });
+  EXPECT_FALSE(c.cancelled());
+  c.Cancel();
+  c.Cancel();
+  EXPECT_TRUE(c.cancelled());
+  EXPECT_EQ(runs, 1);
+  c.OnCancel([&] { runs += 10; });
+  EXPECT_EQ(runs, 11) << "registered after the cancellation: run at once";
+  Cancellation cleared;
+  cleared.OnCancel([&] { runs += 100; });
+  cleared.Clear();
+  cleared.Cancel();
+  EXPECT_EQ(runs, 11);
 }
 
 }  // namespace
