@@ -533,8 +533,8 @@ def soak(args):
             info = mesh.info()
             rank = next((w.rank for w in (info.workers if info else []) if w.address == mesh.workers[slot]["address"]),
                         None)
-            mesh.kill(slot)
             killed = time.time()
+            mesh.kill(slot)
             time.sleep(args.restart_delay_s)
             mesh.workers[slot] = mesh.start_worker(slot)
             new = mesh.workers[slot]
