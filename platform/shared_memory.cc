@@ -1,0 +1,178 @@
+#include "platform/shared_memory.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+namespace shardgemm::platform {
+namespace {
+
+absl::Status OpenError(int err, const std::string& key, absl::string_view field) {
+  const std::string what = absl::StrCat(field, ": shared-memory object '", key, "': ", std::strerror(err));
+  if (err == ENOENT) return absl::NotFoundError(absl::StrCat(what, " (none of that name on this host)"));
+  if (err == EACCES || err == EPERM) return absl::PermissionDeniedError(what);
+  return absl::FailedPreconditionError(what);
+}
+
+// a * b, false on overflow past int64.
+bool MulChecked(int64_t a, int64_t b, int64_t* out) { return !__builtin_mul_overflow(a, b, out); }
+
+}  // namespace
+
+absl::Status CheckSharedMemoryKey(absl::string_view key, absl::string_view field) {
+  if (key.size() < 2 || key.size() > 255 || key[0] != '/') {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": '", key, "' is not a shared-memory name ('/' then 1 to 254 characters)"));
+  }
+  for (char c : key.substr(1)) {
+    if (c == '/' || c == '\0') {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ": '", key, "' is not a shared-memory name (no '/' after the first)"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<uint64_t> SharedMemoryObjectSize(const std::string& key, absl::string_view field) {
+  if (auto s = CheckSharedMemoryKey(key, field); !s.ok()) return s;
+  const int fd = shm_open(key.c_str(), O_RDONLY, 0);
+  if (fd < 0) return OpenError(errno, key, field);
+  struct stat st;
+  const int r = fstat(fd, &st);
+  const int err = errno;
+  close(fd);
+  if (r != 0) return OpenError(err, key, field);
+  return static_cast<uint64_t>(st.st_size);
+}
+
+absl::StatusOr<SharedMemoryMapping> SharedMemoryMapping::Map(const std::string& key, uint64_t bytes, bool writable,
+                                                             absl::string_view field) {
+  if (auto s = CheckSharedMemoryKey(key, field); !s.ok()) return s;
+  if (bytes == 0) return absl::InvalidArgumentError(absl::StrCat(field, ": a region of 0 bytes"));
+  const int fd = shm_open(key.c_str(), writable ? O_RDWR : O_RDONLY, 0);
+  if (fd < 0) return OpenError(errno, key, field);
+  struct stat st;
+  if (fstat(fd, &st) != 0) {
+    const int err = errno;
+    close(fd);
+    return OpenError(err, key, field);
+  }
+  if (static_cast<uint64_t>(st.st_size) < bytes) {
+    close(fd);
+    return absl::FailedPreconditionError(absl::StrCat(field, ": shared-memory object '", key, "' has ", st.st_size,
+                                                      " bytes, fewer than the ", bytes, " registered"));
+  }
+  void* p = mmap(nullptr, bytes, writable ? PROT_READ | PROT_WRITE : PROT_READ, MAP_SHARED, fd, 0);
+  const int err = errno;
+  close(fd);  // the mapping keeps the object
+  if (p == MAP_FAILED) return OpenError(err, key, field);
+  return SharedMemoryMapping(static_cast<char*>(p), bytes);
+}
+
+SharedMemoryMapping::SharedMemoryMapping(SharedMemoryMapping&& other) noexcept
+    : data_(other.data_), size_(other.size_) {
+  other.data_ = nullptr;
+  other.size_ = 0;
+}
+
+SharedMemoryMapping& SharedMemoryMapping::operator=(SharedMemoryMapping&& other) noexcept {
+  if (this != &other) {
+    if (data_ != nullptr) munmap(data_, size_);
+    data_ = other.data_;
+    size_ = other.size_;
+    other.data_ = nullptr;
+    other.size_ = 0;
+  }
+  return *this;
+}
+
+SharedMemoryMapping::~SharedMemoryMapping() {
+  if (data_ != nullptr) munmap(data_, size_);
+}
+
+absl::Status CheckTensorBlock(const TensorBlock& b, uint64_t region_bytes, absl::string_view field) {
+  const size_t rank = b.global_shape.size();
+  if (b.block_offsets.size() != rank || b.block_shape.size() != rank || b.element_bytes <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": a block of rank ", b.block_shape.size(), " at ",
+                                                   b.block_offsets.size(), " offsets of a rank-", rank, " tensor"));
+  }
+  int64_t bytes = b.element_bytes;
+  for (size_t d = 0; d < rank; ++d) {
+    if (b.global_shape[d] < 0 || b.block_shape[d] < 0 || b.block_offsets[d] < 0 ||
+        b.block_offsets[d] > b.global_shape[d] || b.block_shape[d] > b.global_shape[d] - b.block_offsets[d]) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, ": block [", absl::StrJoin(b.block_offsets, ","), "] + [", absl::StrJoin(b.block_shape, ","),
+          "] is not inside the tensor [", absl::StrJoin(b.global_shape, ","), "]"));
+    }
+    if (!MulChecked(bytes, b.global_shape[d], &bytes)) {
+      return absl::InvalidArgumentError(absl::StrCat(field, ": the tensor's size overflows"));
+    }
+  }
+  if (b.offset > region_bytes || static_cast<uint64_t>(bytes) > region_bytes - b.offset) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": ", bytes, " bytes at offset ", b.offset,
+                                                   " run past the region's ", region_bytes, " bytes"));
+  }
+  return absl::OkStatus();
+}
+
+namespace {
+
+// Visits the block's contiguous runs (along its last dim): `run(region
+// byte offset, block byte offset, bytes)`.
+template <typename Run>
+void ForEachRun(const TensorBlock& b, Run run) {
+  const size_t rank = b.global_shape.size();
+  for (int64_t d : b.block_shape) {
+    if (d == 0) return;
+  }
+  if (rank == 0) {
+    run(b.offset, 0, static_cast<uint64_t>(b.element_bytes));
+    return;
+  }
+  // Row-major strides of the tensor, in elements.
+  std::vector<int64_t> stride(rank, 1);
+  for (size_t d = rank - 1; d > 0; --d) stride[d - 1] = stride[d] * b.global_shape[d];
+  const uint64_t run_bytes = static_cast<uint64_t>(b.block_shape[rank - 1] * b.element_bytes);
+  std::vector<int64_t> index(rank, 0);  // within the block, last dim fixed at 0
+  uint64_t local = 0;
+  while (true) {
+    int64_t element = 0;
+    for (size_t d = 0; d < rank; ++d) element += (b.block_offsets[d] + index[d]) * stride[d];
+    run(b.offset + static_cast<uint64_t>(element * b.element_bytes), local, run_bytes);
+    local += run_bytes;
+    // Next run: odometer over all but the last dim.
+    size_t d = rank - 1;
+    while (d > 0) {
+      --d;
+      if (++index[d] < b.block_shape[d]) break;
+      index[d] = 0;
+      if (d == 0) return;
+    }
+    if (rank == 1) return;
+  }
+}
+
+}  // namespace
+
+absl::Status CopyBlockOut(const SharedMemoryMapping& mapping, const TensorBlock& block, char* dst,
+                          absl::string_view field) {
+  if (auto s = CheckTensorBlock(block, mapping.size(), field); !s.ok()) return s;
+  ForEachRun(block, [&](uint64_t at, uint64_t local, uint64_t n) { std::memcpy(dst + local, mapping.data() + at, n); });
+  return absl::OkStatus();
+}
+
+absl::Status CopyBlockIn(const SharedMemoryMapping& mapping, const TensorBlock& block, const char* src,
+                         absl::string_view field) {
+  if (auto s = CheckTensorBlock(block, mapping.size(), field); !s.ok()) return s;
+  ForEachRun(block, [&](uint64_t at, uint64_t local, uint64_t n) { std::memcpy(mapping.data() + at, src + local, n); });
+  return absl::OkStatus();
+}
+
+}  // namespace shardgemm::platform

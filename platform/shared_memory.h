@@ -1,0 +1,68 @@
+// POSIX shared-memory objects of same-host clients (shm_open names): the
+// checks on a name, its size, a mapping, and copying one block of a
+// row-major tensor out of or into it, bounds-checked.
+#ifndef SHARDGEMM_PLATFORM_SHARED_MEMORY_H_
+#define SHARDGEMM_PLATFORM_SHARED_MEMORY_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+
+namespace shardgemm::platform {
+
+// '/' then 1 to 254 characters, none of them '/' or NUL (POSIX's portable
+// shm_open name). INVALID_ARGUMENT naming `field` otherwise.
+absl::Status CheckSharedMemoryKey(absl::string_view key, absl::string_view field);
+
+// The size of the object `key` names: NOT_FOUND (naming `field`) when there
+// is none on this host, PERMISSION_DENIED when it cannot be opened.
+absl::StatusOr<uint64_t> SharedMemoryObjectSize(const std::string& key, absl::string_view field);
+
+// The first `bytes` of an object, mapped (shared: writes reach the client).
+class SharedMemoryMapping {
+ public:
+  // FAILED_PRECONDITION when the object is smaller than `bytes` (it shrank
+  // since it was registered).
+  static absl::StatusOr<SharedMemoryMapping> Map(const std::string& key, uint64_t bytes, bool writable,
+                                                 absl::string_view field);
+  SharedMemoryMapping(SharedMemoryMapping&& other) noexcept;
+  SharedMemoryMapping& operator=(SharedMemoryMapping&& other) noexcept;
+  SharedMemoryMapping(const SharedMemoryMapping&) = delete;
+  SharedMemoryMapping& operator=(const SharedMemoryMapping&) = delete;
+  ~SharedMemoryMapping();
+
+  char* data() const { return data_; }
+  uint64_t size() const { return size_; }
+
+ private:
+  SharedMemoryMapping(char* data, uint64_t size) : data_(data), size_(size) {}
+  char* data_ = nullptr;
+  uint64_t size_ = 0;
+};
+
+// Where one block of a row-major tensor lies in a mapping.
+struct TensorBlock {
+  uint64_t offset = 0;                 // of the tensor's first byte
+  std::vector<int64_t> global_shape;   // the whole tensor
+  std::vector<int64_t> block_offsets;  // the block's first index per dim
+  std::vector<int64_t> block_shape;
+  int64_t element_bytes = 0;
+};
+
+// INVALID_ARGUMENT naming `field` unless the block lies in the tensor and
+// the tensor in the first `region_bytes` of the region.
+absl::Status CheckTensorBlock(const TensorBlock& block, uint64_t region_bytes, absl::string_view field);
+
+// The block's bytes, row-major, into `dst` (prod(block_shape) *
+// element_bytes bytes) / from `src` into the region.
+absl::Status CopyBlockOut(const SharedMemoryMapping& mapping, const TensorBlock& block, char* dst,
+                          absl::string_view field);
+absl::Status CopyBlockIn(const SharedMemoryMapping& mapping, const TensorBlock& block, const char* src,
+                         absl::string_view field);
+
+}  // namespace shardgemm::platform
+
+#endif  // SHARDGEMM_PLATFORM_SHARED_MEMORY_H_

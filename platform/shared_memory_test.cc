@@ -1,0 +1,112 @@
+#include "platform/shared_memory.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+
+namespace shardgemm::platform {
+namespace {
+
+// A shared-memory object of `bytes` for one test, removed after it.
+class Object {
+ public:
+  explicit Object(uint64_t bytes) : key_(absl::StrCat("/shardgemm_test_", getpid(), "_", counter_++)) {
+    const int fd = shm_open(key_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+    EXPECT_GE(fd, 0);
+    EXPECT_EQ(ftruncate(fd, static_cast<off_t>(bytes)), 0);
+    close(fd);
+  }
+  ~Object() { shm_unlink(key_.c_str()); }
+  const std::string& key() const { return key_; }
+
+ private:
+  static inline int counter_ = 0;
+  std::string key_;
+};
+
+TEST(SharedMemoryKey, OnlyPortableNames) {
+  EXPECT_TRUE(CheckSharedMemoryKey("/a", "key").ok());
+  EXPECT_TRUE(CheckSharedMemoryKey("/psm_1f2e", "key").ok());
+  for (const std::string& bad : std::vector<std::string>{"", "/", "a", "/a/b", std::string("/a\0b", 4), "/" + std::string(255, 'x')}) {
+    auto s = CheckSharedMemoryKey(bad, "key");
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_NE(s.message().find("key"), absl::string_view::npos);
+  }
+}
+
+TEST(SharedMemoryObject, SizeOfAnObjectAndNotFoundForNone) {
+  Object object(4096);
+  EXPECT_EQ(*SharedMemoryObjectSize(object.key(), "key"), 4096u);
+  EXPECT_EQ(SharedMemoryObjectSize("/shardgemm_no_such_object", "key").status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST(SharedMemoryMapping, AnObjectSmallerThanRegisteredIsAFailedPrecondition) {
+  Object object(100);
+  auto m = SharedMemoryMapping::Map(object.key(), 200, false, "region");
+  EXPECT_EQ(m.status().code(), absl::StatusCode::kFailedPrecondition) << m.status();
+  EXPECT_TRUE(SharedMemoryMapping::Map(object.key(), 100, false, "region").ok());
+}
+
+// Every block of a 3-D tensor at an offset in the region, out and back in,
+// against a naive index loop.
+TEST(SharedMemoryBlocks, BlocksComeOutAndGoInRowMajor) {
+  const std::vector<int64_t> shape = {3, 5, 4};
+  const uint64_t offset = 24;
+  const int64_t n = 3 * 5 * 4;
+  Object object(offset + n * sizeof(float) + 16);
+  auto writable = SharedMemoryMapping::Map(object.key(), offset + n * sizeof(float), true, "region");
+  ASSERT_TRUE(writable.ok()) << writable.status();
+  float* tensor = reinterpret_cast<float*>(writable->data() + offset);
+  std::iota(tensor, tensor + n, 0.0f);
+  auto reader = SharedMemoryMapping::Map(object.key(), offset + n * sizeof(float), false, "region");
+  ASSERT_TRUE(reader.ok());
+  TensorBlock b{offset, shape, {1, 2, 1}, {2, 3, 2}, sizeof(float)};
+  std::vector<float> got(2 * 3 * 2);
+  ASSERT_TRUE(CopyBlockOut(*reader, b, reinterpret_cast<char*>(got.data()), "lhs").ok());
+  std::vector<float> want;
+  for (int i = 1; i < 3; ++i)
+    for (int j = 2; j < 5; ++j)
+      for (int k = 1; k < 3; ++k) want.push_back(static_cast<float>((i * 5 + j) * 4 + k));
+  EXPECT_EQ(got, want);
+  std::vector<float> back(got.size());
+  for (size_t i = 0; i < back.size(); ++i) back[i] = -got[i];
+  ASSERT_TRUE(CopyBlockIn(*writable, b, reinterpret_cast<const char*>(back.data()), "out").ok());
+  EXPECT_EQ(tensor[(1 * 5 + 2) * 4 + 1], -static_cast<float>((1 * 5 + 2) * 4 + 1));
+  EXPECT_EQ(tensor[0], 0.0f) << "outside the block: untouched";
+  // A whole-tensor block and an empty one.
+  std::vector<float> all(n);
+  ASSERT_TRUE(CopyBlockOut(*reader, {offset, shape, {0, 0, 0}, shape, sizeof(float)},
+                           reinterpret_cast<char*>(all.data()), "lhs").ok());
+  EXPECT_EQ(all[n - 1], static_cast<float>(n - 1));
+  EXPECT_TRUE(CopyBlockOut(*reader, {offset, shape, {0, 0, 0}, {0, 5, 4}, sizeof(float)}, nullptr, "lhs").ok());
+}
+
+TEST(SharedMemoryBlocks, BlocksOutsideTheTensorOrTheRegionAreRefusedNamingTheField) {
+  const std::vector<int64_t> shape = {4, 4};
+  Object object(64);
+  auto m = SharedMemoryMapping::Map(object.key(), 64, false, "region");
+  ASSERT_TRUE(m.ok());
+  std::vector<char> dst(64);
+  const TensorBlock bad[] = {
+      {0, shape, {3, 0}, {2, 4}, 4},          // past dim 0
+      {0, shape, {-1, 0}, {1, 4}, 4},         // negative offset
+      {4, shape, {0, 0}, {1, 4}, 4},          // the tensor runs past the region
+      {0, {int64_t{1} << 62, 4}, {0, 0}, {1, 1}, 4},  // overflow
+      {0, shape, {0}, {1, 4}, 4},             // rank mismatch
+  };
+  for (const TensorBlock& b : bad) {
+    absl::Status s = CopyBlockOut(*m, b, dst.data(), "lhs.shared_memory");
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_NE(s.message().find("lhs.shared_memory"), absl::string_view::npos) << s;
+  }
+}
+
+}  // namespace
+}  // namespace shardgemm::platform

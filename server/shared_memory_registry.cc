@@ -1,0 +1,69 @@
+#include "server/shared_memory_registry.h"
+
+#include "absl/strings/str_cat.h"
+#include "platform/shared_memory.h"
+#include "server/resident_registry.h"
+
+namespace shardgemm {
+
+absl::Status SharedMemoryRegistry::Register(const std::string& tenant,
+                                            const v1::RegisterSharedMemoryRequest& request) {
+  if (auto s = ValidateResidentName("name", request.name()); !s.ok()) return s;
+  if (auto s = platform::CheckSharedMemoryKey(request.key(), "key"); !s.ok()) return s;
+  if (request.byte_size() == 0) return absl::InvalidArgumentError("byte_size: a region of 0 bytes");
+  auto size = platform::SharedMemoryObjectSize(request.key(), "key");
+  if (!size.ok()) return size.status();
+  if (*size < request.byte_size()) {
+    return absl::InvalidArgumentError(absl::StrCat("byte_size: ", request.byte_size(), " bytes, but '", request.key(),
+                                                   "' has ", *size));
+  }
+  absl::MutexLock lock(&mu_);
+  const auto id = std::make_pair(tenant, request.name());
+  if (regions_.count(id) > 0) {
+    return absl::AlreadyExistsError(absl::StrCat("name: a shared-memory region '", request.name(),
+                                                 "' is registered; unregister it first"));
+  }
+  if (max_per_tenant_ > 0 && per_tenant_[tenant] >= max_per_tenant_) {
+    return absl::ResourceExhaustedError(absl::StrCat("this tenant has ", max_per_tenant_,
+                                                     " shared-memory regions registered, its limit"));
+  }
+  regions_[id] = SharedMemoryRegion{request.key(), request.byte_size()};
+  ++per_tenant_[tenant];
+  return absl::OkStatus();
+}
+
+absl::Status SharedMemoryRegistry::Unregister(const std::string& tenant, const std::string& name) {
+  absl::MutexLock lock(&mu_);
+  if (regions_.erase({tenant, name}) == 0) {
+    return absl::NotFoundError(absl::StrCat("name: no shared-memory region '", name, "' is registered"));
+  }
+  if (--per_tenant_[tenant] <= 0) per_tenant_.erase(tenant);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<SharedMemoryRegion> SharedMemoryRegistry::Resolve(const std::string& tenant,
+                                                                 const v1::SharedMemoryRef& ref, int64_t bytes,
+                                                                 const std::string& field) const {
+  SharedMemoryRegion region;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = regions_.find({tenant, ref.region()});
+    if (it == regions_.end()) {
+      return absl::NotFoundError(
+          absl::StrCat(field, ".region: no shared-memory region '", ref.region(), "' is registered"));
+    }
+    region = it->second;
+  }
+  if (bytes < 0 || ref.byte_size() != static_cast<uint64_t>(bytes)) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ".byte_size is ", ref.byte_size(),
+                                                   " but the tensor's shape and dtype need ", bytes));
+  }
+  if (ref.offset() > region.byte_size || ref.byte_size() > region.byte_size - ref.offset()) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": ", ref.byte_size(), " bytes at offset ", ref.offset(),
+                                                   " run past region '", ref.region(), "' (", region.byte_size,
+                                                   " bytes)"));
+  }
+  return region;
+}
+
+}  // namespace shardgemm

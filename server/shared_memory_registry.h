@@ -1,0 +1,49 @@
+// The shared-memory regions same-host clients registered, by tenant and
+// name: what a request's SharedMemoryRef resolves to, bounds-checked.
+#ifndef SHARDGEMM_SERVER_SHARED_MEMORY_REGISTRY_H_
+#define SHARDGEMM_SERVER_SHARED_MEMORY_REGISTRY_H_
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <utility>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "proto/shardgemm.pb.h"
+
+namespace shardgemm {
+
+struct SharedMemoryRegion {
+  std::string key;         // the shm_open name
+  uint64_t byte_size = 0;  // what the service may use of it
+};
+
+class SharedMemoryRegistry {
+ public:
+  explicit SharedMemoryRegistry(int max_regions_per_tenant = 64) : max_per_tenant_(max_regions_per_tenant) {}
+
+  // INVALID_ARGUMENT for a bad name, key or size; NOT_FOUND when no object
+  // of that key exists on this host; INVALID_ARGUMENT when it is smaller
+  // than byte_size; ALREADY_EXISTS for a name the tenant registered;
+  // RESOURCE_EXHAUSTED past the tenant's limit.
+  absl::Status Register(const std::string& tenant, const v1::RegisterSharedMemoryRequest& request);
+  // NOT_FOUND unless the tenant registered `name`.
+  absl::Status Unregister(const std::string& tenant, const std::string& name);
+  // The region `ref` names and a check that `bytes` at its offset lie in it
+  // and are what it says: INVALID_ARGUMENT naming `field` otherwise,
+  // NOT_FOUND for a name the tenant has not registered (another tenant's
+  // included).
+  absl::StatusOr<SharedMemoryRegion> Resolve(const std::string& tenant, const v1::SharedMemoryRef& ref,
+                                             int64_t bytes, const std::string& field) const;
+
+ private:
+  const int max_per_tenant_;
+  mutable absl::Mutex mu_;
+  std::map<std::pair<std::string, std::string>, SharedMemoryRegion> regions_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, int> per_tenant_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace shardgemm
+
+#endif  // SHARDGEMM_SERVER_SHARED_MEMORY_REGISTRY_H_

@@ -1,0 +1,79 @@
+#include "server/shared_memory_registry.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+
+namespace shardgemm {
+namespace {
+
+class SharedMemoryRegistryTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    key_ = absl::StrCat("/shardgemm_registry_test_", getpid());
+    const int fd = shm_open(key_.c_str(), O_CREAT | O_RDWR, 0600);
+    ASSERT_GE(fd, 0);
+    ASSERT_EQ(ftruncate(fd, 1024), 0);
+    close(fd);
+  }
+  void TearDown() override { shm_unlink(key_.c_str()); }
+  v1::RegisterSharedMemoryRequest Request(const std::string& name, uint64_t bytes) const {
+    v1::RegisterSharedMemoryRequest r;
+    r.set_name(name);
+    r.set_key(key_);
+    r.set_byte_size(bytes);
+    return r;
+  }
+  static v1::SharedMemoryRef Ref(const std::string& region, uint64_t offset, uint64_t bytes) {
+    v1::SharedMemoryRef r;
+    r.set_region(region);
+    r.set_offset(offset);
+    r.set_byte_size(bytes);
+    return r;
+  }
+  std::string key_;
+};
+
+TEST_F(SharedMemoryRegistryTest, ARegionResolvesForItsTenantOnlyAndWithinItsBounds) {
+  SharedMemoryRegistry registry;
+  ASSERT_TRUE(registry.Register("a", Request("in", 1000)).ok());
+  auto region = registry.Resolve("a", Ref("in", 200, 800), 800, "lhs.shared_memory");
+  ASSERT_TRUE(region.ok()) << region.status();
+  EXPECT_EQ(region->key, key_);
+  EXPECT_EQ(registry.Resolve("b", Ref("in", 0, 8), 8, "lhs.shared_memory").status().code(),
+            absl::StatusCode::kNotFound) << "another tenant's";
+  auto past = registry.Resolve("a", Ref("in", 201, 800), 800, "lhs.shared_memory");
+  EXPECT_EQ(past.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(past.status().message().find("lhs.shared_memory"), absl::string_view::npos) << past.status();
+  EXPECT_EQ(registry.Resolve("a", Ref("in", 0, 8), 16, "lhs.shared_memory").status().code(),
+            absl::StatusCode::kInvalidArgument) << "byte_size not the tensor's";
+  EXPECT_EQ(registry.Resolve("a", Ref("in", ~uint64_t{0}, 8), 8, "f").status().code(),
+            absl::StatusCode::kInvalidArgument) << "an offset that would wrap";
+  ASSERT_TRUE(registry.Unregister("a", "in").ok());
+  EXPECT_EQ(registry.Resolve("a", Ref("in", 0, 8), 8, "f").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(registry.Unregister("a", "in").code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(SharedMemoryRegistryTest, BadRegistrationsSayWhy) {
+  SharedMemoryRegistry registry(/*max_regions_per_tenant=*/1);
+  EXPECT_EQ(registry.Register("a", Request("big", 2048)).code(), absl::StatusCode::kInvalidArgument)
+      << "larger than the object";
+  v1::RegisterSharedMemoryRequest missing = Request("m", 8);
+  missing.set_key("/shardgemm_no_such_region");
+  EXPECT_EQ(registry.Register("a", missing).code(), absl::StatusCode::kNotFound);
+  v1::RegisterSharedMemoryRequest bad_key = Request("k", 8);
+  bad_key.set_key("no-slash");
+  EXPECT_EQ(registry.Register("a", bad_key).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(registry.Register("a", Request("", 8)).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(registry.Register("a", Request("z", 0)).code(), absl::StatusCode::kInvalidArgument);
+  ASSERT_TRUE(registry.Register("a", Request("one", 8)).ok());
+  EXPECT_EQ(registry.Register("a", Request("one", 8)).code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_EQ(registry.Register("a", Request("two", 8)).code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_TRUE(registry.Register("b", Request("two", 8)).ok()) << "a limit per tenant";
+}
+
+}  // namespace
+}  // namespace shardgemm
