@@ -22,6 +22,11 @@ struct TensorMeta {
   std::vector<int64_t> shape;
   std::string spec;
   std::string resident_shard;  // non-empty for a resident tensor
+  // Set for a tensor in a client's shared-memory region: its shm_open name,
+  // the tensor's first byte there, and the region's registered size.
+  std::string shared_memory_key;
+  uint64_t shared_memory_offset = 0;
+  uint64_t shared_memory_region_bytes = 0;
 };
 using TensorResolver =
     std::function<absl::StatusOr<TensorMeta>(const v1::Tensor& tensor, const std::string& field)>;

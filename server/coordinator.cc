@@ -28,6 +28,12 @@
 namespace shardgemm {
 
 namespace {
+
+absl::Status SharedMemoryOff(absl::string_view what) {
+  return absl::FailedPreconditionError(absl::StrCat(
+      what, ": shared memory is off on this coordinator (start it with --shared_memory; the workers must share "
+            "the client's host)"));
+}
 // 128 random bits: a session a peer cannot guess (steps and rendezvous keys carry it).
 std::string MakeSessionId() {
   absl::BitGen gen;
@@ -352,6 +358,7 @@ struct Coordinator::GemmCall {
   std::string shard_name;              // keep_output_as's new generation
   std::unique_ptr<ClaimGuard> claim;   // keep_output_as's name, released unless registered
   HostTensor* out_tensor = nullptr;
+  bool out_to_shared_memory = false;  // the workers wrote the output into the client's region
   std::vector<v1::Step> steps;
 };
 
@@ -727,7 +734,36 @@ absl::StatusOr<TensorMeta> Coordinator::ResolveMeta(const v1::Tensor& t, const s
     if (!r.ok()) return r.status();
     return MetaOf(*r);
   }
+  if (t.source_case() == v1::Tensor::kSharedMemory) {
+    if (!options_.allow_shared_memory) return SharedMemoryOff(absl::StrCat(field, ".shared_memory"));
+    auto dtype = DTypeFromProto(t.dtype(), field);
+    if (!dtype.ok()) return dtype.status();
+    TensorMeta meta;
+    meta.dtype = *dtype;
+    meta.shape.assign(t.shape().begin(), t.shape().end());
+    meta.spec = t.spec();
+    auto n = CheckedNumElements(meta.shape, DTypeSize(meta.dtype), field);
+    if (!n.ok()) return n.status();
+    const std::string at = absl::StrCat(field, ".shared_memory");
+    auto region = shared_memory_.Resolve(tenant, t.shared_memory(), *n * DTypeSize(meta.dtype), at);
+    if (!region.ok()) return region.status();
+    meta.shared_memory_key = region->key;
+    meta.shared_memory_offset = t.shared_memory().offset();
+    meta.shared_memory_region_bytes = region->byte_size;
+    return meta;
+  }
   return InlineTensorMeta(t, field);
+}
+
+absl::Status Coordinator::RegisterSharedMemory(const v1::RegisterSharedMemoryRequest& request,
+                                               const CallContext& call) {
+  if (!options_.allow_shared_memory) return SharedMemoryOff("RegisterSharedMemory");
+  return shared_memory_.Register(call.tenant, request);
+}
+
+absl::Status Coordinator::UnregisterSharedMemory(const std::string& name, const CallContext& call) {
+  if (!options_.allow_shared_memory) return SharedMemoryOff("UnregisterSharedMemory");
+  return shared_memory_.Unregister(call.tenant, name);
 }
 
 absl::StatusOr<v1::GroupedQuantizeResponse> Coordinator::GroupedQuantize(
@@ -743,6 +779,11 @@ absl::StatusOr<v1::GroupedQuantizeResponse> Coordinator::GroupedQuantize(
   };
   auto plan_request = QuantizePlanRequest(request, mesh_, resolve);
   if (!plan_request.ok()) return plan_request.status();
+  if (!metas["x"].shared_memory_key.empty()) {
+    return absl::UnimplementedError(
+        "x.shared_memory: grouped quantize reads x inline or resident; shared memory is for GEMM operands and "
+        "outputs");
+  }
   if (!IsGemmFloat(metas["x"].dtype)) {
     return absl::InvalidArgumentError(
         absl::StrCat("x.dtype must be f32, bf16 or f16, got ", DTypeName(metas["x"].dtype)));
@@ -980,6 +1021,12 @@ HostTensor RouteRows(const HostTensor& t, const RowRouting& routing) {
 absl::StatusOr<v1::GroupedGemmResponse> Coordinator::GroupedGemmGlobalSorted(
     const v1::GroupedGemmRequest& request, absl::Time deadline, const CallContext& call) {
   const bool ragged_k = request.ragged() == v1::GroupedGemmRequest::RAGGED_K;
+  if (request.has_out_shared_memory() || request.lhs().source_case() == v1::Tensor::kSharedMemory ||
+      request.rhs().source_case() == v1::Tensor::kSharedMemory) {
+    return absl::InvalidArgumentError(
+        "layout GLOBAL_SORTED routes the rows itself: its operands and output travel inline; use the PER_SHARD "
+        "layout with shared memory");
+  }
   if (request.lhs().source_case() == v1::Tensor::kResident ||
       (ragged_k && request.rhs().source_case() == v1::Tensor::kResident)) {
     return absl::InvalidArgumentError(
@@ -1075,8 +1122,12 @@ absl::StatusOr<std::shared_ptr<Coordinator::GemmCall>> Coordinator::PrepareGroup
   };
   auto plan_request = GemmPlanRequest(request, mesh_, resolve);
   if (!plan_request.ok()) return plan_request.status();
-  if (!metas["group_sizes"].resident_shard.empty()) {
-    return absl::InvalidArgumentError("group_sizes must be sent inline, not as a resident tensor");
+  if (!metas["group_sizes"].resident_shard.empty() || !metas["group_sizes"].shared_memory_key.empty()) {
+    return absl::InvalidArgumentError("group_sizes must be sent inline, not as a resident tensor or in shared memory");
+  }
+  if (request.has_out_shared_memory() && !request.keep_output_as().empty()) {
+    return absl::InvalidArgumentError("out_shared_memory: an output is kept resident or written to shared memory, "
+                                      "not both");
   }
   auto plan = planner::MakePlan(*plan_request);
   if (!plan.ok() && request.has_quantize_lhs() &&
@@ -1129,7 +1180,7 @@ absl::StatusOr<std::shared_ptr<Coordinator::GemmCall>> Coordinator::PrepareGroup
   step_request.group_sizes = std::move(*group_sizes);
   for (const auto& [tensor, name] : sources) {
     if (!metas.contains(name)) continue;
-    if (metas[name].resident_shard.empty()) {
+    if (metas[name].resident_shard.empty() && metas[name].shared_memory_key.empty()) {
       if (auto it = decoded.find(name); it != decoded.end()) {
         inline_tensors[name] = std::move(it->second.tensor);
       } else {
@@ -1157,6 +1208,33 @@ absl::StatusOr<std::shared_ptr<Coordinator::GemmCall>> Coordinator::PrepareGroup
     shard_name = *claimed;
     c->claim = std::make_unique<ClaimGuard>(&registry_, call.tenant, request.keep_output_as());
     for (v1::Step& s : steps) s.mutable_gemm()->set_keep_output_as(shard_name);
+  }
+  if (request.has_out_shared_memory()) {
+    if (!options_.allow_shared_memory) return SharedMemoryOff("out_shared_memory");
+    auto n = CheckedNumElements(plan->out_shape, DTypeSize(plan->out_dtype), "out");
+    if (!n.ok()) return n.status();
+    auto region = shared_memory_.Resolve(call.tenant, request.out_shared_memory(), *n * DTypeSize(plan->out_dtype),
+                                         "out_shared_memory");
+    if (!region.ok()) return region.status();
+    // Each distinct block of the output is written once, by the first rank
+    // that holds it; the others return only its header.
+    std::set<std::vector<int64_t>> written;
+    for (int r = 0; r < num_workers_; ++r) {
+      auto offsets = planner::BlockOffsets("out", plan->out_shape, plan->out_spec, mesh_, r);
+      if (!offsets.ok()) return offsets.status();
+      v1::GemmStep* gemm = steps[r].mutable_gemm();
+      if (!written.insert(*offsets).second) {
+        gemm->set_discard_output(true);
+        continue;
+      }
+      v1::SharedMemoryBlock* block = gemm->mutable_out_shared_memory();
+      block->set_key(region->key);
+      block->set_offset(request.out_shared_memory().offset());
+      block->set_region_bytes(region->byte_size);
+      block->mutable_global_shape()->Assign(plan->out_shape.begin(), plan->out_shape.end());
+      block->mutable_block_offsets()->Assign(offsets->begin(), offsets->end());
+    }
+    c->out_to_shared_memory = true;
   }
   c->shard_name = std::move(shard_name);
   c->steps = std::move(steps);
@@ -1201,6 +1279,11 @@ absl::StatusOr<v1::GroupedGemmResponse> Coordinator::CompleteGroupedGemm(
     response.mutable_out()->mutable_shape()->Assign(plan->out_shape.begin(), plan->out_shape.end());
     response.mutable_out()->set_resident(request.keep_output_as());
     response.mutable_out()->set_spec(spec_text);
+  } else if (c.out_to_shared_memory) {
+    response.mutable_out()->set_dtype(DTypeToProto(plan->out_dtype));
+    response.mutable_out()->mutable_shape()->Assign(plan->out_shape.begin(), plan->out_shape.end());
+    *response.mutable_out()->mutable_shared_memory() = request.out_shared_memory();
+    response.mutable_out()->set_spec(planner::FormatPartitionSpec(plan->out_spec));
   } else {
     auto out = Assemble(plan->out_dtype, plan->out_shape, plan->out_spec,
                         [&](int r) { return HostTensorFromProto(std::move(*(*results)[r].mutable_out()), "out"); });

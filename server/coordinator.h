@@ -22,6 +22,7 @@
 #include "planner/spec.h"
 #include "server/dispatcher.h"
 #include "server/resident_registry.h"
+#include "server/shared_memory_registry.h"
 #include "server/worker_channel.h"
 
 namespace shardgemm {
@@ -39,6 +40,9 @@ struct CoordinatorOptions {
   // many missed answers in a row it is marked down.
   absl::Duration heartbeat_interval = absl::ZeroDuration();
   int heartbeat_misses = 3;
+  // Same-host clients may name shared-memory regions as sources and
+  // destinations (the workers map them; FAILED_PRECONDITION when off).
+  bool allow_shared_memory = false;
 };
 
 // Who asks: the caller's tenant (its token's; "" with --insecure), whose
@@ -123,6 +127,10 @@ class Coordinator {
                             const CallContext& call = {});
   v1::ListTensorsResponse ListTensors(const CallContext& call = {}) const;
 
+  // A same-host client's shared-memory region, by the name requests use.
+  absl::Status RegisterSharedMemory(const v1::RegisterSharedMemoryRequest& request, const CallContext& call = {});
+  absl::Status UnregisterSharedMemory(const std::string& name, const CallContext& call = {});
+
   const planner::Mesh& mesh() const { return mesh_; }
   const std::string& session() const { return session_; }
 
@@ -201,6 +209,7 @@ class Coordinator {
   Dispatcher dispatcher_;
 
   ResidentRegistry registry_;
+  SharedMemoryRegistry shared_memory_;
 
   absl::Mutex reconcile_mu_;
   std::vector<std::set<std::string>> reported_ ABSL_GUARDED_BY(reconcile_mu_);  // shards by rank, at registration

@@ -22,6 +22,10 @@
 #include "proto/transport.h"
 #include "server/service.h"
 
+ABSL_FLAG(bool, shared_memory, false,
+          "let same-host clients name POSIX shared-memory regions as tensor sources and output destinations "
+          "(RegisterSharedMemory); the workers map them, so they must share the client's host, and a client may "
+          "name any object the service's user can open (docs/security.md)");
 ABSL_FLAG(std::string, cpus, "",
           "pin the process to these CPUs (a list such as 2, 2-3 or 0,4-7; empty: wherever the OS puts it): on a VM "
           "guest a wake-up that crosses cores costs several times one that stays, and a request hands off between "
@@ -110,6 +114,7 @@ int Run() {
   }
   options.heartbeat_interval = absl::Seconds(absl::GetFlag(FLAGS_heartbeat_interval_s));
   options.heartbeat_misses = absl::GetFlag(FLAGS_heartbeat_misses);
+  options.allow_shared_memory = absl::GetFlag(FLAGS_shared_memory);
   std::shared_ptr<grpc::ChannelCredentials> worker_credentials = transport->ChannelCredentials();
   Coordinator coordinator(
       *mesh, [worker_credentials](const std::string& address) { return MakeGrpcWorkerChannel(address, worker_credentials); },

@@ -16,6 +16,8 @@ const char* RequestOpName(RequestOp op) {
     case RequestOp::kGetTensor: return "get_tensor";
     case RequestOp::kDeleteTensor: return "delete_tensor";
     case RequestOp::kListTensors: return "list_tensors";
+    case RequestOp::kRegisterSharedMemory: return "register_shared_memory";
+    case RequestOp::kUnregisterSharedMemory: return "unregister_shared_memory";
   }
   return "unknown";
 }

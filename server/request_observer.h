@@ -26,6 +26,8 @@ enum class RequestOp {
   kGetTensor,
   kDeleteTensor,
   kListTensors,
+  kRegisterSharedMemory,
+  kUnregisterSharedMemory,
 };
 const char* RequestOpName(RequestOp op);  // "grouped_gemm", ...
 

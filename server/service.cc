@@ -302,6 +302,28 @@ grpc::Status ShardGemmService::ListTensors(grpc::ServerContext* context, const v
   return Finish(record, grpc::Status::OK);
 }
 
+grpc::Status ShardGemmService::RegisterSharedMemory(grpc::ServerContext* context,
+                                                    const v1::RegisterSharedMemoryRequest* request,
+                                                    v1::RegisterSharedMemoryResponse*) {
+  RequestRecord record = Begin(RequestOp::kRegisterSharedMemory, context);
+  if (grpc::Status a = Authenticate(*context, &record, security::Grant::kWrite); !a.ok()) {
+    return Finish(record, std::move(a));
+  }
+  record.tensor = request->name();
+  return Finish(record, ToGrpcStatus(coordinator_->RegisterSharedMemory(*request, CallOf(record))));
+}
+
+grpc::Status ShardGemmService::UnregisterSharedMemory(grpc::ServerContext* context,
+                                                      const v1::UnregisterSharedMemoryRequest* request,
+                                                      v1::UnregisterSharedMemoryResponse*) {
+  RequestRecord record = Begin(RequestOp::kUnregisterSharedMemory, context);
+  if (grpc::Status a = Authenticate(*context, &record, security::Grant::kWrite); !a.ok()) {
+    return Finish(record, std::move(a));
+  }
+  record.tensor = request->name();
+  return Finish(record, ToGrpcStatus(coordinator_->UnregisterSharedMemory(request->name(), CallOf(record))));
+}
+
 grpc::Status CoordinationService::CheckCaller(const grpc::ServerContext& context) const {
   if (transport_ == nullptr || transport_->CallerIs(context, security::kWorkerName)) return grpc::Status::OK;
   return grpc::Status(grpc::StatusCode::PERMISSION_DENIED,

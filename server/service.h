@@ -47,6 +47,10 @@ class ShardGemmService final
                             v1::DeleteTensorResponse*) override;
   grpc::Status ListTensors(grpc::ServerContext*, const v1::ListTensorsRequest*,
                            v1::ListTensorsResponse*) override;
+  grpc::Status RegisterSharedMemory(grpc::ServerContext*, const v1::RegisterSharedMemoryRequest*,
+                                    v1::RegisterSharedMemoryResponse*) override;
+  grpc::Status UnregisterSharedMemory(grpc::ServerContext*, const v1::UnregisterSharedMemoryRequest*,
+                                      v1::UnregisterSharedMemoryResponse*) override;
 
  private:
   // Records `record` with `status` (when observed) and returns `status`.

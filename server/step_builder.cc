@@ -49,6 +49,19 @@ absl::StatusOr<std::vector<v1::Step>> BuildGemmSteps(const GemmStepsRequest& req
         local->set_resident(operand.meta.resident_shard);
         continue;
       }
+      if (!operand.meta.shared_memory_key.empty()) {  // the worker reads its block itself
+        local->set_dtype(DTypeToProto(operand.meta.dtype));
+        local->mutable_shape()->Assign(op->input_local_shape.begin(), op->input_local_shape.end());
+        v1::SharedMemoryBlock* block = local->mutable_shared_memory();
+        block->set_key(operand.meta.shared_memory_key);
+        block->set_offset(operand.meta.shared_memory_offset);
+        block->set_region_bytes(operand.meta.shared_memory_region_bytes);
+        block->mutable_global_shape()->Assign(op->global_shape.begin(), op->global_shape.end());
+        auto offsets = planner::BlockOffsets(name, op->global_shape, op->input_spec, mesh, r);
+        if (!offsets.ok()) return offsets.status();
+        block->mutable_block_offsets()->Assign(offsets->begin(), offsets->end());
+        continue;
+      }
       if (operand.tensor == nullptr) return absl::InternalError(absl::StrCat(name, " has neither data nor a shard"));
       if (op->input_local_shape == op->global_shape) {  // replicated: no slicing copy
         HostTensorToProto(*operand.tensor, local);

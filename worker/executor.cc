@@ -1,5 +1,7 @@
 #include "worker/executor.h"
 
+#include "platform/shared_memory.h"
+
 #include <algorithm>
 #include <limits>
 #include <cstring>
@@ -11,6 +13,7 @@
 #include "kernels/cpu/fp8_grouped_gemm.h"
 #include "kernels/fp8.h"
 #include "kernels/gemm_scale_layout.h"
+#include "platform/shared_memory.h"
 #include "proto/plan_codec.h"
 #include "proto/tensor_codec.h"
 
@@ -159,6 +162,45 @@ struct Input {
   std::shared_ptr<const DeviceBuffer> device;  // set while only the device holds the bytes
 };
 
+platform::TensorBlock BlockOf(const v1::SharedMemoryBlock& b, std::vector<int64_t> block_shape, DType dtype) {
+  platform::TensorBlock block;
+  block.offset = b.offset();
+  block.global_shape.assign(b.global_shape().begin(), b.global_shape().end());
+  block.block_offsets.assign(b.block_offsets().begin(), b.block_offsets().end());
+  block.block_shape = std::move(block_shape);
+  block.element_bytes = DTypeSize(dtype);
+  return block;
+}
+
+// A worker's block of a same-host client's shared-memory region, copied
+// into the step's memory (the region is the client's to change later).
+absl::StatusOr<HostTensor> ReadSharedMemoryBlock(const v1::LocalTensor& t, absl::string_view field) {
+  const std::string at = absl::StrCat(field, ".shared_memory");
+  auto dtype = DTypeFromProto(t.dtype(), field);
+  if (!dtype.ok()) return dtype.status();
+  std::vector<int64_t> shape(t.shape().begin(), t.shape().end());
+  auto n = CheckedNumElements(shape, DTypeSize(*dtype), field);
+  if (!n.ok()) return n.status();
+  auto mapping = platform::SharedMemoryMapping::Map(t.shared_memory().key(), t.shared_memory().region_bytes(),
+                                                    /*writable=*/false, at);
+  if (!mapping.ok()) return mapping.status();
+  HostTensor out;
+  out.dtype = *dtype;
+  out.shape = shape;
+  out.bytes.resize(static_cast<size_t>(*n * DTypeSize(*dtype)));
+  if (auto s = platform::CopyBlockOut(*mapping, BlockOf(t.shared_memory(), shape, *dtype), out.bytes.data(), at);
+      !s.ok()) {
+    return s;
+  }
+  return out;
+}
+
+absl::Status WriteSharedMemoryBlock(const v1::SharedMemoryBlock& b, const HostTensor& out) {
+  auto mapping = platform::SharedMemoryMapping::Map(b.key(), b.region_bytes(), /*writable=*/true, "out_shared_memory");
+  if (!mapping.ok()) return mapping.status();
+  return platform::CopyBlockIn(*mapping, BlockOf(b, out.shape, out.dtype), out.bytes.data(), "out_shared_memory");
+}
+
 absl::StatusOr<Input> ResolveInput(v1::LocalTensor&& t, const ShardStore& store,
                                    absl::string_view field) {
   Input in;
@@ -175,6 +217,12 @@ absl::StatusOr<Input> ResolveInput(v1::LocalTensor&& t, const ShardStore& store,
       in.tensor = std::move(header);
       in.device = (*shard)->device;
     }
+    return in;
+  }
+  if (t.source_case() == v1::LocalTensor::kSharedMemory) {
+    auto read = ReadSharedMemoryBlock(t, field);
+    if (!read.ok()) return read.status();
+    in.tensor = std::make_shared<const HostTensor>(std::move(*read));
     return in;
   }
   auto decoded = HostTensorFromProto(std::move(t), field);
@@ -779,6 +827,15 @@ absl::StatusOr<v1::StepResult> Executor::RunGemm(v1::GemmStep& gemm) {
     // The output leaves the step's working memory for the store.
     reservation.Release();
     if (auto s = store_->Put(gemm.keep_output_as(), std::move(*out)); !s.ok()) return s;
+  } else if (gemm.has_out_shared_memory() || gemm.discard_output()) {
+    // Into the client's region (or another worker writes this block): the
+    // result carries the header only.
+    if (gemm.has_out_shared_memory()) {
+      if (auto s = WriteSharedMemoryBlock(gemm.out_shared_memory(), *out); !s.ok()) return s;
+    }
+    v1::LocalTensor* info = result.mutable_out();
+    info->set_dtype(DTypeToProto(out->dtype));
+    info->mutable_shape()->Assign(out->shape.begin(), out->shape.end());
   } else {
     HostTensorToProto(std::move(*out), result.mutable_out());
   }

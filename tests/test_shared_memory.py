@@ -1,0 +1,198 @@
+"""Same-host clients and POSIX shared memory (--shared_memory): a client
+registers a region, names (region, offset, bytes) as a GEMM operand's
+source and as the output's destination; the workers read and write their
+blocks themselves, so the request carries no activation bytes. Bad
+references get a status naming the field, and nothing resident is lost."""
+from multiprocessing import shared_memory
+
+import grpc
+import numpy as np
+import pytest
+
+from reference import assert_close
+from shardgemm_client import pb
+
+rng = np.random.default_rng(11)
+
+
+class Region:
+    """A shared-memory object of `nbytes`, unlinked afterwards."""
+
+    def __init__(self, nbytes):
+        self.shm = shared_memory.SharedMemory(create=True, size=nbytes)
+        self.key = "/" + self.shm.name
+
+    def array(self, dtype, shape, offset=0):
+        return np.ndarray(shape, dtype=dtype, buffer=self.shm.buf, offset=offset)
+
+    def close(self):
+        self.shm.close()
+        self.shm.unlink()
+
+
+@pytest.fixture
+def regions():
+    made = []
+
+    def make(nbytes):
+        made.append(Region(nbytes))
+        return made[-1]
+
+    yield make
+    for r in made:
+        r.close()
+
+
+def _register(client, name, region, nbytes):
+    client.stub.RegisterSharedMemory(pb.RegisterSharedMemoryRequest(name=name, key=region.key, byte_size=nbytes))
+
+
+def _in_shm(tensor_proto, region_name, offset, nbytes):
+    tensor_proto.shared_memory.region = region_name
+    tensor_proto.shared_memory.offset = offset
+    tensor_proto.shared_memory.byte_size = nbytes
+
+
+def _reference(lhs, rhs, sizes, shards):
+    out = np.zeros((lhs.shape[0], rhs.shape[2]), np.float32)
+    rows = lhs.shape[0] // shards
+    g = rhs.shape[0]
+    for s in range(shards):
+        row = s * rows
+        for e, n in enumerate(sizes[s * g:(s + 1) * g]):
+            out[row:row + n] = lhs[row:row + n] @ rhs[e]
+            row += n
+    return out
+
+
+def test_operands_and_output_in_shared_memory_match_the_reference(cluster_factory, regions):
+    c = cluster_factory(mesh="dp=2", workers=2, coordinator_flags=["--shared_memory"])
+    client = c.client
+    lhs = rng.standard_normal((64, 32)).astype(np.float32)
+    rhs = rng.standard_normal((2, 32, 16)).astype(np.float32)
+    sizes = [10, 22, 16, 16]
+    offset = 64  # the tensors need not start at the region's start
+    inputs = regions(offset + lhs.nbytes)
+    inputs.array(np.float32, lhs.shape, offset)[:] = lhs
+    outputs = regions(64 * 16 * 4)
+    _register(client, "in", inputs, offset + lhs.nbytes)
+    _register(client, "out", outputs, 64 * 16 * 4)
+
+    req = client.gemm_request(lhs, rhs, sizes, lhs_spec="(dp, None)", group_sizes_spec="(dp,)")
+    _in_shm(req.lhs, "in", offset, lhs.nbytes)
+    req.out_shared_memory.region = "out"
+    req.out_shared_memory.byte_size = 64 * 16 * 4
+    assert req.ByteSize() < rhs.nbytes + 1024, "no activation bytes in the request"
+    resp = client.stub.GroupedGemm(req, timeout=30)
+    assert resp.out.WhichOneof("source") == "shared_memory" and resp.out.shared_memory.region == "out"
+    assert list(resp.out.shape) == [64, 16]
+    assert_close(outputs.array(np.float32, (64, 16)).copy(), _reference(lhs, rhs, sizes, 2), 32)
+
+    # The weights in shared memory too, replicated: each worker reads all of them.
+    w = regions(rhs.nbytes)
+    w.array(np.float32, rhs.shape)[:] = rhs
+    _register(client, "w", w, rhs.nbytes)
+    outputs.array(np.float32, (64, 16))[:] = 0
+    req2 = client.gemm_request(lhs, rhs, sizes, lhs_spec="(dp, None)", group_sizes_spec="(dp,)")
+    _in_shm(req2.lhs, "in", offset, lhs.nbytes)
+    _in_shm(req2.rhs, "w", 0, rhs.nbytes)
+    req2.out_shared_memory.region = "out"
+    req2.out_shared_memory.byte_size = 64 * 16 * 4
+    client.stub.GroupedGemm(req2, timeout=30)
+    assert_close(outputs.array(np.float32, (64, 16)).copy(), _reference(lhs, rhs, sizes, 2), 32)
+
+    # A replicated output (TP row: all-reduced on every worker) is written once, whole.
+    k_split_lhs = rng.standard_normal((32, 64)).astype(np.float32)
+    k_split_rhs = rng.standard_normal((2, 64, 16)).astype(np.float32)
+    region = regions(k_split_lhs.nbytes)
+    region.array(np.float32, k_split_lhs.shape)[:] = k_split_lhs
+    _register(client, "tp", region, k_split_lhs.nbytes)
+    out2 = regions(32 * 16 * 4)
+    _register(client, "out2", out2, 32 * 16 * 4)
+    req3 = client.gemm_request(k_split_lhs, k_split_rhs, [12, 20], lhs_spec="(None, dp)", rhs_spec="(None, dp, None)")
+    _in_shm(req3.lhs, "tp", 0, k_split_lhs.nbytes)
+    req3.out_shared_memory.region = "out2"
+    req3.out_shared_memory.byte_size = 32 * 16 * 4
+    client.stub.GroupedGemm(req3, timeout=30)
+    assert_close(out2.array(np.float32, (32, 16)).copy(), _reference(k_split_lhs, k_split_rhs, [12, 20], 1), 64)
+
+
+def test_bad_shared_memory_references_name_the_field_and_lose_nothing(cluster_factory, regions):
+    c = cluster_factory(mesh="dp=2", workers=2, coordinator_flags=["--shared_memory"])
+    client = c.client
+    lhs = rng.standard_normal((64, 32)).astype(np.float32)
+    rhs = rng.standard_normal((2, 32, 16)).astype(np.float32)
+    sizes = [10, 22, 16, 16]
+    client.put("w", rhs)
+    region = regions(lhs.nbytes)
+    region.array(np.float32, lhs.shape)[:] = lhs
+    _register(client, "in", region, lhs.nbytes)
+
+    def gemm_with(offset, nbytes, name="in", **kw):
+        req = client.gemm_request(lhs, rhs, sizes, lhs_spec="(dp, None)", group_sizes_spec="(dp,)", **kw)
+        _in_shm(req.lhs, name, offset, nbytes)
+        req.rhs.Clear()
+        req.rhs.resident = "w"
+        return client.stub.GroupedGemm(req, timeout=30)
+
+    cases = [
+        (dict(offset=4, nbytes=lhs.nbytes), grpc.StatusCode.INVALID_ARGUMENT, "lhs.shared_memory"),  # past the end
+        (dict(offset=0, nbytes=lhs.nbytes - 4), grpc.StatusCode.INVALID_ARGUMENT, "byte_size"),
+        (dict(offset=0, nbytes=lhs.nbytes, name="nope"), grpc.StatusCode.NOT_FOUND, "lhs.shared_memory.region"),
+        (dict(offset=0, nbytes=lhs.nbytes, keep_output_as="y"), None, None),  # fine: output kept
+    ]
+    for kwargs, code, text in cases:
+        if code is None:
+            gemm_with(**kwargs)
+            continue
+        with pytest.raises(grpc.RpcError) as err:
+            gemm_with(**kwargs)
+        assert err.value.code() == code, (kwargs, err.value.details())
+        assert text in err.value.details(), err.value.details()
+
+    # Registration: a missing object, one smaller than claimed, a bad key, a name twice.
+    for key, nbytes, code in [("/shardgemm_no_such_region", 8, grpc.StatusCode.NOT_FOUND),
+                              (region.key, lhs.nbytes + 1, grpc.StatusCode.INVALID_ARGUMENT),
+                              ("relative", 8, grpc.StatusCode.INVALID_ARGUMENT),
+                              (region.key, 8, grpc.StatusCode.ALREADY_EXISTS)]:
+        with pytest.raises(grpc.RpcError) as err:
+            client.stub.RegisterSharedMemory(pb.RegisterSharedMemoryRequest(name="in", key=key, byte_size=nbytes))
+        assert err.value.code() == code, (key, err.value.details())
+    # An output region of the wrong size, and output both kept and in shared memory.
+    req = client.gemm_request(lhs, rhs, sizes, lhs_spec="(dp, None)", group_sizes_spec="(dp,)")
+    req.out_shared_memory.region = "in"
+    req.out_shared_memory.byte_size = 100
+    with pytest.raises(grpc.RpcError) as err:
+        client.stub.GroupedGemm(req, timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "out_shared_memory" in err.value.details()
+    req.keep_output_as = "z"
+    with pytest.raises(grpc.RpcError) as err:
+        client.stub.GroupedGemm(req, timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "out_shared_memory" in err.value.details()
+    # Quantize does not read shared memory (yet): a clear UNIMPLEMENTED.
+    q = pb.GroupedQuantizeRequest(out_dtype=pb.F8E4M3, rowwise=True)
+    q.x.dtype = pb.F32
+    q.x.shape.extend(lhs.shape)
+    _in_shm(q.x, "in", 0, lhs.nbytes)
+    q.group_sizes.CopyFrom(client.gemm_request(lhs, rhs, [64, 0]).group_sizes)
+    with pytest.raises(grpc.RpcError) as err:
+        client.stub.GroupedQuantize(q, timeout=30)
+    assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED, err.value.details()
+
+    # Unregistered: gone for requests; everything resident still there and right.
+    client.stub.UnregisterSharedMemory(pb.UnregisterSharedMemoryRequest(name="in"))
+    with pytest.raises(grpc.RpcError) as err:
+        gemm_with(0, lhs.nbytes)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    assert {t.name for t in client.list()} == {"w", "y"}
+    np.testing.assert_array_equal(client.get("w"), rhs)
+    assert_close(client.get("y"), _reference(lhs, rhs, sizes, 2), 32)
+
+
+def test_shared_memory_is_off_unless_the_coordinator_allows_it(cluster_factory, regions):
+    c = cluster_factory(mesh="dp=1", workers=1)
+    region = regions(64)
+    with pytest.raises(grpc.RpcError) as err:
+        _register(c.client, "r", region, 64)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "--shared_memory" in err.value.details()
