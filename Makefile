@@ -30,7 +30,7 @@ test: build
 
 clean:
 	$(BAZEL) clean
-	rm -rf bin client/python/shardgemm_pb
+	rm -rf bin client/python/shardgemm_pb client/python/shardgemm/_pb client/python/build client/python/dist client/python/*.egg-info
 
 # Container images (podman; tools/image/setup_podman.sh installs and configures
 # it, tools/image/make_base.sh makes the Debian base when it is missing) and the

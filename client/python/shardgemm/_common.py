@@ -1,0 +1,189 @@
+"""What the sync and asyncio clients share: channel set-up, request building,
+the chunking of a put and the assembly of a get."""
+from __future__ import annotations
+
+import os
+from typing import Any, Iterator, List, Optional, Tuple
+
+import grpc
+import numpy as np
+
+from . import _convert
+from ._convert import TensorLike, proto_dtype, to_tensor
+from ._progress import Meter, Progress
+from ._proto import pb
+from .errors import REQUEST_ID_KEY, error_for
+
+MAX_MESSAGE = 2047 * 1024 * 1024
+CHUNK = 1 << 20  # bytes of a put's / get's stream message
+
+CHANNEL_OPTIONS: List[Tuple[str, Any]] = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE),
+    ("grpc.max_send_message_length", MAX_MESSAGE),
+    ("grpc.initial_reconnect_backoff_ms", 50),
+    ("grpc.min_reconnect_backoff_ms", 50),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+
+
+def credentials(tls_dir: Optional[str], token: Optional[str]) -> Optional[grpc.ChannelCredentials]:
+    """TLS credentials from the mesh's certificates (ca.crt verifies the
+    coordinator; client.crt / client.key are sent when present) with the
+    bearer token (default: tls_dir/client.token); None for plaintext."""
+    if not tls_dir:
+        if token:
+            raise ValueError("a token is sent only over TLS: give tls_dir too")
+        return None
+
+    def read(name: str) -> Optional[bytes]:
+        path = os.path.join(tls_dir, name)
+        if not os.path.exists(path):
+            return None
+        with open(path, "rb") as f:
+            return f.read()
+
+    creds = grpc.ssl_channel_credentials(root_certificates=read("ca.crt"), private_key=read("client.key"),
+                                         certificate_chain=read("client.crt"))
+    if token is None:
+        saved = read("client.token")
+        token = saved.decode().strip() if saved is not None else None
+    if token:
+        creds = grpc.composite_channel_credentials(creds, grpc.access_token_call_credentials(token))
+    return creds
+
+
+def metadata(request_id: Optional[str]) -> Optional[List[Tuple[str, str]]]:
+    return [(REQUEST_ID_KEY, request_id)] if request_id else None
+
+
+def request_id_of(md) -> Optional[str]:
+    for item in md or ():
+        if item[0] == REQUEST_ID_KEY:
+            return item[1]
+    return None
+
+
+def _scaling(name: str) -> int:
+    if name not in _convert.SCALING:
+        raise ValueError(f"scaling must be one of {tuple(_convert.SCALING)}, not {name!r}")
+    return _convert.SCALING[name]
+
+
+def _sizes(group_sizes: TensorLike, spec: str) -> "pb.Tensor":
+    if isinstance(group_sizes, str):
+        return to_tensor(group_sizes, spec)
+    return to_tensor(np.asarray(_convert.as_numpy(group_sizes), dtype=np.int64), spec)
+
+
+def gemm_request(lhs: TensorLike, rhs: TensorLike, group_sizes: TensorLike, bias: Optional[TensorLike] = None, *,
+                 rhs_transposed: bool = False, ragged_k: bool = False, lhs_spec: str = "", rhs_spec: str = "",
+                 group_sizes_spec: str = "", bias_spec: str = "", out_dtype: Any = None, out_spec: str = "",
+                 compat: str = "default", keep_output_as: str = "", overwrite_output: bool = False,
+                 include_plan: bool = False, global_sorted: bool = False,
+                 lhs_scale_inv: Optional[TensorLike] = None, rhs_scale_inv: Optional[TensorLike] = None,
+                 lhs_scale_spec: str = "", rhs_scale_spec: str = "", scaling: str = "current",
+                 quantize_lhs: Any = None) -> "pb.GroupedGemmRequest":
+    """A v1.GroupedGemmRequest (see Client.grouped_gemm)."""
+    if compat not in ("default", "te"):
+        raise ValueError(f"compat must be 'default' or 'te', not {compat!r}")
+    req = pb.GroupedGemmRequest(
+        ragged=pb.GroupedGemmRequest.RAGGED_K if ragged_k else pb.GroupedGemmRequest.RAGGED_M,
+        lhs=to_tensor(lhs, lhs_spec), rhs=to_tensor(rhs, rhs_spec),
+        group_sizes=_sizes(group_sizes, group_sizes_spec),
+        rhs_transposed=rhs_transposed, out_spec=out_spec,
+        compat=pb.COMPAT_TE if compat == "te" else pb.COMPAT_DEFAULT,
+        keep_output_as=keep_output_as, overwrite_output=overwrite_output, include_plan=include_plan,
+        layout=pb.GroupedGemmRequest.GLOBAL_SORTED if global_sorted else pb.GroupedGemmRequest.PER_SHARD)
+    if bias is not None:
+        req.bias.CopyFrom(to_tensor(bias, bias_spec))
+    if out_dtype is not None:
+        req.out_dtype = proto_dtype(out_dtype)
+    req.scaling = _scaling(scaling)
+    if lhs_scale_inv is not None:
+        req.lhs_scale_inv.CopyFrom(to_tensor(lhs_scale_inv, lhs_scale_spec))
+    if rhs_scale_inv is not None:
+        req.rhs_scale_inv.CopyFrom(to_tensor(rhs_scale_inv, rhs_scale_spec))
+    if quantize_lhs is not None:
+        req.quantize_lhs.dtype = proto_dtype(quantize_lhs)
+    return req
+
+
+def quantize_request(x: TensorLike, group_sizes: TensorLike, *, x_spec: str = "", group_sizes_spec: str = "",
+                     out_dtype: Any = None, scaling: str = "current", rowwise: bool = True, colwise: bool = False,
+                     block_2d: bool = False, flatten_axis: int = 0, shared_scales: bool = False,
+                     scales: Optional[TensorLike] = None, keep_rowwise_data_as: str = "",
+                     keep_scale_inv_as: str = "", overwrite: bool = False,
+                     include_plan: bool = False) -> "pb.GroupedQuantizeRequest":
+    """A v1.GroupedQuantizeRequest (see Client.grouped_quantize)."""
+    req = pb.GroupedQuantizeRequest(
+        x=to_tensor(x, x_spec), group_sizes=_sizes(group_sizes, group_sizes_spec),
+        scaling=_scaling(scaling), rowwise=rowwise, colwise=colwise, block_2d=block_2d,
+        flatten_axis=flatten_axis, shared_scales=shared_scales, include_plan=include_plan,
+        keep=pb.QuantizeKeep(rowwise_data=keep_rowwise_data_as, scale_inv=keep_scale_inv_as, overwrite=overwrite))
+    if out_dtype is not None:
+        req.out_dtype = proto_dtype(out_dtype)
+    if scales is not None:
+        req.scales.CopyFrom(to_tensor(np.asarray(_convert.as_numpy(scales), dtype=np.float32)))
+    return req
+
+
+def put_chunks(name: str, array: TensorLike, spec: str, overwrite: bool, progress: Progress
+               ) -> Iterator["pb.TensorChunk"]:
+    """The PutTensor stream: the header with the first piece, then 1 MiB
+    pieces sliced from the array's bytes as gRPC asks for them. The array is
+    checked here, before the call: a bad one raises at once, not in gRPC's
+    request thread."""
+    a = np.ascontiguousarray(_convert.as_numpy(array))
+    dtype = proto_dtype(a.dtype)
+    raw = a.reshape(-1).view(np.uint8)
+
+    def chunks() -> Iterator["pb.TensorChunk"]:
+        with Meter(progress, raw.nbytes, f"put {name}") as meter:
+            offset = 0
+            while True:
+                piece = raw[offset:offset + CHUNK].tobytes()
+                if offset == 0:
+                    yield pb.TensorChunk(name=name, dtype=dtype, shape=list(a.shape), spec=spec, data=piece,
+                                         overwrite=overwrite)
+                else:
+                    yield pb.TensorChunk(data=piece)
+                offset += len(piece)
+                meter.update(len(piece))
+                if offset >= raw.nbytes:
+                    return
+
+    return chunks()
+
+
+class Assembler:
+    """A GetTensor stream's chunks into one array."""
+
+    def __init__(self, name: str, progress: Progress) -> None:
+        self.name, self.progress = name, progress
+        self.header: Optional["pb.TensorChunk"] = None
+        self.parts: List[bytes] = []
+        self.meter: Optional[Meter] = None
+
+    def add(self, chunk: "pb.TensorChunk") -> None:
+        if self.header is None:
+            self.header = chunk
+            dtype = _convert.numpy_dtype(chunk.dtype)
+            total = int(np.prod(tuple(chunk.shape), dtype=np.int64)) * dtype.itemsize
+            self.meter = Meter(self.progress, total, f"get {self.name}")
+        self.parts.append(chunk.data)
+        assert self.meter is not None
+        self.meter.update(len(chunk.data))
+
+    def close(self) -> None:
+        if self.meter is not None:
+            self.meter.close()
+
+    def array(self) -> np.ndarray:
+        self.close()
+        if self.header is None:
+            raise error_for(grpc.StatusCode.DATA_LOSS, f"GetTensor {self.name!r}: the stream ended empty")
+        try:
+            return _convert.array_from_bytes(b"".join(self.parts), self.header.dtype, self.header.shape)
+        except ValueError as e:
+            raise error_for(grpc.StatusCode.DATA_LOSS, f"GetTensor {self.name!r}: {e}") from e
+

@@ -1,0 +1,148 @@
+"""Arrays to and from v1.Tensor: NumPy, anything with __dlpack__, PyTorch."""
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING, Any, Dict, Optional, Protocol, Tuple, Union
+
+import ml_dtypes
+import numpy as np
+
+from ._proto import pb
+
+if TYPE_CHECKING:
+    import torch
+
+
+class SupportsDLPack(Protocol):
+    """An array from another library that NumPy can import (torch, JAX, CuPy
+    host arrays, NumPy itself...)."""
+
+    def __dlpack__(self, *args: Any, **kwargs: Any) -> Any: ...
+
+    def __dlpack_device__(self) -> Tuple[int, int]: ...
+
+
+#: An operand: a NumPy array (or anything np.asarray takes), an object with
+#: __dlpack__ (a torch tensor, ...), or a str naming a resident tensor.
+TensorLike = Union[np.ndarray, SupportsDLPack, str, Any]
+#: What calls return: a NumPy array, or a torch.Tensor with output="torch".
+Array = Union[np.ndarray, "torch.Tensor"]
+
+NUMPY_DTYPES: Dict[int, np.dtype] = {
+    pb.F32: np.dtype(np.float32),
+    pb.BF16: np.dtype(ml_dtypes.bfloat16),
+    pb.F16: np.dtype(np.float16),
+    pb.F8E4M3: np.dtype(ml_dtypes.float8_e4m3fn),
+    pb.F8E5M2: np.dtype(ml_dtypes.float8_e5m2),
+    pb.E8M0: np.dtype(ml_dtypes.float8_e8m0fnu),
+    pb.I32: np.dtype(np.int32),
+    pb.I64: np.dtype(np.int64),
+}
+PROTO_DTYPES: Dict[np.dtype, int] = {v: k for k, v in NUMPY_DTYPES.items()}
+SCALING: Dict[str, int] = {"current": pb.CURRENT, "delayed": pb.DELAYED, "mxfp8": pb.MXFP8, "block": pb.BLOCK_FP8}
+OUTPUTS = ("numpy", "torch")
+
+# Types NumPy's DLPack import does not know (bfloat16, the FP8 formats):
+# moved between torch and NumPy as integers of their width, then viewed.
+_TORCH_VIEWS = {  # torch dtype name -> (torch integer dtype name, NumPy integer, NumPy dtype)
+    "bfloat16": ("int16", np.int16, ml_dtypes.bfloat16),
+    "float8_e4m3fn": ("uint8", np.uint8, ml_dtypes.float8_e4m3fn),
+    "float8_e5m2": ("uint8", np.uint8, ml_dtypes.float8_e5m2),
+    "float8_e8m0fnu": ("uint8", np.uint8, ml_dtypes.float8_e8m0fnu),
+}
+
+
+def _is_torch_tensor(x: Any) -> bool:
+    torch = sys.modules.get("torch")  # never imported here: a tensor means it already is
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def _torch_to_numpy(t: "torch.Tensor") -> np.ndarray:
+    import torch
+
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()  # a copy to host: the request carries the bytes anyway
+    name = str(t.dtype).replace("torch.", "")
+    if name in _TORCH_VIEWS:
+        int_name, _, np_dtype = _TORCH_VIEWS[name]
+        return np.from_dlpack(t.view(getattr(torch, int_name))).view(np_dtype)
+    return np.from_dlpack(t)
+
+
+def as_numpy(x: Any) -> np.ndarray:
+    """The array an operand holds, without a copy where it can be had.
+
+    NumPy arrays as they are; torch tensors detached (and brought to the host)
+    with BF16 / FP8 kept; any other object with __dlpack__ through
+    np.from_dlpack; anything else through np.asarray."""
+    if isinstance(x, np.ndarray):
+        return x
+    if _is_torch_tensor(x):
+        return _torch_to_numpy(x)
+    if hasattr(x, "__dlpack__"):
+        try:
+            return np.from_dlpack(x)
+        except (BufferError, TypeError, RuntimeError) as e:
+            raise TypeError(f"{type(x).__name__} has __dlpack__ but NumPy cannot import it ({e}); "
+                            "pass a host (CPU) array") from e
+    return np.asarray(x)
+
+
+def proto_dtype(dtype: Any) -> int:
+    d = np.dtype(dtype)
+    if d not in PROTO_DTYPES:
+        raise ValueError(f"unsupported dtype {d} (supported: {', '.join(str(t) for t in PROTO_DTYPES)})")
+    return PROTO_DTYPES[d]
+
+
+def to_tensor(array: TensorLike, spec: str = "") -> "pb.Tensor":
+    """A v1.Tensor with the array's bytes (row-major, little-endian), or a
+    reference to a resident tensor when `array` is its name."""
+    if isinstance(array, str):
+        return pb.Tensor(resident=array, spec=spec)
+    a = np.ascontiguousarray(as_numpy(array))
+    return pb.Tensor(dtype=proto_dtype(a.dtype), shape=list(a.shape), data=a.tobytes(), spec=spec)
+
+
+def numpy_dtype(proto: int) -> np.dtype:
+    if proto not in NUMPY_DTYPES:
+        raise ValueError(f"the service answered with dtype {proto}, unknown to this client")
+    return NUMPY_DTYPES[proto]
+
+
+def array_from_bytes(data: bytes, proto_dtype_: int, shape) -> np.ndarray:
+    """A writable array of the bytes (a copy: protobuf's bytes are immutable)."""
+    dtype = numpy_dtype(proto_dtype_)
+    shape = tuple(shape)
+    want = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if len(data) != want:
+        raise ValueError(f"{len(data)} bytes for a {dtype} tensor of shape {shape} ({want} expected)")
+    return np.frombuffer(data, dtype=dtype).reshape(shape).copy()
+
+
+def from_tensor(t: "pb.Tensor") -> np.ndarray:
+    """The NumPy array of a v1.Tensor that carries its data."""
+    return array_from_bytes(t.data, t.dtype, t.shape)
+
+
+def check_output(output: str) -> str:
+    if output not in OUTPUTS:
+        raise ValueError(f"output must be one of {OUTPUTS}, not {output!r}")
+    return output
+
+
+def to_output(a: Optional[np.ndarray], output: str) -> Optional[Array]:
+    """`a` as NumPy (as it is) or as a torch.Tensor sharing its memory."""
+    if a is None or check_output(output) == "numpy":
+        return a
+    try:
+        import torch
+    except ImportError as e:
+        raise ImportError("output='torch' needs PyTorch: pip install 'shardgemm[torch]'") from e
+    for name, (int_name, np_int, np_dtype) in _TORCH_VIEWS.items():
+        if a.dtype == np.dtype(np_dtype):
+            if not hasattr(torch, name):
+                raise TypeError(f"this PyTorch has no {name} for a {a.dtype} result")
+            return torch.from_numpy(a.view(np_int)).view(getattr(torch, name))
+    return torch.from_numpy(a)

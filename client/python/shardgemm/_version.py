@@ -1,0 +1,2 @@
+"""The shardgemm package version (pyproject.toml reads it from here)."""
+__version__ = "0.1.0"

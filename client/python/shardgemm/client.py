@@ -1,0 +1,193 @@
+"""The synchronous client."""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
+
+import grpc
+
+from . import _common
+from ._convert import Array, TensorLike, check_output, from_tensor, to_output
+from ._progress import Progress
+from ._proto import pb, pb_grpc
+from .errors import from_rpc_error
+
+
+class Client:
+    """A connection to a shardgemm coordinator.
+
+        with shardgemm.Client("127.0.0.1:50051") as c:
+            out, plan = c.grouped_gemm(lhs, rhs, group_sizes)
+
+    Operands are NumPy arrays, objects with ``__dlpack__`` (torch CPU tensors,
+    ...) or the names of resident tensors; results are NumPy arrays, or
+    torch tensors with ``output="torch"`` (here or per call). A failed call
+    raises a :class:`shardgemm.ShardGemmError` subclass carrying ``.code``
+    and ``.details``.
+
+    Every call takes an optional request_id (sent as x-request-id metadata;
+    the coordinator's and every worker's log lines for the request carry it).
+    Without one the coordinator makes one; either way the id of the last
+    call that carried one is in ``last_request_id``. ``timeout`` (seconds,
+    here or per call) bounds each call; None leaves it to the coordinator's
+    --step_timeout_s.
+    """
+
+    # The repository's shardgemm_client.Client turns this off: failed calls
+    # raise grpc.RpcError there, as they always did.
+    _translate_errors = True
+
+    def __init__(self, address: str, timeout: Optional[float] = None, *, tls_dir: Optional[str] = None,
+                 token: Optional[str] = None, output: str = "numpy", progress: Progress = False,
+                 options: Sequence[Tuple[str, Any]] = ()) -> None:
+        """address: the coordinator's HOST:PORT. tls_dir: the mesh's
+        certificates (ca.crt verifies the coordinator; client.crt/client.key
+        are sent when present); token: the bearer token (default:
+        tls_dir/client.token). Without tls_dir the channel is plaintext, for
+        a coordinator started with --insecure. output: "numpy" or "torch",
+        the default of every call. progress: the default of put/get (True: a
+        tqdm bar, when tqdm is installed; or a callable(done, total)).
+        options: more gRPC channel options."""
+        self.output = check_output(output)
+        self.progress = progress
+        self.timeout = timeout
+        self.last_request_id: Optional[str] = None
+        opts = [*_common.CHANNEL_OPTIONS, *options]
+        creds = _common.credentials(tls_dir, token)
+        if creds is not None:
+            self.channel = grpc.secure_channel(address, creds, options=opts)
+        else:
+            self.channel = grpc.insecure_channel(address, options=opts)
+        self.stub = pb_grpc.ShardGemmStub(self.channel)
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.channel.close()
+
+    @contextlib.contextmanager
+    def _errors(self) -> Iterator[None]:
+        try:
+            yield
+        except grpc.RpcError as e:
+            if not self._translate_errors:
+                raise
+            raise from_rpc_error(e) from e
+
+    def _timeout(self, timeout: Optional[float]) -> Optional[float]:
+        return self.timeout if timeout is None else timeout
+
+    def _note_request_id(self, call: Any) -> None:
+        rid = _common.request_id_of(call.initial_metadata())
+        if rid is not None:
+            self.last_request_id = rid
+
+    def cluster_info(self, *, timeout: Optional[float] = None) -> "pb.ClusterInfo":
+        """The mesh, its workers (rank, address, backend, memory, down or
+        not) and whether every rank has registered (``.ready``)."""
+        with self._errors():
+            return self.stub.GetClusterInfo(pb.ClusterInfoRequest(), timeout=self._timeout(timeout))
+
+    def gemm_request(self, lhs: TensorLike, rhs: TensorLike, group_sizes: TensorLike,
+                     bias: Optional[TensorLike] = None, **kwargs: Any) -> "pb.GroupedGemmRequest":
+        """The v1.GroupedGemmRequest that grouped_gemm sends (same arguments)."""
+        return _common.gemm_request(lhs, rhs, group_sizes, bias, **kwargs)
+
+    def grouped_gemm(self, lhs: TensorLike, rhs: TensorLike, group_sizes: TensorLike,
+                     bias: Optional[TensorLike] = None, *, request_id: Optional[str] = None,
+                     output: Optional[str] = None, timeout: Optional[float] = None,
+                     **kwargs: Any) -> Tuple[Optional[Array], "pb.Plan"]:
+        """The grouped GEMM out[m] = lhs[m] @ rhs[g(m)] (+ bias) over the mesh.
+
+        lhs [M, K], rhs [G, K, N] (or [G, N, K] with rhs_transposed=True),
+        group_sizes [G] (rows of lhs per group, in order); each may be a
+        resident tensor's name. *_spec give partition specs over the mesh
+        ("(ep, None)"); out_dtype, out_spec, ragged_k, global_sorted,
+        compat ("default" / "te"), keep_output_as (keep the output resident
+        under that name instead of returning it), overwrite_output,
+        include_plan. FP8: lhs/rhs FP8 arrays (or resident names) with
+        lhs_scale_inv and rhs_scale_inv in the layouts of the proto's
+        GroupedGemmRequest, under `scaling` ("current", "delayed", "block",
+        "mxfp8"); quantize_lhs (an FP8 dtype) quantizes a float lhs on the
+        workers instead.
+
+        Returns (out, plan): out is None when kept resident; plan is empty
+        unless include_plan."""
+        req = _common.gemm_request(lhs, rhs, group_sizes, bias, **kwargs)
+        out_as = check_output(output or self.output)
+        with self._errors():
+            resp, call = self.stub.GroupedGemm.with_call(req, timeout=self._timeout(timeout),
+                                                         metadata=_common.metadata(request_id))
+        self._note_request_id(call)
+        out = None if resp.out.resident else from_tensor(resp.out)
+        return to_output(out, out_as), resp.plan
+
+    def plan(self, lhs: TensorLike, rhs: TensorLike, group_sizes: TensorLike, bias: Optional[TensorLike] = None,
+             *, request_id: Optional[str] = None, timeout: Optional[float] = None, **kwargs: Any) -> "pb.Plan":
+        """The plan grouped_gemm would run with these arguments, without running it."""
+        req = _common.gemm_request(lhs, rhs, group_sizes, bias, **kwargs)
+        with self._errors():
+            resp, call = self.stub.Plan.with_call(pb.PlanRequest(grouped_gemm=req), timeout=self._timeout(timeout),
+                                                  metadata=_common.metadata(request_id))
+        self._note_request_id(call)
+        return resp.plan
+
+    def grouped_quantize(self, x: TensorLike, group_sizes: TensorLike, *, request_id: Optional[str] = None,
+                         timeout: Optional[float] = None, **kwargs: Any) -> "pb.GroupedQuantizeResponse":
+        """Grouped FP8 quantize of x [M, ...] (x_spec, group_sizes_spec, out_dtype,
+        scaling, rowwise, colwise, block_2d, flatten_axis, shared_scales, scales,
+        keep_rowwise_data_as, keep_scale_inv_as, overwrite, include_plan).
+        Returns the GroupedQuantizeResponse (kept outputs name their resident
+        tensors; shardgemm.from_tensor reads the others)."""
+        req = _common.quantize_request(x, group_sizes, **kwargs)
+        with self._errors():
+            resp, call = self.stub.GroupedQuantize.with_call(req, timeout=self._timeout(timeout),
+                                                             metadata=_common.metadata(request_id))
+        self._note_request_id(call)
+        return resp
+
+    def put(self, name: str, array: TensorLike, spec: str = "", overwrite: bool = False,
+            request_id: Optional[str] = None, *, progress: Progress = None,
+            timeout: Optional[float] = None) -> "pb.PutTensorResponse":
+        """Makes `array` a resident tensor `name`, sharded by `spec` over the
+        workers (streamed in 1 MiB chunks). Refused (AlreadyExistsError) when
+        `name` exists, unless overwrite."""
+        chunks = _common.put_chunks(name, array, spec, overwrite, self.progress if progress is None else progress)
+        with self._errors():
+            resp, call = self.stub.PutTensor.with_call(chunks, timeout=self._timeout(timeout),
+                                                       metadata=_common.metadata(request_id))
+        self._note_request_id(call)
+        return resp
+
+    def get(self, name: str, request_id: Optional[str] = None, *, output: Optional[str] = None,
+            progress: Progress = None, timeout: Optional[float] = None) -> Array:
+        """The resident tensor `name`, assembled from its shards."""
+        out_as = check_output(output or self.output)
+        assembler = _common.Assembler(name, self.progress if progress is None else progress)
+        try:
+            with self._errors():
+                call = self.stub.GetTensor(pb.GetTensorRequest(name=name), timeout=self._timeout(timeout),
+                                           metadata=_common.metadata(request_id))
+                for chunk in call:
+                    assembler.add(chunk)
+                self._note_request_id(call)
+        finally:
+            assembler.close()
+        return to_output(assembler.array(), out_as)
+
+    def delete(self, name: str, request_id: Optional[str] = None, *, timeout: Optional[float] = None) -> None:
+        """Deletes the resident tensor `name` (NotFoundError when there is none)."""
+        with self._errors():
+            _, call = self.stub.DeleteTensor.with_call(pb.DeleteTensorRequest(name=name),
+                                                       timeout=self._timeout(timeout),
+                                                       metadata=_common.metadata(request_id))
+        self._note_request_id(call)
+
+    def list(self, *, timeout: Optional[float] = None) -> List["pb.ResidentTensorInfo"]:
+        """The resident tensors this caller may see: name, dtype, shape, spec, lost."""
+        with self._errors():
+            return list(self.stub.ListTensors(pb.ListTensorsRequest(), timeout=self._timeout(timeout)).tensors)
