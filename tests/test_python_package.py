@@ -142,6 +142,19 @@ SCRIPT = textwrap.dedent('''
 ''')
 
 
+def readme_python(path, after=None):
+    """The ```python blocks of a README (those after the heading `after`)."""
+    text = open(path).read()
+    if after is not None:
+        text = text[text.index(after):]
+    blocks, start = [], text.find("```python\n")
+    while start >= 0:
+        end = text.index("```", start + 10)
+        blocks.append(text[start + 10:end])
+        start = text.find("```python\n", end + 3)
+    return blocks
+
+
 def run(cmd, timeout, **kwargs):
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kwargs)
     assert r.returncode == 0, f"{cmd}\n{r.stdout}\n{r.stderr}"
@@ -183,3 +196,20 @@ def test_the_installed_package_serves_numpy_dlpack_and_asyncio_outside_the_repos
     assert facts["file"].startswith(site), facts
     assert "NOT_FOUND" in facts["not_found"], facts
     assert facts["max_err"] < 1e-3, facts
+
+    # The READMEs' examples, as written but for the address, with the installed package.
+    examples = [(os.path.join(ROOT, "README.md"), readme_python(os.path.join(ROOT, "README.md"),
+                                                                "## The Python client")),
+                (os.path.join(ROOT, "client", "python", "README.md"),
+                 readme_python(os.path.join(ROOT, "client", "python", "README.md")))]
+    assert [len(blocks) for _, blocks in examples] == [2, 1], examples
+    for readme, blocks in examples:
+        for i, block in enumerate(blocks):
+            assert '"127.0.0.1:50051"' in block, block
+            if "import torch" in block and facts["torch"] == "absent":
+                continue  # marked in the README as needing PyTorch
+            path = outside / f"readme_{os.path.basename(os.path.dirname(readme))}_{i}.py"
+            path.write_text(block.replace('"127.0.0.1:50051"', repr(cl.address)))
+            r = run([py, str(path)], 60, cwd=outside, env=env)
+            if "np.allclose" in block:
+                assert r.stdout.strip() == "True", (readme, block, r.stdout)
