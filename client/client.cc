@@ -156,6 +156,31 @@ absl::Status ShardGemmClient::DeleteTensor(const std::string& name) {
   return FromGrpcStatus(s);
 }
 
+absl::Status ShardGemmClient::RegisterSharedMemory(const std::string& name, const std::string& key,
+                                                   uint64_t byte_size) {
+  grpc::ClientContext ctx;
+  Prepare(&ctx);
+  v1::RegisterSharedMemoryRequest request;
+  request.set_name(name);
+  request.set_key(key);
+  request.set_byte_size(byte_size);
+  v1::RegisterSharedMemoryResponse response;
+  grpc::Status s = stub_->RegisterSharedMemory(&ctx, request, &response);
+  NoteRequestId(ctx);
+  return FromGrpcStatus(s);
+}
+
+absl::Status ShardGemmClient::UnregisterSharedMemory(const std::string& name) {
+  grpc::ClientContext ctx;
+  Prepare(&ctx);
+  v1::UnregisterSharedMemoryRequest request;
+  request.set_name(name);
+  v1::UnregisterSharedMemoryResponse response;
+  grpc::Status s = stub_->UnregisterSharedMemory(&ctx, request, &response);
+  NoteRequestId(ctx);
+  return FromGrpcStatus(s);
+}
+
 absl::StatusOr<v1::ListTensorsResponse> ShardGemmClient::ListTensors() {
   grpc::ClientContext ctx;
   Prepare(&ctx);

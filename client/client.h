@@ -32,6 +32,10 @@ class ShardGemmClient {
   absl::StatusOr<HostTensor> GetTensor(const std::string& name);
   absl::Status DeleteTensor(const std::string& name);
   absl::StatusOr<v1::ListTensorsResponse> ListTensors();
+  // A POSIX shared-memory object of this host (`key`, its shm_open name)
+  // under `name`, for requests' SharedMemoryRef (coordinator --shared_memory).
+  absl::Status RegisterSharedMemory(const std::string& name, const std::string& key, uint64_t byte_size);
+  absl::Status UnregisterSharedMemory(const std::string& name);
 
   // Sent with every later call as x-request-id metadata: the coordinator's
   // and every worker's log lines for the request carry it. Empty: the

@@ -34,6 +34,13 @@
 #include <thread>
 #include <vector>
 
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/strings/str_cat.h"
@@ -52,6 +59,7 @@
 #include "kernels/cuda/grouped_gemm.h"
 #include "kernels/cuda/quantize.h"
 #include "kernels/fp8.h"
+#include "platform/shared_memory.h"
 #include "nlohmann/json.hpp"
 #include "proto/tensor_codec.h"
 
@@ -66,6 +74,10 @@ ABSL_FLAG(int, concurrency, 1,
           "callers at once in the timed calls (each its own client, --iters calls each); >1 adds a "
           "throughput line");
 ABSL_FLAG(bool, returned, false, "return the output to the client instead of keeping it resident");
+ABSL_FLAG(std::string, activations, "resident",
+          "how lhs reaches the workers each call: resident (put once), inline (in every request, through the "
+          "coordinator), shared_memory (a POSIX region of this host the workers read; with --returned the output "
+          "is written into one too; the coordinator needs --shared_memory)");
 ABSL_FLAG(std::string, dtype, "bf16", "operand and output dtype: bf16 or f32");
 ABSL_FLAG(double, scale_rows, 1.0, "scale every preset's rows per group (small CPU runs)");
 ABSL_FLAG(double, scale_dims, 1.0, "scale every preset's k and n (small CPU runs)");
@@ -432,6 +444,48 @@ double RelativeError(const HostTensor& a, const HostTensor& b) {
   return scale > 0 ? err / scale : err;
 }
 
+// A POSIX shared-memory region the bench creates, registers under `name`,
+// and removes (unregistered, unlinked) when it goes.
+class BenchRegion {
+ public:
+  static absl::StatusOr<std::unique_ptr<BenchRegion>> Create(ShardGemmClient& client, const std::string& name,
+                                                             int64_t bytes) {
+    const std::string key = absl::StrCat("/shardgemm_bench_", getpid(), "_", name);
+    const int fd = shm_open(key.c_str(), O_CREAT | O_RDWR | O_TRUNC, 0600);
+    if (fd < 0) return absl::InternalError(absl::StrCat("shm_open ", key, ": ", std::strerror(errno)));
+    const bool sized = ftruncate(fd, bytes) == 0;
+    close(fd);
+    if (!sized) {
+      shm_unlink(key.c_str());
+      return absl::InternalError(absl::StrCat("ftruncate ", key, ": ", std::strerror(errno)));
+    }
+    auto mapping = platform::SharedMemoryMapping::Map(key, static_cast<uint64_t>(bytes), /*writable=*/true, name);
+    if (!mapping.ok()) {
+      shm_unlink(key.c_str());
+      return mapping.status();
+    }
+    auto region = std::unique_ptr<BenchRegion>(new BenchRegion(client, name, key, std::move(*mapping)));
+    if (auto s = client.RegisterSharedMemory(name, key, static_cast<uint64_t>(bytes)); !s.ok()) {
+      region->registered_ = false;
+      return absl::Status(s.code(), absl::StrCat("register ", name, ": ", s.message()));
+    }
+    return region;
+  }
+  ~BenchRegion() {
+    if (registered_) (void)client_.UnregisterSharedMemory(name_);
+    shm_unlink(key_.c_str());
+  }
+  char* data() const { return mapping_.data(); }
+
+ private:
+  BenchRegion(ShardGemmClient& client, std::string name, std::string key, platform::SharedMemoryMapping mapping)
+      : client_(client), name_(std::move(name)), key_(std::move(key)), mapping_(std::move(mapping)) {}
+  ShardGemmClient& client_;
+  std::string name_, key_;
+  platform::SharedMemoryMapping mapping_;
+  bool registered_ = true;
+};
+
 int Main() {
   std::ifstream in(absl::GetFlag(FLAGS_presets));
   if (!in) {
@@ -549,6 +603,29 @@ int Main() {
     v1::GroupedGemmRequest request;
     request.mutable_lhs()->set_resident("bench_lhs");
     request.mutable_rhs()->set_resident("bench_rhs");
+    const std::string activations = absl::GetFlag(FLAGS_activations);
+    std::unique_ptr<BenchRegion> lhs_region, out_region;
+    if (activations == "inline") {
+      HostTensorToProto(lhs, request.mutable_lhs());
+      request.mutable_lhs()->set_spec(absl::GetFlag(FLAGS_lhs_spec));
+    } else if (activations == "shared_memory") {
+      auto made = BenchRegion::Create(client, "bench_lhs_shm", lhs.NumBytes());
+      if (!made.ok()) {
+        std::fprintf(stderr, "%s: %s\n", p.name.c_str(), std::string(made.status().message()).c_str());
+        return 1;
+      }
+      lhs_region = std::move(*made);
+      std::memcpy(lhs_region->data(), lhs.bytes.data(), lhs.NumBytes());
+      v1::Tensor* t = request.mutable_lhs();
+      t->set_dtype(DTypeToProto(lhs.dtype));
+      t->mutable_shape()->Assign(lhs.shape.begin(), lhs.shape.end());
+      t->set_spec(absl::GetFlag(FLAGS_lhs_spec));
+      t->mutable_shared_memory()->set_region("bench_lhs_shm");
+      t->mutable_shared_memory()->set_byte_size(lhs.NumBytes());
+    } else if (activations != "resident") {
+      std::fprintf(stderr, "--activations: '%s' is not resident, inline or shared_memory\n", activations.c_str());
+      return 1;
+    }
     if (fp8) {
       // The weights quantized once on the workers and kept; each request
       // quantizes lhs in its step.
@@ -583,6 +660,17 @@ int Main() {
     if (!returned) {
       request.set_keep_output_as("bench_out");
       request.set_overwrite_output(true);
+    }
+    const int64_t out_bytes = lhs.shape[0] * p.n * DTypeSize(dtype);
+    if (returned && activations == "shared_memory") {
+      auto made = BenchRegion::Create(client, "bench_out_shm", out_bytes);
+      if (!made.ok()) {
+        std::fprintf(stderr, "%s: %s\n", p.name.c_str(), std::string(made.status().message()).c_str());
+        return 1;
+      }
+      out_region = std::move(*made);
+      request.mutable_out_shared_memory()->set_region("bench_out_shm");
+      request.mutable_out_shared_memory()->set_byte_size(out_bytes);
     }
     std::vector<double> server_s, worker_s, rtt_s;
     int64_t h2d = 0, d2h = 0;
@@ -668,7 +756,16 @@ int Main() {
       d2h = callers[0].last->device_to_host_bytes();
       last = std::move(*callers[0].last);
     }
-    absl::StatusOr<HostTensor> got = returned ? HostTensorFromProto(last.out(), "out") : client.GetTensor("bench_out");
+    absl::StatusOr<HostTensor> got = absl::UnknownError("no output");
+    if (out_region != nullptr) {
+      HostTensor from_region;
+      from_region.dtype = dtype;
+      from_region.shape = {lhs.shape[0], p.n};
+      from_region.bytes.assign(out_region->data(), out_bytes);
+      got = std::move(from_region);
+    } else {
+      got = returned ? HostTensorFromProto(last.out(), "out") : client.GetTensor("bench_out");
+    }
     auto want = local->Output();
     std::string check = "fail";
     if (got.ok() && want.ok()) {
@@ -700,7 +797,8 @@ int Main() {
                           {"worker_p50_us", wk.p50 * 1e6}, {"worker_p90_us", wk.p90 * 1e6},
                           {"rtt_p50_us", rt.p50 * 1e6}, {"rtt_p90_us", rt.p90 * 1e6},
                           {"h2d_bytes", h2d}, {"d2h_bytes", d2h}, {"check", check},
-                          {"concurrency", concurrency}, {"calls_per_s", calls_per_s}};
+                          {"concurrency", concurrency}, {"calls_per_s", calls_per_s},
+                          {"activations", activations}};
       json_out << j.dump() << "\n";
     }
     for (const char* name : {"bench_lhs", "bench_rhs", "bench_out", "bench_w8", "bench_w8_scale"}) {

@@ -76,6 +76,58 @@ absl::StatusOr<SharedMemoryMapping> SharedMemoryMapping::Map(const std::string& 
   return SharedMemoryMapping(static_cast<char*>(p), bytes);
 }
 
+absl::StatusOr<std::shared_ptr<const SharedMemoryMapping>> SharedMemoryMappings::Get(const std::string& key,
+                                                                                     uint64_t bytes, bool writable,
+                                                                                     absl::string_view field) {
+  if (auto s = CheckSharedMemoryKey(key, field); !s.ok()) return s;
+  if (bytes == 0) return absl::InvalidArgumentError(absl::StrCat(field, ": a region of 0 bytes"));
+  const int fd = shm_open(key.c_str(), writable ? O_RDWR : O_RDONLY, 0);
+  if (fd < 0) return OpenError(errno, key, field);
+  struct stat st;
+  if (fstat(fd, &st) != 0) {
+    const int err = errno;
+    close(fd);
+    return OpenError(err, key, field);
+  }
+  if (static_cast<uint64_t>(st.st_size) < bytes) {
+    close(fd);
+    return absl::FailedPreconditionError(absl::StrCat(field, ": shared-memory object '", key, "' has ", st.st_size,
+                                                      " bytes, fewer than the ", bytes, " registered"));
+  }
+  const uint64_t device = static_cast<uint64_t>(st.st_dev), inode = static_cast<uint64_t>(st.st_ino);
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto it = entries_.begin(); it != entries_.end(); ++it) {
+      if (it->key == key && it->bytes == bytes && it->writable == writable && it->device == device &&
+          it->inode == inode) {
+        Entry hit = std::move(*it);
+        entries_.erase(it);
+        entries_.push_back(std::move(hit));
+        close(fd);
+        return entries_.back().mapping;
+      }
+    }
+  }
+  void* p = mmap(nullptr, bytes, writable ? PROT_READ | PROT_WRITE : PROT_READ, MAP_SHARED, fd, 0);
+  const int err = errno;
+  close(fd);
+  if (p == MAP_FAILED) return OpenError(err, key, field);
+  auto mapping = std::shared_ptr<const SharedMemoryMapping>(new SharedMemoryMapping(static_cast<char*>(p), bytes));
+  absl::MutexLock lock(&mu_);
+  // An older entry of the same name (another object, or another size) goes.
+  for (auto it = entries_.begin(); it != entries_.end();) {
+    it = it->key == key && it->writable == writable ? entries_.erase(it) : std::next(it);
+  }
+  entries_.push_back(Entry{key, bytes, writable, device, inode, mapping});
+  while (entries_.size() > capacity_) entries_.pop_front();  // a caller may still hold it: shared
+  return mapping;
+}
+
+size_t SharedMemoryMappings::size() const {
+  absl::MutexLock lock(&mu_);
+  return entries_.size();
+}
+
 SharedMemoryMapping::SharedMemoryMapping(SharedMemoryMapping&& other) noexcept
     : data_(other.data_), size_(other.size_) {
   other.data_ = nullptr;

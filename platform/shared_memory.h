@@ -5,11 +5,14 @@
 #define SHARDGEMM_PLATFORM_SHARED_MEMORY_H_
 
 #include <cstdint>
+#include <deque>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
 
 namespace shardgemm::platform {
 
@@ -38,9 +41,34 @@ class SharedMemoryMapping {
   uint64_t size() const { return size_; }
 
  private:
+  friend class SharedMemoryMappings;
   SharedMemoryMapping(char* data, uint64_t size) : data_(data), size_(size) {}
   char* data_ = nullptr;
   uint64_t size_ = 0;
+};
+
+// Mappings kept across calls, so a region's pages stay mapped (a fresh
+// mapping faults every page in again). An entry is used only while the name
+// still opens the same object (device and inode) with at least its bytes: a
+// client that removes and recreates an object gets a fresh mapping.
+class SharedMemoryMappings {
+ public:
+  explicit SharedMemoryMappings(size_t capacity) : capacity_(capacity) {}
+  absl::StatusOr<std::shared_ptr<const SharedMemoryMapping>> Get(const std::string& key, uint64_t bytes,
+                                                                 bool writable, absl::string_view field);
+  size_t size() const;
+
+ private:
+  struct Entry {
+    std::string key;
+    uint64_t bytes = 0;
+    bool writable = false;
+    uint64_t device = 0, inode = 0;
+    std::shared_ptr<const SharedMemoryMapping> mapping;
+  };
+  const size_t capacity_;
+  mutable absl::Mutex mu_;
+  std::deque<Entry> entries_ ABSL_GUARDED_BY(mu_);  // most recent last
 };
 
 // Where one block of a row-major tensor lies in a mapping.

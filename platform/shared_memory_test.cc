@@ -4,6 +4,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <memory>
 #include <numeric>
 #include <string>
 #include <vector>
@@ -106,6 +107,34 @@ TEST(SharedMemoryBlocks, BlocksOutsideTheTensorOrTheRegionAreRefusedNamingTheFie
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
     EXPECT_NE(s.message().find("lhs.shared_memory"), absl::string_view::npos) << s;
   }
+}
+
+// A cached mapping is reused while the name opens the same object, and
+// replaced when the client recreates it (no stale bytes).
+TEST(SharedMemoryMappings, ReusedForTheSameObjectAndRemadeForARecreatedOne) {
+  SharedMemoryMappings cache(2);
+  auto object = std::make_unique<Object>(64);
+  const std::string key = object->key();
+  auto first = cache.Get(key, 64, true, "region");
+  ASSERT_TRUE(first.ok()) << first.status();
+  (*first)->data()[0] = 7;
+  auto again = cache.Get(key, 64, true, "region");
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(first->get(), again->get()) << "the same mapping";
+  // Recreated under the same name: another object, another mapping.
+  shm_unlink(key.c_str());
+  const int fd = shm_open(key.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(ftruncate(fd, 64), 0);
+  close(fd);
+  auto fresh = cache.Get(key, 64, true, "region");
+  ASSERT_TRUE(fresh.ok());
+  EXPECT_NE(fresh->get(), first->get());
+  EXPECT_EQ((*fresh)->data()[0], 0) << "the new object's bytes, not the old one's";
+  EXPECT_EQ((*first)->data()[0], 7) << "a holder keeps the old mapping alive";
+  EXPECT_EQ(cache.size(), 1u);
+  EXPECT_EQ(cache.Get(key, 128, false, "region").status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(cache.Get("/shardgemm_none_here", 8, false, "region").status().code(), absl::StatusCode::kNotFound);
 }
 
 }  // namespace

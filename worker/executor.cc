@@ -172,6 +172,12 @@ platform::TensorBlock BlockOf(const v1::SharedMemoryBlock& b, std::vector<int64_
   return block;
 }
 
+// The process's mappings of clients' regions, kept across steps.
+platform::SharedMemoryMappings& Mappings() {
+  static auto* mappings = new platform::SharedMemoryMappings(16);
+  return *mappings;
+}
+
 // A worker's block of a same-host client's shared-memory region, copied
 // into the step's memory (the region is the client's to change later).
 absl::StatusOr<HostTensor> ReadSharedMemoryBlock(const v1::LocalTensor& t, absl::string_view field) {
@@ -181,14 +187,13 @@ absl::StatusOr<HostTensor> ReadSharedMemoryBlock(const v1::LocalTensor& t, absl:
   std::vector<int64_t> shape(t.shape().begin(), t.shape().end());
   auto n = CheckedNumElements(shape, DTypeSize(*dtype), field);
   if (!n.ok()) return n.status();
-  auto mapping = platform::SharedMemoryMapping::Map(t.shared_memory().key(), t.shared_memory().region_bytes(),
-                                                    /*writable=*/false, at);
+  auto mapping = Mappings().Get(t.shared_memory().key(), t.shared_memory().region_bytes(), /*writable=*/false, at);
   if (!mapping.ok()) return mapping.status();
   HostTensor out;
   out.dtype = *dtype;
   out.shape = shape;
   out.bytes.resize(static_cast<size_t>(*n * DTypeSize(*dtype)));
-  if (auto s = platform::CopyBlockOut(*mapping, BlockOf(t.shared_memory(), shape, *dtype), out.bytes.data(), at);
+  if (auto s = platform::CopyBlockOut(**mapping, BlockOf(t.shared_memory(), shape, *dtype), out.bytes.data(), at);
       !s.ok()) {
     return s;
   }
@@ -196,9 +201,9 @@ absl::StatusOr<HostTensor> ReadSharedMemoryBlock(const v1::LocalTensor& t, absl:
 }
 
 absl::Status WriteSharedMemoryBlock(const v1::SharedMemoryBlock& b, const HostTensor& out) {
-  auto mapping = platform::SharedMemoryMapping::Map(b.key(), b.region_bytes(), /*writable=*/true, "out_shared_memory");
+  auto mapping = Mappings().Get(b.key(), b.region_bytes(), /*writable=*/true, "out_shared_memory");
   if (!mapping.ok()) return mapping.status();
-  return platform::CopyBlockIn(*mapping, BlockOf(b, out.shape, out.dtype), out.bytes.data(), "out_shared_memory");
+  return platform::CopyBlockIn(**mapping, BlockOf(b, out.shape, out.dtype), out.bytes.data(), "out_shared_memory");
 }
 
 absl::StatusOr<Input> ResolveInput(v1::LocalTensor&& t, const ShardStore& store,
