@@ -63,7 +63,7 @@ def request_id_of(md) -> Optional[str]:
     return None
 
 
-def _scaling(name: str) -> int:
+def _scaling(name: str) -> "pb.ScalingMode":
     if name not in _convert.SCALING:
         raise ValueError(f"scaling must be one of {tuple(_convert.SCALING)}, not {name!r}")
     return _convert.SCALING[name]

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, Any, Dict, Optional, Protocol, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, Optional, Protocol, Sequence, Tuple, Union
 
 import ml_dtypes
 import numpy as np
@@ -28,7 +28,7 @@ TensorLike = Union[np.ndarray, SupportsDLPack, str, Any]
 #: What calls return: a NumPy array, or a torch.Tensor with output="torch".
 Array = Union[np.ndarray, "torch.Tensor"]
 
-NUMPY_DTYPES: Dict[int, np.dtype] = {
+NUMPY_DTYPES: Dict["pb.DType", np.dtype] = {
     pb.F32: np.dtype(np.float32),
     pb.BF16: np.dtype(ml_dtypes.bfloat16),
     pb.F16: np.dtype(np.float16),
@@ -38,8 +38,8 @@ NUMPY_DTYPES: Dict[int, np.dtype] = {
     pb.I32: np.dtype(np.int32),
     pb.I64: np.dtype(np.int64),
 }
-PROTO_DTYPES: Dict[np.dtype, int] = {v: k for k, v in NUMPY_DTYPES.items()}
-SCALING: Dict[str, int] = {"current": pb.CURRENT, "delayed": pb.DELAYED, "mxfp8": pb.MXFP8, "block": pb.BLOCK_FP8}
+PROTO_DTYPES: Dict[np.dtype, "pb.DType"] = {v: k for k, v in NUMPY_DTYPES.items()}
+SCALING: Dict[str, "pb.ScalingMode"] = {"current": pb.CURRENT, "delayed": pb.DELAYED, "mxfp8": pb.MXFP8, "block": pb.BLOCK_FP8}
 OUTPUTS = ("numpy", "torch")
 
 # Types NumPy's DLPack import does not know (bfloat16, the FP8 formats):
@@ -89,7 +89,7 @@ def as_numpy(x: Any) -> np.ndarray:
     return np.asarray(x)
 
 
-def proto_dtype(dtype: Any) -> int:
+def proto_dtype(dtype: Any) -> "pb.DType":
     d = np.dtype(dtype)
     if d not in PROTO_DTYPES:
         raise ValueError(f"unsupported dtype {d} (supported: {', '.join(str(t) for t in PROTO_DTYPES)})")
@@ -105,13 +105,13 @@ def to_tensor(array: TensorLike, spec: str = "") -> "pb.Tensor":
     return pb.Tensor(dtype=proto_dtype(a.dtype), shape=list(a.shape), data=a.tobytes(), spec=spec)
 
 
-def numpy_dtype(proto: int) -> np.dtype:
+def numpy_dtype(proto: "pb.DType") -> np.dtype:
     if proto not in NUMPY_DTYPES:
         raise ValueError(f"the service answered with dtype {proto}, unknown to this client")
     return NUMPY_DTYPES[proto]
 
 
-def array_from_bytes(data: bytes, proto_dtype_: int, shape) -> np.ndarray:
+def array_from_bytes(data: bytes, proto_dtype_: "pb.DType", shape: Sequence[int]) -> np.ndarray:
     """A writable array of the bytes (a copy: protobuf's bytes are immutable)."""
     dtype = numpy_dtype(proto_dtype_)
     shape = tuple(shape)
