@@ -68,6 +68,16 @@ SCRIPT = textwrap.dedent('''
             warnings.simplefilter("error")  # tqdm is installed here: a bar, no warning
             back = c.get("w", progress=True)
         np.testing.assert_array_equal(back, w)
+        hidden = {name: sys.modules.pop(name, None) for name in ("tqdm", "tqdm.auto")}
+        sys.modules.update({"tqdm": None, "tqdm.auto": None})  # as if tqdm were not installed
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            np.testing.assert_array_equal(c.get("w", progress=True), w)  # no bar, one warning, the data
+        assert [str(x.message) for x in caught if "needs tqdm" in str(x.message)], caught
+        for name, module in hidden.items():
+            sys.modules.pop(name)
+            if module is not None:
+                sys.modules[name] = module
         got = []
         back = c.get("w", progress=lambda done, total: got.append((done, total)))
         np.testing.assert_array_equal(back, w)
