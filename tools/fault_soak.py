@@ -61,9 +61,9 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 from shardgemm_client import Client, from_tensor, pb  # noqa: E402
 import reference  # noqa: E402  (tests/reference.py: pure NumPy)
 
-try:  # progress bar only where tqdm is installed already
+try:  # a progress bar only where tqdm is installed already, and on a terminal
     import tqdm  # noqa: F401
-    HAVE_TQDM = True
+    HAVE_TQDM = sys.stderr.isatty()
 except ImportError:
     HAVE_TQDM = False
 
