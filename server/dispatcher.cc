@@ -222,8 +222,12 @@ void Cancellation::Clear() {
 }
 
 PendingDispatch::PendingDispatch(Dispatcher* dispatcher, size_t workers, uint64_t sequence, absl::Time give_up,
-                                 Done done)
-    : dispatcher_(dispatcher), sequence_(sequence), give_up_(give_up), done_(std::move(done)) {
+                                 Done done, std::string session)
+    : dispatcher_(dispatcher),
+      sequence_(sequence),
+      give_up_(give_up),
+      session_(std::move(session)),
+      done_(std::move(done)) {
   results_.resize(workers);
 }
 
@@ -287,11 +291,13 @@ void PendingDispatch::Finish(absl::Status why) {
   }
   mu_.Unlock();
   dispatcher_->Done(sequence_);  // answered, or given up on: later steps need not wait for it
-  if (!why.ok()) {
-    done(std::move(why));
-  } else {
-    done(dispatcher_->Resolve(std::move(results)));
+  absl::StatusOr<std::vector<v1::StepResult>> resolved =
+      why.ok() ? dispatcher_->Resolve(std::move(results)) : absl::StatusOr<std::vector<v1::StepResult>>(why);
+  const absl::StatusCode code = resolved.status().code();
+  if (code == absl::StatusCode::kCancelled || code == absl::StatusCode::kDeadlineExceeded) {
+    dispatcher_->CancelOnWorkers(session_, sequence_);
   }
+  done(std::move(resolved));
 }
 
 std::shared_ptr<PendingDispatch> Dispatcher::DispatchAsync(std::vector<v1::Step> steps, absl::Time deadline,
@@ -306,8 +312,8 @@ std::shared_ptr<PendingDispatch> Dispatcher::DispatchAsync(std::vector<v1::Step>
     return refused;
   }
   const std::vector<std::shared_ptr<WorkerChannel>> channels = Number(&steps);
-  std::shared_ptr<PendingDispatch> pending(
-      new PendingDispatch(this, steps.size(), steps[0].sequence(), deadline + grace_, std::move(done)));
+  std::shared_ptr<PendingDispatch> pending(new PendingDispatch(this, steps.size(), steps[0].sequence(),
+                                                               deadline + grace_, std::move(done), steps[0].session()));
   {
     absl::MutexLock lock(&watch_mu_);
     watched_.push_back(pending);
@@ -391,6 +397,17 @@ absl::StatusOr<std::vector<v1::StepResult>> Dispatcher::Resolve(std::vector<absl
   std::vector<v1::StepResult> out;
   for (auto& r : results) out.push_back(std::move(*r));
   return out;
+}
+
+void Dispatcher::CancelOnWorkers(const std::string& session, uint64_t sequence) {
+  if (session.empty()) return;  // steps without a session are not the coordinator's
+  v1::CancelStepsRequest request;
+  request.set_session(session);
+  request.add_sequences(sequence);
+  const absl::Time deadline = absl::Now() + kCancelTimeout;
+  for (const std::shared_ptr<WorkerChannel>& channel : Channels()) {
+    if (channel != nullptr) channel->CancelSteps(request, deadline);
+  }
 }
 
 void Dispatcher::Watchdog() {

@@ -55,7 +55,8 @@ class PendingDispatch {
  private:
   friend class Dispatcher;
   using Done = std::function<void(absl::StatusOr<std::vector<v1::StepResult>>)>;
-  PendingDispatch(Dispatcher* dispatcher, size_t workers, uint64_t sequence, absl::Time give_up, Done done);
+  PendingDispatch(Dispatcher* dispatcher, size_t workers, uint64_t sequence, absl::Time give_up, Done done,
+                  std::string session = "");
   // A worker's answer; ends the dispatch when every worker has answered or
   // one failed on its own (not a peer's ABORTED).
   void Answer(size_t rank, absl::StatusOr<v1::StepResult> result);
@@ -68,6 +69,7 @@ class PendingDispatch {
   Dispatcher* const dispatcher_;
   const uint64_t sequence_;
   const absl::Time give_up_;
+  const std::string session_;  // the steps' coordinator session
   mutable absl::Mutex mu_;
   std::vector<absl::optional<absl::StatusOr<v1::StepResult>>> results_ ABSL_GUARDED_BY(mu_);
   size_t answered_ ABSL_GUARDED_BY(mu_) = 0;
@@ -163,6 +165,10 @@ class Dispatcher {
   // kWatchdogPeriod, until the dispatcher goes.
   void Watchdog();
   static constexpr absl::Duration kWatchdogPeriod = absl::Milliseconds(100);
+  static constexpr absl::Duration kCancelTimeout = absl::Seconds(2);
+  // A dispatch given up on (cancelled, or a worker past its deadline): every
+  // worker drops the step if it has not started it.
+  void CancelOnWorkers(const std::string& session, uint64_t sequence);
 
   struct Worker {
     v1::WorkerInfo info;

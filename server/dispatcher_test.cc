@@ -279,7 +279,9 @@ TEST_F(DispatcherTest, ACancelledAsynchronousDispatchEndsAtOnceAndIgnoresLateAns
   fakes_.at("b").SetNeverAnswer(true);
   std::atomic<int> calls{0};
   absl::Status status;
-  auto pending = d->DispatchAsync(DeleteSteps(2), absl::Now() + absl::Seconds(30),
+  std::vector<v1::Step> steps = DeleteSteps(2);
+  for (v1::Step& step : steps) step.set_session("session-a");
+  auto pending = d->DispatchAsync(std::move(steps), absl::Now() + absl::Seconds(30),
                                   [&](absl::StatusOr<std::vector<v1::StepResult>> r) {
                                     status = r.status();
                                     ++calls;
@@ -289,6 +291,8 @@ TEST_F(DispatcherTest, ACancelledAsynchronousDispatchEndsAtOnceAndIgnoresLateAns
   pending->Cancel();
   EXPECT_EQ(calls.load(), 1) << "inline, at once";
   EXPECT_EQ(status.code(), absl::StatusCode::kCancelled) << status;
+  // Every worker hears the step is given up on (one that has not started it drops it).
+  for (const char* w : {"a", "b"}) EXPECT_EQ(fakes_.at(w).cancelled().size(), 1u) << w;
   fakes_.at("b").SetNeverAnswer(false);
   fakes_.at("b").AnswerHeld();
   pending->Cancel();

@@ -25,6 +25,7 @@ struct FakeWorkerChannel::State {
 
   mutable absl::Mutex mu;
   std::vector<v1::Step> steps ABSL_GUARDED_BY(mu);
+  std::vector<uint64_t> cancelled ABSL_GUARDED_BY(mu);
   Handler handler ABSL_GUARDED_BY(mu);
   bool never_answer ABSL_GUARDED_BY(mu) = false;
   absl::Status ping ABSL_GUARDED_BY(mu);
@@ -226,6 +227,16 @@ int FakeWorkerChannel::AnswerHeld() {
 std::vector<v1::Step> FakeWorkerChannel::steps() const {
   absl::MutexLock lock(&state_->mu);
   return state_->steps;
+}
+
+void FakeWorkerChannel::CancelSteps(const v1::CancelStepsRequest& request, absl::Time) {
+  absl::MutexLock lock(&state_->mu);
+  state_->cancelled.insert(state_->cancelled.end(), request.sequences().begin(), request.sequences().end());
+}
+
+std::vector<uint64_t> FakeWorkerChannel::cancelled() const {
+  absl::MutexLock lock(&state_->mu);
+  return state_->cancelled;
 }
 
 int FakeWorkerChannel::num_steps() const {

@@ -45,6 +45,7 @@ class FakeWorkerChannel : public WorkerChannel {
   void ExecuteAsync(const v1::Step& step, absl::Time deadline, ExecuteDone done) override;
   absl::StatusOr<v1::LocalTensor> GetShard(const std::string& name, absl::Time deadline) override;
   absl::Status Ping(absl::Time deadline) override;
+  void CancelSteps(const v1::CancelStepsRequest& request, absl::Time deadline) override;
 
   // --- behaviour (takes effect for steps received afterwards) ---
 
@@ -68,6 +69,7 @@ class FakeWorkerChannel : public WorkerChannel {
 
   std::vector<v1::Step> steps() const;  // every step received, in order
   int num_steps() const;
+  std::vector<uint64_t> cancelled() const;  // the sequences CancelSteps named, in order
   int num_held() const;
   // Waits (at most `timeout`) until `n` steps are held; false on timeout.
   bool AwaitHeld(int n, absl::Duration timeout) const;

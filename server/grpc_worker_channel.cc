@@ -49,6 +49,19 @@ class GrpcWorkerChannel : public WorkerChannel {
     });
   }
 
+  void CancelSteps(const v1::CancelStepsRequest& request, absl::Time deadline) override {
+    struct Call {
+      grpc::ClientContext ctx;
+      v1::CancelStepsRequest request;
+      v1::CancelStepsResponse response;
+    };
+    auto* call = new Call;
+    call->request = request;
+    call->ctx.set_deadline(ToGrpcDeadline(deadline));
+    stub_->async()->CancelSteps(&call->ctx, &call->request, &call->response,
+                                [call](grpc::Status) { delete call; });
+  }
+
   absl::StatusOr<v1::LocalTensor> GetShard(const std::string& name, absl::Time deadline) override {
     if (absl::Status c = Connected(deadline); !c.ok()) return c;
     grpc::ClientContext ctx;

@@ -24,6 +24,9 @@ class WorkerChannel {
   // latest DEADLINE_EXCEEDED soon after `deadline`).
   virtual void ExecuteAsync(const v1::Step& step, absl::Time deadline, ExecuteDone done) = 0;
   virtual absl::StatusOr<v1::LocalTensor> GetShard(const std::string& name, absl::Time deadline) = 0;
+  // Tells the worker the coordinator gave up on these steps; no answer is
+  // waited for (a worker that does not hear it runs them as before).
+  virtual void CancelSteps(const v1::CancelStepsRequest& request, absl::Time deadline) {}
   // A liveness check (the heartbeat): OK when the worker answers by `deadline`.
   virtual absl::Status Ping(absl::Time deadline) = 0;
 };

@@ -108,6 +108,21 @@ void Executor::PassTurn() {
   absl::MutexLock lock(&mu_);
   running_ = false;
   ++next_sequence_;
+  cancelled_.erase(cancelled_.begin(), cancelled_.lower_bound(next_sequence_));
+}
+
+absl::Status Executor::Cancel(const std::string& session, const std::vector<uint64_t>& sequences) {
+  absl::MutexLock lock(&mu_);
+  if (session.empty() || session != session_) {
+    return absl::FailedPreconditionError("the cancel is not from this worker's coordinator session");
+  }
+  for (uint64_t s : sequences) {
+    // A step running or done is past cancelling; one too far ahead is no step of this session's.
+    if (s < next_sequence_ || (s == next_sequence_ && running_) || s - next_sequence_ > kSequenceWindow) continue;
+    cancelled_.insert(s);
+  }
+  while (cancelled_.size() > kMaxCancelled) cancelled_.erase(std::prev(cancelled_.end()));
+  return absl::OkStatus();
 }
 
 absl::StatusOr<v1::StepResult> Executor::Execute(v1::Step step, absl::Time deadline) {
@@ -117,6 +132,10 @@ absl::StatusOr<v1::StepResult> Executor::Execute(v1::Step step, absl::Time deadl
   // Shards the coordinator retired since the last step (a missing one was
   // never stored here, e.g. by a put that failed on this worker).
   for (const std::string& name : step.release_shards()) (void)store_->Delete(name);
+  {
+    absl::MutexLock lock(&mu_);
+    step_cancelled_ = cancelled_.erase(step.sequence()) > 0;
+  }
   collectives_->BeginStep(step.sequence());
   step_kernel_time_ = absl::ZeroDuration();
   step_collective_start_ = timed_->elapsed();
@@ -142,6 +161,11 @@ absl::StatusOr<v1::StepResult> Executor::Execute(v1::Step step, absl::Time deadl
   }
   PassTurn();
   return result;
+}
+
+absl::Status Executor::CancelledStatus() const {
+  if (!step_cancelled_) return absl::OkStatus();
+  return absl::CancelledError("the request was cancelled or expired before this step ran");
 }
 
 absl::StatusOr<v1::StepResult> Executor::RunStore(v1::StoreShardStep& store) {
@@ -645,7 +669,7 @@ absl::StatusOr<v1::StepResult> Executor::RunGemm(v1::GemmStep& gemm) {
   // Stage 1, local: inputs, memory (this worker alone may fail here).
   Input lhs, rhs, bias, lhs_scale, rhs_scale;
   Input* inputs[kOperands] = {&lhs, &rhs, &bias, &lhs_scale, &rhs_scale};
-  absl::Status prepared;
+  absl::Status prepared = CancelledStatus();
   for (int i = 0; i < kOperands && prepared.ok(); ++i) {
     if (!present[i]) continue;
     auto in = ResolveInput(std::move(*protos[i]), *store_, RoleName(roles[i]));
@@ -855,6 +879,7 @@ absl::StatusOr<v1::StepResult> Executor::RunQuantize(v1::QuantizeStep& q) {
   int agreements = 0;
   auto out_dtype = DTypeFromProto(q.out_dtype(), "out_dtype");
   absl::Status prepared = out_dtype.status();
+  if (prepared.ok()) prepared = CancelledStatus();
   Input x;
   if (prepared.ok()) {
     auto in = ResolveInput(std::move(*q.mutable_x()), *store_, "x");

@@ -6,7 +6,9 @@
 
 #include <atomic>
 #include <memory>
+#include <set>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
@@ -45,6 +47,12 @@ class Executor {
   const MeshPosition& position() const { return position_; }
   // Returns once no step is running (a running step's collectives are bounded by their timeout).
   void AwaitIdle();
+  // The coordinator gave up on the steps numbered `sequences` of `session`
+  // (their request was cancelled or expired): one that has not started
+  // fails CANCELLED when its turn comes, without reading its inputs or
+  // running its op (its peers hear of it at the step's agreement, before
+  // any collective). FAILED_PRECONDITION for another session's.
+  absl::Status Cancel(const std::string& session, const std::vector<uint64_t>& sequences);
   // Steps waiting for their turn now (the worker's queue depth).
   int64_t steps_waiting() const { return steps_waiting_.load(std::memory_order_relaxed); }
   // Collective calls that failed since start (transport errors, timeouts).
@@ -54,6 +62,8 @@ class Executor {
   absl::Status WaitForTurn(uint64_t sequence, uint64_t oldest_live, absl::Time deadline,
                            const std::string& session);
   void PassTurn();
+  // CANCELLED when the running step was cancelled before it started.
+  absl::Status CancelledStatus() const;
   absl::StatusOr<v1::StepResult> RunGemm(v1::GemmStep& gemm);
   absl::StatusOr<HostTensor> ApplyCollective(const v1::CollectivePlan& c, const HostTensor& t);
   // An all-gather (along c.dim over c.axes of a piece of `dtype` and
@@ -90,6 +100,10 @@ class Executor {
 
   absl::Mutex mu_;
   uint64_t next_sequence_ ABSL_GUARDED_BY(mu_) = 1;
+  std::set<uint64_t> cancelled_ ABSL_GUARDED_BY(mu_);  // steps not yet run that are not to run
+  static constexpr size_t kMaxCancelled = 4096;
+  // Set while the step now running was cancelled before it started.
+  bool step_cancelled_ = false;
   bool configured_ ABSL_GUARDED_BY(mu_) = false;
   std::string session_ ABSL_GUARDED_BY(mu_);
   bool running_ ABSL_GUARDED_BY(mu_) = false;  // a step has its turn

@@ -308,6 +308,33 @@ TEST_F(ExecutorTest, StepsOfAnotherSessionAreRefusedAndRunNothing) {
   EXPECT_EQ(executor_->Execute(own).status().code(), absl::StatusCode::kUnavailable);
 }
 
+// A step its coordinator gave up on before it started fails CANCELLED in
+// its turn without running its GEMM; with collectives it still meets its
+// peers at the step's agreement (with its failure), so they fail too
+// instead of waiting in a collective. A cancel of another session's steps,
+// or of a step already run, changes nothing.
+TEST_F(ExecutorTest, ACancelledStepFailsInItsTurnAndMeetsItsPeersWithTheFailure) {
+  executor_ = std::make_unique<Executor>(backend_.get(), &store_);
+  auto collectives = std::make_unique<MirrorCollectives>(FsdpOf2());
+  mirror_ = collectives.get();
+  executor_->Configure(FsdpOf2(), std::move(collectives), 1, "session-a");
+  v1::Step first = GemmStep(F32({4, 3}, 1), F32({2, 3, 5}, 2), {2, 2});
+  first.set_session("session-a");
+  *first.mutable_gemm()->add_collectives() =
+      Collective(v1::PHASE_AFTER, v1::COLLECTIVE_ALL_REDUCE_SUM, v1::TENSOR_OUT, -1);
+  v1::Step second = GemmStep(F32({2, 3}, 1), F32({1, 3, 2}, 1), {2});
+  second.set_session("session-a");
+  EXPECT_EQ(executor_->Cancel("session-b", {first.sequence()}).code(), absl::StatusCode::kFailedPrecondition);
+  ASSERT_TRUE(executor_->Cancel("session-a", {first.sequence()}).ok());
+  auto cancelled = executor_->Execute(first);
+  EXPECT_EQ(cancelled.status().code(), absl::StatusCode::kCancelled) << cancelled.status();
+  EXPECT_EQ(mirror_->calls, std::vector<std::string>({"all_reduce"})) << "the agreement, with its failure";
+  // The turn passed on; a cancel for a step already run is ignored.
+  ASSERT_TRUE(executor_->Cancel("session-a", {first.sequence()}).ok());
+  auto next = executor_->Execute(second);
+  EXPECT_TRUE(next.ok()) << next.status();
+}
+
 TEST_F(ExecutorTest, AStepFarAheadOfTheOrderIsRefusedAtOnce) {
   Executor& e = Make(SingleWorkerPosition());
   v1::Step ahead = GemmStep(F32({2, 3}, 1), F32({1, 3, 2}, 1), {2});

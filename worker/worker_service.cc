@@ -28,6 +28,13 @@ grpc::Status WorkerServiceImpl::Execute(grpc::ServerContext* context, const v1::
   return grpc::Status::OK;
 }
 
+grpc::Status WorkerServiceImpl::CancelSteps(grpc::ServerContext* context, const v1::CancelStepsRequest* request,
+                                            v1::CancelStepsResponse*) {
+  if (grpc::Status s = CheckCaller(*context); !s.ok()) return s;
+  return ToGrpcStatus(executor_->Cancel(
+      request->session(), std::vector<uint64_t>(request->sequences().begin(), request->sequences().end())));
+}
+
 grpc::Status WorkerServiceImpl::GetShard(grpc::ServerContext* context, const v1::GetShardRequest* request,
                                          v1::LocalTensor* shard) {
   if (grpc::Status s = CheckCaller(*context); !s.ok()) return s;

@@ -20,6 +20,8 @@ class WorkerServiceImpl final : public v1::Worker::Service {
 
   grpc::Status Execute(grpc::ServerContext* context, const v1::Step* step,
                        v1::StepResult* result) override;
+  grpc::Status CancelSteps(grpc::ServerContext* context, const v1::CancelStepsRequest* request,
+                           v1::CancelStepsResponse* response) override;
   grpc::Status GetShard(grpc::ServerContext* context, const v1::GetShardRequest* request,
                         v1::LocalTensor* shard) override;
   grpc::Status Status(grpc::ServerContext* context, const v1::WorkerStatusRequest* request,
