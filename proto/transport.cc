@@ -54,11 +54,12 @@ std::unique_ptr<grpc::Server> StartHealthOnlyServer(const std::string& address, 
   return server;
 }
 
-void ServeUntilSignalled(grpc::Server* server) {
+void ServeUntilSignalled(grpc::Server* server, std::function<void()> before_shutdown) {
   std::signal(SIGINT, [](int) { g_stop = true; });
   std::signal(SIGTERM, [](int) { g_stop = true; });
-  std::thread waiter([server] {
+  std::thread waiter([server, before_shutdown = std::move(before_shutdown)] {
     while (!g_stop) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    if (before_shutdown) before_shutdown();
     server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   });
   server->Wait();

@@ -5,6 +5,8 @@
 
 #include <chrono>
 
+#include <functional>
+
 #include "absl/time/time.h"
 #include "grpcpp/grpcpp.h"
 
@@ -17,13 +19,15 @@ inline constexpr int kMaxMessageBytes = 2047 * 1024 * 1024;
 grpc::ChannelArguments TensorChannelArguments();
 void ConfigureTensorServer(grpc::ServerBuilder* builder);
 
-// Blocks until SIGINT or SIGTERM, then shuts the server down cleanly.
 // A plaintext server with only gRPC health checking (EnableDefaultHealthCheckService
 // must be on), for probes that speak no TLS (Kubernetes' native gRPC probes);
 // nullptr when it cannot listen.
 std::unique_ptr<grpc::Server> StartHealthOnlyServer(const std::string& address, int* port);
 
-void ServeUntilSignalled(grpc::Server* server);
+// Blocks until SIGINT or SIGTERM, then shuts the server down cleanly.
+// `before_shutdown` (optional) runs once the signal came, before the server
+// shuts down (to answer the calls still waiting on other processes).
+void ServeUntilSignalled(grpc::Server* server, std::function<void()> before_shutdown = nullptr);
 
 // A call's deadline as absl::Time and back (gRPC's "none" is the far future).
 absl::Time DeadlineOf(const grpc::ServerContextBase* context);

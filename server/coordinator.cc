@@ -438,8 +438,10 @@ absl::StatusOr<Coordinator::Fetched> Coordinator::GetTensor(const std::string& n
   auto dtype = DTypeFromProto(resident->info.dtype(), "dtype");
   if (!dtype.ok()) return dtype.status();
   std::vector<int64_t> shape(resident->info.shape().begin(), resident->info.shape().end());
+  // One deadline for the whole read, not a fresh step timeout per shard.
+  const absl::Time read_deadline = StepDeadline(deadline);
   auto tensor = Assemble(*dtype, shape, resident->spec, [&](int r) -> absl::StatusOr<HostTensor> {
-    auto shard = channels[r]->GetShard(resident->shard_name, StepDeadline(deadline));
+    auto shard = channels[r]->GetShard(resident->shard_name, read_deadline);
     if (!shard.ok()) return shard.status();
     return HostTensorFromProto(std::move(*shard), "shard");
   });
@@ -753,6 +755,10 @@ absl::StatusOr<TensorMeta> Coordinator::ResolveMeta(const v1::Tensor& t, const s
     return meta;
   }
   return InlineTensorMeta(t, field);
+}
+
+void Coordinator::AbandonRequests() {
+  dispatcher_.AbandonAll(absl::UnavailableError("the coordinator is shutting down; retry with another"));
 }
 
 absl::Status Coordinator::RegisterSharedMemory(const v1::RegisterSharedMemoryRequest& request,

@@ -79,6 +79,10 @@ class Coordinator {
   // is back (tensors a rank lacks are lost, shards no tensor owns dropped).
   absl::Status MakeDurable(const std::string& state_dir);
 
+  // Answers every request still waiting on its workers with UNAVAILABLE
+  // (the coordinator is shutting down); call before the server shuts down.
+  void AbandonRequests();
+
   absl::StatusOr<v1::RegisterResponse> Register(const v1::RegisterRequest& request);
   v1::ClusterInfo ClusterInfo() const;
   // What the metrics read at each scrape.

@@ -181,7 +181,7 @@ int Run() {
   if (exporter != nullptr) serving.push_back({"metrics_port", exporter->port()});
   logging::ProcessLogger().Log(logging::Level::kInfo, "serving", serving);
 
-  ServeUntilSignalled(server.get());
+  ServeUntilSignalled(server.get(), [&coordinator] { coordinator.AbandonRequests(); });
   logging::ProcessLogger().Log(logging::Level::kInfo, "stopped", {});
   return 0;
 }

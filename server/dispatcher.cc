@@ -263,6 +263,15 @@ void PendingDispatch::Cancel() {
   Finish(absl::CancelledError("the client cancelled the request before every worker answered"));
 }
 
+void PendingDispatch::Abandon(absl::Status why) {
+  mu_.Lock();
+  if (finished_) {
+    mu_.Unlock();
+    return;
+  }
+  Finish(std::move(why));
+}
+
 void PendingDispatch::Expire() {
   mu_.Lock();
   if (finished_) {
@@ -408,6 +417,17 @@ void Dispatcher::CancelOnWorkers(const std::string& session, uint64_t sequence) 
   for (const std::shared_ptr<WorkerChannel>& channel : Channels()) {
     if (channel != nullptr) channel->CancelSteps(request, deadline);
   }
+}
+
+void Dispatcher::AbandonAll(const absl::Status& why) {
+  std::vector<std::shared_ptr<PendingDispatch>> live;
+  {
+    absl::MutexLock lock(&watch_mu_);
+    for (auto& w : watched_) {
+      if (auto p = w.lock()) live.push_back(std::move(p));
+    }
+  }
+  for (auto& p : live) p->Abandon(why);
 }
 
 void Dispatcher::Watchdog() {

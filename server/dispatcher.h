@@ -51,6 +51,8 @@ class PendingDispatch {
   // Ends the dispatch with CANCELLED unless every worker has answered (the
   // workers' calls end by their deadline; later steps do not wait for it).
   void Cancel();
+  // Ends the dispatch with `why` unless it has ended.
+  void Abandon(absl::Status why);
 
  private:
   friend class Dispatcher;
@@ -133,6 +135,9 @@ class Dispatcher {
   using DispatchDone = std::function<void(absl::StatusOr<std::vector<v1::StepResult>>)>;
   std::shared_ptr<PendingDispatch> DispatchAsync(std::vector<v1::Step> steps, absl::Time deadline,
                                                  DispatchDone done);
+  // Ends every asynchronous dispatch still waiting with `why` (shutdown:
+  // their callers are answered while the server can still answer them).
+  void AbandonAll(const absl::Status& why);
   // Numbers and sends `steps` like Dispatch, without waiting for answers.
   void DispatchDetached(std::vector<v1::Step> steps, absl::Time deadline);
   // Every worker drops `shard_name` with the next step dispatched (in the

@@ -1,5 +1,7 @@
 #include <atomic>
 #include <chrono>
+#include <memory>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "grpcpp/grpcpp.h"
@@ -13,40 +15,85 @@ namespace {
 
 constexpr absl::Duration kConnectTimeout = absl::Seconds(10);
 
-class GrpcWorkerChannel : public WorkerChannel {
- public:
-  GrpcWorkerChannel(const std::string& address, std::shared_ptr<grpc::ChannelCredentials> credentials)
-      : address_(address) {
-    grpc::ChannelArguments args = TensorChannelArguments();
-    channel_ = grpc::CreateCustomChannel(address, std::move(credentials), args);
-    stub_ = v1::Worker::NewStub(channel_);
+// What a call in flight needs, shared with it: a call may outlive its
+// channel handle (a worker re-registering replaces the handle).
+struct ChannelCore {
+  std::string address;
+  std::shared_ptr<grpc::Channel> channel;
+  std::unique_ptr<v1::Worker::Stub> stub;
+  std::atomic<bool> connected_once{false};
+
+  // A registered worker is listening, but a first connect attempt can still
+  // fail transiently (seen under load in CI), and a call on a channel in
+  // transient failure fails at once: until the channel has connected once,
+  // wait for the connection, at most kConnectTimeout and never past the
+  // deadline. Once it has, no wait: the call itself waits for a reconnect
+  // (a connection reset) and fails at once where the worker refuses (it
+  // died).
+  absl::Status Connected(absl::Time deadline) {
+    if (channel->GetState(/*try_to_connect=*/true) == GRPC_CHANNEL_READY || connected_once.load()) {
+      connected_once.store(true);
+      return absl::OkStatus();
+    }
+    const absl::Time start = absl::Now();
+    const absl::Time until = std::min(deadline, start + kConnectTimeout);
+    if (channel->WaitForConnected(ToGrpcDeadline(until))) {
+      connected_once.store(true);
+      return absl::OkStatus();
+    }
+    return absl::UnavailableError(absl::StrCat("worker at ", address, ": not connected within ",
+                                               absl::FormatDuration(until - start)));
   }
 
   // gRPC's callback API: no thread waits on the call once it is sent.
-  void ExecuteAsync(const v1::Step& step, absl::Time deadline, ExecuteDone done) override {
-    if (absl::Status c = Connected(deadline); !c.ok()) {
-      done(c);
-      return;
-    }
+  static void Send(const std::shared_ptr<ChannelCore>& core, const v1::Step& step, absl::Time deadline,
+                   WorkerChannel::ExecuteDone done) {
     struct Call {
       grpc::ClientContext ctx;
       v1::Step step;
       v1::StepResult result;
-      ExecuteDone done;
+      WorkerChannel::ExecuteDone done;
     };
     auto* call = new Call;
     call->step = step;
     call->done = std::move(done);
     call->ctx.set_deadline(ToGrpcDeadline(deadline));
-    stub_->async()->Execute(&call->ctx, &call->step, &call->result, [call, this](grpc::Status s) {
+    core->stub->async()->Execute(&call->ctx, &call->step, &call->result, [call, core](grpc::Status s) {
       std::unique_ptr<Call> owned(call);
       if (s.ok()) {
         owned->done(std::move(owned->result));
       } else {
         absl::Status status = FromGrpcStatus(s);
-        owned->done(absl::Status(status.code(), absl::StrCat("worker at ", address_, ": ", status.message())));
+        owned->done(absl::Status(status.code(), absl::StrCat("worker at ", core->address, ": ", status.message())));
       }
     });
+  }
+};
+
+class GrpcWorkerChannel : public WorkerChannel {
+ public:
+  GrpcWorkerChannel(const std::string& address, std::shared_ptr<grpc::ChannelCredentials> credentials)
+      : core_(std::make_shared<ChannelCore>()) {
+    grpc::ChannelArguments args = TensorChannelArguments();
+    core_->address = address;
+    core_->channel = grpc::CreateCustomChannel(address, std::move(credentials), args);
+    core_->stub = v1::Worker::NewStub(core_->channel);
+  }
+
+  void ExecuteAsync(const v1::Step& step, absl::Time deadline, ExecuteDone done) override {
+    if (!core_->connected_once.load() && core_->channel->GetState(/*try_to_connect=*/true) != GRPC_CHANNEL_READY) {
+      // Never connected yet: wait for it on a thread of its own, so the
+      // caller (sending every rank its step in turn) is not held by it.
+      std::thread([core = core_, step, deadline, done = std::move(done)]() mutable {
+        if (absl::Status c = core->Connected(deadline); !c.ok()) {
+          done(c);
+          return;
+        }
+        ChannelCore::Send(core, step, deadline, std::move(done));
+      }).detach();
+      return;
+    }
+    ChannelCore::Send(core_, step, deadline, std::move(done));
   }
 
   void CancelSteps(const v1::CancelStepsRequest& request, absl::Time deadline) override {
@@ -58,18 +105,18 @@ class GrpcWorkerChannel : public WorkerChannel {
     auto* call = new Call;
     call->request = request;
     call->ctx.set_deadline(ToGrpcDeadline(deadline));
-    stub_->async()->CancelSteps(&call->ctx, &call->request, &call->response,
-                                [call](grpc::Status) { delete call; });
+    core_->stub->async()->CancelSteps(&call->ctx, &call->request, &call->response,
+                                      [call, core = core_](grpc::Status) { delete call; });
   }
 
   absl::StatusOr<v1::LocalTensor> GetShard(const std::string& name, absl::Time deadline) override {
-    if (absl::Status c = Connected(deadline); !c.ok()) return c;
+    if (absl::Status c = core_->Connected(deadline); !c.ok()) return c;
     grpc::ClientContext ctx;
     ctx.set_deadline(ToGrpcDeadline(deadline));
     v1::GetShardRequest request;
     request.set_name(name);
     v1::LocalTensor shard;
-    grpc::Status s = stub_->GetShard(&ctx, request, &shard);
+    grpc::Status s = core_->stub->GetShard(&ctx, request, &shard);
     if (!s.ok()) return FromGrpcStatus(s);
     return shard;
   }
@@ -83,39 +130,12 @@ class GrpcWorkerChannel : public WorkerChannel {
     grpc::ClientContext ctx;
     ctx.set_deadline(ToGrpcDeadline(deadline));
     v1::WorkerStatus status;
-    grpc::Status s = stub_->Status(&ctx, v1::WorkerStatusRequest(), &status);
+    grpc::Status s = core_->stub->Status(&ctx, v1::WorkerStatusRequest(), &status);
     return FromGrpcStatus(s);
   }
 
  private:
-  // A registered worker is listening, but a first connect attempt can still
-  // fail transiently (seen under load in CI), and a call on a channel in
-  // transient failure fails at once: until the channel has connected once,
-  // wait for the connection, at most kConnectTimeout and never past the
-  // deadline. Once it has, no wait: the call itself waits for a reconnect
-  // (a connection reset) and fails at once where the worker refuses (it
-  // died). The wait blocks the caller, which sends every rank's step in
-  // turn, so a dead worker waited for here held its peers' steps (and the
-  // whole mesh, in the global order) until the deadline.
-  absl::Status Connected(absl::Time deadline) {
-    if (channel_->GetState(/*try_to_connect=*/true) == GRPC_CHANNEL_READY || connected_once_.load()) {
-      connected_once_.store(true);
-      return absl::OkStatus();
-    }
-    const absl::Time start = absl::Now();
-    const absl::Time until = std::min(deadline, start + kConnectTimeout);
-    if (channel_->WaitForConnected(ToGrpcDeadline(until))) {
-      connected_once_.store(true);
-      return absl::OkStatus();
-    }
-    return absl::UnavailableError(absl::StrCat("worker at ", address_, ": not connected within ",
-                                               absl::FormatDuration(until - start)));
-  }
-
-  std::atomic<bool> connected_once_{false};
-  std::string address_;
-  std::shared_ptr<grpc::Channel> channel_;
-  std::unique_ptr<v1::Worker::Stub> stub_;
+  std::shared_ptr<ChannelCore> core_;
 };
 
 }  // namespace
