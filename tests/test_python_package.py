@@ -4,7 +4,7 @@ the PyPI packages already installed reused through --system-site-packages),
 then a script run with that environment's python from a folder outside the
 repository against a real mesh: NumPy and DLPack operands against a NumPy
 reference, the asyncio client, put/get round trips with progress, errors
-carrying their codes."""
+carrying their codes; the READMEs' examples (shared memory's included)."""
 import json
 import os
 import shutil
@@ -197,7 +197,7 @@ def test_the_installed_package_serves_numpy_dlpack_and_asyncio_outside_the_repos
     assert {"shardgemm_pb2.py", "shardgemm_pb2.pyi", "shardgemm_pb2_grpc.py"} <= \
         set(os.listdir(os.path.join(site, "shardgemm", "_pb")))
 
-    cl = cluster_factory(mesh="ep=2", workers=2)
+    cl = cluster_factory(mesh="ep=2", workers=2, coordinator_flags=["--shared_memory"])  # the README's region
     outside = tmp_path / "outside"
     outside.mkdir()
     (outside / "check.py").write_text(SCRIPT)
@@ -212,7 +212,7 @@ def test_the_installed_package_serves_numpy_dlpack_and_asyncio_outside_the_repos
                                                                 "## The Python client")),
                 (os.path.join(ROOT, "client", "python", "README.md"),
                  readme_python(os.path.join(ROOT, "client", "python", "README.md")))]
-    assert [len(blocks) for _, blocks in examples] == [2, 1], examples
+    assert [len(blocks) for _, blocks in examples] == [3, 1], examples
     for readme, blocks in examples:
         for i, block in enumerate(blocks):
             assert '"127.0.0.1:50051"' in block, block

@@ -6,16 +6,20 @@
 
 shardgemm.Client (sync) and shardgemm.aio.Client (asyncio, grpc.aio) have the
 same methods: cluster_info, grouped_gemm, plan, grouped_quantize, put, get,
-delete, list. Operands: NumPy arrays, objects with __dlpack__ (torch CPU
-tensors, ...), or resident tensor names; output="torch" returns torch tensors
+delete, list, register_shared_memory, unregister_shared_memory. Operands:
+NumPy arrays, objects with __dlpack__ (torch CPU tensors, ...), resident
+tensor names, or SharedMemoryTensor references into a SharedMemoryRegion
+(same-host clients of a coordinator run with --shared_memory; grouped_gemm's
+out= writes the output there); output="torch" returns torch tensors
 (pip install 'shardgemm[torch]'); progress=True shows tqdm bars on put/get
 (pip install 'shardgemm[progress]'). A failed call raises a ShardGemmError
 subclass with .code (grpc.StatusCode) and .details.
 """
 from . import aio, errors
-from ._convert import NUMPY_DTYPES, PROTO_DTYPES, SCALING, Array, SupportsDLPack, TensorLike, as_numpy, \
-    from_tensor, to_tensor
+from ._convert import NUMPY_DTYPES, PROTO_DTYPES, SCALING, Array, SharedMemoryTensor, SupportsDLPack, TensorLike, \
+    as_numpy, from_tensor, to_tensor
 from ._proto import pb, pb_grpc
+from ._shm import SharedMemoryRegion
 from ._version import __version__
 from .client import Client
 from .errors import (AbortedError, AlreadyExistsError, CancelledError, DataLossError, DeadlineExceededError,
@@ -24,7 +28,7 @@ from .errors import (AbortedError, AlreadyExistsError, CancelledError, DataLossE
                      UnavailableError, UnimplementedError, UnknownError)
 
 __all__ = [
-    "Client", "aio", "errors", "ShardGemmError",
+    "Client", "aio", "errors", "ShardGemmError", "SharedMemoryRegion", "SharedMemoryTensor",
     "AbortedError", "AlreadyExistsError", "CancelledError", "DataLossError", "DeadlineExceededError",
     "FailedPreconditionError", "InternalError", "InvalidArgumentError", "NotFoundError", "OutOfRangeError",
     "PermissionDeniedError", "ResourceExhaustedError", "UnauthenticatedError", "UnavailableError",

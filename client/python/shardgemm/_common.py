@@ -9,7 +9,7 @@ import grpc
 import numpy as np
 
 from . import _convert
-from ._convert import TensorLike, proto_dtype, to_tensor
+from ._convert import SharedMemoryTensor, TensorLike, proto_dtype, to_tensor
 from ._progress import Meter, Progress
 from ._proto import pb
 from .errors import REQUEST_ID_KEY, error_for
@@ -70,6 +70,8 @@ def _scaling(name: str) -> "pb.ScalingMode":
 
 
 def _sizes(group_sizes: TensorLike, spec: str) -> "pb.Tensor":
+    # The coordinator reads group_sizes to plan: sent inline, a shared-memory
+    # tensor's values included (read from this process's view of them).
     if isinstance(group_sizes, str):
         return to_tensor(group_sizes, spec)
     return to_tensor(np.asarray(_convert.as_numpy(group_sizes), dtype=np.int64), spec)
@@ -82,8 +84,12 @@ def gemm_request(lhs: TensorLike, rhs: TensorLike, group_sizes: TensorLike, bias
                  include_plan: bool = False, global_sorted: bool = False,
                  lhs_scale_inv: Optional[TensorLike] = None, rhs_scale_inv: Optional[TensorLike] = None,
                  lhs_scale_spec: str = "", rhs_scale_spec: str = "", scaling: str = "current",
-                 quantize_lhs: Any = None) -> "pb.GroupedGemmRequest":
+                 quantize_lhs: Any = None, out: Optional[SharedMemoryTensor] = None) -> "pb.GroupedGemmRequest":
     """A v1.GroupedGemmRequest (see Client.grouped_gemm)."""
+    if out is not None and not isinstance(out, SharedMemoryTensor):
+        raise TypeError(f"out= names a SharedMemoryTensor (SharedMemoryRegion.tensor(...)), not {type(out).__name__}")
+    if out is not None and keep_output_as:
+        raise ValueError("an output is kept resident (keep_output_as) or written to shared memory (out=), not both")
     if compat not in ("default", "te"):
         raise ValueError(f"compat must be 'default' or 'te', not {compat!r}")
     req = pb.GroupedGemmRequest(
@@ -98,6 +104,12 @@ def gemm_request(lhs: TensorLike, rhs: TensorLike, group_sizes: TensorLike, bias
         req.bias.CopyFrom(to_tensor(bias, bias_spec))
     if out_dtype is not None:
         req.out_dtype = proto_dtype(out_dtype)
+    if out is not None:
+        if out_dtype is None:
+            req.out_dtype = proto_dtype(out.dtype)  # the region's tensor says what the output is
+        elif proto_dtype(out_dtype) != proto_dtype(out.dtype):
+            raise ValueError(f"out_dtype {np.dtype(out_dtype)} but out= is a {out.dtype} tensor")
+        req.out_shared_memory.CopyFrom(out.ref())
     req.scaling = _scaling(scaling)
     if lhs_scale_inv is not None:
         req.lhs_scale_inv.CopyFrom(to_tensor(lhs_scale_inv, lhs_scale_spec))
@@ -106,6 +118,24 @@ def gemm_request(lhs: TensorLike, rhs: TensorLike, group_sizes: TensorLike, bias
     if quantize_lhs is not None:
         req.quantize_lhs.dtype = proto_dtype(quantize_lhs)
     return req
+
+
+def gemm_output(resp: "pb.GroupedGemmResponse", out: Optional[SharedMemoryTensor]) -> Optional[np.ndarray]:
+    """A GroupedGemmResponse's output as NumPy: the bytes it carries; None
+    when kept resident; with out=, the view of the region it was written to
+    (shaped as the response says), or None where out= has no view here."""
+    kind = resp.out.WhichOneof("source")
+    if kind == "resident":
+        return None
+    if kind == "shared_memory":
+        if out is None or out.array is None:
+            return None
+        dtype, shape = _convert.numpy_dtype(resp.out.dtype), tuple(resp.out.shape)
+        view = out.array
+        if view.dtype != dtype or view.shape != shape:
+            view = view.reshape(-1).view(np.uint8).view(dtype).reshape(shape)  # the same bytes (the service checked)
+        return view
+    return _convert.from_tensor(resp.out)
 
 
 def quantize_request(x: TensorLike, group_sizes: TensorLike, *, x_spec: str = "", group_sizes_spec: str = "",
@@ -122,7 +152,7 @@ def quantize_request(x: TensorLike, group_sizes: TensorLike, *, x_spec: str = ""
         keep=pb.QuantizeKeep(rowwise_data=keep_rowwise_data_as, scale_inv=keep_scale_inv_as, overwrite=overwrite))
     if out_dtype is not None:
         req.out_dtype = proto_dtype(out_dtype)
-    if scales is not None:
+    if scales is not None:  # sent inline (a shared-memory tensor's values too)
         req.scales.CopyFrom(to_tensor(np.asarray(_convert.as_numpy(scales), dtype=np.float32)))
     return req
 

@@ -1,6 +1,7 @@
 """Arrays to and from v1.Tensor: NumPy, anything with __dlpack__, PyTorch."""
 from __future__ import annotations
 
+import dataclasses
 import sys
 from typing import TYPE_CHECKING, Any, Dict, Optional, Protocol, Sequence, Tuple, Union
 
@@ -22,9 +23,57 @@ class SupportsDLPack(Protocol):
     def __dlpack_device__(self) -> Tuple[int, int]: ...
 
 
+@dataclasses.dataclass(frozen=True)
+class SharedMemoryTensor:
+    """A row-major tensor in a registered shared-memory region: a GEMM
+    operand (lhs, rhs, bias, FP8 scales) whose bytes the workers read from
+    the region themselves, or a GEMM's ``out=`` (the workers write the
+    output there). Made by :meth:`shardgemm.SharedMemoryRegion.tensor`, or
+    by hand for a region registered with ``Client.register_shared_memory``.
+
+    region: the name the region was registered under; offset: of the
+    tensor's first byte in it; spec: its partition spec (a call's own
+    ``*_spec`` argument, when given, is used instead). ``array`` is the
+    NumPy view of the tensor's bytes where the region is mapped in this
+    process (None for a reference made by hand)."""
+
+    region: str
+    dtype: np.dtype
+    shape: Tuple[int, ...]
+    offset: int = 0
+    spec: str = ""
+    array: Optional[np.ndarray] = dataclasses.field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", np.dtype(self.dtype))
+        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+        object.__setattr__(self, "offset", int(self.offset))
+        proto_dtype(self.dtype)  # a dtype the service knows, or ValueError now
+        if not self.region:
+            raise ValueError("a shared-memory tensor needs the region's registered name")
+        if self.offset < 0 or any(d < 0 for d in self.shape):
+            raise ValueError(f"offset {self.offset} and shape {self.shape} must not be negative")
+
+    @property
+    def nbytes(self) -> int:
+        """prod(shape) * itemsize: the reference's byte_size."""
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+    def ref(self) -> "pb.SharedMemoryRef":
+        """The v1.SharedMemoryRef (region, offset, byte_size)."""
+        return pb.SharedMemoryRef(region=self.region, offset=self.offset, byte_size=self.nbytes)
+
+    def to_proto(self, spec: str = "") -> "pb.Tensor":
+        """The v1.Tensor naming these bytes: dtype, shape, spec (`spec` when
+        given, else the reference's) and shared_memory."""
+        return pb.Tensor(dtype=proto_dtype(self.dtype), shape=list(self.shape), spec=spec or self.spec,
+                         shared_memory=self.ref())
+
+
 #: An operand: a NumPy array (or anything np.asarray takes), an object with
-#: __dlpack__ (a torch tensor, ...), or a str naming a resident tensor.
-TensorLike = Union[np.ndarray, SupportsDLPack, str, Any]
+#: __dlpack__ (a torch tensor, ...), a str naming a resident tensor, or a
+#: SharedMemoryTensor (a GEMM operand's bytes in a registered region).
+TensorLike = Union[np.ndarray, SupportsDLPack, str, SharedMemoryTensor, Any]
 #: What calls return: a NumPy array, or a torch.Tensor with output="torch".
 Array = Union[np.ndarray, "torch.Tensor"]
 
@@ -74,10 +123,16 @@ def as_numpy(x: Any) -> np.ndarray:
     """The array an operand holds, without a copy where it can be had.
 
     NumPy arrays as they are; torch tensors detached (and brought to the host)
-    with BF16 / FP8 kept; any other object with __dlpack__ through
-    np.from_dlpack; anything else through np.asarray."""
+    with BF16 / FP8 kept; a SharedMemoryTensor's view of its region; any
+    other object with __dlpack__ through np.from_dlpack; anything else
+    through np.asarray."""
     if isinstance(x, np.ndarray):
         return x
+    if isinstance(x, SharedMemoryTensor):
+        if x.array is None:
+            raise TypeError(f"the shared-memory tensor in region {x.region!r} is not mapped in this process: "
+                            "its bytes can be a GEMM operand, not an array here")
+        return x.array
     if _is_torch_tensor(x):
         return _torch_to_numpy(x)
     if hasattr(x, "__dlpack__"):
@@ -97,10 +152,14 @@ def proto_dtype(dtype: Any) -> "pb.DType":
 
 
 def to_tensor(array: TensorLike, spec: str = "") -> "pb.Tensor":
-    """A v1.Tensor with the array's bytes (row-major, little-endian), or a
-    reference to a resident tensor when `array` is its name."""
+    """A v1.Tensor with the array's bytes (row-major, little-endian), a
+    reference to a resident tensor when `array` is its name, or to bytes in
+    a registered shared-memory region when it is a SharedMemoryTensor (its
+    own spec unless `spec` is given)."""
     if isinstance(array, str):
         return pb.Tensor(resident=array, spec=spec)
+    if isinstance(array, SharedMemoryTensor):
+        return array.to_proto(spec)
     a = np.ascontiguousarray(as_numpy(array))
     return pb.Tensor(dtype=proto_dtype(a.dtype), shape=list(a.shape), data=a.tobytes(), spec=spec)
 

@@ -3,6 +3,9 @@
     async with shardgemm.aio.Client("127.0.0.1:50051") as c:
         out, plan = await c.grouped_gemm(lhs, rhs, group_sizes)
 
+shardgemm.aio.SharedMemoryRegion is shardgemm.SharedMemoryRegion for it
+(registered by `async with` or `await SharedMemoryRegion.create(c, n)`).
+
 Make it inside a running event loop (grpc.aio binds the channel to it).
 """
 from __future__ import annotations
@@ -14,10 +17,13 @@ import grpc
 import grpc.aio
 
 from . import _common
-from ._convert import Array, TensorLike, check_output, from_tensor, to_output
+from ._convert import Array, SharedMemoryTensor, TensorLike, check_output, to_output
 from ._progress import Progress
 from ._proto import pb, pb_grpc
+from ._shm import AsyncSharedMemoryRegion as SharedMemoryRegion
 from .errors import from_rpc_error
+
+__all__ = ["Client", "SharedMemoryRegion"]
 
 
 class Client:
@@ -80,15 +86,14 @@ class Client:
         return _common.gemm_request(lhs, rhs, group_sizes, bias, **kwargs)
 
     async def grouped_gemm(self, lhs: TensorLike, rhs: TensorLike, group_sizes: TensorLike,
-                           bias: Optional[TensorLike] = None, *, request_id: Optional[str] = None,
-                           output: Optional[str] = None, timeout: Optional[float] = None,
-                           **kwargs: Any) -> Tuple[Optional[Array], "pb.Plan"]:
-        """See shardgemm.Client.grouped_gemm."""
-        req = _common.gemm_request(lhs, rhs, group_sizes, bias, **kwargs)
+                           bias: Optional[TensorLike] = None, *, out: Optional[SharedMemoryTensor] = None,
+                           request_id: Optional[str] = None, output: Optional[str] = None,
+                           timeout: Optional[float] = None, **kwargs: Any) -> Tuple[Optional[Array], "pb.Plan"]:
+        """See shardgemm.Client.grouped_gemm (out= included)."""
+        req = _common.gemm_request(lhs, rhs, group_sizes, bias, out=out, **kwargs)
         out_as = check_output(output or self.output)
         resp = await self._unary(self.stub.GroupedGemm, req, timeout, request_id)
-        out = None if resp.out.resident else from_tensor(resp.out)
-        return to_output(out, out_as), resp.plan
+        return to_output(_common.gemm_output(resp, out), out_as), resp.plan
 
     async def plan(self, lhs: TensorLike, rhs: TensorLike, group_sizes: TensorLike,
                    bias: Optional[TensorLike] = None, *, request_id: Optional[str] = None,
@@ -126,6 +131,19 @@ class Client:
     async def delete(self, name: str, request_id: Optional[str] = None, *,
                      timeout: Optional[float] = None) -> None:
         await self._unary(self.stub.DeleteTensor, pb.DeleteTensorRequest(name=name), timeout, request_id)
+
+    async def register_shared_memory(self, name: str, key: str, byte_size: int, *,
+                                     request_id: Optional[str] = None, timeout: Optional[float] = None) -> None:
+        """See shardgemm.Client.register_shared_memory (and
+        shardgemm.aio.SharedMemoryRegion)."""
+        req = pb.RegisterSharedMemoryRequest(name=name, key=key, byte_size=int(byte_size))
+        await self._unary(self.stub.RegisterSharedMemory, req, timeout, request_id)
+
+    async def unregister_shared_memory(self, name: str, *, request_id: Optional[str] = None,
+                                       timeout: Optional[float] = None) -> None:
+        """See shardgemm.Client.unregister_shared_memory."""
+        await self._unary(self.stub.UnregisterSharedMemory, pb.UnregisterSharedMemoryRequest(name=name), timeout,
+                          request_id)
 
     async def list(self, *, timeout: Optional[float] = None) -> List["pb.ResidentTensorInfo"]:
         with self._errors():

@@ -7,7 +7,7 @@ from typing import Any, Iterator, List, Optional, Sequence, Tuple
 import grpc
 
 from . import _common
-from ._convert import Array, TensorLike, check_output, from_tensor, to_output
+from ._convert import Array, SharedMemoryTensor, TensorLike, check_output, to_output
 from ._progress import Progress
 from ._proto import pb, pb_grpc
 from .errors import from_rpc_error
@@ -98,9 +98,9 @@ class Client:
         return _common.gemm_request(lhs, rhs, group_sizes, bias, **kwargs)
 
     def grouped_gemm(self, lhs: TensorLike, rhs: TensorLike, group_sizes: TensorLike,
-                     bias: Optional[TensorLike] = None, *, request_id: Optional[str] = None,
-                     output: Optional[str] = None, timeout: Optional[float] = None,
-                     **kwargs: Any) -> Tuple[Optional[Array], "pb.Plan"]:
+                     bias: Optional[TensorLike] = None, *, out: Optional[SharedMemoryTensor] = None,
+                     request_id: Optional[str] = None, output: Optional[str] = None,
+                     timeout: Optional[float] = None, **kwargs: Any) -> Tuple[Optional[Array], "pb.Plan"]:
         """The grouped GEMM out[m] = lhs[m] @ rhs[g(m)] (+ bias) over the mesh.
 
         lhs [M, K], rhs [G, K, N] (or [G, N, K] with rhs_transposed=True),
@@ -115,16 +115,28 @@ class Client:
         "mxfp8"); quantize_lhs (an FP8 dtype) quantizes a float lhs on the
         workers instead.
 
-        Returns (out, plan): out is None when kept resident; plan is empty
-        unless include_plan."""
-        req = _common.gemm_request(lhs, rhs, group_sizes, bias, **kwargs)
+        Shared memory (coordinator --shared_memory, same host): lhs, rhs,
+        bias and the scales may be SharedMemoryTensor references
+        (SharedMemoryRegion.tensor(...); their spec unless *_spec is
+        given), which the workers read from the region themselves; group_sizes
+        is always sent inline (a reference's values are read here). out=
+        a SharedMemoryTensor has the workers write the output into the
+        region instead of returning it (its dtype is the out_dtype unless
+        one is given; its byte size must be the output's; not with
+        keep_output_as).
+
+        Returns (out, plan): out is the output (NumPy, or torch with
+        output="torch"), None when kept resident; with out=, the view of the
+        region holding it (out.array, shaped as the response says; sharing
+        the region's memory, not a copy), or None when out= was made by hand
+        and has no view. plan is empty unless include_plan."""
+        req = _common.gemm_request(lhs, rhs, group_sizes, bias, out=out, **kwargs)
         out_as = check_output(output or self.output)
         with self._errors():
             resp, call = self.stub.GroupedGemm.with_call(req, timeout=self._timeout(timeout),
                                                          metadata=_common.metadata(request_id))
         self._note_request_id(call)
-        out = None if resp.out.resident else from_tensor(resp.out)
-        return to_output(out, out_as), resp.plan
+        return to_output(_common.gemm_output(resp, out), out_as), resp.plan
 
     def plan(self, lhs: TensorLike, rhs: TensorLike, group_sizes: TensorLike, bias: Optional[TensorLike] = None,
              *, request_id: Optional[str] = None, timeout: Optional[float] = None, **kwargs: Any) -> "pb.Plan":
@@ -185,6 +197,34 @@ class Client:
             _, call = self.stub.DeleteTensor.with_call(pb.DeleteTensorRequest(name=name),
                                                        timeout=self._timeout(timeout),
                                                        metadata=_common.metadata(request_id))
+        self._note_request_id(call)
+
+    def register_shared_memory(self, name: str, key: str, byte_size: int, *, request_id: Optional[str] = None,
+                               timeout: Optional[float] = None) -> None:
+        """Registers the POSIX shared-memory object `key` (its shm_open
+        name: "/" then a name without "/") under `name`, of which the service
+        may use the first `byte_size` bytes: SharedMemoryTensor(name, ...)
+        then names bytes in it. The coordinator needs --shared_memory
+        (FailedPreconditionError otherwise) and its workers must share this
+        host. AlreadyExistsError when `name` is registered, NotFoundError
+        when there is no object `key`, InvalidArgumentError when it is
+        smaller than byte_size. shardgemm.SharedMemoryRegion does all this
+        for an object it makes."""
+        req = pb.RegisterSharedMemoryRequest(name=name, key=key, byte_size=int(byte_size))
+        with self._errors():
+            _, call = self.stub.RegisterSharedMemory.with_call(req, timeout=self._timeout(timeout),
+                                                               metadata=_common.metadata(request_id))
+        self._note_request_id(call)
+
+    def unregister_shared_memory(self, name: str, *, request_id: Optional[str] = None,
+                                 timeout: Optional[float] = None) -> None:
+        """Forgets the region `name` (NotFoundError when none is
+        registered): later requests naming it are NotFoundError. The object
+        itself is the caller's to unlink."""
+        req = pb.UnregisterSharedMemoryRequest(name=name)
+        with self._errors():
+            _, call = self.stub.UnregisterSharedMemory.with_call(req, timeout=self._timeout(timeout),
+                                                                 metadata=_common.metadata(request_id))
         self._note_request_id(call)
 
     def list(self, *, timeout: Optional[float] = None) -> List["pb.ResidentTensorInfo"]:
