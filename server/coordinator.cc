@@ -1027,8 +1027,12 @@ HostTensor RouteRows(const HostTensor& t, const RowRouting& routing) {
 absl::StatusOr<v1::GroupedGemmResponse> Coordinator::GroupedGemmGlobalSorted(
     const v1::GroupedGemmRequest& request, absl::Time deadline, const CallContext& call) {
   const bool ragged_k = request.ragged() == v1::GroupedGemmRequest::RAGGED_K;
-  if (request.has_out_shared_memory() || request.lhs().source_case() == v1::Tensor::kSharedMemory ||
-      request.rhs().source_case() == v1::Tensor::kSharedMemory) {
+  bool in_shared_memory = request.has_out_shared_memory();
+  for (const v1::Tensor* t : {&request.lhs(), &request.rhs(), &request.bias(), &request.lhs_scale_inv(),
+                              &request.rhs_scale_inv()}) {
+    in_shared_memory |= t->source_case() == v1::Tensor::kSharedMemory;
+  }
+  if (in_shared_memory) {
     return absl::InvalidArgumentError(
         "layout GLOBAL_SORTED routes the rows itself: its operands and output travel inline; use the PER_SHARD "
         "layout with shared memory");

@@ -196,3 +196,19 @@ def test_shared_memory_is_off_unless_the_coordinator_allows_it(cluster_factory, 
         _register(c.client, "r", region, 64)
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "--shared_memory" in err.value.details()
+
+
+def test_global_sorted_refuses_every_shared_memory_operand(cluster_factory, regions):
+    c = cluster_factory(mesh="dp=2", workers=2, coordinator_flags=["--shared_memory"])
+    client = c.client
+    lhs = rng.standard_normal((64, 32)).astype(np.float32)
+    rhs = rng.standard_normal((2, 32, 16)).astype(np.float32)
+    bias = rng.standard_normal((2, 16)).astype(np.float32)
+    region = regions(bias.nbytes)
+    region.array(np.float32, bias.shape)[:] = bias
+    _register(client, "b", region, bias.nbytes)
+    req = client.gemm_request(lhs, rhs, [32, 32], bias, lhs_spec="(dp, None)", global_sorted=True)
+    _in_shm(req.bias, "b", 0, bias.nbytes)
+    with pytest.raises(grpc.RpcError) as err:
+        client.stub.GroupedGemm(req, timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "GLOBAL_SORTED" in err.value.details()
