@@ -1,9 +1,12 @@
 #include <atomic>
 #include <chrono>
+#include <deque>
 #include <memory>
 #include <thread>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/shardgemm.grpc.pb.h"
 #include "proto/transport.h"
@@ -15,8 +18,47 @@ namespace {
 
 constexpr absl::Duration kConnectTimeout = absl::Seconds(10);
 
-// What a call in flight needs, shared with it: a call may outlive its
-// channel handle (a worker re-registering replaces the handle).
+struct ChannelCore;
+
+// Calls in flight keep their channel alive (a worker re-registering drops
+// its handle while calls are out). The last reference must not go on gRPC's
+// callback thread, nor right after: gRPC finishes its own bookkeeping of
+// the call on the channel's completion queue after the callback returns.
+// Callbacks hand their reference here; one thread of the process drops it
+// a while later.
+class ChannelReaper {
+ public:
+  static void Hand(std::shared_ptr<ChannelCore> core) {
+    static ChannelReaper* reaper = new ChannelReaper;  // for the process's life
+    absl::MutexLock lock(&reaper->mu_);
+    reaper->queue_.push_back({absl::Now(), std::move(core)});
+  }
+
+ private:
+  static constexpr absl::Duration kGrace = absl::Seconds(1);
+  ChannelReaper() {
+    std::thread([this] {
+      while (true) {
+        absl::SleepFor(kGrace / 2);
+        std::vector<std::shared_ptr<ChannelCore>> drop;
+        {
+          absl::MutexLock lock(&mu_);
+          const absl::Time before = absl::Now() - kGrace;
+          while (!queue_.empty() && queue_.front().first < before) {
+            drop.push_back(std::move(queue_.front().second));
+            queue_.pop_front();
+          }
+        }
+        drop.clear();  // here, off every callback thread
+      }
+    }).detach();
+  }
+  absl::Mutex mu_;
+  std::deque<std::pair<absl::Time, std::shared_ptr<ChannelCore>>> queue_ ABSL_GUARDED_BY(mu_);
+};
+
+// The channel's state, shared with the calls in flight and the thread that
+// waits for a first connection.
 struct ChannelCore {
   std::string address;
   std::shared_ptr<grpc::Channel> channel;
@@ -58,7 +100,7 @@ struct ChannelCore {
     call->step = step;
     call->done = std::move(done);
     call->ctx.set_deadline(ToGrpcDeadline(deadline));
-    core->stub->async()->Execute(&call->ctx, &call->step, &call->result, [call, core](grpc::Status s) {
+    core->stub->async()->Execute(&call->ctx, &call->step, &call->result, [call, core](grpc::Status s) mutable {
       std::unique_ptr<Call> owned(call);
       if (s.ok()) {
         owned->done(std::move(owned->result));
@@ -66,6 +108,8 @@ struct ChannelCore {
         absl::Status status = FromGrpcStatus(s);
         owned->done(absl::Status(status.code(), absl::StrCat("worker at ", core->address, ": ", status.message())));
       }
+      owned.reset();
+      ChannelReaper::Hand(std::move(core));
     });
   }
 };
@@ -106,7 +150,10 @@ class GrpcWorkerChannel : public WorkerChannel {
     call->request = request;
     call->ctx.set_deadline(ToGrpcDeadline(deadline));
     core_->stub->async()->CancelSteps(&call->ctx, &call->request, &call->response,
-                                      [call, core = core_](grpc::Status) { delete call; });
+                                      [call, core = core_](grpc::Status) mutable {
+                                        delete call;
+                                        ChannelReaper::Hand(std::move(core));
+                                      });
   }
 
   absl::StatusOr<v1::LocalTensor> GetShard(const std::string& name, absl::Time deadline) override {
