@@ -71,6 +71,9 @@ Coordinator::~Coordinator() {
     stopping_ = true;
   }
   if (heartbeat_.joinable()) heartbeat_.join();
+  // Requests still waiting on their workers are answered now, while the
+  // registry their completion touches is still here (members go after).
+  AbandonRequests();
 }
 
 absl::Status Coordinator::MakeDurable(const std::string& state_dir) {

@@ -579,6 +579,32 @@ TEST(CoordinatorAsyncTest, TheCallbackCarriesTheAnswerAndACancellationEndsItAtOn
   EXPECT_TRUE(inline_answer);
 }
 
+// A coordinator going away answers the requests still waiting on their
+// workers (UNAVAILABLE, saying why), while what their completion touches is
+// still there.
+TEST(CoordinatorAsyncTest, ARequestStillWaitingIsAnsweredWhenTheCoordinatorGoes) {
+  auto mesh = MakeMesh("dp=2", ShortGrace());
+  const Gemm gemm(8, 4, 5, {1, 2, 0, 3, 0, 1}, 2);
+  v1::GroupedGemmRequest keep = gemm.Request("(dp, None)", "(dp,)");
+  keep.set_keep_output_as("y");
+  mesh->worker(1).SetNeverAnswer(true);
+  absl::Notification answered;
+  absl::Status status;
+  mesh->coordinator().GroupedGemmAsync(keep, absl::Now() + absl::Seconds(60), {},
+                                       [&](absl::StatusOr<v1::GroupedGemmResponse> r) {
+                                         status = r.status();
+                                         answered.Notify();
+                                       });
+  ASSERT_TRUE(mesh->worker(1).AwaitHeld(1, absl::Seconds(5)));
+  FakeWorkerChannel stuck = mesh->worker(1);
+  mesh.reset();
+  ASSERT_TRUE(answered.HasBeenNotified());
+  EXPECT_EQ(status.code(), absl::StatusCode::kUnavailable) << status;
+  EXPECT_THAT(std::string(status.message()), HasSubstr("shutting down"));
+  stuck.SetNeverAnswer(false);
+  stuck.AnswerHeld();
+}
+
 // --------------------------------------------------------- keep_output_as --
 
 // Dispatches one small step on a dp=2 mesh: retired shards ride on it.
