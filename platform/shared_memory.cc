@@ -52,8 +52,17 @@ absl::StatusOr<uint64_t> SharedMemoryObjectSize(const std::string& key, absl::st
   return static_cast<uint64_t>(st.st_size);
 }
 
-absl::StatusOr<SharedMemoryMapping> SharedMemoryMapping::Map(const std::string& key, uint64_t bytes, bool writable,
-                                                             absl::string_view field) {
+namespace {
+
+// An object opened for a mapping of its first `bytes`: the descriptor and
+// which object it is.
+struct OpenObject {
+  int fd = -1;
+  uint64_t device = 0, inode = 0;
+};
+
+absl::StatusOr<OpenObject> OpenForMapping(const std::string& key, uint64_t bytes, bool writable,
+                                          absl::string_view field) {
   if (auto s = CheckSharedMemoryKey(key, field); !s.ok()) return s;
   if (bytes == 0) return absl::InvalidArgumentError(absl::StrCat(field, ": a region of 0 bytes"));
   const int fd = shm_open(key.c_str(), writable ? O_RDWR : O_RDONLY, 0);
@@ -69,32 +78,38 @@ absl::StatusOr<SharedMemoryMapping> SharedMemoryMapping::Map(const std::string& 
     return absl::FailedPreconditionError(absl::StrCat(field, ": shared-memory object '", key, "' has ", st.st_size,
                                                       " bytes, fewer than the ", bytes, " registered"));
   }
+  return OpenObject{fd, static_cast<uint64_t>(st.st_dev), static_cast<uint64_t>(st.st_ino)};
+}
+
+// Maps the object's first `bytes` and closes its descriptor (the mapping
+// keeps the object).
+absl::StatusOr<char*> MapAndClose(int fd, uint64_t bytes, bool writable, const std::string& key,
+                                  absl::string_view field) {
   void* p = mmap(nullptr, bytes, writable ? PROT_READ | PROT_WRITE : PROT_READ, MAP_SHARED, fd, 0);
   const int err = errno;
-  close(fd);  // the mapping keeps the object
+  close(fd);
   if (p == MAP_FAILED) return OpenError(err, key, field);
-  return SharedMemoryMapping(static_cast<char*>(p), bytes);
+  return static_cast<char*>(p);
+}
+
+}  // namespace
+
+absl::StatusOr<SharedMemoryMapping> SharedMemoryMapping::Map(const std::string& key, uint64_t bytes, bool writable,
+                                                             absl::string_view field) {
+  auto object = OpenForMapping(key, bytes, writable, field);
+  if (!object.ok()) return object.status();
+  auto data = MapAndClose(object->fd, bytes, writable, key, field);
+  if (!data.ok()) return data.status();
+  return SharedMemoryMapping(*data, bytes);
 }
 
 absl::StatusOr<std::shared_ptr<const SharedMemoryMapping>> SharedMemoryMappings::Get(const std::string& key,
                                                                                      uint64_t bytes, bool writable,
                                                                                      absl::string_view field) {
-  if (auto s = CheckSharedMemoryKey(key, field); !s.ok()) return s;
-  if (bytes == 0) return absl::InvalidArgumentError(absl::StrCat(field, ": a region of 0 bytes"));
-  const int fd = shm_open(key.c_str(), writable ? O_RDWR : O_RDONLY, 0);
-  if (fd < 0) return OpenError(errno, key, field);
-  struct stat st;
-  if (fstat(fd, &st) != 0) {
-    const int err = errno;
-    close(fd);
-    return OpenError(err, key, field);
-  }
-  if (static_cast<uint64_t>(st.st_size) < bytes) {
-    close(fd);
-    return absl::FailedPreconditionError(absl::StrCat(field, ": shared-memory object '", key, "' has ", st.st_size,
-                                                      " bytes, fewer than the ", bytes, " registered"));
-  }
-  const uint64_t device = static_cast<uint64_t>(st.st_dev), inode = static_cast<uint64_t>(st.st_ino);
+  auto object = OpenForMapping(key, bytes, writable, field);
+  if (!object.ok()) return object.status();
+  const int fd = object->fd;
+  const uint64_t device = object->device, inode = object->inode;
   {
     absl::MutexLock lock(&mu_);
     for (auto it = entries_.begin(); it != entries_.end(); ++it) {
@@ -108,11 +123,9 @@ absl::StatusOr<std::shared_ptr<const SharedMemoryMapping>> SharedMemoryMappings:
       }
     }
   }
-  void* p = mmap(nullptr, bytes, writable ? PROT_READ | PROT_WRITE : PROT_READ, MAP_SHARED, fd, 0);
-  const int err = errno;
-  close(fd);
-  if (p == MAP_FAILED) return OpenError(err, key, field);
-  auto mapping = std::shared_ptr<const SharedMemoryMapping>(new SharedMemoryMapping(static_cast<char*>(p), bytes));
+  auto data = MapAndClose(fd, bytes, writable, key, field);
+  if (!data.ok()) return data.status();
+  auto mapping = std::shared_ptr<const SharedMemoryMapping>(new SharedMemoryMapping(*data, bytes));
   absl::MutexLock lock(&mu_);
   // An older entry of the same name (another object, or another size) goes.
   for (auto it = entries_.begin(); it != entries_.end();) {

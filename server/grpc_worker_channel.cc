@@ -72,11 +72,17 @@ struct ChannelCore {
   // deadline. Once it has, no wait: the call itself waits for a reconnect
   // (a connection reset) and fails at once where the worker refuses (it
   // died).
-  absl::Status Connected(absl::Time deadline) {
-    if (channel->GetState(/*try_to_connect=*/true) == GRPC_CHANNEL_READY || connected_once.load()) {
+  // Connected once, or now: a call may go without waiting.
+  bool MayCall() {
+    if (connected_once.load() || channel->GetState(/*try_to_connect=*/true) == GRPC_CHANNEL_READY) {
       connected_once.store(true);
-      return absl::OkStatus();
+      return true;
     }
+    return false;
+  }
+
+  absl::Status Connected(absl::Time deadline) {
+    if (MayCall()) return absl::OkStatus();
     const absl::Time start = absl::Now();
     const absl::Time until = std::min(deadline, start + kConnectTimeout);
     if (channel->WaitForConnected(ToGrpcDeadline(until))) {
@@ -125,7 +131,7 @@ class GrpcWorkerChannel : public WorkerChannel {
   }
 
   void ExecuteAsync(const v1::Step& step, absl::Time deadline, ExecuteDone done) override {
-    if (!core_->connected_once.load() && core_->channel->GetState(/*try_to_connect=*/true) != GRPC_CHANNEL_READY) {
+    if (!core_->MayCall()) {
       // Never connected yet: wait for it on a thread of its own, so the
       // caller (sending every rank its step in turn) is not held by it.
       std::thread([core = core_, step, deadline, done = std::move(done)]() mutable {
