@@ -242,8 +242,9 @@ int Cluster() {
             << "workers: " << info->workers_size() << " of " << info->workers_expected()
             << (info->ready() ? " (ready)" : " (waiting)") << "\n";
   for (const auto& w : info->workers()) {
-    std::cout << absl::StrFormat("  rank %d  coords (%s)  %s  backend %s  %s%s\n", w.rank(),
-                                 absl::StrJoin(w.coords(), ","), w.address(), w.backend(), w.device(),
+    const char* hop = w.hop() == v1::WORKER_HOP_UNIX_SOCKET ? "  (called on its Unix socket)" : "";
+    std::cout << absl::StrFormat("  rank %d  coords (%s)  %s%s  backend %s  %s%s\n", w.rank(),
+                                 absl::StrJoin(w.coords(), ","), w.address(), hop, w.backend(), w.device(),
                                  w.down() ? absl::StrCat("  DOWN: ", w.down_reason()) : "");
   }
   return 0;

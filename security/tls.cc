@@ -4,6 +4,7 @@
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
+#include "grpc/grpc_security_constants.h"
 #include "grpcpp/security/auth_context.h"
 
 namespace shardgemm::security {
@@ -75,6 +76,25 @@ std::shared_ptr<grpc::ChannelCredentials> Transport::ChannelCredentials() const 
   options.pem_private_key = key_;
   options.pem_cert_chain = cert_;
   return grpc::SslCredentials(options);
+}
+
+std::shared_ptr<grpc::ServerCredentials> Transport::LocalServerCredentials() const {
+  if (insecure_) return grpc::InsecureServerCredentials();
+  return grpc::experimental::LocalServerCredentials(UDS);
+}
+
+std::shared_ptr<grpc::ChannelCredentials> Transport::LocalChannelCredentials() const {
+  if (insecure_) return grpc::InsecureChannelCredentials();
+  return grpc::experimental::LocalCredentials(UDS);
+}
+
+bool CallerIsLocalSocketPeer(const grpc::ServerContextBase& context) {
+  std::shared_ptr<const grpc::AuthContext> auth = context.auth_context();
+  if (auth == nullptr) return false;
+  for (const grpc::string_ref& v : auth->FindPropertyValues(GRPC_TRANSPORT_SECURITY_TYPE_PROPERTY_NAME)) {
+    if (absl::string_view(v.data(), v.size()) == "local") return true;
+  }
+  return false;
 }
 
 std::string PeerCommonName(const grpc::ServerContextBase& context) {

@@ -48,6 +48,13 @@ class Transport {
   // name `name` (always true when insecure: plaintext has no identities).
   bool CallerIs(const grpc::ServerContextBase& context, absl::string_view name) const;
 
+  // The same-host hop (a worker's Unix socket in a directory only its user
+  // can enter): gRPC's local credentials, which accept only a Unix-socket
+  // connection and need no encryption, the bytes never leaving the kernel;
+  // plaintext when insecure.
+  std::shared_ptr<grpc::ServerCredentials> LocalServerCredentials() const;
+  std::shared_ptr<grpc::ChannelCredentials> LocalChannelCredentials() const;
+
  private:
   bool insecure_ = true;
   Role role_ = Role::kClient;
@@ -60,6 +67,11 @@ absl::StatusOr<std::string> ReadCredentialFile(const std::string& path, absl::st
 
 // The common name of the caller's verified certificate; empty without one.
 std::string PeerCommonName(const grpc::ServerContextBase& context);
+
+// Whether the call came over a port with local credentials (a Unix socket):
+// its caller could enter the socket's private directory, so it runs as this
+// process's user on this host.
+bool CallerIsLocalSocketPeer(const grpc::ServerContextBase& context);
 
 }  // namespace shardgemm::security
 

@@ -43,6 +43,8 @@ struct CoordinatorOptions {
   // Same-host clients may name shared-memory regions as sources and
   // destinations (the workers map them; FAILED_PRECONDITION when off).
   bool allow_shared_memory = false;
+  // Workers on this host are called on their Unix socket (Dispatcher).
+  bool prefer_local_socket = false;
 };
 
 // Who asks: the caller's tenant (its token's; "" with --insecure), whose

@@ -6,6 +6,7 @@
 #include <thread>
 
 #include "absl/flags/flag.h"
+#include "absl/strings/match.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/synchronization/mutex.h"
@@ -54,6 +55,9 @@ ABSL_FLAG(double, heartbeat_interval_s, 1,
           "--heartbeat_misses in a row is marked down: the mesh is not ready, requests fail at once "
           "naming it, and a worker registering from another address may take its rank");
 ABSL_FLAG(int, heartbeat_misses, 3, "missed heartbeats in a row that mark a worker down");
+ABSL_FLAG(bool, worker_local_socket, true,
+          "call a worker on this host on its Unix socket (a private directory of this user's; gRPC's local "
+          "credentials, no TLS: the bytes never leave the kernel) instead of over TCP with mutual TLS");
 ABSL_FLAG(std::string, state_dir, "",
           "keep the registry of resident tensors here (fsync'd on every put and delete), so a restarted "
           "coordinator lists and serves them again; empty: in memory only");
@@ -115,9 +119,15 @@ int Run() {
   options.heartbeat_interval = absl::Seconds(absl::GetFlag(FLAGS_heartbeat_interval_s));
   options.heartbeat_misses = absl::GetFlag(FLAGS_heartbeat_misses);
   options.allow_shared_memory = absl::GetFlag(FLAGS_shared_memory);
+  options.prefer_local_socket = absl::GetFlag(FLAGS_worker_local_socket);
   std::shared_ptr<grpc::ChannelCredentials> worker_credentials = transport->ChannelCredentials();
+  std::shared_ptr<grpc::ChannelCredentials> local_worker_credentials = transport->LocalChannelCredentials();
   Coordinator coordinator(
-      *mesh, [worker_credentials](const std::string& address) { return MakeGrpcWorkerChannel(address, worker_credentials); },
+      *mesh,
+      [worker_credentials, local_worker_credentials](const std::string& target) {
+        return MakeGrpcWorkerChannel(
+            target, absl::StartsWith(target, "unix:") ? local_worker_credentials : worker_credentials);
+      },
       options);
   if (const std::string state_dir = absl::GetFlag(FLAGS_state_dir); !state_dir.empty()) {
     if (auto s = coordinator.MakeDurable(state_dir); !s.ok()) {

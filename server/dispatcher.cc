@@ -6,14 +6,16 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/types/optional.h"
+#include "platform/local_socket.h"
 
 namespace shardgemm {
 
-Dispatcher::Dispatcher(planner::Mesh mesh, Connector connect, absl::Duration grace)
+Dispatcher::Dispatcher(planner::Mesh mesh, Connector connect, absl::Duration grace, bool prefer_local_socket)
     : mesh_(std::move(mesh)),
       num_workers_(static_cast<int>(planner::NumWorkers(mesh_))),
       connect_(std::move(connect)),
-      grace_(grace) {
+      grace_(grace),
+      prefer_local_socket_(prefer_local_socket) {
   workers_.resize(num_workers_);
   watchdog_ = std::thread([this] { Watchdog(); });
 }
@@ -71,9 +73,13 @@ absl::StatusOr<Dispatcher::Joined> Dispatcher::Join(const v1::RegisterRequest& r
   const bool rejoined = w.channel != nullptr;
   w.down = false;
   w.down_because.clear();
-  w.channel = connect_(request.address());
+  const v1::LocalSocket& local = request.local_socket();
+  const bool same_host = prefer_local_socket_ && !local.path().empty() &&
+                         platform::CheckSameHostSocket(local.path(), local.boot_id(), local.inode()).ok();
+  w.channel = connect_(same_host ? absl::StrCat("unix:", local.path()) : request.address());
   w.info.set_rank(rank);
   w.info.set_address(request.address());
+  w.info.set_hop(same_host ? v1::WORKER_HOP_UNIX_SOCKET : v1::WORKER_HOP_TCP);
   w.info.set_backend(request.backend());
   w.info.set_device(request.device());
   w.info.set_memory_budget_bytes(request.memory_budget_bytes());

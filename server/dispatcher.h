@@ -85,7 +85,10 @@ class Dispatcher {
 
   // `grace`: how long past a step's deadline Dispatch waits for a channel
   // that has not reported back (gRPC channels report by the deadline).
-  Dispatcher(planner::Mesh mesh, Connector connect, absl::Duration grace);
+  // `prefer_local_socket`: a worker that describes a Unix socket which is,
+  // on this host, that very socket and this user's is connected there
+  // (`unix:PATH`) instead of at its address.
+  Dispatcher(planner::Mesh mesh, Connector connect, absl::Duration grace, bool prefer_local_socket = false);
   ~Dispatcher();
   Dispatcher(const Dispatcher&) = delete;
   Dispatcher& operator=(const Dispatcher&) = delete;
@@ -186,6 +189,7 @@ class Dispatcher {
   const int num_workers_;
   const Connector connect_;
   const absl::Duration grace_;
+  const bool prefer_local_socket_;
 
   // Lock order: sequence_mu_, then workers_mu_.
   mutable absl::Mutex sequence_mu_;

@@ -6,9 +6,16 @@
 #include <string>
 #include <thread>
 
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cstring>
+
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
+#include "platform/local_socket.h"
 #include "server/fake_worker_channel.h"
 
 namespace shardgemm {
@@ -17,7 +24,7 @@ namespace {
 class DispatcherTest : public ::testing::Test {
  protected:
   // A dispatcher over `mesh` whose channels are fakes, by address.
-  std::unique_ptr<Dispatcher> Make(const std::string& mesh) {
+  std::unique_ptr<Dispatcher> Make(const std::string& mesh, bool prefer_local_socket = false) {
     return std::make_unique<Dispatcher>(
         *planner::ParseMesh(mesh, ""),
         [this](const std::string& address) {
@@ -25,7 +32,7 @@ class DispatcherTest : public ::testing::Test {
           if (it == fakes_.end()) it = fakes_.emplace(address, FakeWorkerChannel()).first;
           return std::make_unique<FakeWorkerChannel>(it->second);
         },
-        absl::Milliseconds(100));
+        absl::Milliseconds(100), prefer_local_socket);
   }
   static v1::RegisterRequest At(const std::string& address) {
     v1::RegisterRequest r;
@@ -56,6 +63,50 @@ TEST_F(DispatcherTest, WorkersJoinInOrderAndGetTheirRankBack) {
   ASSERT_EQ(workers.size(), 4u);
   EXPECT_EQ(std::vector<int64_t>(workers[3].coords().begin(), workers[3].coords().end()),
             std::vector<int64_t>({1, 1}));
+}
+
+// A worker on this host is called on its Unix socket, and only when the
+// socket it describes is that very socket here (boot id, inode, owner);
+// otherwise, or with the preference off, at its TCP address.
+TEST_F(DispatcherTest, AWorkerOnThisHostIsCalledOnItsUnixSocketOnlyWhenItIsThatSocket) {
+  auto dir = platform::PrivateSocketDir::Create("/tmp", "w.sock");
+  ASSERT_TRUE(dir.ok()) << dir.status();
+  int fd = socket(AF_UNIX, SOCK_STREAM, 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::strncpy(addr.sun_path, dir->socket_path().c_str(), sizeof(addr.sun_path) - 1);
+  ASSERT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  auto inode = platform::SocketInode(dir->socket_path());
+  ASSERT_TRUE(inode.ok()) << inode.status();
+  auto described = [&](const std::string& address, const std::string& boot_id, uint64_t ino) {
+    v1::RegisterRequest r = At(address);
+    r.mutable_local_socket()->set_path(dir->socket_path());
+    r.mutable_local_socket()->set_boot_id(boot_id);
+    r.mutable_local_socket()->set_inode(ino);
+    return r;
+  };
+  auto d = Make("dp=4", /*prefer_local_socket=*/true);
+  ASSERT_TRUE(d->Join(described("same", platform::BootId(), *inode)).ok());
+  ASSERT_TRUE(d->Join(described("other-host", "00000000-0000-0000-0000-000000000000", *inode)).ok());
+  ASSERT_TRUE(d->Join(described("other-file", platform::BootId(), *inode + 1)).ok());
+  ASSERT_TRUE(d->Join(At("tcp-only")).ok());
+  EXPECT_EQ(fakes_.count("unix:" + dir->socket_path()), 1u);
+  EXPECT_EQ(fakes_.count("same"), 0u);
+  EXPECT_EQ(fakes_.count("other-host"), 1u);
+  EXPECT_EQ(fakes_.count("other-file"), 1u);
+  EXPECT_EQ(fakes_.count("tcp-only"), 1u);
+  const auto workers = d->Workers();
+  ASSERT_EQ(workers.size(), 4u);
+  EXPECT_EQ(workers[0].hop(), v1::WORKER_HOP_UNIX_SOCKET);
+  EXPECT_EQ(workers[0].address(), "same");  // the address stays the worker's identity for a restart
+  for (int r = 1; r < 4; ++r) EXPECT_EQ(workers[r].hop(), v1::WORKER_HOP_TCP) << r;
+
+  fakes_.clear();
+  auto off = Make("dp=1", /*prefer_local_socket=*/false);
+  ASSERT_TRUE(off->Join(described("same", platform::BootId(), *inode)).ok());
+  EXPECT_EQ(fakes_.count("same"), 1u);
+  EXPECT_EQ(off->Workers()[0].hop(), v1::WORKER_HOP_TCP);
+  close(fd);
 }
 
 TEST_F(DispatcherTest, AWorkerThatFailsFailsTheDispatchAtOnceWithoutWaitingForItsPeers) {

@@ -5,10 +5,13 @@ bearer tokens, certificates from tools/make_certs.sh. Each attack gets the
 right status, and a checked request afterwards is still right."""
 import ipaddress
 import os
+import re
 import shutil
 import signal
 import socket
+import stat
 import subprocess
+import sys
 import threading
 import time
 
@@ -238,6 +241,48 @@ def test_only_the_coordinator_may_send_steps_or_read_shards(secure, tls_dir):
                 grpc.StatusCode.PERMISSION_DENIED
     np.testing.assert_array_equal(secure.client.get("w"), inputs()[1])
     still_right(secure)
+
+
+def local_sockets(cluster):
+    """The Unix sockets the workers said they serve their coordinator on."""
+    return re.findall(r"local_socket=(\S+)", cluster.log_text())
+
+
+def test_a_worker_on_this_host_is_called_on_a_unix_socket_only_its_user_can_reach(secure):
+    assert [w.hop for w in secure.client.cluster_info().workers] == [pb.WORKER_HOP_UNIX_SOCKET] * 2
+    sockets = local_sockets(secure)
+    assert len(sockets) == 2
+    for path in sockets:
+        st = os.stat(path)
+        assert stat.S_ISSOCK(st.st_mode) and st.st_uid == os.geteuid()
+        directory = os.stat(os.path.dirname(path))
+        assert stat.S_IMODE(directory.st_mode) == 0o700 and directory.st_uid == os.geteuid()
+        if os.geteuid() == 0:
+            # Another user cannot even reach the socket: the directory is closed to it.
+            probe = ("import socket, sys\ns = socket.socket(socket.AF_UNIX)\n"
+                     "try:\n    s.connect(sys.argv[1])\nexcept PermissionError:\n    sys.exit(13)\nsys.exit(0)")
+            r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c",
+                                probe, path], capture_output=True, timeout=30)
+            assert r.returncode == 13, r.stderr
+        # A process of this user may call there (it could read the workers' keys too), but a
+        # step that is not from the coordinator's session is refused like any stray step.
+        local = grpc.local_channel_credentials(grpc.LocalConnectionType.UDS)
+        stub = pb_grpc.WorkerStub(grpc.secure_channel(f"unix:{path}", local))
+        assert code_of(lambda: stub.Execute(pb.Step(sequence=10**6, session="forged"), timeout=5)) == \
+            grpc.StatusCode.FAILED_PRECONDITION
+    secure.client.put("w", inputs()[1], spec="(ep, None, None)")
+    np.testing.assert_array_equal(secure.client.get("w"), inputs()[1])
+    still_right(secure)
+
+
+@pytest.mark.parametrize("off", ["coordinator", "worker"])
+def test_without_the_unix_socket_the_worker_is_called_over_mutual_tls(cluster_factory, tls_dir, off):
+    c = cluster_factory(mesh="ep=2", workers=2, tls_dir=tls_dir,
+                        coordinator_flags=["--worker_local_socket=false"] if off == "coordinator" else [],
+                        worker_flags=["--local_socket=false"] if off == "worker" else [])
+    assert [w.hop for w in c.client.cluster_info().workers] == [pb.WORKER_HOP_TCP] * 2
+    assert (local_sockets(c) == []) == (off == "worker")
+    still_right(c)
 
 
 def test_no_second_process_can_bind_a_servers_port(secure):

@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <iostream>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 
@@ -16,6 +17,7 @@
 #include "absl/time/clock.h"
 #include "absl/synchronization/mutex.h"
 #include "platform/cpu_affinity.h"
+#include "platform/local_socket.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
@@ -40,6 +42,10 @@ ABSL_FLAG(std::string, cpus, "",
 ABSL_FLAG(std::string, coordinator, "127.0.0.1:50051", "coordinator address (host:port)");
 ABSL_FLAG(std::string, listen, "127.0.0.1:0",
           "address this worker serves on; port 0 picks a free port");
+ABSL_FLAG(bool, local_socket, true,
+          "also serve the coordinator on a Unix socket in a fresh directory only this user can enter (under "
+          "$TMPDIR, else /tmp): a coordinator on this host, running as this user, calls there instead of over TCP, "
+          "with gRPC's local credentials instead of TLS (the bytes never leave the kernel)");
 ABSL_FLAG(std::string, advertise_host, "",
           "host name or address the coordinator and the other workers reach this worker at "
           "(its gRPC port and its CPU collectives); default: the --listen host, which must then "
@@ -251,11 +257,24 @@ int Run() {
   grpc::ServerBuilder builder;
   int port = 0;
   builder.AddListeningPort(listen, transport->ServerCredentials(), &port);
+  std::optional<platform::PrivateSocketDir> socket_dir;
+  if (absl::GetFlag(FLAGS_local_socket)) {
+    const char* tmpdir = std::getenv("TMPDIR");
+    auto made = platform::PrivateSocketDir::Create(tmpdir != nullptr && *tmpdir != '\0' ? tmpdir : "/tmp",
+                                                   "worker.sock");
+    if (!made.ok()) {
+      std::cerr << "shardgemm-worker: local_socket: " << made.status().message() << "\n";
+      return 1;
+    }
+    socket_dir = std::move(*made);
+    builder.AddListeningPort(absl::StrCat("unix:", socket_dir->socket_path()), transport->LocalServerCredentials());
+  }
   ConfigureTensorServer(&builder);
   builder.RegisterService(&service);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || port == 0) {
-    std::cerr << "shardgemm-worker: cannot listen on " << listen << "\n";
+    std::cerr << "shardgemm-worker: cannot listen on " << listen
+              << (socket_dir ? absl::StrCat(" and ", socket_dir->socket_path()) : "") << "\n";
     return 1;
   }
   const std::string address = absl::StrCat(host, ":", port);
@@ -269,6 +288,17 @@ int Run() {
   request.set_backend((*backend)->Name());
   request.set_device((*backend)->Device());
   request.set_memory_budget_bytes(store.budget_bytes());
+  if (socket_dir) {
+    auto inode = platform::SocketInode(socket_dir->socket_path());
+    if (!inode.ok()) {
+      std::cerr << "shardgemm-worker: local_socket: " << inode.status().message() << "\n";
+      return 1;
+    }
+    v1::LocalSocket* local = request.mutable_local_socket();
+    local->set_path(socket_dir->socket_path());
+    local->set_boot_id(platform::BootId());
+    local->set_inode(*inode);
+  }
   const Mesher mesher{(*backend)->Name(), absl::GetFlag(FLAGS_device), channel, mesh->address,
                       std::chrono::seconds(absl::GetFlag(FLAGS_collective_timeout_s))};
   auto joined = Join(stub.get(), request, store, absl::Seconds(absl::GetFlag(FLAGS_register_timeout_s)), mesher,
@@ -307,6 +337,7 @@ int Run() {
   std::vector<logging::Field> serving = {
       {"rank", position.rank}, {"address", address}, {"backend", (*backend)->Device()}};
   serving.push_back({"tls", !transport->insecure()});
+  if (socket_dir) serving.push_back({"local_socket", socket_dir->socket_path()});
   serving.insert(serving.end(), pinned.begin(), pinned.end());
   if (exporter != nullptr) serving.push_back({"metrics_port", exporter->port()});
   if (health != nullptr) serving.push_back({"health_port", health_port});

@@ -8,9 +8,13 @@
 namespace shardgemm {
 
 grpc::Status WorkerServiceImpl::CheckCaller(const grpc::ServerContext& context) const {
-  if (transport_ == nullptr || transport_->CallerIs(context, security::kCoordinatorName)) return grpc::Status::OK;
+  if (transport_ == nullptr || transport_->CallerIs(context, security::kCoordinatorName) ||
+      security::CallerIsLocalSocketPeer(context)) {
+    return grpc::Status::OK;
+  }
   return grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
-                      "the Worker service answers only its coordinator (a shardgemm-coordinator certificate)");
+                      "the Worker service answers only its coordinator (a shardgemm-coordinator certificate, "
+                      "or its own Unix socket)");
 }
 
 grpc::Status WorkerServiceImpl::Execute(grpc::ServerContext* context, const v1::Step* step,

@@ -1,0 +1,53 @@
+// A Unix-domain socket in a directory only this user can enter, for a hop
+// between two processes of one host (a worker serving its coordinator), and
+// the check that a socket someone describes is that very socket on this
+// host: the same kernel (boot id), the same file (inode), a socket, owned by
+// this user.
+#ifndef SHARDGEMM_PLATFORM_LOCAL_SOCKET_H_
+#define SHARDGEMM_PLATFORM_LOCAL_SOCKET_H_
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/statusor.h"
+
+namespace shardgemm::platform {
+
+// This kernel's boot id (/proc/sys/kernel/random/boot_id): two processes see
+// the same one exactly when they run on one host. Empty when unreadable.
+std::string BootId();
+
+// A fresh directory (mode 0700, under `parent`) holding the path of one
+// socket; both are removed when this goes. The socket itself is made by
+// whoever binds `socket_path()`.
+class PrivateSocketDir {
+ public:
+  static absl::StatusOr<PrivateSocketDir> Create(const std::string& parent, const std::string& socket_name);
+  PrivateSocketDir(PrivateSocketDir&& other) noexcept;
+  PrivateSocketDir& operator=(PrivateSocketDir&& other) noexcept;
+  PrivateSocketDir(const PrivateSocketDir&) = delete;
+  PrivateSocketDir& operator=(const PrivateSocketDir&) = delete;
+  ~PrivateSocketDir();
+
+  const std::string& dir() const { return dir_; }
+  const std::string& socket_path() const { return socket_path_; }
+
+ private:
+  PrivateSocketDir() = default;
+  void Remove();
+
+  std::string dir_;
+  std::string socket_path_;
+};
+
+// The inode of the socket at `path`: FAILED_PRECONDITION when there is none,
+// or it is not a socket.
+absl::StatusOr<uint64_t> SocketInode(const std::string& path);
+
+// Whether `path` is, on this host, the socket (`boot_id`, `inode`) a peer
+// described, owned by this process's user. When it is not, why.
+absl::Status CheckSameHostSocket(const std::string& path, const std::string& boot_id, uint64_t inode);
+
+}  // namespace shardgemm::platform
+
+#endif  // SHARDGEMM_PLATFORM_LOCAL_SOCKET_H_
