@@ -21,7 +21,7 @@ ROUNDS=${ROUNDS:-5}
 CONCURRENCY=${CONCURRENCY:-4}
 ITERS=${ITERS:-300}
 MESHES=${MESHES:-1 4}
-bash tools/make_certs.sh "$CERTS" >/dev/null 2>&1
+[[ -s $CERTS/ca.crt ]] || bash tools/make_certs.sh "$CERTS" >/dev/null 2>&1
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }

@@ -262,12 +262,13 @@ int Run() {
     const char* tmpdir = std::getenv("TMPDIR");
     auto made = platform::PrivateSocketDir::Create(tmpdir != nullptr && *tmpdir != '\0' ? tmpdir : "/tmp",
                                                    "worker.sock");
-    if (!made.ok()) {
-      std::cerr << "shardgemm-worker: local_socket: " << made.status().message() << "\n";
-      return 1;
+    if (made.ok()) {
+      socket_dir = std::move(*made);
+      builder.AddListeningPort(absl::StrCat("unix:", socket_dir->socket_path()), transport->LocalServerCredentials());
+    } else {  // served over TCP only, as with --local_socket=false
+      logging::ProcessLogger().Log(logging::Level::kWarning, "no_local_socket",
+                                   {{"message", std::string(made.status().message())}});
     }
-    socket_dir = std::move(*made);
-    builder.AddListeningPort(absl::StrCat("unix:", socket_dir->socket_path()), transport->LocalServerCredentials());
   }
   ConfigureTensorServer(&builder);
   builder.RegisterService(&service);

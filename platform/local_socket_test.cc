@@ -1,0 +1,89 @@
+#include "platform/local_socket.h"
+
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <fstream>
+
+#include "gtest/gtest.h"
+
+namespace shardgemm::platform {
+namespace {
+
+int BindUnixSocket(const std::string& path) {
+  int fd = socket(AF_UNIX, SOCK_STREAM, 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::strncpy(addr.sun_path, path.c_str(), sizeof(addr.sun_path) - 1);
+  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+TEST(LocalSocketTest, BootIdIsReadable) {
+  const std::string id = BootId();
+  EXPECT_EQ(id.size(), 36u) << id;  // a UUID
+  EXPECT_EQ(BootId(), id);
+}
+
+TEST(LocalSocketTest, PrivateDirIsOnlyOursAndGoesAway) {
+  std::string dir;
+  {
+    auto made = PrivateSocketDir::Create("/tmp", "worker.sock");
+    ASSERT_TRUE(made.ok()) << made.status();
+    dir = made->dir();
+    struct stat st;
+    ASSERT_EQ(stat(dir.c_str(), &st), 0);
+    EXPECT_TRUE(S_ISDIR(st.st_mode));
+    EXPECT_EQ(st.st_mode & 0777, 0700u);
+    EXPECT_EQ(made->socket_path(), dir + "/worker.sock");
+    int fd = BindUnixSocket(made->socket_path());
+    ASSERT_GE(fd, 0);
+    close(fd);
+  }
+  struct stat st;
+  EXPECT_NE(stat(dir.c_str(), &st), 0) << dir << " was not removed";
+}
+
+TEST(LocalSocketTest, RefusesBadNamesAndLongPaths) {
+  EXPECT_FALSE(PrivateSocketDir::Create(::testing::TempDir(), "a/b").ok());
+  EXPECT_FALSE(PrivateSocketDir::Create(::testing::TempDir(), "").ok());
+  EXPECT_EQ(PrivateSocketDir::Create("/tmp", std::string(120, 's')).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(PrivateSocketDir::Create("/nonexistent/dir", "s").status().code(),
+            absl::StatusCode::kFailedPrecondition);
+}
+
+TEST(LocalSocketTest, AcceptsOnlyTheDescribedSocketOnThisHost) {
+  auto made = PrivateSocketDir::Create("/tmp", "s");
+  ASSERT_TRUE(made.ok()) << made.status();
+  const std::string path = made->socket_path();
+  EXPECT_FALSE(SocketInode(path).ok());  // not bound yet
+  int fd = BindUnixSocket(path);
+  ASSERT_GE(fd, 0);
+  auto inode = SocketInode(path);
+  ASSERT_TRUE(inode.ok()) << inode.status();
+  EXPECT_TRUE(CheckSameHostSocket(path, BootId(), *inode).ok());
+  EXPECT_FALSE(CheckSameHostSocket(path, "00000000-0000-0000-0000-000000000000", *inode).ok());
+  EXPECT_FALSE(CheckSameHostSocket(path, BootId(), *inode + 1).ok());
+  EXPECT_FALSE(CheckSameHostSocket(made->dir() + "/missing", BootId(), *inode).ok());
+  // A regular file where the socket was described is not it.
+  const std::string file = made->dir() + "/file";
+  std::ofstream(file) << "x";
+  struct stat st;
+  ASSERT_EQ(stat(file.c_str(), &st), 0);
+  auto not_socket = CheckSameHostSocket(file, BootId(), st.st_ino);
+  EXPECT_FALSE(not_socket.ok());
+  EXPECT_NE(not_socket.message().find("not a socket"), std::string::npos) << not_socket;
+  EXPECT_FALSE(SocketInode(file).ok());
+  unlink(file.c_str());
+  close(fd);
+}
+
+}  // namespace
+}  // namespace shardgemm::platform
