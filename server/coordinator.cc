@@ -387,14 +387,21 @@ absl::StatusOr<v1::PutTensorResponse> Coordinator::PutTensor(const std::string& 
   ClaimGuard claim(&registry_, call.tenant, name);
   auto local_shape = planner::LocalShape(name, tensor.shape, *spec, mesh_);
   if (!local_shape.ok()) return local_shape.status();
+  const int64_t tensor_bytes = tensor.NumBytes();
+  const bool whole = *local_shape == tensor.shape;  // every rank holds all of it
   std::vector<v1::Step> steps(num_workers_);
   for (int r = 0; r < num_workers_; ++r) {
     auto offsets = planner::BlockOffsets(name, tensor.shape, *spec, mesh_, r);
     if (!offsets.ok()) return offsets.status();
     v1::StoreShardStep* store = steps[r].mutable_store();
     store->set_name(shard_name);
-    HostTensorToProto(SliceBlock(tensor, *offsets, *local_shape), store->mutable_shard());
+    if (whole && r == num_workers_ - 1) {
+      HostTensorToProto(std::move(tensor), store->mutable_shard());  // the last copy is the tensor itself
+    } else {
+      HostTensorToProto(SliceBlock(tensor, *offsets, *local_shape), store->mutable_shard());
+    }
   }
+  std::string().swap(tensor.bytes);  // the blocks hold every byte now
   auto results = Dispatch(std::move(steps), StepDeadline(deadline), call);
   if (absl::Status gone = Abandoned(deadline, call, absl::StrCat("'", name, "'")); results.ok() && !gone.ok()) {
     results = gone;
@@ -421,7 +428,7 @@ absl::StatusOr<v1::PutTensorResponse> Coordinator::PutTensor(const std::string& 
   if (!replaced->empty()) RetireBestEffort(*replaced);  // the new generation is in
   v1::PutTensorResponse response;
   response.set_name(name);
-  response.set_bytes(tensor.NumBytes());
+  response.set_bytes(tensor_bytes);
   return response;
 }
 

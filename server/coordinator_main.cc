@@ -7,6 +7,7 @@
 
 #include "absl/flags/flag.h"
 #include "absl/strings/match.h"
+#include "gperftools/malloc_extension.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/synchronization/mutex.h"
@@ -149,6 +150,15 @@ int Run() {
     exporter = std::move(*started);
   }
   ShardGemmService service(&coordinator, &observer, tokens.get(), absl::GetFlag(FLAGS_max_requests_per_tenant));
+  // A large request's buffers (a put's blocks, a get's tensor) go back to
+  // the system once freed; small requests leave the allocator's cache alone.
+  service.SetFreeMemoryReleaser([] {
+    size_t free_bytes = 0;
+    if (MallocExtension::instance()->GetNumericProperty("tcmalloc.pageheap_free_bytes", &free_bytes) &&
+        free_bytes > (size_t{64} << 20)) {
+      MallocExtension::instance()->ReleaseFreeMemory();
+    }
+  });
   RendezvousStore rendezvous;
   CoordinationService coordination(&coordinator, &rendezvous, &*transport);
   if (!metrics_listen.empty()) {

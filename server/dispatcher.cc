@@ -189,7 +189,8 @@ void Dispatcher::DispatchDetached(std::vector<v1::Step> steps, absl::Time deadli
   for (size_t r = 0; r < steps.size() && r < channels.size(); ++r) {
     if (channels[r] == nullptr) continue;
     ++*remaining;
-    channels[r]->ExecuteAsync(steps[r], deadline, [answered](absl::StatusOr<v1::StepResult>) { answered(); });
+    channels[r]->ExecuteAsync(std::move(steps[r]), deadline,
+                              [answered](absl::StatusOr<v1::StepResult>) { answered(); });
   }
   answered();
 }
@@ -338,7 +339,7 @@ std::shared_ptr<PendingDispatch> Dispatcher::DispatchAsync(std::vector<v1::Step>
       pending->Answer(r, absl::UnavailableError("not registered"));
       continue;
     }
-    channels[r]->ExecuteAsync(steps[r], deadline, [pending, r](absl::StatusOr<v1::StepResult> result) {
+    channels[r]->ExecuteAsync(std::move(steps[r]), deadline, [pending, r](absl::StatusOr<v1::StepResult> result) {
       pending->Answer(r, std::move(result));
     });
   }

@@ -128,7 +128,7 @@ FakeWorkerChannel::State::~State() {
 
 FakeWorkerChannel::FakeWorkerChannel() : state_(std::make_shared<State>()) {}
 
-void FakeWorkerChannel::ExecuteAsync(const v1::Step& step, absl::Time deadline, ExecuteDone done) {
+void FakeWorkerChannel::ExecuteAsync(v1::Step step, absl::Time deadline, ExecuteDone done) {
   (void)deadline;  // a hung or slow worker ignores it; the Coordinator's grace must not
   Handler handler;
   HoldIf hold_if;

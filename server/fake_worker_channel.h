@@ -42,7 +42,7 @@ class FakeWorkerChannel : public WorkerChannel {
   FakeWorkerChannel(const FakeWorkerChannel&) = default;
   FakeWorkerChannel& operator=(const FakeWorkerChannel&) = default;
 
-  void ExecuteAsync(const v1::Step& step, absl::Time deadline, ExecuteDone done) override;
+  void ExecuteAsync(v1::Step step, absl::Time deadline, ExecuteDone done) override;
   absl::StatusOr<v1::LocalTensor> GetShard(const std::string& name, absl::Time deadline) override;
   absl::Status Ping(absl::Time deadline) override;
   void CancelSteps(const v1::CancelStepsRequest& request, absl::Time deadline) override;

@@ -94,7 +94,7 @@ struct ChannelCore {
   }
 
   // gRPC's callback API: no thread waits on the call once it is sent.
-  static void Send(const std::shared_ptr<ChannelCore>& core, const v1::Step& step, absl::Time deadline,
+  static void Send(const std::shared_ptr<ChannelCore>& core, v1::Step step, absl::Time deadline,
                    WorkerChannel::ExecuteDone done) {
     struct Call {
       grpc::ClientContext ctx;
@@ -103,11 +103,14 @@ struct ChannelCore {
       WorkerChannel::ExecuteDone done;
     };
     auto* call = new Call;
-    call->step = step;
+    call->step = std::move(step);  // a put's step holds its block: not copied
     call->done = std::move(done);
     call->ctx.set_deadline(ToGrpcDeadline(deadline));
     core->stub->async()->Execute(&call->ctx, &call->step, &call->result, [call, core](grpc::Status s) mutable {
       std::unique_ptr<Call> owned(call);
+      // Freed before the answer wakes the request, which then finds the
+      // memory free (the service hands large frees back to the system).
+      v1::Step().Swap(&owned->step);
       if (s.ok()) {
         owned->done(std::move(owned->result));
       } else {
@@ -130,20 +133,20 @@ class GrpcWorkerChannel : public WorkerChannel {
     core_->stub = v1::Worker::NewStub(core_->channel);
   }
 
-  void ExecuteAsync(const v1::Step& step, absl::Time deadline, ExecuteDone done) override {
+  void ExecuteAsync(v1::Step step, absl::Time deadline, ExecuteDone done) override {
     if (!core_->MayCall()) {
       // Never connected yet: wait for it on a thread of its own, so the
       // caller (sending every rank its step in turn) is not held by it.
-      std::thread([core = core_, step, deadline, done = std::move(done)]() mutable {
+      std::thread([core = core_, step = std::move(step), deadline, done = std::move(done)]() mutable {
         if (absl::Status c = core->Connected(deadline); !c.ok()) {
           done(c);
           return;
         }
-        ChannelCore::Send(core, step, deadline, std::move(done));
+        ChannelCore::Send(core, std::move(step), deadline, std::move(done));
       }).detach();
       return;
     }
-    ChannelCore::Send(core_, step, deadline, std::move(done));
+    ChannelCore::Send(core_, std::move(step), deadline, std::move(done));
   }
 
   void CancelSteps(const v1::CancelStepsRequest& request, absl::Time deadline) override {

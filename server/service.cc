@@ -72,6 +72,7 @@ grpc::Status ShardGemmService::Authenticate(const grpc::ServerContextBase& conte
 
 grpc::Status ShardGemmService::Finish(const RequestRecord& record, grpc::Status status) {
   if (observer_ != nullptr) observer_->End(record, status);
+  if (release_free_memory_) release_free_memory_();
   return status;
 }
 

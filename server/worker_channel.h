@@ -22,7 +22,7 @@ class WorkerChannel {
   // Sends `step` and returns at once; `done` runs exactly once, on another
   // thread or inline, with the worker's result or why there is none (at the
   // latest DEADLINE_EXCEEDED soon after `deadline`).
-  virtual void ExecuteAsync(const v1::Step& step, absl::Time deadline, ExecuteDone done) = 0;
+  virtual void ExecuteAsync(v1::Step step, absl::Time deadline, ExecuteDone done) = 0;
   virtual absl::StatusOr<v1::LocalTensor> GetShard(const std::string& name, absl::Time deadline) = 0;
   // Tells the worker the coordinator gave up on these steps; no answer is
   // waited for (a worker that does not hear it runs them as before).

@@ -135,3 +135,33 @@ def test_tp_row_parallel_bf16_all_reduce_moves_fp32_partials(cluster_factory):
     assert ar.bytes_per_worker == fp32_partials and list(ar.axes) == ["tp"]
     assert out.dtype == np.dtype(bf16) and out.shape == (16, 32)
     assert_close(out, grouped_gemm_ragged_m(lhs.astype(np.float32), rhs.astype(np.float32), sizes), 64)
+
+
+def _coordinator_memory_mib(cluster):
+    """The coordinator's resident set and its high-water mark, MiB."""
+    fields = {}
+    with open(f"/proc/{cluster.coordinator.pid}/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                fields[key] = int(value.split()[0]) / 1024
+    return fields["VmRSS"], fields["VmHWM"]
+
+
+@pytest.mark.parametrize("mesh,spec", [("dp=1", "()"), ("dp=2", "(dp, None)")])
+def test_a_large_put_costs_the_coordinator_twice_its_bytes_and_gives_them_back(cluster_factory, mesh, spec):
+    # Was 4x the payload at the peak (the tensor, its block, the step's copy,
+    # the serialized message), and all of it kept after the put and the delete.
+    c = cluster_factory(mesh=mesh, workers=2 if mesh == "dp=2" else 1, worker_flags=["--memory_budget_mb=1024"])
+    payload_mib = 128
+    x = np.random.default_rng(1).standard_normal((payload_mib * 256, 1024)).astype(np.float32)
+    c.client.put("warm", x[:1024], spec=spec)  # the first request's one-off allocations
+    idle, _ = _coordinator_memory_mib(c)
+    c.client.put("big", x, spec=spec)
+    after_put, peak = _coordinator_memory_mib(c)
+    np.testing.assert_array_equal(c.client.get("big"), x)
+    c.client.delete("big")
+    after_delete, _ = _coordinator_memory_mib(c)
+    assert peak - idle <= 2.3 * payload_mib, (idle, peak)
+    assert after_put - idle <= 32, (idle, after_put)
+    assert after_delete - idle <= 32, (idle, after_delete)
