@@ -54,6 +54,8 @@ std::unique_ptr<grpc::Server> StartHealthOnlyServer(const std::string& address, 
   return server;
 }
 
+void StopServing() { g_stop = true; }
+
 void ServeUntilSignalled(grpc::Server* server, std::function<void()> before_shutdown) {
   std::signal(SIGINT, [](int) { g_stop = true; });
   std::signal(SIGTERM, [](int) { g_stop = true; });

@@ -28,6 +28,8 @@ std::unique_ptr<grpc::Server> StartHealthOnlyServer(const std::string& address, 
 // `before_shutdown` (optional) runs once the signal came, before the server
 // shuts down (to answer the calls still waiting on other processes).
 void ServeUntilSignalled(grpc::Server* server, std::function<void()> before_shutdown = nullptr);
+// Ends ServeUntilSignalled as SIGTERM would (from any thread).
+void StopServing();
 
 // A call's deadline as absl::Time and back (gRPC's "none" is the far future).
 absl::Time DeadlineOf(const grpc::ServerContextBase* context);

@@ -136,6 +136,10 @@ class Backend {
     int64_t host_to_device = 0, device_to_host = 0;
   };
   virtual Transfers TransferCounts() const { return {}; }
+  // OK while the device can run work. An error (a sticky CUDA error has lost
+  // the device's context for this process) is for good: the worker reports
+  // itself unhealthy and exits for its supervisor to restart it.
+  virtual absl::Status DeviceHealth() const { return absl::OkStatus(); }
 };
 
 // `g` with its rhs_gather done on the host (Collectives::AllGather), run by

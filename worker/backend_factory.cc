@@ -6,7 +6,7 @@
 namespace shardgemm {
 
 absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const std::string& requested, int device,
-                                                     int cpu_threads, std::string* note) {
+                                                     int cpu_threads, std::string* note, FaultInjector* faults) {
   if (requested == "cpu") return MakeCpuBackend(cpu_threads);
   if (requested != "auto" && requested != "cuda") {
     return absl::InvalidArgumentError(
@@ -15,7 +15,7 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const std::string& requeste
   std::string why_not;
   if (DeviceUsable(device, &why_not)) {
     std::string error;
-    std::unique_ptr<Backend> cuda = MakeDeviceBackend(device, &error);
+    std::unique_ptr<Backend> cuda = MakeDeviceBackend(device, faults, &error);
     if (cuda != nullptr) return cuda;
     why_not = error;
   }

@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <iostream>
+#include <mutex>
 #include <map>
 #include <memory>
 #include <string>
@@ -19,6 +20,8 @@
 #include "kernels/cuda/grouped_gemm.h"
 #include "kernels/cuda/quantize.h"
 #include "worker/backend.h"
+#include "worker/fault_injection.h"
+#include "worker/fault_injection_kernels.h"
 
 namespace shardgemm {
 namespace {
@@ -83,9 +86,9 @@ class StreamDeviceBuffer : public DeviceBuffer {
 class CudaBackend : public Backend {
  public:
   CudaBackend(int device, int64_t total_memory, std::unique_ptr<cuda::GroupedGemmRunner> runner,
-              cudaStream_t stream, std::string name)
+              cudaStream_t stream, std::string name, FaultInjector* faults)
       : device_(device), total_memory_(total_memory), runner_(std::move(runner)), stream_(stream), name_(std::move(name)),
-        cpu_(MakeCpuBackend(0)) {}
+        cpu_(MakeCpuBackend(0)), faults_(faults) {}
   ~CudaBackend() override {
     // The quantize library's workspace for the stream goes with it.
     cudaSetDevice(device_);
@@ -110,13 +113,13 @@ class CudaBackend : public Backend {
 
   absl::StatusOr<HostTensor> GroupedGemm(const LocalGemm& g) override {
     auto out = Run(g, /*keep=*/false);
-    if (!out.ok()) return out.status();
+    if (!out.ok()) return AfterFailure(out.status());
     return std::move(out->host);
   }
 
   absl::StatusOr<Shard> GroupedGemmToShard(const LocalGemm& g) override {
     auto out = Run(g, g.keep_on_device);
-    if (!out.ok()) return out.status();
+    if (!out.ok()) return AfterFailure(out.status());
     if (out->device == nullptr) return Shard::OnHost(std::move(out->host));
     Shard shard;
     shard.dtype = out->dtype;
@@ -137,14 +140,72 @@ class CudaBackend : public Backend {
       if (auto s = CudaStatus(cudaMemcpy(&out->bytes[0], shard.device->data(), out->NumBytes(), cudaMemcpyDeviceToHost),
                               "download shard");
           !s.ok()) {
-        return s;
+        return AfterFailure(s);
       }
     }
     downloaded_ += out->NumBytes();
     return out;
   }
 
+  absl::Status DeviceHealth() const override {
+    std::lock_guard<std::mutex> lock(lost_mu_);
+    return lost_;
+  }
+
  private:
+  // Called with the status of a failed call: waits for what the call left
+  // queued on the stream (the next call reuses its scratch memory) and
+  // clears the runtime's last error, so that a launch refused for one
+  // request leaves nothing behind for the next. A sticky error (an illegal
+  // address, a kernel fault) survives that: the context is lost for the
+  // process, DeviceHealth reports it, and the worker exits to be restarted.
+  absl::Status AfterFailure(absl::Status failed) {
+    cudaSetDevice(device_);
+    const cudaError_t drained = cudaStreamSynchronize(stream_);
+    (void)cudaGetLastError();
+    const cudaError_t after = cudaStreamSynchronize(stream_);
+    if (after == cudaSuccess) return failed;
+    const cudaError_t sticky = drained != cudaSuccess ? drained : after;
+    {
+      std::lock_guard<std::mutex> lock(lost_mu_);
+      if (lost_.ok()) {
+        lost_ = absl::InternalError(absl::StrCat("the CUDA context of ", name_, " is lost (", cudaGetErrorName(sticky),
+                                                 ": ", cudaGetErrorString(sticky), ", a sticky error)"));
+      }
+    }
+    return absl::Status(failed.code(), absl::StrCat(failed.message(),
+                                                    "; the CUDA context is lost: this worker stops serving and "
+                                                    "exits for its supervisor to restart it"));
+  }
+
+  // A device op's kernel launch (`launch`, enqueueing on stream_), or, where
+  // --fault_injection names this launch, one that fails for real instead.
+  template <typename F>
+  absl::Status Launch(absl::string_view what, F&& launch) {
+    const FaultInjector::LaunchFault fault =
+        faults_ == nullptr ? FaultInjector::LaunchFault::kNone : faults_->NextKernelLaunch();
+    switch (fault) {
+      case FaultInjector::LaunchFault::kNone:
+        return launch();
+      case FaultInjector::LaunchFault::kInvalidConfiguration: {
+        const std::string where =
+            absl::StrCat(what, " kernel launch [--fault_injection kernel_launch:", faults_->plan().kernel_launch, "]");
+        const cudaError_t e = LaunchWithInvalidConfiguration(stream_);
+        if (e == cudaSuccess) return absl::InternalError(absl::StrCat(where, ": the runtime took the launch"));
+        return CudaStatus(e, where);
+      }
+      case FaultInjector::LaunchFault::kIllegalAddress: {
+        const std::string where =
+            absl::StrCat(what, " kernel [--fault_injection illegal_address:", faults_->plan().illegal_address, "]");
+        cudaError_t e = LaunchIllegalAddressWrite(stream_);
+        if (e == cudaSuccess) e = cudaStreamSynchronize(stream_);
+        if (e == cudaSuccess) return absl::InternalError(absl::StrCat(where, ": the kernel's write went through"));
+        return CudaStatus(e, where);
+      }
+    }
+    return absl::InternalError("unknown launch fault");
+  }
+
   struct GemmOutput {
     DType dtype = DType::kInvalid;
     std::vector<int64_t> shape;
@@ -310,7 +371,7 @@ class CudaBackend : public Backend {
         if (!st->ok()) return st->status();
       }
       PointQuantizeOutputs(q, {*d_data, nullptr, *d_scale, nullptr, tensor ? *d_amax : nullptr}, &qa);
-      if (auto s = cuda::GroupedQuantize(qa, stream_); !s.ok()) return s;
+      if (auto s = Launch("grouped quantize", [&] { return cuda::GroupedQuantize(qa, stream_); }); !s.ok()) return s;
       a.lhs = static_cast<const uint8_t*>(*d_data);
       a.lhs_scale_inv = *d_scale;
       a.lhs_format = g.quantize_lhs_to == DType::kF8E5M2 ? Fp8Format::kE5M2 : Fp8Format::kE4M3;
@@ -342,7 +403,7 @@ class CudaBackend : public Backend {
     }
     if (!d_out.ok()) return d_out.status();
     a.out = *d_out;
-    if (auto s = cuda::Fp8GroupedGemm(a, lt_, stream_); !s.ok()) return s;
+    if (auto s = Launch("FP8 grouped GEMM", [&] { return cuda::Fp8GroupedGemm(a, lt_, stream_); }); !s.ok()) return s;
     GemmOutput result;
     result.dtype = g.out_dtype;
     result.shape = {m, n};
@@ -483,7 +544,8 @@ class CudaBackend : public Backend {
     a.out = *d_out;
     a.group_sizes_device = static_cast<const int64_t*>(*d_sizes);
     a.group_sizes_host = g.group_sizes.data();
-    absl::Status s = g.ragged_k ? runner_->RaggedK(a, stream_) : runner_->RaggedM(a, stream_);
+    absl::Status s =
+        Launch("grouped GEMM", [&] { return g.ragged_k ? runner_->RaggedK(a, stream_) : runner_->RaggedM(a, stream_); });
     if (!s.ok()) return s;
     if (!keep) {
       if (auto st = DownloadInto(*d_out, out_bytes, &*out); !st.ok()) return st;
@@ -505,6 +567,13 @@ class CudaBackend : public Backend {
   absl::StatusOr<QuantizeOutputs> GroupedQuantize(const LocalQuantize& q) override {
     // The GPU kernel wants K a multiple of 8; other shapes stay exact on the host.
     if (q.k % 8 != 0 || q.group_sizes.size() > 1024) return cpu_->GroupedQuantize(q);
+    auto out = RunQuantize(q);
+    if (!out.ok()) return AfterFailure(out.status());
+    return out;
+  }
+
+ private:
+  absl::StatusOr<QuantizeOutputs> RunQuantize(const LocalQuantize& q) {
     cudaSetDevice(device_);
     auto out = AllocateQuantizeOutputs(q);
     if (!out.ok()) return out.status();
@@ -529,7 +598,7 @@ class CudaBackend : public Backend {
     GroupedQuantizeArgs a = QuantizeArgs(q, *d_x);
     a.scale = static_cast<const float*>(*d_scale);
     PointQuantizeOutputs(q, {device[0], device[1], device[2], device[3], device[4]}, &a);
-    if (auto s = cuda::GroupedQuantize(a, stream_); !s.ok()) return s;
+    if (auto s = Launch("grouped quantize", [&] { return cuda::GroupedQuantize(a, stream_); }); !s.ok()) return s;
     for (int i = 0; i < 5; ++i) {
       if (host[i]->NumBytes() == 0) continue;
       if (auto s = CudaStatus(
@@ -544,7 +613,6 @@ class CudaBackend : public Backend {
     return out;
   }
 
- private:
   // Device copies of resident shards, kept while the shard is alive on the
   // worker (the store drops its reference on delete or replacement; the next
   // call frees the copy).
@@ -646,11 +714,14 @@ class CudaBackend : public Backend {
   cudaStream_t stream_;
   std::string name_;
   std::unique_ptr<Backend> cpu_;
+  FaultInjector* faults_;  // --fault_injection's (null: none)
+  mutable std::mutex lost_mu_;
+  absl::Status lost_;  // set once a sticky error has lost the CUDA context
 };
 
 }  // namespace
 
-std::unique_ptr<Backend> MakeCudaBackend(int device, std::string* error) {
+std::unique_ptr<Backend> MakeCudaBackend(int device, FaultInjector* faults, std::string* error) {
   if (cudaError_t err = cudaSetDevice(device); err != cudaSuccess) {
     *error = cudaGetErrorString(err);
     return nullptr;
@@ -681,7 +752,7 @@ std::unique_ptr<Backend> MakeCudaBackend(int device, std::string* error) {
   }
   return std::make_unique<CudaBackend>(
       device, static_cast<int64_t>(prop.totalGlobalMem), std::move(*runner), stream,
-      absl::StrCat("cuda:", device, " ", prop.name, " (sm_", prop.major, prop.minor, ")"));
+      absl::StrCat("cuda:", device, " ", prop.name, " (sm_", prop.major, prop.minor, ")"), faults);
 }
 
 }  // namespace shardgemm

@@ -6,11 +6,13 @@
 #define SHARDGEMM_WORKER_DEVICE_RUNTIME_H_
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <string>
 
 #include "worker/backend.h"
 #include "worker/collectives.h"
+#include "worker/fault_injection.h"
 
 namespace grpc {
 class Channel;
@@ -22,8 +24,10 @@ namespace shardgemm {
 // why (no GPU, no driver, a build without CUDA).
 bool DeviceUsable(int device, std::string* why_not);
 
-// The device backend on `device`, or nullptr with `error` set.
-std::unique_ptr<Backend> MakeDeviceBackend(int device, std::string* error);
+// The device backend on `device`, or nullptr with `error` set. `faults`
+// (null: none; must outlive the backend) is --fault_injection's: it fails
+// the kernel launches its plan names.
+std::unique_ptr<Backend> MakeDeviceBackend(int device, FaultInjector* faults, std::string* error);
 
 // The device backend's collectives (NCCL), rendezvous through the
 // coordinator's store (over `coordinator`, a channel with this worker's
@@ -32,6 +36,13 @@ std::unique_ptr<Collectives> MakeDeviceCollectives(const MeshPosition& position,
                                                    std::shared_ptr<grpc::Channel> coordinator,
                                                    const std::string& prefix,
                                                    std::chrono::milliseconds timeout);
+
+// --fault_injection's NCCL fault on `device` (worker/fault_injection.h): an
+// NCCL all-reduce whose datatype is none of NCCL's, on a one-rank
+// communicator of its own (so with any mesh, one worker's too); returns
+// NCCL's refusal (ncclInvalidArgument and ncclGetLastError's text).
+// nullptr where the build has no NCCL.
+std::function<absl::Status()> MakeDeviceNcclFault(int device);
 
 }  // namespace shardgemm
 

@@ -7,7 +7,7 @@ bool DeviceUsable(int, std::string* why_not) {
   return false;
 }
 
-std::unique_ptr<Backend> MakeDeviceBackend(int, std::string* error) {
+std::unique_ptr<Backend> MakeDeviceBackend(int, FaultInjector*, std::string* error) {
   *error = "this worker was built without CUDA (the CPU-only build)";
   return nullptr;
 }
@@ -16,5 +16,7 @@ std::unique_ptr<Collectives> MakeDeviceCollectives(const MeshPosition&, int, std
                                                    const std::string&, std::chrono::milliseconds) {
   return nullptr;
 }
+
+std::function<absl::Status()> MakeDeviceNcclFault(int) { return nullptr; }
 
 }  // namespace shardgemm

@@ -45,6 +45,9 @@ StepObserver::StepObserver(const Executor* executor, const ShardStore* store, co
                                         "Collective calls that failed (transport errors, timeouts).");
   auto* info = registry->AddGauge("shardgemm_worker_info", "Constant 1, labelled with the worker's rank and backend.",
                                   {"rank", "backend"});
+  auto* device_healthy = registry->AddGauge(
+      "shardgemm_worker_device_healthy",
+      "1 while the device can run work; 0 once a sticky CUDA error has lost its context (the worker then exits).");
   registry->AddCollector([=] {
     waiting->With({})->Set(static_cast<double>(executor->steps_waiting()));
     memory->With({"host", "used"})->Set(static_cast<double>(store->used_bytes()));
@@ -54,6 +57,7 @@ StepObserver::StepObserver(const Executor* executor, const ShardStore* store, co
     shards->With({})->Set(static_cast<double>(store->num_shards()));
     failures->With({})->RaiseTo(static_cast<double>(executor->collective_failures()));
     info->With({std::to_string(executor->position().rank), backend->Name()})->Set(1);
+    device_healthy->With({})->Set(backend->DeviceHealth().ok() ? 1 : 0);
   });
 }
 

@@ -3,6 +3,7 @@
 #include <atomic>
 #include <csignal>
 #include <cstdlib>
+#include <functional>
 #include <iostream>
 #include <memory>
 #include <optional>
@@ -29,6 +30,7 @@
 #include "worker/backend_factory.h"
 #include "worker/device_runtime.h"
 #include "worker/executor.h"
+#include "worker/fault_injection.h"
 #include "worker/gloo_collectives.h"
 #include "worker/mesh_address.h"
 #include "proto/grpc_status.h"
@@ -70,6 +72,11 @@ ABSL_FLAG(std::string, metrics_listen, "",
 ABSL_FLAG(std::string, log_format, "text", "text | json | logfmt: one line per step and event");
 ABSL_FLAG(std::string, log_level, "info",
           "debug | info | warning | error (step lines are info; failed steps warning)");
+ABSL_FLAG(std::string, fault_injection, "",
+          "TEST ONLY (empty: off): real device errors on demand, as KIND:N[,KIND:N...]: kernel_launch:N (the Nth device "
+          "kernel launch gets an invalid configuration), illegal_address:N (the Nth writes through an invalid address: "
+          "a sticky error, after which the worker exits), nccl:N (the Nth collective call fails with NCCL's "
+          "ncclInvalidArgument); CUDA backend only");
 
 namespace shardgemm {
 namespace {
@@ -81,7 +88,13 @@ struct Mesher {
   std::shared_ptr<grpc::Channel> coordinator;
   std::string host;  // the mesh address (numeric): the only one the collectives bind
   std::chrono::milliseconds timeout;
+  // --fault_injection's NCCL fault (null: none), wrapped around the collectives.
+  FaultInjector* faults = nullptr;
+  std::function<absl::Status()> nccl_fault;
 };
+
+// The exit status of a worker whose device's CUDA context is lost.
+constexpr int kExitDeviceLost = 3;
 
 struct Joined {
   MeshPosition position;
@@ -151,6 +164,9 @@ absl::StatusOr<Joined> Join(v1::Coordination::Stub* stub, v1::RegisterRequest re
     collectives = MakeGlooCollectives(position, MakeCoordinatorStore(mesher.coordinator, response.session() + "/", mesher.timeout),
                                       mesher.host, mesher.timeout);
   }
+  if (mesher.nccl_fault != nullptr) {
+    collectives = WithCollectiveFault(std::move(collectives), position, mesher.faults, mesher.nccl_fault);
+  }
   executor->Configure(position, std::move(collectives), response.next_sequence(), response.session());
   joined.session = response.session();
   return joined;
@@ -173,14 +189,40 @@ int Run() {
     logging::ProcessLogger().Log(logging::Level::kWarning, "insecure",
                                  {{"message", "--insecure: plaintext calls, no identities checked"}});
   }
+  auto fault_plan = ParseFaultPlan(absl::GetFlag(FLAGS_fault_injection));
+  if (!fault_plan.ok()) {
+    std::cerr << "shardgemm-worker: " << fault_plan.status().message() << "\n";
+    return 2;
+  }
+  FaultInjector faults(*fault_plan);
   std::string note;
   auto backend = MakeBackend(absl::GetFlag(FLAGS_backend), absl::GetFlag(FLAGS_device),
-                             absl::GetFlag(FLAGS_threads), &note);
+                             absl::GetFlag(FLAGS_threads), &note, fault_plan->empty() ? nullptr : &faults);
   if (!backend.ok()) {
     std::cerr << "shardgemm-worker: " << backend.status() << "\n";
     return 1;
   }
   if (!note.empty()) std::cerr << "shardgemm-worker: " << note << "\n";
+  std::function<absl::Status()> nccl_fault;
+  if (!fault_plan->empty()) {
+    if ((*backend)->Name() != "cuda") {
+      std::cerr << "shardgemm-worker: --fault_injection needs the CUDA backend (its faults are CUDA and NCCL "
+                   "errors); this worker runs the "
+                << (*backend)->Name() << " backend\n";
+      return 2;
+    }
+    if (fault_plan->nccl > 0) {
+      nccl_fault = MakeDeviceNcclFault(absl::GetFlag(FLAGS_device));
+      if (nccl_fault == nullptr) {
+        std::cerr << "shardgemm-worker: --fault_injection: nccl needs a build with NCCL\n";
+        return 2;
+      }
+    }
+    logging::ProcessLogger().Log(
+        logging::Level::kWarning, "fault_injection",
+        {{"faults", fault_plan->ToString()},
+         {"message", "TEST ONLY: the device errors named will be made on purpose and fail their requests"}});
+  }
 
   // The mesh host: what the worker registers with (a name or an address).
   const std::string listen = absl::GetFlag(FLAGS_listen);
@@ -242,10 +284,26 @@ int Run() {
     exporter = std::move(*started);
   }
   WorkerServiceImpl service(&executor, &store, backend->get(), &observer, &*transport);
+  // A lost CUDA context is for the process: report NOT_SERVING and exit, for
+  // the supervisor to start a fresh worker (the coordinator marks the rank
+  // down when its heartbeats fail).
+  std::unique_ptr<grpc::Server> server, health;
+  std::atomic<bool> device_lost{false};
+  service.OnDeviceLost([&](const absl::Status& why) {
+    device_lost = true;
+    logging::ProcessLogger().Log(
+        logging::Level::kError, "device_lost",
+        {{"message", std::string(why.message())},
+         {"action", absl::StrCat("health NOT_SERVING; exiting with status ", kExitDeviceLost,
+                                 " for the supervisor to restart this worker")}});
+    for (grpc::Server* s : {server.get(), health.get()}) {
+      if (s != nullptr) s->GetHealthCheckService()->SetServingStatus(false);
+    }
+    StopServing();
+  });
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
-  std::unique_ptr<grpc::Server> health;
   int health_port = 0;
   if (const std::string health_listen = absl::GetFlag(FLAGS_health_listen); !health_listen.empty()) {
     health = StartHealthOnlyServer(health_listen, &health_port);
@@ -272,7 +330,7 @@ int Run() {
   }
   ConfigureTensorServer(&builder);
   builder.RegisterService(&service);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  server = builder.BuildAndStart();
   if (server == nullptr || port == 0) {
     std::cerr << "shardgemm-worker: cannot listen on " << listen
               << (socket_dir ? absl::StrCat(" and ", socket_dir->socket_path()) : "") << "\n";
@@ -301,7 +359,7 @@ int Run() {
     local->set_inode(*inode);
   }
   const Mesher mesher{(*backend)->Name(), absl::GetFlag(FLAGS_device), channel, mesh->address,
-                      std::chrono::seconds(absl::GetFlag(FLAGS_collective_timeout_s))};
+                      std::chrono::seconds(absl::GetFlag(FLAGS_collective_timeout_s)), &faults, nccl_fault};
   auto joined = Join(stub.get(), request, store, absl::Seconds(absl::GetFlag(FLAGS_register_timeout_s)), mesher,
                      &executor);
   if (!joined.ok()) {
@@ -344,6 +402,12 @@ int Run() {
   if (health != nullptr) serving.push_back({"health_port", health_port});
   logging::ProcessLogger().Log(logging::Level::kInfo, "serving", serving);
   ServeUntilSignalled(server.get());
+  if (device_lost) {
+    // Nothing of the lost context is to be touched again (the backend's and
+    // NCCL's teardown would be): the process ends here.
+    std::cerr.flush();
+    std::_Exit(kExitDeviceLost);
+  }
   stop_watching.Notify();
   watcher.join();
   return 0;

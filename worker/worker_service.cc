@@ -1,5 +1,6 @@
 #include "worker/worker_service.h"
 
+#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "proto/tensor_codec.h"
 #include "proto/transport.h"
@@ -17,11 +18,21 @@ grpc::Status WorkerServiceImpl::CheckCaller(const grpc::ServerContext& context) 
                       "or its own Unix socket)");
 }
 
+grpc::Status WorkerServiceImpl::CheckDevice() {
+  const absl::Status health = backend_->DeviceHealth();
+  if (health.ok()) return grpc::Status::OK;
+  if (on_device_lost_ != nullptr) std::call_once(device_lost_once_, [&] { on_device_lost_(health); });
+  return grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                      absl::StrCat(health.message(), "; this worker is exiting for its supervisor to restart it"));
+}
+
 grpc::Status WorkerServiceImpl::Execute(grpc::ServerContext* context, const v1::Step* step,
                                         v1::StepResult* result) {
   if (grpc::Status s = CheckCaller(*context); !s.ok()) return s;
+  if (grpc::Status s = CheckDevice(); !s.ok()) return s;
   const absl::Time start = absl::Now();
   auto r = executor_->Execute(*step, DeadlineOf(context));
+  if (!r.ok()) (void)CheckDevice();  // a failure may have lost the device
   if (r.ok()) *result = std::move(*r);
   if (observer_ != nullptr) {
     observer_->Record(*step, absl::Now() - start, r.status(), r.ok() ? result : nullptr,
@@ -57,6 +68,7 @@ grpc::Status WorkerServiceImpl::GetShard(grpc::ServerContext* context, const v1:
 grpc::Status WorkerServiceImpl::Status(grpc::ServerContext* context, const v1::WorkerStatusRequest*,
                                        v1::WorkerStatus* status) {
   if (grpc::Status s = CheckCaller(*context); !s.ok()) return s;
+  if (grpc::Status s = CheckDevice(); !s.ok()) return s;
   status->set_rank(executor_->position().rank);
   status->set_backend(backend_->Name());
   status->set_memory_used_bytes(store_->used_bytes());

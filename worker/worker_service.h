@@ -2,6 +2,9 @@
 #ifndef SHARDGEMM_WORKER_WORKER_SERVICE_H_
 #define SHARDGEMM_WORKER_WORKER_SERVICE_H_
 
+#include <functional>
+#include <mutex>
+
 #include "proto/shardgemm.grpc.pb.h"
 #include "worker/executor.h"
 #include "security/tls.h"
@@ -27,6 +30,12 @@ class WorkerServiceImpl final : public v1::Worker::Service {
   grpc::Status Status(grpc::ServerContext* context, const v1::WorkerStatusRequest* request,
                       v1::WorkerStatus* status) override;
 
+  // `handler` runs once, with Backend::DeviceHealth's error, as soon as a
+  // call finds the device lost (a sticky CUDA error): the step that lost it
+  // still gets its answer (with its error); from then on steps and the
+  // heartbeat (Status) are UNAVAILABLE. Set before the server starts.
+  void OnDeviceLost(std::function<void(const absl::Status&)> handler) { on_device_lost_ = std::move(handler); }
+
  private:
   Executor* executor_;
   ShardStore* store_;
@@ -34,8 +43,13 @@ class WorkerServiceImpl final : public v1::Worker::Service {
   // PERMISSION_DENIED unless the caller is this mesh's coordinator.
   grpc::Status CheckCaller(const grpc::ServerContext& context) const;
 
+  // UNAVAILABLE once the device is lost (the handler then runs, once).
+  grpc::Status CheckDevice();
+
   StepObserver* observer_;
   const security::Transport* transport_;
+  std::function<void(const absl::Status&)> on_device_lost_;
+  std::once_flag device_lost_once_;
 };
 
 }  // namespace shardgemm
