@@ -28,8 +28,8 @@ namespace shardgemm {
 // data collectives (all-gather, all-reduce, reduce-scatter, the device
 // all-gather; agreements not counted), both from the worker's start, 1 first.
 struct FaultPlan {
-  // This launch is made with a block larger than the device allows: the
-  // runtime refuses it (cudaErrorInvalidConfiguration, not sticky).
+  // This launch is made with a grid of no blocks: the runtime refuses it
+  // (cudaErrorInvalidValue on CUDA 13, not sticky).
   int64_t kernel_launch = 0;
   // This launch runs a kernel that writes through an address no allocation
   // owns (cudaErrorIllegalAddress): the CUDA context is lost for good.

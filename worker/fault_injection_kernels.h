@@ -7,9 +7,11 @@
 
 namespace shardgemm {
 
-// Launches an empty kernel with more threads per block than the device
-// allows on `stream`: returns the runtime's refusal (cudaErrorInvalidConfiguration,
-// not sticky; cleared from the runtime's last error).
+// Launches an empty kernel on `stream` with a grid of no blocks: returns the
+// runtime's refusal, not sticky, cleared from the runtime's last error (CUDA
+// 13.0 on the H200 answers cudaErrorInvalidValue, "invalid argument", for
+// every invalid launch configuration; older runtimes
+// cudaErrorInvalidConfiguration).
 cudaError_t LaunchWithInvalidConfiguration(cudaStream_t stream);
 
 // Launches a kernel on `stream` that writes through an address no

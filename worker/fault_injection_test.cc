@@ -150,7 +150,7 @@ class FailsOnceBackend : public Backend {
   absl::StatusOr<HostTensor> GroupedGemm(const LocalGemm& gemm) override {
     if (++calls_ == fail_at_) {
       return absl::InternalError(
-          "grouped GEMM kernel launch: CUDA error cudaErrorInvalidConfiguration: invalid configuration argument");
+          "grouped GEMM kernel launch: CUDA error cudaErrorInvalidValue: invalid argument");
     }
     return cpu_->GroupedGemm(gemm);
   }
@@ -215,7 +215,7 @@ TEST_F(FaultedStepTest, ABackendErrorFailsItsStepAndTheNextStepIsRight) {
   ASSERT_FALSE(failed.ok());
   EXPECT_EQ(failed.status().code(), absl::StatusCode::kInternal);
   EXPECT_THAT(std::string(failed.status().message()),
-              HasSubstr("cudaErrorInvalidConfiguration: invalid configuration argument"));
+              HasSubstr("CUDA error cudaErrorInvalidValue: invalid argument"));
   // The failed step's working memory is back, the resident weight is kept,
   // and the next step has its turn.
   EXPECT_EQ(store_.used_bytes(), held);

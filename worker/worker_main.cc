@@ -74,7 +74,7 @@ ABSL_FLAG(std::string, log_level, "info",
           "debug | info | warning | error (step lines are info; failed steps warning)");
 ABSL_FLAG(std::string, fault_injection, "",
           "TEST ONLY (empty: off): real device errors on demand, as KIND:N[,KIND:N...]: kernel_launch:N (the Nth device "
-          "kernel launch gets an invalid configuration), illegal_address:N (the Nth writes through an invalid address: "
+          "kernel launch is made with an empty grid, which the runtime refuses), illegal_address:N (the Nth writes through an invalid address: "
           "a sticky error, after which the worker exits), nccl:N (the Nth collective call fails with NCCL's "
           "ncclInvalidArgument); CUDA backend only");
 
@@ -297,7 +297,7 @@ int Run() {
          {"action", absl::StrCat("health NOT_SERVING; exiting with status ", kExitDeviceLost,
                                  " for the supervisor to restart this worker")}});
     for (grpc::Server* s : {server.get(), health.get()}) {
-      if (s != nullptr) s->GetHealthCheckService()->SetServingStatus(false);
+      if (s != nullptr && s->GetHealthCheckService() != nullptr) s->GetHealthCheckService()->SetServingStatus(false);
     }
     StopServing();
   });

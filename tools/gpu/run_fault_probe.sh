@@ -5,7 +5,9 @@
 # itself unhealthy and exit (status 3), the coordinator marks it down, and a
 # restarted worker serves again. One coordinator and one CUDA worker on the
 # mesh fsdp=1, the worker with --fault_injection (docs/reliability.md):
-#   launch 2: an invalid configuration; collective 1: an NCCL all-reduce with
+#   launch 2: an empty grid, which the runtime refuses (CUDA 13 names it
+#   cudaErrorInvalidValue, older runtimes cudaErrorInvalidConfiguration);
+#   collective 1: an NCCL all-reduce with
 #   an invalid datatype (the all-reduce of a plan that splits K over fsdp,
 #   which a mesh of one still runs); launch 7: a write through an invalid address.
 # Bundle: bash tools/gpu/bundle_service.sh BUNDLE, then from the repository root
@@ -31,9 +33,10 @@ expect() { if [[ -z $FAULTS ]]; then echo right; else echo "$1"; fi; }
 $B/bin/shardgemm-coordinator --listen=$ADDR --mesh=fsdp=1 --insecure --heartbeat_interval_s=0.2 \
   --heartbeat_misses=2 --step_timeout_s=60 2>"$LOGS/coordinator.log" &
 C=$!
+HEALTH=127.0.0.1:$((PORT + 1))
 start_worker() {  # extra worker flags
-  $B/bin/shardgemm-worker --coordinator=$ADDR --backend=$BACKEND --insecure --collective_timeout_s=20 "$@" \
-    2>>"$LOGS/worker.log" &
+  $B/bin/shardgemm-worker --coordinator=$ADDR --backend=$BACKEND --insecure --collective_timeout_s=20 \
+    --health_listen=$HEALTH "$@" 2>>"$LOGS/worker.log" &
   W=$!
 }
 wait_ready() {
@@ -66,11 +69,16 @@ wait_ready
 $CLI cluster | tee -a "$LOGS/summary.txt"
 $CLI put experts --data=8x512x256 --dtype=bf16 --seed=3 >/dev/null || { say "FAIL: put experts"; fail=1; }
 request "1 good (launch 1)" right $resident
-request "2 kernel launch failure (launch 2)" "$(expect 'cudaErrorInvalidConfiguration: invalid configuration argument')" $resident
+request "2 kernel launch failure (launch 2)" "$(expect 'grouped GEMM kernel launch [--fault_injection kernel_launch:2]: CUDA error cudaErrorInvalid')" $resident
 request "3 good (launch 3; the resident weight's device copy kept)" right $resident
 request "4 NCCL error (collective 1: the plan's all-reduce over fsdp)" "$(expect 'ncclAllReduce: NCCL invalid argument')" $reduced
 request "5 good all-reduce (collective 2)" right $reduced
 request "6 good (launch 6)" right $resident
+# The health-only port's answers while the worker goes (a probe every ~20 ms).
+(while kill -0 $W 2>/dev/null; do
+  timeout 2 $B/bin/shardgemm-health-probe --addr=$HEALTH --timeout_s=0.5 2>&1 | head -1; sleep 0.01
+done) >"$LOGS/health.txt" &
+PROBE=$!
 request "7 illegal address (launch 7: sticky)" "$(expect 'cudaErrorIllegalAddress')" $resident
 
 # The worker with the lost context exits by itself (status 3); in a dry run it is killed.
@@ -86,6 +94,8 @@ if [[ -n $exited ]]; then
 else
   say "== worker still running 15 s after the sticky error [FAIL]"; fail=1; kill -KILL $W
 fi
+kill $PROBE 2>/dev/null; wait $PROBE 2>/dev/null
+say "   health answers meanwhile, in order (repeats folded): $(uniq "$LOGS/health.txt" | sed 's/shardgemm-health-probe: //' | cut -c1-60 | paste -sd';')"
 [[ -n $FAULTS ]] && say "$(grep -E "device_lost|fault_injection" "$LOGS/worker.log" | sed 's/^/   worker log: /')"
 down=""
 for _ in $(seq 100); do
