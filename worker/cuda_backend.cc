@@ -6,9 +6,9 @@
 
 #include <atomic>
 #include <iostream>
-#include <mutex>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 
 #include "absl/strings/str_cat.h"

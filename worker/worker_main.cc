@@ -73,10 +73,10 @@ ABSL_FLAG(std::string, log_format, "text", "text | json | logfmt: one line per s
 ABSL_FLAG(std::string, log_level, "info",
           "debug | info | warning | error (step lines are info; failed steps warning)");
 ABSL_FLAG(std::string, fault_injection, "",
-          "TEST ONLY (empty: off): real device errors on demand, as KIND:N[,KIND:N...]: kernel_launch:N (the Nth device "
-          "kernel launch is made with an empty grid, which the runtime refuses), illegal_address:N (the Nth writes through an invalid address: "
-          "a sticky error, after which the worker exits), nccl:N (the Nth collective call fails with NCCL's "
-          "ncclInvalidArgument); CUDA backend only");
+          "TEST ONLY (empty: off): real device errors on demand, as KIND:N[,KIND:N...]: kernel_launch:N (the Nth "
+          "device kernel launch is made with an empty grid, which the runtime refuses), illegal_address:N (the Nth "
+          "writes through an invalid address: a sticky error, after which the worker exits), nccl:N (the Nth "
+          "collective call fails with NCCL's ncclInvalidArgument); CUDA backend only");
 
 namespace shardgemm {
 namespace {
