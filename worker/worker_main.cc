@@ -404,7 +404,9 @@ int Run() {
   ServeUntilSignalled(server.get());
   if (device_lost) {
     // Nothing of the lost context is to be touched again (the backend's and
-    // NCCL's teardown would be): the process ends here.
+    // NCCL's teardown would be): the process ends here, its socket directory
+    // removed first.
+    socket_dir.reset();
     std::cerr.flush();
     std::_Exit(kExitDeviceLost);
   }
