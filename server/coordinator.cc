@@ -20,6 +20,7 @@
 #include "kernels/cpu/quantize.h"
 #include "proto/tensor_codec.h"
 #include "kernels/quantize_assembly.h"
+#include "logging/log.h"
 #include "proto/plan_codec.h"
 #include "server/output_assembly.h"
 #include "server/row_routing.h"
@@ -71,6 +72,13 @@ Coordinator::~Coordinator() {
     stopping_ = true;
   }
   if (heartbeat_.joinable()) heartbeat_.join();
+  std::vector<Restorer> restorers;
+  {
+    absl::MutexLock lock(&restore_mu_);
+    restore_stopping_ = true;  // a restore in progress stops after its current call
+    restorers.swap(restorers_);
+  }
+  for (Restorer& r : restorers) r.thread.join();
   // Requests still waiting on their workers are answered now, while the
   // registry their completion touches is still here (members go after).
   AbandonRequests();
@@ -104,36 +112,56 @@ void Coordinator::Heartbeat() {
 }
 
 absl::StatusOr<v1::RegisterResponse> Coordinator::Register(const v1::RegisterRequest& request) {
-  auto joined = dispatcher_.Join(request);
+  const uint64_t epoch = next_epoch_.fetch_add(1);
+  std::set<std::string> held;
+  ResidentRegistry::Rejoin rejoin;
+  // What the worker lacks is marked while its rank is being joined: no step
+  // reaches it, and the mesh does not look complete, before then.
+  auto joined = dispatcher_.Join(request, [&](const Dispatcher::Joined& j) {
+    // Shards count only on the rank they were stored for: a worker given
+    // another rank than the one it held holds none of this rank's blocks.
+    if (!request.has_previous_rank() || request.previous_rank() == j.rank) {
+      held.insert(request.shards().begin(), request.shards().end());
+    }
+    {
+      absl::MutexLock lock(&restore_mu_);
+      if (rank_epoch_.size() != static_cast<size_t>(num_workers_)) rank_epoch_.resize(num_workers_, 0);
+      rank_epoch_[j.rank] = epoch;
+    }
+    if (j.rejoined) {
+      // A resident tensor has a copy on every rank: one this worker lacks (a
+      // restarted process holds none) is restored from the others' copies
+      // with --replicas of 2 or more, and lost otherwise (never served from
+      // what the other ranks still have).
+      rejoin = registry_.Rejoined(j.rank, held,
+                                  epoch, absl::StrCat("worker rank ", j.rank, " (", request.address(),
+                                                      ") rejoined without its shard"));
+    }
+  });
   if (!joined.ok()) return joined.status();
   {
     absl::MutexLock lock(&heartbeat_mu_);
     missed_[joined->rank] = 0;  // a new worker does not inherit its rank's missed heartbeats
   }
-  // Shards count only on the rank they were stored for: a worker given
-  // another rank than the one it held holds none of this rank's blocks.
-  std::set<std::string> held;
-  if (!request.has_previous_rank() || request.previous_rank() == joined->rank) {
-    held.insert(request.shards().begin(), request.shards().end());
-  }
+  std::vector<RestoreTask> restore = std::move(rejoin.restore);
   {
     absl::MutexLock lock(&reconcile_mu_);
     if (reported_.size() != static_cast<size_t>(num_workers_)) reported_.resize(num_workers_);
     reported_[joined->rank] = held;
     if (!reconciled_ && dispatcher_.Complete()) {
       reconciled_ = true;
+      std::vector<uint64_t> epochs;
+      {
+        absl::MutexLock epochs_lock(&restore_mu_);
+        epochs = rank_epoch_;
+      }
       std::vector<std::string> orphans;
-      registry_.Reconcile(reported_, &orphans);
+      ResidentRegistry::Rejoin reconciled = registry_.Reconcile(reported_, epochs, &orphans);
+      for (RestoreTask& t : reconciled.restore) restore.push_back(std::move(t));
       for (const std::string& shard : orphans) dispatcher_.Release(shard);  // with the next step
     }
   }
-  if (joined->rejoined) {
-    // Every resident tensor has a shard on every rank: those this worker
-    // does not hold (a restarted process holds none) are lost, not served
-    // from what the other ranks still have.
-    registry_.MarkLostUnlessHeld(
-        held, absl::StrCat("worker rank ", joined->rank, " (", request.address(), ") rejoined without its shard"));
-  }
+  StartRestores(std::move(restore));
   v1::RegisterResponse response;
   response.set_rank(joined->rank);
   response.set_session(session_);
@@ -149,6 +177,11 @@ v1::ClusterInfo Coordinator::ClusterInfo() const {
   info.set_version("shardgemm v1");
   for (v1::WorkerInfo& w : dispatcher_.Workers()) *info.add_workers() = std::move(w);
   info.set_ready(dispatcher_.Complete());
+  info.set_replicas(options_.replicas);
+  const std::vector<int64_t> standby = registry_.StandbyBytesByRank(num_workers_);
+  for (v1::WorkerInfo& w : *info.mutable_workers()) {
+    if (w.rank() >= 0 && w.rank() < num_workers_) w.set_standby_bytes(standby[w.rank()]);
+  }
   return info;
 }
 
@@ -170,6 +203,14 @@ Coordinator::Stats Coordinator::GetStats() const {
     for (int64_t d : t.shape()) elements *= d;
     stats.resident_bytes += elements * DTypeSize(*dtype);
   }
+  stats.standby_bytes = registry_.StandbyBytesByRank(num_workers_);
+  stats.restoring_tensors = registry_.RestoringCount();
+  {
+    absl::MutexLock lock(&restore_mu_);
+    stats.restored = restored_;
+    stats.restore_failures = restore_failures_;
+    stats.restored_bytes = restored_bytes_;
+  }
   stats.dispatch = dispatcher_.GetStats();
   return stats;
 }
@@ -185,10 +226,14 @@ absl::Status Coordinator::CheckTensorFits(const std::string& name, int64_t bytes
     total = budget > std::numeric_limits<int64_t>::max() - total ? std::numeric_limits<int64_t>::max()
                                                                  : total + budget;
   }
-  if (!unbounded && bytes > total) {
-    return absl::ResourceExhaustedError(absl::StrCat("shape: tensor '", name, "' needs ", bytes,
-                                                     " bytes, more than the ", num_workers_,
-                                                     " workers' memory budgets together (", total, ")"));
+  // Every block lives on `replicas` workers.
+  const int64_t copies = options_.replicas;
+  const int64_t needed = bytes > std::numeric_limits<int64_t>::max() / copies ? std::numeric_limits<int64_t>::max()
+                                                                              : bytes * copies;
+  if (!unbounded && needed > total) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "shape: tensor '", name, "' needs ", needed, " bytes", copies > 1 ? absl::StrCat(" (", copies, " copies, --replicas)") : "",
+        ", more than the ", num_workers_, " workers' memory budgets together (", total, ")"));
   }
   return absl::OkStatus();
 }
@@ -235,34 +280,225 @@ void Coordinator::DispatchThen(std::vector<v1::Step> steps, absl::Time deadline,
 }
 
 void Coordinator::Unpin(const std::vector<std::string>& pins) {
-  for (const std::string& shard : registry_.Unpin(pins)) DeleteShardsBestEffort(shard);
+  for (const ShardCopies& copies : registry_.Unpin(pins)) DeleteShardsBestEffort(copies);
 }
 
-absl::Status Coordinator::Retire(const std::string& shard_name, absl::Time deadline,
-                                const CallContext& call) {
-  if (!registry_.Retire(shard_name)) return absl::OkStatus();  // deleted after its last request
-  return DeleteShards(shard_name, deadline, call);
+absl::Status Coordinator::Retire(const ShardCopies& copies, absl::Time deadline, const CallContext& call) {
+  if (!registry_.Retire(copies)) return absl::OkStatus();  // deleted after its last request
+  return DeleteShards(copies, deadline, call);
 }
 
-absl::Status Coordinator::DeleteShards(const std::string& shard_name, absl::Time deadline,
-                                      const CallContext& call) {
+absl::Status Coordinator::DeleteShards(const ShardCopies& copies, absl::Time deadline, const CallContext& call) {
   std::vector<v1::Step> steps(num_workers_);
-  for (v1::Step& s : steps) s.mutable_delete_shard()->set_name(shard_name);
+  for (int r = 0; r < num_workers_; ++r) {
+    v1::DeleteShardStep* del = steps[r].mutable_delete_shard();
+    del->set_name(copies.shard_name);
+    for (std::string& standby : copies.StandbyNamesOn(r)) del->add_standby(std::move(standby));
+  }
   auto results = Dispatch(std::move(steps), StepDeadline(deadline), call);
   // A worker without the shard (replaced since) has nothing to delete.
   if (!results.ok() && results.status().code() != absl::StatusCode::kNotFound) return results.status();
   return absl::OkStatus();
 }
 
-void Coordinator::DeleteShardsBestEffort(const std::string& shard_name) {
+void Coordinator::DeleteShardsBestEffort(const ShardCopies& copies) {
   // Rides on the next step, in the global order: no step of its own, and no
   // caller waits for it. Until then the shard holds its workers' memory; a
-  // step that needs the room drops it first.
-  dispatcher_.Release(shard_name);
+  // step that needs the room drops it first. Every worker is sent every
+  // name (one holds no standby copy of its own block: a missing name is no error).
+  for (const std::string& name : copies.AllNames()) dispatcher_.Release(name);
 }
 
-void Coordinator::RetireBestEffort(const std::string& shard_name) {
-  if (registry_.Retire(shard_name)) DeleteShardsBestEffort(shard_name);
+void Coordinator::RetireBestEffort(const ShardCopies& copies) {
+  if (registry_.Retire(copies)) DeleteShardsBestEffort(copies);
+}
+
+absl::StatusOr<Coordinator::Placement> Coordinator::Place(const std::string& name, DType dtype,
+                                                          const std::vector<int64_t>& shape,
+                                                          const planner::PartitionSpec& spec) const {
+  Placement placement;
+  auto owners = BlockOwners(mesh_, name, shape, spec);
+  if (!owners.ok()) return owners.status();
+  placement.block_of_rank = std::move(*owners);
+  if (options_.replicas <= 1) return placement;
+  auto local = planner::LocalShape(name, shape, spec, mesh_);
+  if (!local.ok()) return local.status();
+  int64_t block_bytes = DTypeSize(dtype);
+  for (int64_t d : *local) block_bytes *= d;
+  auto standby = PlaceStandbyCopies(placement.block_of_rank, options_.replicas, block_bytes,
+                                    registry_.ResidentBytesByRank(num_workers_));
+  if (!standby.ok()) return standby.status();
+  placement.standby = std::move(*standby);
+  return placement;
+}
+
+void Coordinator::SetPlacement(const Placement& placement, Resident* resident) const {
+  resident->block_of_rank = placement.block_of_rank;
+  resident->standby = placement.standby;
+  resident->info.set_replicas(options_.replicas);
+}
+
+absl::Status Coordinator::StoreStandbyOfKept(const std::string& shard_name, const Placement& placement,
+                                             absl::Time deadline, const CallContext& call) {
+  if (placement.standby.empty()) return absl::OkStatus();
+  const std::vector<std::shared_ptr<WorkerChannel>> channels = dispatcher_.Channels();
+  const absl::Time step_deadline = StepDeadline(deadline);
+  // Through the coordinator: the Worker service answers only the
+  // coordinator, and the store step keeps its place in the global order.
+  std::map<int, v1::LocalTensor> blocks;  // by block rank, each read once
+  for (const StandbyCopy& c : placement.standby) {
+    if (blocks.count(c.block_rank) > 0) continue;
+    if (channels[c.block_rank] == nullptr) return absl::UnavailableError(absl::StrCat("worker rank ", c.block_rank, " is gone"));
+    auto block = channels[c.block_rank]->GetShard(shard_name, step_deadline);
+    if (!block.ok()) {
+      return absl::Status(block.status().code(), absl::StrCat("reading worker rank ", c.block_rank,
+                                                              "'s block for its standby copies: ",
+                                                              block.status().message()));
+    }
+    blocks[c.block_rank] = std::move(*block);
+  }
+  std::vector<v1::Step> steps(num_workers_);
+  for (v1::Step& step : steps) step.mutable_store();  // ranks that hold no copy store nothing
+  for (const StandbyCopy& c : placement.standby) {
+    v1::NamedShard* copy = steps[c.holder_rank].mutable_store()->add_standby();
+    copy->set_name(StandbyShardName(shard_name, c.block_rank));
+    *copy->mutable_shard() = blocks[c.block_rank];
+  }
+  return Dispatch(std::move(steps), step_deadline, call).status();
+}
+
+absl::Status Coordinator::ExplainMissingShard(absl::Status status, const std::string& tenant,
+                                              const std::vector<std::string>& names) const {
+  if (status.code() != absl::StatusCode::kNotFound) return status;
+  for (const std::string& name : names) {
+    absl::Status now = registry_.Find(tenant, name).status();
+    if (now.code() == absl::StatusCode::kUnavailable || now.code() == absl::StatusCode::kDataLoss) return now;
+  }
+  return status;
+}
+
+namespace {
+
+// A failure a retry may get past (a worker restarting, a slow link).
+bool MayPass(absl::StatusCode code) {
+  return code == absl::StatusCode::kUnavailable || code == absl::StatusCode::kDeadlineExceeded;
+}
+
+// One restore call (a read or a store) waits at most this long, and a
+// failed attempt is tried again after kRestoreRetry.
+constexpr absl::Duration kRestoreCallTimeout = absl::Seconds(30);
+constexpr absl::Duration kRestoreRetry = absl::Milliseconds(500);
+
+}  // namespace
+
+void Coordinator::StartRestores(std::vector<RestoreTask> tasks) {
+  if (tasks.empty()) return;
+  absl::MutexLock lock(&restore_mu_);
+  if (restore_stopping_) return;
+  std::vector<Restorer> live;
+  for (Restorer& r : restorers_) {
+    if (r.done->load()) {
+      r.thread.join();
+    } else {
+      live.push_back(std::move(r));
+    }
+  }
+  restorers_ = std::move(live);
+  auto done = std::make_shared<std::atomic<bool>>(false);
+  restorers_.push_back(Restorer{std::thread([this, tasks = std::move(tasks), done] {
+                                  RunRestores(tasks);
+                                  done->store(true);
+                                }),
+                                done});
+}
+
+void Coordinator::RunRestores(const std::vector<RestoreTask>& tasks) {
+  for (const RestoreTask& task : tasks) {
+    {
+      absl::MutexLock lock(&restore_mu_);
+      if (restore_stopping_) return;  // the coordinator is going: a restart finds the copies missing again
+    }
+    const absl::Time start = absl::Now();
+    PinGuard guard{this, {}};  // the generation stays on the workers while it is copied
+    registry_.Pin(task.shard_name, &guard.pins);
+    int64_t bytes = 0;
+    const absl::StatusOr<bool> restored = RestoreOne(task, StepDeadline(absl::InfiniteFuture()), &bytes);
+    const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
+    if (restored.ok() && !*restored) continue;  // overtaken, or stopping: not this task's to end
+    if (restored.ok()) {
+      const bool whole = registry_.FinishRestoring(task);
+      {
+        absl::MutexLock lock(&restore_mu_);
+        ++restored_;
+        restored_bytes_ += bytes;
+      }
+      logging::ProcessLogger().Log(logging::Level::kInfo, "restored",
+                                   {{"tensor", task.name}, {"rank", task.rank}, {"bytes", bytes},
+                                    {"elapsed_ms", seconds * 1e3}, {"whole", whole}});
+      continue;
+    }
+    const std::string why = absl::StrCat("worker rank ", task.rank,
+                                         " took a replaced worker's rank and its copies could not be restored: ",
+                                         restored.status().message());
+    registry_.FailRestoring(task, why);
+    {
+      absl::MutexLock lock(&restore_mu_);
+      ++restore_failures_;
+    }
+    logging::ProcessLogger().Log(logging::Level::kWarning, "restore_failed",
+                                 {{"tensor", task.name}, {"rank", task.rank}, {"message", why}});
+  }
+}
+
+absl::StatusOr<bool> Coordinator::RestoreOne(const RestoreTask& task, absl::Time deadline, int64_t* bytes) {
+  // Through the coordinator, read from a surviving copy (GetShard) and
+  // stored on the new worker (PutShard): the Worker service answers only
+  // the coordinator, so workers do not call each other.
+  std::set<std::string> done;
+  while (true) {
+    const std::vector<std::shared_ptr<WorkerChannel>> channels = dispatcher_.Channels();
+    const std::shared_ptr<WorkerChannel> target = channels[task.rank];
+    if (target == nullptr) return absl::UnavailableError(absl::StrCat("worker rank ", task.rank, " is gone"));
+    absl::Status failed;
+    bool may_pass = false;
+    for (const std::string& name : task.missing) {
+      if (done.count(name) > 0) continue;
+      auto sources = registry_.RestoreSources(task, name);
+      if (!sources.ok()) return false;  // deleted, replaced, or the rank registered again
+      absl::Status copied = absl::NotFoundError("no other worker holds a copy");
+      for (const CopySource& source : *sources) {
+        if (channels[source.rank] == nullptr) continue;
+        const absl::Time until = std::min(deadline, absl::Now() + kRestoreCallTimeout);
+        auto shard = channels[source.rank]->GetShard(source.shard_name, until);
+        if (!shard.ok()) {
+          copied = absl::Status(shard.status().code(), absl::StrCat("reading the copy on worker rank ", source.rank,
+                                                                    ": ", shard.status().message()));
+          may_pass |= MayPass(shard.status().code());
+          continue;  // another copy may answer
+        }
+        const absl::Status put = target->PutShard(name, *shard, until);
+        if (!put.ok()) {
+          copied = absl::Status(put.code(),
+                                absl::StrCat("storing it on worker rank ", task.rank, ": ", put.message()));
+          may_pass |= MayPass(put.code());
+          break;  // the target failed: another source will not help
+        }
+        *bytes += static_cast<int64_t>(shard->data().size());
+        copied = absl::OkStatus();
+        break;
+      }
+      if (!copied.ok()) {
+        failed = copied;
+        break;
+      }
+      done.insert(name);
+    }
+    if (failed.ok()) return true;
+    if (!may_pass || absl::Now() + kRestoreRetry >= deadline) return failed;
+    if (dispatcher_.Channels()[task.rank] != target) return false;  // taken again: its registration restores
+    absl::MutexLock lock(&restore_mu_);
+    if (restore_mu_.AwaitWithTimeout(absl::Condition(&restore_stopping_), kRestoreRetry)) return false;
+  }
 }
 
 namespace {
@@ -293,7 +529,7 @@ class ClaimGuard {
   }
   // Registers the claimed tensor; returns the generation it replaced.
   // The registry released the claim either way.
-  absl::StatusOr<std::string> Register(Resident resident) {
+  absl::StatusOr<ShardCopies> Register(Resident resident) {
     registered_ = true;
     return registry_->Register(std::move(resident));
   }
@@ -389,16 +625,30 @@ absl::StatusOr<v1::PutTensorResponse> Coordinator::PutTensor(const std::string& 
   if (!local_shape.ok()) return local_shape.status();
   const int64_t tensor_bytes = tensor.NumBytes();
   const bool whole = *local_shape == tensor.shape;  // every rank holds all of it
-  std::vector<v1::Step> steps(num_workers_);
-  for (int r = 0; r < num_workers_; ++r) {
-    auto offsets = planner::BlockOffsets(name, tensor.shape, *spec, mesh_, r);
+  auto placement = Place(name, tensor.dtype, tensor.shape, *spec);
+  if (!placement.ok()) return placement.status();
+  const ShardCopies copies{shard_name, placement->standby};
+  auto block = [&](int rank, v1::LocalTensor* out) -> absl::Status {
+    auto offsets = planner::BlockOffsets(name, tensor.shape, *spec, mesh_, rank);
     if (!offsets.ok()) return offsets.status();
+    HostTensorToProto(SliceBlock(tensor, *offsets, *local_shape), out);
+    return absl::OkStatus();
+  };
+  std::vector<v1::Step> steps(num_workers_);
+  // Each standby copy goes with its holder's own block, in the same step
+  // (sliced first: the last rank's block may take the tensor's bytes).
+  for (const StandbyCopy& c : placement->standby) {
+    v1::NamedShard* copy = steps[c.holder_rank].mutable_store()->add_standby();
+    copy->set_name(StandbyShardName(shard_name, c.block_rank));
+    if (auto s = block(c.block_rank, copy->mutable_shard()); !s.ok()) return s;
+  }
+  for (int r = 0; r < num_workers_; ++r) {
     v1::StoreShardStep* store = steps[r].mutable_store();
     store->set_name(shard_name);
     if (whole && r == num_workers_ - 1) {
       HostTensorToProto(std::move(tensor), store->mutable_shard());  // the last copy is the tensor itself
-    } else {
-      HostTensorToProto(SliceBlock(tensor, *offsets, *local_shape), store->mutable_shard());
+    } else if (auto s = block(r, store->mutable_shard()); !s.ok()) {
+      return s;
     }
   }
   std::string().swap(tensor.bytes);  // the blocks hold every byte now
@@ -409,7 +659,7 @@ absl::StatusOr<v1::PutTensorResponse> Coordinator::PutTensor(const std::string& 
   if (!results.ok()) {
     // Some workers may hold the new generation: drop it everywhere. The old
     // generation, if any, was never touched.
-    DeleteShardsBestEffort(shard_name);
+    DeleteShardsBestEffort(copies);
     return results.status();
   }
   Resident resident;
@@ -420,9 +670,10 @@ absl::StatusOr<v1::PutTensorResponse> Coordinator::PutTensor(const std::string& 
   resident.info.set_spec(planner::FormatPartitionSpec(*spec));
   resident.spec = *spec;
   resident.shard_name = shard_name;
+  SetPlacement(*placement, &resident);
   auto replaced = claim.Register(std::move(resident));
   if (!replaced.ok()) {  // not kept (its registry could not be written): nor are its shards
-    DeleteShardsBestEffort(shard_name);
+    DeleteShardsBestEffort(copies);
     return replaced.status();
   }
   if (!replaced->empty()) RetireBestEffort(*replaced);  // the new generation is in
@@ -455,7 +706,7 @@ absl::StatusOr<Coordinator::Fetched> Coordinator::GetTensor(const std::string& n
     if (!shard.ok()) return shard.status();
     return HostTensorFromProto(std::move(*shard), "shard");
   });
-  if (!tensor.ok()) return tensor.status();
+  if (!tensor.ok()) return ExplainMissingShard(tensor.status(), call.tenant, {name});
   return Fetched{resident->info, std::move(*tensor)};
 }
 
@@ -463,13 +714,13 @@ absl::Status Coordinator::DeleteTensor(const std::string& name, absl::Time deadl
                                       const CallContext& call) {
   if (auto s = CheckReady(); !s.ok()) return s;
   const bool lost = registry_.IsLost(call.tenant, name);
-  auto shard_name = registry_.Remove(call.tenant, name);
-  if (!shard_name.ok()) return shard_name.status();
+  auto copies = registry_.Remove(call.tenant, name);
+  if (!copies.ok()) return copies.status();
   if (lost) {  // some worker lacks its shard: the others drop theirs with the next step
-    RetireBestEffort(*shard_name);
+    RetireBestEffort(*copies);
     return absl::OkStatus();
   }
-  return Retire(*shard_name, deadline, call);
+  return Retire(*copies, deadline, call);
 }
 
 v1::ListTensorsResponse Coordinator::ListTensors(const CallContext& call) const {
@@ -740,10 +991,11 @@ TensorMeta Coordinator::MetaOf(const Resident& r) {
 }
 
 absl::StatusOr<TensorMeta> Coordinator::ResolveMeta(const v1::Tensor& t, const std::string& field,
-                                                   const std::string& tenant, std::vector<std::string>* pins) {
+                                                   const std::string& tenant, PinGuard* guard) {
   if (t.source_case() == v1::Tensor::kResident) {
-    auto r = registry_.FindAndPin(tenant, t.resident(), pins);
+    auto r = registry_.FindAndPin(tenant, t.resident(), &guard->pins);
     if (!r.ok()) return r.status();
+    guard->names.push_back(t.resident());
     return MetaOf(*r);
   }
   if (t.source_case() == v1::Tensor::kSharedMemory) {
@@ -789,7 +1041,7 @@ absl::StatusOr<v1::GroupedQuantizeResponse> Coordinator::GroupedQuantize(
   absl::flat_hash_map<std::string, TensorMeta> metas;
   PinGuard guard{this, {}};
   auto resolve = [&](const v1::Tensor& t, const std::string& field) -> absl::StatusOr<TensorMeta> {
-    auto meta = ResolveMeta(t, field, call.tenant, &guard.pins);
+    auto meta = ResolveMeta(t, field, call.tenant, &guard);
     if (meta.ok()) metas[field] = *meta;
     return meta;
   };
@@ -866,9 +1118,9 @@ absl::StatusOr<v1::GroupedQuantizeResponse> Coordinator::GroupedQuantize(
   auto keeps = QuantizeKeeps(request, *plan, x_op->global_shape, flatten, *sizes);
   if (!keeps.ok()) return keeps.status();
   std::vector<std::unique_ptr<ClaimGuard>> claims;
-  std::vector<std::string> kept_shards;
+  std::vector<ShardCopies> kept_shards;
   auto drop_kept = [&] {
-    for (const std::string& shard : kept_shards) DeleteShardsBestEffort(shard);
+    for (const ShardCopies& copies : kept_shards) DeleteShardsBestEffort(copies);
   };
   for (KeptOutput& k : *keeps) {
     auto claimed = registry_.Claim(call.tenant, k.name, request.keep().overwrite(), options_.max_tensors_per_tenant);
@@ -884,15 +1136,32 @@ absl::StatusOr<v1::GroupedQuantizeResponse> Coordinator::GroupedQuantize(
       if (k.role == v1::TENSOR_SCALE_INV) step.mutable_quantize()->set_keep_scale_inv_as(k.shard_name);
     }
   }
-  for (const KeptOutput& k : *keeps) kept_shards.push_back(k.shard_name);
+  for (const KeptOutput& k : *keeps) kept_shards.push_back({k.shard_name, {}});
   auto results = Dispatch(std::move(steps), StepDeadline(deadline), call);
+  // Each kept output's standby copies (--replicas), before anything is registered.
+  std::vector<Placement> placements;
+  for (size_t i = 0; results.ok() && i < keeps->size(); ++i) {
+    const KeptOutput& k = (*keeps)[i];
+    auto placement = Place(k.name, k.dtype, k.shape, k.spec);
+    if (!placement.ok()) {
+      results = placement.status();
+      break;
+    }
+    kept_shards[i].standby = placement->standby;
+    if (absl::Status s = StoreStandbyOfKept(k.shard_name, *placement, deadline, call); !s.ok()) {
+      results = absl::Status(s.code(), absl::StrCat("keep.", k.field, ": its standby copies (--replicas=",
+                                                    options_.replicas, "): ", s.message()));
+      break;
+    }
+    placements.push_back(std::move(*placement));
+  }
   if (absl::Status gone = Abandoned(deadline, call, "the kept output");
       results.ok() && !keeps->empty() && !gone.ok()) {
     results = gone;
   }
   if (!results.ok()) {
     drop_kept();
-    return results.status();
+    return ExplainMissingShard(results.status(), call.tenant, guard.names);
   }
 
   v1::GroupedQuantizeResponse response;
@@ -909,6 +1178,7 @@ absl::StatusOr<v1::GroupedQuantizeResponse> Coordinator::GroupedQuantize(
     resident.info.set_spec(planner::FormatPartitionSpec(k.spec));
     resident.spec = k.spec;
     resident.shard_name = k.shard_name;
+    SetPlacement(placements[i], &resident);
     kept_residents.push_back(std::move(resident));
     v1::Tensor* field = QuantizeField(k.role, &response);
     field->set_dtype(DTypeToProto(k.dtype));
@@ -947,7 +1217,7 @@ absl::StatusOr<v1::GroupedQuantizeResponse> Coordinator::GroupedQuantize(
       drop_kept();
       return absl::Status(replaced.status().code(), absl::StrCat("keep: ", replaced.status().message()));
     }
-    for (const std::string& r : *replaced) {
+    for (const ShardCopies& r : *replaced) {
       if (!r.empty()) RetireBestEffort(r);
     }
   }
@@ -1135,7 +1405,7 @@ absl::StatusOr<std::shared_ptr<Coordinator::GemmCall>> Coordinator::PrepareGroup
     if (auto it = decoded.find(field); it != decoded.end()) {
       meta = TensorMeta{it->second.tensor.dtype, it->second.tensor.shape, it->second.spec};
     } else {
-      meta = ResolveMeta(t, field, call.tenant, &c->guard.pins);
+      meta = ResolveMeta(t, field, call.tenant, &c->guard);
     }
     if (meta.ok()) metas[field] = *meta;
     return meta;
@@ -1267,13 +1537,29 @@ absl::StatusOr<v1::GroupedGemmResponse> Coordinator::CompleteGroupedGemm(
   const v1::GroupedGemmRequest& request = *c.request;
   const planner::Plan* plan = &c.plan;
   const std::string& shard_name = c.shard_name;
+  ShardCopies kept{shard_name, {}};
+  Placement placement;
+  if (results.ok() && !shard_name.empty()) {
+    // Its standby copies (--replicas) first: a keep that cannot place them keeps nothing.
+    auto placed = Place(request.keep_output_as(), plan->out_dtype, plan->out_shape, plan->out_spec);
+    absl::Status stored = placed.status();
+    if (placed.ok()) {
+      placement = std::move(*placed);
+      kept.standby = placement.standby;
+      stored = StoreStandbyOfKept(shard_name, placement, c.deadline, c.call);
+    }
+    if (!stored.ok()) {
+      results = absl::Status(stored.code(), absl::StrCat("keep_output_as: its standby copies (--replicas=",
+                                                         options_.replicas, "): ", stored.message()));
+    }
+  }
   if (results.ok() && !shard_name.empty()) {
     absl::Status gone = Abandoned(c.deadline, c.call, absl::StrCat("keep_output_as '", request.keep_output_as(), "'"));
     if (!gone.ok()) results = gone;
   }
   if (!results.ok()) {
-    if (!shard_name.empty()) DeleteShardsBestEffort(shard_name);
-    return results.status();
+    if (!shard_name.empty()) DeleteShardsBestEffort(kept);
+    return ExplainMissingShard(results.status(), c.call.tenant, c.guard.names);
   }
 
   v1::GroupedGemmResponse response;
@@ -1288,10 +1574,11 @@ absl::StatusOr<v1::GroupedGemmResponse> Coordinator::CompleteGroupedGemm(
     resident.info.set_spec(planner::FormatPartitionSpec(plan->out_spec));
     resident.spec = plan->out_spec;
     resident.shard_name = shard_name;
+    SetPlacement(placement, &resident);
     const std::string spec_text = resident.info.spec();
     auto replaced = c.claim->Register(std::move(resident));
     if (!replaced.ok()) {
-      DeleteShardsBestEffort(shard_name);
+      DeleteShardsBestEffort(kept);
       return absl::Status(replaced.status().code(), absl::StrCat("keep_output_as: ", replaced.status().message()));
     }
     if (!replaced->empty()) RetireBestEffort(*replaced);  // the new generation is in
@@ -1346,11 +1633,13 @@ void Coordinator::StartGroupedGemmPerShard(const v1::GroupedGemmRequest& request
                  if (results.ok()) {
                    for (const v1::StepResult& r : *results) out_bytes += r.out().data().size();
                  }
-                 if (out_bytes <= kOffloadBytes) {
+                 // A kept output's standby copies are read and stored with calls that wait.
+                 const bool places_copies = results.ok() && !c->shard_name.empty() && options_.replicas > 1;
+                 if (out_bytes <= kOffloadBytes && !places_copies) {
                    done(CompleteGroupedGemm(*c, std::move(results)));
                    return;
                  }
-                 // Assembling a large output takes a thread of its own.
+                 // Assembling a large output, or placing standby copies, takes a thread of its own.
                  std::thread([this, c, done, results = std::move(results)]() mutable {
                    done(CompleteGroupedGemm(*c, std::move(results)));
                  }).detach();

@@ -4,6 +4,7 @@
 #ifndef SHARDGEMM_SERVER_COORDINATOR_H_
 #define SHARDGEMM_SERVER_COORDINATOR_H_
 
+#include <atomic>
 #include <functional>
 #include <memory>
 #include <string>
@@ -45,6 +46,10 @@ struct CoordinatorOptions {
   bool allow_shared_memory = false;
   // Workers on this host are called on their Unix socket (Dispatcher).
   bool prefer_local_socket = false;
+  // Workers holding each block of a resident tensor (1 to the mesh's size):
+  // with 2 or more, a worker that takes a replaced worker's rank gets its
+  // copies back from the others (docs/reliability.md).
+  int replicas = 1;
 };
 
 // Who asks: the caller's tenant (its token's; "" with --insecure), whose
@@ -95,6 +100,11 @@ class Coordinator {
     int64_t resident_tensors = 0;
     int64_t resident_bytes = 0;  // logical bytes of the resident tensors
     std::vector<bool> up;        // by rank: registered and answering its heartbeat
+    std::vector<int64_t> standby_bytes;  // by rank: bytes of the standby copies placed there
+    int64_t restoring_tensors = 0;
+    int64_t restored = 0;        // tensors whose copies on a rank were restored
+    int64_t restore_failures = 0;  // restores that ended with the tensor lost
+    int64_t restored_bytes = 0;
     Dispatcher::Stats dispatch;
   };
   Stats GetStats() const;
@@ -185,27 +195,58 @@ class Coordinator {
   // replacement or delete retires them, and they leave the workers when the
   // last request using them is done (not from under it).
   void Unpin(const std::vector<std::string>& pins);
-  // Deletes the shards now (the delete step's status), or when their last
+  // Deletes every copy now (the delete step's status), or when their last
   // pin goes (OK now).
-  absl::Status Retire(const std::string& shard_name, absl::Time deadline = absl::InfiniteFuture(),
+  absl::Status Retire(const ShardCopies& copies, absl::Time deadline = absl::InfiniteFuture(),
                       const CallContext& call = {});
   struct PinGuard {
     Coordinator* coordinator;
     std::vector<std::string> pins;
+    std::vector<std::string> names;  // the resident tensors pinned, by the caller's names
     ~PinGuard() { coordinator->Unpin(pins); }
   };
   // Shape, dtype and spec of a request tensor, resident (pinned) or inline (validated).
   absl::StatusOr<struct TensorMeta> ResolveMeta(const v1::Tensor& t, const std::string& field, const std::string& tenant,
-                                                std::vector<std::string>* pins);
+                                                PinGuard* guard);
+  // A worker's NOT_FOUND for a request that read resident tensors: when one
+  // of them is being restored (UNAVAILABLE) or lost (DATA_LOSS) that is the
+  // answer, not NOT_FOUND; otherwise `status` as it is.
+  absl::Status ExplainMissingShard(absl::Status status, const std::string& tenant,
+                                   const std::vector<std::string>& names) const;
+
+  // --replicas: where the copies of a new tensor's blocks go.
+  struct Placement {
+    std::vector<int> block_of_rank;
+    std::vector<StandbyCopy> standby;
+  };
+  absl::StatusOr<Placement> Place(const std::string& name, DType dtype, const std::vector<int64_t>& shape,
+                                  const planner::PartitionSpec& spec) const;
+  // A kept output (made on the workers) gets its standby copies: each block
+  // read from its rank and stored on its holders in one step. On failure the
+  // caller drops `placement`'s copies (some may have been stored).
+  absl::Status StoreStandbyOfKept(const std::string& shard_name, const Placement& placement, absl::Time deadline,
+                                  const CallContext& call);
+  // Fills a new Resident's copies and replicas.
+  void SetPlacement(const Placement& placement, Resident* resident) const;
+  // Restores the tasks' copies, one tensor after another, on a thread of
+  // its own (joined when the coordinator goes).
+  void StartRestores(std::vector<RestoreTask> tasks);
+  void RunRestores(const std::vector<RestoreTask>& tasks);
+  // One tensor's copies on its rank: each read from a rank holding a copy
+  // and stored on the task's rank (PutShard). Retries while the failure may
+  // pass, until `deadline`. True when restored; false when the task was
+  // overtaken (a delete, a replacement, the rank registered again) or the
+  // coordinator is stopping. `bytes` gets what was copied.
+  absl::StatusOr<bool> RestoreOne(const RestoreTask& task, absl::Time deadline, int64_t* bytes);
   // Reads back a sharded tensor (or a request output) from the workers.
   absl::StatusOr<HostTensor> Assemble(DType dtype, const std::vector<int64_t>& shape,
                                       const planner::PartitionSpec& spec,
                                       const std::function<absl::StatusOr<HostTensor>(int)>& shard);
-  absl::Status DeleteShards(const std::string& shard_name, absl::Time deadline = absl::InfiniteFuture(),
+  absl::Status DeleteShards(const ShardCopies& copies, absl::Time deadline = absl::InfiniteFuture(),
                             const CallContext& call = {});
-  void DeleteShardsBestEffort(const std::string& shard_name);
+  void DeleteShardsBestEffort(const ShardCopies& copies);
   // Retire, without waiting for the workers.
-  void RetireBestEffort(const std::string& shard_name);
+  void RetireBestEffort(const ShardCopies& copies);
 
   const CoordinatorOptions options_;
   const planner::Mesh mesh_;
@@ -220,6 +261,20 @@ class Coordinator {
   absl::Mutex reconcile_mu_;
   std::vector<std::set<std::string>> reported_ ABSL_GUARDED_BY(reconcile_mu_);  // shards by rank, at registration
   bool reconciled_ ABSL_GUARDED_BY(reconcile_mu_) = false;
+
+  // Each registration's number (RestoreTask::epoch), and the latest by rank.
+  std::atomic<uint64_t> next_epoch_{1};
+  mutable absl::Mutex restore_mu_;  // taken last: nothing is called with it held
+  std::vector<uint64_t> rank_epoch_ ABSL_GUARDED_BY(restore_mu_);
+  struct Restorer {
+    std::thread thread;
+    std::shared_ptr<std::atomic<bool>> done;
+  };
+  std::vector<Restorer> restorers_ ABSL_GUARDED_BY(restore_mu_);
+  bool restore_stopping_ ABSL_GUARDED_BY(restore_mu_) = false;
+  int64_t restored_ ABSL_GUARDED_BY(restore_mu_) = 0;
+  int64_t restore_failures_ ABSL_GUARDED_BY(restore_mu_) = 0;
+  int64_t restored_bytes_ ABSL_GUARDED_BY(restore_mu_) = 0;
 
   absl::Mutex heartbeat_mu_;
   std::vector<int> missed_ ABSL_GUARDED_BY(heartbeat_mu_);

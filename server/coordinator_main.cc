@@ -62,6 +62,10 @@ ABSL_FLAG(bool, worker_local_socket, true,
 ABSL_FLAG(std::string, state_dir, "",
           "keep the registry of resident tensors here (fsync'd on every put and delete), so a restarted "
           "coordinator lists and serves them again; empty: in memory only");
+ABSL_FLAG(int, replicas, 1,
+          "workers holding each block of a resident tensor (1 to the mesh's size): with 2 or more, each block "
+          "also lives on other workers as standby copies (counted against their --memory_budget_mb), and a worker "
+          "that takes a replaced worker's rank gets its copies back from them; with 1 they are lost");
 ABSL_FLAG(int64_t, max_tensors_per_tenant, 10000, "resident tensors one tenant may hold (0: no limit)");
 ABSL_FLAG(int, max_requests_per_tenant, 64,
           "GEMM, quantize, put and get requests one tenant may have running at once (0: no limit)");
@@ -121,6 +125,12 @@ int Run() {
   options.heartbeat_misses = absl::GetFlag(FLAGS_heartbeat_misses);
   options.allow_shared_memory = absl::GetFlag(FLAGS_shared_memory);
   options.prefer_local_socket = absl::GetFlag(FLAGS_worker_local_socket);
+  options.replicas = absl::GetFlag(FLAGS_replicas);
+  if (options.replicas < 1 || options.replicas > planner::NumWorkers(*mesh)) {
+    std::cerr << "shardgemm-coordinator: --replicas=" << options.replicas << " must be within 1 and the "
+              << planner::NumWorkers(*mesh) << " workers of --mesh=" << planner::FormatMesh(*mesh) << "\n";
+    return 2;
+  }
   std::shared_ptr<grpc::ChannelCredentials> worker_credentials = transport->ChannelCredentials();
   std::shared_ptr<grpc::ChannelCredentials> local_worker_credentials = transport->LocalChannelCredentials();
   Coordinator coordinator(

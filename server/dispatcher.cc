@@ -34,7 +34,8 @@ Dispatcher::~Dispatcher() {
   }
 }
 
-absl::StatusOr<Dispatcher::Joined> Dispatcher::Join(const v1::RegisterRequest& request) {
+absl::StatusOr<Dispatcher::Joined> Dispatcher::Join(const v1::RegisterRequest& request,
+                                                    const std::function<void(const Joined&)>& on_joined) {
   if (request.address().empty()) {
     return absl::InvalidArgumentError("address is empty: a worker must say where it serves");
   }
@@ -86,7 +87,9 @@ absl::StatusOr<Dispatcher::Joined> Dispatcher::Join(const v1::RegisterRequest& r
   auto coords = planner::RankToCoords(mesh_, rank);
   if (coords.ok()) w.info.mutable_coords()->Assign(coords->begin(), coords->end());
   // A worker that (re)joins starts at the current place in the global order.
-  return Joined{rank, next_sequence_, rejoined};
+  const Joined joined{rank, next_sequence_, rejoined};
+  if (on_joined) on_joined(joined);
+  return joined;
 }
 
 std::vector<v1::WorkerInfo> Dispatcher::Workers() const {

@@ -99,7 +99,12 @@ class Dispatcher {
     bool rejoined = false;       // the rank had a worker before (restarted or replaced)
   };
   // RESOURCE_EXHAUSTED when every rank is taken by another address.
-  absl::StatusOr<Joined> Join(const v1::RegisterRequest& request);
+  // `on_joined` (optional) runs once the rank is decided, under the locks
+  // that number steps and answer Complete(): no step reaches the worker, and
+  // the mesh does not look complete, before it returns (the coordinator
+  // marks what the worker lacks there). It must not call the dispatcher.
+  absl::StatusOr<Joined> Join(const v1::RegisterRequest& request,
+                              const std::function<void(const Joined&)>& on_joined = nullptr);
 
   int num_workers() const { return num_workers_; }
   // The registered workers, by rank.

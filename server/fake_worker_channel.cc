@@ -38,6 +38,19 @@ struct FakeWorkerChannel::State {
   // Its own lock: handlers run without `mu` and may reach the shards.
   mutable absl::Mutex shards_mu;
   std::map<std::string, v1::LocalTensor> shards ABSL_GUARDED_BY(shards_mu);
+  int64_t budget ABSL_GUARDED_BY(shards_mu) = -1;
+  absl::Status put_shard_status ABSL_GUARDED_BY(shards_mu);
+  int put_shards ABSL_GUARDED_BY(shards_mu) = 0;
+
+  // RESOURCE_EXHAUSTED unless `extra` more bytes fit the budget.
+  absl::Status Fits(int64_t extra) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(shards_mu) {
+    if (budget < 0) return absl::OkStatus();
+    int64_t used = 0;
+    for (const auto& [name, t] : shards) used += static_cast<int64_t>(t.data().size());
+    if (used + extra <= budget) return absl::OkStatus();
+    return absl::ResourceExhaustedError(absl::StrCat("fake worker: ", extra, " bytes more do not fit its budget of ",
+                                                     budget, " (", used, " used)"));
+  }
 };
 
 namespace {
@@ -180,6 +193,30 @@ absl::StatusOr<v1::LocalTensor> FakeWorkerChannel::GetShard(const std::string& n
   return it->second;
 }
 
+absl::Status FakeWorkerChannel::PutShard(const std::string& name, const v1::LocalTensor& shard, absl::Time) {
+  absl::MutexLock lock(&state_->shards_mu);
+  if (!state_->put_shard_status.ok()) return state_->put_shard_status;
+  if (auto s = state_->Fits(static_cast<int64_t>(shard.data().size())); !s.ok()) return s;
+  state_->shards[name] = shard;
+  ++state_->put_shards;
+  return absl::OkStatus();
+}
+
+void FakeWorkerChannel::SetMemoryBudget(int64_t bytes) {
+  absl::MutexLock lock(&state_->shards_mu);
+  state_->budget = bytes;
+}
+
+void FakeWorkerChannel::SetPutShardStatus(absl::Status status) {
+  absl::MutexLock lock(&state_->shards_mu);
+  state_->put_shard_status = std::move(status);
+}
+
+int FakeWorkerChannel::num_put_shards() const {
+  absl::MutexLock lock(&state_->shards_mu);
+  return state_->put_shards;
+}
+
 absl::Status FakeWorkerChannel::Ping(absl::Time deadline) {
   (void)deadline;
   absl::MutexLock lock(&state_->mu);
@@ -278,13 +315,22 @@ absl::StatusOr<v1::StepResult> FakeWorkerChannel::RunTrivialWorker(const v1::Ste
   for (const std::string& name : step.release_shards()) shards.erase(name);  // as the executor does
   switch (step.op_case()) {
     case v1::Step::kStore: {
-      if (step.store().shard().source_case() != v1::LocalTensor::kData) {
-        return absl::InvalidArgumentError("fake worker: a stored shard must carry its data");
+      const v1::StoreShardStep& store = step.store();
+      int64_t bytes = 0;
+      if (!store.name().empty()) {
+        if (store.shard().source_case() != v1::LocalTensor::kData) {
+          return absl::InvalidArgumentError("fake worker: a stored shard must carry its data");
+        }
+        bytes += static_cast<int64_t>(store.shard().data().size());
       }
-      shards[step.store().name()] = step.store().shard();
+      for (const v1::NamedShard& standby : store.standby()) bytes += static_cast<int64_t>(standby.shard().data().size());
+      if (auto s = state_->Fits(bytes); !s.ok()) return s;
+      if (!store.name().empty()) shards[store.name()] = store.shard();
+      for (const v1::NamedShard& standby : store.standby()) shards[standby.name()] = standby.shard();
       return v1::StepResult();
     }
     case v1::Step::kDeleteShard: {
+      for (const std::string& standby : step.delete_shard().standby()) shards.erase(standby);
       if (shards.erase(step.delete_shard().name()) == 0) {
         return absl::NotFoundError(
             absl::StrCat("no resident shard '", step.delete_shard().name(), "' on this worker"));

@@ -44,6 +44,7 @@ class FakeWorkerChannel : public WorkerChannel {
 
   void ExecuteAsync(v1::Step step, absl::Time deadline, ExecuteDone done) override;
   absl::StatusOr<v1::LocalTensor> GetShard(const std::string& name, absl::Time deadline) override;
+  absl::Status PutShard(const std::string& name, const v1::LocalTensor& shard, absl::Time deadline) override;
   absl::Status Ping(absl::Time deadline) override;
   void CancelSteps(const v1::CancelStepsRequest& request, absl::Time deadline) override;
 
@@ -64,6 +65,13 @@ class FakeWorkerChannel : public WorkerChannel {
   // Answers the held steps now, in the order received, with the handler's
   // results; returns how many.
   int AnswerHeld();
+  // The bytes of data its shards may hold together (< 0: no limit): a store
+  // step or PutShard past it is RESOURCE_EXHAUSTED and stores nothing.
+  void SetMemoryBudget(int64_t bytes);
+  // What PutShard answers before storing anything (OK: it stores).
+  void SetPutShardStatus(absl::Status status);
+  // How many PutShard calls it stored.
+  int num_put_shards() const;
 
   // --- observation ---
 
@@ -79,8 +87,10 @@ class FakeWorkerChannel : public WorkerChannel {
   // A worker of a mesh with no collectives: a GemmStep (ragged M, F32, no
   // collectives) computes the local grouped GEMM (rows past the group sizes
   // zero) and returns it as `out`, or stores it under keep_output_as and
-  // returns `out` with `resident` set; StoreShardStep stores the shard,
-  // DeleteShardStep deletes it (NOT_FOUND when absent). Operands may be inline
+  // returns `out` with `resident` set; StoreShardStep stores the shard and
+  // its standby copies (all or none, within SetMemoryBudget), DeleteShardStep
+  // deletes the standby copies it names and the shard (NOT_FOUND when the
+  // shard is absent). Operands may be inline
   // or resident shards. Anything else is UNIMPLEMENTED.
   absl::StatusOr<v1::StepResult> RunTrivialWorker(const v1::Step& step);
 

@@ -177,6 +177,17 @@ class GrpcWorkerChannel : public WorkerChannel {
     return shard;
   }
 
+  absl::Status PutShard(const std::string& name, const v1::LocalTensor& shard, absl::Time deadline) override {
+    if (absl::Status c = core_->Connected(deadline); !c.ok()) return c;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(ToGrpcDeadline(deadline));
+    v1::PutShardRequest request;
+    request.set_name(name);
+    *request.mutable_shard() = shard;
+    v1::PutShardResponse response;
+    return FromGrpcStatus(core_->stub->PutShard(&ctx, request, &response));
+  }
+
   // The worker's Status RPC, which answers on its own thread whatever its
   // steps are doing. Not wait-for-ready: a killed worker's ping fails at
   // once (connection refused), not at the ping's deadline (at least 2 s,

@@ -69,6 +69,18 @@ RequestObserver::RequestObserver(const Coordinator* coordinator, metrics::Regist
                                       "Worker calls that failed, by rank and status code (a worker down shows "
                                       "here as UNAVAILABLE or DEADLINE_EXCEEDED).",
                                       {"rank", "code"});
+  auto* standby = registry->AddGauge(
+      "shardgemm_standby_bytes",
+      "By rank: bytes of the standby copies of other ranks' blocks placed there (--replicas), within its memory budget.",
+      {"rank"});
+  auto* restoring = registry->AddGauge(
+      "shardgemm_resident_tensors_restoring",
+      "Resident tensors whose copies on a replacement worker are being restored (UNAVAILABLE until they are).");
+  auto* restores = registry->AddCounter(
+      "shardgemm_restores_total",
+      "A replacement worker's copies of one tensor, by result: restored, or failed (the tensor lost).", {"result"});
+  auto* restored_bytes =
+      registry->AddCounter("shardgemm_restored_bytes_total", "Bytes copied onto replacement workers by restores.");
   registry->AddCollector([=] {
     const Coordinator::Stats stats = coordinator->GetStats();
     in_flight->With({})->Set(static_cast<double>(stats.dispatch.steps_in_flight));
@@ -78,6 +90,13 @@ RequestObserver::RequestObserver(const Coordinator* coordinator, metrics::Regist
     for (size_t r = 0; r < stats.up.size(); ++r) up->With({std::to_string(r)})->Set(stats.up[r] ? 1 : 0);
     tensors->With({})->Set(static_cast<double>(stats.resident_tensors));
     resident_bytes->With({})->Set(static_cast<double>(stats.resident_bytes));
+    for (size_t r = 0; r < stats.standby_bytes.size(); ++r) {
+      standby->With({std::to_string(r)})->Set(static_cast<double>(stats.standby_bytes[r]));
+    }
+    restoring->With({})->Set(static_cast<double>(stats.restoring_tensors));
+    restores->With({"restored"})->RaiseTo(static_cast<double>(stats.restored));
+    restores->With({"failed"})->RaiseTo(static_cast<double>(stats.restore_failures));
+    restored_bytes->With({})->RaiseTo(static_cast<double>(stats.restored_bytes));
     for (const auto& [key, count] : stats.dispatch.failed_calls) {
       metrics::Counter* c = failed->With({std::to_string(key.first), absl::StatusCodeToString(key.second)});
       c->RaiseTo(static_cast<double>(count));

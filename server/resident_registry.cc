@@ -13,6 +13,7 @@
 #include "absl/random/random.h"
 #include "absl/strings/str_cat.h"
 #include "absl/types/optional.h"
+#include "kernels/dtype.h"
 
 namespace shardgemm {
 
@@ -50,14 +51,62 @@ absl::Status Lost(const Resident& r) {
                                           "; delete it and put it again"));
 }
 
+bool Replicated(const Resident& r) { return r.info.replicas() >= 2 && !r.block_of_rank.empty(); }
+
 }  // namespace
+
+std::vector<std::string> ShardCopies::StandbyNamesOn(int rank) const {
+  std::vector<std::string> names;
+  for (const StandbyCopy& c : standby) {
+    if (c.holder_rank == rank) names.push_back(StandbyShardName(shard_name, c.block_rank));
+  }
+  return names;
+}
+
+std::vector<std::string> ShardCopies::AllNames() const {
+  std::vector<std::string> names;
+  if (shard_name.empty()) return names;
+  names.push_back(shard_name);
+  for (const StandbyCopy& c : standby) {
+    std::string name = StandbyShardName(shard_name, c.block_rank);
+    if (std::find(names.begin(), names.end(), name) == names.end()) names.push_back(std::move(name));
+  }
+  return names;
+}
+
+std::vector<std::string> Resident::NamesOn(int rank) const {
+  std::vector<std::string> names = {shard_name};
+  for (std::string& n : copies().StandbyNamesOn(rank)) names.push_back(std::move(n));
+  return names;
+}
+
+int64_t Resident::BlockBytes() const {
+  if (block_of_rank.empty()) return 0;
+  const std::set<int> blocks(block_of_rank.begin(), block_of_rank.end());
+  int64_t bytes = DTypeSize(static_cast<DType>(static_cast<int>(info.dtype())));
+  for (int64_t d : info.shape()) bytes *= d;
+  return bytes / static_cast<int64_t>(blocks.size());
+}
+
+absl::StatusOr<const Resident*> ResidentRegistry::FindLocked(const std::string& tenant,
+                                                              const std::string& name) const {
+  const std::string key = Key(tenant, name);
+  auto it = tensors_.find(key);
+  if (it == tensors_.end()) return NotFound(name);
+  if (it->second.info.lost()) return Lost(it->second);
+  if (auto r = restoring_.find(key); r != restoring_.end() && !r->second.empty()) {
+    return absl::UnavailableError(absl::StrCat(
+        "resident tensor '", name, "' is being restored on worker rank ", r->second.begin()->first,
+        " (it took a replaced worker's rank) from its other copies; retry shortly"));
+  }
+  return &it->second;
+}
 
 absl::StatusOr<Resident> ResidentRegistry::Find(const std::string& tenant, const std::string& name) const {
   absl::MutexLock lock(&mu_);
-  auto it = tensors_.find(Key(tenant, name));
-  if (it == tensors_.end()) return NotFound(name);
-  if (it->second.info.lost()) return Lost(it->second);
-  return it->second;
+  auto found = FindLocked(tenant, name);
+  if (!found.ok()) return found.status();
+  return **found;
 }
 
 bool ResidentRegistry::IsLost(const std::string& tenant, const std::string& name) const {
@@ -66,34 +115,101 @@ bool ResidentRegistry::IsLost(const std::string& tenant, const std::string& name
   return it != tensors_.end() && it->second.info.lost();
 }
 
-int ResidentRegistry::MarkLostUnlessHeld(const std::set<std::string>& held, const std::string& why) {
-  absl::MutexLock lock(&mu_);
-  int marked = 0;
-  for (auto& [key, resident] : tensors_) {
-    if (resident.info.lost() || held.count(resident.shard_name) > 0) continue;
-    resident.info.set_lost(true);
-    resident.info.set_lost_reason(why);
-    ++marked;
+std::vector<CopySource> ResidentRegistry::SourcesLocked(
+    const std::string& key, const Resident& r, int rank, const std::string& name_on_rank,
+    const std::vector<std::set<std::string>>* held_by_rank) const {
+  std::vector<CopySource> sources;
+  if (!Replicated(r) || rank < 0 || rank >= static_cast<int>(r.block_of_rank.size())) return sources;
+  // Which block `name_on_rank` is a copy of: the rank's own, or a standby one.
+  int block = -1;
+  if (name_on_rank == r.shard_name) {
+    block = r.block_of_rank[rank];
+  } else {
+    for (const StandbyCopy& c : r.standby) {
+      if (c.holder_rank == rank && StandbyShardName(r.shard_name, c.block_rank) == name_on_rank) block = c.block_rank;
+    }
   }
-  if (marked > 0) (void)Persist();  // a failure is logged; a restart marks them again
-  return marked;
+  if (block < 0) return sources;
+  const auto restoring = restoring_.find(key);
+  auto has = [&](int q, const std::string& name) {
+    if (held_by_rank != nullptr) return q < static_cast<int>(held_by_rank->size()) && (*held_by_rank)[q].count(name) > 0;
+    if (restoring == restoring_.end()) return true;
+    auto on = restoring->second.find(q);
+    return on == restoring->second.end() || on->second.missing.count(name) == 0;
+  };
+  for (int q = 0; q < static_cast<int>(r.block_of_rank.size()); ++q) {
+    if (q != rank && r.block_of_rank[q] == block && has(q, r.shard_name)) sources.push_back({q, r.shard_name});
+  }
+  const std::string standby_name = StandbyShardName(r.shard_name, block);
+  for (const StandbyCopy& c : r.standby) {
+    if (c.block_rank == block && c.holder_rank != rank && has(c.holder_rank, standby_name)) {
+      sources.push_back({c.holder_rank, standby_name});
+    }
+  }
+  return sources;
 }
 
-int ResidentRegistry::Reconcile(const std::vector<std::set<std::string>>& held_by_rank,
-                                std::vector<std::string>* orphans) {
+bool ResidentRegistry::LoseOrRestoreLocked(const std::string& key, Resident& r, int rank,
+                                           const std::set<std::string>& missing, uint64_t epoch,
+                                           const std::string& why,
+                                           const std::vector<std::set<std::string>>* held_by_rank, Rejoin* out) {
+  bool restorable = Replicated(r);
+  for (const std::string& name : missing) {
+    if (!restorable) break;
+    restorable = !SourcesLocked(key, r, rank, name, held_by_rank).empty();
+  }
+  if (!restorable) {
+    r.info.set_lost(true);
+    r.info.set_lost_reason(Replicated(r) ? absl::StrCat(why, ", and no other worker holds a copy") : why);
+    restoring_.erase(key);
+    ++out->lost;
+    return true;
+  }
+  restoring_[key][rank] = Restoring{epoch, missing};
+  out->restore.push_back(
+      RestoreTask{r.tenant, r.info.name(), r.shard_name, rank, epoch, std::vector<std::string>(missing.begin(), missing.end())});
+  return false;
+}
+
+ResidentRegistry::Rejoin ResidentRegistry::Rejoined(int rank, const std::set<std::string>& held, uint64_t epoch,
+                                                    const std::string& why) {
   absl::MutexLock lock(&mu_);
-  int lost = 0;
+  Rejoin out;
+  for (auto& [key, resident] : tensors_) {
+    if (resident.info.lost()) continue;
+    std::set<std::string> missing;
+    for (const std::string& name : resident.NamesOn(rank)) {
+      if (held.count(name) == 0) missing.insert(name);
+    }
+    if (missing.empty()) continue;
+    (void)LoseOrRestoreLocked(key, resident, rank, missing, epoch, why, nullptr, &out);
+  }
+  if (out.lost > 0) (void)Persist();  // a failure is logged; a restart marks them again
+  return out;
+}
+
+ResidentRegistry::Rejoin ResidentRegistry::Reconcile(const std::vector<std::set<std::string>>& held_by_rank,
+                                                     const std::vector<uint64_t>& epochs,
+                                                     std::vector<std::string>* orphans) {
+  absl::MutexLock lock(&mu_);
+  Rejoin out;
   std::set<std::string> owned;
   for (auto& [key, resident] : tensors_) {
-    owned.insert(resident.shard_name);
+    for (const std::string& name : resident.copies().AllNames()) owned.insert(name);
     if (resident.info.lost()) continue;
+    const size_t restores_before = out.restore.size();
     for (size_t r = 0; r < held_by_rank.size(); ++r) {
-      if (held_by_rank[r].count(resident.shard_name) > 0) continue;
-      resident.info.set_lost(true);
-      resident.info.set_lost_reason(
-          absl::StrCat("worker rank ", r, " did not have its shard when the coordinator restarted"));
-      ++lost;
-      break;
+      std::set<std::string> missing;
+      for (const std::string& name : resident.NamesOn(static_cast<int>(r))) {
+        if (held_by_rank[r].count(name) == 0) missing.insert(name);
+      }
+      if (missing.empty()) continue;
+      const std::string why = absl::StrCat("worker rank ", r, " did not have its shard when the coordinator restarted");
+      if (LoseOrRestoreLocked(key, resident, static_cast<int>(r), missing, r < epochs.size() ? epochs[r] : 0, why,
+                              &held_by_rank, &out)) {
+        out.restore.resize(restores_before);  // lost as a whole: nothing of it to restore
+        break;
+      }
     }
   }
   std::set<std::string> orphan_set;
@@ -103,8 +219,81 @@ int ResidentRegistry::Reconcile(const std::vector<std::set<std::string>>& held_b
     }
   }
   orphans->assign(orphan_set.begin(), orphan_set.end());
-  if (lost > 0) (void)Persist();
-  return lost;
+  if (out.lost > 0) (void)Persist();
+  return out;
+}
+
+absl::StatusOr<std::vector<CopySource>> ResidentRegistry::RestoreSources(const RestoreTask& task,
+                                                                         const std::string& missing_name) const {
+  absl::MutexLock lock(&mu_);
+  const std::string key = Key(task.tenant, task.name);
+  auto it = tensors_.find(key);
+  auto restoring = restoring_.find(key);
+  if (it == tensors_.end() || it->second.shard_name != task.shard_name || restoring == restoring_.end() ||
+      !restoring->second.count(task.rank) || restoring->second.at(task.rank).epoch != task.epoch) {
+    return absl::NotFoundError(absl::StrCat("'", task.name, "' is no longer restoring on rank ", task.rank));
+  }
+  return SourcesLocked(key, it->second, task.rank, missing_name, nullptr);
+}
+
+bool ResidentRegistry::FinishRestoring(const RestoreTask& task) {
+  absl::MutexLock lock(&mu_);
+  const std::string key = Key(task.tenant, task.name);
+  auto it = tensors_.find(key);
+  auto restoring = restoring_.find(key);
+  if (it == tensors_.end() || it->second.shard_name != task.shard_name || restoring == restoring_.end()) return false;
+  auto on = restoring->second.find(task.rank);
+  if (on == restoring->second.end() || on->second.epoch != task.epoch) return false;
+  restoring->second.erase(on);
+  if (!restoring->second.empty()) return false;
+  restoring_.erase(restoring);
+  return true;
+}
+
+void ResidentRegistry::FailRestoring(const RestoreTask& task, const std::string& why) {
+  absl::MutexLock lock(&mu_);
+  const std::string key = Key(task.tenant, task.name);
+  auto it = tensors_.find(key);
+  auto restoring = restoring_.find(key);
+  if (it == tensors_.end() || it->second.shard_name != task.shard_name || restoring == restoring_.end()) return;
+  auto on = restoring->second.find(task.rank);
+  if (on == restoring->second.end() || on->second.epoch != task.epoch) return;
+  restoring_.erase(restoring);
+  it->second.info.set_lost(true);
+  it->second.info.set_lost_reason(why);
+  (void)Persist();  // a failure is logged; a restart finds the copies missing again
+}
+
+std::vector<int64_t> ResidentRegistry::ResidentBytesByRank(int ranks) const {
+  std::vector<int64_t> bytes(ranks, 0);
+  absl::MutexLock lock(&mu_);
+  for (const auto& [key, r] : tensors_) {
+    const int64_t block = r.BlockBytes();
+    for (int q = 0; q < ranks && q < static_cast<int>(r.block_of_rank.size()); ++q) bytes[q] += block;
+    for (const StandbyCopy& c : r.standby) {
+      if (c.holder_rank >= 0 && c.holder_rank < ranks) bytes[c.holder_rank] += block;
+    }
+  }
+  return bytes;
+}
+
+std::vector<int64_t> ResidentRegistry::StandbyBytesByRank(int ranks) const {
+  std::vector<int64_t> bytes(ranks, 0);
+  absl::MutexLock lock(&mu_);
+  for (const auto& [key, r] : tensors_) {
+    const int64_t block = r.BlockBytes();
+    for (const StandbyCopy& c : r.standby) {
+      if (c.holder_rank >= 0 && c.holder_rank < ranks) bytes[c.holder_rank] += block;
+    }
+  }
+  return bytes;
+}
+
+int64_t ResidentRegistry::RestoringCount() const {
+  absl::MutexLock lock(&mu_);
+  int64_t n = 0;
+  for (const auto& [key, on] : restoring_) n += !on.empty();
+  return n;
 }
 
 absl::Status ResidentRegistry::MakeDurable(const std::string& path) {
@@ -124,6 +313,8 @@ absl::Status ResidentRegistry::MakeDurable(const std::string& path) {
       r.tenant = e.tenant();
       r.info = e.info();
       r.shard_name = e.shard_name();
+      r.block_of_rank.assign(e.block_of_rank().begin(), e.block_of_rank().end());
+      for (const v1::StandbyCopy& c : e.standby()) r.standby.push_back({c.block_rank(), c.holder_rank()});
       auto spec = planner::ParsePartitionSpec(r.info.spec());
       if (!spec.ok()) {
         return absl::InvalidArgumentError(absl::StrCat("state_dir: ", path, ": tensor '", r.info.name(),
@@ -146,6 +337,12 @@ absl::Status ResidentRegistry::Persist() {
     e->set_tenant(resident.tenant);
     *e->mutable_info() = resident.info;
     e->set_shard_name(resident.shard_name);
+    e->mutable_block_of_rank()->Assign(resident.block_of_rank.begin(), resident.block_of_rank.end());
+    for (const StandbyCopy& c : resident.standby) {
+      v1::StandbyCopy* copy = e->add_standby();
+      copy->set_block_rank(c.block_rank);
+      copy->set_holder_rank(c.holder_rank);
+    }
   }
   const std::string bytes = state.SerializeAsString();
   const std::string tmp = state_path_ + ".tmp";
@@ -186,21 +383,29 @@ absl::Status ResidentRegistry::Persist() {
 absl::StatusOr<Resident> ResidentRegistry::FindAndPin(const std::string& tenant, const std::string& name,
                                                       std::vector<std::string>* pins) {
   absl::MutexLock lock(&mu_);
-  auto it = tensors_.find(Key(tenant, name));
-  if (it == tensors_.end()) return NotFound(name);
-  if (it->second.info.lost()) return Lost(it->second);
-  ++pins_[it->second.shard_name];
-  pins->push_back(it->second.shard_name);
-  return it->second;
+  auto found = FindLocked(tenant, name);
+  if (!found.ok()) return found.status();
+  ++pins_[(*found)->shard_name];
+  pins->push_back((*found)->shard_name);
+  return **found;
 }
 
-std::vector<std::string> ResidentRegistry::Unpin(const std::vector<std::string>& pins) {
-  std::vector<std::string> to_delete;
+void ResidentRegistry::Pin(const std::string& shard_name, std::vector<std::string>* pins) {
+  absl::MutexLock lock(&mu_);
+  ++pins_[shard_name];
+  pins->push_back(shard_name);
+}
+
+std::vector<ShardCopies> ResidentRegistry::Unpin(const std::vector<std::string>& pins) {
+  std::vector<ShardCopies> to_delete;
   absl::MutexLock lock(&mu_);
   for (const std::string& shard : pins) {
     if (--pins_[shard] > 0) continue;
     pins_.erase(shard);
-    if (retired_.erase(shard) > 0) to_delete.push_back(shard);
+    if (auto it = retired_.find(shard); it != retired_.end()) {
+      to_delete.push_back(std::move(it->second));
+      retired_.erase(it);
+    }
   }
   return to_delete;
 }
@@ -231,7 +436,7 @@ void ResidentRegistry::Release(const std::string& tenant, const std::string& nam
   if (it != claims_.end() && --it->second <= 0) claims_.erase(it);
 }
 
-absl::StatusOr<std::string> ResidentRegistry::Register(Resident resident) {
+absl::StatusOr<ShardCopies> ResidentRegistry::Register(Resident resident) {
   std::vector<Resident> one;
   one.push_back(std::move(resident));
   auto replaced = RegisterAll(std::move(one));
@@ -239,10 +444,10 @@ absl::StatusOr<std::string> ResidentRegistry::Register(Resident resident) {
   return std::move(replaced->front());
 }
 
-absl::StatusOr<std::vector<std::string>> ResidentRegistry::RegisterAll(std::vector<Resident> residents) {
+absl::StatusOr<std::vector<ShardCopies>> ResidentRegistry::RegisterAll(std::vector<Resident> residents) {
   std::vector<std::pair<std::string, std::string>> names;  // tenant, name
   for (const Resident& r : residents) names.emplace_back(r.tenant, r.info.name());
-  std::vector<std::string> replaced(residents.size());
+  std::vector<ShardCopies> replaced(residents.size());
   absl::Status persisted;
   {
     absl::MutexLock lock(&mu_);
@@ -251,13 +456,16 @@ absl::StatusOr<std::vector<std::string>> ResidentRegistry::RegisterAll(std::vect
       const std::string key = Key(names[i].first, names[i].second);
       auto it = tensors_.find(key);
       if (it != tensors_.end()) {
-        replaced[i] = it->second.shard_name;
+        replaced[i] = it->second.copies();
         before[i] = it->second;
       }
       tensors_[key] = std::move(residents[i]);
     }
     persisted = Persist();
-    if (!persisted.ok()) {  // not kept: as it was
+    if (persisted.ok()) {
+      // A new generation is whole on every rank: whatever the old one was missing is moot.
+      for (const auto& [tenant, name] : names) restoring_.erase(Key(tenant, name));
+    } else {  // not kept: as it was
       for (size_t i = residents.size(); i-- > 0;) {
         const std::string key = Key(names[i].first, names[i].second);
         if (before[i].has_value()) tensors_[key] = std::move(*before[i]);
@@ -270,24 +478,25 @@ absl::StatusOr<std::vector<std::string>> ResidentRegistry::RegisterAll(std::vect
   return replaced;
 }
 
-absl::StatusOr<std::string> ResidentRegistry::Remove(const std::string& tenant, const std::string& name) {
+absl::StatusOr<ShardCopies> ResidentRegistry::Remove(const std::string& tenant, const std::string& name) {
   absl::MutexLock lock(&mu_);
   auto it = tensors_.find(Key(tenant, name));
   if (it == tensors_.end()) return NotFound(name);
-  std::string shard = it->second.shard_name;
+  ShardCopies shard = it->second.copies();
   Resident removed = std::move(it->second);
   tensors_.erase(it);
   if (absl::Status s = Persist(); !s.ok()) {
     tensors_[Key(tenant, name)] = std::move(removed);  // not deleted
     return s;
   }
+  restoring_.erase(Key(tenant, name));
   return shard;
 }
 
-bool ResidentRegistry::Retire(const std::string& shard_name) {
+bool ResidentRegistry::Retire(const ShardCopies& copies) {
   absl::MutexLock lock(&mu_);
-  if (pins_.contains(shard_name)) {
-    retired_.insert(shard_name);  // requests still use it: deleted after the last one
+  if (pins_.contains(copies.shard_name)) {
+    retired_[copies.shard_name] = copies;  // requests still use it: deleted after the last one
     return false;
   }
   return true;
@@ -298,7 +507,9 @@ std::vector<v1::ResidentTensorInfo> ResidentRegistry::List(const std::string& te
   {
     absl::MutexLock lock(&mu_);
     for (const auto& [key, resident] : tensors_) {
-      if (resident.tenant == tenant) out.push_back(resident.info);
+      if (resident.tenant != tenant) continue;
+      out.push_back(resident.info);
+      out.back().set_restoring(restoring_.contains(key));
     }
   }
   std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.name() < b.name(); });
@@ -308,7 +519,10 @@ std::vector<v1::ResidentTensorInfo> ResidentRegistry::List(const std::string& te
 std::vector<v1::ResidentTensorInfo> ResidentRegistry::ListAll() const {
   std::vector<v1::ResidentTensorInfo> out;
   absl::MutexLock lock(&mu_);
-  for (const auto& [key, resident] : tensors_) out.push_back(resident.info);
+  for (const auto& [key, resident] : tensors_) {
+    out.push_back(resident.info);
+    out.back().set_restoring(restoring_.contains(key));
+  }
   return out;
 }
 

@@ -24,6 +24,11 @@ class WorkerChannel {
   // latest DEADLINE_EXCEEDED soon after `deadline`).
   virtual void ExecuteAsync(v1::Step step, absl::Time deadline, ExecuteDone done) = 0;
   virtual absl::StatusOr<v1::LocalTensor> GetShard(const std::string& name, absl::Time deadline) = 0;
+  // Stores a shard outside the steps' order (a restored copy: no step reads
+  // it until the coordinator says it is back).
+  virtual absl::Status PutShard(const std::string& name, const v1::LocalTensor& shard, absl::Time deadline) {
+    return absl::UnimplementedError("this worker channel cannot store shards directly");
+  }
   // Tells the worker the coordinator gave up on these steps; no answer is
   // waited for (a worker that does not hear it runs them as before).
   virtual void CancelSteps(const v1::CancelStepsRequest& request, absl::Time deadline) {}

@@ -151,6 +151,7 @@ absl::StatusOr<v1::StepResult> Executor::Execute(v1::Step step, absl::Time deadl
       result = RunQuantize(*step.mutable_quantize());
       break;
     case v1::Step::kDeleteShard: {
+      for (const std::string& standby : step.delete_shard().standby()) (void)store_->Delete(standby);
       absl::Status s = store_->Delete(step.delete_shard().name());
       if (s.ok()) result = v1::StepResult();
       else result = s;
@@ -169,9 +170,28 @@ absl::Status Executor::CancelledStatus() const {
 }
 
 absl::StatusOr<v1::StepResult> Executor::RunStore(v1::StoreShardStep& store) {
-  auto shard = HostTensorFromProto(std::move(*store.mutable_shard()), "shard");
-  if (!shard.ok()) return shard.status();
-  if (auto s = store_->Put(store.name(), std::move(*shard)); !s.ok()) return s;
+  // All or none: a copy that does not fit takes the ones stored before it
+  // out again (the names are a new generation's, so nothing is replaced).
+  std::vector<std::string> stored;
+  auto undo = [&](absl::Status why) {
+    for (const std::string& name : stored) (void)store_->Delete(name);
+    return why;
+  };
+  if (!store.name().empty()) {
+    auto shard = HostTensorFromProto(std::move(*store.mutable_shard()), "shard");
+    if (!shard.ok()) return shard.status();
+    if (auto s = store_->Put(store.name(), std::move(*shard)); !s.ok()) return s;
+    stored.push_back(store.name());
+  }
+  for (v1::NamedShard& standby : *store.mutable_standby()) {
+    auto shard = HostTensorFromProto(std::move(*standby.mutable_shard()), "standby.shard");
+    if (!shard.ok()) return undo(shard.status());
+    if (auto s = store_->Put(standby.name(), std::move(*shard)); !s.ok()) {
+      return undo(absl::Status(s.code(), absl::StrCat("a standby copy (--replicas) of another rank's block: ",
+                                                      s.message(), " (--memory_budget_mb)")));
+    }
+    stored.push_back(standby.name());
+  }
   return v1::StepResult();
 }
 

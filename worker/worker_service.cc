@@ -65,6 +65,19 @@ grpc::Status WorkerServiceImpl::GetShard(grpc::ServerContext* context, const v1:
   return grpc::Status::OK;
 }
 
+grpc::Status WorkerServiceImpl::PutShard(grpc::ServerContext* context, const v1::PutShardRequest* request,
+                                         v1::PutShardResponse*) {
+  if (grpc::Status s = CheckCaller(*context); !s.ok()) return s;
+  if (request->name().empty()) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "name is empty");
+  auto t = HostTensorFromProto(request->shard(), "shard");
+  if (!t.ok()) return ToGrpcStatus(t.status());
+  absl::Status stored = store_->Put(request->name(), std::move(*t));
+  if (!stored.ok()) {
+    return ToGrpcStatus(absl::Status(stored.code(), absl::StrCat(stored.message(), " (--memory_budget_mb)")));
+  }
+  return grpc::Status::OK;
+}
+
 grpc::Status WorkerServiceImpl::Status(grpc::ServerContext* context, const v1::WorkerStatusRequest*,
                                        v1::WorkerStatus* status) {
   if (grpc::Status s = CheckCaller(*context); !s.ok()) return s;

@@ -27,6 +27,8 @@ class WorkerServiceImpl final : public v1::Worker::Service {
                            v1::CancelStepsResponse* response) override;
   grpc::Status GetShard(grpc::ServerContext* context, const v1::GetShardRequest* request,
                         v1::LocalTensor* shard) override;
+  grpc::Status PutShard(grpc::ServerContext* context, const v1::PutShardRequest* request,
+                        v1::PutShardResponse* response) override;
   grpc::Status Status(grpc::ServerContext* context, const v1::WorkerStatusRequest* request,
                       v1::WorkerStatus* status) override;
 
