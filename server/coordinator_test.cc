@@ -3,6 +3,7 @@
 #include <stdlib.h>
 
 #include <algorithm>
+#include <map>
 #include <atomic>
 #include <memory>
 #include <set>
@@ -1015,6 +1016,189 @@ TEST(CoordinatorRestartTest, ShardsReportedForAnotherRankDoNotCountAndTheTensorI
   ASSERT_EQ(listed.tensors_size(), 1);
   EXPECT_TRUE(listed.tensors(0).lost()) << "never assembled from two copies of rank 0's block";
   EXPECT_EQ(c.GetTensor("w").status().code(), absl::StatusCode::kDataLoss);
+}
+
+}  // namespace
+}  // namespace shardgemm
+
+namespace shardgemm {
+namespace {
+
+// --------------------------------------------------------------- replicas --
+
+FakeMesh::Options WithReplicas(int replicas) {
+  FakeMesh::Options options;
+  options.coordinator.replicas = replicas;
+  return options;
+}
+
+// Until no tensor is restoring (at most 10 s); false on timeout.
+bool AwaitRestored(Coordinator& c) {
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (absl::Now() < deadline) {
+    bool restoring = false;
+    const v1::ListTensorsResponse listed = c.ListTensors();
+    for (const v1::ResidentTensorInfo& t : listed.tensors()) restoring |= t.restoring();
+    if (!restoring) return true;
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  return false;
+}
+
+// Rank `rank`'s worker stops answering and one at `address` takes its rank.
+void Replace(FakeMesh& mesh, int rank, const std::string& address) {
+  Coordinator& c = mesh.coordinator();
+  mesh.worker(rank).SetPing(absl::UnavailableError("connection refused"));
+  for (int i = 0; i < 3; ++i) c.Heartbeat();
+  ASSERT_FALSE(c.ClusterInfo().ready());
+  ASSERT_OK_AND_ASSIGN(v1::RegisterResponse joined, mesh.Register(address));
+  ASSERT_EQ(joined.rank(), rank);
+}
+
+std::set<std::string> Names(const FakeWorkerChannel& worker) {
+  const std::vector<std::string> names = worker.shard_names();
+  return std::set<std::string>(names.begin(), names.end());
+}
+
+TEST(CoordinatorReplicasTest, EveryBlockHasAStandbyCopyOnAnotherWorker) {
+  auto mesh = MakeMesh("dp=4", WithReplicas(2));
+  Coordinator& c = mesh->coordinator();
+  const HostTensor w = F32({8, 3}, Ints(24, 2));
+  ASSERT_OK(c.PutTensor("w", w, "(dp, None)", false).status());
+  const std::vector<float> all = Floats(w);
+  std::map<std::string, int> holders;  // every name, counted over the workers
+  for (int r = 0; r < 4; ++r) {
+    const std::vector<std::string> names = mesh->worker(r).shard_names();
+    ASSERT_EQ(names.size(), 2u) << "rank " << r << ": its block and one standby copy";
+    for (const std::string& name : names) {
+      ++holders[name];
+      const size_t at = name.find("/standby-of-");
+      const int block = at == std::string::npos ? r : std::stoi(name.substr(at + 12));
+      EXPECT_NE(at == std::string::npos, block != r) << name;
+      EXPECT_EQ(Floats(*mesh->worker(r).shard(name)),
+                std::vector<float>(all.begin() + block * 6, all.begin() + (block + 1) * 6))
+          << "rank " << r << " " << name;
+    }
+  }
+  EXPECT_EQ(holders.size(), 5u) << "the shard name and four standby names";
+  const v1::ClusterInfo info = c.ClusterInfo();
+  EXPECT_EQ(info.replicas(), 2);
+  for (const v1::WorkerInfo& worker : info.workers()) EXPECT_EQ(worker.standby_bytes(), 24) << worker.rank();
+  ASSERT_EQ(c.ListTensors().tensors(0).replicas(), 2);
+  // A replicated tensor is on every rank already: no standby copy.
+  ASSERT_OK(c.PutTensor("everywhere", F32({2, 3}, Ints(6, 3)), "", false).status());
+  for (int r = 0; r < 4; ++r) EXPECT_EQ(mesh->worker(r).shard_names().size(), 3u);
+  // A delete takes every copy.
+  ASSERT_OK(c.DeleteTensor("w"));
+  ASSERT_OK(c.DeleteTensor("everywhere"));
+  for (int r = 0; r < 4; ++r) EXPECT_TRUE(mesh->worker(r).shard_names().empty()) << "rank " << r;
+  const v1::ClusterInfo emptied = c.ClusterInfo();
+  for (const v1::WorkerInfo& worker : emptied.workers()) EXPECT_EQ(worker.standby_bytes(), 0);
+}
+
+TEST(CoordinatorReplicasTest, AReplacementWorkerGetsItsCopiesBackAndEveryTensorIsServedAgain) {
+  auto mesh = MakeMesh("dp=4", WithReplicas(2));
+  Coordinator& c = mesh->coordinator();
+  const HostTensor w = F32({8, 3}, Ints(24, 2));
+  ASSERT_OK(c.PutTensor("w", w, "(dp, None)", false).status());
+  const Gemm gemm(8, 4, 5, {1, 0, 1, 0, 2, 0, 1, 1, 0, 0, 0, 2}, 4);
+  ASSERT_OK(c.PutTensor("experts", F32({3, 4, 5}, gemm.rhs), "", false).status());
+  v1::GroupedGemmRequest keep = gemm.Request("(dp, None)", "(dp,)");
+  keep.mutable_rhs()->Clear();
+  keep.mutable_rhs()->set_resident("experts");
+  keep.set_keep_output_as("y");
+  ASSERT_OK(c.GroupedGemm(keep).status());
+  const std::set<std::string> held_by_2 = Names(mesh->worker(2));
+  EXPECT_EQ(held_by_2.size(), 5u) << "w, experts, y and the standby copies of w's and y's blocks";
+
+  Replace(*mesh, 2, "fake:new");
+  ASSERT_TRUE(AwaitRestored(c));
+  EXPECT_EQ(Names(mesh->fake("fake:new")), held_by_2) << "the same copies, under the same names";
+  for (const std::string& name : held_by_2) {
+    EXPECT_EQ(Floats(*mesh->fake("fake:new").shard(name)), Floats(*mesh->worker(2).shard(name))) << name;
+  }
+  const v1::ListTensorsResponse listed = c.ListTensors();
+  for (const v1::ResidentTensorInfo& t : listed.tensors()) EXPECT_FALSE(t.lost()) << t.name();
+  ASSERT_OK_AND_ASSIGN(Coordinator::Fetched back, c.GetTensor("w"));
+  EXPECT_EQ(Floats(back.tensor), Floats(w));
+  ASSERT_OK_AND_ASSIGN(Coordinator::Fetched y, c.GetTensor("y"));
+  EXPECT_EQ(Floats(y.tensor), gemm.Reference());
+  v1::GroupedGemmRequest uses = gemm.Request("(dp, None)", "(dp,)");
+  uses.mutable_rhs()->Clear();
+  uses.mutable_rhs()->set_resident("experts");
+  ASSERT_OK_AND_ASSIGN(v1::GroupedGemmResponse out, c.GroupedGemm(uses));
+  EXPECT_EQ(Floats(out.out()), gemm.Reference());
+  const Coordinator::Stats stats = c.GetStats();
+  EXPECT_EQ(stats.restored, 3);
+  EXPECT_EQ(stats.restore_failures, 0);
+  EXPECT_GT(stats.restored_bytes, 0);
+
+  // Another worker goes after the restore (its block's other copy was on the new one): still nothing lost.
+  Replace(*mesh, 3, "fake:newer");
+  ASSERT_TRUE(AwaitRestored(c));
+  ASSERT_OK_AND_ASSIGN(Coordinator::Fetched again, c.GetTensor("w"));
+  EXPECT_EQ(Floats(again.tensor), Floats(w));
+  ASSERT_OK_AND_ASSIGN(Coordinator::Fetched y_again, c.GetTensor("y"));
+  EXPECT_EQ(Floats(y_again.tensor), gemm.Reference());
+}
+
+TEST(CoordinatorReplicasTest, APutWhoseStandbyCopiesDoNotFitKeepsNothing) {
+  auto mesh = MakeMesh("dp=2", WithReplicas(2));
+  Coordinator& c = mesh->coordinator();
+  for (int r = 0; r < 2; ++r) mesh->worker(r).SetMemoryBudget(30);  // one 24-byte block, not two
+  auto put = c.PutTensor("w", F32({4, 3}, Ints(12, 1)), "(dp, None)", false);
+  EXPECT_EQ(put.status().code(), absl::StatusCode::kResourceExhausted) << put.status();
+  EXPECT_THAT(std::string(put.status().message()), HasSubstr("budget"));
+  EXPECT_TRUE(c.ListTensors().tensors().empty());
+  RunAnyStep(c);  // what landed leaves with the next step
+  for (int r = 0; r < 2; ++r) EXPECT_TRUE(mesh->worker(r).shard_names().empty()) << "rank " << r;
+  for (int r = 0; r < 2; ++r) mesh->worker(r).SetMemoryBudget(48);
+  ASSERT_OK(c.PutTensor("w", F32({4, 3}, Ints(12, 1)), "(dp, None)", false).status());  // the name is free
+  // The mesh's budgets together must hold both copies.
+  EXPECT_EQ(c.CheckTensorFits("big", (1 << 30) + 1).code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(c.CheckTensorFits("big", (1 << 30) + 1).message()), HasSubstr("--replicas"));
+}
+
+TEST(CoordinatorReplicasTest, AKeptOutputWhoseStandbyCopiesDoNotFitIsNotKept) {
+  auto mesh = MakeMesh("dp=2", WithReplicas(2));
+  Coordinator& c = mesh->coordinator();
+  const Gemm gemm(8, 4, 5, {1, 2, 0, 3, 0, 1}, 2);
+  for (int r = 0; r < 2; ++r) mesh->worker(r).SetMemoryBudget(4 * 5 * 4 + 10);  // its own output block only
+  v1::GroupedGemmRequest keep = gemm.Request("(dp, None)", "(dp,)");
+  keep.set_keep_output_as("y");
+  auto kept = c.GroupedGemm(keep);
+  EXPECT_EQ(kept.status().code(), absl::StatusCode::kResourceExhausted) << kept.status();
+  EXPECT_THAT(std::string(kept.status().message()), HasSubstr("keep_output_as"));
+  EXPECT_TRUE(c.ListTensors().tensors().empty());
+  RunAnyStep(c);
+  for (int r = 0; r < 2; ++r) EXPECT_TRUE(mesh->worker(r).shard_names().empty()) << "rank " << r;
+}
+
+TEST(CoordinatorReplicasTest, ARestoreTheNewWorkerRefusesLosesTheTensorSayingWhy) {
+  auto mesh = MakeMesh("dp=2", WithReplicas(2));
+  Coordinator& c = mesh->coordinator();
+  ASSERT_OK(c.PutTensor("w", F32({4, 3}, Ints(12, 1)), "(dp, None)", false).status());
+  mesh->fake("fake:small").SetPutShardStatus(absl::ResourceExhaustedError("over its memory budget"));
+  Replace(*mesh, 1, "fake:small");
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (!c.ListTensors().tensors(0).lost() && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(5));
+  const v1::ResidentTensorInfo info = c.ListTensors().tensors(0);
+  ASSERT_TRUE(info.lost());
+  EXPECT_THAT(info.lost_reason(), HasSubstr("could not be restored"));
+  EXPECT_THAT(info.lost_reason(), HasSubstr("over its memory budget"));
+  EXPECT_EQ(c.GetTensor("w").status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_EQ(c.GetStats().restore_failures, 1);
+}
+
+TEST(CoordinatorReplicasTest, WithOneReplicaAReplacedWorkersTensorsAreLostAsBefore) {
+  auto mesh = MakeMesh("dp=2");
+  Coordinator& c = mesh->coordinator();
+  ASSERT_OK(c.PutTensor("everywhere", F32({2, 3}, Ints(6, 1)), "", false).status());
+  Replace(*mesh, 0, "fake:new");
+  const v1::ResidentTensorInfo info = c.ListTensors().tensors(0);
+  EXPECT_TRUE(info.lost()) << "never restored from the other rank's copy";
+  EXPECT_FALSE(info.restoring());
+  EXPECT_EQ(mesh->fake("fake:new").num_put_shards(), 0);
 }
 
 }  // namespace

@@ -395,3 +395,48 @@ TEST_F(ExecutorTest, QuantizeWorkerWhoseInputIsMissingJoinsTheAmaxReduction) {
 
 }  // namespace
 }  // namespace shardgemm
+
+namespace shardgemm {
+namespace {
+
+TEST(ExecutorStoreTest, AStoreStepKeepsItsShardAndStandbyCopiesAllOrNone) {
+  std::unique_ptr<Backend> backend = MakeCpuBackend(1);
+  ShardStore store(/*budget_bytes=*/60);  // two 24-byte shards, not three
+  Executor e(backend.get(), &store);
+  e.Configure(SingleWorkerPosition(), std::make_unique<MirrorCollectives>(SingleWorkerPosition()), 1);
+  auto store_step = [](uint64_t sequence, int standby_copies) {
+    v1::Step step;
+    step.set_sequence(sequence);
+    v1::StoreShardStep* s = step.mutable_store();
+    s->set_name("w@1");
+    HostTensorToProto(F32({2, 3}, 1), s->mutable_shard());
+    for (int i = 0; i < standby_copies; ++i) {
+      v1::NamedShard* copy = s->add_standby();
+      copy->set_name("w@1/standby-of-" + std::to_string(i + 1));
+      HostTensorToProto(F32({2, 3}, 2.0f + i), copy->mutable_shard());
+    }
+    return step;
+  };
+  auto over = e.Execute(store_step(1, 2));
+  EXPECT_EQ(over.status().code(), absl::StatusCode::kResourceExhausted) << over.status();
+  EXPECT_NE(over.status().message().find("standby"), std::string::npos) << over.status();
+  EXPECT_NE(over.status().message().find("--memory_budget_mb"), std::string::npos) << over.status();
+  EXPECT_EQ(store.num_shards(), 0) << "the copies stored before the one that did not fit are gone";
+  EXPECT_EQ(store.used_bytes(), 0);
+  ASSERT_TRUE(e.Execute(store_step(2, 1)).ok());
+  EXPECT_EQ(store.num_shards(), 2);
+  auto copy = store.Get("w@1/standby-of-1");
+  ASSERT_TRUE(copy.ok());
+  EXPECT_EQ((*copy)->host->data<float>()[0], 2.0f);
+  // A delete names the standby copies it holds; absent ones are no error.
+  v1::Step del;
+  del.set_sequence(3);
+  del.mutable_delete_shard()->set_name("w@1");
+  del.mutable_delete_shard()->add_standby("w@1/standby-of-1");
+  del.mutable_delete_shard()->add_standby("w@1/standby-of-7");
+  ASSERT_TRUE(e.Execute(del).ok());
+  EXPECT_EQ(store.num_shards(), 0);
+}
+
+}  // namespace
+}  // namespace shardgemm
