@@ -768,7 +768,8 @@ int List() {
   for (const auto& t : r->tensors()) {
     std::cout << t.name() << "  " << absl::StrJoin(t.shape(), "x") << " "
               << DTypeName(static_cast<DType>(static_cast<int>(t.dtype()))) << "  " << t.spec()
-              << (t.lost() ? "  LOST: " + t.lost_reason() : "") << "\n";
+              << (t.replicas() > 1 ? absl::StrCat("  ", t.replicas(), " copies") : "")
+              << (t.restoring() ? "  RESTORING" : "") << (t.lost() ? "  LOST: " + t.lost_reason() : "") << "\n";
   }
   return 0;
 }

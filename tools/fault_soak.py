@@ -116,7 +116,8 @@ class Mesh:
         self.coordinator = self._start("coordinator", [
             os.path.join(ROOT, "bin", "shardgemm-coordinator"), f"--listen={self.address}", f"--mesh={args.mesh}",
             "--insecure", f"--heartbeat_interval_s={args.heartbeat_interval_s}",
-            f"--heartbeat_misses={args.heartbeat_misses}", f"--step_timeout_s={args.step_timeout_s}"])
+            f"--heartbeat_misses={args.heartbeat_misses}", f"--step_timeout_s={args.step_timeout_s}",
+            f"--replicas={args.replicas}"])
         if not wait_for_port(self.port, 30):
             self.stop()
             raise RuntimeError("the coordinator does not listen:\n" + self.log_tail())
@@ -418,9 +419,11 @@ class ClientThread(threading.Thread):
 
 # --- the soak --------------------------------------------------------------------------------
 
-def check_tensors(client, tensors, deadline_s):
+def check_tensors(client, tensors, deadline_s, replicas=1):
     """Every acknowledged tensor: listed, and read back bit-exact or DATA_LOSS
-    when listed lost. Returns (counts, problems)."""
+    when listed lost (with --replicas of 2 or more, lost is a problem too; a
+    tensor being restored is read again until it is back, within
+    `deadline_s`). Returns (counts, problems)."""
     counts = collections.Counter()
     problems = []
     listed = {t.name: t for t in client.stub.ListTensors(pb.ListTensorsRequest(), timeout=deadline_s).tensors}
@@ -430,11 +433,23 @@ def check_tensors(client, tensors, deadline_s):
             problems.append(f"{name}: acknowledged, not listed")
             counts["missing"] += 1
             continue
-        try:
-            got = client.get(name)
-        except grpc.RpcError as e:
+        until = time.time() + deadline_s
+        while True:
+            try:
+                got = client.get(name)
+                err = None
+            except grpc.RpcError as e:
+                err = e
+            if err is None or err.code() != grpc.StatusCode.UNAVAILABLE or "being restored" not in \
+                    (err.details() or "") or time.time() > until:
+                break
+            time.sleep(0.05)
+        if err is not None:
+            e = err
             if e.code() == grpc.StatusCode.DATA_LOSS and t.lost and name in (e.details() or ""):
                 counts["lost_reported"] += 1
+                if replicas > 1:
+                    problems.append(f"{name}: lost with --replicas={replicas}: {e.details()}")
             else:
                 problems.append(f"{name}: listed {'lost' if t.lost else 'intact'}, get {e.code().name}: {e.details()}")
                 counts["bad_read"] += 1
@@ -560,9 +575,10 @@ def soak(args):
             if r["ready_s"] is None:
                 problems.append(f"restart {len(restarts) + 1} (slot {slot}): the mesh was not ready within "
                                 f"{args.ready_timeout_s} s of the kill")
-            # The tensors put before: listed, lost (every rank holds a shard), DATA_LOSS.
+            # The tensors put before: listed, and lost (every rank holds a shard: DATA_LOSS), or with
+            # --replicas of 2 or more restored and read back bit-exact.
             try:
-                counts, p = check_tensors(mesh.client, before, args.deadline_s)
+                counts, p = check_tensors(mesh.client, before, args.deadline_s, args.replicas)
                 r["before_tensors"] = dict(counts)
                 problems += p
             except grpc.RpcError as e:
@@ -601,7 +617,7 @@ def soak(args):
                 if name not in t.unsure:
                     tensors[name] = data
         try:
-            counts, p = check_tensors(mesh.client, tensors, args.deadline_s)
+            counts, p = check_tensors(mesh.client, tensors, args.deadline_s, args.replicas)
             problems += p
         except grpc.RpcError as e:
             counts = {}
@@ -696,6 +712,8 @@ def parse_args(argv=None):
     p.add_argument("--heartbeat_interval_s", type=float, default=0.2)
     p.add_argument("--heartbeat_misses", type=int, default=2)
     p.add_argument("--step_timeout_s", type=float, default=5, help="the coordinator's --step_timeout_s")
+    p.add_argument("--replicas", type=int, default=1,
+                   help="the coordinator's --replicas: with 2 or more no tensor may be lost")
     p.add_argument("--collective_timeout_s", type=int, default=3, help="the workers' --collective_timeout_s")
     p.add_argument("--worker_threads", type=int, default=1, help="each CPU worker's --threads")
     p.add_argument("--deadline_s", type=float, default=20, help="each client call's deadline")
