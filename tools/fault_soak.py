@@ -15,7 +15,9 @@ requests against NumPy references (tests/reference.py):
 - resident: each client puts weights of its own (an acknowledged put is
             recorded), runs GEMMs on them and reads them back bit-exact;
             a tensor whose shard died with a worker must be DATA_LOSS, and is
-            deleted and put again.
+            deleted and put again. With --replicas=2 (the coordinator's) no
+            tensor may be lost: the replacement gets its copies back, and a
+            read meanwhile is UNAVAILABLE (being restored).
 
 Every `--period_s` one worker (in turn) is SIGKILLed and at once started
 again on a new port; it takes the dead rank once the heartbeat has marked
@@ -29,8 +31,8 @@ must serve every kind of request again, and every acknowledged tensor (two put
 before the soak, and each client's last ones) is listed and read back
 bit-exact, or listed lost and DATA_LOSS on read: never served wrong.
 
-A NOT_FOUND naming a resident tensor right after a rejoin (the known race
-in docs/reliability.md) is counted apart and fails nothing. A client pauses
+A NOT_FOUND naming a resident tensor right after a rejoin (a race
+docs/reliability.md says is closed) is counted apart and fails nothing. A client pauses
 --backoff_s after an error, as a client would before trying again.
 
 Prints the figures (requests, ok, errors by code, wrong, stuck, p50/p99
