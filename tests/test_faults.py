@@ -303,7 +303,8 @@ class ProxiedCluster(Cluster):
         if name == self._proxied:
             port = free_port()
             self.proxy = Proxy(("::1", port), ("127.0.0.1", port))
-            cmd = cmd + [f"--listen=127.0.0.1:{port}", "--advertise_host=[::1]"]
+            # Its calls must go through the proxy, not the worker's Unix socket.
+            cmd = cmd + [f"--listen=127.0.0.1:{port}", "--advertise_host=[::1]", "--local_socket=false"]
         elif name.startswith("worker"):
             cmd = cmd + ["--listen=[::1]:0"]
         return super()._start(name, cmd)
