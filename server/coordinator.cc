@@ -231,9 +231,10 @@ absl::Status Coordinator::CheckTensorFits(const std::string& name, int64_t bytes
   const int64_t needed = bytes > std::numeric_limits<int64_t>::max() / copies ? std::numeric_limits<int64_t>::max()
                                                                               : bytes * copies;
   if (!unbounded && needed > total) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "shape: tensor '", name, "' needs ", needed, " bytes", copies > 1 ? absl::StrCat(" (", copies, " copies, --replicas)") : "",
-        ", more than the ", num_workers_, " workers' memory budgets together (", total, ")"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("shape: tensor '", name, "' needs ", needed, " bytes",
+                     copies > 1 ? absl::StrCat(" (", copies, " copies, --replicas)") : "", ", more than the ",
+                     num_workers_, " workers' memory budgets together (", total, ")"));
   }
   return absl::OkStatus();
 }
@@ -348,7 +349,9 @@ absl::Status Coordinator::StoreStandbyOfKept(const std::string& shard_name, cons
   std::map<int, v1::LocalTensor> blocks;  // by block rank, each read once
   for (const StandbyCopy& c : placement.standby) {
     if (blocks.count(c.block_rank) > 0) continue;
-    if (channels[c.block_rank] == nullptr) return absl::UnavailableError(absl::StrCat("worker rank ", c.block_rank, " is gone"));
+    if (channels[c.block_rank] == nullptr) {
+      return absl::UnavailableError(absl::StrCat("worker rank ", c.block_rank, " is gone"));
+    }
     auto block = channels[c.block_rank]->GetShard(shard_name, step_deadline);
     if (!block.ok()) {
       return absl::Status(block.status().code(), absl::StrCat("reading worker rank ", c.block_rank,

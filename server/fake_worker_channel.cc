@@ -323,7 +323,9 @@ absl::StatusOr<v1::StepResult> FakeWorkerChannel::RunTrivialWorker(const v1::Ste
         }
         bytes += static_cast<int64_t>(store.shard().data().size());
       }
-      for (const v1::NamedShard& standby : store.standby()) bytes += static_cast<int64_t>(standby.shard().data().size());
+      for (const v1::NamedShard& standby : store.standby()) {
+        bytes += static_cast<int64_t>(standby.shard().data().size());
+      }
       if (auto s = state_->Fits(bytes); !s.ok()) return s;
       if (!store.name().empty()) shards[store.name()] = store.shard();
       for (const v1::NamedShard& standby : store.standby()) shards[standby.name()] = standby.shard();

@@ -71,7 +71,8 @@ RequestObserver::RequestObserver(const Coordinator* coordinator, metrics::Regist
                                       {"rank", "code"});
   auto* standby = registry->AddGauge(
       "shardgemm_standby_bytes",
-      "By rank: bytes of the standby copies of other ranks' blocks placed there (--replicas), within its memory budget.",
+      "By rank: bytes of the standby copies of other ranks' blocks placed there (--replicas), within its memory "
+      "budget.",
       {"rank"});
   auto* restoring = registry->AddGauge(
       "shardgemm_resident_tensors_restoring",

@@ -132,7 +132,9 @@ std::vector<CopySource> ResidentRegistry::SourcesLocked(
   if (block < 0) return sources;
   const auto restoring = restoring_.find(key);
   auto has = [&](int q, const std::string& name) {
-    if (held_by_rank != nullptr) return q < static_cast<int>(held_by_rank->size()) && (*held_by_rank)[q].count(name) > 0;
+    if (held_by_rank != nullptr) {
+      return q < static_cast<int>(held_by_rank->size()) && (*held_by_rank)[q].count(name) > 0;
+    }
     if (restoring == restoring_.end()) return true;
     auto on = restoring->second.find(q);
     return on == restoring->second.end() || on->second.missing.count(name) == 0;
@@ -166,8 +168,8 @@ bool ResidentRegistry::LoseOrRestoreLocked(const std::string& key, Resident& r, 
     return true;
   }
   restoring_[key][rank] = Restoring{epoch, missing};
-  out->restore.push_back(
-      RestoreTask{r.tenant, r.info.name(), r.shard_name, rank, epoch, std::vector<std::string>(missing.begin(), missing.end())});
+  out->restore.push_back(RestoreTask{r.tenant, r.info.name(), r.shard_name, rank, epoch,
+                                     std::vector<std::string>(missing.begin(), missing.end())});
   return false;
 }
 
