@@ -68,6 +68,7 @@ grpc::Status WorkerServiceImpl::GetShard(grpc::ServerContext* context, const v1:
 grpc::Status WorkerServiceImpl::PutShard(grpc::ServerContext* context, const v1::PutShardRequest* request,
                                          v1::PutShardResponse*) {
   if (grpc::Status s = CheckCaller(*context); !s.ok()) return s;
+  if (grpc::Status s = CheckDevice(); !s.ok()) return s;  // a copy restored here would be lost with it
   if (request->name().empty()) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "name is empty");
   auto t = HostTensorFromProto(request->shard(), "shard");
   if (!t.ok()) return ToGrpcStatus(t.status());
