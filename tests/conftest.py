@@ -57,7 +57,7 @@ class Cluster:
                                        f"--coordinator={self.address}", "--backend=cpu",
                                        *security, *worker_flags])
         self.client = Client(self.address, timeout=60, tls_dir=tls_dir)
-        deadline = time.time() + 30
+        deadline = time.time() + 60  # generous: a loaded 2-core machine starts TLS meshes slowly
         while time.time() < deadline:
             try:
                 if self.client.cluster_info().ready:
