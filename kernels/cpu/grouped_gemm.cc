@@ -602,16 +602,18 @@ int ResolveThreads(int num_threads) {
   return hc == 0 ? 1 : static_cast<int>(hc);
 }
 
-// Splits the problems into tiles and runs them on `num_threads` threads.
-void RunProblems(const std::vector<Problem>& problems, int num_threads) {
+// Splits the problems into tiles and runs them on `num_threads` threads;
+// CANCELLED once `stop` (asked before each tile) says so.
+absl::Status RunProblems(const std::vector<Problem>& problems, int num_threads,
+                         const std::function<bool()>& stop) {
   const KernelSpec& spec = ActiveSpec();
-  if (problems.empty()) return;
+  if (problems.empty()) return absl::OkStatus();
   int64_t max_rows = 0, max_cols = 0;
   for (const Problem& p : problems) {
     max_rows = std::max(max_rows, p.rows);
     max_cols = std::max(max_cols, p.cols);
   }
-  if (max_rows == 0 || max_cols == 0) return;
+  if (max_rows == 0 || max_cols == 0) return absl::OkStatus();
   // Small problems: starting a thread costs tens of microseconds, so give
   // each thread at least ~4 MFLOP. (The thread count never changes results.)
   double flops = 0;
@@ -648,9 +650,14 @@ void RunProblems(const std::vector<Problem>& problems, int num_threads) {
     }
   }
   std::atomic<size_t> next{0};
+  std::atomic<bool> stopped{false};
   auto worker = [&] {
     Workspace ws(spec, tm, nc);
     for (size_t t = next.fetch_add(1); t < tiles.size(); t = next.fetch_add(1)) {
+      if (stop && (stopped.load(std::memory_order_relaxed) || stop())) {
+        stopped.store(true, std::memory_order_relaxed);
+        return;
+      }
       RunTile(spec, problems[tiles[t].problem], tiles[t], ws);
     }
   };
@@ -666,6 +673,10 @@ void RunProblems(const std::vector<Problem>& problems, int num_threads) {
   }
   worker();
   for (std::thread& th : pool) th.join();
+  if (stopped.load()) {
+    return absl::CancelledError("grouped GEMM stopped between tiles: its step was cancelled or expired");
+  }
+  return absl::OkStatus();
 }
 
 // ----------------------------------------------------------------------------
@@ -825,8 +836,7 @@ absl::Status GroupedGemmRaggedM(const GroupedGemmArgs& args, int num_threads) {
     std::memset(static_cast<char*>(args.out) + row * N * out_size, 0,
                 static_cast<size_t>((args.m - row) * N * out_size));
   }
-  RunProblems(problems, num_threads);
-  return absl::OkStatus();
+  return RunProblems(problems, num_threads, args.stop);
 }
 
 absl::Status GroupedGemmRaggedK(const GroupedGemmArgs& args, int num_threads) {
@@ -855,8 +865,7 @@ absl::Status GroupedGemmRaggedK(const GroupedGemmArgs& args, int num_threads) {
     }
     row += mg;
   }
-  RunProblems(problems, num_threads);
-  return absl::OkStatus();
+  return RunProblems(problems, num_threads, args.stop);
 }
 
 namespace internal {

@@ -19,6 +19,7 @@
 #define SHARDGEMM_KERNELS_CPU_GROUPED_GEMM_H_
 
 #include <cstdint>
+#include <functional>
 
 #include "absl/status/status.h"
 #include "kernels/dtype.h"
@@ -39,6 +40,11 @@ struct GroupedGemmArgs {
   int64_t m = 0, k = 0, n = 0, num_groups = 0;
   const int64_t* group_sizes = nullptr;  // num_groups entries, host memory
   bool rhs_transposed = false;           // ragged-M only
+  // Asked between tiles (empty: never): once it answers true no tile starts
+  // and the call returns CANCELLED, `out` partly written. A GEMM whose
+  // request was cancelled or expired does not hold the worker for its
+  // remaining seconds.
+  std::function<bool()> stop;
 };
 
 // Returns InvalidArgument naming the offending field for: negative dims or
@@ -49,6 +55,7 @@ absl::Status ValidateGroupedGemmArgs(const GroupedGemmArgs& args, bool ragged_k)
 
 // out[rows of g] = lhs[rows of g] @ rhs[g] (+ bias[g]); rows past
 // sum(group_sizes) are set to zero. num_threads <= 0: hardware concurrency.
+// CANCELLED when `args.stop` said so.
 absl::Status GroupedGemmRaggedM(const GroupedGemmArgs& args, int num_threads = 0);
 
 // out[g] = lhs[rows of g]^T @ rhs[rows of g]; rows past sum(group_sizes) are

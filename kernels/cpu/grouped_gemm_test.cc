@@ -1,5 +1,6 @@
 #include "kernels/cpu/grouped_gemm.h"
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -727,6 +728,37 @@ void ExpectInvalid(const GroupedGemmArgs& a, bool ragged_k, const std::string& f
   const absl::Status r = ragged_k ? GroupedGemmRaggedK(a) : GroupedGemmRaggedM(a);
   EXPECT_EQ(r.code(), absl::StatusCode::kInvalidArgument) << r;
   EXPECT_THAT(std::string(r.message()), HasSubstr(field));
+}
+
+// A stop asked between tiles ends the call with CANCELLED before the rest
+// of the tiles run; one that never says so changes nothing.
+TEST(GroupedGemmStop, StopsBetweenTilesAndOtherwiseChangesNothing) {
+  const int64_t m = 512, k = 256, n = 512;
+  std::vector<float> lhs(m * k, 1.0f), rhs(4 * k * n, 0.5f), out(m * n, -1.0f);
+  std::vector<int64_t> sizes = {128, 128, 128, 128};
+  GroupedGemmArgs a;
+  a.lhs_dtype = a.rhs_dtype = a.out_dtype = DType::kF32;
+  a.lhs = lhs.data();
+  a.rhs = rhs.data();
+  a.out = out.data();
+  a.m = m;
+  a.k = k;
+  a.n = n;
+  a.num_groups = 4;
+  a.group_sizes = sizes.data();
+  std::atomic<int> asked{0};
+  a.stop = [&] { return ++asked > 2; };
+  absl::Status s = GroupedGemmRaggedM(a, 1);
+  EXPECT_EQ(s.code(), absl::StatusCode::kCancelled) << s;
+  EXPECT_EQ(asked.load(), 3);  // two tiles ran, the third was not started
+  EXPECT_EQ(out.back(), -1.0f) << "the last tile ran";
+  a.stop = [] { return false; };
+  ASSERT_TRUE(GroupedGemmRaggedM(a, 2).ok());
+  for (float v : out) ASSERT_EQ(v, 0.5f * k);
+  std::vector<float> wgrad(4 * k * n);  // ragged K: rhs [m, n], out [groups, k, n]
+  a.out = wgrad.data();
+  a.stop = [] { return true; };
+  EXPECT_EQ(GroupedGemmRaggedK(a, 2).code(), absl::StatusCode::kCancelled);
 }
 
 TEST(GroupedGemmValidation, ValidArgsPass) {
