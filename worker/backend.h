@@ -3,6 +3,7 @@
 #ifndef SHARDGEMM_WORKER_BACKEND_H_
 #define SHARDGEMM_WORKER_BACKEND_H_
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -16,6 +17,9 @@
 namespace shardgemm {
 
 struct LocalGemm {
+  // Asked between pieces of work (empty: never): true once the step was
+  // cancelled or expired; a backend that can stops and answers CANCELLED.
+  std::function<bool()> stop;
   bool ragged_k = false;
   const HostTensor* lhs = nullptr;
   const HostTensor* rhs = nullptr;

@@ -65,6 +65,7 @@ class CpuBackend : public Backend {
     auto out = ZerosTensor(g.out_dtype, out_shape);
     if (!out.ok()) return out.status();
     a.out = out->bytes.empty() ? nullptr : &out->bytes[0];
+    a.stop = g.stop;
     absl::Status s = g.ragged_k ? cpu::GroupedGemmRaggedK(a, num_threads_)
                                 : cpu::GroupedGemmRaggedM(a, num_threads_);
     if (!s.ok()) return s;

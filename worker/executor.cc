@@ -118,7 +118,11 @@ absl::Status Executor::Cancel(const std::string& session, const std::vector<uint
   }
   for (uint64_t s : sequences) {
     // A step running or done is past cancelling; one too far ahead is no step of this session's.
-    if (s < next_sequence_ || (s == next_sequence_ && running_) || s - next_sequence_ > kSequenceWindow) continue;
+    if (s == next_sequence_ && running_) {  // past skipping: its backend stops between tiles
+      running_step_cancelled_.store(true, std::memory_order_relaxed);
+      continue;
+    }
+    if (s < next_sequence_ || s - next_sequence_ > kSequenceWindow) continue;
     cancelled_.insert(s);
   }
   while (cancelled_.size() > kMaxCancelled) cancelled_.erase(std::prev(cancelled_.end()));
@@ -135,7 +139,9 @@ absl::StatusOr<v1::StepResult> Executor::Execute(v1::Step step, absl::Time deadl
   {
     absl::MutexLock lock(&mu_);
     step_cancelled_ = cancelled_.erase(step.sequence()) > 0;
+    running_step_cancelled_.store(false, std::memory_order_relaxed);
   }
+  step_deadline_ = deadline;
   collectives_->BeginStep(step.sequence());
   step_kernel_time_ = absl::ZeroDuration();
   step_collective_start_ = timed_->elapsed();
@@ -780,6 +786,9 @@ absl::StatusOr<v1::StepResult> Executor::RunGemm(v1::GemmStep& gemm) {
 
   // Stage 3: the local op.
   LocalGemm local;
+  local.stop = [this] {
+    return running_step_cancelled_.load(std::memory_order_relaxed) || absl::Now() >= step_deadline_;
+  };
   local.ragged_k = ragged_k;
   local.lhs = lhs.tensor.get();
   local.rhs = rhs.tensor.get();

@@ -104,6 +104,10 @@ class Executor {
   static constexpr size_t kMaxCancelled = 4096;
   // Set while the step now running was cancelled before it started.
   bool step_cancelled_ = false;
+  // The running step's: a CancelSteps that names it, and its deadline. A
+  // backend asks (LocalGemm::stop) between tiles and gives up.
+  std::atomic<bool> running_step_cancelled_{false};
+  absl::Time step_deadline_ = absl::InfiniteFuture();
   bool configured_ ABSL_GUARDED_BY(mu_) = false;
   std::string session_ ABSL_GUARDED_BY(mu_);
   bool running_ ABSL_GUARDED_BY(mu_) = false;  // a step has its turn

@@ -558,7 +558,12 @@ struct Workspace {
   FloatBuffer a, b, c, tmp;
 };
 
-void RunTile(const KernelSpec& spec, const Problem& pr, const Tile& t, Workspace& ws) {
+// `stop` (may be empty) is asked before each packed block of rows (kMC rows
+// by kKC deep, a fraction of a millisecond) after the first: when it says
+// so, or `stopped` is already set, the tile is left unfinished (nothing
+// stored) and `stopped` is set.
+void RunTile(const KernelSpec& spec, const Problem& pr, const Tile& t, Workspace& ws,
+             const std::function<bool()>& stop, std::atomic<bool>* stopped) {
   const int mr = spec.mr, nr = spec.nr;
   const int64_t ldc = ws.ldc;
   float* c = ws.c.ptr;
@@ -570,6 +575,10 @@ void RunTile(const KernelSpec& spec, const Problem& pr, const Tile& t, Workspace
     const bool accumulate = p0 > 0;
     PackB(pr.b, p0, kc, t.j0, t.cols, nr, ws.b.ptr);
     for (int64_t ii = 0; ii < t.rows; ii += kMC) {
+      if ((p0 > 0 || ii > 0) && stop && (stopped->load(std::memory_order_relaxed) || stop())) {
+        stopped->store(true, std::memory_order_relaxed);
+        return;
+      }
       const int64_t mc = std::min(kMC, t.rows - ii);
       PackA(pr.a, t.i0 + ii, mc, p0, kc, mr, ws.a.ptr);
       for (int64_t jr = 0; jr < t.cols; jr += nr) {
@@ -603,7 +612,8 @@ int ResolveThreads(int num_threads) {
 }
 
 // Splits the problems into tiles and runs them on `num_threads` threads;
-// CANCELLED once `stop` (asked before each tile) says so.
+// CANCELLED once `stop` (asked before each tile and each block of rows of
+// one) says so.
 absl::Status RunProblems(const std::vector<Problem>& problems, int num_threads,
                          const std::function<bool()>& stop) {
   const KernelSpec& spec = ActiveSpec();
@@ -658,7 +668,7 @@ absl::Status RunProblems(const std::vector<Problem>& problems, int num_threads,
         stopped.store(true, std::memory_order_relaxed);
         return;
       }
-      RunTile(spec, problems[tiles[t].problem], tiles[t], ws);
+      RunTile(spec, problems[tiles[t].problem], tiles[t], ws, stop, &stopped);
     }
   };
   const int nthreads = static_cast<int>(std::min<size_t>(threads, tiles.size()));

@@ -40,8 +40,9 @@ struct GroupedGemmArgs {
   int64_t m = 0, k = 0, n = 0, num_groups = 0;
   const int64_t* group_sizes = nullptr;  // num_groups entries, host memory
   bool rhs_transposed = false;           // ragged-M only
-  // Asked between tiles (empty: never): once it answers true no tile starts
-  // and the call returns CANCELLED, `out` partly written. A GEMM whose
+  // Asked between tiles and between a tile's packed blocks (96 rows by 256
+  // deep; empty: never): once it answers true no more work starts and the
+  // call returns CANCELLED, `out` partly written. A GEMM whose
   // request was cancelled or expired does not hold the worker for its
   // remaining seconds.
   std::function<bool()> stop;

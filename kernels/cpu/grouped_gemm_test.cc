@@ -755,6 +755,28 @@ TEST(GroupedGemmStop, StopsBetweenTilesAndOtherwiseChangesNothing) {
   a.stop = [] { return false; };
   ASSERT_TRUE(GroupedGemmRaggedM(a, 2).ok());
   for (float v : out) ASSERT_EQ(v, 0.5f * k);
+  // Inside a tile too: one tile of 96 rows, 1024 deep, is asked before each
+  // 256-deep block after the first, and stops without storing anything.
+  std::vector<float> deep_lhs(96 * 1024, 1.0f), deep_rhs(1024 * 64, 1.0f), deep_out(96 * 64, -1.0f);
+  std::vector<int64_t> deep_sizes = {96};
+  GroupedGemmArgs d;
+  d.lhs_dtype = d.rhs_dtype = d.out_dtype = DType::kF32;
+  d.lhs = deep_lhs.data();
+  d.rhs = deep_rhs.data();
+  d.out = deep_out.data();
+  d.m = 96;
+  d.k = 1024;
+  d.n = 64;
+  d.num_groups = 1;
+  d.group_sizes = deep_sizes.data();
+  std::atomic<int> deep_asked{0};
+  d.stop = [&] { return ++deep_asked > 2; };  // the tile's check, then the first block boundary
+  EXPECT_EQ(GroupedGemmRaggedM(d, 1).code(), absl::StatusCode::kCancelled);
+  EXPECT_EQ(deep_asked.load(), 3);
+  for (float v : deep_out) ASSERT_EQ(v, -1.0f);
+  d.stop = nullptr;
+  ASSERT_TRUE(GroupedGemmRaggedM(d, 1).ok());
+  for (float v : deep_out) ASSERT_EQ(v, 1024.0f);
   std::vector<float> wgrad(4 * k * n);  // ragged K: rhs [m, n], out [groups, k, n]
   a.out = wgrad.data();
   a.stop = [] { return true; };
