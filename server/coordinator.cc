@@ -48,7 +48,7 @@ Coordinator::Coordinator(planner::Mesh mesh, Connector connect, CoordinatorOptio
       mesh_(std::move(mesh)),
       num_workers_(static_cast<int>(planner::NumWorkers(mesh_))),
       session_(MakeSessionId()),
-      dispatcher_(mesh_, std::move(connect), options_.dispatch_grace, options_.prefer_local_socket) {
+      dispatcher_(mesh_, std::move(connect), options_.dispatch_grace, options_.prefer_local_socket, session_) {
   {
     absl::MutexLock lock(&heartbeat_mu_);
     missed_.assign(num_workers_, 0);
@@ -182,6 +182,7 @@ v1::ClusterInfo Coordinator::ClusterInfo() const {
   for (v1::WorkerInfo& w : *info.mutable_workers()) {
     if (w.rank() >= 0 && w.rank() < num_workers_) w.set_standby_bytes(standby[w.rank()]);
   }
+  info.set_epoch(dispatcher_.epoch());
   return info;
 }
 

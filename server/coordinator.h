@@ -86,6 +86,10 @@ class Coordinator {
   // is back (tensors a rank lacks are lost, shards no tensor owns dropped).
   absl::Status MakeDurable(const std::string& state_dir);
 
+  // Hears every advance of the mesh epoch (Dispatcher::SetEpochListener):
+  // the rendezvous store ends the waits of older epochs. Set before serving.
+  void SetEpochListener(Dispatcher::EpochListener listener) { dispatcher_.SetEpochListener(std::move(listener)); }
+
   // Answers every request still waiting on its workers with UNAVAILABLE
   // (the coordinator is shutting down); call before the server shuts down.
   void AbandonRequests();

@@ -133,6 +133,8 @@ int Run() {
   }
   std::shared_ptr<grpc::ChannelCredentials> worker_credentials = transport->ChannelCredentials();
   std::shared_ptr<grpc::ChannelCredentials> local_worker_credentials = transport->LocalChannelCredentials();
+  // Before the coordinator, so it outlives the coordinator's epoch listener.
+  RendezvousStore rendezvous;
   Coordinator coordinator(
       *mesh,
       [worker_credentials, local_worker_credentials](const std::string& target) {
@@ -169,7 +171,8 @@ int Run() {
       MallocExtension::instance()->ReleaseFreeMemory();
     }
   });
-  RendezvousStore rendezvous;
+  rendezvous.AdvanceEpoch(coordinator.ClusterInfo().epoch());
+  coordinator.SetEpochListener([&rendezvous](uint64_t epoch) { rendezvous.AdvanceEpoch(epoch); });
   CoordinationService coordination(&coordinator, &rendezvous, &*transport);
   if (!metrics_listen.empty()) {
     auto* keys = registry.AddGauge("shardgemm_rendezvous_keys",

@@ -10,17 +10,41 @@
 
 namespace shardgemm {
 
-Dispatcher::Dispatcher(planner::Mesh mesh, Connector connect, absl::Duration grace, bool prefer_local_socket)
+namespace {
+
+// A worker's answer that says a collective of the step may be half done on
+// some member (a transport failure, a collective's timeout, a step this
+// worker did not run, an NCCL error): the epoch advances. A worker's own
+// error before the step's agreement, and its peers' ABORTED, do not.
+bool MayLeaveCollectivesHalfDone(absl::StatusCode code) {
+  return code == absl::StatusCode::kUnavailable || code == absl::StatusCode::kDeadlineExceeded ||
+         code == absl::StatusCode::kInternal || code == absl::StatusCode::kUnknown;
+}
+
+v1::AdvanceEpochRequest EpochChange(v1::EpochReason reason, int rank, uint64_t sequence) {
+  v1::AdvanceEpochRequest change;
+  change.set_reason(reason);
+  change.set_rank(rank);
+  change.set_sequence(sequence);
+  return change;
+}
+
+}  // namespace
+
+Dispatcher::Dispatcher(planner::Mesh mesh, Connector connect, absl::Duration grace, bool prefer_local_socket,
+                       std::string session)
     : mesh_(std::move(mesh)),
       num_workers_(static_cast<int>(planner::NumWorkers(mesh_))),
       connect_(std::move(connect)),
       grace_(grace),
-      prefer_local_socket_(prefer_local_socket) {
+      prefer_local_socket_(prefer_local_socket),
+      session_(std::move(session)) {
   workers_.resize(num_workers_);
   watchdog_ = std::thread([this] { Watchdog(); });
 }
 
 Dispatcher::~Dispatcher() {
+  SetEpochListener(nullptr);  // what it reaches may be gone already
   std::vector<std::weak_ptr<PendingDispatch>> left;
   {
     absl::MutexLock lock(&watch_mu_);
@@ -39,56 +63,64 @@ absl::StatusOr<Dispatcher::Joined> Dispatcher::Join(const v1::RegisterRequest& r
   if (request.address().empty()) {
     return absl::InvalidArgumentError("address is empty: a worker must say where it serves");
   }
-  absl::MutexLock sequence_lock(&sequence_mu_);
-  absl::MutexLock lock(&workers_mu_);
-  int rank = -1;
-  for (int r = 0; r < num_workers_; ++r) {
-    // A worker that restarts on the same address gets its rank back.
-    if (workers_[r].channel != nullptr && workers_[r].info.address() == request.address()) rank = r;
-  }
-  // A worker registering again with a restarted coordinator asks for the
-  // rank its shards belong to.
-  if (rank < 0 && request.has_previous_rank() && request.previous_rank() >= 0 &&
-      request.previous_rank() < num_workers_) {
-    const Worker& was = workers_[request.previous_rank()];
-    if (was.channel == nullptr || was.down) rank = request.previous_rank();
-  }
-  if (rank < 0 && joined_ == num_workers_) {
-    // A worker restarted on another address takes a rank that is down.
-    for (int r = 0; r < num_workers_ && rank < 0; ++r) {
-      if (workers_[r].down) rank = r;
+  Joined joined;
+  v1::AdvanceEpochRequest advance;
+  {
+    absl::MutexLock sequence_lock(&sequence_mu_);
+    absl::MutexLock lock(&workers_mu_);
+    int rank = -1;
+    for (int r = 0; r < num_workers_; ++r) {
+      // A worker that restarts on the same address gets its rank back.
+      if (workers_[r].channel != nullptr && workers_[r].info.address() == request.address()) rank = r;
+    }
+    // A worker registering again with a restarted coordinator asks for the
+    // rank its shards belong to.
+    if (rank < 0 && request.has_previous_rank() && request.previous_rank() >= 0 &&
+        request.previous_rank() < num_workers_) {
+      const Worker& was = workers_[request.previous_rank()];
+      if (was.channel == nullptr || was.down) rank = request.previous_rank();
+    }
+    if (rank < 0 && joined_ == num_workers_) {
+      // A worker restarted on another address takes a rank that is down.
+      for (int r = 0; r < num_workers_ && rank < 0; ++r) {
+        if (workers_[r].down) rank = r;
+      }
+      if (rank < 0) {
+        return absl::ResourceExhaustedError(absl::StrCat(
+            "the mesh ", planner::FormatMesh(mesh_), " already has all ", num_workers_, " workers, all answering"));
+      }
     }
     if (rank < 0) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "the mesh ", planner::FormatMesh(mesh_), " already has all ", num_workers_, " workers, all answering"));
+      // The lowest rank no worker has taken (ranks asked for by number may be taken out of order).
+      for (int r = 0; r < num_workers_ && rank < 0; ++r) {
+        if (workers_[r].channel == nullptr) rank = r;
+      }
     }
+    Worker& w = workers_[rank];
+    if (w.channel == nullptr) ++joined_;
+    const bool rejoined = w.channel != nullptr;
+    w.down = false;
+    w.down_because.clear();
+    const v1::LocalSocket& local = request.local_socket();
+    const bool same_host = prefer_local_socket_ && !local.path().empty() &&
+                           platform::CheckSameHostSocket(local.path(), local.boot_id(), local.inode()).ok();
+    w.channel = connect_(same_host ? absl::StrCat("unix:", local.path()) : request.address());
+    w.info.set_rank(rank);
+    w.info.set_address(request.address());
+    w.info.set_hop(same_host ? v1::WORKER_HOP_UNIX_SOCKET : v1::WORKER_HOP_TCP);
+    w.info.set_backend(request.backend());
+    w.info.set_device(request.device());
+    w.info.set_memory_budget_bytes(request.memory_budget_bytes());
+    auto coords = planner::RankToCoords(mesh_, rank);
+    if (coords.ok()) w.info.mutable_coords()->Assign(coords->begin(), coords->end());
+    // A rank's member changed: its communicators in every group it belongs
+    // to are built afresh (the new epoch) from the worker's first step on.
+    advance = AdvanceEpochLocked(EpochChange(v1::EPOCH_RANK_JOINED, rank, 0));
+    // A worker that (re)joins starts at the current place in the global order.
+    joined = Joined{rank, next_sequence_, rejoined};
+    if (on_joined) on_joined(joined);
   }
-  if (rank < 0) {
-    // The lowest rank no worker has taken (ranks asked for by number may be taken out of order).
-    for (int r = 0; r < num_workers_ && rank < 0; ++r) {
-      if (workers_[r].channel == nullptr) rank = r;
-    }
-  }
-  Worker& w = workers_[rank];
-  if (w.channel == nullptr) ++joined_;
-  const bool rejoined = w.channel != nullptr;
-  w.down = false;
-  w.down_because.clear();
-  const v1::LocalSocket& local = request.local_socket();
-  const bool same_host = prefer_local_socket_ && !local.path().empty() &&
-                         platform::CheckSameHostSocket(local.path(), local.boot_id(), local.inode()).ok();
-  w.channel = connect_(same_host ? absl::StrCat("unix:", local.path()) : request.address());
-  w.info.set_rank(rank);
-  w.info.set_address(request.address());
-  w.info.set_hop(same_host ? v1::WORKER_HOP_UNIX_SOCKET : v1::WORKER_HOP_TCP);
-  w.info.set_backend(request.backend());
-  w.info.set_device(request.device());
-  w.info.set_memory_budget_bytes(request.memory_budget_bytes());
-  auto coords = planner::RankToCoords(mesh_, rank);
-  if (coords.ok()) w.info.mutable_coords()->Assign(coords->begin(), coords->end());
-  // A worker that (re)joins starts at the current place in the global order.
-  const Joined joined{rank, next_sequence_, rejoined};
-  if (on_joined) on_joined(joined);
+  TellWorkers(advance);
   return joined;
 }
 
@@ -131,10 +163,16 @@ absl::Status Dispatcher::CheckComplete() const {
 }
 
 void Dispatcher::MarkDown(int rank, const absl::Status& why, const WorkerChannel* channel) {
-  absl::MutexLock lock(&workers_mu_);
-  if (rank < 0 || rank >= num_workers_ || workers_[rank].channel.get() != channel) return;
-  workers_[rank].down = true;
-  workers_[rank].down_because = std::string(why.message());
+  absl::optional<v1::AdvanceEpochRequest> advance;
+  {
+    absl::MutexLock sequence_lock(&sequence_mu_);
+    absl::MutexLock lock(&workers_mu_);
+    if (rank < 0 || rank >= num_workers_ || workers_[rank].channel.get() != channel) return;
+    if (!workers_[rank].down) advance = AdvanceEpochLocked(EpochChange(v1::EPOCH_RANK_DOWN, rank, 0));
+    workers_[rank].down = true;
+    workers_[rank].down_because = std::string(why.message());
+  }
+  if (advance.has_value()) TellWorkers(*advance);
 }
 
 void Dispatcher::MarkUp(int rank, const WorkerChannel* channel) {
@@ -160,15 +198,47 @@ std::vector<std::shared_ptr<WorkerChannel>> Dispatcher::Number(std::vector<v1::S
   for (v1::Step& s : *steps) {
     s.set_sequence(sequence);
     s.set_oldest_live_sequence(oldest_live);
+    s.set_epoch(epoch_);
     for (const std::string& name : releases_) s.add_release_shards(name);
   }
   releases_.clear();
   return channels;
 }
 
-void Dispatcher::Done(uint64_t sequence) {
+void Dispatcher::Done(uint64_t sequence, const absl::optional<v1::AdvanceEpochRequest>& advance) {
+  v1::AdvanceEpochRequest told;
+  {
+    absl::MutexLock lock(&sequence_mu_);
+    in_flight_.erase(sequence);
+    if (!advance.has_value()) return;
+    told = AdvanceEpochLocked(*advance);
+  }
+  TellWorkers(told);
+}
+
+v1::AdvanceEpochRequest Dispatcher::AdvanceEpochLocked(v1::AdvanceEpochRequest change) {
+  ++epoch_;
+  if (epoch_listener_) epoch_listener_(epoch_);
+  change.set_session(session_);
+  change.set_epoch(epoch_);
+  return change;
+}
+
+void Dispatcher::TellWorkers(const v1::AdvanceEpochRequest& request) {
+  const absl::Time deadline = absl::Now() + kCancelTimeout;
+  for (const std::shared_ptr<WorkerChannel>& channel : Channels()) {
+    if (channel != nullptr) channel->AdvanceEpoch(request, deadline);
+  }
+}
+
+uint64_t Dispatcher::epoch() const {
   absl::MutexLock lock(&sequence_mu_);
-  in_flight_.erase(sequence);
+  return epoch_;
+}
+
+void Dispatcher::SetEpochListener(EpochListener listener) {
+  absl::MutexLock lock(&sequence_mu_);
+  epoch_listener_ = std::move(listener);
 }
 
 void Dispatcher::Release(const std::string& shard_name) {
@@ -185,17 +255,29 @@ void Dispatcher::DispatchDetached(std::vector<v1::Step> steps, absl::Time deadli
   const std::vector<std::shared_ptr<WorkerChannel>> channels = Number(&steps);
   const uint64_t sequence = steps.empty() ? 0 : steps[0].sequence();
   // Live until its last answer (every channel answers by the deadline).
-  auto remaining = std::make_shared<std::atomic<int>>(1);
-  auto answered = [this, remaining, sequence] {
-    if (--*remaining == 0) Done(sequence);
+  struct Answers {
+    std::atomic<int> remaining{1};
+    std::atomic<int> half_done_on{-1};  // a rank whose answer may leave a collective half done
+  };
+  auto answers = std::make_shared<Answers>();
+  auto answered = [this, answers, sequence](int rank, absl::StatusCode code) {
+    if (rank >= 0 && MayLeaveCollectivesHalfDone(code)) answers->half_done_on.store(rank);
+    if (--answers->remaining > 0) return;
+    const int on = answers->half_done_on.load();
+    if (on < 0) {
+      Done(sequence);
+    } else {
+      Done(sequence, EpochChange(v1::EPOCH_STEP_FAILED, on, sequence));
+    }
   };
   for (size_t r = 0; r < steps.size() && r < channels.size(); ++r) {
     if (channels[r] == nullptr) continue;
-    ++*remaining;
-    channels[r]->ExecuteAsync(std::move(steps[r]), deadline,
-                              [answered](absl::StatusOr<v1::StepResult>) { answered(); });
+    ++answers->remaining;
+    channels[r]->ExecuteAsync(std::move(steps[r]), deadline, [answered, r](absl::StatusOr<v1::StepResult> result) {
+      answered(static_cast<int>(r), result.status().code());
+    });
   }
-  answered();
+  answered(-1, absl::StatusCode::kOk);
 }
 
 void Cancellation::Cancel() {
@@ -251,8 +333,25 @@ bool PendingDispatch::Complete() const {
 
 void PendingDispatch::Answer(size_t rank, absl::StatusOr<v1::StepResult> result) {
   mu_.Lock();
-  if (finished_ || rank >= results_.size() || results_[rank].has_value()) {
+  if (rank >= results_.size() || results_[rank].has_value() || (finished_ && !deciding_)) {
     mu_.Unlock();
+    return;
+  }
+  if (finished_) {
+    // The caller has its answer; this one only decides the epoch.
+    const absl::StatusCode code = result.status().code();
+    results_[rank] = std::move(result);
+    ++answered_;
+    absl::optional<v1::AdvanceEpochRequest> advance;
+    if (MayLeaveCollectivesHalfDone(code)) {
+      advance = EpochChange(v1::EPOCH_STEP_FAILED, static_cast<int>(rank), sequence_);
+    } else if (answered_ < results_.size()) {
+      mu_.Unlock();
+      return;
+    }
+    deciding_ = false;
+    mu_.Unlock();
+    dispatcher_->Done(sequence_, advance);
     return;
   }
   results_[rank] = std::move(result);
@@ -285,7 +384,18 @@ void PendingDispatch::Abandon(absl::Status why) {
 void PendingDispatch::Expire() {
   mu_.Lock();
   if (finished_) {
+    if (!deciding_) {
+      mu_.Unlock();
+      return;
+    }
+    // Answers still missing at the deadline: they may be in a collective.
+    deciding_ = false;
+    int missing = -1;
+    for (size_t r = 0; r < results_.size() && missing < 0; ++r) {
+      if (!results_[r].has_value()) missing = static_cast<int>(r);
+    }
     mu_.Unlock();
+    dispatcher_->Done(sequence_, EpochChange(v1::EPOCH_STEP_ABANDONED, missing, sequence_));
     return;
   }
   Finish(absl::OkStatus());
@@ -296,6 +406,29 @@ void PendingDispatch::Finish(absl::Status why) {
   Done done = std::move(done_);
   done_ = nullptr;
   const bool another_failed = Complete() && answered_ < results_.size();
+  // Whether a collective of the step may be half done on some member, and
+  // on whose account (the epoch advances).
+  absl::optional<v1::AdvanceEpochRequest> advance;
+  int missing = -1, half_done = -1;
+  for (size_t r = 0; r < results_.size(); ++r) {
+    if (!results_[r].has_value()) {
+      if (missing < 0) missing = static_cast<int>(r);
+    } else if (MayLeaveCollectivesHalfDone(results_[r]->status().code()) && half_done < 0) {
+      half_done = static_cast<int>(r);
+    }
+  }
+  if (!why.ok() || (missing >= 0 && !another_failed)) {
+    advance = EpochChange(v1::EPOCH_STEP_ABANDONED, missing, sequence_);
+  } else if (half_done >= 0) {
+    advance = EpochChange(v1::EPOCH_STEP_FAILED, half_done, sequence_);
+  } else if (missing >= 0) {
+    // A worker failed on its own (its error, not a collective's): usually
+    // at the step's agreement, which every worker reached, so the others
+    // answer ABORTED and every collective is complete. Their answers, or
+    // the deadline, decide; the step stays live until then (a worker may
+    // not pass it over before the epoch is decided).
+    deciding_ = true;
+  }
   std::vector<absl::StatusOr<v1::StepResult>> results;
   if (why.ok()) {
     for (auto& r : results_) {
@@ -308,8 +441,10 @@ void PendingDispatch::Finish(absl::Status why) {
       }
     }
   }
+  const bool decided = !deciding_;
   mu_.Unlock();
-  dispatcher_->Done(sequence_);  // answered, or given up on: later steps need not wait for it
+  // Answered, or given up on: later steps need not wait for it.
+  if (decided) dispatcher_->Done(sequence_, advance);
   absl::StatusOr<std::vector<v1::StepResult>> resolved =
       why.ok() ? dispatcher_->Resolve(std::move(results)) : absl::StatusOr<std::vector<v1::StepResult>>(why);
   const absl::StatusCode code = resolved.status().code();
@@ -430,6 +565,7 @@ void Dispatcher::CancelOnWorkers(const std::string& session, uint64_t sequence) 
 }
 
 void Dispatcher::AbandonAll(const absl::Status& why) {
+  SetEpochListener(nullptr);  // shutting down: what it reaches may go before the dispatcher
   std::vector<std::shared_ptr<PendingDispatch>> live;
   {
     absl::MutexLock lock(&watch_mu_);
@@ -470,6 +606,7 @@ Dispatcher::Stats Dispatcher::GetStats() const {
   {
     absl::MutexLock lock(&sequence_mu_);
     stats.steps_in_flight = static_cast<int64_t>(in_flight_.size());
+    stats.epoch = epoch_;
   }
   absl::MutexLock lock(&stats_mu_);
   stats.failed_calls = failed_calls_;

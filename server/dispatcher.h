@@ -62,7 +62,8 @@ class PendingDispatch {
   // A worker's answer; ends the dispatch when every worker has answered or
   // one failed on its own (not a peer's ABORTED).
   void Answer(size_t rank, absl::StatusOr<v1::StepResult> result);
-  // Past the deadline and its grace: the missing answers are DEADLINE_EXCEEDED.
+  // Past the deadline and its grace: the missing answers are DEADLINE_EXCEEDED
+  // (or, finished already, the epoch decision still open advances it).
   void Expire();
   // Ends the dispatch once: `why` (CANCELLED), or from the answers so far.
   void Finish(absl::Status why) ABSL_UNLOCK_FUNCTION(mu_);
@@ -76,6 +77,9 @@ class PendingDispatch {
   std::vector<absl::optional<absl::StatusOr<v1::StepResult>>> results_ ABSL_GUARDED_BY(mu_);
   size_t answered_ ABSL_GUARDED_BY(mu_) = 0;
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
+  // Finished with answers missing after another worker failed on its own:
+  // the rest (or Expire at the deadline) decide whether the epoch advances.
+  bool deciding_ ABSL_GUARDED_BY(mu_) = false;
   Done done_ ABSL_GUARDED_BY(mu_);
 };
 
@@ -88,7 +92,9 @@ class Dispatcher {
   // `prefer_local_socket`: a worker that describes a Unix socket which is,
   // on this host, that very socket and this user's is connected there
   // (`unix:PATH`) instead of at its address.
-  Dispatcher(planner::Mesh mesh, Connector connect, absl::Duration grace, bool prefer_local_socket = false);
+  // `session`: the coordinator's, which the workers check on AdvanceEpoch.
+  Dispatcher(planner::Mesh mesh, Connector connect, absl::Duration grace, bool prefer_local_socket = false,
+             std::string session = "");
   ~Dispatcher();
   Dispatcher(const Dispatcher&) = delete;
   Dispatcher& operator=(const Dispatcher&) = delete;
@@ -126,6 +132,24 @@ class Dispatcher {
   // The channel of every rank (null where none has joined).
   std::vector<std::shared_ptr<WorkerChannel>> Channels() const;
 
+  // The mesh epoch, stamped on every step with its sequence number (so
+  // every worker sees a new epoch at the same step). It advances when the
+  // membership changes (a rank newly marked down, a rank joined) and when a
+  // step ends in a way that may leave a collective half done on some member:
+  // a worker that did not answer (the step cancelled, expired, or given up
+  // on when another worker failed) or answered with a transport or
+  // collective failure (UNAVAILABLE, DEADLINE_EXCEEDED, INTERNAL, UNKNOWN).
+  // An agreed failure (one worker's error, the others ABORTED, all
+  // answered) leaves every collective complete and the epoch as it was.
+  // Every worker is told at once (WorkerChannel::AdvanceEpoch), so it
+  // revokes the older epochs' communicators now, not at their timeout.
+  uint64_t epoch() const;
+  // Hears every advance, under the lock that numbers steps: before any step
+  // of the new epoch exists (the rendezvous store ends the waits of older
+  // epochs). Set before serving; AbandonAll and the destructor clear it.
+  using EpochListener = std::function<void(uint64_t epoch)>;
+  void SetEpochListener(EpochListener listener);
+
   // Gives `steps` (one per rank) the next sequence number and sends them to
   // every worker at once, without a thread per worker; fails if any worker
   // fails (with the failing worker's status, not a peer's ABORTED), as soon
@@ -156,6 +180,7 @@ class Dispatcher {
 
   struct Stats {
     int64_t steps_in_flight = 0;  // numbered, not yet answered or given up on
+    uint64_t epoch = 0;
     // Worker calls that failed, by rank and status code (a peer's ABORTED
     // is not counted: the failing worker is).
     std::map<std::pair<int, absl::StatusCode>, int64_t> failed_calls;
@@ -169,8 +194,17 @@ class Dispatcher {
   // while it hands a (re)joining worker its first number: a worker gets
   // either every step numbered before it joined or none of them.
   std::vector<std::shared_ptr<WorkerChannel>> Number(std::vector<v1::Step>* steps);
-  // The step numbered `sequence` is answered or given up on.
-  void Done(uint64_t sequence);
+  // The step numbered `sequence` is answered or given up on; with `advance`,
+  // the epoch advances for that reason in the same instant (a step numbered
+  // after it leaves the in-flight set has the new epoch: a worker that skips
+  // the step, on a later step's oldest_live_sequence, has heard of the new
+  // epoch from that step).
+  void Done(uint64_t sequence, const absl::optional<v1::AdvanceEpochRequest>& advance = absl::nullopt);
+  // Advances the epoch (`change`'s reason, rank and sequence); returns what
+  // to tell the workers once the locks are released (TellWorkers).
+  v1::AdvanceEpochRequest AdvanceEpochLocked(v1::AdvanceEpochRequest change)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(sequence_mu_);
+  void TellWorkers(const v1::AdvanceEpochRequest& request);
   friend class PendingDispatch;
   // Counts a finished dispatch's failed calls; the failing worker's status.
   absl::StatusOr<std::vector<v1::StepResult>> Resolve(std::vector<absl::StatusOr<v1::StepResult>> results);
@@ -195,10 +229,13 @@ class Dispatcher {
   const Connector connect_;
   const absl::Duration grace_;
   const bool prefer_local_socket_;
+  const std::string session_;
 
   // Lock order: sequence_mu_, then workers_mu_.
   mutable absl::Mutex sequence_mu_;
   uint64_t next_sequence_ ABSL_GUARDED_BY(sequence_mu_) = 1;
+  uint64_t epoch_ ABSL_GUARDED_BY(sequence_mu_) = 1;
+  EpochListener epoch_listener_ ABSL_GUARDED_BY(sequence_mu_);
   std::vector<std::string> releases_ ABSL_GUARDED_BY(sequence_mu_);
   // Numbered steps not yet answered or given up on (oldest_live_sequence).
   std::set<uint64_t> in_flight_ ABSL_GUARDED_BY(sequence_mu_);

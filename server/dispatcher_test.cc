@@ -353,6 +353,133 @@ TEST_F(DispatcherTest, ACancelledAsynchronousDispatchEndsAtOnceAndIgnoresLateAns
   EXPECT_EQ(d->GetStats().steps_in_flight, 0);
 }
 
+// The mesh epoch: stamped on every step, unchanged by a success or an
+// agreed failure, advanced (and every worker told) by a failure that may
+// leave a collective half done, by a rank newly down and by a rank joining.
+TEST_F(DispatcherTest, TheEpochAdvancesOnlyWhereACollectiveMayBeHalfDoneOrTheMembersChange) {
+  auto d = Make("dp=2");
+  ASSERT_TRUE(d->Join(At("a")).ok());
+  ASSERT_TRUE(d->Join(At("b")).ok());
+  std::vector<uint64_t> heard;
+  d->SetEpochListener([&](uint64_t epoch) { heard.push_back(epoch); });
+  const uint64_t start = d->epoch();  // the joins advanced it too
+  std::map<std::string, size_t> told_before;
+  for (const char* w : {"a", "b"}) told_before[w] = fakes_.at(w).epoch_advances().size();
+  auto last_epoch = [&](const char* w) { return fakes_.at(w).steps().back().epoch(); };
+  for (const char* w : {"a", "b"}) {
+    fakes_.at(w).SetHandler([](const v1::Step&) -> absl::StatusOr<v1::StepResult> { return v1::StepResult(); });
+  }
+  ASSERT_TRUE(d->Dispatch(DeleteSteps(2), absl::Now() + absl::Seconds(5)).ok());
+  EXPECT_EQ(last_epoch("a"), start);
+  EXPECT_EQ(last_epoch("b"), start);
+  // One worker's own error, its peer ABORTED at the agreement: every collective completed.
+  fakes_.at("a").SetHandler(
+      [](const v1::Step&) -> absl::StatusOr<v1::StepResult> { return absl::NotFoundError("no shard"); });
+  fakes_.at("b").SetHandler(
+      [](const v1::Step&) -> absl::StatusOr<v1::StepResult> { return absl::AbortedError("peer"); });
+  EXPECT_EQ(d->Dispatch(DeleteSteps(2), absl::Now() + absl::Seconds(5)).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(d->epoch(), start);
+  EXPECT_TRUE(heard.empty());
+  EXPECT_EQ(fakes_.at("a").epoch_advances().size(), told_before["a"]);
+  // A collective's failure on one worker: the epoch advances, both workers are told why.
+  fakes_.at("a").SetHandler([](const v1::Step&) -> absl::StatusOr<v1::StepResult> { return v1::StepResult(); });
+  fakes_.at("b").SetHandler(
+      [](const v1::Step&) -> absl::StatusOr<v1::StepResult> { return absl::UnavailableError("collective timed out"); });
+  const uint64_t failed_at = fakes_.at("a").num_steps() + 1;  // one step per dispatch, numbered from 1
+  EXPECT_EQ(d->Dispatch(DeleteSteps(2), absl::Now() + absl::Seconds(5)).status().code(),
+            absl::StatusCode::kUnavailable);
+  EXPECT_EQ(d->epoch(), start + 1);
+  EXPECT_EQ(heard, std::vector<uint64_t>({start + 1}));
+  for (const char* w : {"a", "b"}) {
+    const auto told = fakes_.at(w).epoch_advances();
+    ASSERT_EQ(told.size(), told_before[w] + 1) << w;
+    EXPECT_EQ(told.back().epoch(), start + 1);
+    EXPECT_EQ(told.back().reason(), v1::EPOCH_STEP_FAILED);
+    EXPECT_EQ(told.back().rank(), 1);
+    EXPECT_EQ(told.back().sequence(), failed_at);
+  }
+  fakes_.at("b").SetHandler([](const v1::Step&) -> absl::StatusOr<v1::StepResult> { return v1::StepResult(); });
+  ASSERT_TRUE(d->Dispatch(DeleteSteps(2), absl::Now() + absl::Seconds(5)).ok());
+  EXPECT_EQ(last_epoch("a"), start + 1);
+  EXPECT_EQ(last_epoch("b"), start + 1);
+  // A rank newly down (once, however many heartbeats it misses), and a worker taking it.
+  const auto channels = d->Channels();
+  d->MarkDown(1, absl::UnavailableError("refused"), channels[1].get());
+  d->MarkDown(1, absl::UnavailableError("refused"), channels[1].get());
+  EXPECT_EQ(d->epoch(), start + 2);
+  EXPECT_EQ(fakes_.at("a").epoch_advances().back().reason(), v1::EPOCH_RANK_DOWN);
+  EXPECT_EQ(fakes_.at("a").epoch_advances().back().rank(), 1);
+  ASSERT_EQ(d->Join(At("b-restarted"))->rank, 1);
+  EXPECT_EQ(d->epoch(), start + 3);
+  EXPECT_EQ(fakes_.at("a").epoch_advances().back().reason(), v1::EPOCH_RANK_JOINED);
+  EXPECT_EQ(heard, std::vector<uint64_t>({start + 1, start + 2, start + 3}));
+  for (const char* w : {"a", "b"}) fakes_.at(w).SetHandler(nullptr);
+}
+
+// A step given up on (expired here) advances the epoch in the same instant
+// it stops being live: a worker that skips it, on a later step's
+// oldest_live_sequence, learns the new epoch from that step.
+TEST_F(DispatcherTest, AStepGivenUpOnAdvancesTheEpochBeforeAnyStepPassesIt) {
+  auto d = Make("dp=2");
+  ASSERT_TRUE(d->Join(At("a")).ok());
+  ASSERT_TRUE(d->Join(At("b")).ok());
+  for (const char* w : {"a", "b"}) {
+    fakes_.at(w).SetHandler([](const v1::Step&) -> absl::StatusOr<v1::StepResult> { return v1::StepResult(); });
+  }
+  fakes_.at("b").SetNeverAnswer(true);
+  const uint64_t start = d->epoch();
+  const size_t told_before = fakes_.at("b").epoch_advances().size();
+  EXPECT_EQ(d->Dispatch(DeleteSteps(2), absl::Now() + absl::Milliseconds(50)).status().code(),
+            absl::StatusCode::kDeadlineExceeded);
+  fakes_.at("b").SetNeverAnswer(false);
+  fakes_.at("b").AnswerHeld();
+  ASSERT_TRUE(d->Dispatch(DeleteSteps(2), absl::Now() + absl::Seconds(5)).ok());
+  const auto steps = fakes_.at("a").steps();
+  ASSERT_EQ(steps.size(), 2u);
+  EXPECT_EQ(steps[0].epoch(), start);
+  EXPECT_GT(steps[1].oldest_live_sequence(), steps[0].sequence());
+  EXPECT_EQ(steps[1].epoch(), start + 1);
+  const auto told = fakes_.at("b").epoch_advances();
+  ASSERT_EQ(told.size(), told_before + 1);
+  EXPECT_EQ(told.back().reason(), v1::EPOCH_STEP_ABANDONED);
+  EXPECT_EQ(told.back().rank(), 1) << "the worker that did not answer";
+  for (const char* w : {"a", "b"}) fakes_.at(w).SetHandler(nullptr);
+}
+
+// A worker's own failure ends the dispatch before its peers answer; their
+// answers decide the epoch: ABORTED (they met it at the agreement) leaves
+// it, a collective's failure (one left waiting: a worker that stayed out of
+// the collective) advances it. The step stays live until then.
+TEST_F(DispatcherTest, AfterAWorkersOwnFailureThePeersAnswersDecideTheEpoch) {
+  auto d = Make("dp=2");
+  ASSERT_TRUE(d->Join(At("a")).ok());
+  ASSERT_TRUE(d->Join(At("b")).ok());
+  const uint64_t start = d->epoch();
+  fakes_.at("a").SetHandler(
+      [](const v1::Step&) -> absl::StatusOr<v1::StepResult> { return absl::ResourceExhaustedError("budget"); });
+  fakes_.at("b").SetNeverAnswer(true);
+  auto r = d->Dispatch(DeleteSteps(2), absl::Now() + absl::Seconds(30));
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(d->GetStats().steps_in_flight, 1) << "live until the peer answers";
+  fakes_.at("b").SetHandler(
+      [](const v1::Step&) -> absl::StatusOr<v1::StepResult> { return absl::AbortedError("peer"); });
+  fakes_.at("b").SetNeverAnswer(false);
+  fakes_.at("b").AnswerHeld();
+  EXPECT_EQ(d->GetStats().steps_in_flight, 0);
+  EXPECT_EQ(d->epoch(), start) << "the peer met the failure at the agreement";
+  fakes_.at("b").SetHandler(
+      [](const v1::Step&) -> absl::StatusOr<v1::StepResult> { return absl::UnavailableError("collective timed out"); });
+  fakes_.at("b").SetNeverAnswer(true);
+  EXPECT_EQ(d->Dispatch(DeleteSteps(2), absl::Now() + absl::Seconds(30)).status().code(),
+            absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(d->epoch(), start);
+  fakes_.at("b").SetNeverAnswer(false);
+  fakes_.at("b").AnswerHeld();
+  EXPECT_EQ(d->epoch(), start + 1) << "the peer was left in a collective";
+  EXPECT_EQ(d->GetStats().steps_in_flight, 0);
+  for (const char* w : {"a", "b"}) fakes_.at(w).SetHandler(nullptr);
+}
+
 TEST(Cancellation, RunsItsActionOnceAndAtOnceWhenCancelledAlready) {
   Cancellation c;
   int runs = 0;

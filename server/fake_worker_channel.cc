@@ -26,6 +26,7 @@ struct FakeWorkerChannel::State {
   mutable absl::Mutex mu;
   std::vector<v1::Step> steps ABSL_GUARDED_BY(mu);
   std::vector<uint64_t> cancelled ABSL_GUARDED_BY(mu);
+  std::vector<v1::AdvanceEpochRequest> epochs ABSL_GUARDED_BY(mu);
   Handler handler ABSL_GUARDED_BY(mu);
   bool never_answer ABSL_GUARDED_BY(mu) = false;
   absl::Status ping ABSL_GUARDED_BY(mu);
@@ -269,6 +270,16 @@ std::vector<v1::Step> FakeWorkerChannel::steps() const {
 void FakeWorkerChannel::CancelSteps(const v1::CancelStepsRequest& request, absl::Time) {
   absl::MutexLock lock(&state_->mu);
   state_->cancelled.insert(state_->cancelled.end(), request.sequences().begin(), request.sequences().end());
+}
+
+void FakeWorkerChannel::AdvanceEpoch(const v1::AdvanceEpochRequest& request, absl::Time) {
+  absl::MutexLock lock(&state_->mu);
+  state_->epochs.push_back(request);
+}
+
+std::vector<v1::AdvanceEpochRequest> FakeWorkerChannel::epoch_advances() const {
+  absl::MutexLock lock(&state_->mu);
+  return state_->epochs;
 }
 
 std::vector<uint64_t> FakeWorkerChannel::cancelled() const {

@@ -47,6 +47,7 @@ class FakeWorkerChannel : public WorkerChannel {
   absl::Status PutShard(const std::string& name, const v1::LocalTensor& shard, absl::Time deadline) override;
   absl::Status Ping(absl::Time deadline) override;
   void CancelSteps(const v1::CancelStepsRequest& request, absl::Time deadline) override;
+  void AdvanceEpoch(const v1::AdvanceEpochRequest& request, absl::Time deadline) override;
 
   // --- behaviour (takes effect for steps received afterwards) ---
 
@@ -78,6 +79,7 @@ class FakeWorkerChannel : public WorkerChannel {
   std::vector<v1::Step> steps() const;  // every step received, in order
   int num_steps() const;
   std::vector<uint64_t> cancelled() const;  // the sequences CancelSteps named, in order
+  std::vector<v1::AdvanceEpochRequest> epoch_advances() const;  // what AdvanceEpoch told it, in order
   int num_held() const;
   // Waits (at most `timeout`) until `n` steps are held; false on timeout.
   bool AwaitHeld(int n, absl::Duration timeout) const;

@@ -165,6 +165,22 @@ class GrpcWorkerChannel : public WorkerChannel {
                                       });
   }
 
+  void AdvanceEpoch(const v1::AdvanceEpochRequest& request, absl::Time deadline) override {
+    struct Call {
+      grpc::ClientContext ctx;
+      v1::AdvanceEpochRequest request;
+      v1::AdvanceEpochResponse response;
+    };
+    auto* call = new Call;
+    call->request = request;
+    call->ctx.set_deadline(ToGrpcDeadline(deadline));
+    core_->stub->async()->AdvanceEpoch(&call->ctx, &call->request, &call->response,
+                                       [call, core = core_](grpc::Status) mutable {
+                                         delete call;
+                                         ChannelReaper::Hand(std::move(core));
+                                       });
+  }
+
   absl::StatusOr<v1::LocalTensor> GetShard(const std::string& name, absl::Time deadline) override {
     if (absl::Status c = core_->Connected(deadline); !c.ok()) return c;
     grpc::ClientContext ctx;

@@ -69,5 +69,46 @@ TEST(RendezvousStoreTest, TotalBytesAreBounded) {
   EXPECT_GT((i + 1) * (big.size() + 8), RendezvousStore::kMaxTotalBytes);
 }
 
+TEST(RendezvousStoreTest, AWaitForAnOlderEpochEndsAtOnceWhenTheEpochAdvances) {
+  RendezvousStore store;
+  store.AdvanceEpoch(3);
+  absl::Status waited;
+  absl::Duration took;
+  std::thread waiter([&] {
+    const absl::Time start = absl::Now();
+    waited = store.Get({"gloo/g/3/rank1"}, absl::Seconds(30), 3).status();
+    took = absl::Now() - start;
+  });
+  absl::SleepFor(absl::Milliseconds(100));
+  store.AdvanceEpoch(4);
+  waiter.join();
+  EXPECT_EQ(waited.code(), absl::StatusCode::kAborted) << waited;
+  EXPECT_NE(waited.message().find("epoch 3"), absl::string_view::npos) << waited;
+  EXPECT_NE(waited.message().find("epoch 4"), absl::string_view::npos) << waited;
+  EXPECT_LT(took, absl::Seconds(5));
+}
+
+TEST(RendezvousStoreTest, OlderEpochsKeysAreRefusedAndForgottenNewerAndUnnumberedOnesWait) {
+  RendezvousStore store;
+  store.AdvanceEpoch(2);
+  ASSERT_TRUE(store.Set("old", "o", 2).ok());
+  ASSERT_TRUE(store.Set("next", "n", 3).ok());
+  ASSERT_TRUE(store.Set("plain", "p").ok());
+  store.AdvanceEpoch(3);
+  EXPECT_EQ(store.epoch(), 3u);
+  EXPECT_EQ(store.num_keys(), 2u);  // "old" is forgotten
+  EXPECT_EQ(store.num_bytes(), 4 + 1 + 5 + 1u);
+  const absl::Time start = absl::Now();
+  EXPECT_EQ(store.Set("late", "l", 2).code(), absl::StatusCode::kAborted);
+  EXPECT_EQ(store.Get({"old"}, absl::Seconds(30), 2).status().code(), absl::StatusCode::kAborted);
+  EXPECT_LT(absl::Now() - start, absl::Seconds(1));
+  // A key already set is read whatever the epoch; epoch 0 and the current one wait as before.
+  EXPECT_TRUE(store.Get({"next"}, absl::Seconds(1), 2).ok());
+  EXPECT_EQ(store.Get({"missing"}, absl::Milliseconds(50), 3).status().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(store.Get({"missing"}, absl::Milliseconds(50)).status().code(), absl::StatusCode::kDeadlineExceeded);
+  store.AdvanceEpoch(1);  // the epoch only grows
+  EXPECT_EQ(store.epoch(), 3u);
+}
+
 }  // namespace
 }  // namespace shardgemm

@@ -62,6 +62,10 @@ RequestObserver::RequestObserver(const Coordinator* coordinator, metrics::Regist
   auto* up = registry->AddGauge("shardgemm_worker_up",
                                 "By rank: 1 while registered and answering the heartbeat, 0 when missing or down.",
                                 {"rank"});
+  auto* epoch = registry->AddGauge("shardgemm_mesh_epoch",
+                                   "The mesh epoch: advances when a rank goes down or joins, and when a step fails "
+                                   "in a way that may leave a collective half done (the workers rebuild their "
+                                   "communicators).");
   auto* tensors = registry->AddGauge("shardgemm_resident_tensors", "Resident tensors in the registry.");
   auto* resident_bytes =
       registry->AddGauge("shardgemm_resident_bytes", "Logical bytes of the resident tensors (before sharding).");
@@ -88,6 +92,7 @@ RequestObserver::RequestObserver(const Coordinator* coordinator, metrics::Regist
     workers->With({"expected"})->Set(stats.workers_expected);
     workers->With({"registered"})->Set(stats.workers_registered);
     ready->With({})->Set(stats.ready ? 1 : 0);
+    epoch->With({})->Set(static_cast<double>(stats.dispatch.epoch));
     for (size_t r = 0; r < stats.up.size(); ++r) up->With({std::to_string(r)})->Set(stats.up[r] ? 1 : 0);
     tensors->With({})->Set(static_cast<double>(stats.resident_tensors));
     resident_bytes->With({})->Set(static_cast<double>(stats.resident_bytes));

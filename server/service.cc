@@ -344,7 +344,7 @@ grpc::Status CoordinationService::Register(grpc::ServerContext* context,
 grpc::Status CoordinationService::StoreSet(grpc::ServerContext* context, const v1::StoreSetRequest* request,
                                            v1::StoreSetResponse*) {
   if (grpc::Status s = CheckCaller(*context); !s.ok()) return s;
-  return ToGrpcStatus(store_->Set(request->key(), request->value()));
+  return ToGrpcStatus(store_->Set(request->key(), request->value(), request->epoch()));
 }
 
 grpc::Status CoordinationService::StoreGet(grpc::ServerContext* context, const v1::StoreGetRequest* request,
@@ -352,7 +352,7 @@ grpc::Status CoordinationService::StoreGet(grpc::ServerContext* context, const v
   if (grpc::Status s = CheckCaller(*context); !s.ok()) return s;
   const int64_t ms = request->timeout_ms() > 0 ? std::min<int64_t>(request->timeout_ms(), 600000) : 30000;
   auto values = store_->Get(std::vector<std::string>(request->keys().begin(), request->keys().end()),
-                            absl::Milliseconds(ms));
+                            absl::Milliseconds(ms), request->epoch());
   if (!values.ok()) return ToGrpcStatus(values.status());
   for (auto& v : *values) response->add_values(std::move(v));
   return grpc::Status::OK;

@@ -32,6 +32,10 @@ class WorkerChannel {
   // Tells the worker the coordinator gave up on these steps; no answer is
   // waited for (a worker that does not hear it runs them as before).
   virtual void CancelSteps(const v1::CancelStepsRequest& request, absl::Time deadline) {}
+  // Tells the worker the mesh epoch advanced (it revokes the collectives of
+  // older epochs); no answer is waited for (a worker that does not hear it
+  // learns the epoch from its next step).
+  virtual void AdvanceEpoch(const v1::AdvanceEpochRequest& request, absl::Time deadline) {}
   // A liveness check (the heartbeat): OK when the worker answers by `deadline`.
   virtual absl::Status Ping(absl::Time deadline) = 0;
 };

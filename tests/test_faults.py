@@ -382,21 +382,24 @@ def assert_right_or_clear(results, bound_s):
         assert took < bound_s, (outcome, took, detail)
 
 
-def right_again(client, rng, tries=8):
-    """Right within `tries` requests, each after the previous one's failure
-    plus the collective timeout (the peers' collectives of the lost step end).
-    Several may fail first: a group's members can rebuild their contexts at
-    different steps after a lost one and miss each other's rendezvous for a
-    few requests (docs/reliability.md, not built yet); 4 tries fell short once
-    in CI."""
+def right_again(client, rng, tries=2, pause_s=0.2):
+    """Right within `tries` requests sent one after another (`pause_s`
+    apart), and the seconds until the right one returned: the failed step
+    advanced the mesh epoch, every worker revoked the older epoch's
+    contexts at once, and every member of the group builds the next at the
+    same step (the first request of the new epoch). Before the epoch,
+    members rebuilt their contexts at steps of their own choosing and
+    missed each other's rendezvous, a collective timeout each: it took up
+    to 8 requests, each after a timeout's pause."""
     seen = []
+    start = time.time()
     for _ in range(tries):
         r = gathered_gemm(client, rng)
         seen.append(r[:2])
         assert r[0] != "WRONG", r
         if r[0] == "OK":
-            return seen
-        time.sleep(COLLECTIVE_TIMEOUT_S + 0.5)
+            return seen, time.time() - start
+        time.sleep(pause_s)
     raise AssertionError(f"not right again after {tries} requests: {seen}")
 
 
@@ -435,10 +438,11 @@ def test_a_step_lost_on_the_way_to_one_worker_fails_clearly_and_never_pairs_wron
     assert took < 2, took
     behind = concurrently(lambda: gathered_gemm(cl.client, rng), 4, STEP_TIMEOUT_S + 10)
     assert_right_or_clear(behind, STEP_TIMEOUT_S + 3)
-    seen = right_again(cl.client, rng)
+    seen, after = right_again(cl.client, rng)
+    assert after < COLLECTIVE_TIMEOUT_S, f"right again {after:.2f} s after: a collective timeout was waited out"
     assert all(r[0] == "OK" for r in concurrently(lambda: gathered_gemm(cl.client, rng), 4, 30))
     print(f"lost step: UNAVAILABLE after {took:.3f} s; right behind it {[r[0] for r in behind]}; "
-          f"then {seen}")
+          f"then {seen} ({after:.2f} s)")
 
 
 def test_a_worker_frozen_past_a_deadline_never_pairs_wrong_pieces(cluster_factory):
@@ -458,8 +462,8 @@ def test_a_worker_frozen_past_a_deadline_never_pairs_wrong_pieces(cluster_factor
         os.kill(worker.pid, signal.SIGCONT)
     behind = concurrently(lambda: gathered_gemm(cl.client, rng), 4, STEP_TIMEOUT_S + 10)
     assert_right_or_clear(behind, STEP_TIMEOUT_S + 3)
-    seen = right_again(cl.client, rng)
-    print(f"frozen past a deadline: right behind it {[r[0] for r in behind]}; then {seen}")
+    seen, after = right_again(cl.client, rng)
+    print(f"frozen past a deadline: right behind it {[r[0] for r in behind]}; then {seen} ({after:.2f} s)")
 
 
 def test_a_slow_link_to_one_worker_makes_requests_later_and_right(proxied_cluster):
@@ -509,3 +513,76 @@ def test_a_worker_frozen_for_less_than_the_deadline_answers_late_and_right(clust
     assert info.ready and not any(w.down for w in info.workers)
     assert gathered_gemm(cl.client, rng)[0] == "OK"
     print(f"frozen 1.5 s: answered after {', '.join(f'{r[1]:.2f}' for r in late)} s, right")
+
+
+def test_a_killed_workers_requests_end_at_once_and_the_first_after_its_return_is_right(cluster_factory):
+    """Issue 26's done-when line on fsdp=2, where every request all-gathers
+    over the killed worker's group, with the collective timeout far past the
+    step timeout: every request in flight or queued at the kill returns
+    within the step timeout + 1 s, UNAVAILABLE naming the rank; new ones fail
+    at once until a worker takes the rank; the mesh is ready within 2 s of
+    the new worker's start and the next request is right. (Before the epoch
+    the survivor sat in the killed worker's rendezvous or collective for the
+    collective timeout, and requests after the return waited behind it.)"""
+    step_timeout_s = 6
+    cl = cluster_factory(mesh="fsdp=2", workers=2, worker_flags=["--collective_timeout_s=30"],
+                         coordinator_flags=["--heartbeat_interval_s=0.2", "--heartbeat_misses=2",
+                                            f"--step_timeout_s={step_timeout_s}"])
+    assert gathered_gemm(cl.client, np.random.default_rng(31))[0] == "OK"
+    epoch_before = cl.client.cluster_info().epoch
+    stop = threading.Event()
+    results = []
+
+    def load(seed):
+        rng = np.random.default_rng(seed)
+        while not stop.is_set():
+            start = time.time()
+            outcome, took, detail = gathered_gemm(cl.client, rng, timeout=30)
+            results.append((start, outcome, took, detail))
+            if outcome != "OK":
+                time.sleep(0.05)
+
+    threads = [threading.Thread(target=load, args=(40 + i,), daemon=True) for i in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)
+    victim = dict(cl.procs)["worker1"]
+    victim.send_signal(signal.SIGKILL)
+    victim.wait(timeout=10)
+    killed = time.time()
+    assert wait_until(lambda: not cl.client.cluster_info().ready, 5), "the mesh still reports ready"
+    time.sleep(0.3)
+    stop.set()
+    for t in threads:
+        t.join(timeout=step_timeout_s + 10)
+        assert not t.is_alive(), "a request is still waiting"
+    rank = next(w.rank for w in cl.client.cluster_info().workers if w.down)
+    names = (f"worker {rank}", f"worker rank {rank}")
+    ended_after = [r for r in results if r[0] + r[2] >= killed]
+    assert ended_after, results
+    for start, outcome, took, detail in ended_after:
+        assert outcome != "WRONG", detail
+        if outcome == "OK":
+            assert start < killed, "right, but sent after the kill?"
+            continue
+        assert outcome == "UNAVAILABLE" and any(n in detail for n in names), (outcome, detail)
+        assert took <= step_timeout_s + 1, (took, detail)
+    # Until a worker takes the rank, requests fail at once.
+    rng = np.random.default_rng(50)
+    for _ in range(3):
+        outcome, took, detail = gathered_gemm(cl.client, rng)
+        assert outcome == "UNAVAILABLE" and f"worker rank {rank}" in detail and took < 1, (outcome, took, detail)
+    returned = time.time()
+    cl._start("worker1-restarted", [os.path.join(BIN, "shardgemm-worker"), f"--coordinator={cl.address}",
+                                    "--backend=cpu", "--insecure", "--collective_timeout_s=30"])
+    assert wait_until(lambda: cl.client.cluster_info().ready, 10), cl.log_text()
+    ready_s = time.time() - returned
+    assert ready_s < 2, f"ready {ready_s:.2f} s after the worker's start"
+    outcome, took, detail = gathered_gemm(cl.client, rng)
+    assert outcome == "OK", (outcome, took, detail)
+    first_ok_s = time.time() - returned
+    assert cl.client.cluster_info().epoch > epoch_before
+    failed = [r for r in ended_after if r[1] != "OK"]
+    print(f"killed with {len(ended_after)} requests ending after it ({len(failed)} failed, the slowest "
+          f"{max((r[2] for r in failed), default=0):.2f} s); ready {ready_s:.2f} s after the new worker's start, "
+          f"the first request right {first_ok_s:.2f} s after it ({took:.2f} s)")

@@ -20,7 +20,7 @@ from conftest import BIN
 COORDINATOR_METRICS = [
     "shardgemm_requests_total", "shardgemm_request_duration_seconds", "shardgemm_request_bytes_total",
     "shardgemm_requests_in_progress", "shardgemm_steps_in_flight", "shardgemm_workers",
-    "shardgemm_mesh_ready", "shardgemm_resident_tensors", "shardgemm_resident_bytes",
+    "shardgemm_mesh_ready", "shardgemm_mesh_epoch", "shardgemm_resident_tensors", "shardgemm_resident_bytes",
     "shardgemm_worker_call_failures_total", "shardgemm_standby_bytes", "shardgemm_resident_tensors_restoring",
     "shardgemm_restores_total", "shardgemm_restored_bytes_total",
 ]

@@ -134,3 +134,13 @@ std::unique_ptr<Collectives> MakeLocalCollectives(const MeshPosition& position) 
 }
 
 }  // namespace shardgemm
+
+namespace shardgemm {
+
+absl::Status RevokedStatus(uint64_t step_epoch, uint64_t epoch, absl::string_view why) {
+  return absl::AbortedError(absl::StrCat("the step's collectives (mesh epoch ", step_epoch,
+                                         ") were revoked: the mesh moved on to epoch ", epoch,
+                                         why.empty() ? "" : " because ", why, "; retry the request"));
+}
+
+}  // namespace shardgemm

@@ -72,11 +72,30 @@ class Collectives {
   // bad shard, its memory budget) fails the step there instead of leaving
   // the others waiting in a collective.
   virtual absl::Status Agree(const absl::Status& local, const std::vector<std::string>& axes) = 0;
-  // The step about to run. Communicators created during it are named by its
-  // sequence number, which every member of the group shares, so a group
-  // whose communicator broke reconnects under one name.
-  virtual void BeginStep(uint64_t sequence) { (void)sequence; }
+  // The step about to run (on the step's thread), and the mesh epoch the
+  // coordinator numbered it in (Step.epoch). Communicators are named by
+  // (epoch, group) and built the first time a step of the epoch needs them:
+  // every member of a group runs the same steps in the same order within an
+  // epoch, so all build it at the same step. At the first step of a newer
+  // epoch those of older epochs are dropped (Revoke). Within an epoch a
+  // group's communicator is built once: after it broke (a timeout, a peer
+  // gone), the epoch's later collectives over the group fail at once; the
+  // coordinator advances the epoch on such a failure, and the next epoch
+  // builds it afresh. A step of an epoch older than the newest this worker
+  // knows fails its collectives at once (ABORTED): its communicators are
+  // revoked, and a new one for it could pair with peers of another epoch.
+  virtual void BeginStep(uint64_t sequence, uint64_t epoch) { (void)sequence, (void)epoch; }
+  // The mesh moved on to `epoch` (`why`, for the errors of older steps;
+  // may be empty, and is then taken from a later call for the same epoch).
+  // From any thread, returning at once: every communicator of an older
+  // epoch is revoked, and a collective blocked on one ends now (ABORTED),
+  // not at its timeout. An epoch no newer than the newest known changes
+  // nothing.
+  virtual void Revoke(uint64_t epoch, const std::string& why) { (void)epoch, (void)why; }
 };
+
+// The error of a collective of a step whose epoch was revoked.
+absl::Status RevokedStatus(uint64_t step_epoch, uint64_t epoch, absl::string_view why);
 
 // For a mesh of one worker, or any group of size one: identity operations.
 // Groups with more than one worker get FAILED_PRECONDITION.

@@ -35,7 +35,8 @@ std::unique_ptr<Collectives> MakeDeviceCollectives(const MeshPosition& position,
                                                    std::shared_ptr<grpc::Channel> coordinator,
                                                    const std::string& prefix,
                                                    std::chrono::milliseconds timeout) {
-  return MakeNcclCollectives(position, device, CoordinatorIdExchange(std::move(coordinator), prefix), timeout);
+  return MakeNcclCollectives(position, device, CoordinatorIdExchange(std::move(coordinator), prefix, timeout),
+                             timeout);
 }
 
 std::function<absl::Status()> MakeDeviceNcclFault(int device) {

@@ -20,9 +20,8 @@
 namespace shardgemm {
 
 Executor::Executor(Backend* backend, ShardStore* store) : backend_(backend), store_(store) {
-  auto timed = std::make_unique<TimedCollectives>(MakeLocalCollectives(position_));
-  timed_ = timed.get();
-  collectives_ = std::move(timed);
+  collectives_ = std::make_shared<TimedCollectives>(MakeLocalCollectives(position_));
+  timed_ = collectives_.get();
 }
 
 void Executor::Configure(const MeshPosition& position, std::unique_ptr<Collectives> collectives,
@@ -34,9 +33,8 @@ void Executor::Configure(const MeshPosition& position, std::unique_ptr<Collectiv
   mu_.Await(absl::Condition(&idle));
   session_ = std::move(session);
   position_ = position;
-  auto timed = std::make_unique<TimedCollectives>(std::move(collectives));
-  timed_ = timed.get();
-  collectives_ = std::move(timed);
+  collectives_ = std::make_shared<TimedCollectives>(std::move(collectives));
+  timed_ = collectives_.get();
   next_sequence_ = std::max<uint64_t>(next_sequence, 1);
   configured_ = true;
 }
@@ -129,7 +127,54 @@ absl::Status Executor::Cancel(const std::string& session, const std::vector<uint
   return absl::OkStatus();
 }
 
+namespace {
+
+// Why the coordinator advanced the epoch, for the errors of the steps it
+// revoked (clients see it; no sequence numbers).
+std::string EpochReason(const v1::AdvanceEpochRequest& request) {
+  switch (request.reason()) {
+    case v1::EPOCH_RANK_DOWN:
+      return absl::StrCat("worker rank ", request.rank(), " is down");
+    case v1::EPOCH_RANK_JOINED:
+      return absl::StrCat("a worker took rank ", request.rank());
+    case v1::EPOCH_STEP_FAILED:
+      return absl::StrCat("a step failed on worker rank ", request.rank(), " where a collective may be half done");
+    case v1::EPOCH_STEP_ABANDONED:
+      return request.rank() >= 0
+                 ? absl::StrCat("a step was cancelled or expired before worker rank ", request.rank(), " answered")
+                 : "a step was cancelled or expired";
+    default:
+      return "";
+  }
+}
+
+}  // namespace
+
+void Executor::LearnEpoch(const std::string& session, uint64_t epoch, const std::string& why) {
+  std::shared_ptr<TimedCollectives> collectives;
+  {
+    absl::MutexLock lock(&mu_);
+    if (!configured_ || (!session_.empty() && session != session_)) return;
+    collectives = collectives_;
+  }
+  collectives->Revoke(epoch, why);
+}
+
+absl::Status Executor::AdvanceEpoch(const v1::AdvanceEpochRequest& request) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (request.session().empty() || request.session() != session_) {
+      return absl::FailedPreconditionError("the epoch is not from this worker's coordinator session");
+    }
+  }
+  LearnEpoch(request.session(), request.epoch(), EpochReason(request));
+  return absl::OkStatus();
+}
+
 absl::StatusOr<v1::StepResult> Executor::Execute(v1::Step step, absl::Time deadline) {
+  // Before waiting: a step running now of an older epoch ends at once, and
+  // an older step this worker is yet to run will not communicate.
+  LearnEpoch(step.session(), step.epoch(), "");
   if (auto s = WaitForTurn(step.sequence(), step.oldest_live_sequence(), deadline, step.session()); !s.ok()) {
     return s;
   }
@@ -142,7 +187,7 @@ absl::StatusOr<v1::StepResult> Executor::Execute(v1::Step step, absl::Time deadl
     running_step_cancelled_.store(false, std::memory_order_relaxed);
   }
   step_deadline_ = deadline;
-  collectives_->BeginStep(step.sequence());
+  collectives_->BeginStep(step.sequence(), step.epoch());
   step_kernel_time_ = absl::ZeroDuration();
   step_collective_start_ = timed_->elapsed();
   absl::StatusOr<v1::StepResult> result;

@@ -53,6 +53,13 @@ class Executor {
   // running its op (its peers hear of it at the step's agreement, before
   // any collective). FAILED_PRECONDITION for another session's.
   absl::Status Cancel(const std::string& session, const std::vector<uint64_t>& sequences);
+  // The coordinator advanced the mesh epoch (Worker.AdvanceEpoch): the
+  // collectives of older epochs are revoked now, and a step blocked in one
+  // ends at once (ABORTED naming the request's reason). A step of a newer
+  // epoch arriving does the same (Execute, before it waits for its turn):
+  // a worker that missed the request still hears of the epoch before it
+  // runs any later step. FAILED_PRECONDITION for another session's.
+  absl::Status AdvanceEpoch(const v1::AdvanceEpochRequest& request);
   // Steps waiting for their turn now (the worker's queue depth).
   int64_t steps_waiting() const { return steps_waiting_.load(std::memory_order_relaxed); }
   // Collective calls that failed since start (transport errors, timeouts).
@@ -92,8 +99,13 @@ class Executor {
   Backend* backend_;
   ShardStore* store_;
   MeshPosition position_;
-  std::unique_ptr<Collectives> collectives_;  // a TimedCollectives
-  TimedCollectives* timed_ = nullptr;          // collectives_, for its times
+  // Revokes the epochs before `epoch` if `session` is this worker's (from any thread).
+  void LearnEpoch(const std::string& session, uint64_t epoch, const std::string& why);
+
+  // Replaced by Configure while no step runs (under mu_); LearnEpoch takes
+  // a reference under mu_.
+  std::shared_ptr<TimedCollectives> collectives_;
+  TimedCollectives* timed_ = nullptr;  // collectives_, for its times
   // The running step's kernel time (backend calls, less collectives they ran).
   absl::Duration step_kernel_time_;
   std::atomic<int64_t> steps_waiting_{0};

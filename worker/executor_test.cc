@@ -1,5 +1,6 @@
 #include "worker/executor.h"
 
+#include <algorithm>
 #include <memory>
 #include <thread>
 #include <vector>
@@ -333,6 +334,116 @@ TEST_F(ExecutorTest, ACancelledStepFailsInItsTurnAndMeetsItsPeersWithTheFailure)
   ASSERT_TRUE(executor_->Cancel("session-a", {first.sequence()}).ok());
   auto next = executor_->Execute(second);
   EXPECT_TRUE(next.ok()) << next.status();
+}
+
+// Mirror collectives whose all-gathers in a step of `blocking_epoch` wait
+// (at most 10 s, then UNAVAILABLE) until that epoch is revoked, as a real
+// one waits for a peer that never comes; they record every Revoke.
+class RevocableCollectives : public MirrorCollectives {
+ public:
+  RevocableCollectives(MeshPosition position, uint64_t blocking_epoch)
+      : MirrorCollectives(std::move(position)), blocking_epoch_(blocking_epoch) {}
+  void BeginStep(uint64_t sequence, uint64_t epoch) override {
+    absl::MutexLock lock(&mu_);
+    step_epoch_ = epoch;
+  }
+  void Revoke(uint64_t epoch, const std::string& why) override {
+    absl::MutexLock lock(&mu_);
+    revokes_.push_back({epoch, why});
+    newest_ = std::max(newest_, epoch);
+  }
+  absl::StatusOr<HostTensor> AllGather(const HostTensor& local, int dim,
+                                       const std::vector<std::string>& axes) override {
+    {
+      absl::MutexLock lock(&mu_);
+      ++gathers_;
+      auto revoked = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return step_epoch_ < newest_; };
+      if (step_epoch_ == blocking_epoch_ &&
+          !mu_.AwaitWithTimeout(absl::Condition(&revoked), absl::Seconds(10))) {
+        return absl::UnavailableError("the peer never came");
+      }
+      if (revoked()) return RevokedStatus(step_epoch_, newest_, "");
+    }
+    return MirrorCollectives::AllGather(local, dim, axes);
+  }
+  bool AwaitGathers(int n, absl::Duration timeout) {
+    absl::MutexLock lock(&mu_);
+    auto reached = [this, n]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return gathers_ >= n; };
+    return mu_.AwaitWithTimeout(absl::Condition(&reached), timeout);
+  }
+  std::vector<std::pair<uint64_t, std::string>> revokes() {
+    absl::MutexLock lock(&mu_);
+    return revokes_;
+  }
+
+ private:
+  const uint64_t blocking_epoch_;
+  absl::Mutex mu_;
+  uint64_t step_epoch_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t newest_ ABSL_GUARDED_BY(mu_) = 0;
+  int gathers_ ABSL_GUARDED_BY(mu_) = 0;
+  std::vector<std::pair<uint64_t, std::string>> revokes_ ABSL_GUARDED_BY(mu_);
+};
+
+// A step of a newer epoch arriving revokes the older epochs at once, before
+// it waits for its turn: the step blocked in an older epoch's collective
+// ends now (ABORTED) instead of at its timeout, and the newer one runs.
+TEST_F(ExecutorTest, AStepOfANewerEpochEndsTheOlderStepBlockedInACollective) {
+  executor_ = std::make_unique<Executor>(backend_.get(), &store_);
+  auto collectives = std::make_unique<RevocableCollectives>(FsdpOf2(), /*blocking_epoch=*/1);
+  RevocableCollectives* fake = collectives.get();
+  executor_->Configure(FsdpOf2(), std::move(collectives), 1, "session-a");
+  auto gathered = [&](uint64_t epoch) {
+    v1::Step step = GemmStep(F32({4, 6}, 1), F32({2, 3, 4}, -1), {1, 3});
+    step.set_session("session-a");
+    step.set_epoch(epoch);
+    *step.mutable_gemm()->add_collectives() =
+        Collective(v1::PHASE_BEFORE, v1::COLLECTIVE_ALL_GATHER, v1::TENSOR_RHS, 1);
+    return step;
+  };
+  const v1::Step old_step = gathered(1), new_step = gathered(2);
+  absl::StatusOr<v1::StepResult> old_result = absl::UnknownError("not run");
+  absl::Duration old_took;
+  std::thread running([&] {
+    const absl::Time start = absl::Now();
+    old_result = executor_->Execute(old_step, absl::Now() + absl::Seconds(30));
+    old_took = absl::Now() - start;
+  });
+  ASSERT_TRUE(fake->AwaitGathers(1, absl::Seconds(5)));
+  auto new_result = executor_->Execute(new_step, absl::Now() + absl::Seconds(30));
+  running.join();
+  EXPECT_EQ(old_result.status().code(), absl::StatusCode::kAborted) << old_result.status();
+  EXPECT_LT(old_took, absl::Seconds(5)) << "ended by the newer step, not at a timeout";
+  EXPECT_TRUE(new_result.ok()) << new_result.status();
+  const auto revokes = fake->revokes();
+  EXPECT_TRUE(std::any_of(revokes.begin(), revokes.end(), [](const auto& r) { return r.first == 2; }));
+}
+
+// The coordinator's AdvanceEpoch reaches the collectives with its reason;
+// another session's, or a step of another session however new its epoch,
+// revokes nothing.
+TEST_F(ExecutorTest, AdvanceEpochRevokesWithItsReasonOnlyForThisSession) {
+  executor_ = std::make_unique<Executor>(backend_.get(), &store_);
+  auto collectives = std::make_unique<RevocableCollectives>(FsdpOf2(), /*blocking_epoch=*/0);
+  RevocableCollectives* fake = collectives.get();
+  executor_->Configure(FsdpOf2(), std::move(collectives), 1, "session-a");
+  v1::AdvanceEpochRequest advance;
+  advance.set_session("session-b");
+  advance.set_epoch(7);
+  advance.set_reason(v1::EPOCH_RANK_DOWN);
+  advance.set_rank(1);
+  EXPECT_EQ(executor_->AdvanceEpoch(advance).code(), absl::StatusCode::kFailedPrecondition);
+  v1::Step foreign = GemmStep(F32({2, 3}, 1), F32({1, 3, 2}, 1), {2});
+  foreign.set_session("session-old");
+  foreign.set_epoch(1000);
+  EXPECT_EQ(executor_->Execute(foreign).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(fake->revokes().empty());
+  advance.set_session("session-a");
+  ASSERT_TRUE(executor_->AdvanceEpoch(advance).ok());
+  const auto revokes = fake->revokes();
+  ASSERT_EQ(revokes.size(), 1u);
+  EXPECT_EQ(revokes[0].first, 7u);
+  EXPECT_EQ(revokes[0].second, "worker rank 1 is down");
 }
 
 TEST_F(ExecutorTest, AStepFarAheadOfTheOrderIsRefusedAtOnce) {

@@ -91,7 +91,8 @@ class FaultyCollectives final : public Collectives {
   absl::Status Agree(const absl::Status& local, const std::vector<std::string>& axes) override {
     return inner_->Agree(local, axes);
   }
-  void BeginStep(uint64_t sequence) override { inner_->BeginStep(sequence); }
+  void BeginStep(uint64_t sequence, uint64_t epoch) override { inner_->BeginStep(sequence, epoch); }
+  void Revoke(uint64_t epoch, const std::string& why) override { inner_->Revoke(epoch, why); }
 
  private:
   // `result` of the call, or the injected fault's error when this call takes it.

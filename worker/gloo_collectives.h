@@ -1,7 +1,10 @@
 // Collectives for the CPU backend: Gloo over TCP, one Gloo context per
-// mesh-axis group, created the first time a step needs it. Every member of a
-// group reaches that step at the same place in the global order, so lazy
-// creation lines up; rendezvous goes through the coordinator's store.
+// mesh-axis group and mesh epoch, created the first time a step of the epoch
+// needs it. Every member of a group reaches that step at the same place in
+// the global order, so lazy creation lines up; rendezvous goes through the
+// coordinator's store, whose waits end once their epoch is revoked. A revoke
+// (Collectives::Revoke) fails every pair of the older epochs' contexts: a
+// collective blocked on one ends at once, here and on its peers.
 #ifndef SHARDGEMM_WORKER_GLOO_COLLECTIVES_H_
 #define SHARDGEMM_WORKER_GLOO_COLLECTIVES_H_
 

@@ -3,6 +3,8 @@
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
+#include <algorithm>
+#include <atomic>
 #include <map>
 #include <mutex>
 #include <thread>
@@ -17,6 +19,12 @@
 
 namespace shardgemm {
 namespace {
+
+// A collective enqueued on a nonblocking communicator returns ncclInProgress
+// while NCCL enqueues it in the background (Wait then polls until it is).
+absl::Status Enqueued(ncclResult_t r, absl::string_view what) {
+  return r == ncclInProgress ? absl::OkStatus() : NcclStatus(r, what);
+}
 
 // Rows before `dim` (the product of the leading dimensions).
 int64_t Outer(const std::vector<int64_t>& shape, int dim) {
@@ -39,7 +47,12 @@ class NcclCollectives : public Collectives {
     }
   }
   ~NcclCollectives() override {
-    for (auto& [key, comm] : comms_) ncclCommDestroy(comm);
+    // Aborted, not destroyed: destroying a nonblocking communicator waits
+    // for its peers, who may be gone.
+    for (auto& [key, group] : groups_) {
+      if (group.comm != nullptr) ncclCommAbort(group.comm);
+    }
+    for (ncclComm_t comm : retired_) ncclCommAbort(comm);
     for (auto& [slot, buffer] : buffers_) cudaFree(buffer.second);
     cudaStreamDestroy(stream_);
   }
@@ -65,7 +78,7 @@ class NcclCollectives : public Collectives {
     out.bytes.resize(n * *size);
     absl::Status s =
         CudaStatus(cudaMemcpyAsync(*send, local.bytes.data(), n, cudaMemcpyHostToDevice, stream_), "upload");
-    if (s.ok()) s = NcclStatus(ncclAllGather(*send, *recv, n, ncclUint8, *comm, stream_), "ncclAllGather");
+    if (s.ok()) s = Enqueued(ncclAllGather(*send, *recv, n, ncclUint8, *comm, stream_), "ncclAllGather");
     // Wait (watching for errors) before copying back: a copy into pageable
     // memory would block until the collective finished, past any timeout.
     if (s.ok()) s = Wait(axes, *comm, stream_);
@@ -120,7 +133,9 @@ class NcclCollectives : public Collectives {
       if (!buf.ok()) return buf.status();
       gathered = *buf;
     }
-    absl::Status s = NcclStatus(ncclAllGather(send, gathered, n, ncclUint8, *comm, stream), "ncclAllGather");
+    absl::Status s = Enqueued(ncclAllGather(send, gathered, n, ncclUint8, *comm, stream), "ncclAllGather");
+    // Enqueued before the placement copies go on the stream behind it.
+    if (s.ok()) s = WaitEnqueued(axes, *comm);
     // Member i's piece is `outer` rows of `row` bytes; along `dim` they
     // interleave: row j of piece i goes to row j * size + i of the output.
     const int64_t dpitch = row * *size;
@@ -152,7 +167,7 @@ class NcclCollectives : public Collectives {
     absl::Status s =
         CudaStatus(cudaMemcpyAsync(*buf, t->bytes.data(), t->NumBytes(), cudaMemcpyHostToDevice, stream_), "upload");
     if (s.ok()) {
-      s = NcclStatus(
+      s = Enqueued(
           ncclAllReduce(*buf, *buf, t->NumElements(), type, op == ReduceOp::kSum ? ncclSum : ncclMax, *comm, stream_),
           "ncclAllReduce");
     }
@@ -200,15 +215,44 @@ class NcclCollectives : public Collectives {
                    outer, cudaMemcpyDeviceToDevice, stream_, "reduce_scatter layout");
     }
     if (s.ok())
-      s = NcclStatus(ncclReduceScatter(*buf, *out, piece / 4, ncclFloat32, ncclSum, *comm, stream_),
-                     "ncclReduceScatter");
+      s = Enqueued(ncclReduceScatter(*buf, *out, piece / 4, ncclFloat32, ncclSum, *comm, stream_),
+                   "ncclReduceScatter");
     if (s.ok()) s = Wait(axes, *comm, stream_);
     if (s.ok()) s = CudaStatus(cudaMemcpy(&mine.bytes[0], *out, piece, cudaMemcpyDeviceToHost), "download");
     if (!s.ok()) return s;
     return mine;
   }
 
-  void BeginStep(uint64_t sequence) override { step_ = sequence; }
+  void BeginStep(uint64_t sequence, uint64_t epoch) override {
+    Revoke(epoch, "");
+    std::vector<ncclComm_t> retired;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      step_epoch_ = epoch;
+      retired.swap(retired_);
+    }
+    // No step uses them now (this is the step thread, between steps).
+    for (ncclComm_t comm : retired) ncclCommAbort(comm);
+  }
+
+  // From any thread: the communicators of older epochs retire, and the step
+  // thread, polling its collective (Wait), sees the epoch and aborts the
+  // one it waits on. NCCL calls on a communicator stay on the step thread.
+  void Revoke(uint64_t epoch, const std::string& why) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (epoch < epoch_) return;
+    if (epoch == epoch_) {
+      if (why_.empty()) why_ = why;
+      return;
+    }
+    epoch_ = epoch;
+    why_ = why;
+    newest_epoch_.store(epoch);
+    for (auto& [key, group] : groups_) {
+      if (group.comm != nullptr) retired_.push_back(group.comm);
+    }
+    groups_.clear();
+  }
 
   absl::Status Agree(const absl::Status& local, const std::vector<std::string>& axes) override {
     HostTensor flag = *ZerosTensor(DType::kI32, {1});
@@ -220,38 +264,73 @@ class NcclCollectives : public Collectives {
   }
 
  private:
-  // Polls `stream` and the communicator's asynchronous error, so a peer
-  // that never arrives fails the step instead of hanging it.
+  bool Revoked() const { return step_epoch_ < newest_epoch_.load(); }
+  absl::Status RevokedNow() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return RevokedStatus(step_epoch_, epoch_, why_);
+  }
+
+  // Polls the communicator's asynchronous state and then `stream`, so a
+  // peer that never arrives, or a revoke, fails the step instead of hanging
+  // it. The stream counts only once the collective is enqueued (the state
+  // is ncclSuccess, not ncclInProgress): a nonblocking communicator enqueues
+  // in the background.
   absl::Status Wait(const std::vector<std::string>& axes, ncclComm_t comm, cudaStream_t stream) {
+    return Poll(axes, comm, stream);
+  }
+  // Only until the collective is enqueued.
+  absl::Status WaitEnqueued(const std::vector<std::string>& axes, ncclComm_t comm) {
+    return Poll(axes, comm, nullptr);
+  }
+  absl::Status Poll(const std::vector<std::string>& axes, ncclComm_t comm, cudaStream_t stream) {
     const absl::Time deadline = absl::Now() + absl::FromChrono(timeout_);
     while (true) {
-      cudaError_t e = cudaStreamQuery(stream);
-      if (e == cudaSuccess) return absl::OkStatus();
-      if (e != cudaErrorNotReady) return CudaStatus(e, "collective");
-      ncclResult_t async;
+      // First: a revoked communicator's kernels stop, and its stream then
+      // looks done.
+      if (Revoked()) {
+        Abort(axes, comm, "");
+        return RevokedNow();
+      }
+      ncclResult_t async = ncclSuccess;
       ncclCommGetAsyncError(comm, &async);
       if (async != ncclSuccess && async != ncclInProgress) {
-        Abort(axes);
-        return NcclStatus(async, "collective failed asynchronously");
+        absl::Status failed = NcclStatus(async, absl::StrCat("collective over (", absl::StrJoin(axes, ","),
+                                                            ") failed asynchronously"));
+        Abort(axes, comm, std::string(failed.message()));
+        return failed;
+      }
+      if (async == ncclSuccess) {
+        if (stream == nullptr) return absl::OkStatus();
+        cudaError_t e = cudaStreamQuery(stream);
+        if (e == cudaSuccess) return absl::OkStatus();
+        if (e != cudaErrorNotReady) return CudaStatus(e, "collective");
       }
       if (absl::Now() > deadline) {
-        Abort(axes);
-        return absl::UnavailableError(absl::StrCat("collective over (", absl::StrJoin(axes, ","),
-                                                   ") did not finish within ",
-                                                   absl::FormatDuration(absl::FromChrono(timeout_)),
-                                                   "; communicator aborted"));
+        const std::string why = absl::StrCat("collective over (", absl::StrJoin(axes, ","), ") did not finish within ",
+                                             absl::FormatDuration(absl::FromChrono(timeout_)),
+                                             "; communicator aborted");
+        Abort(axes, comm, why);
+        return absl::UnavailableError(why);
       }
       std::this_thread::sleep_for(std::chrono::microseconds(20));
     }
   }
 
-  void Abort(const std::vector<std::string>& axes) {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = comms_.find(absl::StrJoin(axes, ","));
-    if (it != comms_.end()) {
-      ncclCommAbort(it->second);
-      comms_.erase(it);
+  // Aborts `comm` (the step thread's), whichever epoch it belongs to; a
+  // group of the current epoch is then broken (`why`) until the next.
+  void Abort(const std::vector<std::string>& axes, ncclComm_t comm, const std::string& why) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = groups_.find(absl::StrJoin(axes, ","));
+      if (it != groups_.end() && it->second.comm == comm) {
+        it->second = Group{nullptr, why};
+      } else {
+        auto r = std::find(retired_.begin(), retired_.end(), comm);
+        if (r == retired_.end()) return;  // not ours (aborted already)
+        retired_.erase(r);
+      }
     }
+    ncclCommAbort(comm);
   }
 
   // A device buffer of at least `bytes`, kept between calls (slot 0 or 1).
@@ -269,6 +348,12 @@ class NcclCollectives : public Collectives {
     return ptr;
   }
 
+  // The communicator of this worker's group over `axes` in the running
+  // step's epoch (null for a group of one), built the first time the epoch
+  // needs it: the group's first member makes the id and hands it out
+  // through the exchange (keyed by group and epoch); the members join it
+  // nonblocking, polled like a collective (a member that never comes, or a
+  // revoke, ends the wait instead of hanging it).
   absl::StatusOr<ncclComm_t> Comm(const std::vector<std::string>& axes) {
     auto size = position_.GroupSize(axes);
     auto index = position_.GroupIndex(axes);
@@ -276,28 +361,61 @@ class NcclCollectives : public Collectives {
     if (!index.ok()) return index.status();
     if (*size == 1) return static_cast<ncclComm_t>(nullptr);
     const std::string key = absl::StrJoin(axes, ",");
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = comms_.find(key);
-    if (it != comms_.end()) return it->second;
-    const std::string id_key = absl::StrCat("nccl/", position_.GroupName(axes), "/", step_);
+    uint64_t epoch = 0;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (step_epoch_ < epoch_) return RevokedStatus(step_epoch_, epoch_, why_);
+      auto it = groups_.find(key);
+      if (it != groups_.end()) {
+        if (it->second.comm != nullptr) return it->second.comm;
+        return absl::UnavailableError(absl::StrCat(it->second.broken, " earlier in mesh epoch ", epoch_,
+                                                   "; the coordinator rebuilds the group's collectives in the next"));
+      }
+      epoch = step_epoch_;
+    }
+    auto broken = [&](absl::Status s) {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (step_epoch_ == epoch_) groups_[key] = Group{nullptr, std::string(s.message())};
+      return s;
+    };
+    const std::string id_key = absl::StrCat("nccl/", position_.GroupName(axes), "/", epoch);
     ncclUniqueId id;
     if (*index == 0) {
-      if (auto s = NcclStatus(ncclGetUniqueId(&id), "ncclGetUniqueId"); !s.ok()) return s;
-      if (auto s = exchange_.set(id_key, std::string(id.internal, sizeof(id.internal))); !s.ok()) return s;
+      if (auto s = NcclStatus(ncclGetUniqueId(&id), "ncclGetUniqueId"); !s.ok()) return broken(s);
+      if (auto s = exchange_.set(id_key, std::string(id.internal, sizeof(id.internal)), epoch); !s.ok()) {
+        return broken(s);
+      }
     } else {
-      auto v = exchange_.get(id_key);
-      if (!v.ok()) return v.status();
-      if (v->size() != sizeof(id.internal)) return absl::InternalError("malformed ncclUniqueId");
+      auto v = exchange_.get(id_key, epoch);
+      if (!v.ok()) return broken(v.status());
+      if (v->size() != sizeof(id.internal)) return broken(absl::InternalError("malformed ncclUniqueId"));
       std::copy(v->begin(), v->end(), id.internal);
     }
     cudaSetDevice(device_);
-    ncclComm_t comm;
-    if (auto s = NcclStatus(ncclCommInitRank(&comm, static_cast<int>(*size), id, static_cast<int>(*index)),
-                            absl::StrCat("ncclCommInitRank (", key, ")"));
+    ncclComm_t comm = nullptr;
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;
+    if (auto s = Enqueued(ncclCommInitRankConfig(&comm, static_cast<int>(*size), id, static_cast<int>(*index), &config),
+                          absl::StrCat("ncclCommInitRank (", key, ")"));
         !s.ok()) {
-      return s;
+      if (comm != nullptr) ncclCommAbort(comm);
+      return broken(s);
     }
-    comms_[key] = comm;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      retired_.push_back(comm);  // Poll aborts it from there if the join fails
+    }
+    if (auto s = WaitEnqueued(axes, comm); !s.ok()) return Revoked() ? s : broken(s);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto r = std::find(retired_.begin(), retired_.end(), comm);
+      if (r != retired_.end()) retired_.erase(r);
+      if (step_epoch_ < epoch_) {
+        retired_.push_back(comm);  // revoked just now: the next step aborts it
+        return RevokedStatus(step_epoch_, epoch_, why_);
+      }
+      groups_[key] = Group{comm, ""};
+    }
     // Every member is in the communicator: all have read the id.
     if (*index == 0 && exchange_.forget) exchange_.forget(id_key);
     return comm;
@@ -328,34 +446,61 @@ class NcclCollectives : public Collectives {
     }
     return absl::OkStatus();
   }
+  // This worker's communicator of one group in the current epoch.
+  struct Group {
+    ncclComm_t comm = nullptr;  // null once broken
+    std::string broken;         // why, once it broke: not built again this epoch
+  };
   std::mutex mu_;
-  std::map<std::string, ncclComm_t> comms_;
-  uint64_t step_ = 0;
+  uint64_t epoch_ = 0;       // the newest epoch known: a step's, or Revoke's
+  std::string why_;          // why epoch_ began (may be empty)
+  uint64_t step_epoch_ = 0;  // the running step's
+  std::atomic<uint64_t> newest_epoch_{0};  // epoch_, for Poll's loop
+  std::map<std::string, Group> groups_;    // epoch_'s, by axes
+  // Communicators of older epochs (or one still joining): aborted on the
+  // step thread, by Poll or at the next BeginStep.
+  std::vector<ncclComm_t> retired_;
   std::map<int, std::pair<int64_t, void*>> buffers_;
 };
 
 }  // namespace
 
-IdExchange CoordinatorIdExchange(std::shared_ptr<grpc::Channel> coordinator, const std::string& prefix) {
+namespace {
+
+// ABORTED (the store ended a wait of a revoked epoch) stays ABORTED; any
+// other failure to reach the store is UNAVAILABLE.
+absl::Status RendezvousStatus(absl::string_view what, const grpc::Status& s) {
+  if (s.error_code() == grpc::StatusCode::ABORTED) return absl::AbortedError(absl::StrCat(what, s.error_message()));
+  return absl::UnavailableError(absl::StrCat(what, s.error_message()));
+}
+
+}  // namespace
+
+IdExchange CoordinatorIdExchange(std::shared_ptr<grpc::Channel> coordinator, const std::string& prefix,
+                                 std::chrono::milliseconds timeout) {
   auto stub = std::shared_ptr<v1::Coordination::Stub>(v1::Coordination::NewStub(std::move(coordinator)));
   IdExchange x;
-  x.set = [stub, prefix](const std::string& key, const std::string& value) -> absl::Status {
+  x.set = [stub, prefix](const std::string& key, const std::string& value, uint64_t epoch) -> absl::Status {
     grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
     v1::StoreSetRequest request;
     request.set_key(prefix + key);
     request.set_value(value);
+    request.set_epoch(epoch);
     v1::StoreSetResponse response;
     grpc::Status s = stub->StoreSet(&ctx, request, &response);
-    return s.ok() ? absl::OkStatus() : absl::UnavailableError(s.error_message());
+    return s.ok() ? absl::OkStatus() : RendezvousStatus("rendezvous set failed: ", s);
   };
-  x.get = [stub, prefix](const std::string& key) -> absl::StatusOr<std::string> {
+  x.get = [stub, prefix, timeout](const std::string& key, uint64_t epoch) -> absl::StatusOr<std::string> {
     grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + timeout + std::chrono::seconds(5));
     v1::StoreGetRequest request;
     request.add_keys(prefix + key);
-    request.set_timeout_ms(60000);
+    request.set_timeout_ms(timeout.count());
+    request.set_epoch(epoch);
     v1::StoreGetResponse response;
     grpc::Status s = stub->StoreGet(&ctx, request, &response);
-    if (!s.ok()) return absl::UnavailableError(s.error_message());
+    if (!s.ok()) return RendezvousStatus("rendezvous get failed: ", s);
     return response.values(0);
   };
   x.forget = [stub, prefix](const std::string& key) {

@@ -31,7 +31,8 @@ class TimedCollectives final : public Collectives {
                                DType dtype, int dim, const std::vector<std::string>& axes,
                                void* stream) override;
   absl::Status Agree(const absl::Status& local, const std::vector<std::string>& axes) override;
-  void BeginStep(uint64_t sequence) override { inner_->BeginStep(sequence); }
+  void BeginStep(uint64_t sequence, uint64_t epoch) override { inner_->BeginStep(sequence, epoch); }
+  void Revoke(uint64_t epoch, const std::string& why) override { inner_->Revoke(epoch, why); }
 
  private:
   template <typename F>

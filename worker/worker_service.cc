@@ -2,6 +2,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "logging/log.h"
 #include "proto/tensor_codec.h"
 #include "proto/transport.h"
 #include "proto/grpc_status.h"
@@ -48,6 +49,20 @@ grpc::Status WorkerServiceImpl::CancelSteps(grpc::ServerContext* context, const 
   if (grpc::Status s = CheckCaller(*context); !s.ok()) return s;
   return ToGrpcStatus(executor_->Cancel(
       request->session(), std::vector<uint64_t>(request->sequences().begin(), request->sequences().end())));
+}
+
+grpc::Status WorkerServiceImpl::AdvanceEpoch(grpc::ServerContext* context, const v1::AdvanceEpochRequest* request,
+                                             v1::AdvanceEpochResponse*) {
+  if (grpc::Status s = CheckCaller(*context); !s.ok()) return s;
+  absl::Status s = executor_->AdvanceEpoch(*request);
+  if (s.ok()) {
+    logging::ProcessLogger().Log(logging::Level::kInfo, "epoch_advanced",
+                                 {{"epoch", static_cast<int64_t>(request->epoch())},
+                                  {"reason", v1::EpochReason_Name(request->reason())},
+                                  {"rank", request->rank()},
+                                  {"sequence", static_cast<int64_t>(request->sequence())}});
+  }
+  return ToGrpcStatus(s);
 }
 
 grpc::Status WorkerServiceImpl::GetShard(grpc::ServerContext* context, const v1::GetShardRequest* request,

@@ -25,6 +25,8 @@ class WorkerServiceImpl final : public v1::Worker::Service {
                        v1::StepResult* result) override;
   grpc::Status CancelSteps(grpc::ServerContext* context, const v1::CancelStepsRequest* request,
                            v1::CancelStepsResponse* response) override;
+  grpc::Status AdvanceEpoch(grpc::ServerContext* context, const v1::AdvanceEpochRequest* request,
+                            v1::AdvanceEpochResponse* response) override;
   grpc::Status GetShard(grpc::ServerContext* context, const v1::GetShardRequest* request,
                         v1::LocalTensor* shard) override;
   grpc::Status PutShard(grpc::ServerContext* context, const v1::PutShardRequest* request,

@@ -232,13 +232,13 @@ IdExchange InProcessIdExchange(std::chrono::seconds timeout) {
   };
   auto store = std::make_shared<Store>();
   IdExchange x;
-  x.set = [store](const std::string& key, const std::string& value) {
+  x.set = [store](const std::string& key, const std::string& value, uint64_t) {
     std::lock_guard<std::mutex> lock(store->mu);
     store->values[key] = value;
     store->cv.notify_all();
     return absl::OkStatus();
   };
-  x.get = [store, timeout](const std::string& key) -> absl::StatusOr<std::string> {
+  x.get = [store, timeout](const std::string& key, uint64_t) -> absl::StatusOr<std::string> {
     std::unique_lock<std::mutex> lock(store->mu);
     if (!store->cv.wait_for(lock, timeout, [&] { return store->values.count(key) > 0; })) {
       return absl::DeadlineExceededError(absl::StrCat("no value for '", key, "'"));
