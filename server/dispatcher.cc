@@ -338,9 +338,10 @@ void PendingDispatch::Answer(size_t rank, absl::StatusOr<v1::StepResult> result)
     return;
   }
   if (finished_) {
-    // The caller has its answer; this one only decides the epoch.
+    // The caller has its answer; this one only decides the epoch (its
+    // status is kept, not its tensors).
     const absl::StatusCode code = result.status().code();
-    results_[rank] = std::move(result);
+    results_[rank] = result.ok() ? absl::StatusOr<v1::StepResult>(v1::StepResult()) : result.status();
     ++answered_;
     absl::optional<v1::AdvanceEpochRequest> advance;
     if (MayLeaveCollectivesHalfDone(code)) {
