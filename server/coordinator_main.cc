@@ -7,6 +7,7 @@
 
 #include "absl/flags/flag.h"
 #include "absl/strings/match.h"
+#include "absl/time/time.h"
 #include "gperftools/malloc_extension.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
@@ -38,9 +39,10 @@ ABSL_FLAG(std::string, roles, "",
           "which axis plays dp/fsdp/ep/tp, e.g. 'dp=data,ep=expert'; axes named dp, fsdp, ep, "
           "tp play their own role by default");
 
-ABSL_FLAG(double, step_timeout_s, 120,
+ABSL_FLAG(absl::Duration, step_timeout, absl::Seconds(120),
           "the longest a request's steps may take on the workers (queueing included) when the "
-          "client sets no earlier deadline");
+          "client sets no earlier deadline, as an absl duration (5s, 1m30s, 500ms)");
+ABSL_FLAG(double, step_timeout_s, 0, "the same in seconds (kept for older scripts; 0: --step_timeout decides)");
 
 ABSL_FLAG(std::string, tls_dir, "",
           "certificates (ca.crt, coordinator.crt, coordinator.key; tools/make_certs.sh makes them): TLS "
@@ -110,12 +112,15 @@ int Run() {
     std::cerr << "shardgemm-coordinator: --mesh/--roles: " << mesh.status().message() << "\n";
     return 2;
   }
-  if (!(absl::GetFlag(FLAGS_step_timeout_s) > 0)) {
-    std::cerr << "shardgemm-coordinator: --step_timeout_s must be positive\n";
+  const absl::Duration step_timeout = absl::GetFlag(FLAGS_step_timeout_s) != 0
+                                         ? absl::Seconds(absl::GetFlag(FLAGS_step_timeout_s))
+                                         : absl::GetFlag(FLAGS_step_timeout);
+  if (!(step_timeout > absl::ZeroDuration())) {
+    std::cerr << "shardgemm-coordinator: --step_timeout (or --step_timeout_s) must be positive\n";
     return 2;
   }
   CoordinatorOptions options;
-  options.step_timeout = absl::Seconds(absl::GetFlag(FLAGS_step_timeout_s));
+  options.step_timeout = step_timeout;
   options.max_tensors_per_tenant = absl::GetFlag(FLAGS_max_tensors_per_tenant);
   if (!(absl::GetFlag(FLAGS_heartbeat_interval_s) >= 0) || absl::GetFlag(FLAGS_heartbeat_misses) < 1) {
     std::cerr << "shardgemm-coordinator: --heartbeat_interval_s must be >= 0 and --heartbeat_misses >= 1\n";

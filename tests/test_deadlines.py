@@ -1,5 +1,5 @@
 """Every request's steps carry a deadline (the client's, or the server's
---step_timeout_s): a frozen worker fails a request in time instead of holding
+--step_timeout, an absl duration): a frozen worker fails a request in time instead of holding
 it, and the mesh serves the next request once the worker is back."""
 import os
 import signal
@@ -31,7 +31,7 @@ def _reference(lhs, rhs, sizes):
 
 
 def test_frozen_worker_fails_requests_by_their_deadline_and_the_mesh_recovers(cluster_factory):
-    c = cluster_factory(mesh="dp=2", workers=2, coordinator_flags=["--step_timeout_s=3"])
+    c = cluster_factory(mesh="dp=2", workers=2, coordinator_flags=["--step_timeout=3s"])
     client = c.client
     lhs = rng.standard_normal((64, 32)).astype(np.float32)
     rhs = rng.standard_normal((2, 32, 16)).astype(np.float32)
@@ -139,3 +139,14 @@ def test_the_request_after_an_expired_large_gemm_is_not_held_by_it(cluster_facto
           f"{', '.join(f'{t * 1e3:.2f}' for t in after)} ms (p50 {np.median(after) * 1e3:.2f})")
     assert float(np.median(after)) <= 1.5 * idle + 0.010, (idle, after)
     assert "big_y" not in {t.name for t in client.list()}
+
+
+@pytest.mark.parametrize("flag", ["--step_timeout=soon", "--step_timeout=-1s", "--step_timeout=0s",
+                                  "--step_timeout_s=-2"])
+def test_the_coordinator_refuses_a_step_timeout_that_is_no_positive_duration(flag):
+    import subprocess
+    from conftest import BIN
+    r = subprocess.run([os.path.join(BIN, "shardgemm-coordinator"), "--insecure", "--mesh=dp=1",
+                        "--listen=127.0.0.1:0", flag], capture_output=True, text=True, timeout=30)
+    assert r.returncode != 0
+    assert "step_timeout" in r.stderr, r.stderr
