@@ -215,6 +215,16 @@ absl::StatusOr<v1::StepResult> Executor::Execute(v1::Step step, absl::Time deadl
   return result;
 }
 
+absl::Status Executor::WhyStopped(absl::Status s) const {
+  // A backend that stopped (LocalGemm::stop) says CANCELLED; past the
+  // deadline and not cancelled, it is the deadline that stopped it.
+  if (s.code() != absl::StatusCode::kCancelled || running_step_cancelled_.load(std::memory_order_relaxed) ||
+      absl::Now() < step_deadline_) {
+    return s;
+  }
+  return absl::DeadlineExceededError(absl::StrCat("the step's deadline passed during it: ", s.message()));
+}
+
 absl::Status Executor::CancelledStatus() const {
   if (!step_cancelled_) return absl::OkStatus();
   return absl::CancelledError("the request was cancelled or expired before this step ran");
@@ -874,7 +884,7 @@ absl::StatusOr<v1::StepResult> Executor::RunGemm(v1::GemmStep& gemm) {
       backend_->KeepsOutputsOnDevice()) {
     local.keep_on_device = true;
     auto kept = TimeKernel([&] { return backend_->GroupedGemmToShard(local); });
-    if (!kept.ok()) return kept.status();
+    if (!kept.ok()) return WhyStopped(kept.status());
     v1::StepResult result;
     v1::LocalTensor* info = result.mutable_out();
     info->set_dtype(DTypeToProto(kept->dtype));
@@ -885,6 +895,7 @@ absl::StatusOr<v1::StepResult> Executor::RunGemm(v1::GemmStep& gemm) {
     return result;
   }
   absl::StatusOr<HostTensor> out = TimeKernel([&] { return backend_->GroupedGemm(local); });
+  if (!out.ok()) out = WhyStopped(out.status());
   // A step whose only communication comes after its GEMM agrees after it
   // (fused into its all-reduce where it can), so a GEMM that fails on one
   // worker fails the step everywhere.

@@ -70,6 +70,7 @@ class Executor {
                            const std::string& session);
   void PassTurn();
   // CANCELLED when the running step was cancelled before it started.
+  absl::Status WhyStopped(absl::Status s) const;
   absl::Status CancelledStatus() const;
   absl::StatusOr<v1::StepResult> RunGemm(v1::GemmStep& gemm);
   absl::StatusOr<HostTensor> ApplyCollective(const v1::CollectivePlan& c, const HostTensor& t);
