@@ -3,6 +3,7 @@
 #include <deque>
 #include <memory>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -149,36 +150,35 @@ class GrpcWorkerChannel : public WorkerChannel {
     ChannelCore::Send(core_, std::move(step), deadline, std::move(done));
   }
 
-  void CancelSteps(const v1::CancelStepsRequest& request, absl::Time deadline) override {
+  // A call whose answer nobody waits for (a cancel, an epoch notice): sent
+  // with its deadline, its state freed when gRPC is done with it.
+  template <typename Response, typename Request, typename Start>
+  void Notify(const Request& request, absl::Time deadline, Start start) {
     struct Call {
       grpc::ClientContext ctx;
-      v1::CancelStepsRequest request;
-      v1::CancelStepsResponse response;
+      Request request;
+      Response response;
     };
     auto* call = new Call;
     call->request = request;
     call->ctx.set_deadline(ToGrpcDeadline(deadline));
-    core_->stub->async()->CancelSteps(&call->ctx, &call->request, &call->response,
-                                      [call, core = core_](grpc::Status) mutable {
-                                        delete call;
-                                        ChannelReaper::Hand(std::move(core));
-                                      });
+    start(core_->stub->async(), &call->ctx, &call->request, &call->response,
+          [call, core = core_](grpc::Status) mutable {
+            delete call;
+            ChannelReaper::Hand(std::move(core));
+          });
+  }
+
+  void CancelSteps(const v1::CancelStepsRequest& request, absl::Time deadline) override {
+    Notify<v1::CancelStepsResponse>(request, deadline, [](auto* async, auto&&... args) {
+      async->CancelSteps(std::forward<decltype(args)>(args)...);
+    });
   }
 
   void AdvanceEpoch(const v1::AdvanceEpochRequest& request, absl::Time deadline) override {
-    struct Call {
-      grpc::ClientContext ctx;
-      v1::AdvanceEpochRequest request;
-      v1::AdvanceEpochResponse response;
-    };
-    auto* call = new Call;
-    call->request = request;
-    call->ctx.set_deadline(ToGrpcDeadline(deadline));
-    core_->stub->async()->AdvanceEpoch(&call->ctx, &call->request, &call->response,
-                                       [call, core = core_](grpc::Status) mutable {
-                                         delete call;
-                                         ChannelReaper::Hand(std::move(core));
-                                       });
+    Notify<v1::AdvanceEpochResponse>(request, deadline, [](auto* async, auto&&... args) {
+      async->AdvanceEpoch(std::forward<decltype(args)>(args)...);
+    });
   }
 
   absl::StatusOr<v1::LocalTensor> GetShard(const std::string& name, absl::Time deadline) override {
