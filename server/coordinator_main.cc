@@ -22,6 +22,8 @@
 #include "security/tokens.h"
 #include "server/coordinator.h"
 #include "server/request_observer.h"
+#include "platform/busy_poll.h"
+#include "platform/busy_poll_flags.h"
 #include "proto/transport.h"
 #include "server/service.h"
 
@@ -166,7 +168,14 @@ int Run() {
     }
     exporter = std::move(*started);
   }
+  auto busy_poll = platform::BusyPollOptionsFromFlags();
+  if (!busy_poll.ok()) {
+    std::cerr << "shardgemm-coordinator: " << busy_poll.status().message() << "\n";
+    return 2;
+  }
+  platform::BusyPoller busy_poller(*busy_poll);
   ShardGemmService service(&coordinator, &observer, tokens.get(), absl::GetFlag(FLAGS_max_requests_per_tenant));
+  service.SetBusyPoller(&busy_poller);
   // A large request's buffers (a put's blocks, a get's tensor) go back to
   // the system once freed; small requests leave the allocator's cache alone.
   service.SetFreeMemoryReleaser([] {

@@ -127,6 +127,7 @@ grpc::ServerUnaryReactor* ShardGemmService::GroupedGemm(grpc::CallbackServerCont
                                                         const v1::GroupedGemmRequest* request,
                                                         v1::GroupedGemmResponse* response) {
   auto* reactor = new CancellableReactor;
+  auto busy = std::make_shared<platform::BusyPoller::Activity>(platform::BusyPoller::BusyIfOn(busy_poller_));
   RequestRecord record = Begin(RequestOp::kGroupedGemm, context);
   record.tensor = request->keep_output_as();
   if (grpc::Status a = Authenticate(*context, &record, security::Grant::kCompute); !a.ok()) {
@@ -145,7 +146,7 @@ grpc::ServerUnaryReactor* ShardGemmService::GroupedGemm(grpc::CallbackServerCont
   std::shared_ptr<Slot> held(std::move(*slot));
   coordinator_->GroupedGemmAsync(
       *request, DeadlineOf(context), std::move(call),
-      [this, reactor, response, record, held](absl::StatusOr<v1::GroupedGemmResponse> r) mutable {
+      [this, reactor, response, record, held, busy](absl::StatusOr<v1::GroupedGemmResponse> r) mutable {
         held.reset();  // the tenant's slot is free before the client hears back
         if (!r.ok()) {
           reactor->Finish(Finish(record, ToGrpcStatus(r.status())));
@@ -166,6 +167,7 @@ grpc::ServerUnaryReactor* ShardGemmService::GroupedGemm(grpc::CallbackServerCont
 grpc::Status ShardGemmService::GroupedQuantize(grpc::ServerContext* context,
                                                const v1::GroupedQuantizeRequest* request,
                                                v1::GroupedQuantizeResponse* response) {
+  platform::BusyPoller::Activity busy = platform::BusyPoller::BusyIfOn(busy_poller_);
   RequestRecord record = Begin(RequestOp::kGroupedQuantize, context);
   if (grpc::Status a = Authenticate(*context, &record, security::Grant::kCompute); !a.ok()) {
     return Finish(record, std::move(a));

@@ -9,6 +9,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/synchronization/mutex.h"
 #include "proto/shardgemm.grpc.pb.h"
+#include "platform/busy_poll.h"
 #include "server/coordinator.h"
 #include "server/rendezvous_store.h"
 #include "security/tls.h"
@@ -38,6 +39,10 @@ class ShardGemmService final
   // the system when there are many (the main's choice): without it a 1 GiB
   // put leaves the process several GiB larger for good. Null: never.
   void SetFreeMemoryReleaser(std::function<void()> release) { release_free_memory_ = std::move(release); }
+
+  // Keeps the process's cores busy while a GEMM or quantize request is in
+  // flight (--busy_poll). Null: never. Set before the server starts.
+  void SetBusyPoller(platform::BusyPoller* poller) { busy_poller_ = poller; }
 
   grpc::Status GetClusterInfo(grpc::ServerContext*, const v1::ClusterInfoRequest*,
                               v1::ClusterInfo*) override;
@@ -81,6 +86,7 @@ class ShardGemmService final
   security::TokenFile* tokens_;
   const int max_requests_per_tenant_;
   std::function<void()> release_free_memory_;
+  platform::BusyPoller* busy_poller_ = nullptr;
   absl::Mutex slots_mu_;
   absl::flat_hash_map<std::string, int> running_ ABSL_GUARDED_BY(slots_mu_);
 };

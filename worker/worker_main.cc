@@ -36,6 +36,8 @@
 #include "proto/grpc_status.h"
 #include "worker/step_observer.h"
 #include "worker/worker_service.h"
+#include "platform/busy_poll.h"
+#include "platform/busy_poll_flags.h"
 
 ABSL_FLAG(std::string, cpus, "",
           "pin the process to these CPUs (a list such as 2, 2-3 or 0,4-7; empty: wherever the OS puts it): on a VM "
@@ -283,7 +285,14 @@ int Run() {
     }
     exporter = std::move(*started);
   }
+  auto busy_poll = platform::BusyPollOptionsFromFlags();
+  if (!busy_poll.ok()) {
+    std::cerr << "shardgemm-worker: " << busy_poll.status().message() << "\n";
+    return 2;
+  }
+  platform::BusyPoller busy_poller(*busy_poll);
   WorkerServiceImpl service(&executor, &store, backend->get(), &observer, &*transport);
+  service.SetBusyPoller(&busy_poller);
   // A lost CUDA context is for the process: report NOT_SERVING and exit, for
   // the supervisor to start a fresh worker (the coordinator marks the rank
   // down when its heartbeats fail).

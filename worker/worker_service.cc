@@ -29,6 +29,7 @@ grpc::Status WorkerServiceImpl::CheckDevice() {
 
 grpc::Status WorkerServiceImpl::Execute(grpc::ServerContext* context, const v1::Step* step,
                                         v1::StepResult* result) {
+  const platform::BusyPoller::Activity busy = platform::BusyPoller::BusyIfOn(busy_poller_);
   if (grpc::Status s = CheckCaller(*context); !s.ok()) return s;
   if (grpc::Status s = CheckDevice(); !s.ok()) return s;
   const absl::Time start = absl::Now();

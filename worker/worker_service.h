@@ -5,6 +5,7 @@
 #include <functional>
 #include <mutex>
 
+#include "platform/busy_poll.h"
 #include "proto/shardgemm.grpc.pb.h"
 #include "worker/executor.h"
 #include "security/tls.h"
@@ -40,6 +41,10 @@ class WorkerServiceImpl final : public v1::Worker::Service {
   // heartbeat (Status) are UNAVAILABLE. Set before the server starts.
   void OnDeviceLost(std::function<void(const absl::Status&)> handler) { on_device_lost_ = std::move(handler); }
 
+  // Keeps the process's cores busy while a step is in flight (--busy_poll).
+  // Null: never. Set before the server starts.
+  void SetBusyPoller(platform::BusyPoller* poller) { busy_poller_ = poller; }
+
  private:
   Executor* executor_;
   ShardStore* store_;
@@ -53,6 +58,7 @@ class WorkerServiceImpl final : public v1::Worker::Service {
   StepObserver* observer_;
   const security::Transport* transport_;
   std::function<void(const absl::Status&)> on_device_lost_;
+  platform::BusyPoller* busy_poller_ = nullptr;
   std::once_flag device_lost_once_;
 };
 
