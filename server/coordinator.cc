@@ -594,6 +594,7 @@ struct Coordinator::GemmCall {
   explicit GemmCall(Coordinator* coordinator) : guard{coordinator, {}} {}
   const v1::GroupedGemmRequest* request = nullptr;  // the caller's: outlives the call
   absl::Time start;
+  absl::Time dispatched, answered;  // the steps sent, the last answer back
   absl::Time deadline;
   CallContext call;
   PinGuard guard;  // the resident operands, pinned until the call is done
@@ -1536,6 +1537,37 @@ absl::StatusOr<std::shared_ptr<Coordinator::GemmCall>> Coordinator::PrepareGroup
   return c;
 }
 
+namespace {
+
+// `start`: the request's arrival; `dispatched` / `answered`: its steps sent,
+// the last answer back; `done`: its response made.
+void SetPhases(absl::Time start, absl::Time dispatched, absl::Time answered, absl::Time done,
+               const std::vector<v1::StepResult>& results, v1::RequestPhases* phases) {
+  const v1::StepResult* slowest = nullptr;
+  for (const v1::StepResult& r : results) {
+    if (slowest == nullptr ||
+        r.queue_seconds() + r.compute_seconds() > slowest->queue_seconds() + slowest->compute_seconds()) {
+      slowest = &r;
+    }
+  }
+  const double round_trip = absl::ToDoubleSeconds(answered - dispatched);
+  phases->set_plan_seconds(absl::ToDoubleSeconds(dispatched - start));
+  phases->set_assemble_seconds(absl::ToDoubleSeconds(done - answered));
+  if (slowest == nullptr) {
+    phases->set_transport_seconds(round_trip);
+    return;
+  }
+  phases->set_queue_seconds(slowest->queue_seconds());
+  phases->set_kernel_seconds(slowest->kernel_seconds());
+  phases->set_collective_seconds(slowest->collective_seconds());
+  phases->set_transfer_seconds(
+      std::max(0.0, slowest->compute_seconds() - slowest->kernel_seconds() - slowest->collective_seconds()));
+  phases->set_transport_seconds(
+      std::max(0.0, round_trip - slowest->queue_seconds() - slowest->compute_seconds()));
+}
+
+}  // namespace
+
 absl::StatusOr<v1::GroupedGemmResponse> Coordinator::CompleteGroupedGemm(
     GemmCall& c, absl::StatusOr<std::vector<v1::StepResult>> results) {
   const v1::GroupedGemmRequest& request = *c.request;
@@ -1616,7 +1648,9 @@ absl::StatusOr<v1::GroupedGemmResponse> Coordinator::CompleteGroupedGemm(
   response.set_worker_seconds(worker_seconds);
   response.set_host_to_device_bytes(h2d);
   response.set_device_to_host_bytes(d2h);
-  response.set_server_seconds(absl::ToDoubleSeconds(absl::Now() - c.start));
+  const absl::Time done = absl::Now();
+  response.set_server_seconds(absl::ToDoubleSeconds(done - c.start));
+  SetPhases(c.start, c.dispatched, c.answered, done, *results, response.mutable_phases());
   return response;
 }
 
@@ -1631,8 +1665,10 @@ void Coordinator::StartGroupedGemmPerShard(const v1::GroupedGemmRequest& request
   }
   std::shared_ptr<GemmCall> c = std::move(*prepared);
   std::vector<v1::Step> steps = std::move(c->steps);
+  c->dispatched = absl::Now();
   DispatchThen(std::move(steps), StepDeadline(deadline), c->call,
                [this, c, done = std::move(done)](absl::StatusOr<std::vector<v1::StepResult>> results) {
+                 c->answered = absl::Now();
                  size_t out_bytes = 0;
                  if (results.ok()) {
                    for (const v1::StepResult& r : *results) out_bytes += r.out().data().size();

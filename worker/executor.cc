@@ -175,9 +175,11 @@ absl::StatusOr<v1::StepResult> Executor::Execute(v1::Step step, absl::Time deadl
   // Before waiting: a step running now of an older epoch ends at once, and
   // an older step this worker is yet to run will not communicate.
   LearnEpoch(step.session(), step.epoch(), "");
+  const absl::Time arrived = absl::Now();
   if (auto s = WaitForTurn(step.sequence(), step.oldest_live_sequence(), deadline, step.session()); !s.ok()) {
     return s;
   }
+  const absl::Time turn = absl::Now();
   // Shards the coordinator retired since the last step (a missing one was
   // never stored here, e.g. by a put that failed on this worker).
   for (const std::string& name : step.release_shards()) (void)store_->Delete(name);
@@ -212,6 +214,7 @@ absl::StatusOr<v1::StepResult> Executor::Execute(v1::Step step, absl::Time deadl
       result = absl::UnimplementedError("this worker does not run that kind of step");
   }
   PassTurn();
+  if (result.ok()) result->set_queue_seconds(absl::ToDoubleSeconds(turn - arrived));
   return result;
 }
 
