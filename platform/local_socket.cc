@@ -1,6 +1,9 @@
 #include "platform/local_socket.h"
 
+#include <dirent.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -10,7 +13,9 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/match.h"
 #include "absl/strings/strip.h"
+#include "absl/time/clock.h"
 
 namespace shardgemm::platform {
 
@@ -69,6 +74,85 @@ void PrivateSocketDir::Remove() {
   rmdir(dir_.c_str());
   dir_.clear();
   socket_path_.clear();
+}
+
+namespace {
+
+constexpr char kDirPrefix[] = "shardgemm-";
+constexpr size_t kDirSuffixLength = 6;  // mkdtemp's XXXXXX
+
+bool OlderThan(const struct stat& st, absl::Duration age) {
+  return absl::Now() - absl::FromUnixSeconds(st.st_mtime) > age &&
+         absl::Now() - absl::FromUnixSeconds(st.st_ctime) > age;
+}
+
+// Whether a connect to the socket at `path` is refused: nothing listens.
+bool NothingListens(const std::string& path) {
+  // Non-blocking: a full backlog (a stopped server) answers EAGAIN at once.
+  const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  if (fd < 0) return false;
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  if (path.size() >= sizeof(addr.sun_path)) {
+    close(fd);
+    return false;
+  }
+  std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
+  const bool refused = connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 && errno == ECONNREFUSED;
+  close(fd);
+  return refused;
+}
+
+}  // namespace
+
+int RemoveStaleSocketDirs(const std::string& parent, const std::string& socket_name, absl::Duration min_age) {
+  const std::string root = parent.empty() ? "/tmp" : parent;
+  DIR* d = opendir(root.c_str());
+  if (d == nullptr) return 0;
+  std::vector<std::string> candidates;
+  while (const dirent* e = readdir(d)) {
+    const absl::string_view name = e->d_name;
+    if (absl::StartsWith(name, kDirPrefix) && name.size() == sizeof(kDirPrefix) - 1 + kDirSuffixLength) {
+      candidates.emplace_back(name);
+    }
+  }
+  closedir(d);
+  int removed = 0;
+  for (const std::string& name : candidates) {
+    const std::string dir = absl::StrCat(root, "/", name);
+    struct stat st;
+    if (lstat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode) || st.st_uid != geteuid() ||
+        (st.st_mode & 07777) != 0700) {
+      continue;
+    }
+    DIR* inner = opendir(dir.c_str());
+    if (inner == nullptr) continue;
+    bool only_the_socket = true, has_socket = false;
+    while (const dirent* e = readdir(inner)) {
+      const absl::string_view entry = e->d_name;
+      if (entry == "." || entry == "..") continue;
+      if (entry == socket_name) {
+        has_socket = true;
+      } else {
+        only_the_socket = false;
+      }
+    }
+    closedir(inner);
+    if (!only_the_socket) continue;
+    if (has_socket) {
+      const std::string socket_path = absl::StrCat(dir, "/", socket_name);
+      struct stat sock;
+      if (lstat(socket_path.c_str(), &sock) != 0 || !S_ISSOCK(sock.st_mode) || sock.st_uid != geteuid() ||
+          !OlderThan(sock, min_age) || !NothingListens(socket_path)) {
+        continue;
+      }
+      if (unlink(socket_path.c_str()) != 0) continue;
+    } else if (!OlderThan(st, min_age)) {
+      continue;  // a server between making its directory and binding
+    }
+    if (rmdir(dir.c_str()) == 0) ++removed;
+  }
+  return removed;
 }
 
 absl::StatusOr<uint64_t> SocketInode(const std::string& path) {

@@ -10,6 +10,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 
 namespace shardgemm::platform {
 
@@ -39,6 +40,14 @@ class PrivateSocketDir {
   std::string dir_;
   std::string socket_path_;
 };
+
+// Removes the directories PrivateSocketDir made under `parent` for
+// `socket_name` that a process killed before it could remove them left
+// behind: owned by this user, mode 0700, holding nothing but that socket,
+// which nothing listens on (a connect is refused) and which is older than
+// `min_age` (a live server binds and listens within moments); or empty and
+// older than `min_age`. Anything else is left alone. Returns how many went.
+int RemoveStaleSocketDirs(const std::string& parent, const std::string& socket_name, absl::Duration min_age);
 
 // The inode of the socket at `path`: FAILED_PRECONDITION when there is none,
 // or it is not a socket.

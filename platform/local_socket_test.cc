@@ -7,6 +7,7 @@
 
 #include <cstring>
 #include <fstream>
+#include <string>
 
 #include "gtest/gtest.h"
 
@@ -83,6 +84,64 @@ TEST(LocalSocketTest, AcceptsOnlyTheDescribedSocketOnThisHost) {
   EXPECT_FALSE(SocketInode(file).ok());
   unlink(file.c_str());
   close(fd);
+}
+
+// A directory as PrivateSocketDir makes them, under `parent`.
+std::string MakeSocketDir(const std::string& parent, const std::string& suffix) {
+  const std::string dir = parent + "/shardgemm-" + suffix;
+  EXPECT_EQ(mkdir(dir.c_str(), 0700), 0) << dir;
+  return dir;
+}
+
+bool Exists(const std::string& path) {
+  struct stat st;
+  return lstat(path.c_str(), &st) == 0;
+}
+
+TEST(LocalSocketTest, RemovesOnlyTheDirectoriesOfSocketsNothingListensOn) {
+  char templ[] = "/tmp/stale_socket_test_XXXXXX";
+  ASSERT_NE(mkdtemp(templ), nullptr);
+  const std::string parent = templ;
+  // A killed server's: its socket bound, nothing listening.
+  const std::string stale = MakeSocketDir(parent, "aaaaaa");
+  int fd = BindUnixSocket(stale + "/worker.sock");
+  ASSERT_GE(fd, 0);
+  close(fd);
+  // A live server's: listening.
+  const std::string live = MakeSocketDir(parent, "bbbbbb");
+  const int listening = BindUnixSocket(live + "/worker.sock");
+  ASSERT_GE(listening, 0);
+  ASSERT_EQ(listen(listening, 4), 0);
+  // Something else beside a dead socket: not ours to judge.
+  const std::string other = MakeSocketDir(parent, "cccccc");
+  fd = BindUnixSocket(other + "/worker.sock");
+  ASSERT_GE(fd, 0);
+  close(fd);
+  std::ofstream(other + "/notes.txt") << "keep";
+  // Another name, or another socket name: left alone.
+  const std::string foreign = parent + "/shardgemm-data";
+  ASSERT_EQ(mkdir(foreign.c_str(), 0700), 0);
+  const std::string other_socket = MakeSocketDir(parent, "dddddd");
+  fd = BindUnixSocket(other_socket + "/client.sock");
+  ASSERT_GE(fd, 0);
+  close(fd);
+  // An empty one (a server killed between mkdtemp and bind).
+  const std::string empty = MakeSocketDir(parent, "eeeeee");
+
+  // Too young: a server may be between binding and listening.
+  EXPECT_EQ(RemoveStaleSocketDirs(parent, "worker.sock", absl::Hours(1)), 0);
+  EXPECT_TRUE(Exists(stale));
+  EXPECT_TRUE(Exists(empty));
+
+  EXPECT_EQ(RemoveStaleSocketDirs(parent, "worker.sock", absl::ZeroDuration()), 2);
+  EXPECT_FALSE(Exists(stale));
+  EXPECT_FALSE(Exists(empty));
+  EXPECT_TRUE(Exists(live + "/worker.sock"));
+  EXPECT_TRUE(Exists(other + "/worker.sock"));
+  EXPECT_TRUE(Exists(foreign));
+  EXPECT_TRUE(Exists(other_socket + "/client.sock"));
+  close(listening);
+  EXPECT_EQ(RemoveStaleSocketDirs("/nonexistent/parent", "worker.sock", absl::ZeroDuration()), 0);
 }
 
 }  // namespace

@@ -327,8 +327,13 @@ int Run() {
   std::optional<platform::PrivateSocketDir> socket_dir;
   if (absl::GetFlag(FLAGS_local_socket)) {
     const char* tmpdir = std::getenv("TMPDIR");
-    auto made = platform::PrivateSocketDir::Create(tmpdir != nullptr && *tmpdir != '\0' ? tmpdir : "/tmp",
-                                                   "worker.sock");
+    const std::string socket_parent = tmpdir != nullptr && *tmpdir != '\0' ? tmpdir : "/tmp";
+    // Killed workers' directories (SIGKILL leaves no time to remove them).
+    if (const int removed = platform::RemoveStaleSocketDirs(socket_parent, "worker.sock", absl::Seconds(30));
+        removed > 0) {
+      logging::ProcessLogger().Log(logging::Level::kInfo, "stale_local_sockets_removed", {{"count", removed}});
+    }
+    auto made = platform::PrivateSocketDir::Create(socket_parent, "worker.sock");
     if (made.ok()) {
       socket_dir = std::move(*made);
       builder.AddListeningPort(absl::StrCat("unix:", socket_dir->socket_path()), transport->LocalServerCredentials());
