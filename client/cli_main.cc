@@ -230,7 +230,8 @@ v1::Compat CompatFlag() {
 }
 
 int Cluster() {
-  ShardGemmClient client(absl::GetFlag(FLAGS_coordinator), ClientCredentialsFromFlags("shardgemm"));
+  ShardGemmClient client(absl::GetFlag(FLAGS_coordinator), ClientCredentialsFromFlags("shardgemm"),
+                         ClientMaxMessageBytesFromFlags("shardgemm"));
   client.set_request_id(absl::GetFlag(FLAGS_request_id));
   auto info = client.ClusterInfo();
   if (!info.ok()) return Fail(info.status());
@@ -305,7 +306,8 @@ int PlanCommand() {
     PrintPlan(proto);
     return 0;
   }
-  ShardGemmClient client(absl::GetFlag(FLAGS_coordinator), ClientCredentialsFromFlags("shardgemm"));
+  ShardGemmClient client(absl::GetFlag(FLAGS_coordinator), ClientCredentialsFromFlags("shardgemm"),
+                         ClientMaxMessageBytesFromFlags("shardgemm"));
   client.set_request_id(absl::GetFlag(FLAGS_request_id));
   auto plan = client.Plan(request);
   if (!plan.ok()) return Fail(plan.status());
@@ -406,7 +408,8 @@ int Gemm() {
   ops.ragged_k = request.ragged() == v1::GroupedGemmRequest::RAGGED_K;
   ops.rhs_transposed = request.rhs_transposed();
 
-  ShardGemmClient client(absl::GetFlag(FLAGS_coordinator), ClientCredentialsFromFlags("shardgemm"));
+  ShardGemmClient client(absl::GetFlag(FLAGS_coordinator), ClientCredentialsFromFlags("shardgemm"),
+                         ClientMaxMessageBytesFromFlags("shardgemm"));
   client.set_request_id(absl::GetFlag(FLAGS_request_id));
   const absl::Time start = absl::Now();
   auto response = client.GroupedGemm(request);
@@ -666,7 +669,8 @@ int Quantize() {
   if (keeping && absl::GetFlag(FLAGS_check)) {
     return Fail(absl::InvalidArgumentError("--check reads the returned outputs: drop --keep_data_as/--keep_scale_as"));
   }
-  ShardGemmClient client(absl::GetFlag(FLAGS_coordinator), ClientCredentialsFromFlags("shardgemm"));
+  ShardGemmClient client(absl::GetFlag(FLAGS_coordinator), ClientCredentialsFromFlags("shardgemm"),
+                         ClientMaxMessageBytesFromFlags("shardgemm"));
   client.set_request_id(absl::GetFlag(FLAGS_request_id));
   auto r = client.GroupedQuantize(request);
   if (!r.ok()) return Fail(r.status());
@@ -737,7 +741,8 @@ int Put(const std::string& name) {
     t = RandomTensor(*dtype, *shape, absl::GetFlag(FLAGS_seed));
   }
   if (!t.ok()) return Fail(t.status());
-  ShardGemmClient client(absl::GetFlag(FLAGS_coordinator), ClientCredentialsFromFlags("shardgemm"));
+  ShardGemmClient client(absl::GetFlag(FLAGS_coordinator), ClientCredentialsFromFlags("shardgemm"),
+                         ClientMaxMessageBytesFromFlags("shardgemm"));
   client.set_request_id(absl::GetFlag(FLAGS_request_id));
   auto r = client.PutTensor(name, *t, absl::GetFlag(FLAGS_spec), absl::GetFlag(FLAGS_overwrite));
   if (!r.ok()) return Fail(r.status());
@@ -748,7 +753,8 @@ int Put(const std::string& name) {
 }
 
 int Get(const std::string& name) {
-  ShardGemmClient client(absl::GetFlag(FLAGS_coordinator), ClientCredentialsFromFlags("shardgemm"));
+  ShardGemmClient client(absl::GetFlag(FLAGS_coordinator), ClientCredentialsFromFlags("shardgemm"),
+                         ClientMaxMessageBytesFromFlags("shardgemm"));
   client.set_request_id(absl::GetFlag(FLAGS_request_id));
   auto t = client.GetTensor(name);
   if (!t.ok()) return Fail(t.status());
@@ -761,7 +767,8 @@ int Get(const std::string& name) {
 }
 
 int List() {
-  ShardGemmClient client(absl::GetFlag(FLAGS_coordinator), ClientCredentialsFromFlags("shardgemm"));
+  ShardGemmClient client(absl::GetFlag(FLAGS_coordinator), ClientCredentialsFromFlags("shardgemm"),
+                         ClientMaxMessageBytesFromFlags("shardgemm"));
   client.set_request_id(absl::GetFlag(FLAGS_request_id));
   auto r = client.ListTensors();
   if (!r.ok()) return Fail(r.status());
@@ -811,7 +818,8 @@ int main(int argc, char** argv) {
   if (command == "put") return Put(name);
   if (command == "get") return Get(name);
   if (command == "delete") {
-    ShardGemmClient client(absl::GetFlag(FLAGS_coordinator), ClientCredentialsFromFlags("shardgemm"));
+    ShardGemmClient client(absl::GetFlag(FLAGS_coordinator), ClientCredentialsFromFlags("shardgemm"),
+                         ClientMaxMessageBytesFromFlags("shardgemm"));
   client.set_request_id(absl::GetFlag(FLAGS_request_id));
     absl::Status s = client.DeleteTensor(name);
     if (!s.ok()) return Fail(s);

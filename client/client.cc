@@ -9,12 +9,12 @@
 
 namespace shardgemm {
 namespace {
-constexpr size_t kChunkBytes = 1 << 20;
+constexpr size_t kChunkBytes = kTensorChunkBytes;
 }  // namespace
 
 ShardGemmClient::ShardGemmClient(const std::string& address,
-                                 std::shared_ptr<grpc::ChannelCredentials> credentials) {
-  grpc::ChannelArguments args = TensorChannelArguments();
+                                 std::shared_ptr<grpc::ChannelCredentials> credentials, int max_message_bytes) {
+  grpc::ChannelArguments args = TensorChannelArguments(max_message_bytes);
   stub_ = v1::ShardGemm::NewStub(grpc::CreateCustomChannel(address, std::move(credentials), args));
 }
 

@@ -10,13 +10,17 @@
 #include "kernels/host_tensor.h"
 #include "grpcpp/security/credentials.h"
 #include "proto/shardgemm.grpc.pb.h"
+#include "proto/transport.h"
 
 namespace shardgemm {
 
 class ShardGemmClient {
  public:
   // `credentials`: MakeClientCredentials's (TLS and a token), or insecure ones.
-  ShardGemmClient(const std::string& address, std::shared_ptr<grpc::ChannelCredentials> credentials);
+  // `max_message_bytes`: the largest message sent or received (a larger
+  // inline response fails RESOURCE_EXHAUSTED; puts and gets go in chunks).
+  ShardGemmClient(const std::string& address, std::shared_ptr<grpc::ChannelCredentials> credentials,
+                  int max_message_bytes = kMaxMessageBytes);
 
   // Waits up to `timeout` for the coordinator to answer and its mesh to be
   // complete.

@@ -6,12 +6,15 @@
 #include "absl/flags/flag.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "proto/transport.h"
 #include "security/tls.h"
 
 ABSL_FLAG(std::string, tls_dir, "",
           "the mesh's certificates (ca.crt; client.crt/.key when there): TLS to the coordinator");
 ABSL_FLAG(std::string, token_file, "", "the bearer token (default: TLS_DIR/client.token)");
 ABSL_FLAG(bool, insecure, false, "plaintext, no token (a coordinator started with --insecure)");
+ABSL_FLAG(int64_t, max_message_mb, 2047,
+          "the largest message sent or received, MiB (1-2047): a larger inline response fails RESOURCE_EXHAUSTED");
 
 namespace shardgemm {
 
@@ -61,6 +64,15 @@ std::shared_ptr<grpc::ChannelCredentials> ClientCredentialsFromFlags(const char*
     std::exit(2);
   }
   return *credentials;
+}
+
+int ClientMaxMessageBytesFromFlags(const char* program) {
+  auto bytes = MaxMessageBytesFromMiB(absl::GetFlag(FLAGS_max_message_mb), "--max_message_mb");
+  if (!bytes.ok()) {
+    std::cerr << program << ": " << bytes.status().message() << "\n";
+    std::exit(2);
+  }
+  return *bytes;
 }
 
 }  // namespace shardgemm

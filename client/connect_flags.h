@@ -26,6 +26,9 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeClientCredentials(
 // From the flags; prints the error and exits 2 on bad flags (for mains).
 std::shared_ptr<grpc::ChannelCredentials> ClientCredentialsFromFlags(const char* program);
 
+// --max_message_mb in bytes; prints the error and exits 2 when out of range.
+int ClientMaxMessageBytesFromFlags(const char* program);
+
 }  // namespace shardgemm
 
 #endif  // SHARDGEMM_CLIENT_CONNECT_FLAGS_H_

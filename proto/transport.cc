@@ -5,15 +5,17 @@
 #include <csignal>
 #include <thread>
 
+#include "absl/strings/str_cat.h"
+
 namespace shardgemm {
 namespace {
 std::atomic<bool> g_stop{false};
 }  // namespace
 
-grpc::ChannelArguments TensorChannelArguments() {
+grpc::ChannelArguments TensorChannelArguments(int max_message_bytes) {
   grpc::ChannelArguments args;
-  args.SetMaxReceiveMessageSize(kMaxMessageBytes);
-  args.SetMaxSendMessageSize(kMaxMessageBytes);
+  args.SetMaxReceiveMessageSize(max_message_bytes);
+  args.SetMaxSendMessageSize(max_message_bytes);
   args.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 64 << 20);
   args.SetInt(GRPC_ARG_HTTP2_MAX_FRAME_SIZE, 16 << 20);
   args.SetInt(GRPC_ARG_HTTP2_WRITE_BUFFER_SIZE, 64 << 20);
@@ -23,9 +25,18 @@ grpc::ChannelArguments TensorChannelArguments() {
   return args;
 }
 
-void ConfigureTensorServer(grpc::ServerBuilder* builder) {
-  builder->SetMaxReceiveMessageSize(kMaxMessageBytes);
-  builder->SetMaxSendMessageSize(kMaxMessageBytes);
+absl::StatusOr<int> MaxMessageBytesFromMiB(int64_t mib, absl::string_view flag) {
+  constexpr int64_t kMaxMiB = kMaxMessageBytes / (1024 * 1024);
+  if (mib < 1 || mib > kMaxMiB) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(flag, "=", mib, ": a message limit is 1 to ", kMaxMiB, " MiB (larger tensors go in chunks)"));
+  }
+  return static_cast<int>(mib * 1024 * 1024);
+}
+
+void ConfigureTensorServer(grpc::ServerBuilder* builder, int max_message_bytes) {
+  builder->SetMaxReceiveMessageSize(max_message_bytes);
+  builder->SetMaxSendMessageSize(max_message_bytes);
   builder->AddChannelArgument(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 64 << 20);
   builder->AddChannelArgument(GRPC_ARG_HTTP2_MAX_FRAME_SIZE, 16 << 20);
   builder->AddChannelArgument(GRPC_ARG_HTTP2_WRITE_BUFFER_SIZE, 64 << 20);

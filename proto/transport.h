@@ -4,20 +4,34 @@
 #define SHARDGEMM_PROTO_TRANSPORT_H_
 
 #include <chrono>
+#include <cstdint>
 
 #include <functional>
 
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "grpcpp/grpcpp.h"
 
 namespace shardgemm {
 
+// gRPC's own ceiling (a message's length is a signed 32-bit count).
 inline constexpr int kMaxMessageBytes = 2047 * 1024 * 1024;
 
-// Message limits near 2 GiB, a wide HTTP/2 window with big frames (so large
-// transfers do not stall on flow control), and quick reconnects.
-grpc::ChannelArguments TensorChannelArguments();
-void ConfigureTensorServer(grpc::ServerBuilder* builder);
+// The data of one PutTensor / GetTensor stream message: with its header it
+// fits the smallest message limit (1 MiB).
+inline constexpr int64_t kTensorChunkBytes = (1 << 20) - 4096;
+
+// Message limits (`max_message_bytes` each way, at most kMaxMessageBytes; a
+// larger tensor goes in chunks: PutTensor, GetTensor), a wide HTTP/2 window
+// with big frames (so large transfers do not stall on flow control), and
+// quick reconnects.
+grpc::ChannelArguments TensorChannelArguments(int max_message_bytes = kMaxMessageBytes);
+void ConfigureTensorServer(grpc::ServerBuilder* builder, int max_message_bytes = kMaxMessageBytes);
+
+// --max_message_mb's value in bytes: INVALID_ARGUMENT naming `flag` unless
+// within 1 and 2047 MiB.
+absl::StatusOr<int> MaxMessageBytesFromMiB(int64_t mib, absl::string_view flag);
 
 // A plaintext server with only gRPC health checking (EnableDefaultHealthCheckService
 // must be on), for probes that speak no TLS (Kubernetes' native gRPC probes);

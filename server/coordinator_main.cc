@@ -36,6 +36,9 @@ ABSL_FLAG(std::string, cpus, "",
           "guest a wake-up that crosses cores costs several times one that stays, and a request hands off between "
           "threads several times");
 ABSL_FLAG(std::string, listen, "127.0.0.1:50051", "address to serve clients and workers on");
+ABSL_FLAG(int64_t, max_message_mb, 2047,
+          "the largest message a client may send or be sent, MiB (1-2047): an inline request or response over it "
+          "is refused with RESOURCE_EXHAUSTED; PutTensor and GetTensor stream larger tensors in 1 MiB chunks");
 ABSL_FLAG(std::string, mesh, "dp=1", "mesh axes and sizes, e.g. 'dp=2,fsdp=2,ep=2'");
 ABSL_FLAG(std::string, roles, "",
           "which axis plays dp/fsdp/ep/tp, e.g. 'dp=data,ep=expert'; axes named dp, fsdp, ep, "
@@ -108,6 +111,11 @@ int Run() {
       return 2;
     }
     tokens = std::move(*loaded);
+  }
+  auto max_message_bytes = MaxMessageBytesFromMiB(absl::GetFlag(FLAGS_max_message_mb), "--max_message_mb");
+  if (!max_message_bytes.ok()) {
+    std::cerr << "shardgemm-coordinator: " << max_message_bytes.status().message() << "\n";
+    return 2;
   }
   auto mesh = planner::ParseMesh(absl::GetFlag(FLAGS_mesh), absl::GetFlag(FLAGS_roles));
   if (!mesh.ok()) {
@@ -212,7 +220,7 @@ int Run() {
   grpc::ServerBuilder builder;
   int port = 0;
   builder.AddListeningPort(absl::GetFlag(FLAGS_listen), transport->ServerCredentials(), &port);
-  ConfigureTensorServer(&builder);
+  ConfigureTensorServer(&builder, *max_message_bytes);
   builder.RegisterService(&service);
   builder.RegisterService(&coordination);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();

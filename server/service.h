@@ -115,8 +115,6 @@ class CoordinationService final : public v1::Coordination::Service {
   const security::Transport* transport_;
 };
 
-// Chunk size for streamed tensors: well under gRPC's default 4 MiB limit.
-inline constexpr int64_t kTensorChunkBytes = 1 << 20;
 
 }  // namespace shardgemm
 

@@ -15,7 +15,7 @@ from ._proto import pb
 from .errors import REQUEST_ID_KEY, error_for
 
 MAX_MESSAGE = 2047 * 1024 * 1024
-CHUNK = 1 << 20  # bytes of a put's / get's stream message
+CHUNK = (1 << 20) - 4096  # data bytes of a put's / get's stream message: with its header within 1 MiB
 
 CHANNEL_OPTIONS: List[Tuple[str, Any]] = [
     ("grpc.max_receive_message_length", MAX_MESSAGE),
