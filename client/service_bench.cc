@@ -5,30 +5,43 @@
 //   shardgemm-service-bench --coordinator=HOST:PORT --presets presets.json
 //       [--local=cuda|cpu] [--iters 20] [--warmup 3] [--returned] [--scale_rows 1.0]
 //       [--lhs_spec '(ep, None)' --rhs_spec '(ep, None, None)' --group_sizes_spec '(ep,)']
-//       [--concurrency N]
+//       [--concurrency 1,2,4,8 | --request_rate 100,200 [--arrivals poisson|constant] [--max_outstanding 16]]
+//       [--activations resident|inline|shared_memory] [--check every|last]
 //
-// Weights and activations are put resident first; each call then names
-// them, and keeps its output resident (or, with --returned, sends it back).
-// A result line per preset, nccl-tests style: the local op's p50, the
-// server's, the slowest worker's and the round trip's p50 / p90, the server
-// time over the local op, the time it adds, the host<->device bytes one
-// call moved, and whether the service's output matched the local one.
+// Weights are put resident first; each call then names them, takes its
+// activations the --activations way, and keeps its output resident (or,
+// with --returned, gets it back). A result line per preset and load level,
+// nccl-tests style: the local op's p50, the server's, the slowest worker's
+// and the round trip's p50 / p90, the server time over the local op, the
+// time it adds, the host<->device bytes one call moved, and whether every
+// checked output matched the local one; then the level's throughput (calls/s
+// and GB/s of the tensor bytes the client sent and got back), rtt p99, and
+// the wrong-value count. --json appends one line per level with p50 / p90 /
+// p99 of each, the counts, the bytes, the per-phase p50s when the response
+// carries them (GroupedGemmResponse.phases), and on CUDA the pinned
+// host-to-device copy of lhs and device-to-host copy of the output (PCIe's
+// floor for those bytes).
 // The local op: --local=cuda runs the CUDA grouped GEMM on device buffers
 // (cudaEvents around each call), --local=cpu the CPU kernels with
 // --threads (wall clock). For a sharded mesh, give the specs: the local op
 // is then one worker's share (the preset is per worker, as its note says)
 // and the request's global shapes are the preset's times the row shards.
-// With --concurrency N > 1 the timed calls are N callers at once (each its
-// own client, --iters calls each, every caller keeping its own output): the
-// percentiles are over all their calls, and a throughput line follows the
-// preset's (calls per second of wall clock, first call to last answer).
+// Load levels, as Triton's perf_analyzer: --concurrency N is N callers at
+// once (each its own client, --iters calls each, each its own kept output
+// or output region); --request_rate R an open loop, --iters requests due at
+// Poisson or constant times, sent by at most --max_outstanding callers, one
+// due while all are busy sent late and counted. Percentiles are over all
+// calls of a level; throughput is completed calls over the wall clock from
+// the release to the last answer.
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
@@ -43,8 +56,11 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/blocking_counter.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
@@ -60,6 +76,8 @@
 #include "kernels/cuda/quantize.h"
 #include "kernels/fp8.h"
 #include "platform/shared_memory.h"
+#include "google/protobuf/descriptor.h"
+#include "google/protobuf/message.h"
 #include "nlohmann/json.hpp"
 #include "proto/tensor_codec.h"
 
@@ -70,9 +88,19 @@ ABSL_FLAG(std::string, local, "cuda", "where the local op runs: cuda or cpu");
 ABSL_FLAG(int, threads, 0, "CPU local op threads (0: hardware concurrency)");
 ABSL_FLAG(int, iters, 20, "timed calls per preset and side");
 ABSL_FLAG(int, warmup, 3, "untimed calls first");
-ABSL_FLAG(int, concurrency, 1,
-          "callers at once in the timed calls (each its own client, --iters calls each); >1 adds a "
-          "throughput line");
+ABSL_FLAG(std::string, concurrency, "1",
+          "callers at once in the timed calls, one count or a list (1,2,4,8,16,32,64): a result line per "
+          "count; each caller its own client, --iters calls each");
+ABSL_FLAG(std::string, request_rate, "",
+          "an open loop instead of --concurrency: requests per second, one rate or a list (a result line per "
+          "rate); --iters requests per rate, due at --arrivals times, sent by at most --max_outstanding callers");
+ABSL_FLAG(std::string, arrivals, "poisson", "--request_rate: poisson (exponential gaps) or constant arrivals");
+ABSL_FLAG(int, max_outstanding, 16,
+          "--request_rate: requests in flight at most; one due while all are busy is sent late (counted)");
+ABSL_FLAG(std::string, check, "every",
+          "every: each returned output checked (byte for byte against the first answer, else within "
+          "tolerance of the local op's); last: each caller's last only. Kept outputs: each caller's last, "
+          "read back after the level");
 ABSL_FLAG(bool, returned, false, "return the output to the client instead of keeping it resident");
 ABSL_FLAG(std::string, activations, "resident",
           "how lhs reaches the workers each call: resident (put once), inline (in every request, through the "
@@ -104,13 +132,16 @@ struct Preset {
 };
 
 struct Stats {
-  double p50 = 0, p90 = 0;
+  double p50 = 0, p90 = 0, p99 = 0, mean = 0;
 };
+// Nearest-rank percentiles (so p50 <= p90 <= p99 always) and the mean.
 Stats Percentiles(std::vector<double> v) {
   if (v.empty()) return {};
   std::sort(v.begin(), v.end());
   auto at = [&](double q) { return v[std::min(v.size() - 1, static_cast<size_t>(q * (v.size() - 1) + 0.5))]; };
-  return {at(0.5), at(0.9)};
+  double sum = 0;
+  for (double x : v) sum += x;
+  return {at(0.5), at(0.9), at(0.99), sum / static_cast<double>(v.size())};
 }
 
 HostTensor Random(DType dtype, std::vector<int64_t> shape, uint64_t seed) {
@@ -170,6 +201,7 @@ class CudaLocalOp : public LocalOp {
     op->runner_ = std::move(*runner);
     op->sizes_ = std::move(sizes);
     op->out_ = *ZerosTensor(lhs.dtype, {lhs.shape[0], rhs.shape[2]});
+    op->lhs_bytes_ = lhs.NumBytes();
     cudaStreamCreate(&op->stream_);
     cudaEventCreate(&op->begin_);
     cudaEventCreate(&op->end_);
@@ -224,6 +256,25 @@ class CudaLocalOp : public LocalOp {
     cudaEventElapsedTime(&ms, begin_, end_);
     return ms * 1e-3;
   }
+  // The host-to-device copy of lhs from pinned memory (what sending it
+  // costs at best), timed per call, into a device buffer of its own.
+  absl::StatusOr<double> PinnedUpload() {
+    if (pinned_lhs_ == nullptr) {
+      if (cudaMallocHost(&pinned_lhs_, lhs_bytes_) != cudaSuccess) {
+        return absl::ResourceExhaustedError("no pinned memory for lhs");
+      }
+      auto d = runner_->pool().Allocate(std::max<int64_t>(lhs_bytes_, 256));
+      if (!d.ok()) return d.status();
+      upload_target_ = *d;
+    }
+    cudaEventRecord(begin_, stream_);
+    cudaMemcpyAsync(upload_target_, pinned_lhs_, lhs_bytes_, cudaMemcpyHostToDevice, stream_);
+    cudaEventRecord(end_, stream_);
+    if (cudaEventSynchronize(end_) != cudaSuccess) return absl::InternalError("upload failed");
+    float ms = 0;
+    cudaEventElapsedTime(&ms, begin_, end_);
+    return ms * 1e-3;
+  }
   absl::StatusOr<HostTensor> Output() override {
     if (cudaMemcpy(&out_.bytes[0], args_.out, out_.NumBytes(), cudaMemcpyDeviceToHost) != cudaSuccess) {
       return absl::InternalError("download failed");
@@ -232,6 +283,7 @@ class CudaLocalOp : public LocalOp {
   }
   ~CudaLocalOp() override {
     if (pinned_ != nullptr) cudaFreeHost(pinned_);
+    if (pinned_lhs_ != nullptr) cudaFreeHost(pinned_lhs_);
   }
 
  private:
@@ -243,6 +295,9 @@ class CudaLocalOp : public LocalOp {
   cudaStream_t stream_ = nullptr;
   cudaEvent_t begin_ = nullptr, end_ = nullptr;
   void* pinned_ = nullptr;
+  void* pinned_lhs_ = nullptr;
+  void* upload_target_ = nullptr;
+  int64_t lhs_bytes_ = 0;
 };
 
 // The local quantize + FP8 GEMM: lhs (BF16 [M, K]) quantized per group
@@ -486,6 +541,289 @@ class BenchRegion {
   bool registered_ = true;
 };
 
+// The response's per-phase timings, read by name (GroupedGemmResponse.phases:
+// each of its double fields one phase, in seconds) so this bench builds and
+// runs with servers whose responses have them and with those that have not:
+// empty where the field is absent.
+const google::protobuf::FieldDescriptor* PhasesField() {
+  const google::protobuf::FieldDescriptor* f = v1::GroupedGemmResponse::descriptor()->FindFieldByName("phases");
+  return f != nullptr && f->cpp_type() == google::protobuf::FieldDescriptor::CPPTYPE_MESSAGE && !f->is_repeated()
+             ? f
+             : nullptr;
+}
+const std::vector<const google::protobuf::FieldDescriptor*>& PhaseFields() {
+  static const auto* fields = [] {
+    auto* out = new std::vector<const google::protobuf::FieldDescriptor*>;
+    if (const auto* phases = PhasesField(); phases != nullptr) {
+      const google::protobuf::Descriptor* d = phases->message_type();
+      for (int i = 0; i < d->field_count(); ++i) {
+        const google::protobuf::FieldDescriptor* f = d->field(i);
+        if (f->cpp_type() == google::protobuf::FieldDescriptor::CPPTYPE_DOUBLE && !f->is_repeated()) {
+          out->push_back(f);
+        }
+      }
+    }
+    return out;
+  }();
+  return *fields;
+}
+
+// Checks answers against the local op's output `want` (one row shard's
+// block; the service's output is that block once per row shard). The first
+// answer is checked within tolerance and becomes the reference; later ones
+// are compared byte for byte with it, and a block that differs is checked
+// within tolerance again (sums need not be bit-reproducible to be right).
+class OutputChecker {
+ public:
+  OutputChecker(HostTensor want, DType dtype, int64_t total_bytes)
+      : want_(std::move(want)), tolerance_(dtype == DType::kF32 ? 1e-4 : 1e-2), total_bytes_(total_bytes) {}
+
+  // Before the timed calls (not thread-safe): "ok 1.2e-03" or why not.
+  std::string SetReference(absl::string_view bytes) {
+    if (static_cast<int64_t>(bytes.size()) != total_bytes_) {
+      return absl::StrFormat("FAIL %d bytes, want %lld", bytes.size(), static_cast<long long>(total_bytes_));
+    }
+    double worst = 0;
+    for (int64_t at = 0; at < total_bytes_; at += want_.NumBytes()) {
+      worst = std::max(worst, BlockError(bytes.substr(at, want_.NumBytes())));
+    }
+    if (!(worst <= tolerance_)) return absl::StrFormat("FAIL %.1e", worst);
+    reference_ = std::string(bytes);
+    return absl::StrFormat("ok %.1e", worst);
+  }
+
+  bool Matches(absl::string_view bytes) const {
+    if (static_cast<int64_t>(bytes.size()) != total_bytes_) return false;
+    if (!reference_.empty() && bytes == reference_) return true;
+    for (int64_t at = 0; at < total_bytes_; at += want_.NumBytes()) {
+      const absl::string_view block = bytes.substr(at, want_.NumBytes());
+      if (!reference_.empty() && block == absl::string_view(reference_).substr(at, want_.NumBytes())) continue;
+      if (!(BlockError(block) <= tolerance_)) return false;
+    }
+    return true;
+  }
+
+ private:
+  double BlockError(absl::string_view block) const {
+    HostTensor got;
+    got.dtype = want_.dtype;
+    got.shape = want_.shape;
+    got.bytes = std::string(block);
+    return RelativeError(got, want_);
+  }
+  HostTensor want_;
+  double tolerance_;
+  int64_t total_bytes_;
+  std::string reference_;
+};
+
+// One caller of the timed calls: its own client (and so its own channel),
+// its own kept output name, or, returned through shared memory, its own
+// output region.
+struct Caller {
+  std::unique_ptr<ShardGemmClient> client;
+  v1::GroupedGemmRequest request;
+  std::string kept_as;                      // the output kept resident under this name; empty: returned
+  std::unique_ptr<BenchRegion> out_region;  // returned into this region
+  int64_t out_bytes = 0;
+
+  // A returned answer's output bytes (valid while `response` and the next call wait).
+  absl::string_view ReturnedBytes(const v1::GroupedGemmResponse& response) const {
+    if (out_region != nullptr) return absl::string_view(out_region->data(), static_cast<size_t>(out_bytes));
+    return response.out().data();
+  }
+};
+
+// One load to measure: `callers` closed-loop callers at once (each sends its
+// next call when its last is answered), or an open loop: requests due at
+// `rate` per second, sent by whichever of `callers` slots is free.
+struct LoadLevel {
+  bool open_loop = false;
+  int callers = 1;
+  double rate = 0;
+  std::string Label() const {
+    return open_loop ? absl::StrFormat("rate %g/s (%s, %d outstanding at most)", rate, absl::GetFlag(FLAGS_arrivals),
+                                       callers)
+                     : absl::StrFormat("concurrency %d", callers);
+  }
+};
+
+// The levels --concurrency or --request_rate ask for; a bad entry is an
+// error naming the flag.
+absl::StatusOr<std::vector<LoadLevel>> LoadLevels() {
+  std::vector<LoadLevel> levels;
+  const std::string rates = absl::GetFlag(FLAGS_request_rate);
+  if (!rates.empty()) {
+    const int outstanding = absl::GetFlag(FLAGS_max_outstanding);
+    if (outstanding < 1) return absl::InvalidArgumentError("--max_outstanding: must be at least 1");
+    const std::string arrivals = absl::GetFlag(FLAGS_arrivals);
+    if (arrivals != "poisson" && arrivals != "constant") {
+      return absl::InvalidArgumentError(absl::StrCat("--arrivals: poisson or constant, not '", arrivals, "'"));
+    }
+    for (absl::string_view entry : absl::StrSplit(rates, ',', absl::SkipWhitespace())) {
+      double rate = 0;
+      if (!absl::SimpleAtod(entry, &rate) || !(rate > 0)) {
+        return absl::InvalidArgumentError(absl::StrCat("--request_rate: '", entry, "' is not a positive rate"));
+      }
+      levels.push_back({true, outstanding, rate});
+    }
+  } else {
+    for (absl::string_view entry : absl::StrSplit(absl::GetFlag(FLAGS_concurrency), ',', absl::SkipWhitespace())) {
+      int n = 0;
+      if (!absl::SimpleAtoi(entry, &n) || n < 1 || n > 1024) {
+        return absl::InvalidArgumentError(absl::StrCat("--concurrency: '", entry, "' is not a count of 1 to 1024"));
+      }
+      levels.push_back({false, n, 0});
+    }
+  }
+  if (levels.empty()) return absl::InvalidArgumentError("--concurrency: no level given");
+  return levels;
+}
+
+// What one level measured, over all its callers.
+struct LoadResult {
+  absl::Status status;
+  std::vector<double> rtt_s, server_s, worker_s;
+  std::vector<std::vector<double>> phase_s;  // one per PhaseFields() entry
+  int64_t attempted = 0, completed = 0, late = 0, checked = 0, wrong = 0;
+  int64_t wire_sent = 0, wire_received = 0;  // serialized request and response bytes
+  int64_t h2d = 0, d2h = 0;                  // one call's host<->device bytes
+  double wall_s = 0, late_max_s = 0;
+
+  void Merge(LoadResult&& o) {
+    if (status.ok()) status = o.status;
+    for (auto [to, from] : {std::pair(&rtt_s, &o.rtt_s), std::pair(&server_s, &o.server_s),
+                            std::pair(&worker_s, &o.worker_s)}) {
+      to->insert(to->end(), from->begin(), from->end());
+    }
+    phase_s.resize(std::max(phase_s.size(), o.phase_s.size()));
+    for (size_t i = 0; i < o.phase_s.size(); ++i) {
+      phase_s[i].insert(phase_s[i].end(), o.phase_s[i].begin(), o.phase_s[i].end());
+    }
+    attempted += o.attempted;
+    completed += o.completed;
+    late += o.late;
+    checked += o.checked;
+    wrong += o.wrong;
+    wire_sent += o.wire_sent;
+    wire_received += o.wire_received;
+    h2d = std::max(h2d, o.h2d);
+    d2h = std::max(d2h, o.d2h);
+    late_max_s = std::max(late_max_s, o.late_max_s);
+  }
+};
+
+// Runs one level: every caller warms up, then all are released together;
+// wall clock from the release to the last answer. Returned outputs are
+// checked as they come (--check=every) or each caller's last (--check=last);
+// kept outputs are read back by the caller of this.
+LoadResult RunLoad(const LoadLevel& level, std::vector<std::unique_ptr<Caller>>& callers,
+                   const OutputChecker& checker, int warmup, int iters) {
+  const int n = level.callers;
+  const bool check_every = absl::GetFlag(FLAGS_check) == "every";
+  std::vector<double> due_s;  // open loop: each request's arrival, seconds after the release
+  if (level.open_loop) {
+    std::mt19937_64 rng(7);
+    std::exponential_distribution<double> gap(level.rate);
+    const bool poisson = absl::GetFlag(FLAGS_arrivals) == "poisson";
+    double t = 0;
+    for (int i = 0; i < iters; ++i) {
+      due_s.push_back(t);
+      t += poisson ? gap(rng) : 1.0 / level.rate;
+    }
+  }
+  std::atomic<int> next_request{0};
+  std::vector<LoadResult> per_caller(n);
+  absl::BlockingCounter warm(n);
+  absl::Notification go;
+  absl::Mutex mu;
+  absl::Time last_answer = absl::InfinitePast();
+  absl::Time released;
+  std::vector<std::thread> threads;
+  for (int c = 0; c < n; ++c) {
+    threads.emplace_back([&, c] {
+      Caller& me = *callers[c];
+      LoadResult& out = per_caller[c];
+      out.phase_s.resize(PhaseFields().size());
+      for (int i = 0; i < std::max(1, warmup) && out.status.ok(); ++i) {
+        auto r = me.client->GroupedGemm(me.request);
+        if (!r.ok()) out.status = r.status();
+      }
+      warm.DecrementCount();
+      go.WaitForNotification();
+      const bool returned = me.kept_as.empty();
+      std::optional<v1::GroupedGemmResponse> last;
+      auto call = [&]() -> bool {
+        const absl::Time start = absl::Now();
+        auto r = me.client->GroupedGemm(me.request);
+        const double rtt = absl::ToDoubleSeconds(absl::Now() - start);
+        ++out.attempted;
+        if (!r.ok()) {
+          out.status = r.status();
+          return false;
+        }
+        ++out.completed;
+        out.rtt_s.push_back(rtt);
+        out.server_s.push_back(r->server_seconds());
+        out.worker_s.push_back(r->worker_seconds());
+        if (const auto* phases = PhasesField(); phases != nullptr) {
+          const google::protobuf::Message& m = r->GetReflection()->GetMessage(*r, phases);
+          for (size_t i = 0; i < PhaseFields().size(); ++i) {
+            out.phase_s[i].push_back(m.GetReflection()->GetDouble(m, PhaseFields()[i]));
+          }
+        }
+        out.wire_sent += static_cast<int64_t>(me.request.ByteSizeLong());
+        out.wire_received += static_cast<int64_t>(r->ByteSizeLong());
+        out.h2d = r->host_to_device_bytes();
+        out.d2h = r->device_to_host_bytes();
+        if (returned && check_every) {
+          ++out.checked;
+          if (!checker.Matches(me.ReturnedBytes(*r))) ++out.wrong;
+        } else if (returned) {
+          last = std::move(*r);
+        }
+        return true;
+      };
+      if (out.status.ok() && !level.open_loop) {
+        for (int i = 0; i < iters && call(); ++i) {
+        }
+      } else if (out.status.ok()) {
+        // Requests are taken in order by whichever caller is free, so one
+        // not taken when it is due found every caller busy: it goes late.
+        absl::Time free_since = released;
+        for (int i = next_request.fetch_add(1); i < iters; i = next_request.fetch_add(1)) {
+          const absl::Time due = released + absl::Seconds(due_s[i]);
+          if (free_since > due) {
+            ++out.late;
+            out.late_max_s = std::max(out.late_max_s, absl::ToDoubleSeconds(free_since - due));
+          } else {
+            absl::SleepFor(due - absl::Now());
+          }
+          if (!call()) break;
+          free_since = absl::Now();
+        }
+      }
+      {
+        absl::MutexLock lock(&mu);
+        last_answer = std::max(last_answer, absl::Now());
+      }
+      if (last.has_value()) {
+        ++out.checked;
+        if (!checker.Matches(me.ReturnedBytes(*last))) ++out.wrong;
+      }
+    });
+  }
+  warm.Wait();
+  released = absl::Now();
+  go.Notify();
+  for (std::thread& t : threads) t.join();
+  LoadResult all;
+  all.phase_s.resize(PhaseFields().size());
+  for (LoadResult& r : per_caller) all.Merge(std::move(r));
+  all.wall_s = absl::ToDoubleSeconds(last_answer - released);
+  return all;
+}
+
 int Main() {
   std::ifstream in(absl::GetFlag(FLAGS_presets));
   if (!in) {
@@ -513,6 +851,20 @@ int Main() {
     return 2;
   }
   const int iters = absl::GetFlag(FLAGS_iters), warmup = absl::GetFlag(FLAGS_warmup);
+  if (iters < 1) {
+    std::fprintf(stderr, "--iters: at least 1, not %d\n", iters);
+    return 2;
+  }
+  const absl::StatusOr<std::vector<LoadLevel>> parsed_levels = LoadLevels();
+  if (!parsed_levels.ok()) {
+    std::fprintf(stderr, "%s\n", std::string(parsed_levels.status().message()).c_str());
+    return 2;
+  }
+  const std::vector<LoadLevel>& levels = *parsed_levels;
+  if (absl::GetFlag(FLAGS_check) != "every" && absl::GetFlag(FLAGS_check) != "last") {
+    std::fprintf(stderr, "--check: every or last, not '%s'\n", absl::GetFlag(FLAGS_check).c_str());
+    return 2;
+  }
   const int row_shards = absl::GetFlag(FLAGS_row_shards), expert_shards = absl::GetFlag(FLAGS_expert_shards);
 
   ShardGemmClient client(absl::GetFlag(FLAGS_coordinator), ClientCredentialsFromFlags("shardgemm-service-bench"));
@@ -568,7 +920,7 @@ int Main() {
     } else {
       local = std::make_unique<CpuLocalOp>(lhs_local, rhs_local, local_sizes, absl::GetFlag(FLAGS_threads));
     }
-    std::vector<double> local_s, d2h_s;
+    std::vector<double> local_s, d2h_s, h2d_s;
     for (int i = 0; i < warmup + iters; ++i) {
       auto t = local->Run();
       if (!t.ok()) {
@@ -576,7 +928,18 @@ int Main() {
         return 1;
       }
       if (i >= warmup) local_s.push_back(*t);
-      if (i >= warmup && cuda_local != nullptr && returned) d2h_s.push_back(*cuda_local->PinnedDownload());
+      // PCIe's share: pinned host-to-device of lhs, device-to-host of the output.
+      if (i >= warmup && cuda_local != nullptr) {
+        auto down = cuda_local->PinnedDownload();
+        auto up = cuda_local->PinnedUpload();
+        if (!down.ok() || !up.ok()) {
+          std::fprintf(stderr, "%s: pinned copies: %s\n", p.name.c_str(),
+                       std::string((down.ok() ? up.status() : down.status()).message()).c_str());
+          return 1;
+        }
+        d2h_s.push_back(*down);
+        h2d_s.push_back(*up);
+      }
     }
 
     // The request: every row shard holds the same block (so the service's
@@ -604,7 +967,7 @@ int Main() {
     request.mutable_lhs()->set_resident("bench_lhs");
     request.mutable_rhs()->set_resident("bench_rhs");
     const std::string activations = absl::GetFlag(FLAGS_activations);
-    std::unique_ptr<BenchRegion> lhs_region, out_region;
+    std::unique_ptr<BenchRegion> lhs_region;
     if (activations == "inline") {
       HostTensorToProto(lhs, request.mutable_lhs());
       request.mutable_lhs()->set_spec(absl::GetFlag(FLAGS_lhs_spec));
@@ -662,149 +1025,141 @@ int Main() {
       request.set_overwrite_output(true);
     }
     const int64_t out_bytes = lhs.shape[0] * p.n * DTypeSize(dtype);
-    if (returned && activations == "shared_memory") {
-      auto made = BenchRegion::Create(client, "bench_out_shm", out_bytes);
-      if (!made.ok()) {
-        std::fprintf(stderr, "%s: %s\n", p.name.c_str(), std::string(made.status().message()).c_str());
+    auto want = local->Output();
+    if (!want.ok()) {
+      std::fprintf(stderr, "%s: local op output: %s\n", p.name.c_str(), std::string(want.status().message()).c_str());
+      return 1;
+    }
+    OutputChecker checker(std::move(*want), dtype, out_bytes);
+    // Callers, made as the levels need them and kept across levels: each its
+    // own client, its own kept output name (caller 0 keeps bench_out) or,
+    // returned through shared memory, its own output region.
+    std::vector<std::unique_ptr<Caller>> callers;
+    auto make_callers = [&](int count) -> absl::Status {
+      while (static_cast<int>(callers.size()) < count) {
+        const int c = static_cast<int>(callers.size());
+        auto caller = std::make_unique<Caller>();
+        caller->client = std::make_unique<ShardGemmClient>(absl::GetFlag(FLAGS_coordinator),
+                                                           ClientCredentialsFromFlags("shardgemm-service-bench"));
+        caller->request = request;
+        if (!returned) {
+          caller->kept_as = c == 0 ? "bench_out" : absl::StrCat("bench_out_", c);
+          caller->request.set_keep_output_as(caller->kept_as);
+        }
+        if (returned && activations == "shared_memory") {
+          const std::string region = absl::StrCat("bench_out_shm_", c);
+          auto made = BenchRegion::Create(client, region, out_bytes);
+          if (!made.ok()) return made.status();
+          caller->out_region = std::move(*made);
+          caller->request.mutable_out_shared_memory()->set_region(region);
+          caller->request.mutable_out_shared_memory()->set_byte_size(out_bytes);
+        }
+        caller->out_bytes = out_bytes;
+        callers.push_back(std::move(caller));
+      }
+      return absl::OkStatus();
+    };
+    // The answer every check compares against: caller 0's first, checked
+    // against the local op within tolerance.
+    if (auto s = make_callers(1); !s.ok()) {
+      std::fprintf(stderr, "%s: %s\n", p.name.c_str(), std::string(s.message()).c_str());
+      return 1;
+    }
+    std::string first_check = "fail";
+    {
+      Caller& first = *callers[0];
+      auto r = first.client->GroupedGemm(first.request);
+      absl::StatusOr<HostTensor> kept = absl::UnknownError("not kept");
+      if (r.ok() && !first.kept_as.empty()) kept = first.client->GetTensor(first.kept_as);
+      const absl::Status s = !r.ok() ? r.status() : first.kept_as.empty() ? absl::OkStatus() : kept.status();
+      if (!s.ok()) {
+        std::fprintf(stderr, "%s: first request: %s\n", p.name.c_str(), std::string(s.message()).c_str());
         return 1;
       }
-      out_region = std::move(*made);
-      request.mutable_out_shared_memory()->set_region("bench_out_shm");
-      request.mutable_out_shared_memory()->set_byte_size(out_bytes);
+      first_check = checker.SetReference(first.kept_as.empty() ? first.ReturnedBytes(*r) : kept->bytes);
     }
-    std::vector<double> server_s, worker_s, rtt_s;
-    int64_t h2d = 0, d2h = 0;
-    v1::GroupedGemmResponse last;
-    const int concurrency = std::max(1, absl::GetFlag(FLAGS_concurrency));
-    double wall_s = 0;
-    if (concurrency == 1) {
-      for (int i = 0; i < warmup + iters; ++i) {
-        const absl::Time start = absl::Now();
-        auto r = client.GroupedGemm(request);
-        const double rtt = absl::ToDoubleSeconds(absl::Now() - start);
-        if (!r.ok()) {
-          std::fprintf(stderr, "%s: request: %s\n", p.name.c_str(), std::string(r.status().message()).c_str());
-          return 1;
+    // The tensor bytes one call hands the service and gets back, whichever
+    // way they travel (in the request, through a region); GB/s counts these.
+    const int64_t payload_in = activations == "resident" ? 0 : lhs.NumBytes();
+    const int64_t payload_out = returned ? out_bytes : 0;
+    for (const LoadLevel& level : levels) {
+      if (auto s = make_callers(level.callers); !s.ok()) {
+        std::fprintf(stderr, "%s: %s\n", p.name.c_str(), std::string(s.message()).c_str());
+        return 1;
+      }
+      LoadResult r = RunLoad(level, callers, checker, warmup, iters);
+      if (!r.status.ok()) {
+        std::fprintf(stderr, "%s: request: %s\n", p.name.c_str(), std::string(r.status.message()).c_str());
+        return 1;
+      }
+      if (!returned) {  // kept outputs: each caller's last one, read back once
+        for (int c = 0; c < level.callers; ++c) {
+          auto got = callers[c]->client->GetTensor(callers[c]->kept_as);
+          ++r.checked;
+          if (!got.ok() || !checker.Matches(got->bytes)) ++r.wrong;
         }
-        if (i < warmup) continue;
-        wall_s += rtt;
-        rtt_s.push_back(rtt);
-        server_s.push_back(r->server_seconds());
-        worker_s.push_back(r->worker_seconds());
-        h2d = r->host_to_device_bytes();
-        d2h = r->device_to_host_bytes();
-        last = std::move(*r);
       }
-    } else {
-      // N callers, each its own client and output name (caller 0 keeps
-      // bench_out, the one checked), warmed up, then released together.
-      struct Caller {
-        std::unique_ptr<ShardGemmClient> client;
-        v1::GroupedGemmRequest request;
-        std::vector<double> server_s, worker_s, rtt_s;
-        absl::StatusOr<v1::GroupedGemmResponse> last;
-      };
-      std::vector<Caller> callers(concurrency);
-      for (int c = 0; c < concurrency; ++c) {
-        callers[c].client = std::make_unique<ShardGemmClient>(absl::GetFlag(FLAGS_coordinator),
-                                                              ClientCredentialsFromFlags("shardgemm-service-bench"));
-        callers[c].request = request;
-        if (!returned && c > 0) callers[c].request.set_keep_output_as(absl::StrCat("bench_out_", c));
-      }
-      absl::BlockingCounter warm(concurrency), finished(concurrency);
-      absl::Notification go;
-      absl::Mutex done_mu;
-      absl::Time last_answer = absl::InfinitePast();
-      std::vector<std::thread> threads;
-      for (int c = 0; c < concurrency; ++c) {
-        threads.emplace_back([&, c] {
-          Caller& me = callers[c];
-          for (int i = 0; i < std::max(1, warmup); ++i) me.last = me.client->GroupedGemm(me.request);
-          warm.DecrementCount();
-          go.WaitForNotification();
-          for (int i = 0; i < iters && me.last.ok(); ++i) {
-            const absl::Time start = absl::Now();
-            me.last = me.client->GroupedGemm(me.request);
-            if (!me.last.ok()) break;
-            me.rtt_s.push_back(absl::ToDoubleSeconds(absl::Now() - start));
-            me.server_s.push_back(me.last->server_seconds());
-            me.worker_s.push_back(me.last->worker_seconds());
-          }
-          {
-            absl::MutexLock lock(&done_mu);
-            last_answer = std::max(last_answer, absl::Now());
-          }
-          finished.DecrementCount();
-        });
-      }
-      warm.Wait();
-      const absl::Time released = absl::Now();
-      go.Notify();
-      finished.Wait();
-      for (std::thread& t : threads) t.join();
-      wall_s = absl::ToDoubleSeconds(last_answer - released);
-      for (Caller& c : callers) {
-        if (!c.last.ok()) {
-          std::fprintf(stderr, "%s: request: %s\n", p.name.c_str(), std::string(c.last.status().message()).c_str());
-          return 1;
+      const std::string check = r.wrong == 0 && first_check.rfind("ok", 0) == 0
+                                    ? first_check
+                                    : absl::StrFormat("FAIL %lld of %lld wrong (first: %s)",
+                                                      static_cast<long long>(r.wrong),
+                                                      static_cast<long long>(r.checked), first_check);
+      if (check.rfind("ok", 0) != 0) ++failures;
+      const Stats l = Percentiles(local_s), dd = Percentiles(d2h_s), uu = Percentiles(h2d_s),
+                  sv = Percentiles(r.server_s), wk = Percentiles(r.worker_s), rt = Percentiles(r.rtt_s);
+      std::printf("  %-18s %9.1f %9.1f %9.1f %9.1f %9.1f %9.1f %9.1f %9.1f %7.3f %9.1f %11lld %11lld %s\n",
+                  p.name.c_str(), l.p50 * 1e6, dd.p50 * 1e6, sv.p50 * 1e6, sv.p90 * 1e6, wk.p50 * 1e6,
+                  wk.p90 * 1e6, rt.p50 * 1e6, rt.p90 * 1e6, sv.p50 / l.p50, (sv.p50 - l.p50) * 1e6,
+                  static_cast<long long>(r.h2d), static_cast<long long>(r.d2h), check.c_str());
+      const double per_s = r.wall_s > 0 ? static_cast<double>(r.completed) / r.wall_s : 0;
+      const int64_t payload_total = r.completed * (payload_in + payload_out);
+      const double gbps = r.wall_s > 0 ? static_cast<double>(payload_total) / r.wall_s / 1e9 : 0;
+      std::printf("  %-18s %s: %lld calls in %.3f s, %.1f calls/s, %.3f GB/s, rtt p99 %.1f us%s, %lld/%lld wrong\n",
+                  p.name.c_str(), level.Label().c_str(), static_cast<long long>(r.completed), r.wall_s, per_s, gbps,
+                  rt.p99 * 1e6,
+                  level.open_loop ? absl::StrFormat(", %lld sent late", static_cast<long long>(r.late)).c_str() : "",
+                  static_cast<long long>(r.wrong), static_cast<long long>(r.checked));
+      std::fflush(stdout);
+      if (json_out) {
+        nlohmann::json j = {{"kind", "service"}, {"preset", p.name}, {"workers", info->workers_size()},
+                            {"local", on_cuda ? "cuda" : "cpu"},
+                            {"op", fp8 ? "fp8_" + absl::GetFlag(FLAGS_fp8_scaling) : "gemm"},
+                            {"activations", activations}, {"returned", returned},
+                            {"local_p50_us", l.p50 * 1e6}, {"d2h_p50_us", dd.p50 * 1e6}, {"h2d_p50_us", uu.p50 * 1e6},
+                            {"server_p50_us", sv.p50 * 1e6}, {"server_p90_us", sv.p90 * 1e6},
+                            {"server_p99_us", sv.p99 * 1e6}, {"worker_p50_us", wk.p50 * 1e6},
+                            {"worker_p90_us", wk.p90 * 1e6}, {"worker_p99_us", wk.p99 * 1e6},
+                            {"rtt_p50_us", rt.p50 * 1e6}, {"rtt_p90_us", rt.p90 * 1e6}, {"rtt_p99_us", rt.p99 * 1e6},
+                            {"rtt_mean_us", rt.mean * 1e6}, {"h2d_bytes", r.h2d}, {"d2h_bytes", r.d2h},
+                            {"check", check}, {"checked", r.checked}, {"wrong", r.wrong},
+                            {"mode", level.open_loop ? "rate" : "concurrency"}, {"concurrency", level.callers},
+                            {"iters", iters}, {"attempted", r.attempted}, {"completed", r.completed},
+                            {"wall_s", r.wall_s}, {"calls_per_s", per_s},
+                            {"payload_in_bytes", payload_in}, {"payload_out_bytes", payload_out},
+                            {"payload_bytes", payload_total}, {"gbps", gbps},
+                            {"wire_sent_bytes", r.wire_sent}, {"wire_received_bytes", r.wire_received},
+                            {"wire_gbps", r.wall_s > 0 ? static_cast<double>(r.wire_sent + r.wire_received) / r.wall_s / 1e9 : 0}};
+        if (level.open_loop) {
+          j["request_rate"] = level.rate;
+          j["arrivals"] = absl::GetFlag(FLAGS_arrivals);
+          j["max_outstanding"] = level.callers;
+          j["late"] = r.late;
+          j["late_max_us"] = r.late_max_s * 1e6;
         }
-        rtt_s.insert(rtt_s.end(), c.rtt_s.begin(), c.rtt_s.end());
-        server_s.insert(server_s.end(), c.server_s.begin(), c.server_s.end());
-        worker_s.insert(worker_s.end(), c.worker_s.begin(), c.worker_s.end());
+        if (!r.phase_s.empty()) {
+          nlohmann::json phases = nlohmann::json::object();
+          for (size_t i = 0; i < r.phase_s.size(); ++i) {
+            phases[PhaseFields()[i]->name()] = Percentiles(r.phase_s[i]).p50 * 1e6;
+          }
+          j["phases_p50_us"] = phases;
+        }
+        json_out << j.dump() << "\n";
       }
-      h2d = callers[0].last->host_to_device_bytes();
-      d2h = callers[0].last->device_to_host_bytes();
-      last = std::move(*callers[0].last);
-    }
-    absl::StatusOr<HostTensor> got = absl::UnknownError("no output");
-    if (out_region != nullptr) {
-      HostTensor from_region;
-      from_region.dtype = dtype;
-      from_region.shape = {lhs.shape[0], p.n};
-      from_region.bytes.assign(out_region->data(), out_bytes);
-      got = std::move(from_region);
-    } else {
-      got = returned ? HostTensorFromProto(last.out(), "out") : client.GetTensor("bench_out");
-    }
-    auto want = local->Output();
-    std::string check = "fail";
-    if (got.ok() && want.ok()) {
-      HostTensor first_block = *got;  // the first row shard's block
-      first_block.shape[0] = want->shape[0];
-      first_block.bytes.resize(want->NumBytes());
-      const double err = RelativeError(first_block, *want);
-      check = err <= (dtype == DType::kF32 ? 1e-4 : 1e-2) ? absl::StrFormat("ok %.1e", err)
-                                                          : absl::StrFormat("FAIL %.1e", err);
-    }
-    if (check.rfind("ok", 0) != 0) ++failures;
-    const Stats l = Percentiles(local_s), dd = Percentiles(d2h_s), sv = Percentiles(server_s),
-                wk = Percentiles(worker_s), rt = Percentiles(rtt_s);
-    std::printf("  %-18s %9.1f %9.1f %9.1f %9.1f %9.1f %9.1f %9.1f %9.1f %7.3f %9.1f %11lld %11lld %s\n",
-                p.name.c_str(), l.p50 * 1e6, dd.p50 * 1e6, sv.p50 * 1e6, sv.p90 * 1e6, wk.p50 * 1e6, wk.p90 * 1e6,
-                rt.p50 * 1e6, rt.p90 * 1e6, sv.p50 / l.p50, (sv.p50 - l.p50) * 1e6, static_cast<long long>(h2d),
-                static_cast<long long>(d2h), check.c_str());
-    const double calls_per_s = wall_s > 0 ? static_cast<double>(rtt_s.size()) / wall_s : 0;
-    if (concurrency > 1) {
-      std::printf("  %-18s throughput %.1f calls/s (%d callers, %zu calls in %.3f s)\n", p.name.c_str(), calls_per_s,
-                  concurrency, rtt_s.size(), wall_s);
-    }
-    std::fflush(stdout);
-    if (json_out) {
-      nlohmann::json j = {{"preset", p.name}, {"workers", info->workers_size()}, {"local", on_cuda ? "cuda" : "cpu"},
-                          {"op", fp8 ? "fp8_" + absl::GetFlag(FLAGS_fp8_scaling) : "gemm"},
-                          {"returned", returned}, {"local_p50_us", l.p50 * 1e6}, {"d2h_p50_us", dd.p50 * 1e6},
-                          {"server_p50_us", sv.p50 * 1e6}, {"server_p90_us", sv.p90 * 1e6},
-                          {"worker_p50_us", wk.p50 * 1e6}, {"worker_p90_us", wk.p90 * 1e6},
-                          {"rtt_p50_us", rt.p50 * 1e6}, {"rtt_p90_us", rt.p90 * 1e6},
-                          {"h2d_bytes", h2d}, {"d2h_bytes", d2h}, {"check", check},
-                          {"concurrency", concurrency}, {"calls_per_s", calls_per_s},
-                          {"activations", activations}};
-      json_out << j.dump() << "\n";
     }
     for (const char* name : {"bench_lhs", "bench_rhs", "bench_out", "bench_w8", "bench_w8_scale"}) {
       (void)client.DeleteTensor(name);
     }
-    for (int c = 1; c < concurrency && !returned; ++c) (void)client.DeleteTensor(absl::StrCat("bench_out_", c));
+    for (size_t c = 1; c < callers.size() && !returned; ++c) (void)client.DeleteTensor(callers[c]->kept_as);
   }
   return failures == 0 ? 0 : 1;
 }
