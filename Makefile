@@ -4,7 +4,7 @@
 
 BAZEL ?= bazel
 BAZEL_FLAGS ?=
-BINARIES = client/shardgemm client/shardgemm-service-bench client/shardgemm-health-probe server/shardgemm-coordinator worker/shardgemm-worker
+BINARIES = client/shardgemm client/shardgemm-service-bench client/shardgemm-transport-bench client/shardgemm-health-probe server/shardgemm-coordinator worker/shardgemm-worker
 
 all: build
 
