@@ -54,7 +54,7 @@ def assert_valid_png(path):
 
 def test_concurrency_sweep_figures_are_consistent(tmp_path):
     out, doc = sweep(tmp_path, f"--concurrency={','.join(map(str, LEVELS))}")
-    assert doc["failed"] is None and doc["wrong"] == 0
+    assert doc["failures"] == [] and doc["wrong"] == 0
     results = doc["results"]
     service = [r for r in results if r["kind"] == "service"]
     transport = [r for r in results if r["kind"] == "transport"]
@@ -121,7 +121,7 @@ def test_request_rate_sweep_counts_what_it_sent(tmp_path):
     rate, outstanding, iters = 2000, 2, 12
     _, doc = sweep(tmp_path, "--paths=resident,inline", "--transport=", f"--request_rate={rate}",
                    "--arrivals=constant", f"--max_outstanding={outstanding}", f"--iters={iters}")
-    assert doc["failed"] is None and doc["wrong"] == 0
+    assert doc["failures"] == [] and doc["wrong"] == 0
     rows = doc["results"]
     assert sorted(r["path"] for r in rows) == ["inline", "resident"]
     for r in rows:

@@ -123,17 +123,21 @@ def wait_for_file(path, timeout_s, procs):
     raise RuntimeError(f"{path} not written after {timeout_s} s")
 
 
-def run(cmd, timeout_s, what):
-    """Runs a bench; its stdout echoed; a failure or timeout raised with its output."""
+def run(cmd, timeout_s, what, failures):
+    """Runs a bench, its stdout echoed; a failure or timeout is noted in `failures` with its output
+    (the lines it wrote before still count: a wrong output fails its run and is in its lines)."""
     print("$ " + " ".join(shlex.quote(c) for c in cmd), flush=True)
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired as e:
-        raise RuntimeError(f"{what}: still running after {timeout_s} s\n{e.stdout or ''}{e.stderr or ''}")
+        out = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        failures.append(f"{what}: still running after {timeout_s} s\n{out}")
+        print(f"sweep: {failures[-1]}", file=sys.stderr, flush=True)
+        return
     sys.stdout.write(r.stdout)
     if r.returncode != 0:
-        raise RuntimeError(f"{what}: exit {r.returncode}\n{r.stdout}{r.stderr}")
-    return r
+        failures.append(f"{what}: exit {r.returncode}\n{r.stderr.strip()}")
+        print(f"sweep: {failures[-1]}", file=sys.stderr, flush=True)
 
 
 def read_lines(path):
@@ -336,7 +340,7 @@ def main(argv=None):
     load_before = os.getloadavg()
     results = []
     procs = Processes(logs)
-    failed = None
+    failures = []
     try:
         port = free_port()
         address = f"127.0.0.1:{port}"
@@ -356,7 +360,7 @@ def main(argv=None):
         for name in paths:
             jsonl = os.path.join(logs, f"{name}.jsonl")
             run(pinned(bench_cpus, [bench, f"--coordinator={address}", *common, *PATHS[name]["flags"],
-                                    f"--json={jsonl}"]), a.run_timeout_s, f"service bench, path {name}")
+                                    f"--json={jsonl}"]), a.run_timeout_s, f"service bench, path {name}", failures)
             results += [dict(r, path=name) for r in read_lines(jsonl)]
             procs.check_alive()
         if variants:
@@ -379,11 +383,11 @@ def main(argv=None):
                         f"--in_bytes={in_bytes}", f"--out_bytes={out_bytes}",
                         f"--chunk_bytes={TRANSPORT_VARIANTS[v]}", f"--concurrency={levels}",
                         f"--iters={a.iters}", f"--warmup={a.warmup}", f"--label={preset}", f"--json={jsonl}"]),
-                        a.run_timeout_s, f"transport bench, {v}, {preset}")
+                        a.run_timeout_s, f"transport bench, {v}, {preset}", failures)
                     results += [dict(r, path=v) for r in read_lines(jsonl)]
-    except RuntimeError as e:
-        failed = str(e)
-        print(f"sweep: {failed}", file=sys.stderr)
+    except RuntimeError as e:  # the mesh or the transport server did not start, or one exited
+        failures.append(str(e))
+        print(f"sweep: {failures[-1]}", file=sys.stderr)
     finally:
         procs.stop()
 
@@ -398,7 +402,7 @@ def main(argv=None):
                     "mesh": mesh, "workers": workers, "local": a.local},
         "wall_s": time.time() - started,
         "paths": paths, "transport": variants, "skipped": skipped,
-        "failed": failed, "wrong": wrong,
+        "failures": failures, "wrong": wrong,
         "floors": floor, "plots": [os.path.basename(p) for p in plots],
         "results": results,
     }
@@ -406,9 +410,9 @@ def main(argv=None):
         json.dump(summary, f, indent=1)
     if a.markdown:
         print(markdown(results))
-    print(f"# sweep: {len(results)} result lines, {wrong} wrong, {len(plots)} plots, "
+    print(f"# sweep: {len(results)} result lines, {wrong} wrong, {len(failures)} failed runs, {len(plots)} plots, "
           f"{summary['wall_s']:.1f} s -> {os.path.join(a.out, 'sweep.json')}", flush=True)
-    return 1 if failed or wrong else 0
+    return 1 if failures or wrong else 0
 
 
 if __name__ == "__main__":
