@@ -292,7 +292,7 @@ def markdown(results):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--presets", default=os.path.join(ROOT, "tools", "bench", "cpu_presets.json"))
-    ap.add_argument("--only", default="", help="presets whose name contains this")
+    ap.add_argument("--only", default="", help="presets whose name contains one of these (comma list)")
     ap.add_argument("--local", default="cpu", choices=["cpu", "cuda"], help="where the bench's local op runs")
     ap.add_argument("--paths", default=DEFAULT_PATHS, help=f"comma list of {', '.join(PATHS)}")
     ap.add_argument("--concurrency", default="1,2,4,8,16,32,64", help="closed-loop levels")
@@ -307,8 +307,16 @@ def main(argv=None):
     ap.add_argument("--run_timeout_s", type=float, default=600, help="bound on each bench run")
     ap.add_argument("--start_timeout_s", type=float, default=60, help="bound on the mesh's start")
     ap.add_argument("--markdown", action="store_true", help="print the results as a markdown table")
+    ap.add_argument("--replot", default="", help="only draw the plots of this sweep.json (into --out)")
     ap.add_argument("bench_args", nargs="*", help="more service bench flags after --, e.g. --scale_rows=0.5")
     a = ap.parse_args(argv)
+    if a.replot:
+        with open(a.replot) as f:
+            doc = json.load(f)
+        os.makedirs(a.out, exist_ok=True)
+        made = plot(doc["results"], doc["floors"], a.out)
+        print(f"# {len(made)} plots in {a.out}")
+        return 0
 
     server_bin = os.environ.get("SERVER_BIN", os.path.join(ROOT, "bin"))
     bench = os.environ.get("BENCH", os.path.join(ROOT, "bin", "shardgemm-service-bench"))
@@ -334,8 +342,19 @@ def main(argv=None):
 
     load = ([f"--request_rate={a.request_rate}", f"--arrivals={a.arrivals}",
              f"--max_outstanding={a.max_outstanding}"] if a.request_rate else [f"--concurrency={a.concurrency}"])
-    common = [f"--presets={a.presets}", f"--local={a.local}", f"--iters={a.iters}", f"--warmup={a.warmup}",
-              "--insecure", *load, *([f"--only={a.only}"] if a.only else []), *a.bench_args]
+    presets = a.presets
+    if a.only:  # a presets file of the chosen ones (the bench's --only takes one name)
+        with open(a.presets) as f:
+            doc = json.load(f)
+        wanted = [w for w in a.only.split(",") if w]
+        doc["presets"] = [p for p in doc["presets"] if any(w in p["name"] for w in wanted)]
+        if not doc["presets"]:
+            ap.error(f"--only: no preset of {a.presets} matches '{a.only}'")
+        presets = os.path.join(logs, "presets.json")
+        with open(presets, "w") as f:
+            json.dump(doc, f)
+    common = [f"--presets={presets}", f"--local={a.local}", f"--iters={a.iters}", f"--warmup={a.warmup}",
+              "--insecure", *load, *a.bench_args]
     started = time.time()
     load_before = os.getloadavg()
     results = []
@@ -392,7 +411,12 @@ def main(argv=None):
         procs.stop()
 
     floor = floors(results)
-    plots = plot(results, floor, a.out) if results else []
+    plots = []
+    try:
+        plots = plot(results, floor, a.out) if results else []
+    except ImportError as e:  # a machine without matplotlib: draw them elsewhere with --replot
+        skipped.append({"path": "plots", "why": f"{e}; draw them with --replot=sweep.json"})
+        print(f"# plots: skipped, {skipped[-1]['why']}", flush=True)
     wrong = sum(r["wrong"] for r in results)
     summary = {
         "about": "tools/bench/sweep.py: service paths and the raw stream per preset and load level; "
