@@ -307,6 +307,8 @@ def main(argv=None):
     ap.add_argument("--run_timeout_s", type=float, default=600, help="bound on each bench run")
     ap.add_argument("--start_timeout_s", type=float, default=60, help="bound on the mesh's start")
     ap.add_argument("--markdown", action="store_true", help="print the results as a markdown table")
+    ap.add_argument("--logs", default="", help="folder for the servers' logs and the benches' JSON lines "
+                    "(default: a new one under --out)")
     ap.add_argument("--replot", default="", help="only draw the plots of this sweep.json (into --out)")
     ap.add_argument("bench_args", nargs="*", help="more service bench flags after --, e.g. --scale_rows=0.5")
     a = ap.parse_args(argv)
@@ -323,7 +325,9 @@ def main(argv=None):
     transport_bench = os.environ.get("TRANSPORT_BENCH", os.path.join(ROOT, "bin", "shardgemm-transport-bench"))
     mesh, workers = os.environ.get("MESH", "dp=1"), int(os.environ.get("WORKERS", "1"))
     os.makedirs(a.out, exist_ok=True)
-    logs = tempfile.mkdtemp(prefix="sweep-logs-", dir=a.out)
+    if a.logs:
+        os.makedirs(a.logs, exist_ok=True)
+    logs = tempfile.mkdtemp(prefix="sweep-logs-", dir=a.logs or a.out)
 
     paths, skipped = [], []
     for name in filter(None, a.paths.split(",")):

@@ -12,7 +12,8 @@
 # 128 out, and each level's calls are all in flight at once): sweep.json and the
 # PNGs each (where matplotlib is missing there, draw them here with
 # python3 tools/bench/sweep.py --replot=sweep.json --out=DIR).
-# SMALL_LEVELS, LARGE_LEVELS, SMALL_ITERS (10), LARGE_ITERS (5), PATHS.
+# SMALL_LEVELS, LARGE_LEVELS, SMALL_ITERS (10), LARGE_ITERS (5), PATHS; the
+# servers' logs and the benches' JSON lines go to $LOGS (/tmp/sweep_logs).
 set -uo pipefail
 B=${1:-.gpu_bundle/svc}
 export LD_LIBRARY_PATH=$PWD/$B/lib:${LD_LIBRARY_PATH:-}
@@ -25,8 +26,8 @@ paths=${PATHS:-inline,shared_memory,resident,resident_returned,direct}
 rc=0
 python3 tools/bench/sweep.py --presets="$B/presets.json" --only=small-decode --local=cuda --paths="$paths" \
   --concurrency="${SMALL_LEVELS:-1,2,4,8,16,32,64}" --iters="${SMALL_ITERS:-10}" --warmup=2 --run_timeout_s=300 \
-  --markdown --out="$OUTDIR/sweep_small" || rc=1
+  --markdown --out="$OUTDIR/sweep_small" --logs="${LOGS:-/tmp/sweep_logs}" || rc=1
 python3 tools/bench/sweep.py --presets="$B/presets.json" --only=deepseek-v3-up --local=cuda --paths="$paths" \
   --concurrency="${LARGE_LEVELS:-1,2,4,8}" --iters="${LARGE_ITERS:-5}" --warmup=1 --run_timeout_s=300 \
-  --markdown --out="$OUTDIR/sweep_large" || rc=1
+  --markdown --out="$OUTDIR/sweep_large" --logs="${LOGS:-/tmp/sweep_logs}" || rc=1
 exit $rc
