@@ -623,13 +623,13 @@ class OutputChecker {
 struct Caller {
   std::unique_ptr<ShardGemmClient> client;
   v1::GroupedGemmRequest request;
-  std::string kept_as;                      // the output kept resident under this name; empty: returned
-  std::unique_ptr<BenchRegion> out_region;  // returned into this region
+  std::string kept_as;        // the output kept resident under this name; empty: returned
+  const char* out = nullptr;  // returned into shared memory: its slice of the output region
   int64_t out_bytes = 0;
 
   // A returned answer's output bytes (valid while `response` and the next call wait).
   absl::string_view ReturnedBytes(const v1::GroupedGemmResponse& response) const {
-    if (out_region != nullptr) return absl::string_view(out_region->data(), static_cast<size_t>(out_bytes));
+    if (out != nullptr) return absl::string_view(out, static_cast<size_t>(out_bytes));
     return response.out().data();
   }
 };
@@ -1031,9 +1031,23 @@ int Main() {
       return 1;
     }
     OutputChecker checker(std::move(*want), dtype, out_bytes);
+    // Returned through shared memory: one region, a page-aligned slice of
+    // it per caller (a tenant may register only so many regions).
+    std::unique_ptr<BenchRegion> out_region;
+    const int64_t out_stride = (out_bytes + 4095) / 4096 * 4096;
+    if (returned && activations == "shared_memory") {
+      int most = 1;
+      for (const LoadLevel& level : levels) most = std::max(most, level.callers);
+      auto made = BenchRegion::Create(client, "bench_out_shm", out_stride * most);
+      if (!made.ok()) {
+        std::fprintf(stderr, "%s: %s\n", p.name.c_str(), std::string(made.status().message()).c_str());
+        return 1;
+      }
+      out_region = std::move(*made);
+    }
     // Callers, made as the levels need them and kept across levels: each its
-    // own client, its own kept output name (caller 0 keeps bench_out) or,
-    // returned through shared memory, its own output region.
+    // own client, its own kept output name (caller 0 keeps bench_out) or its
+    // own slice of the output region.
     std::vector<std::unique_ptr<Caller>> callers;
     auto make_callers = [&](int count) -> absl::Status {
       while (static_cast<int>(callers.size()) < count) {
@@ -1046,12 +1060,10 @@ int Main() {
           caller->kept_as = c == 0 ? "bench_out" : absl::StrCat("bench_out_", c);
           caller->request.set_keep_output_as(caller->kept_as);
         }
-        if (returned && activations == "shared_memory") {
-          const std::string region = absl::StrCat("bench_out_shm_", c);
-          auto made = BenchRegion::Create(client, region, out_bytes);
-          if (!made.ok()) return made.status();
-          caller->out_region = std::move(*made);
-          caller->request.mutable_out_shared_memory()->set_region(region);
+        if (out_region != nullptr) {
+          caller->out = out_region->data() + c * out_stride;
+          caller->request.mutable_out_shared_memory()->set_region("bench_out_shm");
+          caller->request.mutable_out_shared_memory()->set_offset(static_cast<uint64_t>(c * out_stride));
           caller->request.mutable_out_shared_memory()->set_byte_size(out_bytes);
         }
         caller->out_bytes = out_bytes;
