@@ -968,6 +968,10 @@ int Main() {
     request.mutable_rhs()->set_resident("bench_rhs");
     const std::string activations = absl::GetFlag(FLAGS_activations);
     std::unique_ptr<BenchRegion> lhs_region;
+    // The client-direct path (issue 22, item 1: each worker's blocks streamed
+    // to it by the client, outputs read from the workers) becomes another
+    // mode here, named in --activations' help, which is how
+    // tools/bench/sweep.py knows to run its `direct` path.
     if (activations == "inline") {
       HostTensorToProto(lhs, request.mutable_lhs());
       request.mutable_lhs()->set_spec(absl::GetFlag(FLAGS_lhs_spec));
