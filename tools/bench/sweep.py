@@ -27,6 +27,7 @@ transport server's start by --start_timeout_s.
 import argparse
 import json
 import os
+import re
 import shlex
 import signal
 import socket
@@ -151,8 +152,9 @@ def bench_knows(bench, mode):
     """Whether the service bench's --activations names `mode`."""
     r = subprocess.run([bench, "--helpfull"], capture_output=True, text=True, timeout=30)
     text = r.stdout + r.stderr
-    at = text.find("-activations")
-    return at >= 0 and mode in text[at:at + 600]
+    at = text.find("--activations (")
+    end = text.find("default:", at)
+    return at >= 0 and re.search(rf"\b{re.escape(mode)}\b", text[at:end if end > at else None]) is not None
 
 
 def x_key(rows):
