@@ -60,6 +60,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/blocking_counter.h"
 #include "absl/synchronization/mutex.h"
@@ -67,6 +68,7 @@
 #include "absl/time/clock.h"
 #include "client/client.h"
 #include "client/connect_flags.h"
+#include "client/response_phases.h"
 #include "kernels/cpu/grouped_gemm.h"
 #include "kernels/cuda/device_pool.h"
 #include "kernels/cpu/fp8_grouped_gemm.h"
@@ -76,8 +78,6 @@
 #include "kernels/cuda/quantize.h"
 #include "kernels/fp8.h"
 #include "platform/shared_memory.h"
-#include "google/protobuf/descriptor.h"
-#include "google/protobuf/message.h"
 #include "nlohmann/json.hpp"
 #include "proto/tensor_codec.h"
 
@@ -541,31 +541,10 @@ class BenchRegion {
   bool registered_ = true;
 };
 
-// The response's per-phase timings, read by name (GroupedGemmResponse.phases:
-// each of its double fields one phase, in seconds) so this bench builds and
-// runs with servers whose responses have them and with those that have not:
-// empty where the field is absent.
-const google::protobuf::FieldDescriptor* PhasesField() {
-  const google::protobuf::FieldDescriptor* f = v1::GroupedGemmResponse::descriptor()->FindFieldByName("phases");
-  return f != nullptr && f->cpp_type() == google::protobuf::FieldDescriptor::CPPTYPE_MESSAGE && !f->is_repeated()
-             ? f
-             : nullptr;
-}
-const std::vector<const google::protobuf::FieldDescriptor*>& PhaseFields() {
-  static const auto* fields = [] {
-    auto* out = new std::vector<const google::protobuf::FieldDescriptor*>;
-    if (const auto* phases = PhasesField(); phases != nullptr) {
-      const google::protobuf::Descriptor* d = phases->message_type();
-      for (int i = 0; i < d->field_count(); ++i) {
-        const google::protobuf::FieldDescriptor* f = d->field(i);
-        if (f->cpp_type() == google::protobuf::FieldDescriptor::CPPTYPE_DOUBLE && !f->is_repeated()) {
-          out->push_back(f);
-        }
-      }
-    }
-    return out;
-  }();
-  return *fields;
+// The response's per-phase timings, when its type has them.
+const ResponsePhases& Phases() {
+  static const auto* phases = new ResponsePhases(v1::GroupedGemmResponse::descriptor());
+  return *phases;
 }
 
 // Checks answers against the local op's output `want` (one row shard's
@@ -684,7 +663,7 @@ absl::StatusOr<std::vector<LoadLevel>> LoadLevels() {
 struct LoadResult {
   absl::Status status;
   std::vector<double> rtt_s, server_s, worker_s;
-  std::vector<std::vector<double>> phase_s;  // one per PhaseFields() entry
+  std::vector<std::vector<double>> phase_s;  // one per Phases().names() entry
   int64_t attempted = 0, completed = 0, late = 0, checked = 0, wrong = 0;
   int64_t wire_sent = 0, wire_received = 0;  // serialized request and response bytes
   int64_t h2d = 0, d2h = 0;                  // one call's host<->device bytes
@@ -744,7 +723,7 @@ LoadResult RunLoad(const LoadLevel& level, std::vector<std::unique_ptr<Caller>>&
     threads.emplace_back([&, c] {
       Caller& me = *callers[c];
       LoadResult& out = per_caller[c];
-      out.phase_s.resize(PhaseFields().size());
+      out.phase_s.resize(Phases().names().size());
       for (int i = 0; i < std::max(1, warmup) && out.status.ok(); ++i) {
         auto r = me.client->GroupedGemm(me.request);
         if (!r.ok()) out.status = r.status();
@@ -766,12 +745,8 @@ LoadResult RunLoad(const LoadLevel& level, std::vector<std::unique_ptr<Caller>>&
         out.rtt_s.push_back(rtt);
         out.server_s.push_back(r->server_seconds());
         out.worker_s.push_back(r->worker_seconds());
-        if (const auto* phases = PhasesField(); phases != nullptr) {
-          const google::protobuf::Message& m = r->GetReflection()->GetMessage(*r, phases);
-          for (size_t i = 0; i < PhaseFields().size(); ++i) {
-            out.phase_s[i].push_back(m.GetReflection()->GetDouble(m, PhaseFields()[i]));
-          }
-        }
+        const std::vector<double> phases = Phases().Read(*r);
+        for (size_t i = 0; i < phases.size(); ++i) out.phase_s[i].push_back(phases[i]);
         out.wire_sent += static_cast<int64_t>(me.request.ByteSizeLong());
         out.wire_received += static_cast<int64_t>(r->ByteSizeLong());
         out.h2d = r->host_to_device_bytes();
@@ -818,7 +793,7 @@ LoadResult RunLoad(const LoadLevel& level, std::vector<std::unique_ptr<Caller>>&
   go.Notify();
   for (std::thread& t : threads) t.join();
   LoadResult all;
-  all.phase_s.resize(PhaseFields().size());
+  all.phase_s.resize(Phases().names().size());
   for (LoadResult& r : per_caller) all.Merge(std::move(r));
   all.wall_s = absl::ToDoubleSeconds(last_answer - released);
   return all;
@@ -1158,7 +1133,10 @@ int Main() {
         if (!r.phase_s.empty()) {
           nlohmann::json phases = nlohmann::json::object();
           for (size_t i = 0; i < r.phase_s.size(); ++i) {
-            phases[PhaseFields()[i]->name()] = Percentiles(r.phase_s[i]).p50 * 1e6;
+            // Keyed by the phase ("plan_seconds" -> "plan"): the values are µs.
+            absl::string_view name = Phases().names()[i];
+            absl::ConsumeSuffix(&name, "_seconds");
+            phases[std::string(name)] = Percentiles(r.phase_s[i]).p50 * 1e6;
           }
           j["phases_p50_us"] = phases;
         }
