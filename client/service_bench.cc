@@ -17,8 +17,8 @@
 // checked output matched the local one; then the level's throughput (calls/s
 // and GB/s of the tensor bytes the client sent and got back), rtt p99, and
 // the wrong-value count. --json appends one line per level with p50 / p90 /
-// p99 of each, the counts, the bytes, the per-phase p50s when the response
-// carries them (GroupedGemmResponse.phases), and on CUDA the pinned
+// p99 of each, the counts, the bytes, the p50 of each phase of the server
+// time (GroupedGemmResponse.phases), and on CUDA the pinned
 // host-to-device copy of lhs and device-to-host copy of the output (PCIe's
 // floor for those bytes).
 // The local op: --local=cuda runs the CUDA grouped GEMM on device buffers
@@ -60,7 +60,6 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
-#include "absl/strings/strip.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/blocking_counter.h"
 #include "absl/synchronization/mutex.h"
@@ -68,7 +67,6 @@
 #include "absl/time/clock.h"
 #include "client/client.h"
 #include "client/connect_flags.h"
-#include "client/response_phases.h"
 #include "kernels/cpu/grouped_gemm.h"
 #include "kernels/cuda/device_pool.h"
 #include "kernels/cpu/fp8_grouped_gemm.h"
@@ -541,11 +539,19 @@ class BenchRegion {
   bool registered_ = true;
 };
 
-// The response's per-phase timings, when its type has them.
-const ResponsePhases& Phases() {
-  static const auto* phases = new ResponsePhases(v1::GroupedGemmResponse::descriptor());
-  return *phases;
-}
+// GroupedGemmResponse.phases, in the order a request meets them (they add
+// up to its server time): the JSON's names and their accessors.
+struct Phase {
+  const char* name;
+  double (v1::RequestPhases::*seconds)() const;
+};
+constexpr Phase kPhases[] = {
+    {"plan", &v1::RequestPhases::plan_seconds},         {"queue", &v1::RequestPhases::queue_seconds},
+    {"transfer", &v1::RequestPhases::transfer_seconds}, {"kernel", &v1::RequestPhases::kernel_seconds},
+    {"collective", &v1::RequestPhases::collective_seconds},
+    {"transport", &v1::RequestPhases::transport_seconds}, {"assemble", &v1::RequestPhases::assemble_seconds},
+};
+constexpr size_t kNumPhases = sizeof(kPhases) / sizeof(kPhases[0]);
 
 // Checks answers against the local op's output `want` (one row shard's
 // block; the service's output is that block once per row shard). The first
@@ -663,7 +669,7 @@ absl::StatusOr<std::vector<LoadLevel>> LoadLevels() {
 struct LoadResult {
   absl::Status status;
   std::vector<double> rtt_s, server_s, worker_s;
-  std::vector<std::vector<double>> phase_s;  // one per Phases().names() entry
+  std::vector<std::vector<double>> phase_s;  // one per kPhases entry
   int64_t attempted = 0, completed = 0, late = 0, checked = 0, wrong = 0;
   int64_t wire_sent = 0, wire_received = 0;  // serialized request and response bytes
   int64_t h2d = 0, d2h = 0;                  // one call's host<->device bytes
@@ -723,7 +729,7 @@ LoadResult RunLoad(const LoadLevel& level, std::vector<std::unique_ptr<Caller>>&
     threads.emplace_back([&, c] {
       Caller& me = *callers[c];
       LoadResult& out = per_caller[c];
-      out.phase_s.resize(Phases().names().size());
+      out.phase_s.resize(kNumPhases);
       for (int i = 0; i < std::max(1, warmup) && out.status.ok(); ++i) {
         auto r = me.client->GroupedGemm(me.request);
         if (!r.ok()) out.status = r.status();
@@ -745,8 +751,7 @@ LoadResult RunLoad(const LoadLevel& level, std::vector<std::unique_ptr<Caller>>&
         out.rtt_s.push_back(rtt);
         out.server_s.push_back(r->server_seconds());
         out.worker_s.push_back(r->worker_seconds());
-        const std::vector<double> phases = Phases().Read(*r);
-        for (size_t i = 0; i < phases.size(); ++i) out.phase_s[i].push_back(phases[i]);
+        for (size_t i = 0; i < kNumPhases; ++i) out.phase_s[i].push_back((r->phases().*kPhases[i].seconds)());
         out.wire_sent += static_cast<int64_t>(me.request.ByteSizeLong());
         out.wire_received += static_cast<int64_t>(r->ByteSizeLong());
         out.h2d = r->host_to_device_bytes();
@@ -793,7 +798,7 @@ LoadResult RunLoad(const LoadLevel& level, std::vector<std::unique_ptr<Caller>>&
   go.Notify();
   for (std::thread& t : threads) t.join();
   LoadResult all;
-  all.phase_s.resize(Phases().names().size());
+  all.phase_s.resize(kNumPhases);
   for (LoadResult& r : per_caller) all.Merge(std::move(r));
   all.wall_s = absl::ToDoubleSeconds(last_answer - released);
   return all;
@@ -1130,16 +1135,9 @@ int Main() {
           j["late"] = r.late;
           j["late_max_us"] = r.late_max_s * 1e6;
         }
-        if (!r.phase_s.empty()) {
-          nlohmann::json phases = nlohmann::json::object();
-          for (size_t i = 0; i < r.phase_s.size(); ++i) {
-            // Keyed by the phase ("plan_seconds" -> "plan"): the values are µs.
-            absl::string_view name = Phases().names()[i];
-            absl::ConsumeSuffix(&name, "_seconds");
-            phases[std::string(name)] = Percentiles(r.phase_s[i]).p50 * 1e6;
-          }
-          j["phases_p50_us"] = phases;
-        }
+        nlohmann::json phases = nlohmann::json::object();
+        for (size_t i = 0; i < kNumPhases; ++i) phases[kPhases[i].name] = Percentiles(r.phase_s[i]).p50 * 1e6;
+        j["phases_p50_us"] = phases;
         json_out << j.dump() << "\n";
       }
     }

@@ -23,6 +23,7 @@ SHARDED = ["--", "--lhs_spec=(dp, None)", "--group_sizes_spec=(dp,)", f"--row_sh
 # callers' time between calls: checks, thread wake-ups on a loaded machine).
 LITTLE_FACTOR = 10
 CLOCK_SLACK_US = 50
+PHASES = {"plan", "queue", "transfer", "kernel", "collective", "transport", "assemble"}
 
 
 def sweep(tmp_path, *flags):
@@ -102,9 +103,11 @@ def test_concurrency_sweep_figures_are_consistent(tmp_path):
         for q in ("p50", "p90", "p99"):
             assert r[f"worker_{q}_us"] <= r[f"server_{q}_us"] + CLOCK_SLACK_US, (q, r)
             assert r[f"server_{q}_us"] <= r[f"rtt_{q}_us"] + CLOCK_SLACK_US, (q, r)
-        # Per-phase timings, where the response has them: each phase lies within the round trip.
-        for phase, us in r.get("phases_p50_us", {}).items():
-            assert 0 <= us <= r["rtt_p50_us"] + CLOCK_SLACK_US, (phase, r)
+        # The server time's phases: every one, each within the server time (so is each call's).
+        assert set(r["phases_p50_us"]) == set(PHASES), r
+        for phase, us in r["phases_p50_us"].items():
+            assert 0 <= us <= r["server_p50_us"] + CLOCK_SLACK_US, (phase, r)
+        assert r["phases_p50_us"]["kernel"] > 0 and r["phases_p50_us"]["plan"] > 0, r
 
     # The raw stream moves the bytes the inline path moves.
     for r in transport:

@@ -189,19 +189,27 @@ def floors(results):
     return out
 
 
+# GroupedGemmResponse.phases as the service bench writes them (phases_p50_us), in
+# the order a request meets them; they add up to the server time.
+PHASES = ("plan", "queue", "transfer", "kernel", "collective", "transport", "assemble")
+
+
 def phase_parts(row):
-    """The round trip of one line split into parts that add up to it (µs)."""
+    """One line's round trip split into parts (µs, p50 each): the server's phases, what of the
+    server time no phase holds, and the client hop (round trip - server)."""
     rtt = row["rtt_p50_us"]
-    phases = row.get("phases_p50_us")
-    if phases:
-        parts = [(name.removesuffix("_seconds").removesuffix("_s"), v) for name, v in phases.items()]
-        rest = rtt - sum(v for _, v in parts)
-        return parts + [("rest of the round trip", max(rest, 0.0))]
     if row["kind"] == "transport":
         return [("raw stream round trip", rtt)]
-    worker, server = row["worker_p50_us"], row["server_p50_us"]
-    return [("slowest worker", worker), ("coordinator (server - worker)", max(server - worker, 0.0)),
-            ("client hop (round trip - server)", max(rtt - server, 0.0))]
+    server = row["server_p50_us"]
+    phases = row.get("phases_p50_us")
+    if phases:
+        parts = [(name, phases[name]) for name in PHASES if name in phases]
+        parts += [(name, us) for name, us in phases.items() if name not in PHASES]
+        parts.append(("server, in no phase", max(server - sum(us for _, us in parts), 0.0)))
+    else:  # servers older than the phases
+        worker = row["worker_p50_us"]
+        parts = [("slowest worker", worker), ("coordinator (server - worker)", max(server - worker, 0.0))]
+    return parts + [("client hop (round trip - server)", max(rtt - server, 0.0))]
 
 
 def plot(results, floor, out_dir):
