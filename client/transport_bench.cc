@@ -2,14 +2,14 @@
 // moves the bytes a request moves (lhs in, the output back) between the
 // same two endpoints, with the service's channel and server settings
 // (proto/transport.h) and its message sizes: one message each way as the
-// inline GroupedGemm sends them (--chunk_bytes=0), or the 1 MiB chunks
-// PutTensor / GetTensor stream (--chunk_bytes=1048576). No protobuf and no
+// inline GroupedGemm sends them (--chunk_bytes=0), or the chunks PutTensor /
+// GetTensor stream (--service_chunks: kTensorChunkBytes). No protobuf and no
 // copies: the bytes go out as slices of one buffer and are counted, not
 // copied, on arrival, so what is left is gRPC's own cost.
 //
 //   shardgemm-transport-bench --mode=server --listen=127.0.0.1:0 [--port_file=F]
 //   shardgemm-transport-bench --mode=client --target=HOST:PORT --in_bytes=N --out_bytes=M
-//       [--chunk_bytes=0] [--concurrency=1,2,4] [--iters=20] [--warmup=3] [--label=PRESET] [--json=FILE]
+//       [--chunk_bytes=0 | --service_chunks] [--concurrency=1,2,4] [--iters=20] [--warmup=3] [--label=PRESET] [--json=FILE]
 //
 // One call is one bidirectional stream: the client writes in_bytes and
 // half-closes, the server checks it got them all and answers out_bytes.
@@ -51,6 +51,9 @@ ABSL_FLAG(std::string, target, "", "client: the server's HOST:PORT");
 ABSL_FLAG(int64_t, in_bytes, 0, "client: bytes each call sends");
 ABSL_FLAG(int64_t, out_bytes, 0, "client: bytes each call gets back");
 ABSL_FLAG(int64_t, chunk_bytes, 0, "client: message size both ways (0: one message each way)");
+ABSL_FLAG(bool, service_chunks, false,
+          "client: messages of the service's stream chunk (kTensorChunkBytes, as PutTensor / GetTensor), "
+          "instead of --chunk_bytes");
 ABSL_FLAG(std::string, concurrency, "1", "client: callers at once, one count or a list (1,2,4,...)");
 ABSL_FLAG(int, iters, 20, "client: timed calls per caller");
 ABSL_FLAG(int, warmup, 3, "client: untimed calls per caller first");
@@ -272,7 +275,7 @@ Stats Percentiles(std::vector<double> v) {
 int RunClient() {
   const std::string target = absl::GetFlag(FLAGS_target);
   const int64_t in_bytes = absl::GetFlag(FLAGS_in_bytes), out_bytes = absl::GetFlag(FLAGS_out_bytes);
-  const int64_t chunk = absl::GetFlag(FLAGS_chunk_bytes);
+  const int64_t chunk = absl::GetFlag(FLAGS_service_chunks) ? kTensorChunkBytes : absl::GetFlag(FLAGS_chunk_bytes);
   const int iters = absl::GetFlag(FLAGS_iters), warmup = absl::GetFlag(FLAGS_warmup);
   const absl::Duration timeout = absl::Seconds(absl::GetFlag(FLAGS_call_timeout_s));
   if (target.empty()) return std::fprintf(stderr, "--target: required with --mode=client\n"), 2;

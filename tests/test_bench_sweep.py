@@ -64,7 +64,7 @@ def test_concurrency_sweep_figures_are_consistent(tmp_path):
     for path in ("inline", "shared_memory", "resident"):
         assert sorted(r["concurrency"] for r in service if r["path"] == path) == LEVELS, path
     assert "direct" in doc["paths"] or any(s["path"] == "direct" and s["why"] for s in doc["skipped"])
-    for variant in ("raw_stream", "raw_stream_1mib"):
+    for variant in ("raw_stream", "raw_stream_chunked"):
         assert sorted(r["concurrency"] for r in transport if r["path"] == variant) == LEVELS, variant
 
     for r in results:

@@ -7,7 +7,7 @@ runs bin/shardgemm-service-bench over the presets for each data path and
 each concurrency level (or request rate), and beside it, in the same run and
 between the same two endpoints, bin/shardgemm-transport-bench moving the
 same bytes over a raw gRPC stream (one message each way as the inline
-GroupedGemm, and in 1 MiB chunks as PutTensor / GetTensor). On CUDA each
+GroupedGemm, and in the stream chunks of PutTensor / GetTensor). On CUDA each
 service line also carries the pinned host-to-device and device-to-host
 copies of the same bytes (PCIe's floor). Writes one JSON file (every result
 line, the floors, what was skipped and why) and PNG plots per preset:
@@ -57,8 +57,11 @@ PATHS = {
 }
 DEFAULT_PATHS = "inline,shared_memory,resident,direct"
 
-# The raw stream's variants: message size both ways (0: one message each way).
-TRANSPORT_VARIANTS = {"raw_stream": 0, "raw_stream_1mib": 1 << 20}
+# The raw stream's variants: its flags for the messages both ways.
+TRANSPORT_VARIANTS = {
+    "raw_stream": ["--chunk_bytes=0"],              # one message each way, as the inline GroupedGemm
+    "raw_stream_chunked": ["--service_chunks"],     # the stream chunks of PutTensor / GetTensor
+}
 
 
 def free_port():
@@ -315,7 +318,7 @@ def main(argv=None):
     ap.add_argument("--max_outstanding", type=int, default=16)
     ap.add_argument("--iters", type=int, default=20, help="calls per caller (closed) or per rate (open)")
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--transport", default="raw_stream,raw_stream_1mib",
+    ap.add_argument("--transport", default="raw_stream,raw_stream_chunked",
                     help=f"raw stream variants beside the paths ({', '.join(TRANSPORT_VARIANTS)}; empty: none)")
     ap.add_argument("--out", required=True, help="folder for sweep.json and the PNGs")
     ap.add_argument("--run_timeout_s", type=float, default=600, help="bound on each bench run")
@@ -418,7 +421,7 @@ def main(argv=None):
                     run(pinned(bench_cpus, [
                         transport_bench, "--mode=client", f"--target=127.0.0.1:{transport_port}",
                         f"--in_bytes={in_bytes}", f"--out_bytes={out_bytes}",
-                        f"--chunk_bytes={TRANSPORT_VARIANTS[v]}", f"--concurrency={levels}",
+                        *TRANSPORT_VARIANTS[v], f"--concurrency={levels}",
                         f"--iters={a.iters}", f"--warmup={a.warmup}", f"--label={preset}", f"--json={jsonl}"]),
                         a.run_timeout_s, f"transport bench, {v}, {preset}", failures)
                     results += [dict(r, path=v) for r in read_lines(jsonl)]
