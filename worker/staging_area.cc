@@ -1,0 +1,277 @@
+#include "worker/staging_area.h"
+
+#include <limits>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+
+namespace shardgemm {
+
+namespace {
+
+// A ticket is a secret: messages name only its first characters.
+std::string Named(const std::string& ticket) { return absl::StrCat("ticket ", ticket.substr(0, 8), "..."); }
+
+absl::StatusOr<int64_t> BlockBytes(const ExpectedBlock& block) {
+  if (block.dtype == DType::kInvalid) return absl::InvalidArgumentError("dtype: unset");
+  int64_t n = DTypeSize(block.dtype);
+  for (int64_t d : block.shape) {
+    if (d < 0) return absl::InvalidArgumentError(absl::StrCat("shape: dimension ", d, " is negative"));
+    if (d != 0 && n > std::numeric_limits<int64_t>::max() / d) return absl::InvalidArgumentError("shape: too large");
+    n *= d;
+  }
+  return n;
+}
+
+}  // namespace
+
+StagingArea::StagingArea(int64_t budget_bytes, absl::Duration ttl, Clock now)
+    : budget_bytes_(budget_bytes), ttl_(ttl), now_(std::move(now)) {}
+
+StagingArea::Entry* StagingArea::Find(const std::string& ticket) {
+  auto it = entries_.find(ticket);
+  if (it == entries_.end()) return nullptr;
+  if (it->second.expires <= now_()) {
+    Drop(it);
+    return nullptr;
+  }
+  return &it->second;
+}
+
+void StagingArea::Drop(absl::flat_hash_map<std::string, Entry>::iterator it) {
+  const State s = it->second.state;
+  // A stream being received owns its reservation (it ends it); the others' bytes are the entry's.
+  if (s == State::kStaged || s == State::kHeld || s == State::kFetching) held_bytes_ -= it->second.bytes;
+  entries_.erase(it);
+}
+
+absl::Status StagingArea::Reserve(int64_t bytes, absl::string_view what) {
+  if (bytes > budget_bytes_ - held_bytes_) {
+    return absl::ResourceExhaustedError(absl::StrCat(what, " needs ", bytes, " bytes; ", held_bytes_, " of the ",
+                                                     budget_bytes_, " of --staging_budget are held"));
+  }
+  held_bytes_ += bytes;
+  return absl::OkStatus();
+}
+
+absl::Status StagingArea::Expect(const std::string& ticket, ExpectedBlock block) {
+  auto bytes = BlockBytes(block);
+  if (!bytes.ok()) return bytes.status();
+  absl::MutexLock lock(&mu_);
+  if (Find(ticket) != nullptr) return absl::AlreadyExistsError(absl::StrCat(Named(ticket), " is known already"));
+  Entry& e = entries_[ticket];
+  e.block = std::move(block);
+  e.bytes = *bytes;
+  e.expires = now_() + ttl_;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<StagingArea::Upload>> StagingArea::BeginStage(const std::string& ticket,
+                                                                             const std::string& tenant) {
+  absl::MutexLock lock(&mu_);
+  Entry* e = Find(ticket);
+  if (e == nullptr) {
+    return absl::NotFoundError(absl::StrCat(
+        "ticket: ", Named(ticket), " is unknown on this worker or expired (--staged_block_ttl of ",
+        absl::FormatDuration(ttl_), "); ask the coordinator for a new transfer plan"));
+  }
+  if (e->block.tenant != tenant) {
+    return absl::PermissionDeniedError(absl::StrCat("ticket: ", Named(ticket), " was issued to another tenant"));
+  }
+  switch (e->state) {
+    case State::kExpected:
+      break;
+    case State::kStaging:
+      return absl::FailedPreconditionError(absl::StrCat("ticket: ", Named(ticket), " is being staged by another stream"));
+    case State::kStaged:
+      return absl::FailedPreconditionError(absl::StrCat("ticket: ", Named(ticket), " was staged already"));
+    case State::kUsed:
+      return absl::FailedPreconditionError(absl::StrCat("ticket: ", Named(ticket), " was used already"));
+    case State::kHeld:
+    case State::kFetching:
+      return absl::FailedPreconditionError(absl::StrCat("ticket: ", Named(ticket), " is an output's, for Fetch"));
+  }
+  if (auto s = Reserve(e->bytes, absl::StrCat("staging the ", e->block.operand, " block of ", Named(ticket)));
+      !s.ok()) {
+    return s;
+  }
+  e->state = State::kStaging;
+  e->id = next_id_++;
+  return std::unique_ptr<Upload>(new Upload(this, ticket, e->id, e->bytes));
+}
+
+StagingArea::Upload::Upload(StagingArea* area, std::string ticket, uint64_t id, int64_t expected_bytes)
+    : area_(area), ticket_(std::move(ticket)), id_(id), expected_bytes_(expected_bytes) {}
+
+StagingArea::Upload::~Upload() {
+  if (!committed_) area_->EndUpload(ticket_, id_, expected_bytes_);
+}
+
+absl::Status StagingArea::Upload::Append(absl::string_view data) {
+  if (static_cast<int64_t>(bytes_.size() + data.size()) > expected_bytes_) {
+    return absl::InvalidArgumentError(absl::StrCat("data: more than the ", expected_bytes_, " bytes ",
+                                                   Named(ticket_), " expects"));
+  }
+  if (bytes_.empty()) bytes_.reserve(static_cast<size_t>(expected_bytes_));
+  bytes_.append(data.data(), data.size());
+  return absl::OkStatus();
+}
+
+absl::StatusOr<int64_t> StagingArea::Upload::Commit() {
+  if (static_cast<int64_t>(bytes_.size()) != expected_bytes_) {
+    return absl::InvalidArgumentError(absl::StrCat("data: ", bytes_.size(), " bytes, but ", Named(ticket_),
+                                                   " expects ", expected_bytes_));
+  }
+  absl::MutexLock lock(&area_->mu_);
+  Entry* e = area_->Find(ticket_);
+  if (e == nullptr || e->state != State::kStaging || e->id != id_) {
+    return absl::NotFoundError(absl::StrCat("ticket: ", Named(ticket_), " expired while it was being staged"));
+  }
+  auto t = std::make_shared<HostTensor>();
+  t->dtype = e->block.dtype;
+  t->shape = e->block.shape;
+  t->bytes = std::move(bytes_);
+  e->data = std::move(t);
+  e->state = State::kStaged;
+  e->expires = area_->now_() + area_->ttl_;  // a staged block waits a TTL for its step
+  committed_ = true;  // the reservation is the entry's now
+  return expected_bytes_;
+}
+
+void StagingArea::EndUpload(const std::string& ticket, uint64_t id, int64_t reserved) {
+  absl::MutexLock lock(&mu_);
+  held_bytes_ -= reserved;
+  auto it = entries_.find(ticket);
+  if (it != entries_.end() && it->second.state == State::kStaging && it->second.id == id) {
+    it->second.state = State::kExpected;  // may be staged again, until it expires
+  }
+}
+
+absl::StatusOr<HostTensor> StagingArea::Claim(const std::string& ticket, DType dtype,
+                                              const std::vector<int64_t>& shape, absl::string_view field) {
+  absl::MutexLock lock(&mu_);
+  Entry* e = Find(ticket);
+  if (e == nullptr) {
+    return absl::NotFoundError(absl::StrCat(field, ".staged: ", Named(ticket), " is unknown on this worker or "
+                                            "expired (--staged_block_ttl of ", absl::FormatDuration(ttl_), ")"));
+  }
+  switch (e->state) {
+    case State::kStaged:
+      break;
+    case State::kUsed:
+      return absl::FailedPreconditionError(absl::StrCat(field, ".staged: ", Named(ticket), " was used already"));
+    case State::kExpected:
+    case State::kStaging:
+      return absl::FailedPreconditionError(absl::StrCat(
+          field, ".staged: the block of ", Named(ticket), " was not staged on this worker (stage every block of "
+          "the transfer plan before submitting the request)"));
+    case State::kHeld:
+    case State::kFetching:
+      return absl::FailedPreconditionError(absl::StrCat(field, ".staged: ", Named(ticket), " is an output's"));
+  }
+  if (dtype != e->block.dtype || shape != e->block.shape) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ".staged: the step's block is ", DTypeName(dtype), " ", ShapeToString(shape), " but ", Named(ticket),
+        " was issued for ", DTypeName(e->block.dtype), " ", ShapeToString(e->block.shape)));
+  }
+  HostTensor out = std::move(*std::const_pointer_cast<HostTensor>(e->data));
+  e->data.reset();
+  held_bytes_ -= e->bytes;
+  e->state = State::kUsed;  // remembered until it expires
+  return out;
+}
+
+absl::Status StagingArea::Hold(const std::string& ticket, const std::string& tenant, HostTensor block) {
+  absl::MutexLock lock(&mu_);
+  if (Find(ticket) != nullptr) return absl::AlreadyExistsError(absl::StrCat(Named(ticket), " is known already"));
+  const int64_t bytes = block.NumBytes();
+  if (auto s = Reserve(bytes, "out_staged: holding the output block for a direct fetch"); !s.ok()) return s;
+  Entry& e = entries_[ticket];
+  e.block.tenant = tenant;
+  e.block.operand = "out";
+  e.block.dtype = block.dtype;
+  e.block.shape = block.shape;
+  e.bytes = bytes;
+  e.state = State::kHeld;
+  e.expires = now_() + ttl_;
+  e.data = std::make_shared<const HostTensor>(std::move(block));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<StagingArea::Download>> StagingArea::BeginFetch(const std::string& ticket,
+                                                                              const std::string& tenant) {
+  absl::MutexLock lock(&mu_);
+  Entry* e = Find(ticket);
+  if (e == nullptr || e->state == State::kExpected || e->state == State::kStaging || e->state == State::kStaged) {
+    return absl::NotFoundError(absl::StrCat("ticket: ", Named(ticket), " names no output block held on this "
+                                            "worker (unknown, or expired after --staged_block_ttl of ",
+                                            absl::FormatDuration(ttl_), ")"));
+  }
+  if (e->block.tenant != tenant) {
+    return absl::PermissionDeniedError(absl::StrCat("ticket: ", Named(ticket), " was issued to another tenant"));
+  }
+  if (e->state == State::kUsed) {
+    return absl::FailedPreconditionError(absl::StrCat("ticket: ", Named(ticket), " was fetched already"));
+  }
+  if (e->state == State::kFetching) {
+    return absl::FailedPreconditionError(absl::StrCat("ticket: ", Named(ticket), " is being fetched"));
+  }
+  e->state = State::kFetching;
+  e->id = next_id_++;
+  return std::unique_ptr<Download>(new Download(this, ticket, e->id, e->data));
+}
+
+StagingArea::Download::Download(StagingArea* area, std::string ticket, uint64_t id,
+                                std::shared_ptr<const HostTensor> block)
+    : area_(area), ticket_(std::move(ticket)), id_(id), block_(std::move(block)) {}
+
+StagingArea::Download::~Download() {
+  if (!done_) area_->EndDownload(ticket_, id_, /*done=*/false);
+}
+
+void StagingArea::Download::Done() {
+  if (done_) return;
+  done_ = true;
+  area_->EndDownload(ticket_, id_, /*done=*/true);
+  block_.reset();
+}
+
+void StagingArea::EndDownload(const std::string& ticket, uint64_t id, bool done) {
+  absl::MutexLock lock(&mu_);
+  auto it = entries_.find(ticket);
+  if (it == entries_.end() || it->second.state != State::kFetching || it->second.id != id) return;  // expired
+  if (!done) {
+    it->second.state = State::kHeld;  // may be fetched again, until it expires
+    return;
+  }
+  held_bytes_ -= it->second.bytes;
+  it->second.data.reset();
+  it->second.state = State::kUsed;
+}
+
+int StagingArea::Sweep() {
+  absl::MutexLock lock(&mu_);
+  const absl::Time now = now_();
+  int dropped = 0;
+  for (auto it = entries_.begin(); it != entries_.end();) {
+    auto next = std::next(it);
+    if (it->second.expires <= now) {
+      Drop(it);
+      ++dropped;
+    }
+    it = next;
+  }
+  return dropped;
+}
+
+int64_t StagingArea::held_bytes() const {
+  absl::MutexLock lock(&mu_);
+  return held_bytes_;
+}
+
+size_t StagingArea::tickets() const {
+  absl::MutexLock lock(&mu_);
+  return entries_.size();
+}
+
+}  // namespace shardgemm

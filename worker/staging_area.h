@@ -1,0 +1,152 @@
+// Blocks clients stream to this worker directly (the data plane's staging,
+// docs/architecture.md "Data paths"), and output blocks kept for a client's
+// direct fetch, each under a ticket the coordinator issued. A small library:
+// no gRPC, no threads of its own (the worker's sweeper calls Sweep).
+//
+// A ticket's life: expected (the coordinator said so) -> being staged (one
+// stream at a time) -> staged -> claimed by a step (used); or, for an
+// output: held -> being fetched -> fetched (used). Every held byte counts
+// against the budget; anything not claimed or fetched within the TTL
+// expires and frees its bytes. A used ticket is remembered until its
+// expiry, so a second use is told apart from an unknown ticket.
+#ifndef SHARDGEMM_WORKER_STAGING_AREA_H_
+#define SHARDGEMM_WORKER_STAGING_AREA_H_
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "kernels/host_tensor.h"
+
+namespace shardgemm {
+
+// What a ticket stands for (Worker.ExpectStaged's StagingTicket).
+struct ExpectedBlock {
+  std::string tenant;
+  std::string operand;  // "lhs", "rhs", ... (for messages)
+  DType dtype = DType::kInvalid;
+  std::vector<int64_t> shape;
+};
+
+class StagingArea {
+ public:
+  using Clock = std::function<absl::Time()>;
+  // `budget_bytes` (--staging_budget): bytes staged, being staged and held
+  // for fetch together. `ttl` (--staged_block_ttl): how long a ticket or its
+  // block waits to be used.
+  StagingArea(int64_t budget_bytes, absl::Duration ttl, Clock now = [] { return absl::Now(); });
+
+  // The coordinator issued `ticket` for `block` on this worker.
+  // INVALID_ARGUMENT for a malformed block; ALREADY_EXISTS for a ticket known already.
+  absl::Status Expect(const std::string& ticket, ExpectedBlock block);
+
+  // One Stage stream. Destroyed without Commit (the client went away, or
+  // sent a wrong size): nothing is held, and the ticket may be staged again.
+  class Upload {
+   public:
+    ~Upload();
+    Upload(const Upload&) = delete;
+    Upload& operator=(const Upload&) = delete;
+    // INVALID_ARGUMENT past the ticket's bytes.
+    absl::Status Append(absl::string_view data);
+    // The block is staged: INVALID_ARGUMENT unless exactly the ticket's
+    // bytes arrived; NOT_FOUND if the ticket expired meanwhile.
+    absl::StatusOr<int64_t> Commit();
+    int64_t expected_bytes() const { return expected_bytes_; }
+
+   private:
+    friend class StagingArea;
+    Upload(StagingArea* area, std::string ticket, uint64_t id, int64_t expected_bytes);
+    StagingArea* area_;
+    std::string ticket_;
+    uint64_t id_;
+    int64_t expected_bytes_;
+    std::string bytes_;
+    bool committed_ = false;
+  };
+  // NOT_FOUND for an unknown or expired ticket, PERMISSION_DENIED for
+  // another tenant's, FAILED_PRECONDITION for one staged, being staged or
+  // used already, RESOURCE_EXHAUSTED (naming --staging_budget) when its
+  // bytes do not fit.
+  absl::StatusOr<std::unique_ptr<Upload>> BeginStage(const std::string& ticket, const std::string& tenant);
+
+  // A step's input: the staged block, taken out (its bytes leave the
+  // budget; the step owns them). `field` names the operand in errors.
+  // NOT_FOUND unknown or expired; FAILED_PRECONDITION not staged yet, or
+  // used; INVALID_ARGUMENT when dtype or shape differ from the ticket's.
+  absl::StatusOr<HostTensor> Claim(const std::string& ticket, DType dtype, const std::vector<int64_t>& shape,
+                                   absl::string_view field);
+
+  // Holds a step's output block for the client's fetch under `ticket`.
+  // RESOURCE_EXHAUSTED (naming --staging_budget) when it does not fit;
+  // ALREADY_EXISTS for a ticket known already.
+  absl::Status Hold(const std::string& ticket, const std::string& tenant, HostTensor block);
+
+  // One Fetch stream: the block stays held until Done (fetched: the ticket
+  // is used); destroyed without Done, it may be fetched again.
+  class Download {
+   public:
+    ~Download();
+    Download(const Download&) = delete;
+    Download& operator=(const Download&) = delete;
+    const HostTensor& block() const { return *block_; }
+    void Done();
+
+   private:
+    friend class StagingArea;
+    Download(StagingArea* area, std::string ticket, uint64_t id, std::shared_ptr<const HostTensor> block);
+    StagingArea* area_;
+    std::string ticket_;
+    uint64_t id_;
+    std::shared_ptr<const HostTensor> block_;
+    bool done_ = false;
+  };
+  // NOT_FOUND unknown or expired (or not an output); PERMISSION_DENIED
+  // another tenant's; FAILED_PRECONDITION fetched already or being fetched.
+  absl::StatusOr<std::unique_ptr<Download>> BeginFetch(const std::string& ticket, const std::string& tenant);
+
+  // Forgets every ticket past its expiry, freeing its bytes; returns how many.
+  int Sweep();
+
+  int64_t held_bytes() const;  // staged, being staged and held for fetch
+  int64_t budget_bytes() const { return budget_bytes_; }
+  absl::Duration ttl() const { return ttl_; }
+  size_t tickets() const;  // known now (for tests and status)
+
+ private:
+  enum class State { kExpected, kStaging, kStaged, kHeld, kFetching, kUsed };
+  struct Entry {
+    ExpectedBlock block;
+    int64_t bytes = 0;  // the block's
+    State state = State::kExpected;
+    absl::Time expires;
+    uint64_t id = 0;  // the stream that owns it now (kStaging, kFetching)
+    std::shared_ptr<const HostTensor> data;  // kStaged, kHeld, kFetching
+  };
+  // The live entry of `ticket` (expired ones are dropped first), or null.
+  Entry* Find(const std::string& ticket) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Drop(absl::flat_hash_map<std::string, Entry>::iterator it) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status Reserve(int64_t bytes, absl::string_view what) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void EndUpload(const std::string& ticket, uint64_t id, int64_t reserved);
+  void EndDownload(const std::string& ticket, uint64_t id, bool done);
+
+  const int64_t budget_bytes_;
+  const absl::Duration ttl_;
+  const Clock now_;
+  mutable absl::Mutex mu_;
+  absl::flat_hash_map<std::string, Entry> entries_ ABSL_GUARDED_BY(mu_);
+  int64_t held_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
+};
+
+}  // namespace shardgemm
+
+#endif  // SHARDGEMM_WORKER_STAGING_AREA_H_

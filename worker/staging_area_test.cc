@@ -1,0 +1,200 @@
+#include "worker/staging_area.h"
+
+#include <string>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace shardgemm {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr char kTicket[] = "0123456789abcdef0123456789abcdef";
+
+ExpectedBlock Block(std::string tenant = "demo", std::vector<int64_t> shape = {2, 4}) {
+  ExpectedBlock b;
+  b.tenant = std::move(tenant);
+  b.operand = "lhs";
+  b.dtype = DType::kF32;
+  b.shape = std::move(shape);
+  return b;
+}
+
+class StagingAreaTest : public ::testing::Test {
+ protected:
+  absl::Time now_ = absl::FromUnixSeconds(1000);
+  StagingArea area_{1024, absl::Seconds(60), [this] { return now_; }};
+
+  absl::Status Stage(const std::string& ticket, const std::string& data, const std::string& tenant = "demo") {
+    auto up = area_.BeginStage(ticket, tenant);
+    if (!up.ok()) return up.status();
+    if (auto s = (*up)->Append(data); !s.ok()) return s;
+    return (*up)->Commit().status();
+  }
+};
+
+TEST_F(StagingAreaTest, StagedBlockIsClaimedOnceAndFreesItsBytes) {
+  ASSERT_TRUE(area_.Expect(kTicket, Block()).ok());
+  const std::string bytes(32, '\x7');
+  auto up = area_.BeginStage(kTicket, "demo");
+  ASSERT_TRUE(up.ok()) << up.status();
+  EXPECT_EQ(area_.held_bytes(), 32);  // reserved while it arrives
+  ASSERT_TRUE((*up)->Append(bytes.substr(0, 10)).ok());
+  ASSERT_TRUE((*up)->Append(bytes.substr(10)).ok());
+  ASSERT_TRUE((*up)->Commit().ok());
+  up->reset();
+  EXPECT_EQ(area_.held_bytes(), 32);
+  auto t = area_.Claim(kTicket, DType::kF32, {2, 4}, "lhs");
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_EQ(t->bytes, bytes);
+  EXPECT_EQ(area_.held_bytes(), 0);
+  auto again = area_.Claim(kTicket, DType::kF32, {2, 4}, "lhs");
+  EXPECT_EQ(again.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(again.status().message(), HasSubstr("used already"));
+  EXPECT_EQ(Stage(kTicket, bytes).code(), absl::StatusCode::kFailedPrecondition);
+}
+
+TEST_F(StagingAreaTest, UnknownTicketIsNotFound) {
+  EXPECT_EQ(area_.BeginStage(kTicket, "demo").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(area_.Claim(kTicket, DType::kF32, {2, 4}, "lhs").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(area_.BeginFetch(kTicket, "demo").status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(StagingAreaTest, AnotherTenantsTicketIsPermissionDenied) {
+  ASSERT_TRUE(area_.Expect(kTicket, Block("demo")).ok());
+  auto up = area_.BeginStage(kTicket, "other");
+  EXPECT_EQ(up.status().code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(area_.held_bytes(), 0);
+  EXPECT_TRUE(Stage(kTicket, std::string(32, 'a'), "demo").ok());  // its own tenant still may
+}
+
+TEST_F(StagingAreaTest, WrongSizeIsInvalidArgumentNamingTheExpectedBytesAndHoldsNothing) {
+  ASSERT_TRUE(area_.Expect(kTicket, Block()).ok());
+  absl::Status s = Stage(kTicket, std::string(31, 'a'));
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("expects 32"));
+  EXPECT_EQ(area_.held_bytes(), 0);
+  s = Stage(kTicket, std::string(33, 'a'));
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("32 bytes"));
+  EXPECT_EQ(area_.held_bytes(), 0);
+  EXPECT_TRUE(Stage(kTicket, std::string(32, 'a')).ok());  // the ticket may be staged again
+}
+
+TEST_F(StagingAreaTest, StreamEndedMidwayLeavesNothingHeld) {
+  ASSERT_TRUE(area_.Expect(kTicket, Block()).ok());
+  {
+    auto up = area_.BeginStage(kTicket, "demo");
+    ASSERT_TRUE(up.ok());
+    ASSERT_TRUE((*up)->Append(std::string(16, 'a')).ok());
+    // A second stream while the first is open is refused.
+    EXPECT_EQ(area_.BeginStage(kTicket, "demo").status().code(), absl::StatusCode::kFailedPrecondition);
+  }  // the client went away
+  EXPECT_EQ(area_.held_bytes(), 0);
+  EXPECT_EQ(area_.Claim(kTicket, DType::kF32, {2, 4}, "lhs").status().code(),
+            absl::StatusCode::kFailedPrecondition);
+}
+
+TEST_F(StagingAreaTest, BudgetIsResourceExhaustedNamingTheFlag) {
+  ASSERT_TRUE(area_.Expect(kTicket, Block("demo", {256, 2})).ok());  // 2048 bytes > 1024
+  auto up = area_.BeginStage(kTicket, "demo");
+  EXPECT_EQ(up.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(up.status().message(), HasSubstr("--staging_budget"));
+  EXPECT_EQ(area_.held_bytes(), 0);
+}
+
+TEST_F(StagingAreaTest, WrongDtypeOrShapeAtClaimIsInvalidArgumentAndKeepsTheBlock) {
+  ASSERT_TRUE(area_.Expect(kTicket, Block()).ok());
+  ASSERT_TRUE(Stage(kTicket, std::string(32, 'a')).ok());
+  auto t = area_.Claim(kTicket, DType::kF32, {4, 2}, "rhs");
+  EXPECT_EQ(t.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(t.status().message(), HasSubstr("rhs.staged"));
+  EXPECT_EQ(area_.Claim(kTicket, DType::kBF16, {2, 4}, "rhs").status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(area_.held_bytes(), 32);
+  EXPECT_TRUE(area_.Claim(kTicket, DType::kF32, {2, 4}, "rhs").ok());
+}
+
+TEST_F(StagingAreaTest, UnclaimedBlocksExpireOnAccessAndBySweep) {
+  ASSERT_TRUE(area_.Expect(kTicket, Block()).ok());
+  ASSERT_TRUE(Stage(kTicket, std::string(32, 'a')).ok());
+  ASSERT_TRUE(area_.Expect("ffffffffffffffffffffffffffffffff", Block()).ok());
+  now_ += absl::Seconds(59);
+  EXPECT_EQ(area_.Sweep(), 0);
+  EXPECT_EQ(area_.held_bytes(), 32);
+  now_ += absl::Seconds(2);
+  EXPECT_EQ(area_.Claim(kTicket, DType::kF32, {2, 4}, "lhs").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(area_.held_bytes(), 0);
+  EXPECT_EQ(area_.Sweep(), 1);  // the other, never staged
+  EXPECT_EQ(area_.tickets(), 0u);
+}
+
+TEST_F(StagingAreaTest, UsedTicketIsForgottenAfterItsExpiry) {
+  ASSERT_TRUE(area_.Expect(kTicket, Block()).ok());
+  ASSERT_TRUE(Stage(kTicket, std::string(32, 'a')).ok());
+  ASSERT_TRUE(area_.Claim(kTicket, DType::kF32, {2, 4}, "lhs").ok());
+  now_ += absl::Seconds(61);
+  EXPECT_EQ(area_.Sweep(), 1);
+  EXPECT_EQ(area_.tickets(), 0u);
+}
+
+TEST_F(StagingAreaTest, HeldOutputIsFetchedOnceByItsTenant) {
+  HostTensor out;
+  out.dtype = DType::kF32;
+  out.shape = {2, 2};
+  out.bytes.assign(16, 'o');
+  ASSERT_TRUE(area_.Hold(kTicket, "demo", out).ok());
+  EXPECT_EQ(area_.held_bytes(), 16);
+  EXPECT_EQ(area_.BeginFetch(kTicket, "other").status().code(), absl::StatusCode::kPermissionDenied);
+  {
+    auto d = area_.BeginFetch(kTicket, "demo");
+    ASSERT_TRUE(d.ok());
+    EXPECT_EQ(area_.BeginFetch(kTicket, "demo").status().code(), absl::StatusCode::kFailedPrecondition);
+  }  // not done: the client went away; it may fetch again
+  EXPECT_EQ(area_.held_bytes(), 16);
+  auto d = area_.BeginFetch(kTicket, "demo");
+  ASSERT_TRUE(d.ok());
+  EXPECT_EQ((*d)->block().bytes, out.bytes);
+  (*d)->Done();
+  EXPECT_EQ(area_.held_bytes(), 0);
+  EXPECT_EQ(area_.BeginFetch(kTicket, "demo").status().code(), absl::StatusCode::kFailedPrecondition);
+  // A staging stream to an output's ticket is refused.
+  EXPECT_EQ(area_.BeginStage(kTicket, "demo").status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
+TEST_F(StagingAreaTest, OutputOverBudgetIsResourceExhausted) {
+  HostTensor out;
+  out.dtype = DType::kF32;
+  out.shape = {512};
+  out.bytes.assign(2048, 'o');
+  absl::Status s = area_.Hold(kTicket, "demo", out);
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(s.message(), HasSubstr("--staging_budget"));
+  EXPECT_EQ(area_.held_bytes(), 0);
+}
+
+TEST_F(StagingAreaTest, UnfetchedOutputExpires) {
+  HostTensor out;
+  out.dtype = DType::kF32;
+  out.shape = {2};
+  out.bytes.assign(8, 'o');
+  ASSERT_TRUE(area_.Hold(kTicket, "demo", out).ok());
+  now_ += absl::Seconds(61);
+  EXPECT_EQ(area_.Sweep(), 1);
+  EXPECT_EQ(area_.held_bytes(), 0);
+}
+
+TEST_F(StagingAreaTest, ExpiryDuringAnUploadFailsItsCommitAndFreesItsReservation) {
+  ASSERT_TRUE(area_.Expect(kTicket, Block()).ok());
+  auto up = area_.BeginStage(kTicket, "demo");
+  ASSERT_TRUE(up.ok());
+  ASSERT_TRUE((*up)->Append(std::string(32, 'a')).ok());
+  now_ += absl::Seconds(61);
+  EXPECT_EQ(area_.Sweep(), 1);
+  EXPECT_EQ((*up)->Commit().status().code(), absl::StatusCode::kNotFound);
+  up->reset();
+  EXPECT_EQ(area_.held_bytes(), 0);
+}
+
+}  // namespace
+}  // namespace shardgemm
