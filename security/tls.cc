@@ -69,6 +69,14 @@ std::shared_ptr<grpc::ServerCredentials> Transport::ServerCredentials() const {
   return grpc::SslServerCredentials(options);
 }
 
+std::shared_ptr<grpc::ServerCredentials> Transport::ClientFacingServerCredentials() const {
+  if (insecure_) return grpc::InsecureServerCredentials();
+  grpc::SslServerCredentialsOptions options(GRPC_SSL_REQUEST_CLIENT_CERTIFICATE_AND_VERIFY);
+  options.pem_root_certs = ca_;
+  options.pem_key_cert_pairs.push_back({key_, cert_});
+  return grpc::SslServerCredentials(options);
+}
+
 std::shared_ptr<grpc::ChannelCredentials> Transport::ChannelCredentials() const {
   if (insecure_) return grpc::InsecureChannelCredentials();
   grpc::SslCredentialsOptions options;

@@ -40,6 +40,10 @@ class Transport {
   // certificate and verifies one that is sent (mesh members send theirs;
   // clients may use tokens instead); a worker requires one.
   std::shared_ptr<grpc::ServerCredentials> ServerCredentials() const;
+  // For a port clients call (a worker's staging port): this process's
+  // certificate, and a client certificate verified only when one is sent
+  // (clients authenticate with bearer tokens), as the coordinator's port.
+  std::shared_ptr<grpc::ServerCredentials> ClientFacingServerCredentials() const;
   // For calls this process makes: verifies the server against the mesh CA
   // (and its address against the certificate's names) and presents this
   // process's certificate where it has one.

@@ -2,9 +2,12 @@
 
 #include <openssl/crypto.h>
 #include <openssl/evp.h>
+#include <openssl/rand.h>
 #include <sys/stat.h>
 
+#include <cstdlib>
 #include <fstream>
+#include <vector>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
@@ -38,6 +41,17 @@ std::string Sha256Hex(const std::string& text) {
   EVP_Digest(text.data(), text.size(), digest, &len, EVP_sha256(), nullptr);
   std::string hex;
   for (unsigned int i = 0; i < len; ++i) absl::StrAppend(&hex, absl::Hex(digest[i], absl::kZeroPad2));
+  return hex;
+}
+
+std::string RandomHex(int bytes) {
+  std::vector<unsigned char> raw(static_cast<size_t>(bytes));
+  if (RAND_bytes(raw.data(), bytes) != 1) {
+    // No secret can be made without the generator; a guessable one must not be.
+    std::abort();
+  }
+  std::string hex;
+  for (unsigned char b : raw) absl::StrAppend(&hex, absl::Hex(b, absl::kZeroPad2));
   return hex;
 }
 

@@ -28,6 +28,9 @@ namespace shardgemm::security {
 bool ValidTenant(const std::string& tenant);
 // Lowercase hex SHA-256 of `text`.
 std::string Sha256Hex(const std::string& text);
+// `bytes` bytes from the system's cryptographic generator, in lowercase hex:
+// a secret a peer cannot guess (staging tickets).
+std::string RandomHex(int bytes);
 
 enum class Grant : uint8_t { kCompute = 1, kRead = 2, kWrite = 4 };
 const char* GrantName(Grant grant);

@@ -28,6 +28,13 @@ TEST(TokensTest, Sha256MatchesTheStandardVector) {
   EXPECT_EQ(Sha256Hex("abc"), "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
 }
 
+TEST(TokensTest, RandomHexIsHexOfTheBytesAskedAndNeverRepeats) {
+  const std::string a = RandomHex(16), b = RandomHex(16);
+  EXPECT_EQ(a.size(), 32u);
+  EXPECT_EQ(a.find_first_not_of("0123456789abcdef"), std::string::npos);
+  EXPECT_NE(a, b);
+}
+
 TEST(TokensTest, AKnownTokenGivesItsTenantAnUnknownOneIsUnauthenticated) {
   const std::string path =
       WriteTokens("# comment\n\nsha256:" + Sha256Hex("s3cret") + " alice\nsha256:" + Sha256Hex("other") + " bob\n");

@@ -19,7 +19,13 @@
 
 namespace shardgemm {
 
-Executor::Executor(Backend* backend, ShardStore* store) : backend_(backend), store_(store) {
+bool Executor::IsSession(const std::string& session) {
+  absl::MutexLock lock(&mu_);
+  return configured_ && (session_.empty() || session == session_);
+}
+
+Executor::Executor(Backend* backend, ShardStore* store, StagingArea* staging)
+    : backend_(backend), store_(store), staging_(staging) {
   collectives_ = std::make_shared<TimedCollectives>(MakeLocalCollectives(position_));
   timed_ = collectives_.get();
 }
@@ -314,9 +320,20 @@ absl::Status WriteSharedMemoryBlock(const v1::SharedMemoryBlock& b, const HostTe
   return platform::CopyBlockIn(**mapping, BlockOf(b, out.shape, out.dtype), out.bytes.data(), "out_shared_memory");
 }
 
-absl::StatusOr<Input> ResolveInput(v1::LocalTensor&& t, const ShardStore& store,
+absl::StatusOr<Input> ResolveInput(v1::LocalTensor&& t, const ShardStore& store, StagingArea* staging,
                                    absl::string_view field) {
   Input in;
+  if (t.source_case() == v1::LocalTensor::kStaged) {  // a block a client streamed here directly
+    if (staging == nullptr) {
+      return absl::FailedPreconditionError(absl::StrCat(field, ".staged: this worker has no staging area"));
+    }
+    auto dtype = DTypeFromProto(t.dtype(), field);
+    if (!dtype.ok()) return dtype.status();
+    auto block = staging->Claim(t.staged(), *dtype, std::vector<int64_t>(t.shape().begin(), t.shape().end()), field);
+    if (!block.ok()) return block.status();
+    in.tensor = std::make_shared<const HostTensor>(std::move(*block));
+    return in;
+  }
   if (t.source_case() == v1::LocalTensor::kResident) {
     auto shard = store.Get(t.resident());
     if (!shard.ok()) return shard.status();
@@ -756,7 +773,7 @@ absl::StatusOr<v1::StepResult> Executor::RunGemm(v1::GemmStep& gemm) {
   absl::Status prepared = CancelledStatus();
   for (int i = 0; i < kOperands && prepared.ok(); ++i) {
     if (!present[i]) continue;
-    auto in = ResolveInput(std::move(*protos[i]), *store_, RoleName(roles[i]));
+    auto in = ResolveInput(std::move(*protos[i]), *store_, staging_, RoleName(roles[i]));
     if (!in.ok()) {
       prepared = in.status();
     } else if (in->tensor->dtype != declared_dtype[i] || in->tensor->shape != declared_shape[i]) {
@@ -944,6 +961,16 @@ absl::StatusOr<v1::StepResult> Executor::RunGemm(v1::GemmStep& gemm) {
     // The output leaves the step's working memory for the store.
     reservation.Release();
     if (auto s = store_->Put(gemm.keep_output_as(), std::move(*out)); !s.ok()) return s;
+  } else if (gemm.has_out_staged()) {
+    // Held here for the client's direct fetch: the result carries the header only.
+    if (staging_ == nullptr) return absl::FailedPreconditionError("out_staged: this worker has no staging area");
+    v1::LocalTensor* info = result.mutable_out();
+    info->set_dtype(DTypeToProto(out->dtype));
+    info->mutable_shape()->Assign(out->shape.begin(), out->shape.end());
+    reservation.Release();  // the block leaves the step's working memory for the staging area's budget
+    if (auto s = staging_->Hold(gemm.out_staged().ticket(), gemm.out_staged().tenant(), std::move(*out)); !s.ok()) {
+      return s;
+    }
   } else if (gemm.has_out_shared_memory() || gemm.discard_output()) {
     // Into the client's region (or another worker writes this block): the
     // result carries the header only.
@@ -970,7 +997,7 @@ absl::StatusOr<v1::StepResult> Executor::RunQuantize(v1::QuantizeStep& q) {
   if (prepared.ok()) prepared = CancelledStatus();
   Input x;
   if (prepared.ok()) {
-    auto in = ResolveInput(std::move(*q.mutable_x()), *store_, "x");
+    auto in = ResolveInput(std::move(*q.mutable_x()), *store_, staging_, "x");
     if (in.ok()) x = *in;
     else prepared = in.status();
     if (prepared.ok()) prepared = EnsureOnHost(backend_, &x);

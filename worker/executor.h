@@ -17,13 +17,16 @@
 #include "worker/backend.h"
 #include "worker/collectives.h"
 #include "worker/shard_store.h"
+#include "worker/staging_area.h"
 #include "worker/timed_collectives.h"
 
 namespace shardgemm {
 
 class Executor {
  public:
-  Executor(Backend* backend, ShardStore* store);
+  // `staging` (may be null: steps naming staged blocks then fail) holds
+  // the blocks clients stage here and the outputs kept for their fetch.
+  Executor(Backend* backend, ShardStore* store, StagingArea* staging = nullptr);
 
   // Called once the coordinator has placed this worker on the mesh; steps
   // wait for it. `next_sequence`: the first step the coordinator will send.
@@ -60,6 +63,8 @@ class Executor {
   // a worker that missed the request still hears of the epoch before it
   // runs any later step. FAILED_PRECONDITION for another session's.
   absl::Status AdvanceEpoch(const v1::AdvanceEpochRequest& request);
+  // Whether `session` is the coordinator's this worker is configured by.
+  bool IsSession(const std::string& session);
   // Steps waiting for their turn now (the worker's queue depth).
   int64_t steps_waiting() const { return steps_waiting_.load(std::memory_order_relaxed); }
   // Collective calls that failed since start (transport errors, timeouts).
@@ -99,6 +104,7 @@ class Executor {
 
   Backend* backend_;
   ShardStore* store_;
+  StagingArea* staging_;
   MeshPosition position_;
   // Revokes the epochs before `epoch` if `session` is this worker's (from any thread).
   void LearnEpoch(const std::string& session, uint64_t epoch, const std::string& why);

@@ -1,5 +1,6 @@
 // shardgemm-worker: owns one device, registers with the coordinator and runs
 // the steps it is sent.
+#include <algorithm>
 #include <atomic>
 #include <csignal>
 #include <cstdlib>
@@ -9,6 +10,8 @@
 #include <optional>
 #include <string>
 #include <thread>
+
+#include <unistd.h>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
@@ -27,6 +30,7 @@
 #include "logging/log.h"
 #include "metrics/http_exporter.h"
 #include "security/tls.h"
+#include "security/tokens.h"
 #include "worker/backend_factory.h"
 #include "worker/device_runtime.h"
 #include "worker/executor.h"
@@ -34,6 +38,8 @@
 #include "worker/gloo_collectives.h"
 #include "worker/mesh_address.h"
 #include "proto/grpc_status.h"
+#include "worker/staging_area.h"
+#include "worker/staging_service.h"
 #include "worker/step_observer.h"
 #include "worker/worker_service.h"
 #include "platform/busy_poll.h"
@@ -66,6 +72,21 @@ ABSL_FLAG(int, register_timeout_s, 60, "how long to keep trying to reach the coo
 ABSL_FLAG(std::string, tls_dir, "",
           "certificates (ca.crt, worker.crt, worker.key; tools/make_certs.sh makes them): mutual TLS "
           "with the coordinator");
+ABSL_FLAG(int, staging_port, 0,
+          "port of the client-facing Staging service (clients stream request blocks here and fetch outputs), on "
+          "the --listen host; 0: the OS picks one; -1: no staging (clients use the coordinator's inline path)");
+ABSL_FLAG(std::string, staging_advertise, "",
+          "HOST:PORT clients reach the staging service at (multi-host, NAT); default: the mesh host "
+          "(--advertise_host or the --listen host) and the staging port");
+ABSL_FLAG(int64_t, staging_budget, int64_t{1} << 30,
+          "bytes of staged blocks and outputs held for direct fetch, together; past it a stage or a direct "
+          "output is RESOURCE_EXHAUSTED");
+ABSL_FLAG(absl::Duration, staged_block_ttl, absl::Seconds(60),
+          "how long a ticket, a staged block or an output held for fetch waits to be used before it expires "
+          "(its bytes freed)");
+ABSL_FLAG(std::string, tokens_file, "",
+          "clients' bearer tokens, checked on the staging port as the coordinator checks them (default with "
+          "--tls_dir: its tokens file; without one there, no staging port)");
 ABSL_FLAG(bool, insecure, false, "plaintext, unauthenticated calls (instead of --tls_dir)");
 ABSL_FLAG(std::string, health_listen, "",
           "HOST:PORT for a plaintext gRPC health service only (for probes without TLS); empty: none");
@@ -93,6 +114,23 @@ struct Mesher {
   // --fault_injection's NCCL fault (null: none), wrapped around the collectives.
   FaultInjector* faults = nullptr;
   std::function<absl::Status()> nccl_fault;
+};
+
+// Sweeps a staging area every `period` until destroyed.
+class Sweeper {
+ public:
+  Sweeper(StagingArea* area, absl::Duration period)
+      : thread_([this, area, period] {
+          while (!stop_.WaitForNotificationWithTimeout(period)) area->Sweep();
+        }) {}
+  ~Sweeper() {
+    stop_.Notify();
+    thread_.join();
+  }
+
+ private:
+  absl::Notification stop_;
+  std::thread thread_;
 };
 
 // The exit status of a worker whose device's CUDA context is lost.
@@ -271,7 +309,34 @@ int Run() {
   int64_t device_budget = absl::GetFlag(FLAGS_device_memory_budget_mb) * 1024 * 1024;
   if (device_budget < 0) device_budget = (*backend)->DeviceMemoryBytes() / 10 * 8;
   ShardStore store(absl::GetFlag(FLAGS_memory_budget_mb) * 1024 * 1024, device_budget);
-  Executor executor(backend->get(), &store);
+  const absl::Duration staged_ttl = absl::GetFlag(FLAGS_staged_block_ttl);
+  if (staged_ttl <= absl::ZeroDuration() || absl::GetFlag(FLAGS_staging_budget) < 0) {
+    std::cerr << "shardgemm-worker: --staged_block_ttl must be positive and --staging_budget not negative\n";
+    return 2;
+  }
+  StagingArea staging(absl::GetFlag(FLAGS_staging_budget), staged_ttl);
+  // Clients' tokens for the staging port: the coordinator's file (TLS), none with --insecure.
+  bool serve_staging = absl::GetFlag(FLAGS_staging_port) >= 0;
+  std::unique_ptr<security::TokenFile> tokens;
+  if (serve_staging && !transport->insecure()) {
+    std::string tokens_file = absl::GetFlag(FLAGS_tokens_file);
+    const bool named = !tokens_file.empty();
+    if (!named) tokens_file = absl::GetFlag(FLAGS_tls_dir) + "/tokens";
+    if (!named && access(tokens_file.c_str(), F_OK) != 0) {
+      serve_staging = false;
+      logging::ProcessLogger().Log(logging::Level::kWarning, "no_staging",
+                                   {{"message", absl::StrCat("no clients' tokens file (", tokens_file,
+                                                             "): no staging port; clients use the inline path")}});
+    } else {
+      auto loaded = security::TokenFile::Load(tokens_file);
+      if (!loaded.ok()) {
+        std::cerr << "shardgemm-worker: " << loaded.status().message() << "\n";
+        return 2;
+      }
+      tokens = std::move(*loaded);
+    }
+  }
+  Executor executor(backend->get(), &store, &staging);
   metrics::Registry registry;
   std::unique_ptr<metrics::HttpExporter> exporter;
   const std::string metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
@@ -293,6 +358,7 @@ int Run() {
   platform::BusyPoller busy_poller(*busy_poll);
   WorkerServiceImpl service(&executor, &store, backend->get(), &observer, &*transport);
   service.SetBusyPoller(&busy_poller);
+  if (serve_staging) service.SetStaging(&staging);
   // A lost CUDA context is for the process: report NOT_SERVING and exit, for
   // the supervisor to start a fresh worker (the coordinator marks the rank
   // down when its heartbeats fail).
@@ -352,6 +418,30 @@ int Run() {
   }
   const std::string address = absl::StrCat(host, ":", port);
 
+  // The client-facing staging port: its own server, with the worker's
+  // certificate (client certificates optional) and the clients' tokens.
+  StagingServiceImpl staging_service(&staging, tokens.get());
+  std::unique_ptr<grpc::Server> staging_server;
+  std::string staging_address;
+  if (serve_staging) {
+    grpc::ServerBuilder staging_builder;
+    int staging_port = 0;
+    const std::string staging_listen =
+        absl::StrCat(listen.substr(0, listen.rfind(':')), ":", absl::GetFlag(FLAGS_staging_port));
+    staging_builder.AddListeningPort(staging_listen, transport->ClientFacingServerCredentials(), &staging_port);
+    ConfigureTensorServer(&staging_builder);
+    staging_builder.RegisterService(&staging_service);
+    staging_server = staging_builder.BuildAndStart();
+    if (staging_server == nullptr || staging_port == 0) {
+      std::cerr << "shardgemm-worker: staging_port: cannot listen on " << staging_listen << "\n";
+      return 1;
+    }
+    staging_address = absl::GetFlag(FLAGS_staging_advertise);
+    if (staging_address.empty()) staging_address = absl::StrCat(host, ":", staging_port);
+  }
+  // Tickets and blocks nobody used expire on access, and here, a few times per TTL.
+  Sweeper sweeper(&staging, std::clamp(staged_ttl / 4, absl::Milliseconds(100), absl::Seconds(1)));
+
   grpc::ChannelArguments args = TensorChannelArguments();
   auto channel = grpc::CreateCustomChannel(absl::GetFlag(FLAGS_coordinator), transport->ChannelCredentials(),
                                            args);
@@ -361,6 +451,7 @@ int Run() {
   request.set_backend((*backend)->Name());
   request.set_device((*backend)->Device());
   request.set_memory_budget_bytes(store.budget_bytes());
+  request.set_staging_address(staging_address);
   if (socket_dir) {
     auto inode = platform::SocketInode(socket_dir->socket_path());
     if (!inode.ok()) {
@@ -411,6 +502,7 @@ int Run() {
       {"rank", position.rank}, {"address", address}, {"backend", (*backend)->Device()}};
   serving.push_back({"tls", !transport->insecure()});
   if (socket_dir) serving.push_back({"local_socket", socket_dir->socket_path()});
+  if (!staging_address.empty()) serving.push_back({"staging_address", staging_address});
   serving.insert(serving.end(), pinned.begin(), pinned.end());
   if (exporter != nullptr) serving.push_back({"metrics_port", exporter->port()});
   if (health != nullptr) serving.push_back({"health_port", health_port});
@@ -426,6 +518,7 @@ int Run() {
   }
   stop_watching.Notify();
   watcher.join();
+  if (staging_server != nullptr) staging_server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   return 0;
 }
 

@@ -105,6 +105,32 @@ grpc::Status WorkerServiceImpl::Status(grpc::ServerContext* context, const v1::W
   status->set_memory_budget_bytes(store_->budget_bytes());
   status->set_device_memory_used_bytes(store_->device_used_bytes());
   status->set_device_memory_budget_bytes(store_->device_budget_bytes());
+  if (staging_ != nullptr) {
+    status->set_staged_bytes(staging_->held_bytes());
+    status->set_staging_budget_bytes(staging_->budget_bytes());
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status WorkerServiceImpl::ExpectStaged(grpc::ServerContext* context, const v1::ExpectStagedRequest* request,
+                                             v1::ExpectStagedResponse*) {
+  if (grpc::Status s = CheckCaller(*context); !s.ok()) return s;
+  if (staging_ == nullptr) {
+    return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "this worker serves no staging (--staging_port)");
+  }
+  if (!executor_->IsSession(request->session())) {
+    return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "tickets of another coordinator session");
+  }
+  for (const v1::StagingTicket& t : request->tickets()) {
+    ExpectedBlock block;
+    block.tenant = t.tenant();
+    block.operand = v1::TensorRole_Name(t.role());
+    auto dtype = DTypeFromProto(t.dtype(), "dtype");
+    if (!dtype.ok()) return ToGrpcStatus(dtype.status());
+    block.dtype = *dtype;
+    block.shape.assign(t.shape().begin(), t.shape().end());
+    if (auto s = staging_->Expect(t.ticket(), std::move(block)); !s.ok()) return ToGrpcStatus(s);
+  }
   return grpc::Status::OK;
 }
 

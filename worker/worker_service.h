@@ -8,6 +8,7 @@
 #include "platform/busy_poll.h"
 #include "proto/shardgemm.grpc.pb.h"
 #include "worker/executor.h"
+#include "worker/staging_area.h"
 #include "security/tls.h"
 #include "worker/step_observer.h"
 
@@ -34,6 +35,13 @@ class WorkerServiceImpl final : public v1::Worker::Service {
                         v1::PutShardResponse* response) override;
   grpc::Status Status(grpc::ServerContext* context, const v1::WorkerStatusRequest* request,
                       v1::WorkerStatus* status) override;
+  grpc::Status ExpectStaged(grpc::ServerContext* context, const v1::ExpectStagedRequest* request,
+                            v1::ExpectStagedResponse* response) override;
+
+  // The staging area the coordinator's tickets go to (null: this worker
+  // serves no staging; ExpectStaged is then FAILED_PRECONDITION). Set before
+  // the server starts.
+  void SetStaging(StagingArea* staging) { staging_ = staging; }
 
   // `handler` runs once, with Backend::DeviceHealth's error, as soon as a
   // call finds the device lost (a sticky CUDA error): the step that lost it
@@ -49,6 +57,7 @@ class WorkerServiceImpl final : public v1::Worker::Service {
   Executor* executor_;
   ShardStore* store_;
   Backend* backend_;
+  StagingArea* staging_ = nullptr;
   // PERMISSION_DENIED unless the caller is this mesh's coordinator.
   grpc::Status CheckCaller(const grpc::ServerContext& context) const;
 

@@ -1,0 +1,39 @@
+// The worker's client-facing Staging service (its --staging_port): clients
+// stream the blocks of a transfer plan here under the coordinator's tickets,
+// and fetch output blocks held for them. Callers are clients, not mesh
+// members: their bearer token names their tenant, as at the coordinator.
+#ifndef SHARDGEMM_WORKER_STAGING_SERVICE_H_
+#define SHARDGEMM_WORKER_STAGING_SERVICE_H_
+
+#include "proto/shardgemm.grpc.pb.h"
+#include "security/tokens.h"
+#include "worker/staging_area.h"
+
+namespace shardgemm {
+
+class StagingServiceImpl final : public v1::Staging::Service {
+ public:
+  // `tokens` null: no tokens checked (--insecure), every caller is the
+  // tenant "" (as at an insecure coordinator).
+  StagingServiceImpl(StagingArea* area, security::TokenFile* tokens) : area_(area), tokens_(tokens) {}
+
+  grpc::Status Stage(grpc::ServerContext* context, grpc::ServerReader<v1::StageChunk>* reader,
+                     v1::StageResponse* response) override;
+  grpc::Status Fetch(grpc::ServerContext* context, const v1::FetchRequest* request,
+                     grpc::ServerWriter<v1::FetchChunk>* writer) override;
+
+  // Bytes of a Fetch stream's message.
+  static constexpr size_t kChunkBytes = size_t{1} << 20;
+
+ private:
+  // The caller's tenant: UNAUTHENTICATED without a valid token,
+  // PERMISSION_DENIED for a token not granted compute.
+  absl::StatusOr<std::string> TenantOf(const grpc::ServerContext& context);
+
+  StagingArea* area_;
+  security::TokenFile* tokens_;
+};
+
+}  // namespace shardgemm
+
+#endif  // SHARDGEMM_WORKER_STAGING_SERVICE_H_
