@@ -27,6 +27,10 @@ struct TensorMeta {
   std::string shared_memory_key;
   uint64_t shared_memory_offset = 0;
   uint64_t shared_memory_region_bytes = 0;
+  // Set for a staged operand (Tensor.staged): the transfer plan's id and
+  // each rank's ticket for its block.
+  std::string staging_id;
+  std::vector<std::string> staged_tickets;
 };
 using TensorResolver =
     std::function<absl::StatusOr<TensorMeta>(const v1::Tensor& tensor, const std::string& field)>;

@@ -25,6 +25,7 @@
 #include "server/output_assembly.h"
 #include "server/row_routing.h"
 #include "server/step_builder.h"
+#include "security/tokens.h"
 
 namespace shardgemm {
 
@@ -183,6 +184,8 @@ v1::ClusterInfo Coordinator::ClusterInfo() const {
     if (w.rank() >= 0 && w.rank() < num_workers_) w.set_standby_bytes(standby[w.rank()]);
   }
   info.set_epoch(dispatcher_.epoch());
+  info.set_inline_activation_bytes(inline_activation_bytes_.load());
+  info.set_direct_activation_bytes(direct_activation_bytes_.load());
   return info;
 }
 
@@ -212,6 +215,8 @@ Coordinator::Stats Coordinator::GetStats() const {
     stats.restore_failures = restore_failures_;
     stats.restored_bytes = restored_bytes_;
   }
+  stats.inline_activation_bytes = inline_activation_bytes_.load();
+  stats.direct_activation_bytes = direct_activation_bytes_.load();
   stats.dispatch = dispatcher_.GetStats();
   return stats;
 }
@@ -603,6 +608,8 @@ struct Coordinator::GemmCall {
   std::unique_ptr<ClaimGuard> claim;   // keep_output_as's name, released unless registered
   HostTensor* out_tensor = nullptr;
   bool out_to_shared_memory = false;  // the workers wrote the output into the client's region
+  bool direct = false;  // staged operands or a direct output: the direct path's bytes
+  std::vector<v1::StagedBlock> out_blocks;  // direct_output: where each distinct block is held
   std::vector<v1::Step> steps;
 };
 
@@ -1003,6 +1010,7 @@ absl::StatusOr<TensorMeta> Coordinator::ResolveMeta(const v1::Tensor& t, const s
     guard->names.push_back(t.resident());
     return MetaOf(*r);
   }
+  if (t.source_case() == v1::Tensor::kStaged) return ResolveStaged(t, field, tenant);
   if (t.source_case() == v1::Tensor::kSharedMemory) {
     if (!options_.allow_shared_memory) return SharedMemoryOff(absl::StrCat(field, ".shared_memory"));
     auto dtype = DTypeFromProto(t.dtype(), field);
@@ -1039,6 +1047,232 @@ absl::Status Coordinator::UnregisterSharedMemory(const std::string& name, const 
   return shared_memory_.Unregister(call.tenant, name);
 }
 
+absl::StatusOr<std::vector<std::string>> Coordinator::StagingAddresses() const {
+  std::vector<std::string> addresses(num_workers_);
+  for (const v1::WorkerInfo& w : dispatcher_.Workers()) {
+    if (w.rank() >= 0 && w.rank() < num_workers_) addresses[w.rank()] = w.staging_address();
+  }
+  for (int r = 0; r < num_workers_; ++r) {
+    if (addresses[r].empty()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "worker rank ", r, " serves no staging (its --staging_port is off, or it has no clients' tokens "
+          "file); send the operands inline"));
+    }
+  }
+  return addresses;
+}
+
+namespace {
+
+// "lhs" -> "lhs", etc.: the request's operands that may be staged, in order.
+constexpr const char* kStageable[] = {"lhs", "rhs", "bias", "lhs_scale_inv", "rhs_scale_inv"};
+
+const v1::Tensor& OperandOf(const v1::GroupedGemmRequest& r, absl::string_view field) {
+  if (field == "lhs") return r.lhs();
+  if (field == "rhs") return r.rhs();
+  if (field == "bias") return r.bias();
+  if (field == "lhs_scale_inv") return r.lhs_scale_inv();
+  return r.rhs_scale_inv();
+}
+
+absl::StatusOr<std::string> NormalizedSpec(const std::string& text, const std::string& field) {
+  auto spec = planner::ParsePartitionSpec(text);
+  if (!spec.ok()) return absl::InvalidArgumentError(absl::StrCat(field, ".spec: ", spec.status().message()));
+  return planner::FormatPartitionSpec(*spec);
+}
+
+}  // namespace
+
+absl::StatusOr<v1::StagingPlan> Coordinator::PlanStaging(const v1::StagingPlanRequest& request, absl::Time deadline,
+                                                         const CallContext& call) {
+  if (auto s = CheckReady(); !s.ok()) return s;
+  const v1::GroupedGemmRequest& gemm = request.grouped_gemm();
+  if (gemm.layout() == v1::GroupedGemmRequest::GLOBAL_SORTED) {
+    return absl::InvalidArgumentError(
+        "grouped_gemm.layout: GLOBAL_SORTED routes the rows itself, inline; stage operands with PER_SHARD");
+  }
+  auto addresses = StagingAddresses();
+  if (!addresses.ok()) return addresses.status();
+  PinGuard guard{this, {}};
+  absl::flat_hash_map<std::string, TensorMeta> metas;
+  std::set<std::string> to_stage;
+  auto resolve = [&](const v1::Tensor& t, const std::string& field) -> absl::StatusOr<TensorMeta> {
+    absl::StatusOr<TensorMeta> meta;
+    if (t.source_case() == v1::Tensor::SOURCE_NOT_SET && field != "group_sizes") {  // to be staged
+      auto dtype = DTypeFromProto(t.dtype(), field);
+      if (!dtype.ok()) return dtype.status();
+      TensorMeta m;
+      m.dtype = *dtype;
+      m.shape.assign(t.shape().begin(), t.shape().end());
+      auto n = CheckedNumElements(m.shape, DTypeSize(m.dtype), field);
+      if (!n.ok()) return n.status();
+      auto spec = NormalizedSpec(t.spec(), field);
+      if (!spec.ok()) return spec.status();
+      m.spec = *spec;
+      to_stage.insert(field);
+      meta = std::move(m);
+    } else if (t.source_case() == v1::Tensor::kStaged) {
+      return absl::InvalidArgumentError(absl::StrCat(field, ".staged: a transfer plan is asked for operands "
+                                                     "without a source (dtype, shape and spec only)"));
+    } else {
+      meta = ResolveMeta(t, field, call.tenant, &guard);
+    }
+    if (meta.ok()) metas[field] = *meta;
+    return meta;
+  };
+  auto plan_request = GemmPlanRequest(gemm, mesh_, resolve);
+  if (!plan_request.ok()) return plan_request.status();
+  auto plan = planner::MakePlan(*plan_request);
+  if (!plan.ok()) return plan.status();
+  if (to_stage.empty()) {
+    return absl::InvalidArgumentError(
+        "grouped_gemm: no operand to stage (give each operand to stage its dtype, shape and spec, and no data)");
+  }
+
+  StagingRecord record;
+  record.tenant = call.tenant;
+  record.expires = absl::Now() + options_.staging_ttl;
+  v1::StagingPlan response;
+  std::vector<v1::ExpectStagedRequest> expect(num_workers_);
+  for (const char* field : kStageable) {
+    if (to_stage.count(field) == 0) continue;
+    const planner::PlanOperand* op = planner::FindPlanOperand(*plan, field);
+    if (op == nullptr) return absl::InternalError(absl::StrCat("the plan has no operand ", field));
+    StagedOperandRecord& rec = record.operands[field];
+    rec.meta = metas[field];
+    v1::StagedOperand* staged = response.add_operands();
+    staged->set_role(TensorRoleFromName(field));
+    staged->set_dtype(DTypeToProto(rec.meta.dtype));
+    staged->mutable_shape()->Assign(op->global_shape.begin(), op->global_shape.end());
+    std::map<std::vector<int64_t>, v1::StagedBlock*> block_at;
+    for (int r = 0; r < num_workers_; ++r) {
+      auto offsets = planner::BlockOffsets(field, op->global_shape, op->input_spec, mesh_, r);
+      if (!offsets.ok()) return offsets.status();
+      const std::string ticket = security::RandomHex(16);
+      rec.ticket_of_rank.push_back(ticket);
+      rec.offsets_of_rank.push_back(*offsets);
+      v1::StagedBlock*& block = block_at[*offsets];
+      if (block == nullptr) {
+        block = staged->add_blocks();
+        block->mutable_offsets()->Assign(offsets->begin(), offsets->end());
+        block->mutable_shape()->Assign(op->input_local_shape.begin(), op->input_local_shape.end());
+      }
+      v1::StagingDestination* to = block->add_destinations();
+      to->set_rank(r);
+      to->set_address((*addresses)[r]);
+      to->set_ticket(ticket);
+      v1::StagingTicket* t = expect[r].add_tickets();
+      t->set_ticket(ticket);
+      t->set_tenant(call.tenant);
+      t->set_role(staged->role());
+      t->set_dtype(staged->dtype());
+      t->mutable_shape()->Assign(op->input_local_shape.begin(), op->input_local_shape.end());
+    }
+  }
+  // Every worker hears of its tickets before the client does (in parallel,
+  // each call bounded by the request's deadline and the step timeout).
+  const std::vector<std::shared_ptr<WorkerChannel>> channels = dispatcher_.Channels();
+  std::vector<absl::Status> told(num_workers_);
+  std::vector<std::thread> tellers;
+  const absl::Time until = StepDeadline(deadline);
+  for (int r = 0; r < num_workers_; ++r) {
+    if (r >= static_cast<int>(channels.size()) || channels[r] == nullptr) {
+      told[r] = absl::UnavailableError(absl::StrCat("worker rank ", r, " is not registered"));
+      continue;
+    }
+    expect[r].set_session(session_);
+    tellers.emplace_back([&, r] { told[r] = channels[r]->ExpectStaged(expect[r], until); });
+  }
+  for (std::thread& t : tellers) t.join();
+  for (int r = 0; r < num_workers_; ++r) {
+    if (!told[r].ok()) {
+      return absl::Status(told[r].code(), absl::StrCat("worker rank ", r, " (its staging tickets): ",
+                                                       told[r].message()));
+    }
+  }
+  const std::string staging_id = security::RandomHex(16);
+  response.set_staging_id(staging_id);
+  response.set_expires_unix_ms(absl::ToUnixMillis(record.expires));
+  absl::MutexLock lock(&staging_mu_);
+  const absl::Time now = absl::Now();
+  for (auto it = staging_.begin(); it != staging_.end();) {
+    it = it->second.expires <= now ? staging_.erase(it) : std::next(it);
+  }
+  if (static_cast<int>(staging_.size()) >= options_.max_staging_plans) {
+    return absl::ResourceExhaustedError(absl::StrCat(options_.max_staging_plans,
+                                                     " transfer plans are waiting for their requests; retry later"));
+  }
+  staging_[staging_id] = std::move(record);
+  return response;
+}
+
+absl::StatusOr<TensorMeta> Coordinator::ResolveStaged(const v1::Tensor& t, const std::string& field,
+                                                     const std::string& tenant) {
+  const std::string at = absl::StrCat(field, ".staged");
+  absl::MutexLock lock(&staging_mu_);
+  auto it = staging_.find(t.staged());
+  if (it == staging_.end() || it->second.expires <= absl::Now()) {
+    return absl::NotFoundError(absl::StrCat(at, ": no transfer plan of that id (unknown, or expired after ",
+                                            absl::FormatDuration(options_.staging_ttl), "); ask PlanStaging again"));
+  }
+  const StagingRecord& record = it->second;
+  if (record.tenant != tenant) {
+    return absl::PermissionDeniedError(absl::StrCat(at, ": the transfer plan was issued to another tenant"));
+  }
+  if (record.used) {
+    return absl::FailedPreconditionError(absl::StrCat(at, ": the transfer plan was used already (its blocks are "
+                                                      "consumed); stage again under a new one"));
+  }
+  auto op = record.operands.find(field);
+  if (op == record.operands.end()) {
+    return absl::InvalidArgumentError(absl::StrCat(at, ": the transfer plan staged no ", field));
+  }
+  const TensorMeta& planned = op->second.meta;
+  auto dtype = DTypeFromProto(t.dtype(), field);
+  if (!dtype.ok()) return dtype.status();
+  if (*dtype != planned.dtype) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ".dtype: ", DTypeName(*dtype), ", but ",
+                                                   DTypeName(planned.dtype), " was staged"));
+  }
+  const std::vector<int64_t> shape(t.shape().begin(), t.shape().end());
+  if (shape != planned.shape) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ".shape: ", ShapeToString(shape), ", but ",
+                                                   ShapeToString(planned.shape), " was staged"));
+  }
+  auto spec = NormalizedSpec(t.spec(), field);
+  if (!spec.ok()) return spec.status();
+  if (*spec != planned.spec) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ".spec: '", *spec, "', but the blocks were staged for '",
+                                                   planned.spec, "'"));
+  }
+  TensorMeta meta = planned;
+  meta.staging_id = t.staged();
+  meta.staged_tickets = op->second.ticket_of_rank;
+  return meta;
+}
+
+absl::Status Coordinator::TakeStaged(const std::string& staging_id, const planner::Plan& plan) {
+  absl::MutexLock lock(&staging_mu_);
+  auto it = staging_.find(staging_id);
+  if (it == staging_.end()) return absl::NotFoundError("staged: the transfer plan expired meanwhile");
+  if (it->second.used) return absl::FailedPreconditionError("staged: the transfer plan was used already");
+  for (const auto& [field, op] : it->second.operands) {
+    const planner::PlanOperand* planned = planner::FindPlanOperand(plan, field);
+    if (planned == nullptr) continue;  // an operand this request does not name
+    for (int r = 0; r < num_workers_; ++r) {
+      auto offsets = planner::BlockOffsets(field, planned->global_shape, planned->input_spec, mesh_, r);
+      if (!offsets.ok()) return offsets.status();
+      if (*offsets != op.offsets_of_rank[r]) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            field, ".staged: this request's plan places rank ", r, "'s block elsewhere than the transfer plan did "
+            "(plan the transfer with the request as it is submitted)"));
+      }
+    }
+  }
+  it->second.used = true;
+  return absl::OkStatus();
+}
+
 absl::StatusOr<v1::GroupedQuantizeResponse> Coordinator::GroupedQuantize(
     const v1::GroupedQuantizeRequest& request, absl::Time deadline, const CallContext& call) {
   const absl::Time start = absl::Now();
@@ -1052,6 +1286,10 @@ absl::StatusOr<v1::GroupedQuantizeResponse> Coordinator::GroupedQuantize(
   };
   auto plan_request = QuantizePlanRequest(request, mesh_, resolve);
   if (!plan_request.ok()) return plan_request.status();
+  if (!metas["x"].staging_id.empty()) {
+    return absl::UnimplementedError(
+        "x.staged: grouped quantize reads x inline or resident; staged operands are for GroupedGemm");
+  }
   if (!metas["x"].shared_memory_key.empty()) {
     return absl::UnimplementedError(
         "x.shared_memory: grouped quantize reads x inline or resident; shared memory is for GEMM operands and "
@@ -1313,14 +1551,16 @@ absl::StatusOr<v1::GroupedGemmResponse> Coordinator::GroupedGemmGlobalSorted(
     const v1::GroupedGemmRequest& request, absl::Time deadline, const CallContext& call) {
   const bool ragged_k = request.ragged() == v1::GroupedGemmRequest::RAGGED_K;
   bool in_shared_memory = request.has_out_shared_memory();
+  bool staged = request.direct_output();
   for (const v1::Tensor* t : {&request.lhs(), &request.rhs(), &request.bias(), &request.lhs_scale_inv(),
                               &request.rhs_scale_inv()}) {
     in_shared_memory |= t->source_case() == v1::Tensor::kSharedMemory;
+    staged |= t->source_case() == v1::Tensor::kStaged;
   }
-  if (in_shared_memory) {
-    return absl::InvalidArgumentError(
+  if (in_shared_memory || staged) {
+    return absl::InvalidArgumentError(absl::StrCat(
         "layout GLOBAL_SORTED routes the rows itself: its operands and output travel inline; use the PER_SHARD "
-        "layout with shared memory");
+        "layout with ", in_shared_memory ? "shared memory" : "staged operands or direct_output"));
   }
   if (request.lhs().source_case() == v1::Tensor::kResident ||
       (ragged_k && request.rhs().source_case() == v1::Tensor::kResident)) {
@@ -1417,13 +1657,25 @@ absl::StatusOr<std::shared_ptr<Coordinator::GemmCall>> Coordinator::PrepareGroup
   };
   auto plan_request = GemmPlanRequest(request, mesh_, resolve);
   if (!plan_request.ok()) return plan_request.status();
-  if (!metas["group_sizes"].resident_shard.empty() || !metas["group_sizes"].shared_memory_key.empty()) {
-    return absl::InvalidArgumentError("group_sizes must be sent inline, not as a resident tensor or in shared memory");
+  if (!metas["group_sizes"].resident_shard.empty() || !metas["group_sizes"].shared_memory_key.empty() ||
+      !metas["group_sizes"].staging_id.empty()) {
+    return absl::InvalidArgumentError(
+        "group_sizes must be sent inline, not as a resident tensor, in shared memory or staged");
   }
   if (request.has_out_shared_memory() && !request.keep_output_as().empty()) {
     return absl::InvalidArgumentError("out_shared_memory: an output is kept resident or written to shared memory, "
                                       "not both");
   }
+  if (request.direct_output() && (!request.keep_output_as().empty() || request.has_out_shared_memory())) {
+    return absl::InvalidArgumentError(
+        "direct_output: an output is left on the workers for direct fetch, kept resident (keep_output_as) or "
+        "written to shared memory (out_shared_memory), one of them");
+  }
+  std::set<std::string> staging_ids;
+  for (const auto& [field, meta] : metas) {
+    if (!meta.staging_id.empty()) staging_ids.insert(meta.staging_id);
+  }
+  c->direct = !staging_ids.empty() || request.direct_output();
   auto plan = planner::MakePlan(*plan_request);
   if (!plan.ok() && request.has_quantize_lhs() &&
       absl::StrContains(plan.status().message(), "lhs_scale_inv")) {
@@ -1435,6 +1687,10 @@ absl::StatusOr<std::shared_ptr<Coordinator::GemmCall>> Coordinator::PrepareGroup
   }
   if (!plan.ok()) return plan.status();
   if (auto s = CheckFp8ScalesGiven(request, *plan); !s.ok()) return s;
+  // The staged blocks are the workers' to consume now: a plan is used once.
+  for (const std::string& id : staging_ids) {
+    if (auto s = TakeStaged(id, *plan); !s.ok()) return s;
+  }
   if (request.scaling() == v1::MXFP8 && IsFloat8(metas["rhs"].dtype)) {
     for (const v1::WorkerInfo& w : dispatcher_.Workers()) {
       if (w.backend() == "cuda") {
@@ -1475,7 +1731,8 @@ absl::StatusOr<std::shared_ptr<Coordinator::GemmCall>> Coordinator::PrepareGroup
   step_request.group_sizes = std::move(*group_sizes);
   for (const auto& [tensor, name] : sources) {
     if (!metas.contains(name)) continue;
-    if (metas[name].resident_shard.empty() && metas[name].shared_memory_key.empty()) {
+    if (metas[name].resident_shard.empty() && metas[name].shared_memory_key.empty() &&
+        metas[name].staged_tickets.empty()) {
       if (auto it = decoded.find(name); it != decoded.end()) {
         inline_tensors[name] = std::move(it->second.tensor);
       } else {
@@ -1483,6 +1740,7 @@ absl::StatusOr<std::shared_ptr<Coordinator::GemmCall>> Coordinator::PrepareGroup
         if (!t.ok()) return t.status();
         inline_tensors[name] = std::move(*t);
       }
+      (c->direct ? direct_activation_bytes_ : inline_activation_bytes_) += inline_tensors[name].NumBytes();
     }
     auto held = inline_tensors.find(name);
     step_request.operands[name] = GemmOperand{metas[name], held != inline_tensors.end() ? &held->second : nullptr};
@@ -1530,6 +1788,39 @@ absl::StatusOr<std::shared_ptr<Coordinator::GemmCall>> Coordinator::PrepareGroup
       block->mutable_block_offsets()->Assign(offsets->begin(), offsets->end());
     }
     c->out_to_shared_memory = true;
+  }
+  if (request.direct_output()) {
+    auto addresses = StagingAddresses();
+    if (!addresses.ok()) {
+      return absl::Status(addresses.status().code(), absl::StrCat("direct_output: ", addresses.status().message()));
+    }
+    // Each distinct block of the output is held once, by the first rank
+    // that has it; the others return only its header.
+    auto block_shape = planner::LocalShape("out", plan->out_shape, plan->out_spec, mesh_);
+    if (!block_shape.ok()) return block_shape.status();
+    std::set<std::vector<int64_t>> held;
+    for (int r = 0; r < num_workers_; ++r) {
+      auto offsets = planner::BlockOffsets("out", plan->out_shape, plan->out_spec, mesh_, r);
+      if (!offsets.ok()) return offsets.status();
+      v1::GemmStep* gemm = steps[r].mutable_gemm();
+      if (!held.insert(*offsets).second) {
+        gemm->set_discard_output(true);
+        continue;
+      }
+      v1::StagingTicket* ticket = gemm->mutable_out_staged();
+      ticket->set_ticket(security::RandomHex(16));
+      ticket->set_tenant(call.tenant);
+      ticket->set_role(v1::TENSOR_OUT);
+      ticket->set_dtype(DTypeToProto(plan->out_dtype));
+      ticket->mutable_shape()->Assign(block_shape->begin(), block_shape->end());
+      v1::StagedBlock& block = c->out_blocks.emplace_back();
+      block.mutable_offsets()->Assign(offsets->begin(), offsets->end());
+      block.mutable_shape()->Assign(block_shape->begin(), block_shape->end());
+      v1::StagingDestination* at = block.add_destinations();
+      at->set_rank(r);
+      at->set_address((*addresses)[r]);
+      at->set_ticket(ticket->ticket());
+    }
   }
   c->shard_name = std::move(shard_name);
   c->steps = std::move(steps);
@@ -1622,6 +1913,11 @@ absl::StatusOr<v1::GroupedGemmResponse> Coordinator::CompleteGroupedGemm(
     response.mutable_out()->mutable_shape()->Assign(plan->out_shape.begin(), plan->out_shape.end());
     response.mutable_out()->set_resident(request.keep_output_as());
     response.mutable_out()->set_spec(spec_text);
+  } else if (request.direct_output()) {
+    response.mutable_out()->set_dtype(DTypeToProto(plan->out_dtype));
+    response.mutable_out()->mutable_shape()->Assign(plan->out_shape.begin(), plan->out_shape.end());
+    response.mutable_out()->set_spec(planner::FormatPartitionSpec(plan->out_spec));
+    for (v1::StagedBlock& b : c.out_blocks) *response.add_out_blocks() = std::move(b);
   } else if (c.out_to_shared_memory) {
     response.mutable_out()->set_dtype(DTypeToProto(plan->out_dtype));
     response.mutable_out()->mutable_shape()->Assign(plan->out_shape.begin(), plan->out_shape.end());
@@ -1631,6 +1927,7 @@ absl::StatusOr<v1::GroupedGemmResponse> Coordinator::CompleteGroupedGemm(
     auto out = Assemble(plan->out_dtype, plan->out_shape, plan->out_spec,
                         [&](int r) { return HostTensorFromProto(std::move(*(*results)[r].mutable_out()), "out"); });
     if (!out.ok()) return out.status();
+    (c.direct ? direct_activation_bytes_ : inline_activation_bytes_) += out->NumBytes();
     if (c.out_tensor != nullptr) {
       *c.out_tensor = std::move(*out);
     } else {

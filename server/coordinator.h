@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <set>
@@ -18,6 +19,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "kernels/host_tensor.h"
+#include "proto/plan_codec.h"
 #include "proto/shardgemm.pb.h"
 #include "planner/mesh.h"
 #include "planner/spec.h"
@@ -50,6 +52,11 @@ struct CoordinatorOptions {
   // with 2 or more, a worker that takes a replaced worker's rank gets its
   // copies back from the others (docs/reliability.md).
   int replicas = 1;
+  // How long a transfer plan (PlanStaging) waits for the request that
+  // names it; the workers expire its tickets by their own --staged_block_ttl.
+  absl::Duration staging_ttl = absl::Seconds(60);
+  // Transfer plans not yet used or expired, at most (RESOURCE_EXHAUSTED past it).
+  int max_staging_plans = 4096;
 };
 
 // Who asks: the caller's tenant (its token's; "" with --insecure), whose
@@ -109,6 +116,10 @@ class Coordinator {
     int64_t restored = 0;        // tensors whose copies on a rank were restored
     int64_t restore_failures = 0;  // restores that ended with the tensor lost
     int64_t restored_bytes = 0;
+    // Operand and output bytes of GEMM and quantize requests the
+    // coordinator decoded or encoded itself, by the request's path.
+    int64_t inline_activation_bytes = 0;
+    int64_t direct_activation_bytes = 0;
     Dispatcher::Stats dispatch;
   };
   Stats GetStats() const;
@@ -146,6 +157,14 @@ class Coordinator {
   absl::Status DeleteTensor(const std::string& name, absl::Time deadline = absl::InfiniteFuture(),
                             const CallContext& call = {});
   v1::ListTensorsResponse ListTensors(const CallContext& call = {}) const;
+
+  // A transfer plan for a GroupedGemm request's operands that carry no
+  // source (dtype, shape, spec only): per operand, per distinct block, each
+  // rank's staging address and ticket; the workers are told the tickets
+  // before it is answered. Tensor.staged then names its staging_id.
+  absl::StatusOr<v1::StagingPlan> PlanStaging(const v1::StagingPlanRequest& request,
+                                              absl::Time deadline = absl::InfiniteFuture(),
+                                              const CallContext& call = {});
 
   // A same-host client's shared-memory region, by the name requests use.
   absl::Status RegisterSharedMemory(const v1::RegisterSharedMemoryRequest& request, const CallContext& call = {});
@@ -261,6 +280,33 @@ class Coordinator {
 
   ResidentRegistry registry_;
   SharedMemoryRegistry shared_memory_;
+
+  // Transfer plans by staging id, until used or expired.
+  struct StagedOperandRecord {
+    struct TensorMeta meta;                  // as planned: dtype, shape, spec
+    std::vector<std::string> ticket_of_rank;
+    std::vector<std::vector<int64_t>> offsets_of_rank;  // each rank's block in the tensor
+  };
+  struct StagingRecord {
+    std::string tenant;
+    absl::Time expires;
+    bool used = false;
+    std::map<std::string, StagedOperandRecord> operands;  // "lhs", "rhs", ...
+  };
+  absl::Mutex staging_mu_;
+  std::map<std::string, StagingRecord> staging_ ABSL_GUARDED_BY(staging_mu_);
+  // The staged operand `field` of `staging_id`, checked against the request's
+  // tensor `t` (tenant, expiry, dtype, shape, spec); not yet marked used.
+  absl::StatusOr<struct TensorMeta> ResolveStaged(const v1::Tensor& t, const std::string& field,
+                                                  const std::string& tenant);
+  // Marks `staging_id` used (FAILED_PRECONDITION if it was) and checks that
+  // `plan` places each staged operand's blocks where they were staged.
+  absl::Status TakeStaged(const std::string& staging_id, const planner::Plan& plan);
+  // The workers' staging addresses by rank (FAILED_PRECONDITION naming a rank without one).
+  absl::StatusOr<std::vector<std::string>> StagingAddresses() const;
+
+  std::atomic<int64_t> inline_activation_bytes_{0};
+  std::atomic<int64_t> direct_activation_bytes_{0};
 
   absl::Mutex reconcile_mu_;
   std::vector<std::set<std::string>> reported_ ABSL_GUARDED_BY(reconcile_mu_);  // shards by rank, at registration

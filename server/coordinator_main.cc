@@ -44,6 +44,9 @@ ABSL_FLAG(std::string, roles, "",
           "which axis plays dp/fsdp/ep/tp, e.g. 'dp=data,ep=expert'; axes named dp, fsdp, ep, "
           "tp play their own role by default");
 
+ABSL_FLAG(absl::Duration, staging_ttl, absl::Seconds(60),
+          "how long a transfer plan (PlanStaging) waits for the request that names it (the workers expire its "
+          "tickets by their own --staged_block_ttl)");
 ABSL_FLAG(absl::Duration, step_timeout, absl::Seconds(120),
           "the longest a request's steps may take on the workers (queueing included) when the "
           "client sets no earlier deadline, as an absl duration (5s, 1m30s, 500ms)");
@@ -141,6 +144,11 @@ int Run() {
   options.allow_shared_memory = absl::GetFlag(FLAGS_shared_memory);
   options.prefer_local_socket = absl::GetFlag(FLAGS_worker_local_socket);
   options.replicas = absl::GetFlag(FLAGS_replicas);
+  options.staging_ttl = absl::GetFlag(FLAGS_staging_ttl);
+  if (options.staging_ttl <= absl::ZeroDuration()) {
+    std::cerr << "shardgemm-coordinator: --staging_ttl must be positive\n";
+    return 2;
+  }
   if (options.replicas < 1 || options.replicas > planner::NumWorkers(*mesh)) {
     std::cerr << "shardgemm-coordinator: --replicas=" << options.replicas << " must be within 1 and the "
               << planner::NumWorkers(*mesh) << " workers of --mesh=" << planner::FormatMesh(*mesh) << "\n";

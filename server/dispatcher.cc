@@ -111,6 +111,7 @@ absl::StatusOr<Dispatcher::Joined> Dispatcher::Join(const v1::RegisterRequest& r
     w.info.set_backend(request.backend());
     w.info.set_device(request.device());
     w.info.set_memory_budget_bytes(request.memory_budget_bytes());
+    w.info.set_staging_address(request.staging_address());
     auto coords = planner::RankToCoords(mesh_, rank);
     if (coords.ok()) w.info.mutable_coords()->Assign(coords->begin(), coords->end());
     // A rank's member changed: its communicators in every group it belongs

@@ -18,6 +18,7 @@ const char* RequestOpName(RequestOp op) {
     case RequestOp::kListTensors: return "list_tensors";
     case RequestOp::kRegisterSharedMemory: return "register_shared_memory";
     case RequestOp::kUnregisterSharedMemory: return "unregister_shared_memory";
+    case RequestOp::kPlanStaging: return "plan_staging";
   }
   return "unknown";
 }
@@ -86,8 +87,15 @@ RequestObserver::RequestObserver(const Coordinator* coordinator, metrics::Regist
       "A replacement worker's copies of one tensor, by result: restored, or failed (the tensor lost).", {"result"});
   auto* restored_bytes =
       registry->AddCounter("shardgemm_restored_bytes_total", "Bytes copied onto replacement workers by restores.");
+  auto* activation_bytes = registry->AddCounter(
+      "shardgemm_coordinator_activation_bytes_total",
+      "Operand and output bytes of GEMM and quantize requests the coordinator decoded or encoded itself, by the "
+      "request's path: inline, or direct (staged operands, direct output: 0 unless some operand was inline).",
+      {"path"});
   registry->AddCollector([=] {
     const Coordinator::Stats stats = coordinator->GetStats();
+    activation_bytes->With({"inline"})->RaiseTo(static_cast<double>(stats.inline_activation_bytes));
+    activation_bytes->With({"direct"})->RaiseTo(static_cast<double>(stats.direct_activation_bytes));
     in_flight->With({})->Set(static_cast<double>(stats.dispatch.steps_in_flight));
     workers->With({"expected"})->Set(stats.workers_expected);
     workers->With({"registered"})->Set(stats.workers_registered);

@@ -28,6 +28,7 @@ enum class RequestOp {
   kListTensors,
   kRegisterSharedMemory,
   kUnregisterSharedMemory,
+  kPlanStaging,
 };
 const char* RequestOpName(RequestOp op);  // "grouped_gemm", ...
 

@@ -327,6 +327,20 @@ grpc::Status ShardGemmService::UnregisterSharedMemory(grpc::ServerContext* conte
   return Finish(record, ToGrpcStatus(coordinator_->UnregisterSharedMemory(request->name(), CallOf(record))));
 }
 
+grpc::Status ShardGemmService::PlanStaging(grpc::ServerContext* context, const v1::StagingPlanRequest* request,
+                                           v1::StagingPlan* plan) {
+  RequestRecord record = Begin(RequestOp::kPlanStaging, context);
+  if (grpc::Status a = Authenticate(*context, &record, security::Grant::kCompute); !a.ok()) {
+    return Finish(record, std::move(a));
+  }
+  record.bytes_in = static_cast<int64_t>(request->ByteSizeLong());
+  auto r = coordinator_->PlanStaging(*request, DeadlineOf(context), CallOf(record, context));
+  if (!r.ok()) return Finish(record, ToGrpcStatus(r.status()));
+  *plan = std::move(*r);
+  record.bytes_out = static_cast<int64_t>(plan->ByteSizeLong());
+  return Finish(record, grpc::Status::OK);
+}
+
 grpc::Status CoordinationService::CheckCaller(const grpc::ServerContext& context) const {
   if (transport_ == nullptr || transport_->CallerIs(context, security::kWorkerName)) return grpc::Status::OK;
   return grpc::Status(grpc::StatusCode::PERMISSION_DENIED,

@@ -64,6 +64,8 @@ class ShardGemmService final
                                     v1::RegisterSharedMemoryResponse*) override;
   grpc::Status UnregisterSharedMemory(grpc::ServerContext*, const v1::UnregisterSharedMemoryRequest*,
                                       v1::UnregisterSharedMemoryResponse*) override;
+  grpc::Status PlanStaging(grpc::ServerContext* context, const v1::StagingPlanRequest* request,
+                           v1::StagingPlan* plan) override;
 
  private:
   // Records `record` with `status` (when observed) and returns `status`.

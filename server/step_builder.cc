@@ -49,6 +49,16 @@ absl::StatusOr<std::vector<v1::Step>> BuildGemmSteps(const GemmStepsRequest& req
         local->set_resident(operand.meta.resident_shard);
         continue;
       }
+      if (!operand.meta.staged_tickets.empty()) {  // the client streamed each worker its block
+        if (operand.meta.staged_tickets.size() != static_cast<size_t>(num_workers)) {
+          return absl::InternalError(absl::StrCat(name, " has ", operand.meta.staged_tickets.size(),
+                                                  " staged tickets for ", num_workers, " ranks"));
+        }
+        local->set_dtype(DTypeToProto(operand.meta.dtype));
+        local->mutable_shape()->Assign(op->input_local_shape.begin(), op->input_local_shape.end());
+        local->set_staged(operand.meta.staged_tickets[r]);
+        continue;
+      }
       if (!operand.meta.shared_memory_key.empty()) {  // the worker reads its block itself
         local->set_dtype(DTypeToProto(operand.meta.dtype));
         local->mutable_shape()->Assign(op->input_local_shape.begin(), op->input_local_shape.end());

@@ -16,8 +16,9 @@
 namespace shardgemm {
 
 // A GEMM operand: resident (meta.resident_shard set: the step names the
-// shard and declares its local dtype and shape) or inline (`tensor`, the
-// decoded global tensor; each rank gets its block of it).
+// shard and declares its local dtype and shape), in shared memory, staged
+// (meta.staged_tickets: each rank's step names its ticket) or inline
+// (`tensor`, the decoded global tensor; each rank gets its block of it).
 struct GemmOperand {
   TensorMeta meta;
   const HostTensor* tensor = nullptr;

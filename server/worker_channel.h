@@ -36,6 +36,11 @@ class WorkerChannel {
   // older epochs); no answer is waited for (a worker that does not hear it
   // learns the epoch from its next step).
   virtual void AdvanceEpoch(const v1::AdvanceEpochRequest& request, absl::Time deadline) {}
+  // Tells the worker the tickets of a transfer plan (its staging service
+  // accepts no others); waits for its answer until `deadline`.
+  virtual absl::Status ExpectStaged(const v1::ExpectStagedRequest& request, absl::Time deadline) {
+    return absl::UnimplementedError("this worker channel cannot announce staging tickets");
+  }
   // A liveness check (the heartbeat): OK when the worker answers by `deadline`.
   virtual absl::Status Ping(absl::Time deadline) = 0;
 };

@@ -4,10 +4,12 @@ client is the `shardgemm` package beside this file (pip install
 
     from shardgemm_client import Client, pb, to_tensor, from_tensor
 
-re-exports the package's names. The one difference: shardgemm_client.Client
+re-exports the package's names. The differences: shardgemm_client.Client
 raises grpc.RpcError (e.code(), e.details()) on a failed call, as this module
 always did, where shardgemm.Client raises shardgemm.ShardGemmError
-subclasses (e.code, e.details). In a checkout the generated protobuf modules
+subclasses (e.code, e.details); and its grouped_gemm takes the inline path
+unless asked for path="direct" (the repository's tests of the inline path
+stay what they were). In a checkout the generated protobuf modules
 come from `make build` (tools/gen_python_proto.py).
 """
 import os
@@ -28,6 +30,8 @@ from shardgemm.errors import REQUEST_ID_KEY  # noqa: E402,F401
 
 
 class Client(shardgemm.Client):
-    """shardgemm.Client whose failed calls raise grpc.RpcError, as before."""
+    """shardgemm.Client whose failed calls raise grpc.RpcError, as before,
+    and whose grouped_gemm is inline unless path="direct"."""
 
     _translate_errors = False
+    _default_path = "inline"

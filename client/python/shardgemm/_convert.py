@@ -70,6 +70,15 @@ class SharedMemoryTensor:
                          shared_memory=self.ref())
 
 
+@dataclasses.dataclass(frozen=True)
+class ToStage:
+    """An operand of the direct path, whose blocks the client streams to
+    the workers itself: its request tensor carries dtype, shape and spec
+    only (to_tensor)."""
+
+    array: np.ndarray
+
+
 #: An operand: a NumPy array (or anything np.asarray takes), an object with
 #: __dlpack__ (a torch tensor, ...), a str naming a resident tensor, or a
 #: SharedMemoryTensor (a GEMM operand's bytes in a registered region).
@@ -160,6 +169,8 @@ def to_tensor(array: TensorLike, spec: str = "") -> "pb.Tensor":
         return pb.Tensor(resident=array, spec=spec)
     if isinstance(array, SharedMemoryTensor):
         return array.to_proto(spec)
+    if isinstance(array, ToStage):
+        return pb.Tensor(dtype=proto_dtype(array.array.dtype), shape=list(array.array.shape), spec=spec)
     a = np.ascontiguousarray(as_numpy(array))
     return pb.Tensor(dtype=proto_dtype(a.dtype), shape=list(a.shape), data=a.tobytes(), spec=spec)
 

@@ -1,12 +1,14 @@
 """The synchronous client."""
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
-from typing import Any, Iterator, List, Optional, Sequence, Tuple
+import threading
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import grpc
 
-from . import _common
+from . import _common, _direct
 from ._convert import Array, SharedMemoryTensor, TensorLike, check_output, to_output
 from ._progress import Progress
 from ._proto import pb, pb_grpc
@@ -36,10 +38,12 @@ class Client:
     # The repository's shardgemm_client.Client turns this off: failed calls
     # raise grpc.RpcError there, as they always did.
     _translate_errors = True
+    # The repository's shardgemm_client.Client keeps the inline path by default.
+    _default_path = "auto"
 
     def __init__(self, address: str, timeout: Optional[float] = None, *, tls_dir: Optional[str] = None,
                  token: Optional[str] = None, output: str = "numpy", progress: Progress = False,
-                 options: Sequence[Tuple[str, Any]] = ()) -> None:
+                 options: Sequence[Tuple[str, Any]] = (), path: Optional[str] = None) -> None:
         """address: the coordinator's HOST:PORT. tls_dir: the mesh's
         certificates (ca.crt verifies the coordinator; client.crt/client.key
         are sent when present); token: the bearer token (default:
@@ -47,8 +51,10 @@ class Client:
         a coordinator started with --insecure. output: "numpy" or "torch",
         the default of every call. progress: the default of put/get (True: a
         tqdm bar, when tqdm is installed; or a callable(done, total)).
-        options: more gRPC channel options."""
+        options: more gRPC channel options. path: grouped_gemm's default
+        path ("auto", "direct" or "inline"; see grouped_gemm)."""
         self.output = check_output(output)
+        self.path = _direct.check_path(path or self._default_path)
         self.progress = progress
         self.timeout = timeout
         self.last_request_id: Optional[str] = None
@@ -59,6 +65,13 @@ class Client:
         else:
             self.channel = grpc.insecure_channel(address, options=opts)
         self.stub = pb_grpc.ShardGemmStub(self.channel)
+        self._creds, self._opts = creds, opts
+        # The direct path's: channels to the workers' staging services, the
+        # threads that stream blocks in parallel, what ClusterInfo said.
+        self._staging_lock = threading.Lock()
+        self._staging_channels: Dict[str, Tuple[grpc.Channel, Any]] = {}
+        self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        self._staging_info = _direct.StagingInfo()
 
     def __enter__(self) -> "Client":
         return self
@@ -67,7 +80,41 @@ class Client:
         self.close()
 
     def close(self) -> None:
+        with self._staging_lock:
+            channels, self._staging_channels = list(self._staging_channels.values()), {}
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+        for channel, _ in channels:
+            channel.close()
         self.channel.close()
+
+    def _staging_stub(self, address: str) -> Any:
+        with self._staging_lock:
+            if address not in self._staging_channels:
+                if self._creds is not None:
+                    channel = grpc.secure_channel(address, self._creds, options=self._opts)
+                else:
+                    channel = grpc.insecure_channel(address, options=self._opts)
+                self._staging_channels[address] = (channel, pb_grpc.StagingStub(channel))
+            return self._staging_channels[address][1]
+
+    def _threads(self) -> concurrent.futures.ThreadPoolExecutor:
+        with self._staging_lock:
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=16,
+                                                                   thread_name_prefix="shardgemm-direct")
+            return self._pool
+
+    def _offers_staging(self) -> bool:
+        fresh = self._staging_info.fresh()
+        if fresh is not None:
+            return fresh
+        try:
+            info = self.stub.GetClusterInfo(pb.ClusterInfoRequest(), timeout=self._timeout(None) or 10)
+        except grpc.RpcError:
+            return False  # the inline call says what is wrong
+        return self._staging_info.note(info)
 
     @contextlib.contextmanager
     def _errors(self) -> Iterator[None]:
@@ -100,7 +147,8 @@ class Client:
     def grouped_gemm(self, lhs: TensorLike, rhs: TensorLike, group_sizes: TensorLike,
                      bias: Optional[TensorLike] = None, *, out: Optional[SharedMemoryTensor] = None,
                      request_id: Optional[str] = None, output: Optional[str] = None,
-                     timeout: Optional[float] = None, **kwargs: Any) -> Tuple[Optional[Array], "pb.Plan"]:
+                     timeout: Optional[float] = None, path: Optional[str] = None,
+                     **kwargs: Any) -> Tuple[Optional[Array], "pb.Plan"]:
         """The grouped GEMM out[m] = lhs[m] @ rhs[g(m)] (+ bias) over the mesh.
 
         lhs [M, K], rhs [G, K, N] (or [G, N, K] with rhs_transposed=True),
@@ -125,18 +173,67 @@ class Client:
         one is given; its byte size must be the output's; not with
         keep_output_as).
 
+        path: how the operands' and the output's bytes travel. "direct":
+        the coordinator plans where each block goes, this client streams
+        every worker its blocks itself, in parallel (the workers' staging
+        ports, under the plan's tickets), submits the request naming them,
+        and reads each distinct output block from the worker holding it, in
+        parallel; the coordinator touches none of those bytes (resident
+        names and group_sizes travel as usual). "inline": the bytes are in
+        the request and the response. "auto" (the default): direct for
+        NumPy / DLPack operands when every worker serves staging and
+        neither out= nor global_sorted is given, else inline.
+
         Returns (out, plan): out is the output (NumPy, or torch with
         output="torch"), None when kept resident; with out=, the view of the
         region holding it (out.array, shaped as the response says; sharing
         the region's memory, not a copy), or None when out= was made by hand
         and has no view. plan is empty unless include_plan."""
-        req = _common.gemm_request(lhs, rhs, group_sizes, bias, out=out, **kwargs)
         out_as = check_output(output or self.output)
+        if _direct.wants_direct(_direct.check_path(path or self.path), self._offers_staging, lhs, out, kwargs):
+            return self._grouped_gemm_direct(lhs, rhs, group_sizes, bias, request_id, out_as, timeout, kwargs)
+        req = _common.gemm_request(lhs, rhs, group_sizes, bias, out=out, **kwargs)
         with self._errors():
             resp, call = self.stub.GroupedGemm.with_call(req, timeout=self._timeout(timeout),
                                                          metadata=_common.metadata(request_id))
         self._note_request_id(call)
         return to_output(_common.gemm_output(resp, out), out_as), resp.plan
+
+    def _grouped_gemm_direct(self, lhs: TensorLike, rhs: TensorLike, group_sizes: TensorLike,
+                             bias: Optional[TensorLike], request_id: Optional[str], out_as: str,
+                             timeout: Optional[float], kwargs: Dict[str, Any]) -> Tuple[Optional[Array], "pb.Plan"]:
+        arrays, lhs, rhs, bias, kwargs = _direct.split_operands(lhs, rhs, bias, kwargs)
+        req = _common.gemm_request(lhs, rhs, group_sizes, bias, **kwargs)
+        t = self._timeout(timeout)
+        keep = bool(kwargs.get("keep_output_as"))
+        with self._errors():
+            plan, call = self.stub.PlanStaging.with_call(pb.StagingPlanRequest(grouped_gemm=req), timeout=t,
+                                                         metadata=_common.metadata(request_id))
+            self._note_request_id(call)
+            # The request's calls share the plan's id (the coordinator made one if the caller did not).
+            md = _common.metadata(request_id or _common.request_id_of(call.initial_metadata()))
+
+            def stage(u: _direct.Upload) -> None:
+                self._staging_stub(u.address).Stage(_direct.stage_chunks(u), timeout=t, metadata=md)
+
+            for _ in self._threads().map(stage, _direct.uploads(plan, arrays)):
+                pass
+            resp, call = self.stub.GroupedGemm.with_call(
+                _direct.submitted(req, plan.staging_id, arrays, direct_output=not keep), timeout=t, metadata=md)
+            self._note_request_id(call)
+            if keep:
+                return None, resp.plan
+            out = _direct.output_array(resp)
+
+            def fetch(block: "pb.StagedBlock") -> None:
+                d = block.destinations[0]
+                chunks = self._staging_stub(d.address).Fetch(pb.FetchRequest(ticket=d.ticket), timeout=t,
+                                                             metadata=md)
+                _direct.place_block(out, block, b"".join(c.data for c in chunks))
+
+            for _ in self._threads().map(fetch, resp.out_blocks):
+                pass
+        return to_output(out, out_as), resp.plan
 
     def plan(self, lhs: TensorLike, rhs: TensorLike, group_sizes: TensorLike, bias: Optional[TensorLike] = None,
              *, request_id: Optional[str] = None, timeout: Optional[float] = None, **kwargs: Any) -> "pb.Plan":

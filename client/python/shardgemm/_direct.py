@@ -1,0 +1,155 @@
+"""The direct path (what the sync and asyncio clients share): the
+coordinator plans where a request's blocks go (PlanStaging), the client
+streams each worker its blocks under the plan's tickets, submits the
+request naming the plan, and reads each distinct output block from the
+worker holding it (docs/architecture.md, "Data paths")."""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import numpy as np
+
+from . import _convert
+from ._convert import SharedMemoryTensor, TensorLike, ToStage
+from ._proto import pb
+
+PATHS = ("auto", "direct", "inline")
+#: The operands a request may stage, by their keyword / field name.
+STAGEABLE = ("lhs", "rhs", "bias", "lhs_scale_inv", "rhs_scale_inv")
+FIELD_OF_ROLE = {pb.TENSOR_LHS: "lhs", pb.TENSOR_RHS: "rhs", pb.TENSOR_BIAS: "bias",
+                 pb.TENSOR_LHS_SCALE_INV: "lhs_scale_inv", pb.TENSOR_RHS_SCALE_INV: "rhs_scale_inv"}
+CHUNK = 1 << 20  # bytes of a Stage stream's message
+#: How long a client trusts what ClusterInfo said about staging ("auto").
+STAGING_INFO_SECONDS = 10.0
+
+
+def check_path(path: str) -> str:
+    if path not in PATHS:
+        raise ValueError(f"path must be one of {PATHS}, not {path!r}")
+    return path
+
+
+def is_array(x: Any) -> bool:
+    """An operand whose bytes this process holds (not a resident name nor a shared-memory reference)."""
+    return x is not None and not isinstance(x, (str, SharedMemoryTensor))
+
+
+def offers_staging(info: "pb.ClusterInfo") -> bool:
+    return bool(info.workers) and all(w.staging_address for w in info.workers)
+
+
+def wants_direct(path: str, offered: Any, lhs: TensorLike, out: Any, kwargs: Dict[str, Any]) -> bool:
+    """Whether a grouped_gemm call takes the direct path. "auto": NumPy (or
+    DLPack) lhs, no out= region, the PER_SHARD layout, and every worker
+    serving staging (`offered()`, asked only then)."""
+    if path == "inline":
+        return False
+    usable = out is None and not kwargs.get("global_sorted", False)
+    if path == "direct":
+        if not usable:
+            raise ValueError("path='direct' stages operands and fetches the output itself: not with out= (shared "
+                             "memory) or global_sorted")
+        return True
+    return usable and is_array(lhs) and offered()
+
+
+class StagingInfo:
+    """Whether the cluster offers staging, as the last ClusterInfo said (for a few seconds)."""
+
+    def __init__(self) -> None:
+        self.offered: Optional[bool] = None
+        self.at = 0.0
+
+    def fresh(self) -> Optional[bool]:
+        if self.offered is None or time.monotonic() - self.at > STAGING_INFO_SECONDS:
+            return None
+        return self.offered
+
+    def note(self, info: "pb.ClusterInfo") -> bool:
+        self.offered, self.at = offers_staging(info), time.monotonic()
+        return self.offered
+
+
+def split_operands(lhs: TensorLike, rhs: TensorLike, bias: Optional[TensorLike], kwargs: Dict[str, Any]
+                   ) -> Tuple[Dict[str, np.ndarray], TensorLike, TensorLike, Optional[TensorLike], Dict[str, Any]]:
+    """The arrays to stage, by field, and the call's arguments with each
+    replaced by its ToStage marker (resident names and shared-memory
+    references are left as they are)."""
+    arrays: Dict[str, np.ndarray] = {}
+
+    def mark(field: str, x: Any) -> Any:
+        if not is_array(x):
+            return x
+        a = np.ascontiguousarray(_convert.as_numpy(x))
+        arrays[field] = a
+        return ToStage(a)
+
+    kwargs = dict(kwargs)
+    for field in ("lhs_scale_inv", "rhs_scale_inv"):
+        if kwargs.get(field) is not None:
+            kwargs[field] = mark(field, kwargs[field])
+    return arrays, mark("lhs", lhs), mark("rhs", rhs), mark("bias", bias), kwargs
+
+
+@dataclasses.dataclass
+class Upload:
+    """One copy of one block, for one worker."""
+
+    address: str
+    ticket: str
+    block: np.ndarray  # contiguous
+    field: str
+
+
+def uploads(plan: "pb.StagingPlan", arrays: Dict[str, np.ndarray]) -> List[Upload]:
+    """Every block the plan asks for: each distinct block sliced (and made
+    contiguous) once, sent to every rank whose block it is."""
+    out: List[Upload] = []
+    for operand in plan.operands:
+        field = FIELD_OF_ROLE.get(operand.role)
+        if field is None or field not in arrays:
+            raise ValueError(f"the transfer plan names operand {operand.role}, which this call did not stage")
+        a = arrays[field]
+        for b in operand.blocks:
+            index = tuple(slice(o, o + s) for o, s in zip(b.offsets, b.shape))
+            block = np.ascontiguousarray(a[index])
+            for d in b.destinations:
+                out.append(Upload(d.address, d.ticket, block, field))
+    return out
+
+
+def stage_chunks(upload: Upload) -> Iterator["pb.StageChunk"]:
+    """A Stage stream: the ticket with the first piece, then 1 MiB pieces."""
+    raw = upload.block.reshape(-1).view(np.uint8)
+    offset = 0
+    while True:
+        piece = raw[offset:offset + CHUNK].tobytes()
+        yield pb.StageChunk(ticket=upload.ticket, data=piece) if offset == 0 else pb.StageChunk(data=piece)
+        offset += len(piece)
+        if offset >= raw.nbytes:
+            return
+
+
+def submitted(req: "pb.GroupedGemmRequest", staging_id: str, arrays: Dict[str, np.ndarray],
+              direct_output: bool) -> "pb.GroupedGemmRequest":
+    """The request naming the staged blocks (and leaving its output on the workers)."""
+    for field in arrays:
+        getattr(req, field).staged = staging_id
+    req.direct_output = direct_output
+    return req
+
+
+def output_array(resp: "pb.GroupedGemmResponse") -> np.ndarray:
+    """An empty array of the response's output dtype and shape, for its blocks."""
+    return np.empty(tuple(resp.out.shape), dtype=_convert.numpy_dtype(resp.out.dtype))
+
+
+def place_block(out: np.ndarray, block: "pb.StagedBlock", data: bytes) -> None:
+    shape = tuple(block.shape)
+    want = int(np.prod(shape, dtype=np.int64)) * out.dtype.itemsize
+    if len(data) != want:
+        raise ValueError(f"an output block of shape {shape} came with {len(data)} bytes ({want} expected)")
+    index = tuple(slice(o, o + s) for o, s in zip(block.offsets, shape))
+    out[index] = np.frombuffer(data, dtype=out.dtype).reshape(shape)
