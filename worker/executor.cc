@@ -200,9 +200,20 @@ absl::StatusOr<v1::StepResult> Executor::Execute(v1::Step step, absl::Time deadl
   step_collective_start_ = timed_->elapsed();
   absl::StatusOr<v1::StepResult> result;
   switch (step.op_case()) {
-    case v1::Step::kGemm:
+    case v1::Step::kGemm: {
+      // The blocks a failed step named can serve no other (the coordinator
+      // gave out their plan once): they go with it, not at their expiry.
+      std::vector<std::string> staged;
+      const v1::GemmStep& g = step.gemm();
+      for (const v1::LocalTensor* t : {&g.lhs(), &g.rhs(), &g.bias(), &g.lhs_scale_inv(), &g.rhs_scale_inv()}) {
+        if (t->source_case() == v1::LocalTensor::kStaged) staged.push_back(t->staged());
+      }
       result = RunGemm(*step.mutable_gemm());
+      if (!result.ok() && staging_ != nullptr) {
+        for (const std::string& ticket : staged) staging_->Discard(ticket);
+      }
       break;
+    }
     case v1::Step::kStore:
       result = RunStore(*step.mutable_store());
       break;

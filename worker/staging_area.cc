@@ -181,6 +181,15 @@ absl::StatusOr<HostTensor> StagingArea::Claim(const std::string& ticket, DType d
   return out;
 }
 
+void StagingArea::Discard(const std::string& ticket) {
+  absl::MutexLock lock(&mu_);
+  Entry* e = Find(ticket);
+  if (e == nullptr || (e->state != State::kExpected && e->state != State::kStaged)) return;
+  if (e->state == State::kStaged) held_bytes_ -= e->bytes;
+  e->data.reset();
+  e->state = State::kUsed;
+}
+
 absl::Status StagingArea::Hold(const std::string& ticket, const std::string& tenant, HostTensor block) {
   absl::MutexLock lock(&mu_);
   if (Find(ticket) != nullptr) return absl::AlreadyExistsError(absl::StrCat(Named(ticket), " is known already"));

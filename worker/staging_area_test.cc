@@ -138,6 +138,18 @@ TEST_F(StagingAreaTest, UsedTicketIsForgottenAfterItsExpiry) {
   EXPECT_EQ(area_.tickets(), 0u);
 }
 
+TEST_F(StagingAreaTest, DiscardFreesAStagedBlockAndRefusesALateOne) {
+  ASSERT_TRUE(area_.Expect(kTicket, Block()).ok());
+  ASSERT_TRUE(Stage(kTicket, std::string(32, 'a')).ok());
+  const std::string late = "ffffffffffffffffffffffffffffffff";
+  ASSERT_TRUE(area_.Expect(late, Block()).ok());
+  area_.Discard(kTicket);
+  area_.Discard(late);
+  EXPECT_EQ(area_.held_bytes(), 0);
+  EXPECT_EQ(area_.Claim(kTicket, DType::kF32, {2, 4}, "lhs").status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(Stage(late, std::string(32, 'a')).code(), absl::StatusCode::kFailedPrecondition);
+}
+
 TEST_F(StagingAreaTest, HeldOutputIsFetchedOnceByItsTenant) {
   HostTensor out;
   out.dtype = DType::kF32;

@@ -10,13 +10,14 @@ Make it inside a running event loop (grpc.aio binds the channel to it).
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from typing import Any, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import grpc
 import grpc.aio
 
-from . import _common
+from . import _common, _direct
 from ._convert import Array, SharedMemoryTensor, TensorLike, check_output, to_output
 from ._progress import Progress
 from ._proto import pb, pb_grpc
@@ -28,12 +29,14 @@ __all__ = ["Client", "SharedMemoryRegion"]
 
 class Client:
     """As shardgemm.Client (same arguments, same results, same errors), with
-    every call a coroutine and ``close`` awaited."""
+    every call a coroutine and ``close`` awaited. The direct path's blocks
+    are staged and fetched by concurrent tasks."""
 
     def __init__(self, address: str, timeout: Optional[float] = None, *, tls_dir: Optional[str] = None,
                  token: Optional[str] = None, output: str = "numpy", progress: Progress = False,
-                 options: Sequence[Tuple[str, Any]] = ()) -> None:
+                 options: Sequence[Tuple[str, Any]] = (), path: str = "auto") -> None:
         self.output = check_output(output)
+        self.path = _direct.check_path(path)
         self.progress = progress
         self.timeout = timeout
         self.last_request_id: Optional[str] = None
@@ -44,6 +47,9 @@ class Client:
         else:
             self.channel = grpc.aio.insecure_channel(address, options=opts)
         self.stub = pb_grpc.ShardGemmStub(self.channel)
+        self._creds, self._opts = creds, opts
+        self._staging_channels: Dict[str, Tuple[grpc.aio.Channel, Any]] = {}
+        self._staging_info = _direct.StagingInfo()
 
     async def __aenter__(self) -> "Client":
         return self
@@ -52,7 +58,29 @@ class Client:
         await self.close()
 
     async def close(self) -> None:
+        channels, self._staging_channels = list(self._staging_channels.values()), {}
+        for channel, _ in channels:
+            await channel.close()
         await self.channel.close()
+
+    def _staging_stub(self, address: str) -> Any:
+        if address not in self._staging_channels:
+            if self._creds is not None:
+                channel = grpc.aio.secure_channel(address, self._creds, options=self._opts)
+            else:
+                channel = grpc.aio.insecure_channel(address, options=self._opts)
+            self._staging_channels[address] = (channel, pb_grpc.StagingStub(channel))
+        return self._staging_channels[address][1]
+
+    async def _offers_staging(self) -> bool:
+        fresh = self._staging_info.fresh()
+        if fresh is not None:
+            return fresh
+        try:
+            info = await self.stub.GetClusterInfo(pb.ClusterInfoRequest(), timeout=self._timeout(None) or 10)
+        except grpc.RpcError:
+            return False  # the inline call says what is wrong
+        return self._staging_info.note(info)
 
     @staticmethod
     @contextlib.contextmanager
@@ -88,12 +116,52 @@ class Client:
     async def grouped_gemm(self, lhs: TensorLike, rhs: TensorLike, group_sizes: TensorLike,
                            bias: Optional[TensorLike] = None, *, out: Optional[SharedMemoryTensor] = None,
                            request_id: Optional[str] = None, output: Optional[str] = None,
-                           timeout: Optional[float] = None, **kwargs: Any) -> Tuple[Optional[Array], "pb.Plan"]:
-        """See shardgemm.Client.grouped_gemm (out= included)."""
-        req = _common.gemm_request(lhs, rhs, group_sizes, bias, out=out, **kwargs)
+                           timeout: Optional[float] = None, path: Optional[str] = None,
+                           **kwargs: Any) -> Tuple[Optional[Array], "pb.Plan"]:
+        """See shardgemm.Client.grouped_gemm (out= and path= included)."""
         out_as = check_output(output or self.output)
+        chosen = _direct.check_path(path or self.path)
+        offered = False
+        if chosen == "auto" and _direct.is_array(lhs) and out is None and not kwargs.get("global_sorted", False):
+            offered = await self._offers_staging()
+        if _direct.wants_direct(chosen, lambda: offered, lhs, out, kwargs):
+            return await self._grouped_gemm_direct(lhs, rhs, group_sizes, bias, request_id, out_as, timeout, kwargs)
+        req = _common.gemm_request(lhs, rhs, group_sizes, bias, out=out, **kwargs)
         resp = await self._unary(self.stub.GroupedGemm, req, timeout, request_id)
         return to_output(_common.gemm_output(resp, out), out_as), resp.plan
+
+    async def _grouped_gemm_direct(self, lhs: TensorLike, rhs: TensorLike, group_sizes: TensorLike,
+                                   bias: Optional[TensorLike], request_id: Optional[str], out_as: str,
+                                   timeout: Optional[float], kwargs: Dict[str, Any]
+                                   ) -> Tuple[Optional[Array], "pb.Plan"]:
+        arrays, lhs, rhs, bias, kwargs = _direct.split_operands(lhs, rhs, bias, kwargs)
+        req = _common.gemm_request(lhs, rhs, group_sizes, bias, **kwargs)
+        t = self._timeout(timeout)
+        keep = bool(kwargs.get("keep_output_as"))
+        with self._errors():
+            call = self.stub.PlanStaging(pb.StagingPlanRequest(grouped_gemm=req), timeout=t,
+                                         metadata=_common.metadata(request_id))
+            plan = await call
+            await self._note_request_id(call)
+            md = _common.metadata(request_id or _common.request_id_of(await call.initial_metadata()))
+            await asyncio.gather(*(self._staging_stub(u.address).Stage(_direct.stage_chunks(u), timeout=t, metadata=md)
+                                   for u in _direct.uploads(plan, arrays)))
+            call = self.stub.GroupedGemm(_direct.submitted(req, plan.staging_id, arrays, direct_output=not keep),
+                                         timeout=t, metadata=md)
+            resp = await call
+            await self._note_request_id(call)
+            if keep:
+                return None, resp.plan
+            out = _direct.output_array(resp)
+
+            async def fetch(block: "pb.StagedBlock") -> None:
+                d = block.destinations[0]
+                parts = [c.data async for c in self._staging_stub(d.address).Fetch(
+                    pb.FetchRequest(ticket=d.ticket), timeout=t, metadata=md)]
+                _direct.place_block(out, block, b"".join(parts))
+
+            await asyncio.gather(*(fetch(b) for b in resp.out_blocks))
+        return to_output(out, out_as), resp.plan
 
     async def plan(self, lhs: TensorLike, rhs: TensorLike, group_sizes: TensorLike,
                    bias: Optional[TensorLike] = None, *, request_id: Optional[str] = None,
