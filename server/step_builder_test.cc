@@ -61,6 +61,41 @@ TEST(StepBuilderTest, InlineRowsAreSplitAndResidentWeightsNamed) {
   }
 }
 
+TEST(StepBuilderTest, StagedOperandsNameEachRanksTicketWithItsLocalShape) {
+  planner::PlanRequest pr;
+  pr.mesh = *planner::ParseMesh("dp=2", "");
+  pr.operands = {Operand("lhs", {8, 4}, DType::kF32, "(dp, None)"), Operand("rhs", {2, 4, 3}, DType::kF32, ""),
+                 Operand("group_sizes", {4}, DType::kI64, "(dp,)")};
+  auto plan = planner::MakePlan(pr);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  GemmStepsRequest r;
+  r.plan = &*plan;
+  r.mesh = &pr.mesh;
+  r.group_sizes = {1, 3, 2, 2};
+  TensorMeta lhs{DType::kF32, {8, 4}, "(dp, None)", ""};
+  lhs.staging_id = "plan";
+  lhs.staged_tickets = {"t0", "t1"};
+  TensorMeta rhs{DType::kF32, {2, 4, 3}, "", ""};
+  rhs.staging_id = "plan";
+  rhs.staged_tickets = {"r0", "r1"};
+  r.operands["lhs"] = GemmOperand{lhs, nullptr};
+  r.operands["rhs"] = GemmOperand{rhs, nullptr};
+  auto steps = BuildGemmSteps(r);
+  ASSERT_TRUE(steps.ok()) << steps.status();
+  for (int rank = 0; rank < 2; ++rank) {
+    const v1::GemmStep& g = (*steps)[rank].gemm();
+    EXPECT_EQ(g.lhs().staged(), rank == 0 ? "t0" : "t1");
+    EXPECT_TRUE(g.lhs().data().empty());
+    EXPECT_EQ(std::vector<int64_t>(g.lhs().shape().begin(), g.lhs().shape().end()), std::vector<int64_t>({4, 4}));
+    EXPECT_EQ(g.rhs().staged(), rank == 0 ? "r0" : "r1");
+    EXPECT_EQ(std::vector<int64_t>(g.rhs().shape().begin(), g.rhs().shape().end()),
+              std::vector<int64_t>({2, 4, 3}));
+  }
+  // A ticket short of a rank is the coordinator's bug, not the client's.
+  r.operands["lhs"].meta.staged_tickets = {"t0"};
+  EXPECT_EQ(BuildGemmSteps(r).status().code(), absl::StatusCode::kInternal);
+}
+
 TEST(StepBuilderTest, ReplicatedOperandsAreSentWholeAndOneWorkerNeverAgrees) {
   planner::PlanRequest pr;
   pr.mesh = *planner::ParseMesh("dp=1", "");

@@ -103,6 +103,52 @@ TEST_F(ExecutorTest, StepWithoutCollectivesRunsNoAgreement) {
   for (size_t i = 0; i < want.size(); ++i) EXPECT_FLOAT_EQ(out->data<float>()[i], want[i]) << i;
 }
 
+TEST_F(ExecutorTest, StagedBlocksAreClaimedByTheStepAndAFailedStepDropsThem) {
+  StagingArea staging(1 << 20, absl::Seconds(60));
+  executor_ = std::make_unique<Executor>(backend_.get(), &store_, &staging);
+  executor_->Configure(SingleWorkerPosition(), std::make_unique<MirrorCollectives>(SingleWorkerPosition()), 1);
+  const HostTensor lhs = F32({5, 3}, 1), rhs = F32({2, 3, 4}, -1);
+  auto stage = [&](const std::string& ticket, const HostTensor& t) {
+    ASSERT_TRUE(staging.Expect(ticket, ExpectedBlock{"", "lhs", t.dtype, t.shape}).ok());
+    auto up = staging.BeginStage(ticket, "");
+    ASSERT_TRUE(up.ok()) << up.status();
+    ASSERT_TRUE((*up)->Append(t.bytes).ok());
+    ASSERT_TRUE((*up)->Commit().ok());
+  };
+  stage("lhs-ticket-0000", lhs);
+  v1::Step step = GemmStep(lhs, rhs, {2, 3});
+  step.mutable_gemm()->mutable_lhs()->set_staged("lhs-ticket-0000");
+  auto result = executor_->Execute(step);
+  ASSERT_TRUE(result.ok()) << result.status();
+  auto out = HostTensorFromProto(result->out(), "out");
+  ASSERT_TRUE(out.ok());
+  const std::vector<float> want = RaggedM(lhs, rhs, {2, 3});
+  for (size_t i = 0; i < want.size(); ++i) EXPECT_FLOAT_EQ(out->data<float>()[i], want[i]) << i;
+  EXPECT_EQ(staging.held_bytes(), 0);
+
+  // rhs staged, lhs never: the step fails naming lhs, and rhs's block goes with it.
+  stage("rhs-ticket-0000", rhs);
+  ASSERT_TRUE(staging.Expect("lhs-ticket-0001", ExpectedBlock{"", "lhs", lhs.dtype, lhs.shape}).ok());
+  v1::Step missing = GemmStep(lhs, rhs, {2, 3});
+  missing.mutable_gemm()->mutable_lhs()->set_staged("lhs-ticket-0001");
+  missing.mutable_gemm()->mutable_rhs()->set_staged("rhs-ticket-0000");
+  auto failed = executor_->Execute(missing);
+  EXPECT_EQ(failed.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(failed.status().message().find("lhs.staged"), absl::string_view::npos) << failed.status();
+  EXPECT_EQ(staging.held_bytes(), 0);
+
+  // An output held for a direct fetch: the result carries its header only.
+  v1::Step held = GemmStep(lhs, rhs, {2, 3});
+  held.mutable_gemm()->mutable_out_staged()->set_ticket("out-ticket-0000");
+  auto kept = executor_->Execute(held);
+  ASSERT_TRUE(kept.ok()) << kept.status();
+  EXPECT_TRUE(kept->out().data().empty());
+  EXPECT_EQ(staging.held_bytes(), static_cast<int64_t>(want.size() * sizeof(float)));
+  auto fetched = staging.BeginFetch("out-ticket-0000", "");
+  ASSERT_TRUE(fetched.ok()) << fetched.status();
+  EXPECT_EQ((*fetched)->block().bytes, out->bytes);
+}
+
 TEST_F(ExecutorTest, WeightGatherCarriesTheStepsAgreement) {
   Executor& e = Make(FsdpOf2());
   const HostTensor lhs = F32({4, 6}, 1), rhs_shard = F32({2, 3, 4}, -1);
