@@ -64,6 +64,9 @@ ABSL_FLAG(uint64_t, seed, 1, "seed for generated tensors and group sizes");
 ABSL_FLAG(bool, check, false, "check the result against a local reference");
 ABSL_FLAG(std::string, out, "", "write the result to this .npy file");
 ABSL_FLAG(std::string, keep_as, "", "keep the output resident under this name");
+ABSL_FLAG(std::string, path, "inline",
+          "gemm: inline (the bytes in the request and the response) | direct (stage each worker its blocks and "
+          "fetch the output blocks from the workers, in parallel; the coordinator touches none of their bytes)");
 ABSL_FLAG(std::string, request, "", "read the GroupedGemmRequest from this JSON file (protobuf JSON mapping)");
 ABSL_FLAG(bool, json, false, "print the plan as JSON (protobuf JSON mapping)");
 ABSL_FLAG(bool, show_plan, true, "print the plan before the result");
@@ -408,11 +411,15 @@ int Gemm() {
   ops.ragged_k = request.ragged() == v1::GroupedGemmRequest::RAGGED_K;
   ops.rhs_transposed = request.rhs_transposed();
 
+  const std::string path = absl::GetFlag(FLAGS_path);
+  if (path != "inline" && path != "direct") {
+    return Fail(absl::InvalidArgumentError(absl::StrCat("--path: inline or direct, not '", path, "'")));
+  }
   ShardGemmClient client(absl::GetFlag(FLAGS_coordinator), ClientCredentialsFromFlags("shardgemm"),
                          ClientMaxMessageBytesFromFlags("shardgemm"));
   client.set_request_id(absl::GetFlag(FLAGS_request_id));
   const absl::Time start = absl::Now();
-  auto response = client.GroupedGemm(request);
+  auto response = path == "direct" ? client.GroupedGemmDirect(request) : client.GroupedGemm(request);
   if (!response.ok()) return Fail(response.status());
   const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
   if (absl::GetFlag(FLAGS_show_plan)) PrintPlan(response->plan());

@@ -1,5 +1,10 @@
 #include "client/client.h"
 
+#include <algorithm>
+#include <functional>
+#include <thread>
+#include <vector>
+
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "grpcpp/grpcpp.h"
@@ -13,9 +18,173 @@ constexpr size_t kChunkBytes = kTensorChunkBytes;
 }  // namespace
 
 ShardGemmClient::ShardGemmClient(const std::string& address,
-                                 std::shared_ptr<grpc::ChannelCredentials> credentials, int max_message_bytes) {
+                                 std::shared_ptr<grpc::ChannelCredentials> credentials, int max_message_bytes)
+    : credentials_(credentials), max_message_bytes_(max_message_bytes) {
   grpc::ChannelArguments args = TensorChannelArguments(max_message_bytes);
   stub_ = v1::ShardGemm::NewStub(grpc::CreateCustomChannel(address, std::move(credentials), args));
+}
+
+v1::Staging::Stub* ShardGemmClient::StagingStub(const std::string& address) {
+  absl::MutexLock lock(&staging_mu_);
+  std::unique_ptr<v1::Staging::Stub>& stub = staging_[address];
+  if (stub == nullptr) {
+    grpc::ChannelArguments args = TensorChannelArguments(max_message_bytes_);
+    stub = v1::Staging::NewStub(grpc::CreateCustomChannel(address, credentials_, args));
+  }
+  return stub.get();
+}
+
+namespace {
+
+// The block a plan names lies inside its tensor (the plan is the coordinator's; checked all the same).
+absl::Status CheckBlock(const std::vector<int64_t>& shape, const google::protobuf::RepeatedField<int64_t>& offsets,
+                        const google::protobuf::RepeatedField<int64_t>& block, absl::string_view what) {
+  bool inside = offsets.size() == static_cast<int>(shape.size()) && block.size() == offsets.size();
+  for (int d = 0; inside && d < offsets.size(); ++d) {
+    inside = offsets[d] >= 0 && block[d] >= 0 && offsets[d] + block[d] <= shape[d];
+  }
+  if (inside) return absl::OkStatus();
+  return absl::InternalError(absl::StrCat("the coordinator named a ", what, " block outside its tensor of shape ",
+                                          ShapeToString(shape)));
+}
+
+// Runs f(i) for i in [0, n) on threads of their own; the first error.
+absl::Status InParallel(int n, const std::function<absl::Status(int)>& f) {
+  std::vector<absl::Status> status(n);
+  std::vector<std::thread> threads;
+  threads.reserve(n);
+  for (int i = 0; i < n; ++i) threads.emplace_back([&, i] { status[i] = f(i); });
+  for (std::thread& t : threads) t.join();
+  for (const absl::Status& s : status) {
+    if (!s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<v1::GroupedGemmResponse> ShardGemmClient::GroupedGemmDirect(const v1::GroupedGemmRequest& request) {
+  // The operands whose bytes this client holds are staged; the request carries their headers.
+  v1::GroupedGemmRequest planned = request;
+  std::map<v1::TensorRole, HostTensor> arrays;
+  const std::pair<v1::TensorRole, v1::Tensor* (v1::GroupedGemmRequest::*)()> fields[] = {
+      {v1::TENSOR_LHS, &v1::GroupedGemmRequest::mutable_lhs},
+      {v1::TENSOR_RHS, &v1::GroupedGemmRequest::mutable_rhs},
+      {v1::TENSOR_BIAS, &v1::GroupedGemmRequest::mutable_bias},
+      {v1::TENSOR_LHS_SCALE_INV, &v1::GroupedGemmRequest::mutable_lhs_scale_inv},
+      {v1::TENSOR_RHS_SCALE_INV, &v1::GroupedGemmRequest::mutable_rhs_scale_inv}};
+  for (const auto& [role, field] : fields) {
+    v1::Tensor* t = (planned.*field)();
+    if (t->source_case() != v1::Tensor::kData) continue;
+    auto decoded = HostTensorFromProto(*t, v1::TensorRole_Name(role));
+    if (!decoded.ok()) return decoded.status();
+    arrays[role] = std::move(*decoded);
+    t->clear_data();
+  }
+  if (arrays.empty()) return absl::InvalidArgumentError("direct path: the request has no inline operand to stage");
+  v1::StagingPlanRequest plan_request;
+  *plan_request.mutable_grouped_gemm() = planned;
+  v1::StagingPlan plan;
+  {
+    grpc::ClientContext ctx;
+    Prepare(&ctx);
+    grpc::Status s = stub_->PlanStaging(&ctx, plan_request, &plan);
+    NoteRequestId(ctx);
+    if (!s.ok()) return FromGrpcStatus(s);
+  }
+  // The request's calls share the plan's id.
+  const std::string request_id = request_id_.empty() ? last_request_id_ : request_id_;
+  struct Upload {
+    std::string address, ticket;
+    const HostTensor* block;
+  };
+  std::vector<HostTensor> blocks;
+  std::vector<std::pair<size_t, const v1::StagingDestination*>> sends;  // (block index, destination)
+  for (const v1::StagedOperand& op : plan.operands()) {
+    auto it = arrays.find(op.role());
+    if (it == arrays.end()) return absl::InternalError("the transfer plan names an operand this client did not stage");
+    for (const v1::StagedBlock& b : op.blocks()) {
+      if (auto s = CheckBlock(it->second.shape, b.offsets(), b.shape(), v1::TensorRole_Name(op.role())); !s.ok()) {
+        return s;
+      }
+      blocks.push_back(SliceBlock(it->second, b.offsets(), b.shape()));
+      for (const v1::StagingDestination& d : b.destinations()) sends.emplace_back(blocks.size() - 1, &d);
+    }
+  }
+  absl::Status staged = InParallel(static_cast<int>(sends.size()), [&](int i) -> absl::Status {
+    const HostTensor& block = blocks[sends[i].first];
+    const v1::StagingDestination& d = *sends[i].second;
+    grpc::ClientContext ctx;
+    if (!request_id.empty()) ctx.AddMetadata("x-request-id", request_id);
+    v1::StageResponse response;
+    auto writer = StagingStub(d.address())->Stage(&ctx, &response);
+    size_t offset = 0;
+    do {
+      v1::StageChunk chunk;
+      if (offset == 0) chunk.set_ticket(d.ticket());
+      const size_t n = std::min(kChunkBytes, block.bytes.size() - offset);
+      chunk.set_data(block.bytes.data() + offset, n);
+      offset += n;
+      if (!writer->Write(chunk)) break;  // the worker ended the stream: Finish says why
+    } while (offset < block.bytes.size());
+    writer->WritesDone();
+    grpc::Status s = writer->Finish();
+    if (!s.ok()) return FromGrpcStatus(s);
+    return absl::OkStatus();
+  });
+  if (!staged.ok()) return staged;
+
+  v1::GroupedGemmRequest submitted = std::move(planned);
+  for (const auto& [role, field] : fields) {
+    if (arrays.count(role) != 0) (submitted.*field)()->set_staged(plan.staging_id());
+  }
+  const bool keep = !request.keep_output_as().empty();
+  submitted.set_direct_output(!keep);
+  v1::GroupedGemmResponse response;
+  {
+    grpc::ClientContext ctx;
+    if (!request_id.empty()) ctx.AddMetadata("x-request-id", request_id);
+    grpc::Status s = stub_->GroupedGemm(&ctx, submitted, &response);
+    NoteRequestId(ctx);
+    if (!s.ok()) return FromGrpcStatus(s);
+  }
+  if (keep) return response;
+  auto dtype = DTypeFromProto(response.out().dtype(), "out.dtype");
+  if (!dtype.ok()) return dtype.status();
+  const std::vector<int64_t> shape(response.out().shape().begin(), response.out().shape().end());
+  auto out = ZerosTensor(*dtype, shape);
+  if (!out.ok()) return out.status();
+  absl::Mutex out_mu;
+  absl::Status fetched = InParallel(response.out_blocks_size(), [&](int i) -> absl::Status {
+    const v1::StagedBlock& b = response.out_blocks(i);
+    if (auto s = CheckBlock(shape, b.offsets(), b.shape(), "output"); !s.ok()) return s;
+    if (b.destinations_size() == 0) return absl::InternalError("an output block with no worker holding it");
+    const v1::StagingDestination& d = b.destinations(0);
+    grpc::ClientContext ctx;
+    if (!request_id.empty()) ctx.AddMetadata("x-request-id", request_id);
+    v1::FetchRequest fetch;
+    fetch.set_ticket(d.ticket());
+    auto reader = StagingStub(d.address())->Fetch(&ctx, fetch);
+    HostTensor block;
+    block.dtype = *dtype;
+    block.shape.assign(b.shape().begin(), b.shape().end());
+    v1::FetchChunk chunk;
+    while (reader->Read(&chunk)) block.bytes += chunk.data();
+    grpc::Status s = reader->Finish();
+    if (!s.ok()) return FromGrpcStatus(s);
+    if (static_cast<int64_t>(block.bytes.size()) != block.NumElements() * DTypeSize(*dtype)) {
+      return absl::DataLossError(absl::StrCat("output block ", i, " came with ", block.bytes.size(), " bytes"));
+    }
+    absl::MutexLock lock(&out_mu);
+    InsertBlock(block, std::vector<int64_t>(b.offsets().begin(), b.offsets().end()), &*out);
+    return absl::OkStatus();
+  });
+  if (!fetched.ok()) return fetched;
+  const std::string spec = response.out().spec();
+  HostTensorToProto(std::move(*out), response.mutable_out());
+  response.mutable_out()->set_spec(spec);
+  response.clear_out_blocks();
+  return response;
 }
 
 void ShardGemmClient::Prepare(grpc::ClientContext* ctx) const {

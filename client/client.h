@@ -2,10 +2,12 @@
 #ifndef SHARDGEMM_CLIENT_CLIENT_H_
 #define SHARDGEMM_CLIENT_CLIENT_H_
 
+#include <map>
 #include <memory>
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "kernels/host_tensor.h"
 #include "grpcpp/security/credentials.h"
@@ -28,6 +30,14 @@ class ShardGemmClient {
   absl::StatusOr<v1::ClusterInfo> ClusterInfo();
   absl::StatusOr<v1::Plan> Plan(const v1::PlanRequest& request);
   absl::StatusOr<v1::GroupedGemmResponse> GroupedGemm(const v1::GroupedGemmRequest& request);
+  // GroupedGemm on the direct path (docs/architecture.md, "The direct
+  // path"): the request's inline operands (lhs, rhs, bias, the FP8 scales)
+  // are staged on the workers, each distinct block once per rank that needs
+  // it, in parallel; the output (unless keep_output_as) is fetched from the
+  // workers in parallel and put in the response's `out` as inline bytes, so
+  // the answer reads like GroupedGemm's. The coordinator touches none of
+  // those bytes. FAILED_PRECONDITION when a worker serves no staging.
+  absl::StatusOr<v1::GroupedGemmResponse> GroupedGemmDirect(const v1::GroupedGemmRequest& request);
   absl::StatusOr<v1::GroupedQuantizeResponse> GroupedQuantize(
       const v1::GroupedQuantizeRequest& request);
   // Streams the tensor in chunks, so tensors past gRPC's message limit work.
@@ -52,7 +62,13 @@ class ShardGemmClient {
   void Prepare(grpc::ClientContext* ctx) const;
   void NoteRequestId(const grpc::ClientContext& ctx);
 
+  v1::Staging::Stub* StagingStub(const std::string& address);
+
   std::unique_ptr<v1::ShardGemm::Stub> stub_;
+  std::shared_ptr<grpc::ChannelCredentials> credentials_;
+  int max_message_bytes_;
+  absl::Mutex staging_mu_;
+  std::map<std::string, std::unique_ptr<v1::Staging::Stub>> staging_ ABSL_GUARDED_BY(staging_mu_);
   std::string request_id_, last_request_id_;
 };
 

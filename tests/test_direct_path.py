@@ -434,3 +434,28 @@ def test_over_tls_a_ticket_or_plan_is_only_its_tenants(cluster_factory, tls_copy
         with pytest.raises(grpc.RpcError) as e:
             other.stub.GroupedGemm(r, timeout=10)
         assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED and "lhs.staged" in e.value.details()
+
+
+# -------------------------------------------------------------------- CLI --
+
+def test_cli_direct_path_writes_what_the_inline_path_writes(clusters, tmp_path):
+    import subprocess
+    from conftest import BIN
+    cluster = clusters("ep=2", 2)
+    lhs, rhs = rand(64, 32), rand(4, 32, 16)
+    np.save(tmp_path / "lhs.npy", lhs)
+    np.save(tmp_path / "rhs.npy", rhs)
+    outs = {}
+    before = activation_bytes(cluster)
+    for path in ("direct", "inline"):
+        r = subprocess.run([os.path.join(BIN, "shardgemm"), "gemm", f"--lhs={tmp_path}/lhs.npy@(ep, None)",
+                            f"--rhs={tmp_path}/rhs.npy@(ep, None, None)", "--group-sizes=10,6,20,12@(ep,)", "--check",
+                            f"--path={path}", f"--out={tmp_path}/{path}.npy", *cluster.cli_flags()],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        assert "result matches reference" in r.stdout
+        outs[path] = np.load(tmp_path / f"{path}.npy")
+        if path == "direct":
+            assert activation_bytes(cluster) == before  # the CLI's bytes went to the workers
+    assert outs["direct"].tobytes() == outs["inline"].tobytes()
+    assert staged_bytes(cluster) == [0, 0]
