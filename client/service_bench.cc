@@ -103,7 +103,8 @@ ABSL_FLAG(bool, returned, false, "return the output to the client instead of kee
 ABSL_FLAG(std::string, activations, "resident",
           "how lhs reaches the workers each call: resident (put once), inline (in every request, through the "
           "coordinator), shared_memory (a POSIX region of this host the workers read; with --returned the output "
-          "is written into one too; the coordinator needs --shared_memory)");
+          "is written into one too; the coordinator needs --shared_memory), direct (each call stages lhs's blocks "
+          "on the workers and, with --returned, fetches the output blocks from them: the direct path)");
 ABSL_FLAG(std::string, dtype, "bf16", "operand and output dtype: bf16 or f32");
 ABSL_FLAG(double, scale_rows, 1.0, "scale every preset's rows per group (small CPU runs)");
 ABSL_FLAG(double, scale_dims, 1.0, "scale every preset's k and n (small CPU runs)");
@@ -611,6 +612,11 @@ struct Caller {
   std::string kept_as;        // the output kept resident under this name; empty: returned
   const char* out = nullptr;  // returned into shared memory: its slice of the output region
   int64_t out_bytes = 0;
+  bool direct = false;        // --activations=direct: stage lhs and fetch the output itself
+
+  absl::StatusOr<v1::GroupedGemmResponse> Send() {
+    return direct ? client->GroupedGemmDirect(request) : client->GroupedGemm(request);
+  }
 
   // A returned answer's output bytes (valid while `response` and the next call wait).
   absl::string_view ReturnedBytes(const v1::GroupedGemmResponse& response) const {
@@ -731,7 +737,7 @@ LoadResult RunLoad(const LoadLevel& level, std::vector<std::unique_ptr<Caller>>&
       LoadResult& out = per_caller[c];
       out.phase_s.resize(kNumPhases);
       for (int i = 0; i < std::max(1, warmup) && out.status.ok(); ++i) {
-        auto r = me.client->GroupedGemm(me.request);
+        auto r = me.Send();
         if (!r.ok()) out.status = r.status();
       }
       warm.DecrementCount();
@@ -740,7 +746,7 @@ LoadResult RunLoad(const LoadLevel& level, std::vector<std::unique_ptr<Caller>>&
       std::optional<v1::GroupedGemmResponse> last;
       auto call = [&]() -> bool {
         const absl::Time start = absl::Now();
-        auto r = me.client->GroupedGemm(me.request);
+        auto r = me.Send();
         const double rtt = absl::ToDoubleSeconds(absl::Now() - start);
         ++out.attempted;
         if (!r.ok()) {
@@ -948,11 +954,10 @@ int Main() {
     request.mutable_rhs()->set_resident("bench_rhs");
     const std::string activations = absl::GetFlag(FLAGS_activations);
     std::unique_ptr<BenchRegion> lhs_region;
-    // The client-direct path (issue 22, item 1: each worker's blocks streamed
-    // to it by the client, outputs read from the workers) becomes another
-    // mode here, named in --activations' help, which is how
-    // tools/bench/sweep.py knows to run its `direct` path.
-    if (activations == "inline") {
+    // The direct path: lhs inline in the request as built here; each call
+    // stages its blocks on the workers (GroupedGemmDirect).
+    const bool direct = activations == "direct";
+    if (activations == "inline" || direct) {
       HostTensorToProto(lhs, request.mutable_lhs());
       request.mutable_lhs()->set_spec(absl::GetFlag(FLAGS_lhs_spec));
     } else if (activations == "shared_memory") {
@@ -970,7 +975,8 @@ int Main() {
       t->mutable_shared_memory()->set_region("bench_lhs_shm");
       t->mutable_shared_memory()->set_byte_size(lhs.NumBytes());
     } else if (activations != "resident") {
-      std::fprintf(stderr, "--activations: '%s' is not resident, inline or shared_memory\n", activations.c_str());
+      std::fprintf(stderr, "--activations: '%s' is not resident, inline, shared_memory or direct\n",
+                   activations.c_str());
       return 1;
     }
     if (fp8) {
@@ -1040,6 +1046,7 @@ int Main() {
         caller->client = std::make_unique<ShardGemmClient>(absl::GetFlag(FLAGS_coordinator),
                                                            ClientCredentialsFromFlags("shardgemm-service-bench"));
         caller->request = request;
+        caller->direct = direct;
         if (!returned) {
           caller->kept_as = c == 0 ? "bench_out" : absl::StrCat("bench_out_", c);
           caller->request.set_keep_output_as(caller->kept_as);
@@ -1060,7 +1067,7 @@ int Main() {
     std::string first_check = "fail";
     {
       Caller& first = *callers[0];
-      auto r = first.client->GroupedGemm(first.request);
+      auto r = first.Send();
       absl::StatusOr<HostTensor> kept = absl::UnknownError("not kept");
       if (r.ok() && !first.kept_as.empty()) kept = first.client->GetTensor(first.kept_as);
       const absl::Status s = !r.ok() ? r.status() : first.kept_as.empty() ? absl::OkStatus() : kept.status();
