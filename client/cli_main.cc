@@ -247,8 +247,9 @@ int Cluster() {
             << (info->ready() ? " (ready)" : " (waiting)") << "\n";
   for (const auto& w : info->workers()) {
     const char* hop = w.hop() == v1::WORKER_HOP_UNIX_SOCKET ? "  (called on its Unix socket)" : "";
-    std::cout << absl::StrFormat("  rank %d  coords (%s)  %s%s  backend %s  %s%s\n", w.rank(),
+    std::cout << absl::StrFormat("  rank %d  coords (%s)  %s%s  backend %s  %s%s%s\n", w.rank(),
                                  absl::StrJoin(w.coords(), ","), w.address(), hop, w.backend(), w.device(),
+                                 w.staging_address().empty() ? "" : absl::StrCat("  staging ", w.staging_address()),
                                  w.down() ? absl::StrCat("  DOWN: ", w.down_reason()) : "");
   }
   return 0;
