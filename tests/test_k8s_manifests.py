@@ -275,6 +275,12 @@ def test_workers_match_the_mesh(overlay):
     assert host == coordinator["metadata"]["name"]
     assert int(port) in {p["port"] for p in coordinator["spec"]["ports"]}
     assert port_of(flags["listen"]) == 50052
+    # The staging port: served, named in the headless Service, advertised under the pod's name.
+    assert flags["staging_port"] == "50053"
+    assert flags["staging_advertise"] == "$(POD_NAME).shardgemm-workers:50053"
+    named = {p["name"]: p["containerPort"] for p in c["ports"]}
+    for p in headless["spec"]["ports"]:
+        assert named[p["targetPort"]] == p["port"]
     assert flags["backend"] == {"cpu": "cpu", "gpu": "cuda"}[overlay]
     assert c["image"] == {"cpu": "localhost/shardgemm:cpu", "gpu": "localhost/shardgemm:cuda"}[overlay]
 
@@ -430,7 +436,8 @@ def test_rendered_configuration_starts_a_mesh(overlay, tmp_path, mesh_certs):
             time.sleep(0.05)
         overrides = {"coordinator": address, "listen": "127.0.0.1:0", "advertise_host": "127.0.0.1",
                      "metrics_listen": "127.0.0.1:0", "health_listen": "127.0.0.1:0", "backend": "cpu",
-                     "tls_dir": mesh_certs}
+                     "tls_dir": mesh_certs, "staging_port": "0", "staging_advertise": "",
+                     "tokens_file": os.path.join(mesh_certs, "tokens")}
         for i in range(sts["spec"]["replicas"]):
             start(f"worker{i}", _loopback_args(worker, data, overrides, f"shardgemm-worker-{i}"))
         client = Client(address, timeout=30, tls_dir=mesh_certs)
@@ -451,6 +458,7 @@ def test_rendered_configuration_starts_a_mesh(overlay, tmp_path, mesh_certs):
         assert info.workers_expected == len(info.workers) == sts["spec"]["replicas"]
         budget = int(data["MEMORY_BUDGET_MB"]) * 2**20
         assert all(w.memory_budget_bytes == budget for w in info.workers)
+        assert all(w.staging_address for w in info.workers)  # the rendered flags serve the direct path
     finally:
         if client is not None:
             client.close()
