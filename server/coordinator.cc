@@ -1064,16 +1064,8 @@ absl::StatusOr<std::vector<std::string>> Coordinator::StagingAddresses() const {
 
 namespace {
 
-// "lhs" -> "lhs", etc.: the request's operands that may be staged, in order.
+// The request's operands that may be staged, in the order a plan lists them.
 constexpr const char* kStageable[] = {"lhs", "rhs", "bias", "lhs_scale_inv", "rhs_scale_inv"};
-
-const v1::Tensor& OperandOf(const v1::GroupedGemmRequest& r, absl::string_view field) {
-  if (field == "lhs") return r.lhs();
-  if (field == "rhs") return r.rhs();
-  if (field == "bias") return r.bias();
-  if (field == "lhs_scale_inv") return r.lhs_scale_inv();
-  return r.rhs_scale_inv();
-}
 
 absl::StatusOr<std::string> NormalizedSpec(const std::string& text, const std::string& field) {
   auto spec = planner::ParsePartitionSpec(text);
@@ -1122,6 +1114,9 @@ absl::StatusOr<v1::StagingPlan> Coordinator::PlanStaging(const v1::StagingPlanRe
   };
   auto plan_request = GemmPlanRequest(gemm, mesh_, resolve);
   if (!plan_request.ok()) return plan_request.status();
+  if (!metas["group_sizes"].resident_shard.empty() || !metas["group_sizes"].shared_memory_key.empty()) {
+    return absl::InvalidArgumentError("group_sizes must be sent inline: the plan needs its values");
+  }
   auto plan = planner::MakePlan(*plan_request);
   if (!plan.ok()) return plan.status();
   if (to_stage.empty()) {
