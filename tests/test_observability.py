@@ -22,14 +22,14 @@ COORDINATOR_METRICS = [
     "shardgemm_requests_in_progress", "shardgemm_steps_in_flight", "shardgemm_workers",
     "shardgemm_mesh_ready", "shardgemm_mesh_epoch", "shardgemm_resident_tensors", "shardgemm_resident_bytes",
     "shardgemm_worker_call_failures_total", "shardgemm_standby_bytes", "shardgemm_resident_tensors_restoring",
-    "shardgemm_restores_total", "shardgemm_restored_bytes_total",
+    "shardgemm_restores_total", "shardgemm_restored_bytes_total", "shardgemm_coordinator_activation_bytes_total",
 ]
 WORKER_METRICS = [
     "shardgemm_worker_steps_total", "shardgemm_worker_step_duration_seconds",
     "shardgemm_worker_step_phase_seconds", "shardgemm_worker_step_bytes_total",
     "shardgemm_worker_transfer_bytes_total", "shardgemm_worker_steps_waiting",
     "shardgemm_worker_memory_bytes", "shardgemm_worker_resident_shards",
-    "shardgemm_worker_collective_failures_total", "shardgemm_worker_info",
+    "shardgemm_worker_collective_failures_total", "shardgemm_worker_info", "shardgemm_worker_staged_bytes",
 ]
 
 
@@ -178,6 +178,25 @@ def test_metrics_endpoints_show_every_metric_and_count_what_was_sent(observed):
         assert sample(wtext, "shardgemm_worker_resident_shards") == 1
         assert sample(wtext, "shardgemm_worker_memory_bytes", memory="host", kind="budget") == 4096 * 2**20
         assert sample(wtext, "shardgemm_worker_memory_bytes", memory="host", kind="used") == rhs.nbytes // 2
+
+
+def test_metrics_show_the_direct_path_touching_no_coordinator_bytes(observed):
+    c = observed.client
+    lhs, rhs, sizes = gemm_inputs(3)
+    kwargs = dict(lhs_spec="(ep, None)", rhs_spec="(ep, None, None)", group_sizes_spec="(ep,)")
+    inline, _ = c.grouped_gemm(lhs, rhs, sizes, path="inline", **kwargs)
+    direct, _ = c.grouped_gemm(lhs, rhs, sizes, path="direct", **kwargs)
+    assert direct.tobytes() == inline.tobytes()
+    text = scrape(metrics_port(observed, "coordinator"))
+    # Inline: lhs and rhs decoded, the output encoded; direct: none of them.
+    assert sample(text, "shardgemm_coordinator_activation_bytes_total", path="inline") == \
+        lhs.nbytes + rhs.nbytes + inline.nbytes
+    assert sample(text, "shardgemm_coordinator_activation_bytes_total", path="direct") == 0
+    assert sample(text, "shardgemm_requests_total", op="plan_staging", code="OK") == 1
+    for w in ("worker0", "worker1"):
+        wtext = scrape(metrics_port(observed, w))
+        assert sample(wtext, "shardgemm_worker_staged_bytes", kind="used") == 0  # claimed and fetched
+        assert sample(wtext, "shardgemm_worker_staged_bytes", kind="budget") == 2**30
 
 
 def run_fails(cmd):

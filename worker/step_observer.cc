@@ -61,6 +61,18 @@ StepObserver::StepObserver(const Executor* executor, const ShardStore* store, co
   });
 }
 
+void StepObserver::WatchStaging(metrics::Registry* registry, const StagingArea* staging) {
+  if (registry == nullptr) return;
+  auto* bytes = registry->AddGauge("shardgemm_worker_staged_bytes",
+                                   "Bytes of blocks clients staged here (or are staging) and outputs held for "
+                                   "their direct fetch, and the --staging_budget.",
+                                   {"kind"});
+  registry->AddCollector([=] {
+    bytes->With({"used"})->Set(static_cast<double>(staging->held_bytes()));
+    bytes->With({"budget"})->Set(static_cast<double>(staging->budget_bytes()));
+  });
+}
+
 void StepObserver::Record(const v1::Step& step, absl::Duration elapsed, const absl::Status& status,
                           const v1::StepResult* result, int64_t bytes_in, int64_t bytes_out) {
   const char* op = StepOpName(step);

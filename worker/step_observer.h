@@ -14,6 +14,7 @@
 #include "worker/backend.h"
 #include "worker/executor.h"
 #include "worker/shard_store.h"
+#include "worker/staging_area.h"
 
 namespace shardgemm {
 
@@ -23,6 +24,10 @@ class StepObserver {
   // Everything passed in must outlive the observer.
   StepObserver(const Executor* executor, const ShardStore* store, const Backend* backend,
                metrics::Registry* registry, logging::Logger* logger);
+
+  // Adds the staging area's gauges to `registry` (null: none): bytes
+  // staged or held for fetch, and the budget. `staging` must outlive it.
+  static void WatchStaging(metrics::Registry* registry, const StagingArea* staging);
 
   // One step answered: `result` when it succeeded; `bytes_in`/`bytes_out`
   // are the step's and the result's encoded sizes.

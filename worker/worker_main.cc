@@ -342,6 +342,7 @@ int Run() {
   const std::string metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
   StepObserver observer(&executor, &store, backend->get(), metrics_listen.empty() ? nullptr : &registry,
                         &logging::ProcessLogger());
+  if (serve_staging && !metrics_listen.empty()) StepObserver::WatchStaging(&registry, &staging);
   if (!metrics_listen.empty()) {
     auto started = metrics::HttpExporter::Start(metrics_listen, &registry);
     if (!started.ok()) {
