@@ -1334,6 +1334,7 @@ absl::StatusOr<v1::GroupedQuantizeResponse> Coordinator::GroupedQuantize(
     auto t = HostTensorFromProto(request.x(), "x");
     if (!t.ok()) return t.status();
     x_data = std::move(*t);
+    inline_activation_bytes_ += x_data.NumBytes();
   }
   QuantizeStepsRequest step_request;
   step_request.plan = &*plan;
@@ -1464,6 +1465,10 @@ absl::StatusOr<v1::GroupedQuantizeResponse> Coordinator::GroupedQuantize(
   double worker_seconds = 0;
   for (const v1::StepResult& r : *results) worker_seconds = std::max(worker_seconds, r.compute_seconds());
   response.set_worker_seconds(worker_seconds);
+  for (const v1::Tensor* t : {&response.rowwise_data(), &response.colwise_data(), &response.scale_inv(),
+                              &response.colwise_scale_inv(), &response.amax()}) {
+    inline_activation_bytes_ += static_cast<int64_t>(t->data().size());
+  }
   response.set_server_seconds(absl::ToDoubleSeconds(absl::Now() - start));
   return response;
 }

@@ -197,6 +197,14 @@ def test_metrics_show_the_direct_path_touching_no_coordinator_bytes(observed):
         wtext = scrape(metrics_port(observed, w))
         assert sample(wtext, "shardgemm_worker_staged_bytes", kind="used") == 0  # claimed and fetched
         assert sample(wtext, "shardgemm_worker_staged_bytes", kind="budget") == 2**30
+    # A quantize is inline: x decoded, its outputs encoded.
+    before = sample(text, "shardgemm_coordinator_activation_bytes_total", path="inline")
+    q = c.grouped_quantize(lhs, sizes, x_spec="(ep, None)", group_sizes_spec="(ep,)")
+    out_bytes = sum(len(t.data) for t in (q.rowwise_data, q.colwise_data, q.scale_inv, q.colwise_scale_inv, q.amax))
+    assert out_bytes > 0
+    after = sample(scrape(metrics_port(observed, "coordinator")), "shardgemm_coordinator_activation_bytes_total",
+                   path="inline")
+    assert after - before == lhs.nbytes + out_bytes
 
 
 def run_fails(cmd):
