@@ -1078,11 +1078,17 @@ absl::StatusOr<std::string> NormalizedSpec(const std::string& text, const std::s
 absl::StatusOr<v1::StagingPlan> Coordinator::PlanStaging(const v1::StagingPlanRequest& request, absl::Time deadline,
                                                          const CallContext& call) {
   if (auto s = CheckReady(); !s.ok()) return s;
+  const bool quantize = request.op_case() == v1::StagingPlanRequest::kGroupedQuantize;
+  if (!quantize && request.op_case() != v1::StagingPlanRequest::kGroupedGemm) {
+    return absl::InvalidArgumentError("op: give grouped_gemm or grouped_quantize");
+  }
   const v1::GroupedGemmRequest& gemm = request.grouped_gemm();
-  if (gemm.layout() == v1::GroupedGemmRequest::GLOBAL_SORTED) {
+  if (!quantize && gemm.layout() == v1::GroupedGemmRequest::GLOBAL_SORTED) {
     return absl::InvalidArgumentError(
         "grouped_gemm.layout: GLOBAL_SORTED routes the rows itself, inline; stage operands with PER_SHARD");
   }
+  const std::vector<std::string> stageable =
+      quantize ? std::vector<std::string>{"x"} : std::vector<std::string>(std::begin(kStageable), std::end(kStageable));
   auto addresses = StagingAddresses();
   if (!addresses.ok()) return addresses.status();
   PinGuard guard{this, {}};
@@ -1090,7 +1096,8 @@ absl::StatusOr<v1::StagingPlan> Coordinator::PlanStaging(const v1::StagingPlanRe
   std::set<std::string> to_stage;
   auto resolve = [&](const v1::Tensor& t, const std::string& field) -> absl::StatusOr<TensorMeta> {
     absl::StatusOr<TensorMeta> meta;
-    if (t.source_case() == v1::Tensor::SOURCE_NOT_SET && field != "group_sizes") {  // to be staged
+    const bool may_stage = std::find(stageable.begin(), stageable.end(), field) != stageable.end();
+    if (t.source_case() == v1::Tensor::SOURCE_NOT_SET && may_stage) {  // to be staged
       auto dtype = DTypeFromProto(t.dtype(), field);
       if (!dtype.ok()) return dtype.status();
       TensorMeta m;
@@ -1112,7 +1119,8 @@ absl::StatusOr<v1::StagingPlan> Coordinator::PlanStaging(const v1::StagingPlanRe
     if (meta.ok()) metas[field] = *meta;
     return meta;
   };
-  auto plan_request = GemmPlanRequest(gemm, mesh_, resolve);
+  auto plan_request = quantize ? QuantizePlanRequest(request.grouped_quantize(), mesh_, resolve)
+                               : GemmPlanRequest(gemm, mesh_, resolve);
   if (!plan_request.ok()) return plan_request.status();
   if (!metas["group_sizes"].resident_shard.empty() || !metas["group_sizes"].shared_memory_key.empty()) {
     return absl::InvalidArgumentError("group_sizes must be sent inline: the plan needs its values");
@@ -1120,8 +1128,9 @@ absl::StatusOr<v1::StagingPlan> Coordinator::PlanStaging(const v1::StagingPlanRe
   auto plan = planner::MakePlan(*plan_request);
   if (!plan.ok()) return plan.status();
   if (to_stage.empty()) {
-    return absl::InvalidArgumentError(
-        "grouped_gemm: no operand to stage (give each operand to stage its dtype, shape and spec, and no data)");
+    return absl::InvalidArgumentError(absl::StrCat(
+        quantize ? "grouped_quantize" : "grouped_gemm",
+        ": no operand to stage (give each operand to stage its dtype, shape and spec, and no data)"));
   }
 
   StagingRecord record;
@@ -1129,7 +1138,7 @@ absl::StatusOr<v1::StagingPlan> Coordinator::PlanStaging(const v1::StagingPlanRe
   record.expires = absl::Now() + options_.staging_ttl;
   v1::StagingPlan response;
   std::vector<v1::ExpectStagedRequest> expect(num_workers_);
-  for (const char* field : kStageable) {
+  for (const std::string& field : stageable) {
     if (to_stage.count(field) == 0) continue;
     const planner::PlanOperand* op = planner::FindPlanOperand(*plan, field);
     if (op == nullptr) return absl::InternalError(absl::StrCat("the plan has no operand ", field));
@@ -1281,10 +1290,7 @@ absl::StatusOr<v1::GroupedQuantizeResponse> Coordinator::GroupedQuantize(
   };
   auto plan_request = QuantizePlanRequest(request, mesh_, resolve);
   if (!plan_request.ok()) return plan_request.status();
-  if (!metas["x"].staging_id.empty()) {
-    return absl::UnimplementedError(
-        "x.staged: grouped quantize reads x inline or resident; staged operands are for GroupedGemm");
-  }
+  const bool direct = !metas["x"].staging_id.empty();
   if (!metas["x"].shared_memory_key.empty()) {
     return absl::UnimplementedError(
         "x.shared_memory: grouped quantize reads x inline or resident; shared memory is for GEMM operands and "
@@ -1329,8 +1335,12 @@ absl::StatusOr<v1::GroupedQuantizeResponse> Coordinator::GroupedQuantize(
     }
     scales.assign(t->data<float>(), t->data<float>() + t->NumElements());
   }
+  if (direct) {  // the workers consume the staged blocks now: a plan is used once
+    if (auto s = TakeStaged(metas["x"].staging_id, *plan); !s.ok()) return s;
+  }
   HostTensor x_data;
-  if (metas["x"].resident_shard.empty()) {
+  const bool x_inline = metas["x"].resident_shard.empty() && metas["x"].staged_tickets.empty();
+  if (x_inline) {
     auto t = HostTensorFromProto(request.x(), "x");
     if (!t.ok()) return t.status();
     x_data = std::move(*t);
@@ -1339,7 +1349,7 @@ absl::StatusOr<v1::GroupedQuantizeResponse> Coordinator::GroupedQuantize(
   QuantizeStepsRequest step_request;
   step_request.plan = &*plan;
   step_request.mesh = &mesh_;
-  step_request.x = GemmOperand{metas["x"], metas["x"].resident_shard.empty() ? &x_data : nullptr};
+  step_request.x = GemmOperand{metas["x"], x_inline ? &x_data : nullptr};
   step_request.group_sizes = *sizes;
   step_request.scales = std::move(scales);
   step_request.out_dtype = plan_request->attrs.out_dtype;
@@ -1467,7 +1477,7 @@ absl::StatusOr<v1::GroupedQuantizeResponse> Coordinator::GroupedQuantize(
   response.set_worker_seconds(worker_seconds);
   for (const v1::Tensor* t : {&response.rowwise_data(), &response.colwise_data(), &response.scale_inv(),
                               &response.colwise_scale_inv(), &response.amax()}) {
-    inline_activation_bytes_ += static_cast<int64_t>(t->data().size());
+    (direct ? direct_activation_bytes_ : inline_activation_bytes_) += static_cast<int64_t>(t->data().size());
   }
   response.set_server_seconds(absl::ToDoubleSeconds(absl::Now() - start));
   return response;

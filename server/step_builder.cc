@@ -109,6 +109,14 @@ absl::StatusOr<std::vector<v1::Step>> BuildQuantizeSteps(const QuantizeStepsRequ
       q->mutable_x()->set_dtype(DTypeToProto(request.x.meta.dtype));
       q->mutable_x()->mutable_shape()->Assign(x_op->input_local_shape.begin(), x_op->input_local_shape.end());
       q->mutable_x()->set_resident(request.x.meta.resident_shard);
+    } else if (!request.x.meta.staged_tickets.empty()) {  // the client streamed each worker its block
+      if (request.x.meta.staged_tickets.size() != static_cast<size_t>(num_workers)) {
+        return absl::InternalError(absl::StrCat("x has ", request.x.meta.staged_tickets.size(),
+                                                " staged tickets for ", num_workers, " ranks"));
+      }
+      q->mutable_x()->set_dtype(DTypeToProto(request.x.meta.dtype));
+      q->mutable_x()->mutable_shape()->Assign(x_op->input_local_shape.begin(), x_op->input_local_shape.end());
+      q->mutable_x()->set_staged(request.x.meta.staged_tickets[r]);
     } else {
       if (request.x.tensor == nullptr) return absl::InternalError("x has neither data nor a shard");
       auto offsets = planner::BlockOffsets("x", x_op->global_shape, x_op->input_spec, *request.mesh, r);

@@ -143,6 +143,34 @@ def test_a_resident_weight_with_staged_activations_and_a_kept_output(clusters):
     assert staged_bytes(cluster) == [0, 0]
 
 
+QUANTIZE_CASES = [
+    ("current_shared_scales", dict(shared_scales=True, colwise=True)),
+    ("mxfp8", dict(scaling="mxfp8", rowwise=True, colwise=True)),
+    ("block", dict(scaling="block")),
+]
+
+
+@pytest.mark.parametrize("case", QUANTIZE_CASES, ids=[c[0] for c in QUANTIZE_CASES])
+def test_quantize_with_a_staged_x_equals_inline_bit_for_bit(clusters, case):
+    _, opts = case
+    cluster = clusters("fsdp=2,ep=2", 4)
+    x = (rng.standard_normal((512, 256)) * 3).astype(np.float32)
+    sizes = np.array([64, 64] * 4, np.int64)  # per row shard: 2 groups of 64 rows (block-aligned)
+    kwargs = dict(x_spec="((fsdp, ep), None)", group_sizes_spec="((fsdp, ep),)", **opts)
+    fields = ("rowwise_data", "colwise_data", "scale_inv", "colwise_scale_inv", "amax")
+    with shardgemm.Client(cluster.address, timeout=60) as c:
+        inline = c.grouped_quantize(x, sizes, path="inline", **kwargs)
+        before = activation_bytes(cluster)
+        direct = c.grouped_quantize(x, sizes, path="direct", **kwargs)
+        after = activation_bytes(cluster)
+    for f in fields:
+        assert getattr(direct, f).data == getattr(inline, f).data, f
+    # x never reached the coordinator; the outputs came back through it.
+    assert after[0] == before[0]
+    assert after[1] - before[1] == sum(len(getattr(direct, f).data) for f in fields)
+    assert staged_bytes(cluster) == [0] * 4
+
+
 # ------------------------------------------------------------- bad input --
 
 def raw(cluster):

@@ -217,9 +217,12 @@ absl::StatusOr<v1::StepResult> Executor::Execute(v1::Step step, absl::Time deadl
     case v1::Step::kStore:
       result = RunStore(*step.mutable_store());
       break;
-    case v1::Step::kQuantize:
+    case v1::Step::kQuantize: {
+      const std::string staged = step.quantize().x().staged();  // dropped if the step fails, as a GEMM's
       result = RunQuantize(*step.mutable_quantize());
+      if (!result.ok() && staging_ != nullptr && !staged.empty()) staging_->Discard(staged);
       break;
+    }
     case v1::Step::kDeleteShard: {
       for (const std::string& standby : step.delete_shard().standby()) (void)store_->Delete(standby);
       absl::Status s = store_->Delete(step.delete_shard().name());

@@ -19,7 +19,8 @@ PATHS = ("auto", "direct", "inline")
 #: The operands a request may stage, by their keyword / field name.
 STAGEABLE = ("lhs", "rhs", "bias", "lhs_scale_inv", "rhs_scale_inv")
 FIELD_OF_ROLE = {pb.TENSOR_LHS: "lhs", pb.TENSOR_RHS: "rhs", pb.TENSOR_BIAS: "bias",
-                 pb.TENSOR_LHS_SCALE_INV: "lhs_scale_inv", pb.TENSOR_RHS_SCALE_INV: "rhs_scale_inv"}
+                 pb.TENSOR_LHS_SCALE_INV: "lhs_scale_inv", pb.TENSOR_RHS_SCALE_INV: "rhs_scale_inv",
+                 pb.TENSOR_X: "x"}
 CHUNK = 1 << 20  # bytes of a Stage stream's message
 #: How long a client trusts what ClusterInfo said about staging ("auto").
 STAGING_INFO_SECONDS = 10.0
@@ -132,13 +133,22 @@ def stage_chunks(upload: Upload) -> Iterator["pb.StageChunk"]:
             return
 
 
-def submitted(req: "pb.GroupedGemmRequest", staging_id: str, arrays: Dict[str, np.ndarray],
-              direct_output: bool) -> "pb.GroupedGemmRequest":
-    """The request naming the staged blocks (and leaving its output on the workers)."""
+def submitted(req: Any, staging_id: str, arrays: Dict[str, np.ndarray], direct_output: Optional[bool] = None) -> Any:
+    """The request naming the staged blocks (a GEMM's leaving its output on
+    the workers with direct_output)."""
     for field in arrays:
         getattr(req, field).staged = staging_id
-    req.direct_output = direct_output
+    if direct_output is not None:
+        req.direct_output = direct_output
     return req
+
+
+def split_x(x: TensorLike) -> Tuple[Dict[str, np.ndarray], Any]:
+    """A quantize's x to stage (its ToStage marker), or as it is (a resident name)."""
+    if not is_array(x):
+        return {}, x
+    a = np.ascontiguousarray(_convert.as_numpy(x))
+    return {"x": a}, ToStage(a)
 
 
 def output_array(resp: "pb.GroupedGemmResponse") -> np.ndarray:

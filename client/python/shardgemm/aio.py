@@ -139,14 +139,8 @@ class Client:
         t = self._timeout(timeout)
         keep = bool(kwargs.get("keep_output_as"))
         with self._errors():
-            call = self.stub.PlanStaging(pb.StagingPlanRequest(grouped_gemm=req), timeout=t,
-                                         metadata=_common.metadata(request_id))
-            plan = await call
-            await self._note_request_id(call)
-            md = _common.metadata(request_id or _common.request_id_of(await call.initial_metadata()))
-            await asyncio.gather(*(self._staging_stub(u.address).Stage(_direct.stage_chunks(u), timeout=t, metadata=md)
-                                   for u in _direct.uploads(plan, arrays)))
-            call = self.stub.GroupedGemm(_direct.submitted(req, plan.staging_id, arrays, direct_output=not keep),
+            staging_id, md = await self._stage(pb.StagingPlanRequest(grouped_gemm=req), arrays, request_id, timeout)
+            call = self.stub.GroupedGemm(_direct.submitted(req, staging_id, arrays, direct_output=not keep),
                                          timeout=t, metadata=md)
             resp = await call
             await self._note_request_id(call)
@@ -163,6 +157,18 @@ class Client:
             await asyncio.gather(*(fetch(b) for b in resp.out_blocks))
         return to_output(out, out_as), resp.plan
 
+    async def _stage(self, plan_request: "pb.StagingPlanRequest", arrays: Dict[str, Any],
+                     request_id: Optional[str], timeout: Optional[float]) -> Tuple[str, Any]:
+        """See shardgemm.Client._stage: the blocks staged by concurrent tasks."""
+        t = self._timeout(timeout)
+        call = self.stub.PlanStaging(plan_request, timeout=t, metadata=_common.metadata(request_id))
+        plan = await call
+        await self._note_request_id(call)
+        md = _common.metadata(request_id or _common.request_id_of(await call.initial_metadata()))
+        await asyncio.gather(*(self._staging_stub(u.address).Stage(_direct.stage_chunks(u), timeout=t, metadata=md)
+                               for u in _direct.uploads(plan, arrays)))
+        return plan.staging_id, md
+
     async def plan(self, lhs: TensorLike, rhs: TensorLike, group_sizes: TensorLike,
                    bias: Optional[TensorLike] = None, *, request_id: Optional[str] = None,
                    timeout: Optional[float] = None, **kwargs: Any) -> "pb.Plan":
@@ -171,7 +177,21 @@ class Client:
         return resp.plan
 
     async def grouped_quantize(self, x: TensorLike, group_sizes: TensorLike, *, request_id: Optional[str] = None,
-                               timeout: Optional[float] = None, **kwargs: Any) -> "pb.GroupedQuantizeResponse":
+                               timeout: Optional[float] = None, path: Optional[str] = None,
+                               **kwargs: Any) -> "pb.GroupedQuantizeResponse":
+        """See shardgemm.Client.grouped_quantize (path= included)."""
+        chosen = _direct.check_path(path or self.path)
+        if chosen == "direct" or (chosen == "auto" and _direct.is_array(x) and await self._offers_staging()):
+            arrays, x = _direct.split_x(x)
+            req = _common.quantize_request(x, group_sizes, **kwargs)
+            with self._errors():
+                staging_id, md = await self._stage(pb.StagingPlanRequest(grouped_quantize=req), arrays, request_id,
+                                                   timeout)
+                call = self.stub.GroupedQuantize(_direct.submitted(req, staging_id, arrays),
+                                                 timeout=self._timeout(timeout), metadata=md)
+                resp = await call
+                await self._note_request_id(call)
+            return resp
         req = _common.quantize_request(x, group_sizes, **kwargs)
         return await self._unary(self.stub.GroupedQuantize, req, timeout, request_id)
 

@@ -207,19 +207,9 @@ class Client:
         t = self._timeout(timeout)
         keep = bool(kwargs.get("keep_output_as"))
         with self._errors():
-            plan, call = self.stub.PlanStaging.with_call(pb.StagingPlanRequest(grouped_gemm=req), timeout=t,
-                                                         metadata=_common.metadata(request_id))
-            self._note_request_id(call)
-            # The request's calls share the plan's id (the coordinator made one if the caller did not).
-            md = _common.metadata(request_id or _common.request_id_of(call.initial_metadata()))
-
-            def stage(u: _direct.Upload) -> None:
-                self._staging_stub(u.address).Stage(_direct.stage_chunks(u), timeout=t, metadata=md)
-
-            for _ in self._threads().map(stage, _direct.uploads(plan, arrays)):
-                pass
+            staging_id, md = self._stage(pb.StagingPlanRequest(grouped_gemm=req), arrays, request_id, timeout)
             resp, call = self.stub.GroupedGemm.with_call(
-                _direct.submitted(req, plan.staging_id, arrays, direct_output=not keep), timeout=t, metadata=md)
+                _direct.submitted(req, staging_id, arrays, direct_output=not keep), timeout=t, metadata=md)
             self._note_request_id(call)
             if keep:
                 return None, resp.plan
@@ -235,6 +225,24 @@ class Client:
                 pass
         return to_output(out, out_as), resp.plan
 
+    def _stage(self, plan_request: "pb.StagingPlanRequest", arrays: Dict[str, Any], request_id: Optional[str],
+               timeout: Optional[float]) -> Tuple[str, Any]:
+        """Asks for the transfer plan and streams every block of it, in
+        parallel: the plan's staging id, and the metadata the request's
+        later calls carry (the plan's request id)."""
+        t = self._timeout(timeout)
+        plan, call = self.stub.PlanStaging.with_call(plan_request, timeout=t, metadata=_common.metadata(request_id))
+        self._note_request_id(call)
+        # The request's calls share the plan's id (the coordinator made one if the caller did not).
+        md = _common.metadata(request_id or _common.request_id_of(call.initial_metadata()))
+
+        def stage(u: _direct.Upload) -> None:
+            self._staging_stub(u.address).Stage(_direct.stage_chunks(u), timeout=t, metadata=md)
+
+        for _ in self._threads().map(stage, _direct.uploads(plan, arrays)):
+            pass
+        return plan.staging_id, md
+
     def plan(self, lhs: TensorLike, rhs: TensorLike, group_sizes: TensorLike, bias: Optional[TensorLike] = None,
              *, request_id: Optional[str] = None, timeout: Optional[float] = None, **kwargs: Any) -> "pb.Plan":
         """The plan grouped_gemm would run with these arguments, without running it."""
@@ -246,12 +254,25 @@ class Client:
         return resp.plan
 
     def grouped_quantize(self, x: TensorLike, group_sizes: TensorLike, *, request_id: Optional[str] = None,
-                         timeout: Optional[float] = None, **kwargs: Any) -> "pb.GroupedQuantizeResponse":
+                         timeout: Optional[float] = None, path: Optional[str] = None,
+                         **kwargs: Any) -> "pb.GroupedQuantizeResponse":
         """Grouped FP8 quantize of x [M, ...] (x_spec, group_sizes_spec, out_dtype,
         scaling, rowwise, colwise, block_2d, flatten_axis, shared_scales, scales,
         keep_rowwise_data_as, keep_scale_inv_as, overwrite, include_plan).
         Returns the GroupedQuantizeResponse (kept outputs name their resident
-        tensors; shardgemm.from_tensor reads the others)."""
+        tensors; shardgemm.from_tensor reads the others). path: as
+        grouped_gemm's for x (staged on the workers directly); the outputs
+        come back in the response either way."""
+        chosen = _direct.check_path(path or self.path)
+        if chosen == "direct" or (chosen == "auto" and _direct.is_array(x) and self._offers_staging()):
+            arrays, x = _direct.split_x(x)
+            req = _common.quantize_request(x, group_sizes, **kwargs)
+            with self._errors():
+                staging_id, md = self._stage(pb.StagingPlanRequest(grouped_quantize=req), arrays, request_id, timeout)
+                resp, call = self.stub.GroupedQuantize.with_call(_direct.submitted(req, staging_id, arrays),
+                                                                 timeout=self._timeout(timeout), metadata=md)
+            self._note_request_id(call)
+            return resp
         req = _common.quantize_request(x, group_sizes, **kwargs)
         with self._errors():
             resp, call = self.stub.GroupedQuantize.with_call(req, timeout=self._timeout(timeout),
