@@ -362,6 +362,139 @@ TEST(CoordinatorDispatchTest, ConcurrentRequestsReachEveryWorkerWithDistinctNumb
 
 // --------------------------------------------------- slicing and assembly --
 
+// A request whose lhs and rhs are to be staged: dtype, shape and spec, no data.
+v1::GroupedGemmRequest StagingRequest(const Gemm& gemm, const std::string& lhs_spec, const std::string& sizes_spec) {
+  v1::GroupedGemmRequest r = gemm.Request(lhs_spec, sizes_spec);
+  r.mutable_lhs()->clear_data();
+  r.mutable_rhs()->clear_data();
+  return r;
+}
+
+v1::StagingPlanRequest PlanOf(const v1::GroupedGemmRequest& r) {
+  v1::StagingPlanRequest p;
+  *p.mutable_grouped_gemm() = r;
+  return p;
+}
+
+TEST(CoordinatorStagingTest, EachDistinctBlockGoesToEveryRankThatNeedsItUnderItsOwnTicket) {
+  FakeMesh::Options options;
+  options.staging = true;
+  auto mesh = MakeMesh("dp=2,tp=2", options);
+  const Gemm gemm(8, 4, 5, {1, 2, 0, 3, 0, 1}, 2);
+  ASSERT_OK_AND_ASSIGN(v1::StagingPlan plan,
+                       mesh->coordinator().PlanStaging(PlanOf(StagingRequest(gemm, "(dp, None)", "(dp,)")),
+                                                       absl::InfiniteFuture(), CallContext{"alice", "", nullptr}));
+  EXPECT_EQ(plan.staging_id().size(), 32u);
+  ASSERT_EQ(plan.operands_size(), 2);
+  const v1::StagedOperand& lhs = plan.operands(0);
+  EXPECT_EQ(lhs.role(), v1::TENSOR_LHS);
+  ASSERT_EQ(lhs.blocks_size(), 2);  // a row block per dp coordinate, each for both tp ranks
+  std::set<std::string> tickets;
+  for (int b = 0; b < 2; ++b) {
+    EXPECT_THAT(lhs.blocks(b).offsets(), ElementsAre(4 * b, 0));
+    EXPECT_THAT(lhs.blocks(b).shape(), ElementsAre(4, 4));
+    ASSERT_EQ(lhs.blocks(b).destinations_size(), 2);
+    for (const v1::StagingDestination& d : lhs.blocks(b).destinations()) {
+      EXPECT_EQ(d.rank() / 2, b);
+      EXPECT_EQ(d.address(), absl::StrCat("staging:", d.rank()));
+      tickets.insert(d.ticket());
+    }
+  }
+  const v1::StagedOperand& rhs = plan.operands(1);
+  ASSERT_EQ(rhs.blocks_size(), 1);  // replicated: one block, every rank its copy
+  EXPECT_EQ(rhs.blocks(0).destinations_size(), 4);
+  for (const v1::StagingDestination& d : rhs.blocks(0).destinations()) tickets.insert(d.ticket());
+  EXPECT_EQ(tickets.size(), 8u);  // one per rank per operand, none shared
+  for (int rank = 0; rank < 4; ++rank) {
+    const std::vector<v1::ExpectStagedRequest> told = mesh->worker(rank).expected_staged();
+    ASSERT_EQ(told.size(), 1u);
+    EXPECT_EQ(told[0].session(), mesh->coordinator().session());
+    ASSERT_EQ(told[0].tickets_size(), 2);
+    EXPECT_EQ(told[0].tickets(0).tenant(), "alice");
+    EXPECT_EQ(told[0].tickets(0).role(), v1::TENSOR_LHS);
+    EXPECT_THAT(told[0].tickets(0).shape(), ElementsAre(4, 4));
+    EXPECT_THAT(told[0].tickets(1).shape(), ElementsAre(3, 4, 5));
+    EXPECT_TRUE(tickets.count(told[0].tickets(0).ticket()));
+  }
+}
+
+TEST(CoordinatorStagingTest, AStagedRequestNamesEachRanksTicketAndIsUsedOnceByItsTenant) {
+  FakeMesh::Options options;
+  options.staging = true;
+  auto mesh = MakeMesh("dp=2", options);
+  const CallContext alice{"alice", "", nullptr}, bob{"bob", "", nullptr};
+  const Gemm gemm(8, 4, 5, {1, 2, 0, 3, 0, 1}, 2);
+  const v1::GroupedGemmRequest meta = StagingRequest(gemm, "(dp, None)", "(dp,)");
+  ASSERT_OK_AND_ASSIGN(v1::StagingPlan plan,
+                       mesh->coordinator().PlanStaging(PlanOf(meta), absl::InfiniteFuture(), alice));
+  for (int rank = 0; rank < 2; ++rank) {  // the fakes answer a header: the output stays on them
+    mesh->worker(rank).SetHandler([](const v1::Step& step) -> absl::StatusOr<v1::StepResult> {
+      v1::StepResult r;
+      r.mutable_out()->set_dtype(v1::F32);
+      r.mutable_out()->add_shape(4);
+      r.mutable_out()->add_shape(5);
+      return r;
+    });
+  }
+  v1::GroupedGemmRequest submit = meta;
+  submit.mutable_lhs()->set_staged(plan.staging_id());
+  submit.mutable_rhs()->set_staged(plan.staging_id());
+  submit.set_direct_output(true);
+
+  v1::GroupedGemmRequest wrong = submit;
+  wrong.mutable_lhs()->set_shape(0, 16);
+  EXPECT_EQ(mesh->coordinator().GroupedGemm(wrong, absl::InfiniteFuture(), alice).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  auto foreign = mesh->coordinator().GroupedGemm(submit, absl::InfiniteFuture(), bob);
+  EXPECT_EQ(foreign.status().code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_THAT(foreign.status().message(), HasSubstr("lhs.staged"));
+  v1::GroupedGemmRequest unknown = submit;
+  unknown.mutable_lhs()->set_staged(std::string(32, '0'));
+  EXPECT_EQ(mesh->coordinator().GroupedGemm(unknown, absl::InfiniteFuture(), alice).status().code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(mesh->worker(0).num_steps(), 0);  // nothing of them reached a worker
+
+  const int64_t inline_before = mesh->coordinator().ClusterInfo().inline_activation_bytes();
+  ASSERT_OK_AND_ASSIGN(v1::GroupedGemmResponse r, mesh->coordinator().GroupedGemm(submit, absl::InfiniteFuture(), alice));
+  for (int rank = 0; rank < 2; ++rank) {
+    const v1::GemmStep step = mesh->worker(rank).steps().at(0).gemm();
+    const v1::ExpectStagedRequest told = mesh->worker(rank).expected_staged().at(0);
+    EXPECT_EQ(step.lhs().staged(), told.tickets(0).ticket());
+    EXPECT_EQ(step.rhs().staged(), told.tickets(1).ticket());
+    EXPECT_TRUE(step.lhs().data().empty());
+    EXPECT_EQ(step.out_staged().tenant(), "alice");  // each rank holds its own output block
+  }
+  EXPECT_TRUE(r.out().data().empty());
+  EXPECT_THAT(Shape(r.out()), ElementsAre(8, 5));
+  ASSERT_EQ(r.out_blocks_size(), 2);
+  EXPECT_EQ(r.out_blocks(1).destinations(0).address(), "staging:1");
+  EXPECT_THAT(r.out_blocks(1).offsets(), ElementsAre(4, 0));
+  EXPECT_EQ(mesh->coordinator().ClusterInfo().inline_activation_bytes(), inline_before);
+  EXPECT_EQ(mesh->coordinator().ClusterInfo().direct_activation_bytes(), 0);
+
+  auto again = mesh->coordinator().GroupedGemm(submit, absl::InfiniteFuture(), alice);
+  EXPECT_EQ(again.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(again.status().message(), HasSubstr("used already"));
+}
+
+TEST(CoordinatorStagingTest, NoPlanWithoutEveryWorkersStagingAddressOrAnOperandToStage) {
+  auto plain = MakeMesh("dp=2");
+  const Gemm gemm(8, 4, 5, {1, 2, 0, 3, 0, 1}, 2);
+  auto refused = plain->coordinator().PlanStaging(PlanOf(StagingRequest(gemm, "(dp, None)", "(dp,)")));
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(refused.status().message(), HasSubstr("rank 0 serves no staging"));
+  FakeMesh::Options options;
+  options.staging = true;
+  auto mesh = MakeMesh("dp=2", options);
+  auto nothing = mesh->coordinator().PlanStaging(PlanOf(gemm.Request("(dp, None)", "(dp,)")));
+  EXPECT_EQ(nothing.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(nothing.status().message(), HasSubstr("no operand to stage"));
+  v1::GroupedGemmRequest direct = gemm.Request("(dp, None)", "(dp,)");
+  direct.set_direct_output(true);
+  direct.set_keep_output_as("y");
+  EXPECT_EQ(mesh->coordinator().GroupedGemm(direct).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
 TEST(CoordinatorSlicingTest, RowBlocksGoToTheirWorkersAndComeBackInRowOrder) {
   auto mesh = MakeMesh("dp=2");
   // G = 3; shard 0: 1, 2, 0 rows and one padding row; shard 1: 3, 0, 1 rows.

@@ -27,6 +27,7 @@ struct FakeWorkerChannel::State {
   std::vector<v1::Step> steps ABSL_GUARDED_BY(mu);
   std::vector<uint64_t> cancelled ABSL_GUARDED_BY(mu);
   std::vector<v1::AdvanceEpochRequest> epochs ABSL_GUARDED_BY(mu);
+  std::vector<v1::ExpectStagedRequest> expected ABSL_GUARDED_BY(mu);
   Handler handler ABSL_GUARDED_BY(mu);
   bool never_answer ABSL_GUARDED_BY(mu) = false;
   absl::Status ping ABSL_GUARDED_BY(mu);
@@ -277,6 +278,17 @@ void FakeWorkerChannel::AdvanceEpoch(const v1::AdvanceEpochRequest& request, abs
   state_->epochs.push_back(request);
 }
 
+absl::Status FakeWorkerChannel::ExpectStaged(const v1::ExpectStagedRequest& request, absl::Time) {
+  absl::MutexLock lock(&state_->mu);
+  state_->expected.push_back(request);
+  return absl::OkStatus();
+}
+
+std::vector<v1::ExpectStagedRequest> FakeWorkerChannel::expected_staged() const {
+  absl::MutexLock lock(&state_->mu);
+  return state_->expected;
+}
+
 std::vector<v1::AdvanceEpochRequest> FakeWorkerChannel::epoch_advances() const {
   absl::MutexLock lock(&state_->mu);
   return state_->epochs;
@@ -406,9 +418,11 @@ int FakeMesh::connects(const std::string& address) const {
 }
 
 absl::StatusOr<v1::RegisterResponse> FakeMesh::Register(const std::string& address,
-                                                        int64_t memory_budget_bytes, const std::string& backend) {
+                                                        int64_t memory_budget_bytes, const std::string& backend,
+                                                        const std::string& staging_address) {
   v1::RegisterRequest request;
   request.set_address(address);
+  request.set_staging_address(staging_address);
   request.set_backend(backend);
   request.set_device("in-process");
   request.set_memory_budget_bytes(memory_budget_bytes);
@@ -431,7 +445,8 @@ absl::StatusOr<std::unique_ptr<FakeMesh>> FakeMesh::Create(absl::string_view mes
   fake_mesh->coordinator_ = std::make_unique<Coordinator>(*mesh, std::move(connect), options.coordinator);
   const int workers = options.workers < 0 ? static_cast<int>(planner::NumWorkers(*mesh)) : options.workers;
   for (int i = 0; i < workers; ++i) {
-    auto r = fake_mesh->Register(Address(i), options.memory_budget_bytes, options.backend);
+    auto r = fake_mesh->Register(Address(i), options.memory_budget_bytes, options.backend,
+                                 options.staging ? absl::StrCat("staging:", i) : "");
     if (!r.ok()) return r.status();
   }
   return fake_mesh;

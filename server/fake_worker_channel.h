@@ -48,6 +48,8 @@ class FakeWorkerChannel : public WorkerChannel {
   absl::Status Ping(absl::Time deadline) override;
   void CancelSteps(const v1::CancelStepsRequest& request, absl::Time deadline) override;
   void AdvanceEpoch(const v1::AdvanceEpochRequest& request, absl::Time deadline) override;
+  // Records the tickets and answers OK.
+  absl::Status ExpectStaged(const v1::ExpectStagedRequest& request, absl::Time deadline) override;
 
   // --- behaviour (takes effect for steps received afterwards) ---
 
@@ -80,6 +82,7 @@ class FakeWorkerChannel : public WorkerChannel {
   int num_steps() const;
   std::vector<uint64_t> cancelled() const;  // the sequences CancelSteps named, in order
   std::vector<v1::AdvanceEpochRequest> epoch_advances() const;  // what AdvanceEpoch told it, in order
+  std::vector<v1::ExpectStagedRequest> expected_staged() const;  // what ExpectStaged told it, in order
   int num_held() const;
   // Waits (at most `timeout`) until `n` steps are held; false on timeout.
   bool AwaitHeld(int n, absl::Duration timeout) const;
@@ -111,6 +114,7 @@ class FakeMesh {
     int workers = -1;                       // how many to register; -1: the whole mesh
     int64_t memory_budget_bytes = 1 << 30;  // each registered worker's
     std::string backend = "fake";           // what each registered worker reports (RegisterRequest.backend)
+    bool staging = false;                   // each registered worker reports the staging address "staging:<i>"
     CoordinatorOptions coordinator;
   };
 
@@ -129,7 +133,8 @@ class FakeMesh {
   // Registers the fake at `address` (what a worker process does on start).
   absl::StatusOr<v1::RegisterResponse> Register(const std::string& address,
                                                 int64_t memory_budget_bytes = 1 << 30,
-                                                const std::string& backend = "fake");
+                                                const std::string& backend = "fake",
+                                                const std::string& staging_address = "");
   // How many times the Coordinator asked the Connector for `address`.
   int connects(const std::string& address) const;
 
