@@ -143,6 +143,27 @@ def test_a_resident_weight_with_staged_activations_and_a_kept_output(clusters):
     assert staged_bytes(cluster) == [0, 0]
 
 
+def test_blocks_past_a_stream_message_and_concurrent_callers(clusters):
+    """Blocks of several 1 MiB messages each way, and callers at once whose
+    tickets never cross."""
+    import concurrent.futures
+    cluster = clusters("ep=2", 2)
+    kwargs = dict(lhs_spec="(ep, None)", rhs_spec="(ep, None, None)", group_sizes_spec="(ep,)")
+    big_lhs, rhs = rand(6144, 256), rand(4, 256, 256)  # 3 MiB lhs blocks, 3 MiB output blocks
+    big_sizes = np.array([1000, 2072, 3000, 72], np.int64)
+    with shardgemm.Client(cluster.address, timeout=60) as c:
+        inline, _ = c.grouped_gemm(big_lhs, rhs, big_sizes, path="inline", **kwargs)
+        direct, _ = c.grouped_gemm(big_lhs, rhs, big_sizes, path="direct", **kwargs)
+        assert direct.tobytes() == inline.tobytes()
+        inputs = [(rand(64, 32), rand(4, 32, 16), sizes_for(2, 2, 32)) for _ in range(6)]
+        wants = [c.grouped_gemm(l, r, s, path="inline", **kwargs)[0] for l, r, s in inputs]
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            gots = list(pool.map(lambda a: c.grouped_gemm(*a, path="direct", **kwargs)[0], inputs))
+    for got, want in zip(gots, wants):
+        assert got.tobytes() == want.tobytes()
+    assert staged_bytes(cluster) == [0, 0]
+
+
 QUANTIZE_CASES = [
     ("current_shared_scales", dict(shared_scales=True, colwise=True)),
     ("mxfp8", dict(scaling="mxfp8", rowwise=True, colwise=True)),
