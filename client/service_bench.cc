@@ -617,6 +617,12 @@ struct Caller {
   absl::StatusOr<v1::GroupedGemmResponse> Send() {
     return direct ? client->GroupedGemmDirect(request) : client->GroupedGemm(request);
   }
+  // Of a serialized message of `bytes` holding `tensor`, what crossed the
+  // coordinator's wire: on the direct path the tensor's bytes went to and
+  // came from the workers instead.
+  int64_t CoordinatorBytes(size_t bytes, const v1::Tensor& tensor) const {
+    return static_cast<int64_t>(bytes) - (direct ? static_cast<int64_t>(tensor.data().size()) : 0);
+  }
 
   // A returned answer's output bytes (valid while `response` and the next call wait).
   absl::string_view ReturnedBytes(const v1::GroupedGemmResponse& response) const {
@@ -677,7 +683,7 @@ struct LoadResult {
   std::vector<double> rtt_s, server_s, worker_s;
   std::vector<std::vector<double>> phase_s;  // one per kPhases entry
   int64_t attempted = 0, completed = 0, late = 0, checked = 0, wrong = 0;
-  int64_t wire_sent = 0, wire_received = 0;  // serialized request and response bytes
+  int64_t wire_sent = 0, wire_received = 0;  // serialized request and response bytes to and from the coordinator
   int64_t h2d = 0, d2h = 0;                  // one call's host<->device bytes
   double wall_s = 0, late_max_s = 0;
 
@@ -758,8 +764,8 @@ LoadResult RunLoad(const LoadLevel& level, std::vector<std::unique_ptr<Caller>>&
         out.server_s.push_back(r->server_seconds());
         out.worker_s.push_back(r->worker_seconds());
         for (size_t i = 0; i < kNumPhases; ++i) out.phase_s[i].push_back((r->phases().*kPhases[i].seconds)());
-        out.wire_sent += static_cast<int64_t>(me.request.ByteSizeLong());
-        out.wire_received += static_cast<int64_t>(r->ByteSizeLong());
+        out.wire_sent += me.CoordinatorBytes(me.request.ByteSizeLong(), me.request.lhs());
+        out.wire_received += me.CoordinatorBytes(r->ByteSizeLong(), r->out());
         out.h2d = r->host_to_device_bytes();
         out.d2h = r->device_to_host_bytes();
         if (returned && check_every) {

@@ -6,6 +6,7 @@
 #define SHARDGEMM_WORKER_STAGING_SERVICE_H_
 
 #include "proto/shardgemm.grpc.pb.h"
+#include "proto/transport.h"
 #include "security/tokens.h"
 #include "worker/staging_area.h"
 
@@ -22,8 +23,8 @@ class StagingServiceImpl final : public v1::Staging::Service {
   grpc::Status Fetch(grpc::ServerContext* context, const v1::FetchRequest* request,
                      grpc::ServerWriter<v1::FetchChunk>* writer) override;
 
-  // Bytes of a Fetch stream's message.
-  static constexpr size_t kChunkBytes = size_t{1} << 20;
+  // Data bytes of a Fetch stream's message (with its header within 1 MiB, as the service's streams).
+  static constexpr size_t kChunkBytes = static_cast<size_t>(kTensorChunkBytes);
 
  private:
   // The caller's tenant: UNAUTHENTICATED without a valid token,

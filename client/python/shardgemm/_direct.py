@@ -12,6 +12,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import numpy as np
 
 from . import _convert
+from ._common import CHUNK  # a Stage stream's data bytes per message, as a put's
 from ._convert import SharedMemoryTensor, TensorLike, ToStage
 from ._proto import pb
 
@@ -21,7 +22,6 @@ STAGEABLE = ("lhs", "rhs", "bias", "lhs_scale_inv", "rhs_scale_inv")
 FIELD_OF_ROLE = {pb.TENSOR_LHS: "lhs", pb.TENSOR_RHS: "rhs", pb.TENSOR_BIAS: "bias",
                  pb.TENSOR_LHS_SCALE_INV: "lhs_scale_inv", pb.TENSOR_RHS_SCALE_INV: "rhs_scale_inv",
                  pb.TENSOR_X: "x"}
-CHUNK = 1 << 20  # bytes of a Stage stream's message
 #: How long a client trusts what ClusterInfo said about staging ("auto").
 STAGING_INFO_SECONDS = 10.0
 
