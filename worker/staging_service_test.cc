@@ -1,0 +1,111 @@
+#include "worker/staging_service.h"
+
+#include <memory>
+#include <string>
+
+#include "gmock/gmock.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+
+namespace shardgemm {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr char kTicket[] = "0123456789abcdef0123456789abcdef";
+
+class StagingServiceTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    grpc::ServerBuilder builder;
+    int port = 0;
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+    builder.RegisterService(&service_);
+    server_ = builder.BuildAndStart();
+    ASSERT_NE(server_, nullptr);
+    stub_ = v1::Staging::NewStub(
+        grpc::CreateChannel("127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials()));
+  }
+  void TearDown() override { server_->Shutdown(); }
+
+  // Streams `pieces` (the first with `ticket`) and returns the status.
+  grpc::Status Stage(const std::string& ticket, const std::vector<std::string>& pieces,
+                     const std::string& second_ticket = "") {
+    grpc::ClientContext ctx;
+    v1::StageResponse response;
+    auto writer = stub_->Stage(&ctx, &response);
+    for (size_t i = 0; i < pieces.size(); ++i) {
+      v1::StageChunk chunk;
+      if (i == 0) chunk.set_ticket(ticket);
+      if (i == 1 && !second_ticket.empty()) chunk.set_ticket(second_ticket);
+      chunk.set_data(pieces[i]);
+      if (!writer->Write(chunk)) break;
+    }
+    writer->WritesDone();
+    return writer->Finish();
+  }
+
+  StagingArea area_{int64_t{64} << 20, absl::Seconds(60)};
+  StagingServiceImpl service_{&area_, nullptr};
+  std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<v1::Staging::Stub> stub_;
+};
+
+TEST_F(StagingServiceTest, StagedInPiecesThenClaimed) {
+  ASSERT_TRUE(area_.Expect(kTicket, ExpectedBlock{"", "lhs", DType::kF32, {4, 4}}).ok());
+  grpc::Status s = Stage(kTicket, {std::string(40, 'a'), std::string(24, 'b')});
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  auto block = area_.Claim(kTicket, DType::kF32, {4, 4}, "lhs");
+  ASSERT_TRUE(block.ok()) << block.status();
+  EXPECT_EQ(block->bytes, std::string(40, 'a') + std::string(24, 'b'));
+}
+
+TEST_F(StagingServiceTest, BadStreamsAreInvalidArgumentAndHoldNothing) {
+  ASSERT_TRUE(area_.Expect(kTicket, ExpectedBlock{"", "lhs", DType::kF32, {4, 4}}).ok());
+  grpc::Status s = Stage("", {std::string(64, 'a')});
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(s.error_message(), HasSubstr("ticket"));
+  s = Stage(kTicket, {std::string(32, 'a'), std::string(32, 'b')}, "ffffffffffffffffffffffffffffffff");
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(s.error_message(), HasSubstr("one ticket"));
+  s = Stage(kTicket, {std::string(63, 'a')});
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(s.error_message(), HasSubstr("expects 64"));
+  EXPECT_EQ(area_.held_bytes(), 0);
+  EXPECT_TRUE(Stage(kTicket, {std::string(64, 'a')}).ok());  // the ticket is still good
+}
+
+TEST_F(StagingServiceTest, AnOutputIsFetchedInChunksOnce) {
+  HostTensor out;
+  out.dtype = DType::kF32;
+  out.shape = {3, 1 << 18};  // 3 MiB: several messages
+  out.bytes.resize(static_cast<size_t>(3) << 20);
+  for (size_t i = 0; i < out.bytes.size(); ++i) out.bytes[i] = static_cast<char>(i * 131);
+  ASSERT_TRUE(area_.Hold(kTicket, "", out).ok());
+  v1::FetchRequest request;
+  request.set_ticket(kTicket);
+  std::string got;
+  int chunks = 0;
+  {
+    grpc::ClientContext ctx;
+    auto reader = stub_->Fetch(&ctx, request);
+    v1::FetchChunk chunk;
+    while (reader->Read(&chunk)) {
+      EXPECT_LE(chunk.ByteSizeLong(), size_t{1} << 20);  // within the smallest message limit
+      got += chunk.data();
+      ++chunks;
+    }
+    ASSERT_TRUE(reader->Finish().ok());
+  }
+  EXPECT_EQ(got, out.bytes);
+  EXPECT_GE(chunks, 4);
+  EXPECT_EQ(area_.held_bytes(), 0);
+  grpc::ClientContext ctx;
+  auto again = stub_->Fetch(&ctx, request);
+  v1::FetchChunk chunk;
+  EXPECT_FALSE(again->Read(&chunk));
+  EXPECT_EQ(again->Finish().error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+}
+
+}  // namespace
+}  // namespace shardgemm
