@@ -1078,9 +1078,10 @@ absl::StatusOr<std::string> NormalizedSpec(const std::string& text, const std::s
 absl::StatusOr<v1::StagingPlan> Coordinator::PlanStaging(const v1::StagingPlanRequest& request, absl::Time deadline,
                                                          const CallContext& call) {
   if (auto s = CheckReady(); !s.ok()) return s;
+  if (request.op_case() == v1::StagingPlanRequest::kPut) return PlanPutStaging(request.put(), deadline, call);
   const bool quantize = request.op_case() == v1::StagingPlanRequest::kGroupedQuantize;
   if (!quantize && request.op_case() != v1::StagingPlanRequest::kGroupedGemm) {
-    return absl::InvalidArgumentError("op: give grouped_gemm or grouped_quantize");
+    return absl::InvalidArgumentError("op: give grouped_gemm, grouped_quantize or put");
   }
   const v1::GroupedGemmRequest& gemm = request.grouped_gemm();
   if (!quantize && gemm.layout() == v1::GroupedGemmRequest::GLOBAL_SORTED) {
@@ -1173,6 +1174,12 @@ absl::StatusOr<v1::StagingPlan> Coordinator::PlanStaging(const v1::StagingPlanRe
       t->mutable_shape()->Assign(op->input_local_shape.begin(), op->input_local_shape.end());
     }
   }
+  return IssueStaging(std::move(record), std::move(response), std::move(expect), deadline);
+}
+
+absl::StatusOr<v1::StagingPlan> Coordinator::IssueStaging(StagingRecord record, v1::StagingPlan response,
+                                                          std::vector<v1::ExpectStagedRequest> expect,
+                                                          absl::Time deadline) {
   // Every worker hears of its tickets before the client does (in parallel,
   // each call bounded by the request's deadline and the step timeout).
   const std::vector<std::shared_ptr<WorkerChannel>> channels = dispatcher_.Channels();
@@ -1184,6 +1191,7 @@ absl::StatusOr<v1::StagingPlan> Coordinator::PlanStaging(const v1::StagingPlanRe
       told[r] = absl::UnavailableError(absl::StrCat("worker rank ", r, " is not registered"));
       continue;
     }
+    if (expect[r].tickets().empty()) continue;
     expect[r].set_session(session_);
     tellers.emplace_back([&, r] { told[r] = channels[r]->ExpectStaged(expect[r], until); });
   }
@@ -1207,6 +1215,163 @@ absl::StatusOr<v1::StagingPlan> Coordinator::PlanStaging(const v1::StagingPlanRe
                                                      " transfer plans are waiting for their requests; retry later"));
   }
   staging_[staging_id] = std::move(record);
+  return response;
+}
+
+absl::StatusOr<v1::StagingPlan> Coordinator::PlanPutStaging(const v1::PutStagingRequest& put, absl::Time deadline,
+                                                            const CallContext& call) {
+  if (auto s = ValidateResidentName("put.name", put.name()); !s.ok()) return s;
+  auto dtype = DTypeFromProto(put.dtype(), "put.dtype");
+  if (!dtype.ok()) return dtype.status();
+  const std::vector<int64_t> shape(put.shape().begin(), put.shape().end());
+  auto n = CheckedNumElements(shape, DTypeSize(*dtype), "put.shape");
+  if (!n.ok()) return n.status();
+  auto spec = planner::ParsePartitionSpec(put.spec());
+  if (!spec.ok()) return absl::InvalidArgumentError(absl::StrCat("put.spec: ", spec.status().message()));
+  if (auto s = planner::ValidatePartitionSpec(put.name(), shape, *spec, mesh_); !s.ok()) return s;
+  if (auto s = CheckTensorFits(put.name(), *n * DTypeSize(*dtype)); !s.ok()) return s;
+  if (!put.overwrite()) {  // refused now, before the client stages anything (PutStaged checks again)
+    PinGuard guard{this, {}};
+    if (registry_.FindAndPin(call.tenant, put.name(), &guard.pins).ok()) {
+      return absl::AlreadyExistsError(absl::StrCat("put.name: tensor '", put.name(),
+                                                   "' is resident (set overwrite to replace it)"));
+    }
+  }
+  auto addresses = StagingAddresses();
+  if (!addresses.ok()) return addresses.status();
+  auto local = planner::LocalShape(put.name(), shape, *spec, mesh_);
+  if (!local.ok()) return local.status();
+  // Where the copies go is decided now: the blocks are staged where they will be stored.
+  auto placement = Place(put.name(), *dtype, shape, *spec);
+  if (!placement.ok()) return placement.status();
+
+  StagingRecord record;
+  record.tenant = call.tenant;
+  record.expires = absl::Now() + options_.staging_ttl;
+  record.put = std::make_unique<StagedPut>();
+  StagedPut& staged_put = *record.put;
+  staged_put.name = put.name();
+  staged_put.overwrite = put.overwrite();
+  staged_put.dtype = *dtype;
+  staged_put.shape = shape;
+  staged_put.spec = *spec;
+  staged_put.local_shape = *local;
+  staged_put.block_of_rank = placement->block_of_rank;
+  v1::StagingPlan response;
+  v1::StagedOperand* op = response.add_operands();
+  op->set_dtype(DTypeToProto(*dtype));
+  op->mutable_shape()->Assign(shape.begin(), shape.end());
+  std::vector<v1::ExpectStagedRequest> expect(num_workers_);
+  std::map<std::vector<int64_t>, v1::StagedBlock*> block_at;
+  auto destination = [&](int block_rank, int holder) -> absl::StatusOr<std::string> {
+    auto offsets = planner::BlockOffsets(put.name(), shape, *spec, mesh_, block_rank);
+    if (!offsets.ok()) return offsets.status();
+    v1::StagedBlock*& block = block_at[*offsets];
+    if (block == nullptr) {
+      block = op->add_blocks();
+      block->mutable_offsets()->Assign(offsets->begin(), offsets->end());
+      block->mutable_shape()->Assign(local->begin(), local->end());
+    }
+    const std::string ticket = security::RandomHex(16);
+    v1::StagingDestination* to = block->add_destinations();
+    to->set_rank(holder);
+    to->set_address((*addresses)[holder]);
+    to->set_ticket(ticket);
+    v1::StagingTicket* t = expect[holder].add_tickets();
+    t->set_ticket(ticket);
+    t->set_tenant(call.tenant);
+    t->set_dtype(DTypeToProto(*dtype));
+    t->mutable_shape()->Assign(local->begin(), local->end());
+    return ticket;
+  };
+  for (int r = 0; r < num_workers_; ++r) {
+    auto ticket = destination(r, r);
+    if (!ticket.ok()) return ticket.status();
+    staged_put.ticket_of_rank.push_back(*ticket);
+  }
+  for (const StandbyCopy& c : placement->standby) {
+    auto ticket = destination(c.block_rank, c.holder_rank);
+    if (!ticket.ok()) return ticket.status();
+    staged_put.standby.push_back({c, *ticket});
+  }
+  return IssueStaging(std::move(record), std::move(response), std::move(expect), deadline);
+}
+
+absl::StatusOr<v1::PutTensorResponse> Coordinator::PutStaged(const v1::PutStagedRequest& request, absl::Time deadline,
+                                                             const CallContext& call) {
+  if (auto s = CheckReady(); !s.ok()) return s;
+  std::unique_ptr<StagedPut> put;
+  {
+    absl::MutexLock lock(&staging_mu_);
+    auto it = staging_.find(request.staging_id());
+    if (it == staging_.end() || it->second.expires <= absl::Now()) {
+      return absl::NotFoundError(absl::StrCat("staging_id: no transfer plan of that id (unknown, or expired "
+                                              "after ", absl::FormatDuration(options_.staging_ttl), ")"));
+    }
+    if (it->second.tenant != call.tenant) {
+      return absl::PermissionDeniedError("staging_id: the transfer plan was issued to another tenant");
+    }
+    if (it->second.used) return absl::FailedPreconditionError("staging_id: the transfer plan was used already");
+    if (it->second.put == nullptr) return absl::InvalidArgumentError("staging_id: the transfer plan is no put's");
+    it->second.used = true;  // the workers consume the staged blocks now
+    put = std::move(it->second.put);
+  }
+  auto claimed = registry_.Claim(call.tenant, put->name, put->overwrite, options_.max_tensors_per_tenant);
+  if (!claimed.ok()) {
+    const bool exists = claimed.status().code() == absl::StatusCode::kAlreadyExists;
+    return absl::Status(claimed.status().code(), absl::StrCat(claimed.status().message(),
+                                                              exists ? " (set overwrite to replace it)" : ""));
+  }
+  const std::string shard_name = *claimed;
+  ClaimGuard claim(&registry_, call.tenant, put->name);
+  Placement placement;
+  placement.block_of_rank = put->block_of_rank;
+  for (const auto& [copy, ticket] : put->standby) placement.standby.push_back(copy);
+  const ShardCopies copies{shard_name, placement.standby};
+  auto staged = [&](const std::string& ticket, v1::LocalTensor* t) {
+    t->set_dtype(DTypeToProto(put->dtype));
+    t->mutable_shape()->Assign(put->local_shape.begin(), put->local_shape.end());
+    t->set_staged(ticket);
+  };
+  std::vector<v1::Step> steps(num_workers_);
+  for (int r = 0; r < num_workers_; ++r) {
+    v1::StoreShardStep* store = steps[r].mutable_store();
+    store->set_name(shard_name);
+    staged(put->ticket_of_rank[r], store->mutable_shard());
+  }
+  for (const auto& [copy, ticket] : put->standby) {
+    v1::NamedShard* standby = steps[copy.holder_rank].mutable_store()->add_standby();
+    standby->set_name(StandbyShardName(shard_name, copy.block_rank));
+    staged(ticket, standby->mutable_shard());
+  }
+  auto results = Dispatch(std::move(steps), StepDeadline(deadline), call);
+  if (absl::Status gone = Abandoned(deadline, call, absl::StrCat("'", put->name, "'")); results.ok() && !gone.ok()) {
+    results = gone;
+  }
+  if (!results.ok()) {
+    DeleteShardsBestEffort(copies);
+    return results.status();
+  }
+  Resident resident;
+  resident.tenant = call.tenant;
+  resident.info.set_name(put->name);
+  resident.info.set_dtype(DTypeToProto(put->dtype));
+  resident.info.mutable_shape()->Assign(put->shape.begin(), put->shape.end());
+  resident.info.set_spec(planner::FormatPartitionSpec(put->spec));
+  resident.spec = put->spec;
+  resident.shard_name = shard_name;
+  SetPlacement(placement, &resident);
+  auto replaced = claim.Register(std::move(resident));
+  if (!replaced.ok()) {
+    DeleteShardsBestEffort(copies);
+    return replaced.status();
+  }
+  if (!replaced->empty()) RetireBestEffort(*replaced);
+  int64_t bytes = DTypeSize(put->dtype);
+  for (int64_t d : put->shape) bytes *= d;
+  v1::PutTensorResponse response;
+  response.set_name(put->name);
+  response.set_bytes(bytes);
   return response;
 }
 

@@ -165,6 +165,11 @@ class Coordinator {
   absl::StatusOr<v1::StagingPlan> PlanStaging(const v1::StagingPlanRequest& request,
                                               absl::Time deadline = absl::InfiniteFuture(),
                                               const CallContext& call = {});
+  // A put whose blocks and standby copies were staged under a put's plan:
+  // stores them on the workers and registers the tensor (as PutTensor).
+  absl::StatusOr<v1::PutTensorResponse> PutStaged(const v1::PutStagedRequest& request,
+                                                  absl::Time deadline = absl::InfiniteFuture(),
+                                                  const CallContext& call = {});
 
   // A same-host client's shared-memory region, by the name requests use.
   absl::Status RegisterSharedMemory(const v1::RegisterSharedMemoryRequest& request, const CallContext& call = {});
@@ -287,12 +292,29 @@ class Coordinator {
     std::vector<std::string> ticket_of_rank;
     std::vector<std::vector<int64_t>> offsets_of_rank;  // each rank's block in the tensor
   };
+  // A put's plan: the tensor, and each copy's ticket where it will be stored.
+  struct StagedPut {
+    std::string name;
+    bool overwrite = false;
+    DType dtype = DType::kInvalid;
+    std::vector<int64_t> shape, local_shape;
+    planner::PartitionSpec spec;
+    std::vector<int> block_of_rank;
+    std::vector<std::string> ticket_of_rank;                  // each rank's own block
+    std::vector<std::pair<StandbyCopy, std::string>> standby;  // --replicas' copies and their tickets
+  };
   struct StagingRecord {
     std::string tenant;
     absl::Time expires;
     bool used = false;
     std::map<std::string, StagedOperandRecord> operands;  // "lhs", "rhs", ...
+    std::unique_ptr<StagedPut> put;                        // a put's plan instead
   };
+  // Tells each worker its tickets, then keeps the record under a new staging id.
+  absl::StatusOr<v1::StagingPlan> IssueStaging(StagingRecord record, v1::StagingPlan response,
+                                               std::vector<v1::ExpectStagedRequest> expect, absl::Time deadline);
+  absl::StatusOr<v1::StagingPlan> PlanPutStaging(const v1::PutStagingRequest& put, absl::Time deadline,
+                                                 const CallContext& call);
   absl::Mutex staging_mu_;
   std::map<std::string, StagingRecord> staging_ ABSL_GUARDED_BY(staging_mu_);
   // The staged operand `field` of `staging_id`, checked against the request's

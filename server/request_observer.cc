@@ -19,6 +19,7 @@ const char* RequestOpName(RequestOp op) {
     case RequestOp::kRegisterSharedMemory: return "register_shared_memory";
     case RequestOp::kUnregisterSharedMemory: return "unregister_shared_memory";
     case RequestOp::kPlanStaging: return "plan_staging";
+    case RequestOp::kPutStaged: return "put_staged";
   }
   return "unknown";
 }

@@ -29,6 +29,7 @@ enum class RequestOp {
   kRegisterSharedMemory,
   kUnregisterSharedMemory,
   kPlanStaging,
+  kPutStaged,
 };
 const char* RequestOpName(RequestOp op);  // "grouped_gemm", ...
 

@@ -330,7 +330,9 @@ grpc::Status ShardGemmService::UnregisterSharedMemory(grpc::ServerContext* conte
 grpc::Status ShardGemmService::PlanStaging(grpc::ServerContext* context, const v1::StagingPlanRequest* request,
                                            v1::StagingPlan* plan) {
   RequestRecord record = Begin(RequestOp::kPlanStaging, context);
-  if (grpc::Status a = Authenticate(*context, &record, security::Grant::kCompute); !a.ok()) {
+  // A put's plan is a put's first half: it needs write.
+  const security::Grant needed = request->has_put() ? security::Grant::kWrite : security::Grant::kCompute;
+  if (grpc::Status a = Authenticate(*context, &record, needed); !a.ok()) {
     return Finish(record, std::move(a));
   }
   record.bytes_in = static_cast<int64_t>(request->ByteSizeLong());
@@ -338,6 +340,21 @@ grpc::Status ShardGemmService::PlanStaging(grpc::ServerContext* context, const v
   if (!r.ok()) return Finish(record, ToGrpcStatus(r.status()));
   *plan = std::move(*r);
   record.bytes_out = static_cast<int64_t>(plan->ByteSizeLong());
+  return Finish(record, grpc::Status::OK);
+}
+
+grpc::Status ShardGemmService::PutStaged(grpc::ServerContext* context, const v1::PutStagedRequest* request,
+                                         v1::PutTensorResponse* response) {
+  RequestRecord record = Begin(RequestOp::kPutStaged, context);
+  if (grpc::Status a = Authenticate(*context, &record, security::Grant::kWrite); !a.ok()) {
+    return Finish(record, std::move(a));
+  }
+  auto slot = TakeSlot(record.tenant);
+  if (!slot.ok()) return Finish(record, ToGrpcStatus(slot.status()));
+  auto r = coordinator_->PutStaged(*request, DeadlineOf(context), CallOf(record, context));
+  if (!r.ok()) return Finish(record, ToGrpcStatus(r.status()));
+  *response = std::move(*r);
+  record.tensor = response->name();
   return Finish(record, grpc::Status::OK);
 }
 

@@ -66,6 +66,8 @@ class ShardGemmService final
                                       v1::UnregisterSharedMemoryResponse*) override;
   grpc::Status PlanStaging(grpc::ServerContext* context, const v1::StagingPlanRequest* request,
                            v1::StagingPlan* plan) override;
+  grpc::Status PutStaged(grpc::ServerContext* context, const v1::PutStagedRequest* request,
+                         v1::PutTensorResponse* response) override;
 
  private:
   // Records `record` with `status` (when observed) and returns `status`.

@@ -164,6 +164,42 @@ def test_blocks_past_a_stream_message_and_concurrent_callers(clusters):
     assert staged_bytes(cluster) == [0, 0]
 
 
+def test_a_direct_put_stores_each_block_where_it_belongs(clusters):
+    cluster = clusters("fsdp=2,ep=2", 4)
+    w, x = rand(4, 32, 16), rand(128, 32)
+    sizes = sizes_for(4, 2, 32)
+    kwargs = dict(lhs_spec="((fsdp, ep), None)", group_sizes_spec="((fsdp, ep),)")
+    with shardgemm.Client(cluster.address, timeout=60) as c:
+        seen = []
+        r = c.put("w_direct", w, "(ep, fsdp, None)", overwrite=True, path="direct",
+                  progress=lambda done, total: seen.append((done, total)))
+        assert r.bytes == w.nbytes and seen[-1] == (w.nbytes, w.nbytes)  # four distinct blocks, one copy each
+        assert c.get("w_direct").tobytes() == w.tobytes()
+        c.put("w_inline", w, "(ep, fsdp, None)", overwrite=True, path="inline")
+        a, _ = c.grouped_gemm(x, "w_direct", sizes, path="inline", **kwargs)
+        b, _ = c.grouped_gemm(x, "w_inline", sizes, path="inline", **kwargs)
+        assert a.tobytes() == b.tobytes()
+        c.put("replicated_direct", w, "", overwrite=True)  # the default: direct; every rank its copy
+        assert c.get("replicated_direct").tobytes() == w.tobytes()
+        with pytest.raises(shardgemm.AlreadyExistsError):
+            c.put("w_direct", w, "(ep, fsdp, None)", path="direct")
+        assert c.get("w_direct").tobytes() == w.tobytes()  # the refused put changed nothing
+    assert staged_bytes(cluster) == [0] * 4
+
+
+def test_a_direct_put_with_replicas_stages_the_standby_copies_too(cluster_factory):
+    cluster = cluster_factory(mesh="ep=2,tp=2", workers=4, coordinator_flags=("--replicas=2",))
+    w = rand(4, 32, 16)
+    with shardgemm.Client(cluster.address, timeout=60) as c:
+        seen = []
+        c.put("w", w, "(ep, tp, None)", path="direct", progress=lambda done, total: seen.append((done, total)))
+        assert seen[-1] == (2 * w.nbytes, 2 * w.nbytes)  # each block to its rank and to one standby holder
+        assert c.get("w").tobytes() == w.tobytes()
+        info = c.cluster_info()
+        assert sum(x.standby_bytes for x in info.workers) == w.nbytes
+    assert staged_bytes(cluster) == [0] * 4
+
+
 QUANTIZE_CASES = [
     ("current_shared_scales", dict(shared_scales=True, colwise=True)),
     ("mxfp8", dict(scaling="mxfp8", rowwise=True, colwise=True)),
@@ -417,6 +453,32 @@ def test_stale_tickets_and_plans_are_not_found_and_their_bytes_expire(cluster_fa
     ch.close()
 
 
+def test_a_put_plan_is_used_once_and_only_by_its_tenant(dp_cluster):
+    ch, stub = raw(dp_cluster)
+    w = rand(2, 32, 16)
+    plan = stub.PlanStaging(pb.StagingPlanRequest(put=pb.PutStagingRequest(
+        name="put_once", dtype=pb.F32, shape=list(w.shape), spec="")), timeout=10)
+    assert len(plan.operands) == 1 and len(plan.operands[0].blocks) == 1
+    assert len(plan.operands[0].blocks[0].destinations) == 2  # replicated: each rank its copy
+    with pytest.raises(grpc.RpcError) as e:  # a block not staged yet fails the put, naming it
+        stub.PutStaged(pb.PutStagedRequest(staging_id=plan.staging_id), timeout=10)
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "shard.staged" in e.value.details()
+    with pytest.raises(grpc.RpcError) as e:
+        stub.PutStaged(pb.PutStagedRequest(staging_id=plan.staging_id), timeout=10)
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "used already" in e.value.details()
+    with pytest.raises(grpc.RpcError) as e:
+        stub.PutStaged(pb.PutStagedRequest(staging_id="0" * 32), timeout=10)
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND and "staging_id" in e.value.details()
+    with pytest.raises(grpc.RpcError) as e:
+        stub.PlanStaging(pb.StagingPlanRequest(put=pb.PutStagingRequest(
+            name="bad", dtype=pb.F32, shape=[3, 32], spec="(dp, None)")), timeout=10)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with shardgemm.Client(dp_cluster.address, timeout=30) as c:
+        assert "put_once" not in [t.name for t in c.list()]
+    check_nothing_lost(dp_cluster)
+    ch.close()
+
+
 def test_a_plan_without_staging_workers_is_failed_precondition(cluster_factory):
     cluster = cluster_factory(mesh="dp=2", workers=2, worker_flags=("--staging_port=-1",))
     ch, stub = raw(cluster)
@@ -475,6 +537,11 @@ def test_over_tls_a_ticket_or_plan_is_only_its_tenants(cluster_factory, tls_copy
             with pytest.raises(grpc.RpcError) as e:
                 pb_grpc.StagingStub(ch).Stage(iter([pb.StageChunk(ticket=d.ticket, data=block)]), timeout=5)
             assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        put_plan = demo.stub.PlanStaging(pb.StagingPlanRequest(put=pb.PutStagingRequest(
+            name="mine", dtype=pb.F32, shape=[2, 32, 16], spec="")), timeout=10)
+        with pytest.raises(grpc.RpcError) as e:
+            other.stub.PutStaged(pb.PutStagedRequest(staging_id=put_plan.staging_id), timeout=10)
+        assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
         # Another tenant cannot submit the plan either.
         r = pb.GroupedGemmRequest()
         r.CopyFrom(req)

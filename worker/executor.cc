@@ -214,9 +214,18 @@ absl::StatusOr<v1::StepResult> Executor::Execute(v1::Step step, absl::Time deadl
       }
       break;
     }
-    case v1::Step::kStore:
+    case v1::Step::kStore: {
+      std::vector<std::string> staged;  // a direct put's blocks: dropped if the step fails, as a GEMM's
+      if (step.store().shard().source_case() == v1::LocalTensor::kStaged) staged.push_back(step.store().shard().staged());
+      for (const v1::NamedShard& s : step.store().standby()) {
+        if (s.shard().source_case() == v1::LocalTensor::kStaged) staged.push_back(s.shard().staged());
+      }
       result = RunStore(*step.mutable_store());
+      if (!result.ok() && staging_ != nullptr) {
+        for (const std::string& ticket : staged) staging_->Discard(ticket);
+      }
       break;
+    }
     case v1::Step::kQuantize: {
       const std::string staged = step.quantize().x().staged();  // dropped if the step fails, as a GEMM's
       result = RunQuantize(*step.mutable_quantize());
@@ -253,6 +262,17 @@ absl::Status Executor::CancelledStatus() const {
   return absl::CancelledError("the request was cancelled or expired before this step ran");
 }
 
+absl::StatusOr<HostTensor> Executor::StoredTensor(v1::LocalTensor&& t, absl::string_view field) {
+  if (t.source_case() != v1::LocalTensor::kStaged) return HostTensorFromProto(std::move(t), field);
+  // A block of a direct put: the client staged it here.
+  if (staging_ == nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat(field, ".staged: this worker has no staging area"));
+  }
+  auto dtype = DTypeFromProto(t.dtype(), field);
+  if (!dtype.ok()) return dtype.status();
+  return staging_->Claim(t.staged(), *dtype, std::vector<int64_t>(t.shape().begin(), t.shape().end()), field);
+}
+
 absl::StatusOr<v1::StepResult> Executor::RunStore(v1::StoreShardStep& store) {
   // All or none: a copy that does not fit takes the ones stored before it
   // out again (the names are a new generation's, so nothing is replaced).
@@ -262,13 +282,13 @@ absl::StatusOr<v1::StepResult> Executor::RunStore(v1::StoreShardStep& store) {
     return why;
   };
   if (!store.name().empty()) {
-    auto shard = HostTensorFromProto(std::move(*store.mutable_shard()), "shard");
+    auto shard = StoredTensor(std::move(*store.mutable_shard()), "shard");
     if (!shard.ok()) return shard.status();
     if (auto s = store_->Put(store.name(), std::move(*shard)); !s.ok()) return s;
     stored.push_back(store.name());
   }
   for (v1::NamedShard& standby : *store.mutable_standby()) {
-    auto shard = HostTensorFromProto(std::move(*standby.mutable_shard()), "standby.shard");
+    auto shard = StoredTensor(std::move(*standby.mutable_shard()), "standby.shard");
     if (!shard.ok()) return undo(shard.status());
     if (auto s = store_->Put(standby.name(), std::move(*shard)); !s.ok()) {
       return undo(absl::Status(s.code(), absl::StrCat("a standby copy (--replicas) of another rank's block: ",

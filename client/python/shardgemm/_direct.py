@@ -21,7 +21,7 @@ PATHS = ("auto", "direct", "inline")
 STAGEABLE = ("lhs", "rhs", "bias", "lhs_scale_inv", "rhs_scale_inv")
 FIELD_OF_ROLE = {pb.TENSOR_LHS: "lhs", pb.TENSOR_RHS: "rhs", pb.TENSOR_BIAS: "bias",
                  pb.TENSOR_LHS_SCALE_INV: "lhs_scale_inv", pb.TENSOR_RHS_SCALE_INV: "rhs_scale_inv",
-                 pb.TENSOR_X: "x"}
+                 pb.TENSOR_X: "x", pb.TENSOR_ROLE_UNSPECIFIED: "tensor"}  # a put's tensor has no role
 #: How long a client trusts what ClusterInfo said about staging ("auto").
 STAGING_INFO_SECONDS = 10.0
 
@@ -141,6 +141,15 @@ def submitted(req: Any, staging_id: str, arrays: Dict[str, np.ndarray], direct_o
     if direct_output is not None:
         req.direct_output = direct_output
     return req
+
+
+def put_plan(name: str, array: TensorLike, spec: str, overwrite: bool
+             ) -> Tuple[Dict[str, np.ndarray], "pb.StagingPlanRequest"]:
+    """A direct put's array, and the transfer plan to ask for."""
+    a = np.ascontiguousarray(_convert.as_numpy(array))
+    req = pb.StagingPlanRequest(put=pb.PutStagingRequest(name=name, dtype=_convert.proto_dtype(a.dtype),
+                                                         shape=list(a.shape), spec=spec, overwrite=overwrite))
+    return {"tensor": a}, req
 
 
 def split_x(x: TensorLike) -> Tuple[Dict[str, np.ndarray], Any]:

@@ -19,7 +19,7 @@ import grpc.aio
 
 from . import _common, _direct
 from ._convert import Array, SharedMemoryTensor, TensorLike, check_output, to_output
-from ._progress import Progress
+from ._progress import Meter, Progress
 from ._proto import pb, pb_grpc
 from ._shm import AsyncSharedMemoryRegion as SharedMemoryRegion
 from .errors import from_rpc_error
@@ -158,15 +158,22 @@ class Client:
         return to_output(out, out_as), resp.plan
 
     async def _stage(self, plan_request: "pb.StagingPlanRequest", arrays: Dict[str, Any],
-                     request_id: Optional[str], timeout: Optional[float]) -> Tuple[str, Any]:
+                     request_id: Optional[str], timeout: Optional[float], progress: Progress = False,
+                     what: str = "") -> Tuple[str, Any]:
         """See shardgemm.Client._stage: the blocks staged by concurrent tasks."""
         t = self._timeout(timeout)
         call = self.stub.PlanStaging(plan_request, timeout=t, metadata=_common.metadata(request_id))
         plan = await call
         await self._note_request_id(call)
         md = _common.metadata(request_id or _common.request_id_of(await call.initial_metadata()))
-        await asyncio.gather(*(self._staging_stub(u.address).Stage(_direct.stage_chunks(u), timeout=t, metadata=md)
-                               for u in _direct.uploads(plan, arrays)))
+        uploads = _direct.uploads(plan, arrays)
+        with Meter(progress, sum(u.block.nbytes for u in uploads), what) as meter:
+
+            async def stage(u: _direct.Upload) -> None:
+                await self._staging_stub(u.address).Stage(_direct.stage_chunks(u), timeout=t, metadata=md)
+                meter.update(u.block.nbytes)
+
+            await asyncio.gather(*(stage(u) for u in uploads))
         return plan.staging_id, md
 
     async def plan(self, lhs: TensorLike, rhs: TensorLike, group_sizes: TensorLike,
@@ -197,7 +204,19 @@ class Client:
 
     async def put(self, name: str, array: TensorLike, spec: str = "", overwrite: bool = False,
                   request_id: Optional[str] = None, *, progress: Progress = None,
-                  timeout: Optional[float] = None) -> "pb.PutTensorResponse":
+                  timeout: Optional[float] = None, path: Optional[str] = None) -> "pb.PutTensorResponse":
+        """See shardgemm.Client.put (path= included)."""
+        chosen = _direct.check_path(path or self.path)
+        if chosen == "direct" or (chosen == "auto" and _direct.is_array(array) and await self._offers_staging()):
+            arrays, plan_request = _direct.put_plan(name, array, spec, overwrite)
+            with self._errors():
+                staging_id, md = await self._stage(plan_request, arrays, request_id, timeout,
+                                                   self.progress if progress is None else progress, f"put {name}")
+                call = self.stub.PutStaged(pb.PutStagedRequest(staging_id=staging_id),
+                                           timeout=self._timeout(timeout), metadata=md)
+                resp = await call
+                await self._note_request_id(call)
+            return resp
         chunks = _common.put_chunks(name, array, spec, overwrite, self.progress if progress is None else progress)
         return await self._unary(self.stub.PutTensor, chunks, timeout, request_id)
 

@@ -10,7 +10,7 @@ import grpc
 
 from . import _common, _direct
 from ._convert import Array, SharedMemoryTensor, TensorLike, check_output, to_output
-from ._progress import Progress
+from ._progress import Meter, Progress
 from ._proto import pb, pb_grpc
 from .errors import from_rpc_error
 
@@ -226,7 +226,7 @@ class Client:
         return to_output(out, out_as), resp.plan
 
     def _stage(self, plan_request: "pb.StagingPlanRequest", arrays: Dict[str, Any], request_id: Optional[str],
-               timeout: Optional[float]) -> Tuple[str, Any]:
+               timeout: Optional[float], progress: Progress = False, what: str = "") -> Tuple[str, Any]:
         """Asks for the transfer plan and streams every block of it, in
         parallel: the plan's staging id, and the metadata the request's
         later calls carry (the plan's request id)."""
@@ -236,11 +236,17 @@ class Client:
         # The request's calls share the plan's id (the coordinator made one if the caller did not).
         md = _common.metadata(request_id or _common.request_id_of(call.initial_metadata()))
 
-        def stage(u: _direct.Upload) -> None:
-            self._staging_stub(u.address).Stage(_direct.stage_chunks(u), timeout=t, metadata=md)
+        uploads = _direct.uploads(plan, arrays)
+        lock = threading.Lock()
+        with Meter(progress, sum(u.block.nbytes for u in uploads), what) as meter:
 
-        for _ in self._threads().map(stage, _direct.uploads(plan, arrays)):
-            pass
+            def stage(u: _direct.Upload) -> None:
+                self._staging_stub(u.address).Stage(_direct.stage_chunks(u), timeout=t, metadata=md)
+                with lock:
+                    meter.update(u.block.nbytes)
+
+            for _ in self._threads().map(stage, uploads):
+                pass
         return plan.staging_id, md
 
     def plan(self, lhs: TensorLike, rhs: TensorLike, group_sizes: TensorLike, bias: Optional[TensorLike] = None,
@@ -282,10 +288,22 @@ class Client:
 
     def put(self, name: str, array: TensorLike, spec: str = "", overwrite: bool = False,
             request_id: Optional[str] = None, *, progress: Progress = None,
-            timeout: Optional[float] = None) -> "pb.PutTensorResponse":
+            timeout: Optional[float] = None, path: Optional[str] = None) -> "pb.PutTensorResponse":
         """Makes `array` a resident tensor `name`, sharded by `spec` over the
         workers (streamed in 1 MiB chunks). Refused (AlreadyExistsError) when
-        `name` exists, unless overwrite."""
+        `name` exists, unless overwrite. path: as grouped_gemm's; direct, each
+        worker's block (and its standby copies) is streamed to it by this
+        client, in parallel, and progress counts the bytes sent to all."""
+        chosen = _direct.check_path(path or self.path)
+        if chosen == "direct" or (chosen == "auto" and _direct.is_array(array) and self._offers_staging()):
+            arrays, plan_request = _direct.put_plan(name, array, spec, overwrite)
+            with self._errors():
+                staging_id, md = self._stage(plan_request, arrays, request_id, timeout,
+                                             self.progress if progress is None else progress, f"put {name}")
+                resp, call = self.stub.PutStaged.with_call(pb.PutStagedRequest(staging_id=staging_id),
+                                                           timeout=self._timeout(timeout), metadata=md)
+            self._note_request_id(call)
+            return resp
         chunks = _common.put_chunks(name, array, spec, overwrite, self.progress if progress is None else progress)
         with self._errors():
             resp, call = self.stub.PutTensor.with_call(chunks, timeout=self._timeout(timeout),
