@@ -1297,6 +1297,61 @@ absl::StatusOr<v1::StagingPlan> Coordinator::PlanPutStaging(const v1::PutStaging
   return IssueStaging(std::move(record), std::move(response), std::move(expect), deadline);
 }
 
+absl::StatusOr<v1::TensorBlocks> Coordinator::PlanFetch(const std::string& name, absl::Time deadline,
+                                                       const CallContext& call) {
+  if (auto s = CheckReady(); !s.ok()) return s;
+  auto addresses = StagingAddresses();
+  if (!addresses.ok()) return addresses.status();
+  PinGuard guard{this, {}};  // the generation stays until every copy is held
+  auto resident = registry_.FindAndPin(call.tenant, name, &guard.pins);
+  if (!resident.ok()) return resident.status();
+  const std::vector<int64_t> shape(resident->info.shape().begin(), resident->info.shape().end());
+  auto local = planner::LocalShape(name, shape, resident->spec, mesh_);
+  if (!local.ok()) return local.status();
+  v1::TensorBlocks response;
+  response.set_dtype(resident->info.dtype());
+  response.mutable_shape()->Assign(shape.begin(), shape.end());
+  response.set_spec(resident->info.spec());
+  // Each distinct block once, from the lowest rank that holds it.
+  std::set<std::vector<int64_t>> seen;
+  std::vector<std::pair<int, v1::HoldShardRequest>> holds;
+  for (int r = 0; r < num_workers_; ++r) {
+    auto offsets = planner::BlockOffsets(name, shape, resident->spec, mesh_, r);
+    if (!offsets.ok()) return offsets.status();
+    if (!seen.insert(*offsets).second) continue;
+    v1::StagedBlock* block = response.add_blocks();
+    block->mutable_offsets()->Assign(offsets->begin(), offsets->end());
+    block->mutable_shape()->Assign(local->begin(), local->end());
+    v1::StagingDestination* at = block->add_destinations();
+    at->set_rank(r);
+    at->set_address((*addresses)[r]);
+    at->set_ticket(security::RandomHex(16));
+    v1::HoldShardRequest hold;
+    hold.set_session(session_);
+    hold.set_name(resident->shard_name);
+    hold.mutable_ticket()->set_ticket(at->ticket());
+    hold.mutable_ticket()->set_tenant(call.tenant);
+    holds.emplace_back(r, std::move(hold));
+  }
+  const std::vector<std::shared_ptr<WorkerChannel>> channels = dispatcher_.Channels();
+  std::vector<absl::Status> held(holds.size());
+  std::vector<std::thread> threads;
+  const absl::Time until = StepDeadline(deadline);
+  for (size_t i = 0; i < holds.size(); ++i) {
+    const int r = holds[i].first;
+    if (r >= static_cast<int>(channels.size()) || channels[r] == nullptr) {
+      held[i] = absl::UnavailableError(absl::StrCat("worker rank ", r, " is not registered"));
+      continue;
+    }
+    threads.emplace_back([&, i, r] { held[i] = channels[r]->HoldShard(holds[i].second, until); });
+  }
+  for (std::thread& t : threads) t.join();
+  for (const absl::Status& s : held) {
+    if (!s.ok()) return ExplainMissingShard(s, call.tenant, {name});  // what was held expires unfetched
+  }
+  return response;
+}
+
 absl::StatusOr<v1::PutTensorResponse> Coordinator::PutStaged(const v1::PutStagedRequest& request, absl::Time deadline,
                                                              const CallContext& call) {
   if (auto s = CheckReady(); !s.ok()) return s;

@@ -165,6 +165,10 @@ class Coordinator {
   absl::StatusOr<v1::StagingPlan> PlanStaging(const v1::StagingPlanRequest& request,
                                               absl::Time deadline = absl::InfiniteFuture(),
                                               const CallContext& call = {});
+  // The resident tensor `name` for a direct read: each distinct block held
+  // for one fetch on the lowest rank that has it (Worker.HoldShard).
+  absl::StatusOr<v1::TensorBlocks> PlanFetch(const std::string& name, absl::Time deadline = absl::InfiniteFuture(),
+                                             const CallContext& call = {});
   // A put whose blocks and standby copies were staged under a put's plan:
   // stores them on the workers and registers the tensor (as PutTensor).
   absl::StatusOr<v1::PutTensorResponse> PutStaged(const v1::PutStagedRequest& request,

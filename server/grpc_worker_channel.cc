@@ -212,6 +212,14 @@ class GrpcWorkerChannel : public WorkerChannel {
     return FromGrpcStatus(core_->stub->ExpectStaged(&ctx, request, &response));
   }
 
+  absl::Status HoldShard(const v1::HoldShardRequest& request, absl::Time deadline) override {
+    if (absl::Status c = core_->Connected(deadline); !c.ok()) return c;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(ToGrpcDeadline(deadline));
+    v1::HoldShardResponse response;
+    return FromGrpcStatus(core_->stub->HoldShard(&ctx, request, &response));
+  }
+
   // The worker's Status RPC, which answers on its own thread whatever its
   // steps are doing. Not wait-for-ready: a killed worker's ping fails at
   // once (connection refused), not at the ping's deadline (at least 2 s,

@@ -20,6 +20,7 @@ const char* RequestOpName(RequestOp op) {
     case RequestOp::kUnregisterSharedMemory: return "unregister_shared_memory";
     case RequestOp::kPlanStaging: return "plan_staging";
     case RequestOp::kPutStaged: return "put_staged";
+    case RequestOp::kPlanFetch: return "plan_fetch";
   }
   return "unknown";
 }

@@ -30,6 +30,7 @@ enum class RequestOp {
   kUnregisterSharedMemory,
   kPlanStaging,
   kPutStaged,
+  kPlanFetch,
 };
 const char* RequestOpName(RequestOp op);  // "grouped_gemm", ...
 

@@ -358,6 +358,21 @@ grpc::Status ShardGemmService::PutStaged(grpc::ServerContext* context, const v1:
   return Finish(record, grpc::Status::OK);
 }
 
+grpc::Status ShardGemmService::PlanFetch(grpc::ServerContext* context, const v1::GetTensorRequest* request,
+                                         v1::TensorBlocks* blocks) {
+  RequestRecord record = Begin(RequestOp::kPlanFetch, context);
+  if (grpc::Status a = Authenticate(*context, &record, security::Grant::kRead); !a.ok()) {
+    return Finish(record, std::move(a));
+  }
+  record.tensor = request->name();
+  auto slot = TakeSlot(record.tenant);
+  if (!slot.ok()) return Finish(record, ToGrpcStatus(slot.status()));
+  auto r = coordinator_->PlanFetch(request->name(), DeadlineOf(context), CallOf(record, context));
+  if (!r.ok()) return Finish(record, ToGrpcStatus(r.status()));
+  *blocks = std::move(*r);
+  return Finish(record, grpc::Status::OK);
+}
+
 grpc::Status CoordinationService::CheckCaller(const grpc::ServerContext& context) const {
   if (transport_ == nullptr || transport_->CallerIs(context, security::kWorkerName)) return grpc::Status::OK;
   return grpc::Status(grpc::StatusCode::PERMISSION_DENIED,

@@ -68,6 +68,8 @@ class ShardGemmService final
                            v1::StagingPlan* plan) override;
   grpc::Status PutStaged(grpc::ServerContext* context, const v1::PutStagedRequest* request,
                          v1::PutTensorResponse* response) override;
+  grpc::Status PlanFetch(grpc::ServerContext* context, const v1::GetTensorRequest* request,
+                         v1::TensorBlocks* blocks) override;
 
  private:
   // Records `record` with `status` (when observed) and returns `status`.

@@ -41,6 +41,10 @@ class WorkerChannel {
   virtual absl::Status ExpectStaged(const v1::ExpectStagedRequest& request, absl::Time deadline) {
     return absl::UnimplementedError("this worker channel cannot announce staging tickets");
   }
+  // Has the worker hold a copy of its shard for a client's fetch (PlanFetch).
+  virtual absl::Status HoldShard(const v1::HoldShardRequest& request, absl::Time deadline) {
+    return absl::UnimplementedError("this worker channel cannot hold shards for fetch");
+  }
   // A liveness check (the heartbeat): OK when the worker answers by `deadline`.
   virtual absl::Status Ping(absl::Time deadline) = 0;
 };

@@ -174,13 +174,20 @@ def test_a_direct_put_stores_each_block_where_it_belongs(clusters):
         r = c.put("w_direct", w, "(ep, fsdp, None)", overwrite=True, path="direct",
                   progress=lambda done, total: seen.append((done, total)))
         assert r.bytes == w.nbytes and seen[-1] == (w.nbytes, w.nbytes)  # four distinct blocks, one copy each
-        assert c.get("w_direct").tobytes() == w.tobytes()
+        assert c.get("w_direct").tobytes() == w.tobytes()  # the default: each block from a worker
+        assert c.get("w_direct", path="inline").tobytes() == w.tobytes()
+        got = []
+        assert c.get("w_direct", path="direct", progress=lambda done, total: got.append((done, total))).tobytes() \
+            == w.tobytes()
+        assert got[-1] == (w.nbytes, w.nbytes) and len(got) == 4  # four distinct blocks, each read once
         c.put("w_inline", w, "(ep, fsdp, None)", overwrite=True, path="inline")
         a, _ = c.grouped_gemm(x, "w_direct", sizes, path="inline", **kwargs)
         b, _ = c.grouped_gemm(x, "w_inline", sizes, path="inline", **kwargs)
         assert a.tobytes() == b.tobytes()
         c.put("replicated_direct", w, "", overwrite=True)  # the default: direct; every rank its copy
-        assert c.get("replicated_direct").tobytes() == w.tobytes()
+        assert c.get("replicated_direct", path="direct").tobytes() == w.tobytes()
+        with pytest.raises(shardgemm.NotFoundError):
+            c.get("no_such_tensor", path="direct")
         with pytest.raises(shardgemm.AlreadyExistsError):
             c.put("w_direct", w, "(ep, fsdp, None)", path="direct")
         assert c.get("w_direct").tobytes() == w.tobytes()  # the refused put changed nothing

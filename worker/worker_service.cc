@@ -112,6 +112,23 @@ grpc::Status WorkerServiceImpl::Status(grpc::ServerContext* context, const v1::W
   return grpc::Status::OK;
 }
 
+grpc::Status WorkerServiceImpl::HoldShard(grpc::ServerContext* context, const v1::HoldShardRequest* request,
+                                          v1::HoldShardResponse*) {
+  if (grpc::Status s = CheckCaller(*context); !s.ok()) return s;
+  if (staging_ == nullptr) {
+    return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "this worker serves no staging (--staging_port)");
+  }
+  if (!executor_->IsSession(request->session())) {
+    return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "a hold of another coordinator session");
+  }
+  auto t = store_->Get(request->name());
+  if (!t.ok()) return ToGrpcStatus(t.status());
+  absl::StatusOr<HostTensor> copy = (*t)->host != nullptr ? absl::StatusOr<HostTensor>(*(*t)->host)
+                                                          : backend_->Download(**t);  // a shard kept on the device
+  if (!copy.ok()) return ToGrpcStatus(copy.status());
+  return ToGrpcStatus(staging_->Hold(request->ticket().ticket(), request->ticket().tenant(), std::move(*copy)));
+}
+
 grpc::Status WorkerServiceImpl::ExpectStaged(grpc::ServerContext* context, const v1::ExpectStagedRequest* request,
                                              v1::ExpectStagedResponse*) {
   if (grpc::Status s = CheckCaller(*context); !s.ok()) return s;

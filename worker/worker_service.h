@@ -37,6 +37,8 @@ class WorkerServiceImpl final : public v1::Worker::Service {
                       v1::WorkerStatus* status) override;
   grpc::Status ExpectStaged(grpc::ServerContext* context, const v1::ExpectStagedRequest* request,
                             v1::ExpectStagedResponse* response) override;
+  grpc::Status HoldShard(grpc::ServerContext* context, const v1::HoldShardRequest* request,
+                         v1::HoldShardResponse* response) override;
 
   // The staging area the coordinator's tickets go to (null: this worker
   // serves no staging; ExpectStaged is then FAILED_PRECONDITION). Set before

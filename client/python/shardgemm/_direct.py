@@ -162,7 +162,11 @@ def split_x(x: TensorLike) -> Tuple[Dict[str, np.ndarray], Any]:
 
 def output_array(resp: "pb.GroupedGemmResponse") -> np.ndarray:
     """An empty array of the response's output dtype and shape, for its blocks."""
-    return np.empty(tuple(resp.out.shape), dtype=_convert.numpy_dtype(resp.out.dtype))
+    return empty_array(resp.out.dtype, resp.out.shape)
+
+
+def empty_array(dtype: "pb.DType", shape: Any) -> np.ndarray:
+    return np.empty(tuple(shape), dtype=_convert.numpy_dtype(dtype))
 
 
 def place_block(out: np.ndarray, block: "pb.StagedBlock", data: bytes) -> None:

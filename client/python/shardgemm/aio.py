@@ -221,8 +221,31 @@ class Client:
         return await self._unary(self.stub.PutTensor, chunks, timeout, request_id)
 
     async def get(self, name: str, request_id: Optional[str] = None, *, output: Optional[str] = None,
-                  progress: Progress = None, timeout: Optional[float] = None) -> Array:
+                  progress: Progress = None, timeout: Optional[float] = None, path: Optional[str] = None) -> Array:
+        """See shardgemm.Client.get (path= included)."""
         out_as = check_output(output or self.output)
+        chosen = _direct.check_path(path or self.path)
+        if chosen == "direct" or (chosen == "auto" and await self._offers_staging()):
+            t = self._timeout(timeout)
+            with self._errors():
+                call = self.stub.PlanFetch(pb.GetTensorRequest(name=name), timeout=t,
+                                           metadata=_common.metadata(request_id))
+                blocks = await call
+                await self._note_request_id(call)
+                md = _common.metadata(request_id or _common.request_id_of(await call.initial_metadata()))
+                out = _direct.empty_array(blocks.dtype, blocks.shape)
+                with Meter(self.progress if progress is None else progress, out.nbytes, f"get {name}") as meter:
+
+                    async def fetch(block: "pb.StagedBlock") -> None:
+                        d = block.destinations[0]
+                        parts = [c.data async for c in self._staging_stub(d.address).Fetch(
+                            pb.FetchRequest(ticket=d.ticket), timeout=t, metadata=md)]
+                        data = b"".join(parts)
+                        _direct.place_block(out, block, data)
+                        meter.update(len(data))
+
+                    await asyncio.gather(*(fetch(b) for b in blocks.blocks))
+            return to_output(out, out_as)
         assembler = _common.Assembler(name, self.progress if progress is None else progress)
         try:
             with self._errors():

@@ -312,9 +312,36 @@ class Client:
         return resp
 
     def get(self, name: str, request_id: Optional[str] = None, *, output: Optional[str] = None,
-            progress: Progress = None, timeout: Optional[float] = None) -> Array:
-        """The resident tensor `name`, assembled from its shards."""
+            progress: Progress = None, timeout: Optional[float] = None, path: Optional[str] = None) -> Array:
+        """The resident tensor `name`, assembled from its shards. path: as
+        grouped_gemm's; direct (the default where every worker serves
+        staging), each distinct block is read from a worker holding it, in
+        parallel."""
         out_as = check_output(output or self.output)
+        chosen = _direct.check_path(path or self.path)
+        if chosen == "direct" or (chosen == "auto" and self._offers_staging()):
+            t = self._timeout(timeout)
+            with self._errors():
+                blocks, call = self.stub.PlanFetch.with_call(pb.GetTensorRequest(name=name), timeout=t,
+                                                             metadata=_common.metadata(request_id))
+                self._note_request_id(call)
+                md = _common.metadata(request_id or _common.request_id_of(call.initial_metadata()))
+                out = _direct.empty_array(blocks.dtype, blocks.shape)
+                lock = threading.Lock()
+                with Meter(self.progress if progress is None else progress, out.nbytes, f"get {name}") as meter:
+
+                    def fetch(block: "pb.StagedBlock") -> None:
+                        d = block.destinations[0]
+                        chunks = self._staging_stub(d.address).Fetch(pb.FetchRequest(ticket=d.ticket), timeout=t,
+                                                                     metadata=md)
+                        data = b"".join(c.data for c in chunks)
+                        _direct.place_block(out, block, data)
+                        with lock:
+                            meter.update(len(data))
+
+                    for _ in self._threads().map(fetch, blocks.blocks):
+                        pass
+            return to_output(out, out_as)
         assembler = _common.Assembler(name, self.progress if progress is None else progress)
         try:
             with self._errors():
