@@ -148,8 +148,13 @@ absl::StatusOr<v1::RegisterResponse> Coordinator::Register(const v1::RegisterReq
   {
     absl::MutexLock lock(&reconcile_mu_);
     if (reported_.size() != static_cast<size_t>(num_workers_)) reported_.resize(num_workers_);
+    if (has_reported_.size() != static_cast<size_t>(num_workers_)) has_reported_.resize(num_workers_, false);
     reported_[joined->rank] = held;
-    if (!reconciled_ && dispatcher_.Complete()) {
+    has_reported_[joined->rank] = true;
+    // Every rank's own report first: another worker's registration may have
+    // completed the mesh before this thread got here with its shards.
+    const bool all_reported = std::all_of(has_reported_.begin(), has_reported_.end(), [](bool b) { return b; });
+    if (!reconciled_ && all_reported && dispatcher_.Complete()) {
       reconciled_ = true;
       std::vector<uint64_t> epochs;
       {

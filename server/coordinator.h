@@ -336,6 +336,9 @@ class Coordinator {
 
   absl::Mutex reconcile_mu_;
   std::vector<std::set<std::string>> reported_ ABSL_GUARDED_BY(reconcile_mu_);  // shards by rank, at registration
+  // Which ranks' registrations have reported (a rank joined in the
+  // dispatcher may not have reported yet: two registering at once).
+  std::vector<bool> has_reported_ ABSL_GUARDED_BY(reconcile_mu_);
   bool reconciled_ ABSL_GUARDED_BY(reconcile_mu_) = false;
 
   // Each registration's number (RestoreTask::epoch), and the latest by rank.
