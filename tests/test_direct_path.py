@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import shardgemm
+from shardgemm import _direct
 from shardgemm_client import pb, pb_grpc
 
 rng = np.random.default_rng(22)
@@ -78,7 +79,7 @@ def clusters(tmp_path_factory):
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_direct_path_equals_inline_bit_for_bit_and_the_coordinator_touches_no_bytes(clusters, case):
+def test_direct_path_equals_inline_bit_for_bit_and_the_coordinator_touches_no_bytes(clusters, case, monkeypatch):
     name, mesh, workers, m, k, n, g, lhs_spec, rhs_spec, gs_spec, out_spec, shards, gps, opts = case
     cluster = clusters(mesh, workers)
     ragged_k = opts.get("ragged_k", False)
@@ -96,12 +97,18 @@ def test_direct_path_equals_inline_bit_for_bit_and_the_coordinator_touches_no_by
         before = activation_bytes(cluster)
         direct, _ = c.grouped_gemm(lhs, rhs, sizes, bias, path="direct", **kwargs)
         after = activation_bytes(cluster)
-        # NumPy operands on a cluster that serves staging go direct by default.
+        # By default NumPy operands go direct from DIRECT_MIN_BYTES up (lowered
+        # here to keep the test small), inline below it.
+        monkeypatch.setattr(_direct, "DIRECT_MIN_BYTES", lhs.nbytes)
         default, _ = c.grouped_gemm(lhs, rhs, sizes, bias, **kwargs)
         assert activation_bytes(cluster) == after
+        monkeypatch.setattr(_direct, "DIRECT_MIN_BYTES", lhs.nbytes + 1)
+        small_default, _ = c.grouped_gemm(lhs, rhs, sizes, bias, **kwargs)
+        assert activation_bytes(cluster)[0] > after[0]
     assert direct.dtype == inline.dtype and direct.shape == inline.shape
     assert direct.tobytes() == inline.tobytes()
     assert default.tobytes() == inline.tobytes()
+    assert small_default.tobytes() == inline.tobytes()
     assert after == before  # neither path's counter moved: the direct request's bytes never reached it
     assert before[0] > 0 and before[1] == 0
     assert staged_bytes(cluster) == [0] * workers

@@ -37,14 +37,33 @@ def is_array(x: Any) -> bool:
     return x is not None and not isinstance(x, (str, SharedMemoryTensor))
 
 
+#: "auto" stages an operand directly from this many bytes up. Below it the
+#: direct path's extra round trips (plan, stage, fetch) cost more than the
+#: coordinator's copy: on the 2-core CPU machine a 256 KiB and a 1 MiB lhs
+#: were 2.8x and 1.4x slower direct, a 16 MiB one 1.3-1.6x faster
+#: (docs/performance/service.md).
+DIRECT_MIN_BYTES = 4 << 20
+
+
+def worth_staging(x: Any) -> bool:
+    """An operand "auto" sends directly: this process holds its bytes, and
+    there are at least DIRECT_MIN_BYTES of them."""
+    if not is_array(x):
+        return False
+    nbytes = getattr(x, "nbytes", None)
+    if not isinstance(nbytes, int):
+        nbytes = _convert.as_numpy(x).nbytes
+    return nbytes >= DIRECT_MIN_BYTES
+
+
 def offers_staging(info: "pb.ClusterInfo") -> bool:
     return bool(info.workers) and all(w.staging_address for w in info.workers)
 
 
 def wants_direct(path: str, offered: Any, lhs: TensorLike, out: Any, kwargs: Dict[str, Any]) -> bool:
-    """Whether a grouped_gemm call takes the direct path. "auto": NumPy (or
-    DLPack) lhs, no out= region, the PER_SHARD layout, and every worker
-    serving staging (`offered()`, asked only then)."""
+    """Whether a grouped_gemm call takes the direct path. "auto": a NumPy (or
+    DLPack) lhs of DIRECT_MIN_BYTES or more, no out= region, the PER_SHARD
+    layout, and every worker serving staging (`offered()`, asked only then)."""
     if path == "inline":
         return False
     usable = out is None and not kwargs.get("global_sorted", False)
@@ -53,7 +72,7 @@ def wants_direct(path: str, offered: Any, lhs: TensorLike, out: Any, kwargs: Dic
             raise ValueError("path='direct' stages operands and fetches the output itself: not with out= (shared "
                              "memory) or global_sorted")
         return True
-    return usable and is_array(lhs) and offered()
+    return usable and worth_staging(lhs) and offered()
 
 
 class StagingInfo:

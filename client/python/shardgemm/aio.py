@@ -122,7 +122,7 @@ class Client:
         out_as = check_output(output or self.output)
         chosen = _direct.check_path(path or self.path)
         offered = False
-        if chosen == "auto" and _direct.is_array(lhs) and out is None and not kwargs.get("global_sorted", False):
+        if chosen == "auto" and _direct.worth_staging(lhs) and out is None and not kwargs.get("global_sorted", False):
             offered = await self._offers_staging()
         if _direct.wants_direct(chosen, lambda: offered, lhs, out, kwargs):
             return await self._grouped_gemm_direct(lhs, rhs, group_sizes, bias, request_id, out_as, timeout, kwargs)
@@ -188,7 +188,7 @@ class Client:
                                **kwargs: Any) -> "pb.GroupedQuantizeResponse":
         """See shardgemm.Client.grouped_quantize (path= included)."""
         chosen = _direct.check_path(path or self.path)
-        if chosen == "direct" or (chosen == "auto" and _direct.is_array(x) and await self._offers_staging()):
+        if chosen == "direct" or (chosen == "auto" and _direct.worth_staging(x) and await self._offers_staging()):
             arrays, x = _direct.split_x(x)
             req = _common.quantize_request(x, group_sizes, **kwargs)
             with self._errors():
@@ -207,7 +207,7 @@ class Client:
                   timeout: Optional[float] = None, path: Optional[str] = None) -> "pb.PutTensorResponse":
         """See shardgemm.Client.put (path= included)."""
         chosen = _direct.check_path(path or self.path)
-        if chosen == "direct" or (chosen == "auto" and _direct.is_array(array) and await self._offers_staging()):
+        if chosen == "direct" or (chosen == "auto" and _direct.worth_staging(array) and await self._offers_staging()):
             arrays, plan_request = _direct.put_plan(name, array, spec, overwrite)
             with self._errors():
                 staging_id, md = await self._stage(plan_request, arrays, request_id, timeout,

@@ -270,7 +270,7 @@ class Client:
         grouped_gemm's for x (staged on the workers directly); the outputs
         come back in the response either way."""
         chosen = _direct.check_path(path or self.path)
-        if chosen == "direct" or (chosen == "auto" and _direct.is_array(x) and self._offers_staging()):
+        if chosen == "direct" or (chosen == "auto" and _direct.worth_staging(x) and self._offers_staging()):
             arrays, x = _direct.split_x(x)
             req = _common.quantize_request(x, group_sizes, **kwargs)
             with self._errors():
@@ -295,7 +295,7 @@ class Client:
         worker's block (and its standby copies) is streamed to it by this
         client, in parallel, and progress counts the bytes sent to all."""
         chosen = _direct.check_path(path or self.path)
-        if chosen == "direct" or (chosen == "auto" and _direct.is_array(array) and self._offers_staging()):
+        if chosen == "direct" or (chosen == "auto" and _direct.worth_staging(array) and self._offers_staging()):
             arrays, plan_request = _direct.put_plan(name, array, spec, overwrite)
             with self._errors():
                 staging_id, md = self._stage(plan_request, arrays, request_id, timeout,
