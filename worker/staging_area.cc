@@ -124,6 +124,10 @@ absl::StatusOr<int64_t> StagingArea::Upload::Commit() {
   }
   absl::MutexLock lock(&area_->mu_);
   Entry* e = area_->Find(ticket_);
+  if (e != nullptr && e->state == State::kUsed) {
+    return absl::FailedPreconditionError(absl::StrCat("ticket: ", Named(ticket_), " was dropped while it was being "
+                                                      "staged (its step failed, or its put was abandoned)"));
+  }
   if (e == nullptr || e->state != State::kStaging || e->id != id_) {
     return absl::NotFoundError(absl::StrCat("ticket: ", Named(ticket_), " expired while it was being staged"));
   }
@@ -184,8 +188,9 @@ absl::StatusOr<HostTensor> StagingArea::Claim(const std::string& ticket, DType d
 void StagingArea::Discard(const std::string& ticket) {
   absl::MutexLock lock(&mu_);
   Entry* e = Find(ticket);
-  if (e == nullptr || (e->state != State::kExpected && e->state != State::kStaged)) return;
+  if (e == nullptr || e->state == State::kUsed || e->state == State::kHeld || e->state == State::kFetching) return;
   if (e->state == State::kStaged) held_bytes_ -= e->bytes;
+  // A stream still staging it frees its own reservation when it ends, and its Commit finds the ticket used.
   e->data.reset();
   e->state = State::kUsed;
 }

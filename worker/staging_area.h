@@ -85,8 +85,10 @@ class StagingArea {
   absl::StatusOr<HostTensor> Claim(const std::string& ticket, DType dtype, const std::vector<int64_t>& shape,
                                    absl::string_view field);
 
-  // A step that named `ticket` failed: its block (staged or still to come)
-  // can serve no other step, so its bytes go now and the ticket is used.
+  // A step that named `ticket` failed, or the put staging it was abandoned:
+  // its block (staged, being staged or still to come) can serve no other
+  // step, so its bytes go now and the ticket is used (a stream staging it
+  // then fails its Commit with FAILED_PRECONDITION).
   void Discard(const std::string& ticket);
 
   // Holds a step's output block for the client's fetch under `ticket`.

@@ -150,6 +150,21 @@ TEST_F(StagingAreaTest, DiscardFreesAStagedBlockAndRefusesALateOne) {
   EXPECT_EQ(Stage(late, std::string(32, 'a')).code(), absl::StatusCode::kFailedPrecondition);
 }
 
+TEST_F(StagingAreaTest, DiscardDuringAStreamFailsItsCommitAndFreesItsReservation) {
+  ASSERT_TRUE(area_.Expect(kTicket, Block()).ok());
+  auto up = area_.BeginStage(kTicket, "demo");
+  ASSERT_TRUE(up.ok());
+  ASSERT_TRUE((*up)->Append(std::string(32, 'a')).ok());
+  EXPECT_EQ(area_.held_bytes(), 32);
+  area_.Discard(kTicket);
+  auto committed = (*up)->Commit();
+  EXPECT_EQ(committed.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(committed.status().message(), HasSubstr("dropped"));
+  up->reset();
+  EXPECT_EQ(area_.held_bytes(), 0);
+  EXPECT_EQ(Stage(kTicket, std::string(32, 'a')).code(), absl::StatusCode::kFailedPrecondition);  // used
+}
+
 TEST_F(StagingAreaTest, HeldOutputIsFetchedOnceByItsTenant) {
   HostTensor out;
   out.dtype = DType::kF32;

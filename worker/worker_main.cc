@@ -453,6 +453,7 @@ int Run() {
   request.set_device((*backend)->Device());
   request.set_memory_budget_bytes(store.budget_bytes());
   request.set_staging_address(staging_address);
+  if (!staging_address.empty()) request.set_staging_budget_bytes(staging.budget_bytes());
   if (socket_dir) {
     auto inode = platform::SocketInode(socket_dir->socket_path());
     if (!inode.ok()) {

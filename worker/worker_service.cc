@@ -151,4 +151,48 @@ grpc::Status WorkerServiceImpl::ExpectStaged(grpc::ServerContext* context, const
   return grpc::Status::OK;
 }
 
+grpc::Status WorkerServiceImpl::StageShard(grpc::ServerContext* context,
+                                           grpc::ServerReader<v1::StageShardChunk>* reader,
+                                           v1::StageResponse* response) {
+  if (grpc::Status s = CheckCaller(*context); !s.ok()) return s;
+  if (staging_ == nullptr) {
+    return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "this worker serves no staging (--staging_port)");
+  }
+  v1::StageShardChunk chunk;
+  if (!reader->Read(&chunk)) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "ticket: the stream ended before its first message");
+  }
+  if (!executor_->IsSession(chunk.session())) {
+    return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "a stage of another coordinator session");
+  }
+  if (chunk.ticket().empty()) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "ticket: the first message carries no ticket");
+  }
+  auto upload = staging_->BeginStage(chunk.ticket(), chunk.tenant());
+  if (!upload.ok()) return ToGrpcStatus(upload.status());
+  // Destroyed on every early return: a stream that does not finish holds nothing.
+  do {
+    if (auto s = (*upload)->Append(chunk.data()); !s.ok()) return ToGrpcStatus(s);
+    chunk.Clear();
+  } while (reader->Read(&chunk));
+  if (context->IsCancelled()) return grpc::Status(grpc::StatusCode::CANCELLED, "the coordinator ended the stream");
+  auto staged = (*upload)->Commit();
+  if (!staged.ok()) return ToGrpcStatus(staged.status());
+  response->set_bytes(*staged);
+  return grpc::Status::OK;
+}
+
+grpc::Status WorkerServiceImpl::DropStaged(grpc::ServerContext* context, const v1::DropStagedRequest* request,
+                                           v1::DropStagedResponse*) {
+  if (grpc::Status s = CheckCaller(*context); !s.ok()) return s;
+  if (staging_ == nullptr) {
+    return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "this worker serves no staging (--staging_port)");
+  }
+  if (!executor_->IsSession(request->session())) {
+    return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "a drop of another coordinator session");
+  }
+  for (const std::string& ticket : request->tickets()) staging_->Discard(ticket);
+  return grpc::Status::OK;
+}
+
 }  // namespace shardgemm

@@ -39,6 +39,10 @@ class WorkerServiceImpl final : public v1::Worker::Service {
                             v1::ExpectStagedResponse* response) override;
   grpc::Status HoldShard(grpc::ServerContext* context, const v1::HoldShardRequest* request,
                          v1::HoldShardResponse* response) override;
+  grpc::Status StageShard(grpc::ServerContext* context, grpc::ServerReader<v1::StageShardChunk>* reader,
+                          v1::StageResponse* response) override;
+  grpc::Status DropStaged(grpc::ServerContext* context, const v1::DropStagedRequest* request,
+                          v1::DropStagedResponse* response) override;
 
   // The staging area the coordinator's tickets go to (null: this worker
   // serves no staging; ExpectStaged is then FAILED_PRECONDITION). Set before
