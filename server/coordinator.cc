@@ -1182,21 +1182,18 @@ absl::StatusOr<v1::StagingPlan> Coordinator::PlanStaging(const v1::StagingPlanRe
   return IssueStaging(std::move(record), std::move(response), std::move(expect), deadline);
 }
 
-absl::StatusOr<v1::StagingPlan> Coordinator::IssueStaging(StagingRecord record, v1::StagingPlan response,
-                                                          std::vector<v1::ExpectStagedRequest> expect,
-                                                          absl::Time deadline) {
-  // Every worker hears of its tickets before the client does (in parallel,
-  // each call bounded by the request's deadline and the step timeout).
+absl::Status Coordinator::TellStagingTickets(std::vector<v1::ExpectStagedRequest> expect, absl::Time deadline) {
+  // In parallel, each call bounded by the request's deadline and the step timeout.
   const std::vector<std::shared_ptr<WorkerChannel>> channels = dispatcher_.Channels();
   std::vector<absl::Status> told(num_workers_);
   std::vector<std::thread> tellers;
   const absl::Time until = StepDeadline(deadline);
   for (int r = 0; r < num_workers_; ++r) {
+    if (expect[r].tickets().empty()) continue;
     if (r >= static_cast<int>(channels.size()) || channels[r] == nullptr) {
       told[r] = absl::UnavailableError(absl::StrCat("worker rank ", r, " is not registered"));
       continue;
     }
-    if (expect[r].tickets().empty()) continue;
     expect[r].set_session(session_);
     tellers.emplace_back([&, r] { told[r] = channels[r]->ExpectStaged(expect[r], until); });
   }
@@ -1207,6 +1204,14 @@ absl::StatusOr<v1::StagingPlan> Coordinator::IssueStaging(StagingRecord record, 
                                                        told[r].message()));
     }
   }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::StagingPlan> Coordinator::IssueStaging(StagingRecord record, v1::StagingPlan response,
+                                                          std::vector<v1::ExpectStagedRequest> expect,
+                                                          absl::Time deadline) {
+  // Every worker hears of its tickets before the client does.
+  if (auto s = TellStagingTickets(std::move(expect), deadline); !s.ok()) return s;
   const std::string staging_id = security::RandomHex(16);
   response.set_staging_id(staging_id);
   response.set_expires_unix_ms(absl::ToUnixMillis(record.expires));
@@ -1384,28 +1389,36 @@ absl::StatusOr<v1::PutTensorResponse> Coordinator::PutStaged(const v1::PutStaged
   }
   const std::string shard_name = *claimed;
   ClaimGuard claim(&registry_, call.tenant, put->name);
+  return StoreStagedPut(
+      *put, shard_name, [&claim](Resident resident) { return claim.Register(std::move(resident)); }, deadline, call);
+}
+
+absl::StatusOr<v1::PutTensorResponse> Coordinator::StoreStagedPut(
+    const StagedPut& put, const std::string& shard_name,
+    const std::function<absl::StatusOr<ShardCopies>(Resident)>& register_resident, absl::Time deadline,
+    const CallContext& call) {
   Placement placement;
-  placement.block_of_rank = put->block_of_rank;
-  for (const auto& [copy, ticket] : put->standby) placement.standby.push_back(copy);
+  placement.block_of_rank = put.block_of_rank;
+  for (const auto& [copy, ticket] : put.standby) placement.standby.push_back(copy);
   const ShardCopies copies{shard_name, placement.standby};
   auto staged = [&](const std::string& ticket, v1::LocalTensor* t) {
-    t->set_dtype(DTypeToProto(put->dtype));
-    t->mutable_shape()->Assign(put->local_shape.begin(), put->local_shape.end());
+    t->set_dtype(DTypeToProto(put.dtype));
+    t->mutable_shape()->Assign(put.local_shape.begin(), put.local_shape.end());
     t->set_staged(ticket);
   };
   std::vector<v1::Step> steps(num_workers_);
   for (int r = 0; r < num_workers_; ++r) {
     v1::StoreShardStep* store = steps[r].mutable_store();
     store->set_name(shard_name);
-    staged(put->ticket_of_rank[r], store->mutable_shard());
+    staged(put.ticket_of_rank[r], store->mutable_shard());
   }
-  for (const auto& [copy, ticket] : put->standby) {
+  for (const auto& [copy, ticket] : put.standby) {
     v1::NamedShard* standby = steps[copy.holder_rank].mutable_store()->add_standby();
     standby->set_name(StandbyShardName(shard_name, copy.block_rank));
     staged(ticket, standby->mutable_shard());
   }
   auto results = Dispatch(std::move(steps), StepDeadline(deadline), call);
-  if (absl::Status gone = Abandoned(deadline, call, absl::StrCat("'", put->name, "'")); results.ok() && !gone.ok()) {
+  if (absl::Status gone = Abandoned(deadline, call, absl::StrCat("'", put.name, "'")); results.ok() && !gone.ok()) {
     results = gone;
   }
   if (!results.ok()) {
@@ -1414,25 +1427,231 @@ absl::StatusOr<v1::PutTensorResponse> Coordinator::PutStaged(const v1::PutStaged
   }
   Resident resident;
   resident.tenant = call.tenant;
-  resident.info.set_name(put->name);
-  resident.info.set_dtype(DTypeToProto(put->dtype));
-  resident.info.mutable_shape()->Assign(put->shape.begin(), put->shape.end());
-  resident.info.set_spec(planner::FormatPartitionSpec(put->spec));
-  resident.spec = put->spec;
+  resident.info.set_name(put.name);
+  resident.info.set_dtype(DTypeToProto(put.dtype));
+  resident.info.mutable_shape()->Assign(put.shape.begin(), put.shape.end());
+  resident.info.set_spec(planner::FormatPartitionSpec(put.spec));
+  resident.spec = put.spec;
   resident.shard_name = shard_name;
   SetPlacement(placement, &resident);
-  auto replaced = claim.Register(std::move(resident));
+  auto replaced = register_resident(std::move(resident));
   if (!replaced.ok()) {
     DeleteShardsBestEffort(copies);
     return replaced.status();
   }
   if (!replaced->empty()) RetireBestEffort(*replaced);
-  int64_t bytes = DTypeSize(put->dtype);
-  for (int64_t d : put->shape) bytes *= d;
+  int64_t bytes = DTypeSize(put.dtype);
+  for (int64_t d : put.shape) bytes *= d;
   v1::PutTensorResponse response;
-  response.set_name(put->name);
+  response.set_name(put.name);
   response.set_bytes(bytes);
   return response;
+}
+
+// The streams of one BeginStreamedPut: each copy of each block (a rank's
+// own, a standby) has its holder's stream and its range of the tensor's
+// row-major bytes; every arriving chunk is cut to the ranges it meets.
+class Coordinator::StreamedPutImpl final : public Coordinator::StreamedPut {
+ public:
+  struct Destination {
+    int holder = 0;
+    std::string ticket;
+    int64_t begin = 0, end = 0;  // the block's bytes within the tensor's
+    std::unique_ptr<StageStream> stream;
+  };
+
+  StreamedPutImpl(Coordinator* coordinator, StagedPut put, std::string shard_name, absl::Time deadline,
+                  CallContext call, int64_t total_bytes, std::vector<Destination> destinations)
+      : coordinator_(coordinator),
+        put_(std::move(put)),
+        shard_name_(std::move(shard_name)),
+        claim_(&coordinator->registry_, call.tenant, put_.name),
+        deadline_(deadline),
+        call_(std::move(call)),
+        total_bytes_(total_bytes),
+        destinations_(std::move(destinations)) {}
+
+  ~StreamedPutImpl() override {
+    if (!stored_) Abandon();
+  }
+
+  // Opens every destination's stream (its header goes first), once the holders know the tickets.
+  absl::Status Open(absl::Time stream_deadline) {
+    const std::vector<std::shared_ptr<WorkerChannel>> channels = coordinator_->dispatcher_.Channels();
+    for (Destination& d : destinations_) {
+      if (d.holder >= static_cast<int>(channels.size()) || channels[d.holder] == nullptr) {
+        return absl::UnavailableError(absl::StrCat("worker rank ", d.holder, " is not registered"));
+      }
+      v1::StageShardChunk header;
+      header.set_session(coordinator_->session_);
+      header.set_ticket(d.ticket);
+      header.set_tenant(call_.tenant);
+      auto stream = channels[d.holder]->OpenStage(header, stream_deadline);
+      if (!stream.ok()) return Named(d, stream.status());
+      d.stream = std::move(*stream);
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status Append(absl::string_view data) override {
+    const int64_t from = received_;
+    const int64_t to = from + static_cast<int64_t>(data.size());
+    if (to > total_bytes_) {
+      return absl::InvalidArgumentError(absl::StrCat("data: tensor '", put_.name, "' needs ", total_bytes_,
+                                                     " bytes, the chunks carry ", to, " or more"));
+    }
+    for (Destination& d : destinations_) {
+      const int64_t begin = std::max(from, d.begin), end = std::min(to, d.end);
+      if (begin >= end) continue;
+      if (!d.stream->Write(data.substr(begin - from, end - begin)).ok()) {
+        auto answer = d.stream->Finish();  // why it broke
+        d.stream.reset();
+        return Named(d, answer.ok() ? absl::UnavailableError("the stage stream ended early") : answer.status());
+      }
+    }
+    received_ = to;
+    return absl::OkStatus();
+  }
+
+  int64_t received_bytes() const override { return received_; }
+
+  absl::StatusOr<v1::PutTensorResponse> Finish() override {
+    if (received_ != total_bytes_) {
+      return absl::InvalidArgumentError(absl::StrCat("data: tensor '", put_.name, "' needs ", total_bytes_,
+                                                     " bytes, the chunks carry ", received_));
+    }
+    for (Destination& d : destinations_) {
+      auto staged = d.stream->Finish();
+      d.stream.reset();
+      if (!staged.ok()) return Named(d, staged.status());
+    }
+    if (absl::Status gone = Abandoned(deadline_, call_, absl::StrCat("'", put_.name, "'")); !gone.ok()) return gone;
+    auto response = coordinator_->StoreStagedPut(
+        put_, shard_name_, [this](Resident resident) { return claim_.Register(std::move(resident)); }, deadline_,
+        call_);
+    stored_ = response.ok();
+    return response;
+  }
+
+ private:
+  static absl::Status Named(const Destination& d, const absl::Status& s) {
+    return absl::Status(s.code(), absl::StrCat("worker rank ", d.holder, " (staging its block): ", s.message()));
+  }
+
+  // Cancels the open streams and has every holder drop its tickets now, in
+  // parallel, each call bounded (a failed put's blocks do not wait for their TTL).
+  void Abandon() {
+    for (Destination& d : destinations_) d.stream.reset();
+    std::map<int, v1::DropStagedRequest> drops;
+    for (const Destination& d : destinations_) {
+      v1::DropStagedRequest& drop = drops[d.holder];
+      drop.set_session(coordinator_->session_);
+      drop.add_tickets(d.ticket);
+    }
+    const std::vector<std::shared_ptr<WorkerChannel>> channels = coordinator_->dispatcher_.Channels();
+    const absl::Time until = absl::Now() + kDropTimeout;
+    std::vector<std::thread> droppers;
+    for (const auto& [holder, drop] : drops) {
+      if (holder >= static_cast<int>(channels.size()) || channels[holder] == nullptr) continue;
+      droppers.emplace_back([&channels, &drop = drop, holder = holder, until] {
+        channels[holder]->DropStaged(drop, until).IgnoreError();  // a worker that missed it expires them
+      });
+    }
+    for (std::thread& t : droppers) t.join();
+  }
+
+  static constexpr absl::Duration kDropTimeout = absl::Seconds(2);
+  Coordinator* coordinator_;
+  const StagedPut put_;
+  const std::string shard_name_;
+  ClaimGuard claim_;  // released unless registered
+  const absl::Time deadline_;
+  const CallContext call_;
+  const int64_t total_bytes_;
+  std::vector<Destination> destinations_;
+  int64_t received_ = 0;
+  bool stored_ = false;
+};
+
+absl::StatusOr<std::unique_ptr<Coordinator::StreamedPut>> Coordinator::BeginStreamedPut(
+    const std::string& name, DType dtype, const std::vector<int64_t>& shape, const std::string& spec_text,
+    bool overwrite, absl::Time deadline, const CallContext& call) {
+  if (auto s = CheckReady(); !s.ok()) return s;
+  if (auto s = ValidateResidentName("name", name); !s.ok()) return s;
+  auto spec = planner::ParsePartitionSpec(spec_text);
+  if (!spec.ok()) return absl::InvalidArgumentError(absl::StrCat("spec: ", spec.status().message()));
+  if (auto s = planner::ValidatePartitionSpec(name, shape, *spec, mesh_); !s.ok()) return s;
+  auto local = planner::LocalShape(name, shape, *spec, mesh_);
+  if (!local.ok()) return local.status();
+  auto n = CheckedNumElements(shape, DTypeSize(dtype), "shape");
+  if (!n.ok()) return n.status();
+  const int64_t total_bytes = *n * DTypeSize(dtype);
+  // A block is one range of the row-major bytes only when no dimension after the first is split.
+  for (size_t d = 1; d < shape.size(); ++d) {
+    if ((*local)[d] != shape[d]) return nullptr;
+  }
+  if (total_bytes == 0 || !StagingAddresses().ok()) return nullptr;
+  auto placement = Place(name, dtype, shape, *spec);
+  if (!placement.ok()) return placement.status();
+  const int64_t row_bytes = shape.empty() ? DTypeSize(dtype) : total_bytes / shape[0];
+  const int64_t block_bytes = shape.empty() ? total_bytes : (*local)[0] * row_bytes;
+
+  StagedPut put;
+  put.name = name;
+  put.overwrite = overwrite;
+  put.dtype = dtype;
+  put.shape = shape;
+  put.spec = *spec;
+  put.local_shape = *local;
+  put.block_of_rank = placement->block_of_rank;
+  std::vector<StreamedPutImpl::Destination> destinations;
+  std::vector<v1::ExpectStagedRequest> expect(num_workers_);
+  std::vector<int64_t> staged_bytes(num_workers_, 0);
+  auto destination = [&](int block_rank, int holder) -> absl::StatusOr<std::string> {
+    auto offsets = planner::BlockOffsets(name, shape, *spec, mesh_, block_rank);
+    if (!offsets.ok()) return offsets.status();
+    StreamedPutImpl::Destination d;
+    d.holder = holder;
+    d.ticket = security::RandomHex(16);
+    d.begin = shape.empty() ? 0 : (*offsets)[0] * row_bytes;
+    d.end = d.begin + block_bytes;
+    v1::StagingTicket* t = expect[holder].add_tickets();
+    t->set_ticket(d.ticket);
+    t->set_tenant(call.tenant);
+    t->set_dtype(DTypeToProto(dtype));
+    t->mutable_shape()->Assign(local->begin(), local->end());
+    staged_bytes[holder] += block_bytes;
+    destinations.push_back(std::move(d));
+    return destinations.back().ticket;
+  };
+  for (int r = 0; r < num_workers_; ++r) {
+    auto ticket = destination(r, r);
+    if (!ticket.ok()) return ticket.status();
+    put.ticket_of_rank.push_back(*ticket);
+  }
+  for (const StandbyCopy& c : placement->standby) {
+    auto ticket = destination(c.block_rank, c.holder_rank);
+    if (!ticket.ok()) return ticket.status();
+    put.standby.push_back({c, *ticket});
+  }
+  // A block a worker's staging budget could never hold goes the assembled way.
+  for (const v1::WorkerInfo& w : dispatcher_.Workers()) {
+    if (w.rank() < 0 || w.rank() >= num_workers_) continue;
+    if (w.staging_budget_bytes() < staged_bytes[w.rank()]) return nullptr;
+  }
+
+  auto claimed = registry_.Claim(call.tenant, name, overwrite, options_.max_tensors_per_tenant);
+  if (!claimed.ok()) {
+    const bool exists = claimed.status().code() == absl::StatusCode::kAlreadyExists;
+    return absl::Status(claimed.status().code(), absl::StrCat(claimed.status().message(),
+                                                              exists ? " (set overwrite to replace it)" : ""));
+  }
+  auto streamed = std::make_unique<StreamedPutImpl>(this, std::move(put), *claimed, deadline, call, total_bytes,
+                                                    std::move(destinations));
+  // From here the object's destructor releases the claim and drops the tickets.
+  if (auto s = TellStagingTickets(std::move(expect), deadline); !s.ok()) return s;
+  if (auto s = streamed->Open(StepDeadline(deadline)); !s.ok()) return s;
+  return std::unique_ptr<StreamedPut>(std::move(streamed));
 }
 
 absl::StatusOr<TensorMeta> Coordinator::ResolveStaged(const v1::Tensor& t, const std::string& field,

@@ -143,6 +143,35 @@ class Coordinator {
                                                   const std::string& spec, bool overwrite,
                                                   absl::Time deadline = absl::InfiniteFuture(),
                                                   const CallContext& call = {});
+  // An inline PutTensor whose bytes go on to the workers as they arrive
+  // (BeginStreamedPut). Destroyed unfinished (or after a failed Finish):
+  // the streams are cancelled, the staged blocks dropped, nothing is
+  // registered and the name's claim is released.
+  class StreamedPut {
+   public:
+    virtual ~StreamedPut() = default;
+    // The tensor's next row-major bytes, forwarded to the streams of the
+    // ranks whose blocks contain them. INVALID_ARGUMENT ("data: ...") past
+    // the tensor's bytes; a worker's stream that broke: its error, naming
+    // the rank.
+    virtual absl::Status Append(absl::string_view data) = 0;
+    virtual int64_t received_bytes() const = 0;
+    // After the last chunk: INVALID_ARGUMENT unless every byte arrived;
+    // then each worker's answer, and the store steps naming the staged
+    // blocks (as PutStaged).
+    virtual absl::StatusOr<v1::PutTensorResponse> Finish() = 0;
+  };
+  // For a put whose every block (and standby copy) is a contiguous range of
+  // the row-major bytes (a spec that splits only dim 0, or none) on a mesh
+  // whose workers all stage and whose staging budgets fit the blocks: opens
+  // a stage stream to each holder, all bounded by `deadline`. Null (OK) when
+  // the put does not qualify: it takes PutTensor. Errors as PutTensor's
+  // (name, spec, an existing name without overwrite) before anything is sent.
+  absl::StatusOr<std::unique_ptr<StreamedPut>> BeginStreamedPut(const std::string& name, DType dtype,
+                                                                const std::vector<int64_t>& shape,
+                                                                const std::string& spec, bool overwrite,
+                                                                absl::Time deadline = absl::InfiniteFuture(),
+                                                                const CallContext& call = {});
   struct Fetched {
     v1::ResidentTensorInfo info;
     HostTensor tensor;
@@ -314,6 +343,17 @@ class Coordinator {
     std::map<std::string, StagedOperandRecord> operands;  // "lhs", "rhs", ...
     std::unique_ptr<StagedPut> put;                        // a put's plan instead
   };
+  // Stores a put's staged blocks (each rank's store step naming its
+  // tickets) as shard generation `shard_name`, then registers it with
+  // `register_resident` (a claim's Register): the response, or why not (its
+  // new shards dropped).
+  absl::StatusOr<v1::PutTensorResponse> StoreStagedPut(
+      const StagedPut& put, const std::string& shard_name,
+      const std::function<absl::StatusOr<ShardCopies>(Resident)>& register_resident, absl::Time deadline,
+      const CallContext& call);
+  class StreamedPutImpl;
+  // Tells each worker its tickets (Worker.ExpectStaged, in parallel).
+  absl::Status TellStagingTickets(std::vector<v1::ExpectStagedRequest> expect, absl::Time deadline);
   // Tells each worker its tickets, then keeps the record under a new staging id.
   absl::StatusOr<v1::StagingPlan> IssueStaging(StagingRecord record, v1::StagingPlan response,
                                                std::vector<v1::ExpectStagedRequest> expect, absl::Time deadline);

@@ -124,6 +124,50 @@ struct ChannelCore {
   }
 };
 
+
+// A Worker.StageShard call: the synchronous writer blocks on flow control,
+// so at most gRPC's window of the block is buffered on either side.
+class GrpcStageStream final : public StageStream {
+ public:
+  explicit GrpcStageStream(std::shared_ptr<ChannelCore> core) : core_(std::move(core)) {}
+  ~GrpcStageStream() override {
+    if (writer != nullptr && !finished_) {
+      context.TryCancel();
+      writer->Finish();  // CANCELLED at once; releases the call
+    }
+  }
+  absl::Status Write(absl::string_view data) override {
+    chunk_.Clear();
+    chunk_.set_data(data.data(), data.size());
+    return WriteChunk(chunk_);
+  }
+  absl::Status WriteChunk(const v1::StageShardChunk& chunk) {
+    if (broken_) return absl::UnavailableError("the stage stream broke");
+    if (!writer->Write(chunk)) {
+      broken_ = true;
+      return absl::UnavailableError("the stage stream broke");
+    }
+    return absl::OkStatus();
+  }
+  absl::StatusOr<int64_t> Finish() override {
+    if (!broken_) writer->WritesDone();
+    finished_ = true;
+    grpc::Status s = writer->Finish();
+    if (!s.ok()) return FromGrpcStatus(s);
+    return response.bytes();
+  }
+
+  grpc::ClientContext context;
+  v1::StageResponse response;
+  std::unique_ptr<grpc::ClientWriter<v1::StageShardChunk>> writer;
+
+ private:
+  std::shared_ptr<ChannelCore> core_;  // the channel outlives the call
+  v1::StageShardChunk chunk_;
+  bool broken_ = false;
+  bool finished_ = false;
+};
+
 class GrpcWorkerChannel : public WorkerChannel {
  public:
   GrpcWorkerChannel(const std::string& address, std::shared_ptr<grpc::ChannelCredentials> credentials)
@@ -218,6 +262,25 @@ class GrpcWorkerChannel : public WorkerChannel {
     ctx.set_deadline(ToGrpcDeadline(deadline));
     v1::HoldShardResponse response;
     return FromGrpcStatus(core_->stub->HoldShard(&ctx, request, &response));
+  }
+
+  absl::StatusOr<std::unique_ptr<StageStream>> OpenStage(const v1::StageShardChunk& header,
+                                                         absl::Time deadline) override {
+    if (absl::Status c = core_->Connected(deadline); !c.ok()) return c;
+    auto stream = std::make_unique<GrpcStageStream>(core_);
+    stream->context.set_deadline(ToGrpcDeadline(deadline));
+    v1::StageResponse* response = &stream->response;
+    stream->writer = core_->stub->StageShard(&stream->context, response);
+    if (absl::Status s = stream->WriteChunk(header); !s.ok()) return s;
+    return std::unique_ptr<StageStream>(std::move(stream));
+  }
+
+  absl::Status DropStaged(const v1::DropStagedRequest& request, absl::Time deadline) override {
+    if (absl::Status c = core_->Connected(deadline); !c.ok()) return c;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(ToGrpcDeadline(deadline));
+    v1::DropStagedResponse response;
+    return FromGrpcStatus(core_->stub->DropStaged(&ctx, request, &response));
   }
 
   // The worker's Status RPC, which answers on its own thread whatever its

@@ -216,6 +216,39 @@ grpc::Status ShardGemmService::ReceiveTensor(grpc::ServerContext* context,
   // A shape no worker budget could hold is refused before anything is
   // allocated for it (a claimed size is not to be trusted).
   if (auto s = coordinator_->CheckTensorFits(first.name(), expected); !s.ok()) return ToGrpcStatus(s);
+  auto too_few = [&](int64_t carried, bool or_more) {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                        absl::StrCat("data: tensor '", first.name(), "' of shape ", ShapeToString(shape), " ",
+                                     DTypeName(*dtype), " needs ", expected, " bytes, the chunks carry ", carried,
+                                     or_more ? " or more" : ""));
+  };
+  // Blocks that are ranges of the bytes go on to the workers as the chunks arrive.
+  auto streamed = coordinator_->BeginStreamedPut(first.name(), *dtype, shape, first.spec(), first.overwrite(),
+                                                 DeadlineOf(context), CallOf(*record, context));
+  if (!streamed.ok()) return ToGrpcStatus(streamed.status());
+  if (*streamed != nullptr) {
+    Coordinator::StreamedPut& put = **streamed;
+    auto forward = [&](const std::string& data) {
+      const int64_t carried = put.received_bytes() + static_cast<int64_t>(data.size());
+      if (carried > expected) return too_few(carried, true);
+      return ToGrpcStatus(put.Append(data));
+    };
+    if (grpc::Status s = forward(first.data()); !s.ok()) return s;
+    v1::TensorChunk chunk;
+    while (reader->Read(&chunk)) {
+      if (grpc::Status s = forward(chunk.data()); !s.ok()) return s;
+    }
+    record->bytes_in = put.received_bytes();
+    if (context->IsCancelled()) {
+      return grpc::Status(grpc::StatusCode::CANCELLED, absl::StrCat("the client ended the stream; tensor '",
+                                                                    first.name(), "' was not kept"));
+    }
+    if (put.received_bytes() != expected) return too_few(put.received_bytes(), false);
+    auto r = put.Finish();
+    if (!r.ok()) return ToGrpcStatus(r.status());
+    *response = *r;
+    return grpc::Status::OK;
+  }
   HostTensor tensor;
   tensor.dtype = *dtype;
   tensor.shape = shape;

@@ -8,11 +8,26 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "grpcpp/security/credentials.h"
 #include "proto/shardgemm.pb.h"
 
 namespace shardgemm {
+
+// One block streamed into a worker's staging area (Worker.StageShard).
+// Destroyed before Finish, the stream is cancelled and the worker holds
+// nothing of it.
+class StageStream {
+ public:
+  virtual ~StageStream() = default;
+  // The block's next bytes; blocks while the worker's flow control says
+  // wait, at most until the stream's deadline. An error means the stream
+  // broke: Finish says why.
+  virtual absl::Status Write(absl::string_view data) = 0;
+  // After the last bytes: the worker's answer (the bytes it staged).
+  virtual absl::StatusOr<int64_t> Finish() = 0;
+};
 
 class WorkerChannel {
  public:
@@ -44,6 +59,17 @@ class WorkerChannel {
   // Has the worker hold a copy of its shard for a client's fetch (PlanFetch).
   virtual absl::Status HoldShard(const v1::HoldShardRequest& request, absl::Time deadline) {
     return absl::UnimplementedError("this worker channel cannot hold shards for fetch");
+  }
+  // Opens a stream staging a block under a ticket ExpectStaged announced
+  // (`header`: session, ticket, tenant; its data, if any, goes first); the
+  // whole stream is bounded by `deadline`.
+  virtual absl::StatusOr<std::unique_ptr<StageStream>> OpenStage(const v1::StageShardChunk& header,
+                                                                 absl::Time deadline) {
+    return absl::UnimplementedError("this worker channel cannot stage blocks");
+  }
+  // Has the worker drop these tickets' blocks now (staged or not).
+  virtual absl::Status DropStaged(const v1::DropStagedRequest& request, absl::Time deadline) {
+    return absl::UnimplementedError("this worker channel cannot drop staged blocks");
   }
   // A liveness check (the heartbeat): OK when the worker answers by `deadline`.
   virtual absl::Status Ping(absl::Time deadline) = 0;
