@@ -66,10 +66,10 @@ def chunks(name, a, spec, overwrite=True, pause_at=None, resume=None, go_away=Fa
             yield pb.TensorChunk(data=piece)
 
 
-def put_in_background(cluster, stream, errors):
+def put_in_background(cluster, stream, errors, timeout=20):
     with grpc.insecure_channel(cluster.address) as ch:
         try:
-            pb_grpc.ShardGemmStub(ch).PutTensor(stream, timeout=20)
+            pb_grpc.ShardGemmStub(ch).PutTensor(stream, timeout=timeout)
         except grpc.RpcError as e:
             errors.append(e)
 
@@ -117,6 +117,23 @@ def test_the_coordinators_high_water_mark_grows_by_far_less_than_the_payload(dp2
     assert np.array_equal(got[:1024], a[:1024]) and np.array_equal(got[half - 1:half + 1], a[half - 1:half + 1])
     assert np.array_equal(got[-1024:], a[-1024:])
     dp2.client.delete("big")
+
+
+def test_standby_copies_stream_to_their_holders_with_the_blocks(cluster_factory):
+    c = cluster_factory(mesh="dp=2", workers=2, coordinator_flags=("--replicas=2",))
+    a = rng.standard_normal((1024, 1024), dtype=np.float32)  # 4 MiB
+    resume = threading.Event()
+    errors = []
+    t = threading.Thread(target=put_in_background, args=(c, chunks("w", a, "(dp, None)", pause_at=3 * CHUNK,
+                                                                    resume=resume), errors))
+    t.start()
+    wait_reserved(c, {0: a.nbytes, 1: a.nbytes})  # each rank: its own block and the other's standby copy
+    resume.set()
+    t.join(30)
+    assert not t.is_alive() and not errors, errors
+    np.testing.assert_array_equal(c.client.get("w"), a)
+    assert sum(w.standby_bytes for w in c.client.cluster_info().workers) == a.nbytes
+    wait_unstaged(c, within=0)
 
 
 def test_a_client_that_goes_away_mid_put_keeps_the_old_generation(dp2):
@@ -194,3 +211,34 @@ def worker_pid(cluster, address):
             if address in f.read():
                 return p.pid
     raise LookupError(address)
+
+
+def test_a_worker_that_stalls_mid_stream_fails_the_put_at_its_deadline(cluster_factory):
+    c = cluster_factory(mesh="dp=2", workers=2)
+    old = rng.standard_normal((256, 1024), dtype=np.float32)
+    c.client.put("w", old, spec="(dp, None)", overwrite=True)
+    new = rng.standard_normal((8192, 1024), dtype=np.float32)  # 32 MiB: rank 1's half outgrows the transport's buffers
+    rank1 = [w for w in c.client.cluster_info().workers if w.rank == 1][0]
+    pid = worker_pid(c, rank1.address)
+    resume = threading.Event()
+    errors = []
+    stream = chunks("w", new, "(dp, None)", pause_at=new.nbytes // 2, resume=resume)
+    start = time.time()
+    t = threading.Thread(target=lambda: put_in_background(c, stream, errors, timeout=3))
+    t.start()
+    wait_reserved(c, {0: new.nbytes // 2, 1: new.nbytes // 2})
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        resume.set()
+        t.join(15)
+        assert not t.is_alive() and len(errors) == 1, errors
+        assert errors[0].code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert time.time() - start < 8
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    wait_unstaged(c)
+    deadline = time.time() + 20
+    while not c.client.cluster_info().ready and time.time() < deadline:
+        time.sleep(0.1)
+    assert list(resident(c, "w").shape) == [256, 1024]
+    np.testing.assert_array_equal(c.client.get("w"), old)
