@@ -231,14 +231,15 @@ grpc::Status ShardGemmService::ReceiveTensor(grpc::ServerContext* context,
     auto forward = [&](const std::string& data) {
       const int64_t carried = put.received_bytes() + static_cast<int64_t>(data.size());
       if (carried > expected) return too_few(carried, true);
-      return ToGrpcStatus(put.Append(data));
+      grpc::Status appended = ToGrpcStatus(put.Append(data));
+      record->bytes_in = put.received_bytes();
+      return appended;
     };
     if (grpc::Status s = forward(first.data()); !s.ok()) return s;
     v1::TensorChunk chunk;
     while (reader->Read(&chunk)) {
       if (grpc::Status s = forward(chunk.data()); !s.ok()) return s;
     }
-    record->bytes_in = put.received_bytes();
     if (context->IsCancelled()) {
       return grpc::Status(grpc::StatusCode::CANCELLED, absl::StrCat("the client ended the stream; tensor '",
                                                                     first.name(), "' was not kept"));
