@@ -124,16 +124,23 @@ struct ChannelCore {
   }
 };
 
-
 // A Worker.StageShard call: the synchronous writer blocks on flow control,
 // so at most gRPC's window of the block is buffered on either side.
 class GrpcStageStream final : public StageStream {
  public:
-  explicit GrpcStageStream(std::shared_ptr<ChannelCore> core) : core_(std::move(core)) {}
+  // Starts the call and sends `header`; the worker's error if it refuses at once.
+  static absl::StatusOr<std::unique_ptr<StageStream>> Open(std::shared_ptr<ChannelCore> core,
+                                                           const v1::StageShardChunk& header, absl::Time deadline) {
+    std::unique_ptr<GrpcStageStream> stream(new GrpcStageStream(core));
+    stream->context_.set_deadline(ToGrpcDeadline(deadline));
+    stream->writer_ = core->stub->StageShard(&stream->context_, &stream->response_);
+    if (!stream->WriteChunk(header).ok()) return stream->Finish().status();
+    return std::unique_ptr<StageStream>(std::move(stream));
+  }
   ~GrpcStageStream() override {
-    if (writer != nullptr && !finished_) {
-      context.TryCancel();
-      writer->Finish();  // CANCELLED at once; releases the call
+    if (!finished_) {
+      context_.TryCancel();
+      writer_->Finish();  // CANCELLED at once; releases the call
     }
   }
   absl::Status Write(absl::string_view data) override {
@@ -141,28 +148,27 @@ class GrpcStageStream final : public StageStream {
     chunk_.set_data(data.data(), data.size());
     return WriteChunk(chunk_);
   }
-  absl::Status WriteChunk(const v1::StageShardChunk& chunk) {
-    if (broken_) return absl::UnavailableError("the stage stream broke");
-    if (!writer->Write(chunk)) {
-      broken_ = true;
-      return absl::UnavailableError("the stage stream broke");
-    }
-    return absl::OkStatus();
-  }
   absl::StatusOr<int64_t> Finish() override {
-    if (!broken_) writer->WritesDone();
+    if (!broken_) writer_->WritesDone();
     finished_ = true;
-    grpc::Status s = writer->Finish();
+    grpc::Status s = writer_->Finish();
     if (!s.ok()) return FromGrpcStatus(s);
-    return response.bytes();
+    if (broken_) return absl::UnavailableError("the stage stream broke");
+    return response_.bytes();
   }
-
-  grpc::ClientContext context;
-  v1::StageResponse response;
-  std::unique_ptr<grpc::ClientWriter<v1::StageShardChunk>> writer;
 
  private:
+  explicit GrpcStageStream(std::shared_ptr<ChannelCore> core) : core_(std::move(core)) {}
+  absl::Status WriteChunk(const v1::StageShardChunk& chunk) {
+    if (!broken_ && writer_->Write(chunk)) return absl::OkStatus();
+    broken_ = true;
+    return absl::UnavailableError("the stage stream broke");
+  }
+
   std::shared_ptr<ChannelCore> core_;  // the channel outlives the call
+  grpc::ClientContext context_;
+  v1::StageResponse response_;
+  std::unique_ptr<grpc::ClientWriter<v1::StageShardChunk>> writer_;
   v1::StageShardChunk chunk_;
   bool broken_ = false;
   bool finished_ = false;
@@ -267,12 +273,7 @@ class GrpcWorkerChannel : public WorkerChannel {
   absl::StatusOr<std::unique_ptr<StageStream>> OpenStage(const v1::StageShardChunk& header,
                                                          absl::Time deadline) override {
     if (absl::Status c = core_->Connected(deadline); !c.ok()) return c;
-    auto stream = std::make_unique<GrpcStageStream>(core_);
-    stream->context.set_deadline(ToGrpcDeadline(deadline));
-    v1::StageResponse* response = &stream->response;
-    stream->writer = core_->stub->StageShard(&stream->context, response);
-    if (absl::Status s = stream->WriteChunk(header); !s.ok()) return s;
-    return std::unique_ptr<StageStream>(std::move(stream));
+    return GrpcStageStream::Open(core_, header, deadline);
   }
 
   absl::Status DropStaged(const v1::DropStagedRequest& request, absl::Time deadline) override {
