@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 
@@ -32,7 +33,13 @@ def wait_for(port, expr, want, timeout=30):
     deadline = time.time() + timeout
     result = None
     while time.time() < deadline:
-        result = query(port, expr)
+        try:
+            result = query(port, expr)
+        except urllib.error.HTTPError as e:
+            if e.code != 503:  # 503: Prometheus not ready yet (starting, or busy on a loaded machine)
+                raise
+            time.sleep(0.25)
+            continue
         if len(result) == 1 and float(result[0]["value"][1]) == want:
             return result
         time.sleep(0.25)
