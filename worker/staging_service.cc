@@ -7,6 +7,10 @@
 
 namespace shardgemm {
 
+void StagingServiceImpl::ConfigureServer(grpc::ServerBuilder* builder) {
+  ConfigureTensorServer(builder, kMaxStreamMessageBytes);
+}
+
 absl::StatusOr<std::string> StagingServiceImpl::TenantOf(const grpc::ServerContext& context) {
   if (tokens_ == nullptr) return std::string();
   auto principal = tokens_->Authenticate(context);

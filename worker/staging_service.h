@@ -25,6 +25,15 @@ class StagingServiceImpl final : public v1::Staging::Service {
 
   // Data bytes of a Fetch stream's message (with its header within 1 MiB, as the service's streams).
   static constexpr size_t kChunkBytes = static_cast<size_t>(kTensorChunkBytes);
+  // The largest message either way: one chunk and its header. gRPC receives
+  // a whole message before the handler sees it, so a larger limit would let
+  // any caller make the worker allocate that much per stream, before its
+  // ticket or the budget is checked.
+  static constexpr int kMaxStreamMessageBytes = 1 << 20;
+
+  // The staging port's server settings: the tensor servers' window and
+  // frames, with messages of at most kMaxStreamMessageBytes.
+  static void ConfigureServer(grpc::ServerBuilder* builder);
 
  private:
   // The caller's tenant: UNAUTHENTICATED without a valid token,

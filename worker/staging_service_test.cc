@@ -20,6 +20,7 @@ class StagingServiceTest : public ::testing::Test {
     grpc::ServerBuilder builder;
     int port = 0;
     builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+    StagingServiceImpl::ConfigureServer(&builder);  // as the worker's staging port
     builder.RegisterService(&service_);
     server_ = builder.BuildAndStart();
     ASSERT_NE(server_, nullptr);
@@ -105,6 +106,18 @@ TEST_F(StagingServiceTest, AnOutputIsFetchedInChunksOnce) {
   v1::FetchChunk chunk;
   EXPECT_FALSE(again->Read(&chunk));
   EXPECT_EQ(again->Finish().error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+}
+
+TEST_F(StagingServiceTest, AMessageLargerThanAChunkIsRefusedBeforeAnythingIsChecked) {
+  // No ticket is expected: were the message received, the answer would be NOT_FOUND.
+  grpc::Status s = Stage(kTicket, {std::string(size_t{2} << 20, 'a')});
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << s.error_message();
+  EXPECT_EQ(area_.held_bytes(), 0);
+  // A chunk of the clients' size, with its header, goes.
+  const int64_t floats = kTensorChunkBytes / 4;
+  ASSERT_TRUE(area_.Expect(kTicket, ExpectedBlock{"", "lhs", DType::kF32, {floats}}).ok());
+  s = Stage(kTicket, {std::string(static_cast<size_t>(floats * 4), 'a')});
+  EXPECT_TRUE(s.ok()) << s.error_message();
 }
 
 }  // namespace

@@ -430,7 +430,7 @@ int Run() {
     const std::string staging_listen =
         absl::StrCat(listen.substr(0, listen.rfind(':')), ":", absl::GetFlag(FLAGS_staging_port));
     staging_builder.AddListeningPort(staging_listen, transport->ClientFacingServerCredentials(), &staging_port);
-    ConfigureTensorServer(&staging_builder);
+    StagingServiceImpl::ConfigureServer(&staging_builder);
     staging_builder.RegisterService(&staging_service);
     staging_server = staging_builder.BuildAndStart();
     if (staging_server == nullptr || staging_port == 0) {
