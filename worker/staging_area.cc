@@ -42,6 +42,9 @@ void StagingArea::Drop(absl::flat_hash_map<std::string, Entry>::iterator it) {
   const State s = it->second.state;
   // A stream being received owns its reservation (it ends it); the others' bytes are the entry's.
   if (s == State::kStaged || s == State::kHeld || s == State::kFetching) held_bytes_ -= it->second.bytes;
+  if ((s == State::kStaging || s == State::kFetching) && it->second.cancel) {
+    expired_streams_[it->second.id] = std::move(it->second.cancel);
+  }
   entries_.erase(it);
 }
 
@@ -67,7 +70,8 @@ absl::Status StagingArea::Expect(const std::string& ticket, ExpectedBlock block)
 }
 
 absl::StatusOr<std::unique_ptr<StagingArea::Upload>> StagingArea::BeginStage(const std::string& ticket,
-                                                                             const std::string& tenant) {
+                                                                             const std::string& tenant,
+                                                                             CancelStream cancel) {
   absl::MutexLock lock(&mu_);
   Entry* e = Find(ticket);
   if (e == nullptr) {
@@ -97,6 +101,7 @@ absl::StatusOr<std::unique_ptr<StagingArea::Upload>> StagingArea::BeginStage(con
   }
   e->state = State::kStaging;
   e->id = next_id_++;
+  e->cancel = std::move(cancel);
   return std::unique_ptr<Upload>(new Upload(this, ticket, e->id, e->bytes));
 }
 
@@ -137,6 +142,7 @@ absl::StatusOr<int64_t> StagingArea::Upload::Commit() {
   t->bytes = std::move(bytes_);
   e->data = std::move(t);
   e->state = State::kStaged;
+  e->cancel = nullptr;
   e->expires = area_->now_() + area_->ttl_;  // a staged block waits a TTL for its step
   committed_ = true;  // the reservation is the entry's now
   return expected_bytes_;
@@ -145,11 +151,15 @@ absl::StatusOr<int64_t> StagingArea::Upload::Commit() {
 void StagingArea::EndUpload(const std::string& ticket, uint64_t id, int64_t reserved) {
   absl::MutexLock lock(&mu_);
   held_bytes_ -= reserved;
+  ForgetStream(id);
   auto it = entries_.find(ticket);
   if (it != entries_.end() && it->second.state == State::kStaging && it->second.id == id) {
     it->second.state = State::kExpected;  // may be staged again, until it expires
+    it->second.cancel = nullptr;
   }
 }
+
+void StagingArea::ForgetStream(uint64_t id) { expired_streams_.erase(id); }
 
 absl::StatusOr<HostTensor> StagingArea::Claim(const std::string& ticket, DType dtype,
                                               const std::vector<int64_t>& shape, absl::string_view field) {
@@ -213,7 +223,8 @@ absl::Status StagingArea::Hold(const std::string& ticket, const std::string& ten
 }
 
 absl::StatusOr<std::unique_ptr<StagingArea::Download>> StagingArea::BeginFetch(const std::string& ticket,
-                                                                              const std::string& tenant) {
+                                                                              const std::string& tenant,
+                                                                              CancelStream cancel) {
   absl::MutexLock lock(&mu_);
   Entry* e = Find(ticket);
   if (e == nullptr || e->state == State::kExpected || e->state == State::kStaging || e->state == State::kStaged) {
@@ -232,6 +243,7 @@ absl::StatusOr<std::unique_ptr<StagingArea::Download>> StagingArea::BeginFetch(c
   }
   e->state = State::kFetching;
   e->id = next_id_++;
+  e->cancel = std::move(cancel);
   return std::unique_ptr<Download>(new Download(this, ticket, e->id, e->data));
 }
 
@@ -252,8 +264,10 @@ void StagingArea::Download::Done() {
 
 void StagingArea::EndDownload(const std::string& ticket, uint64_t id, bool done) {
   absl::MutexLock lock(&mu_);
+  ForgetStream(id);
   auto it = entries_.find(ticket);
   if (it == entries_.end() || it->second.state != State::kFetching || it->second.id != id) return;  // expired
+  it->second.cancel = nullptr;
   if (!done) {
     it->second.state = State::kHeld;  // may be fetched again, until it expires
     return;
@@ -275,6 +289,8 @@ int StagingArea::Sweep() {
     }
     it = next;
   }
+  for (auto& [id, cancel] : expired_streams_) cancel();
+  expired_streams_.clear();
   return dropped;
 }
 

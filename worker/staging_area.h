@@ -72,11 +72,17 @@ class StagingArea {
     std::string bytes_;
     bool committed_ = false;
   };
+  // Ends a stream whose ticket expired while it was open (a client that
+  // stalls would otherwise hold its bytes past the TTL); called by Sweep,
+  // never after the stream's Upload or Download is destroyed.
+  using CancelStream = std::function<void()>;
+
   // NOT_FOUND for an unknown or expired ticket, PERMISSION_DENIED for
   // another tenant's, FAILED_PRECONDITION for one staged, being staged or
   // used already, RESOURCE_EXHAUSTED (naming --staging_budget) when its
   // bytes do not fit.
-  absl::StatusOr<std::unique_ptr<Upload>> BeginStage(const std::string& ticket, const std::string& tenant);
+  absl::StatusOr<std::unique_ptr<Upload>> BeginStage(const std::string& ticket, const std::string& tenant,
+                                                     CancelStream cancel = nullptr);
 
   // A step's input: the staged block, taken out (its bytes leave the
   // budget; the step owns them). `field` names the operand in errors.
@@ -117,9 +123,11 @@ class StagingArea {
   };
   // NOT_FOUND unknown or expired (or not an output); PERMISSION_DENIED
   // another tenant's; FAILED_PRECONDITION fetched already or being fetched.
-  absl::StatusOr<std::unique_ptr<Download>> BeginFetch(const std::string& ticket, const std::string& tenant);
+  absl::StatusOr<std::unique_ptr<Download>> BeginFetch(const std::string& ticket, const std::string& tenant,
+                                                       CancelStream cancel = nullptr);
 
-  // Forgets every ticket past its expiry, freeing its bytes; returns how many.
+  // Forgets every ticket past its expiry, freeing its bytes, and cancels
+  // the streams still open on expired tickets; returns how many tickets.
   int Sweep();
 
   int64_t held_bytes() const;  // staged, being staged and held for fetch
@@ -135,6 +143,7 @@ class StagingArea {
     State state = State::kExpected;
     absl::Time expires;
     uint64_t id = 0;  // the stream that owns it now (kStaging, kFetching)
+    CancelStream cancel;  // that stream's
     std::shared_ptr<const HostTensor> data;  // kStaged, kHeld, kFetching
   };
   // The live entry of `ticket` (expired ones are dropped first), or null.
@@ -143,6 +152,7 @@ class StagingArea {
   absl::Status Reserve(int64_t bytes, absl::string_view what) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void EndUpload(const std::string& ticket, uint64_t id, int64_t reserved);
   void EndDownload(const std::string& ticket, uint64_t id, bool done);
+  void ForgetStream(uint64_t id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const int64_t budget_bytes_;
   const absl::Duration ttl_;
@@ -151,6 +161,9 @@ class StagingArea {
   absl::flat_hash_map<std::string, Entry> entries_ ABSL_GUARDED_BY(mu_);
   int64_t held_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
+  // Streams whose ticket was dropped while they were open, by stream id:
+  // Sweep cancels them (under mu_, so a stream cannot end meanwhile).
+  absl::flat_hash_map<uint64_t, CancelStream> expired_streams_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace shardgemm

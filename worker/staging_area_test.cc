@@ -223,5 +223,47 @@ TEST_F(StagingAreaTest, ExpiryDuringAnUploadFailsItsCommitAndFreesItsReservation
   EXPECT_EQ(area_.held_bytes(), 0);
 }
 
+TEST_F(StagingAreaTest, SweepCancelsTheStreamsOfExpiredTicketsOnce) {
+  ASSERT_TRUE(area_.Expect(kTicket, Block()).ok());
+  int stage_cancels = 0;
+  auto up = area_.BeginStage(kTicket, "demo", [&] { ++stage_cancels; });
+  ASSERT_TRUE(up.ok());
+  HostTensor out;
+  out.dtype = DType::kF32;
+  out.shape = {2};
+  out.bytes.assign(8, 'o');
+  const std::string out_ticket = "fedcba9876543210fedcba9876543210";
+  ASSERT_TRUE(area_.Hold(out_ticket, "demo", out).ok());
+  int fetch_cancels = 0;
+  auto down = area_.BeginFetch(out_ticket, "demo", [&] { ++fetch_cancels; });
+  ASSERT_TRUE(down.ok());
+  area_.Sweep();
+  EXPECT_EQ(stage_cancels + fetch_cancels, 0);  // not expired yet
+  now_ += absl::Seconds(61);
+  EXPECT_EQ(area_.Sweep(), 2);
+  EXPECT_EQ(stage_cancels, 1);
+  EXPECT_EQ(fetch_cancels, 1);
+  area_.Sweep();
+  EXPECT_EQ(stage_cancels + fetch_cancels, 2);  // once each
+  up->reset();
+  down->reset();
+  EXPECT_EQ(area_.held_bytes(), 0);
+}
+
+TEST_F(StagingAreaTest, AStreamThatEndedIsNeverCancelled) {
+  ASSERT_TRUE(area_.Expect(kTicket, Block()).ok());
+  int cancels = 0;
+  {
+    auto up = area_.BeginStage(kTicket, "demo", [&] { ++cancels; });
+    ASSERT_TRUE(up.ok());
+    now_ += absl::Seconds(61);
+    // Dropped on access while the stream is open, then the stream ends before a sweep.
+    EXPECT_EQ(area_.BeginStage(kTicket, "demo").status().code(), absl::StatusCode::kNotFound);
+  }
+  area_.Sweep();
+  EXPECT_EQ(cancels, 0);
+  EXPECT_EQ(area_.held_bytes(), 0);
+}
+
 }  // namespace
 }  // namespace shardgemm

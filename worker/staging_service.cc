@@ -34,7 +34,7 @@ grpc::Status StagingServiceImpl::Stage(grpc::ServerContext* context, grpc::Serve
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "ticket: the first message carries no ticket");
   }
   const std::string ticket = chunk.ticket();
-  auto upload = area_->BeginStage(ticket, *tenant);
+  auto upload = area_->BeginStage(ticket, *tenant, [context] { context->TryCancel(); });
   if (!upload.ok()) return ToGrpcStatus(upload.status());
   // Destroyed on every early return: a stream that does not finish holds nothing.
   do {
@@ -44,7 +44,10 @@ grpc::Status StagingServiceImpl::Stage(grpc::ServerContext* context, grpc::Serve
     if (auto s = (*upload)->Append(chunk.data()); !s.ok()) return ToGrpcStatus(s);
     chunk.Clear();
   } while (reader->Read(&chunk));
-  if (context->IsCancelled()) return grpc::Status(grpc::StatusCode::CANCELLED, "the client ended the stream");
+  if (context->IsCancelled()) {
+    return grpc::Status(grpc::StatusCode::CANCELLED,
+                        "the stream was cancelled (by the client, or its ticket expired: --staged_block_ttl)");
+  }
   auto staged = (*upload)->Commit();
   if (!staged.ok()) return ToGrpcStatus(staged.status());
   response->set_bytes(*staged);
@@ -55,7 +58,7 @@ grpc::Status StagingServiceImpl::Fetch(grpc::ServerContext* context, const v1::F
                                        grpc::ServerWriter<v1::FetchChunk>* writer) {
   auto tenant = TenantOf(*context);
   if (!tenant.ok()) return ToGrpcStatus(tenant.status());
-  auto download = area_->BeginFetch(request->ticket(), *tenant);
+  auto download = area_->BeginFetch(request->ticket(), *tenant, [context] { context->TryCancel(); });
   if (!download.ok()) return ToGrpcStatus(download.status());
   const std::string& bytes = (*download)->block().bytes;
   size_t offset = 0;
@@ -63,8 +66,9 @@ grpc::Status StagingServiceImpl::Fetch(grpc::ServerContext* context, const v1::F
   do {
     const size_t n = std::min(kChunkBytes, bytes.size() - offset);
     chunk.set_data(bytes.data() + offset, n);
-    if (!writer->Write(chunk)) {  // the client went away: the block may be fetched again
-      return grpc::Status(grpc::StatusCode::CANCELLED, "the client ended the stream");
+    if (!writer->Write(chunk)) {  // the client went away (the block may be fetched again), or it expired
+      return grpc::Status(grpc::StatusCode::CANCELLED,
+                          "the stream was cancelled (by the client, or its block expired: --staged_block_ttl)");
     }
     offset += n;
   } while (offset < bytes.size());

@@ -1,5 +1,7 @@
 #include "worker/staging_service.h"
 
+#include <atomic>
+#include <chrono>
 #include <memory>
 #include <string>
 
@@ -46,7 +48,10 @@ class StagingServiceTest : public ::testing::Test {
     return writer->Finish();
   }
 
-  StagingArea area_{int64_t{64} << 20, absl::Seconds(60)};
+  // The area's clock, moved by the tests (read by the server's threads).
+  std::atomic<int64_t> now_seconds_{1000};
+  StagingArea area_{int64_t{64} << 20, absl::Seconds(60),
+                    [this] { return absl::FromUnixSeconds(now_seconds_.load()); }};
   StagingServiceImpl service_{&area_, nullptr};
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<v1::Staging::Stub> stub_;
@@ -118,6 +123,28 @@ TEST_F(StagingServiceTest, AMessageLargerThanAChunkIsRefusedBeforeAnythingIsChec
   ASSERT_TRUE(area_.Expect(kTicket, ExpectedBlock{"", "lhs", DType::kF32, {floats}}).ok());
   s = Stage(kTicket, {std::string(static_cast<size_t>(floats * 4), 'a')});
   EXPECT_TRUE(s.ok()) << s.error_message();
+}
+
+TEST_F(StagingServiceTest, AStreamStalledPastItsTicketsExpiryIsCancelledAndHoldsNothing) {
+  ASSERT_TRUE(area_.Expect(kTicket, ExpectedBlock{"", "lhs", DType::kF32, {4, 4}}).ok());
+  grpc::ClientContext ctx;
+  const auto give_up = std::chrono::system_clock::now() + std::chrono::seconds(10);
+  ctx.set_deadline(give_up);
+  v1::StageResponse response;
+  auto writer = stub_->Stage(&ctx, &response);
+  v1::StageChunk chunk;
+  chunk.set_ticket(kTicket);
+  chunk.set_data(std::string(16, 'a'));  // of 64 bytes; then the client sends nothing more
+  ASSERT_TRUE(writer->Write(chunk));
+  for (int i = 0; i < 500 && area_.held_bytes() == 0; ++i) absl::SleepFor(absl::Milliseconds(10));
+  ASSERT_EQ(area_.held_bytes(), 64);  // reserved by the open stream
+  now_seconds_ += 61;
+  area_.Sweep();
+  grpc::Status s = writer->Finish();
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::CANCELLED) << s.error_message();
+  EXPECT_LT(std::chrono::system_clock::now(), give_up - std::chrono::seconds(5));  // the worker ended it
+  for (int i = 0; i < 500 && area_.held_bytes() != 0; ++i) absl::SleepFor(absl::Milliseconds(10));
+  EXPECT_EQ(area_.held_bytes(), 0);
 }
 
 }  // namespace
