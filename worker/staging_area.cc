@@ -208,18 +208,44 @@ void StagingArea::Discard(const std::string& ticket) {
 absl::Status StagingArea::Hold(const std::string& ticket, const std::string& tenant, HostTensor block) {
   absl::MutexLock lock(&mu_);
   if (Find(ticket) != nullptr) return absl::AlreadyExistsError(absl::StrCat(Named(ticket), " is known already"));
-  const int64_t bytes = block.NumBytes();
-  if (auto s = Reserve(bytes, "out_staged: holding the output block for a direct fetch"); !s.ok()) return s;
+  if (auto s = Reserve(block.NumBytes(), "out_staged: holding the output block for a direct fetch"); !s.ok()) {
+    return s;
+  }
+  InsertHeld(ticket, tenant, std::move(block));
+  return absl::OkStatus();
+}
+
+absl::Status StagingArea::HoldMade(const std::string& ticket, const std::string& tenant, int64_t bytes,
+                                   const std::function<absl::StatusOr<HostTensor>()>& make) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (Find(ticket) != nullptr) return absl::AlreadyExistsError(absl::StrCat(Named(ticket), " is known already"));
+    if (auto s = Reserve(bytes, "holding a copy of the block for a direct fetch"); !s.ok()) return s;
+  }
+  absl::StatusOr<HostTensor> block = make();
+  absl::MutexLock lock(&mu_);
+  if (!block.ok() || block->NumBytes() != bytes || Find(ticket) != nullptr) {
+    held_bytes_ -= bytes;
+    if (!block.ok()) return block.status();
+    if (block->NumBytes() != bytes) {
+      return absl::InternalError(absl::StrCat("the block to hold has ", block->NumBytes(), " bytes, not ", bytes));
+    }
+    return absl::AlreadyExistsError(absl::StrCat(Named(ticket), " is known already"));
+  }
+  InsertHeld(ticket, tenant, *std::move(block));
+  return absl::OkStatus();
+}
+
+void StagingArea::InsertHeld(const std::string& ticket, const std::string& tenant, HostTensor block) {
   Entry& e = entries_[ticket];
   e.block.tenant = tenant;
   e.block.operand = "out";
   e.block.dtype = block.dtype;
   e.block.shape = block.shape;
-  e.bytes = bytes;
+  e.bytes = block.NumBytes();
   e.state = State::kHeld;
   e.expires = now_() + ttl_;
   e.data = std::make_shared<const HostTensor>(std::move(block));
-  return absl::OkStatus();
 }
 
 absl::StatusOr<std::unique_ptr<StagingArea::Download>> StagingArea::BeginFetch(const std::string& ticket,

@@ -101,6 +101,11 @@ class StagingArea {
   // RESOURCE_EXHAUSTED (naming --staging_budget) when it does not fit;
   // ALREADY_EXISTS for a ticket known already.
   absl::Status Hold(const std::string& ticket, const std::string& tenant, HostTensor block);
+  // As Hold, for a block that is made only once its `bytes` fit (a copy of
+  // a resident shard): they are reserved before `make` runs, so concurrent
+  // holds cannot copy more than the budget; freed again if `make` fails.
+  absl::Status HoldMade(const std::string& ticket, const std::string& tenant, int64_t bytes,
+                        const std::function<absl::StatusOr<HostTensor>()>& make);
 
   // One Fetch stream: the block stays held until Done (fetched: the ticket
   // is used); destroyed without Done, it may be fetched again.
@@ -153,6 +158,9 @@ class StagingArea {
   void EndUpload(const std::string& ticket, uint64_t id, int64_t reserved);
   void EndDownload(const std::string& ticket, uint64_t id, bool done);
   void ForgetStream(uint64_t id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Keeps `block` under `ticket` for fetch; its bytes are reserved already.
+  void InsertHeld(const std::string& ticket, const std::string& tenant, HostTensor block)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const int64_t budget_bytes_;
   const absl::Duration ttl_;

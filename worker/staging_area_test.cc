@@ -265,5 +265,33 @@ TEST_F(StagingAreaTest, AStreamThatEndedIsNeverCancelled) {
   EXPECT_EQ(area_.held_bytes(), 0);
 }
 
+TEST_F(StagingAreaTest, ACopyToHoldIsMadeOnlyOnceItsBytesFit) {
+  int made = 0;
+  auto copy = [&]() -> absl::StatusOr<HostTensor> {
+    ++made;
+    HostTensor t;
+    t.dtype = DType::kF32;
+    t.shape = {2};
+    t.bytes.assign(8, 'c');
+    return t;
+  };
+  absl::Status over = area_.HoldMade(kTicket, "demo", 2048, copy);
+  EXPECT_EQ(over.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(over.message(), HasSubstr("--staging_budget"));
+  EXPECT_EQ(made, 0);
+  EXPECT_EQ(area_.held_bytes(), 0);
+  ASSERT_TRUE(area_.HoldMade(kTicket, "demo", 8, copy).ok());
+  EXPECT_EQ(made, 1);
+  EXPECT_EQ(area_.held_bytes(), 8);
+  const std::string other = "fedcba9876543210fedcba9876543210";
+  absl::Status failed =
+      area_.HoldMade(other, "demo", 8, [] { return absl::StatusOr<HostTensor>(absl::InternalError("no copy")); });
+  EXPECT_EQ(failed.code(), absl::StatusCode::kInternal);
+  EXPECT_EQ(area_.held_bytes(), 8);  // the failed copy's reservation is freed
+  auto fetch = area_.BeginFetch(kTicket, "demo");
+  ASSERT_TRUE(fetch.ok()) << fetch.status();
+  EXPECT_EQ((*fetch)->block().bytes, std::string(8, 'c'));
+}
+
 }  // namespace
 }  // namespace shardgemm

@@ -123,10 +123,14 @@ grpc::Status WorkerServiceImpl::HoldShard(grpc::ServerContext* context, const v1
   }
   auto t = store_->Get(request->name());
   if (!t.ok()) return ToGrpcStatus(t.status());
-  absl::StatusOr<HostTensor> copy = (*t)->host != nullptr ? absl::StatusOr<HostTensor>(*(*t)->host)
-                                                          : backend_->Download(**t);  // a shard kept on the device
-  if (!copy.ok()) return ToGrpcStatus(copy.status());
-  return ToGrpcStatus(staging_->Hold(request->ticket().ticket(), request->ticket().tenant(), std::move(*copy)));
+  const std::shared_ptr<const Shard>& shard = *t;
+  // The copy is made once its bytes are reserved: holds past the budget copy nothing.
+  return ToGrpcStatus(staging_->HoldMade(
+      request->ticket().ticket(), request->ticket().tenant(), shard->NumBytes(),
+      [&]() -> absl::StatusOr<HostTensor> {
+        if (shard->host != nullptr) return *shard->host;
+        return backend_->Download(*shard);  // a shard kept on the device
+      }));
 }
 
 grpc::Status WorkerServiceImpl::ExpectStaged(grpc::ServerContext* context, const v1::ExpectStagedRequest* request,
