@@ -1207,15 +1207,7 @@ absl::Status Coordinator::TellStagingTickets(std::vector<v1::ExpectStagedRequest
   return absl::OkStatus();
 }
 
-absl::StatusOr<v1::StagingPlan> Coordinator::IssueStaging(StagingRecord record, v1::StagingPlan response,
-                                                          std::vector<v1::ExpectStagedRequest> expect,
-                                                          absl::Time deadline) {
-  // Every worker hears of its tickets before the client does.
-  if (auto s = TellStagingTickets(std::move(expect), deadline); !s.ok()) return s;
-  const std::string staging_id = security::RandomHex(16);
-  response.set_staging_id(staging_id);
-  response.set_expires_unix_ms(absl::ToUnixMillis(record.expires));
-  absl::MutexLock lock(&staging_mu_);
+absl::Status Coordinator::RoomForStagingPlan() {
   const absl::Time now = absl::Now();
   for (auto it = staging_.begin(); it != staging_.end();) {
     it = it->second.expires <= now ? staging_.erase(it) : std::next(it);
@@ -1224,6 +1216,23 @@ absl::StatusOr<v1::StagingPlan> Coordinator::IssueStaging(StagingRecord record, 
     return absl::ResourceExhaustedError(absl::StrCat(options_.max_staging_plans,
                                                      " transfer plans are waiting for their requests; retry later"));
   }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::StagingPlan> Coordinator::IssueStaging(StagingRecord record, v1::StagingPlan response,
+                                                          std::vector<v1::ExpectStagedRequest> expect,
+                                                          absl::Time deadline) {
+  {  // Refused before any worker hears of its tickets (a refused plan's would sit there until they expire).
+    absl::MutexLock lock(&staging_mu_);
+    if (auto s = RoomForStagingPlan(); !s.ok()) return s;
+  }
+  // Every worker hears of its tickets before the client does.
+  if (auto s = TellStagingTickets(std::move(expect), deadline); !s.ok()) return s;
+  const std::string staging_id = security::RandomHex(16);
+  response.set_staging_id(staging_id);
+  response.set_expires_unix_ms(absl::ToUnixMillis(record.expires));
+  absl::MutexLock lock(&staging_mu_);
+  if (auto s = RoomForStagingPlan(); !s.ok()) return s;  // others took the room meanwhile
   staging_[staging_id] = std::move(record);
   return response;
 }

@@ -361,6 +361,8 @@ class Coordinator {
                                                  const CallContext& call);
   absl::Mutex staging_mu_;
   std::map<std::string, StagingRecord> staging_ ABSL_GUARDED_BY(staging_mu_);
+  // Forgets the expired plans; RESOURCE_EXHAUSTED when --max_staging_plans wait still.
+  absl::Status RoomForStagingPlan() ABSL_EXCLUSIVE_LOCKS_REQUIRED(staging_mu_);
   // The staged operand `field` of `staging_id`, checked against the request's
   // tensor `t` (tenant, expiry, dtype, shape, spec); not yet marked used.
   absl::StatusOr<struct TensorMeta> ResolveStaged(const v1::Tensor& t, const std::string& field,

@@ -477,6 +477,19 @@ TEST(CoordinatorStagingTest, AStagedRequestNamesEachRanksTicketAndIsUsedOnceByIt
   EXPECT_THAT(again.status().message(), HasSubstr("used already"));
 }
 
+TEST(CoordinatorStagingTest, APlanPastTheCapIsRefusedBeforeTheWorkersHearOfItsTickets) {
+  FakeMesh::Options options;
+  options.staging = true;
+  options.coordinator.max_staging_plans = 1;
+  auto mesh = MakeMesh("dp=2", options);
+  const Gemm gemm(8, 4, 5, {1, 2, 0, 3, 0, 1}, 2);
+  const v1::StagingPlanRequest request = PlanOf(StagingRequest(gemm, "(dp, None)", "(dp,)"));
+  ASSERT_TRUE(mesh->coordinator().PlanStaging(request).ok());
+  auto refused = mesh->coordinator().PlanStaging(request);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted);
+  for (int rank = 0; rank < 2; ++rank) EXPECT_EQ(mesh->worker(rank).expected_staged().size(), 1u) << rank;
+}
+
 TEST(CoordinatorStagingTest, NoPlanWithoutEveryWorkersStagingAddressOrAnOperandToStage) {
   auto plain = MakeMesh("dp=2");
   const Gemm gemm(8, 4, 5, {1, 2, 0, 3, 0, 1}, 2);
