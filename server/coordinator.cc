@@ -2150,10 +2150,6 @@ absl::StatusOr<std::shared_ptr<Coordinator::GemmCall>> Coordinator::PrepareGroup
   }
   if (!plan.ok()) return plan.status();
   if (auto s = CheckFp8ScalesGiven(request, *plan); !s.ok()) return s;
-  // The staged blocks are the workers' to consume now: a plan is used once.
-  for (const std::string& id : staging_ids) {
-    if (auto s = TakeStaged(id, *plan); !s.ok()) return s;
-  }
   if (request.scaling() == v1::MXFP8 && IsFloat8(metas["rhs"].dtype)) {
     for (const v1::WorkerInfo& w : dispatcher_.Workers()) {
       if (w.backend() == "cuda") {
@@ -2284,6 +2280,12 @@ absl::StatusOr<std::shared_ptr<Coordinator::GemmCall>> Coordinator::PrepareGroup
       at->set_address((*addresses)[r]);
       at->set_ticket(ticket->ticket());
     }
+  }
+  // The staged blocks are the workers' to consume now: a plan is used once,
+  // and only by a request that passed every check (a refused one may submit
+  // the plan again).
+  for (const std::string& id : staging_ids) {
+    if (auto s = TakeStaged(id, *plan); !s.ok()) return s;
   }
   c->shard_name = std::move(shard_name);
   c->steps = std::move(steps);

@@ -477,6 +477,37 @@ TEST(CoordinatorStagingTest, AStagedRequestNamesEachRanksTicketAndIsUsedOnceByIt
   EXPECT_THAT(again.status().message(), HasSubstr("used already"));
 }
 
+TEST(CoordinatorStagingTest, ARequestRefusedBeforeItsStepsLeavesItsPlanUnused) {
+  FakeMesh::Options options;
+  options.staging = true;
+  auto mesh = MakeMesh("dp=2", options);
+  const CallContext alice{"alice", "", nullptr};
+  const Gemm gemm(8, 4, 5, {1, 2, 0, 3, 0, 1}, 2);
+  const v1::GroupedGemmRequest meta = StagingRequest(gemm, "(dp, None)", "(dp,)");
+  ASSERT_OK_AND_ASSIGN(v1::StagingPlan plan,
+                       mesh->coordinator().PlanStaging(PlanOf(meta), absl::InfiniteFuture(), alice));
+  for (int rank = 0; rank < 2; ++rank) {
+    mesh->worker(rank).SetHandler([](const v1::Step&) -> absl::StatusOr<v1::StepResult> {
+      v1::StepResult r;
+      r.mutable_out()->set_dtype(v1::F32);
+      r.mutable_out()->add_shape(4);
+      r.mutable_out()->add_shape(5);
+      return r;
+    });
+  }
+  v1::GroupedGemmRequest submit = meta;
+  submit.mutable_lhs()->set_staged(plan.staging_id());
+  submit.mutable_rhs()->set_staged(plan.staging_id());
+  submit.set_direct_output(true);
+  v1::GroupedGemmRequest too_many_rows = submit;
+  *too_many_rows.mutable_group_sizes() = GroupSizes({4, 2, 0, 3, 0, 1}, "(dp,)");  // 6 rows of shard 0's 4
+  auto refused = mesh->coordinator().GroupedGemm(too_many_rows, absl::InfiniteFuture(), alice);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << refused.status();
+  EXPECT_EQ(TotalSteps(*mesh, 2), 0);
+  auto fixed = mesh->coordinator().GroupedGemm(submit, absl::InfiniteFuture(), alice);
+  EXPECT_TRUE(fixed.ok()) << fixed.status();
+}
+
 TEST(CoordinatorStagingTest, APlanPastTheCapIsRefusedBeforeTheWorkersHearOfItsTickets) {
   FakeMesh::Options options;
   options.staging = true;
