@@ -200,8 +200,11 @@ void StagingArea::Discard(const std::string& ticket) {
   Entry* e = Find(ticket);
   if (e == nullptr || e->state == State::kUsed || e->state == State::kHeld || e->state == State::kFetching) return;
   if (e->state == State::kStaged) held_bytes_ -= e->bytes;
-  // A stream still staging it frees its own reservation when it ends, and its Commit finds the ticket used.
+  // A stream still staging it frees its own reservation when it ends, and its Commit finds the ticket used;
+  // the sweep ends that stream now, not when its client finishes.
+  if (e->state == State::kStaging && e->cancel) expired_streams_[e->id] = std::move(e->cancel);
   e->data.reset();
+  e->cancel = nullptr;
   e->state = State::kUsed;
 }
 

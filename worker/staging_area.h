@@ -58,7 +58,8 @@ class StagingArea {
     // INVALID_ARGUMENT past the ticket's bytes.
     absl::Status Append(absl::string_view data);
     // The block is staged: INVALID_ARGUMENT unless exactly the ticket's
-    // bytes arrived; NOT_FOUND if the ticket expired meanwhile.
+    // bytes arrived; NOT_FOUND if the ticket expired meanwhile;
+    // FAILED_PRECONDITION if it was discarded meanwhile.
     absl::StatusOr<int64_t> Commit();
     int64_t expected_bytes() const { return expected_bytes_; }
 

@@ -293,5 +293,23 @@ TEST_F(StagingAreaTest, ACopyToHoldIsMadeOnlyOnceItsBytesFit) {
   EXPECT_EQ((*fetch)->block().bytes, std::string(8, 'c'));
 }
 
+TEST_F(StagingAreaTest, DiscardDuringAnUploadEndsItsStreamAtTheNextSweep) {
+  ASSERT_TRUE(area_.Expect(kTicket, Block()).ok());
+  int cancels = 0;
+  auto up = area_.BeginStage(kTicket, "demo", [&] { ++cancels; });
+  ASSERT_TRUE(up.ok());
+  ASSERT_TRUE((*up)->Append(std::string(32, 'a')).ok());
+  area_.Discard(kTicket);  // the step that named it failed while the block was arriving
+  area_.Sweep();
+  EXPECT_EQ(cancels, 1);
+  auto committed = (*up)->Commit();
+  EXPECT_EQ(committed.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(committed.status().message(), HasSubstr("dropped while it was being staged"));
+  up->reset();
+  EXPECT_EQ(area_.held_bytes(), 0);
+  EXPECT_EQ(area_.Claim(kTicket, DType::kF32, {2, 4}, "lhs").status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(Stage(kTicket, std::string(32, 'a')).code(), absl::StatusCode::kFailedPrecondition);
+}
+
 }  // namespace
 }  // namespace shardgemm
