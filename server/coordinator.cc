@@ -1392,6 +1392,14 @@ absl::StatusOr<v1::PutTensorResponse> Coordinator::PutStaged(const v1::PutStaged
   }
   auto claimed = registry_.Claim(call.tenant, put->name, put->overwrite, options_.max_tensors_per_tenant);
   if (!claimed.ok()) {
+    {  // Refused before any step: the plan and its staged blocks stay for another try.
+      absl::MutexLock lock(&staging_mu_);
+      auto it = staging_.find(request.staging_id());
+      if (it != staging_.end()) {
+        it->second.put = std::move(put);
+        it->second.used = false;
+      }
+    }
     const bool exists = claimed.status().code() == absl::StatusCode::kAlreadyExists;
     return absl::Status(claimed.status().code(), absl::StrCat(claimed.status().message(),
                                                               exists ? " (set overwrite to replace it)" : ""));

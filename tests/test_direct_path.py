@@ -249,7 +249,7 @@ def raw(cluster):
     return ch, pb_grpc.ShardGemmStub(ch)
 
 
-def stage(address, ticket, data, chunk=1 << 20, metadata=None):
+def stage(address, ticket, data, chunk=(1 << 20) - 4096, metadata=None):  # with its header within 1 MiB
     with grpc.insecure_channel(address) as ch:
         pieces = [data[i:i + chunk] for i in range(0, max(len(data), 1), chunk)]
         msgs = [pb.StageChunk(ticket=ticket, data=pieces[0])] + [pb.StageChunk(data=p) for p in pieces[1:]]
@@ -464,6 +464,28 @@ def test_stale_tickets_and_plans_are_not_found_and_their_bytes_expire(cluster_fa
         time.sleep(1.5)
         assert staged_bytes(cluster) == [0, 0]
         c.grouped_gemm(lhs, rhs, sizes, lhs_spec="(dp, None)", group_sizes_spec="(dp,)", path="direct")
+    ch.close()
+
+
+def test_a_put_refused_for_its_name_leaves_its_plan_and_staged_blocks_for_another_try(dp_cluster):
+    ch, stub = raw(dp_cluster)
+    w = rand(2, 32, 16)
+    plan = stub.PlanStaging(pb.StagingPlanRequest(put=pb.PutStagingRequest(
+        name="taken_meanwhile", dtype=pb.F32, shape=list(w.shape), spec="")), timeout=10)
+    for b in plan.operands[0].blocks:
+        for d in b.destinations:
+            stage(d.address, d.ticket, w.tobytes())
+    with shardgemm.Client(dp_cluster.address, timeout=30) as c:
+        c.put("taken_meanwhile", rand(2, 32, 16), path="inline")  # the name is taken after the plan
+        with pytest.raises(grpc.RpcError) as e:
+            stub.PutStaged(pb.PutStagedRequest(staging_id=plan.staging_id), timeout=10)
+        assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS
+        assert sum(staged_bytes(dp_cluster)) == 2 * w.nbytes  # still staged, for the same plan
+        c.delete("taken_meanwhile")
+        stub.PutStaged(pb.PutStagedRequest(staging_id=plan.staging_id), timeout=10)
+        np.testing.assert_array_equal(c.get("taken_meanwhile"), w)
+        c.delete("taken_meanwhile")
+    check_nothing_lost(dp_cluster)
     ch.close()
 
 
