@@ -114,6 +114,63 @@ def test_direct_path_equals_inline_bit_for_bit_and_the_coordinator_touches_no_by
     assert staged_bytes(cluster) == [0] * workers
 
 
+class Refused(grpc.RpcError):
+    def code(self):
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self):
+        return "refused by the test"
+
+
+def test_a_failed_upload_leaves_no_other_running_after_the_call_raises(clusters):
+    cluster = clusters("dp=2", 2)
+    lhs, rhs, sizes = rand(64, 32), rand(2, 32, 16), sizes_for(2, 2, 32)
+    kwargs = dict(lhs_spec="(dp, None)", group_sizes_spec="(dp,)", path="direct")
+    info = cluster.client.cluster_info()
+    bad = min(info.workers, key=lambda w: w.rank).staging_address  # the plan lists rank 0's first
+    calls = {"started": 0, "ended": 0}
+
+    class Stub:  # rank 0's Stage fails at once; the others take a while
+        def __init__(self, address):
+            self.address = address
+
+        def Stage(self, chunks, timeout=None, metadata=None):
+            if self.address == bad:
+                raise Refused()
+            calls["started"] += 1
+            try:
+                time.sleep(0.3)
+            finally:
+                calls["ended"] += 1
+
+    class AioStub(Stub):
+        async def Stage(self, chunks, timeout=None, metadata=None):
+            if self.address == bad:
+                raise Refused()
+            calls["started"] += 1
+            try:
+                await asyncio.sleep(0.3)
+            finally:  # cancelled, or done
+                calls["ended"] += 1
+
+    with shardgemm.Client(cluster.address, timeout=30) as c:
+        c._staging_stub = Stub
+        with pytest.raises(shardgemm.ShardGemmError):
+            c.grouped_gemm(lhs, rhs, sizes, **kwargs)
+        assert calls["started"] >= 1 and calls["ended"] == calls["started"]  # none still running
+
+    async def run():
+        async with shardgemm.aio.Client(cluster.address, timeout=30) as c:
+            c._staging_stub = AioStub
+            with pytest.raises(shardgemm.ShardGemmError):
+                await c.grouped_gemm(lhs, rhs, sizes, **kwargs)
+            return dict(calls)
+
+    calls.update(started=0, ended=0)
+    after = asyncio.run(run())
+    assert after["started"] == 2 and after["ended"] == 2
+
+
 def test_asyncio_client_takes_the_direct_path_too(clusters):
     cluster = clusters("ep=2", 2)
     lhs, rhs, sizes = rand(64, 32), rand(4, 32, 16), sizes_for(2, 2, 32)

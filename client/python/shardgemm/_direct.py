@@ -5,9 +5,11 @@ request naming the plan, and reads each distinct output block from the
 worker holding it (docs/architecture.md, "Data paths")."""
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import dataclasses
 import time
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Awaitable, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import numpy as np
 
@@ -24,6 +26,34 @@ FIELD_OF_ROLE = {pb.TENSOR_LHS: "lhs", pb.TENSOR_RHS: "rhs", pb.TENSOR_BIAS: "bi
                  pb.TENSOR_X: "x", pb.TENSOR_ROLE_UNSPECIFIED: "tensor"}  # a put's tensor has no role
 #: How long a client trusts what ClusterInfo said about staging ("auto").
 STAGING_INFO_SECONDS = 10.0
+
+
+def run_all(pool: concurrent.futures.Executor, fn: Callable[[Any], None], items: Iterable[Any]) -> None:
+    """fn over items on pool's threads. On the first failure the items not
+    started are cancelled and the running ones waited for before it is
+    raised: nothing of a failed call goes on staging or fetching after it."""
+    futures = [pool.submit(fn, x) for x in items]
+    try:
+        for f in concurrent.futures.as_completed(futures):
+            f.result()
+    except BaseException:
+        for f in futures:
+            f.cancel()
+        concurrent.futures.wait(futures)
+        raise
+
+
+async def gather_all(aws: Iterable[Awaitable[None]]) -> None:
+    """As run_all, for tasks: the others are cancelled (their streams with
+    them) and awaited before the first failure is raised."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        await asyncio.gather(*tasks)
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 def check_path(path: str) -> str:

@@ -10,7 +10,6 @@ Make it inside a running event loop (grpc.aio binds the channel to it).
 """
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -154,7 +153,7 @@ class Client:
                     pb.FetchRequest(ticket=d.ticket), timeout=t, metadata=md)]
                 _direct.place_block(out, block, b"".join(parts))
 
-            await asyncio.gather(*(fetch(b) for b in resp.out_blocks))
+            await _direct.gather_all(fetch(b) for b in resp.out_blocks)
         return to_output(out, out_as), resp.plan
 
     async def _stage(self, plan_request: "pb.StagingPlanRequest", arrays: Dict[str, Any],
@@ -173,7 +172,7 @@ class Client:
                 await self._staging_stub(u.address).Stage(_direct.stage_chunks(u), timeout=t, metadata=md)
                 meter.update(u.block.nbytes)
 
-            await asyncio.gather(*(stage(u) for u in uploads))
+            await _direct.gather_all(stage(u) for u in uploads)
         return plan.staging_id, md
 
     async def plan(self, lhs: TensorLike, rhs: TensorLike, group_sizes: TensorLike,
@@ -244,7 +243,7 @@ class Client:
                         _direct.place_block(out, block, data)
                         meter.update(len(data))
 
-                    await asyncio.gather(*(fetch(b) for b in blocks.blocks))
+                    await _direct.gather_all(fetch(b) for b in blocks.blocks)
             return to_output(out, out_as)
         assembler = _common.Assembler(name, self.progress if progress is None else progress)
         try:

@@ -221,8 +221,7 @@ class Client:
                                                              metadata=md)
                 _direct.place_block(out, block, b"".join(c.data for c in chunks))
 
-            for _ in self._threads().map(fetch, resp.out_blocks):
-                pass
+            _direct.run_all(self._threads(), fetch, resp.out_blocks)
         return to_output(out, out_as), resp.plan
 
     def _stage(self, plan_request: "pb.StagingPlanRequest", arrays: Dict[str, Any], request_id: Optional[str],
@@ -245,8 +244,7 @@ class Client:
                 with lock:
                     meter.update(u.block.nbytes)
 
-            for _ in self._threads().map(stage, uploads):
-                pass
+            _direct.run_all(self._threads(), stage, uploads)
         return plan.staging_id, md
 
     def plan(self, lhs: TensorLike, rhs: TensorLike, group_sizes: TensorLike, bias: Optional[TensorLike] = None,
@@ -339,8 +337,7 @@ class Client:
                         with lock:
                             meter.update(len(data))
 
-                    for _ in self._threads().map(fetch, blocks.blocks):
-                        pass
+                    _direct.run_all(self._threads(), fetch, blocks.blocks)
             return to_output(out, out_as)
         assembler = _common.Assembler(name, self.progress if progress is None else progress)
         try:
