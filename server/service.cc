@@ -127,7 +127,10 @@ grpc::ServerUnaryReactor* ShardGemmService::GroupedGemm(grpc::CallbackServerCont
                                                         const v1::GroupedGemmRequest* request,
                                                         v1::GroupedGemmResponse* response) {
   auto* reactor = new CancellableReactor;
-  auto busy = std::make_shared<platform::BusyPoller::Activity>(platform::BusyPoller::BusyIfOn(busy_poller_));
+  // Shared so the completion callback (copyable) can hold it; none when off.
+  auto busy = busy_poller_ != nullptr && busy_poller_->on()
+                  ? std::make_shared<platform::BusyPoller::Activity>(busy_poller_->Busy())
+                  : nullptr;
   RequestRecord record = Begin(RequestOp::kGroupedGemm, context);
   record.tensor = request->keep_output_as();
   if (grpc::Status a = Authenticate(*context, &record, security::Grant::kCompute); !a.ok()) {
