@@ -240,4 +240,66 @@ absl::Status CopyBlockIn(const SharedMemoryMapping& mapping, const TensorBlock& 
   return absl::OkStatus();
 }
 
+std::vector<BlockPiece> BlockPieces(const TensorBlock& b) {
+  std::vector<BlockPiece> pieces;
+  const size_t rank = b.global_shape.size();
+  for (int64_t d : b.block_shape) {
+    if (d == 0) return pieces;
+  }
+  if (rank == 0) {
+    pieces.push_back({b.offset, static_cast<uint64_t>(b.element_bytes), 0, static_cast<uint64_t>(b.element_bytes), 1});
+    return pieces;
+  }
+  // The trailing dims the block covers whole, with the one before them,
+  // make each row contiguous; the dim before that gives the rows.
+  size_t first_whole = rank;
+  while (first_whole > 0 && b.block_offsets[first_whole - 1] == 0 &&
+         b.block_shape[first_whole - 1] == b.global_shape[first_whole - 1]) {
+    --first_whole;
+  }
+  // Row-major strides of the tensor, in bytes.
+  std::vector<uint64_t> stride(rank, static_cast<uint64_t>(b.element_bytes));
+  for (size_t d = rank - 1; d > 0; --d) stride[d - 1] = stride[d] * static_cast<uint64_t>(b.global_shape[d]);
+  // One contiguous run: dims [run_dim, rank) of the block.
+  const size_t run_dim = first_whole == 0 ? 0 : first_whole - 1;
+  const uint64_t row_bytes = static_cast<uint64_t>(b.block_shape[run_dim]) * stride[run_dim];
+  if (run_dim == 0) {
+    pieces.push_back({b.offset + static_cast<uint64_t>(b.block_offsets[0]) * stride[0], row_bytes, 0, row_bytes, 1});
+    return pieces;
+  }
+  // Rows along run_dim - 1, and along the dims before it while the dims
+  // after them are whole (their rows are then evenly spaced); an odometer
+  // over the dims before those, one piece each.
+  const size_t row_dim = run_dim - 1;
+  size_t rows_from = row_dim;
+  auto whole = [&](size_t d) { return b.block_offsets[d] == 0 && b.block_shape[d] == b.global_shape[d]; };
+  while (rows_from > 0 && whole(rows_from)) --rows_from;
+  uint64_t rows = 1;
+  for (size_t d = rows_from; d <= row_dim; ++d) rows *= static_cast<uint64_t>(b.block_shape[d]);
+  std::vector<int64_t> index(rows_from, 0);
+  uint64_t local = 0;
+  while (true) {
+    uint64_t at = b.offset;
+    for (size_t d = 0; d < rank; ++d) {
+      const int64_t i = d < rows_from ? index[d] : 0;
+      at += static_cast<uint64_t>(b.block_offsets[d] + i) * stride[d];
+    }
+    pieces.push_back({at, stride[row_dim], local, row_bytes, rows});
+    local += rows * row_bytes;
+    size_t d = rows_from;
+    if (d == 0) return pieces;
+    while (d > 0) {
+      --d;
+      if (++index[d] < b.block_shape[d]) break;
+      index[d] = 0;
+      if (d == 0) return pieces;
+    }
+  }
+}
+
+bool BlockIsContiguous(const TensorBlock& b) {
+  auto pieces = BlockPieces(b);
+  return pieces.size() <= 1 && (pieces.empty() || pieces[0].rows == 1 || pieces[0].region_pitch == pieces[0].row_bytes);
+}
+
 }  // namespace shardgemm::platform

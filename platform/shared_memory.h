@@ -91,6 +91,24 @@ absl::Status CopyBlockOut(const SharedMemoryMapping& mapping, const TensorBlock&
 absl::Status CopyBlockIn(const SharedMemoryMapping& mapping, const TensorBlock& block, const char* src,
                          absl::string_view field);
 
+// A block as strided 2-D copies (what cudaMemcpy2D takes): `rows` rows of
+// `row_bytes` each, `region_pitch` apart in the region from
+// `region_offset` on, packed (`row_bytes` apart) in the block from
+// `block_offset` on. A block whose rows are whole rows of the tensor is one
+// piece of one row.
+struct BlockPiece {
+  uint64_t region_offset = 0;
+  uint64_t region_pitch = 0;
+  uint64_t block_offset = 0;
+  uint64_t row_bytes = 0;
+  uint64_t rows = 0;
+};
+// The block's pieces in block order (none for an empty block). The block
+// must pass CheckTensorBlock.
+std::vector<BlockPiece> BlockPieces(const TensorBlock& block);
+// True when the block is one run of the region's bytes (it can be used in place).
+bool BlockIsContiguous(const TensorBlock& block);
+
 }  // namespace shardgemm::platform
 
 #endif  // SHARDGEMM_PLATFORM_SHARED_MEMORY_H_

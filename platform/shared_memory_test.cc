@@ -5,11 +5,14 @@
 #include <unistd.h>
 
 #include <memory>
+#include <cstring>
 #include <numeric>
+#include <random>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "gtest/gtest.h"
 
 namespace shardgemm::platform {
@@ -135,6 +138,76 @@ TEST(SharedMemoryMappings, ReusedForTheSameObjectAndRemadeForARecreatedOne) {
   EXPECT_EQ(cache.size(), 1u);
   EXPECT_EQ(cache.Get(key, 128, false, "region").status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(cache.Get("/shardgemm_none_here", 8, false, "region").status().code(), absl::StatusCode::kNotFound);
+}
+
+// The 2-D pieces a device copy takes hold the same bytes, in the same
+// order, as the host copy's runs, for blocks of every rank and split.
+TEST(SharedMemoryBlocks, PiecesCopyWhatTheRunsCopy) {
+  std::mt19937 rng(7);
+  for (int trial = 0; trial < 300; ++trial) {
+    const int rank = 1 + static_cast<int>(rng() % 4);
+    TensorBlock block;
+    block.element_bytes = 1 + static_cast<int64_t>(rng() % 4);
+    block.offset = rng() % 16;
+    int64_t elements = 1;
+    for (int d = 0; d < rank; ++d) {
+      const int64_t n = 1 + static_cast<int64_t>(rng() % 5);
+      const int64_t at = static_cast<int64_t>(rng() % n);
+      block.global_shape.push_back(n);
+      block.block_offsets.push_back(rng() % 3 == 0 ? 0 : at);
+      const int64_t left = n - block.block_offsets.back();
+      block.block_shape.push_back(rng() % 3 == 0 ? left : 1 + static_cast<int64_t>(rng() % left));
+      elements *= n;
+    }
+    const uint64_t region_bytes = block.offset + static_cast<uint64_t>(elements * block.element_bytes);
+    Object object(region_bytes);
+    auto mapping = SharedMemoryMapping::Map(object.key(), region_bytes, true, "region");
+    ASSERT_TRUE(mapping.ok()) << mapping.status();
+    for (uint64_t i = 0; i < region_bytes; ++i) mapping->data()[i] = static_cast<char>(i * 7 + 3);
+    int64_t block_bytes = block.element_bytes;
+    for (int64_t d : block.block_shape) block_bytes *= d;
+    std::string want(static_cast<size_t>(block_bytes), '\0'), got(static_cast<size_t>(block_bytes), '\x55');
+    ASSERT_TRUE(CopyBlockOut(*mapping, block, &want[0], "region").ok());
+    uint64_t covered = 0;
+    for (const BlockPiece& p : BlockPieces(block)) {
+      for (uint64_t r = 0; r < p.rows; ++r) {
+        ASSERT_LE(p.region_offset + r * p.region_pitch + p.row_bytes, region_bytes);
+        ASSERT_LE(p.block_offset + (r + 1) * p.row_bytes, static_cast<uint64_t>(block_bytes));
+        std::memcpy(&got[p.block_offset + r * p.row_bytes], mapping->data() + p.region_offset + r * p.region_pitch,
+                    p.row_bytes);
+      }
+      covered += p.rows * p.row_bytes;
+    }
+    EXPECT_EQ(covered, static_cast<uint64_t>(block_bytes)) << trial;
+    EXPECT_EQ(got, want) << "trial " << trial << " block [" << absl::StrJoin(block.block_offsets, ",") << "] + ["
+                         << absl::StrJoin(block.block_shape, ",") << "] of [" << absl::StrJoin(block.global_shape, ",")
+                         << "]";
+  }
+}
+
+TEST(SharedMemoryBlocks, RowBlocksAreOneContiguousPieceAndColumnBlocksOneStridedPiece) {
+  TensorBlock rows{/*offset=*/64, {8, 6}, {2, 0}, {3, 6}, 2};
+  ASSERT_EQ(BlockPieces(rows).size(), 1u);
+  EXPECT_TRUE(BlockIsContiguous(rows));
+  EXPECT_EQ(BlockPieces(rows)[0].region_offset, 64u + 2 * 6 * 2);
+  EXPECT_EQ(BlockPieces(rows)[0].row_bytes, 3u * 6 * 2);
+  TensorBlock columns{0, {8, 6}, {0, 2}, {8, 3}, 2};
+  auto pieces = BlockPieces(columns);
+  ASSERT_EQ(pieces.size(), 1u);
+  EXPECT_FALSE(BlockIsContiguous(columns));
+  EXPECT_EQ(pieces[0].rows, 8u);
+  EXPECT_EQ(pieces[0].region_pitch, 12u);
+  EXPECT_EQ(pieces[0].row_bytes, 6u);
+  TensorBlock one_row{0, {8, 6}, {5, 1}, {1, 4}, 2};
+  EXPECT_TRUE(BlockIsContiguous(one_row));
+  TensorBlock experts{0, {4, 8, 6}, {1, 0, 0}, {2, 8, 6}, 2};  // EP: whole experts
+  EXPECT_TRUE(BlockIsContiguous(experts));
+  TensorBlock tp{0, {4, 8, 6}, {0, 0, 3}, {4, 8, 3}, 2};  // TP on the last dim: one strided piece
+  EXPECT_EQ(BlockPieces(tp).size(), 1u);
+  EXPECT_EQ(BlockPieces(tp)[0].rows, 32u);
+  TensorBlock tp_mid{0, {4, 8, 6}, {0, 4, 0}, {4, 4, 6}, 2};  // a split in the middle dim: a piece per expert
+  EXPECT_EQ(BlockPieces(tp_mid).size(), 1u);
+  EXPECT_EQ(BlockPieces(tp_mid)[0].rows, 4u);
 }
 
 }  // namespace

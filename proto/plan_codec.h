@@ -3,6 +3,7 @@
 #define SHARDGEMM_PROTO_PLAN_CODEC_H_
 
 #include <functional>
+#include <optional>
 #include <string>
 
 #include "absl/status/statusor.h"
@@ -22,11 +23,10 @@ struct TensorMeta {
   std::vector<int64_t> shape;
   std::string spec;
   std::string resident_shard;  // non-empty for a resident tensor
-  // Set for a tensor in a client's shared-memory region: its shm_open name,
-  // the tensor's first byte there, and the region's registered size.
-  std::string shared_memory_key;
-  uint64_t shared_memory_offset = 0;
-  uint64_t shared_memory_region_bytes = 0;
+  // Set for a tensor in a client's shared-memory region: the region's object
+  // (a POSIX name or a CUDA IPC handle), the tensor's first byte there and
+  // the region's registered size; each rank's block adds its place.
+  std::optional<v1::SharedMemoryBlock> shared_memory;
   // Set for a staged operand (Tensor.staged): the transfer plan's id and
   // each rank's ticket for its block.
   std::string staging_id;

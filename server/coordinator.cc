@@ -1029,9 +1029,7 @@ absl::StatusOr<TensorMeta> Coordinator::ResolveMeta(const v1::Tensor& t, const s
     const std::string at = absl::StrCat(field, ".shared_memory");
     auto region = shared_memory_.Resolve(tenant, t.shared_memory(), *n * DTypeSize(meta.dtype), at);
     if (!region.ok()) return region.status();
-    meta.shared_memory_key = region->key;
-    meta.shared_memory_offset = t.shared_memory().offset();
-    meta.shared_memory_region_bytes = region->byte_size;
+    meta.shared_memory = region->Block(t.shared_memory().offset());
     return meta;
   }
   return InlineTensorMeta(t, field);
@@ -1128,7 +1126,7 @@ absl::StatusOr<v1::StagingPlan> Coordinator::PlanStaging(const v1::StagingPlanRe
   auto plan_request = quantize ? QuantizePlanRequest(request.grouped_quantize(), mesh_, resolve)
                                : GemmPlanRequest(gemm, mesh_, resolve);
   if (!plan_request.ok()) return plan_request.status();
-  if (!metas["group_sizes"].resident_shard.empty() || !metas["group_sizes"].shared_memory_key.empty()) {
+  if (!metas["group_sizes"].resident_shard.empty() || metas["group_sizes"].shared_memory.has_value()) {
     return absl::InvalidArgumentError("group_sizes must be sent inline: the plan needs its values");
   }
   auto plan = planner::MakePlan(*plan_request);
@@ -1752,7 +1750,7 @@ absl::StatusOr<v1::GroupedQuantizeResponse> Coordinator::GroupedQuantize(
   auto plan_request = QuantizePlanRequest(request, mesh_, resolve);
   if (!plan_request.ok()) return plan_request.status();
   const bool direct = !metas["x"].staging_id.empty();
-  if (!metas["x"].shared_memory_key.empty()) {
+  if (metas["x"].shared_memory.has_value()) {
     return absl::UnimplementedError(
         "x.shared_memory: grouped quantize reads x inline or resident; shared memory is for GEMM operands and "
         "outputs");
@@ -2128,7 +2126,7 @@ absl::StatusOr<std::shared_ptr<Coordinator::GemmCall>> Coordinator::PrepareGroup
   };
   auto plan_request = GemmPlanRequest(request, mesh_, resolve);
   if (!plan_request.ok()) return plan_request.status();
-  if (!metas["group_sizes"].resident_shard.empty() || !metas["group_sizes"].shared_memory_key.empty() ||
+  if (!metas["group_sizes"].resident_shard.empty() || metas["group_sizes"].shared_memory.has_value() ||
       !metas["group_sizes"].staging_id.empty()) {
     return absl::InvalidArgumentError(
         "group_sizes must be sent inline, not as a resident tensor, in shared memory or staged");
@@ -2198,7 +2196,7 @@ absl::StatusOr<std::shared_ptr<Coordinator::GemmCall>> Coordinator::PrepareGroup
   step_request.group_sizes = std::move(*group_sizes);
   for (const auto& [tensor, name] : sources) {
     if (!metas.contains(name)) continue;
-    if (metas[name].resident_shard.empty() && metas[name].shared_memory_key.empty() &&
+    if (metas[name].resident_shard.empty() && !metas[name].shared_memory.has_value() &&
         metas[name].staged_tickets.empty()) {
       if (auto it = decoded.find(name); it != decoded.end()) {
         inline_tensors[name] = std::move(it->second.tensor);
@@ -2248,9 +2246,7 @@ absl::StatusOr<std::shared_ptr<Coordinator::GemmCall>> Coordinator::PrepareGroup
         continue;
       }
       v1::SharedMemoryBlock* block = gemm->mutable_out_shared_memory();
-      block->set_key(region->key);
-      block->set_offset(request.out_shared_memory().offset());
-      block->set_region_bytes(region->byte_size);
+      *block = region->Block(request.out_shared_memory().offset());
       block->mutable_global_shape()->Assign(plan->out_shape.begin(), plan->out_shape.end());
       block->mutable_block_offsets()->Assign(offsets->begin(), offsets->end());
     }

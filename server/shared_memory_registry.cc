@@ -9,13 +9,25 @@ namespace shardgemm {
 absl::Status SharedMemoryRegistry::Register(const std::string& tenant,
                                             const v1::RegisterSharedMemoryRequest& request) {
   if (auto s = ValidateResidentName("name", request.name()); !s.ok()) return s;
-  if (auto s = platform::CheckSharedMemoryKey(request.key(), "key"); !s.ok()) return s;
-  if (request.byte_size() == 0) return absl::InvalidArgumentError("byte_size: a region of 0 bytes");
-  auto size = platform::SharedMemoryObjectSize(request.key(), "key");
-  if (!size.ok()) return size.status();
-  if (*size < request.byte_size()) {
-    return absl::InvalidArgumentError(absl::StrCat("byte_size: ", request.byte_size(), " bytes, but '", request.key(),
-                                                   "' has ", *size));
+  SharedMemoryRegion region;
+  region.byte_size = request.byte_size();
+  if (request.object_case() == v1::RegisterSharedMemoryRequest::kCuda) {
+    if (request.cuda().ipc_handle().size() != kCudaIpcHandleBytes) {
+      return absl::InvalidArgumentError(absl::StrCat("cuda.ipc_handle: ", request.cuda().ipc_handle().size(),
+                                                     " bytes; a cudaIpcMemHandle_t has ", kCudaIpcHandleBytes));
+    }
+    if (request.byte_size() == 0) return absl::InvalidArgumentError("byte_size: a region of 0 bytes");
+    region.cuda_ipc_handle = request.cuda().ipc_handle();
+  } else {
+    if (auto s = platform::CheckSharedMemoryKey(request.key(), "key"); !s.ok()) return s;
+    if (request.byte_size() == 0) return absl::InvalidArgumentError("byte_size: a region of 0 bytes");
+    auto size = platform::SharedMemoryObjectSize(request.key(), "key");
+    if (!size.ok()) return size.status();
+    if (*size < request.byte_size()) {
+      return absl::InvalidArgumentError(absl::StrCat("byte_size: ", request.byte_size(), " bytes, but '",
+                                                     request.key(), "' has ", *size));
+    }
+    region.key = request.key();
   }
   absl::MutexLock lock(&mu_);
   const auto id = std::make_pair(tenant, request.name());
@@ -27,9 +39,21 @@ absl::Status SharedMemoryRegistry::Register(const std::string& tenant,
     return absl::ResourceExhaustedError(absl::StrCat("this tenant has ", max_per_tenant_,
                                                      " shared-memory regions registered, its limit"));
   }
-  regions_[id] = SharedMemoryRegion{request.key(), request.byte_size()};
+  regions_[id] = std::move(region);
   ++per_tenant_[tenant];
   return absl::OkStatus();
+}
+
+v1::SharedMemoryBlock SharedMemoryRegion::Block(uint64_t offset) const {
+  v1::SharedMemoryBlock block;
+  if (!cuda_ipc_handle.empty()) {
+    block.mutable_cuda()->set_ipc_handle(cuda_ipc_handle);
+  } else {
+    block.set_key(key);
+  }
+  block.set_offset(offset);
+  block.set_region_bytes(byte_size);
+  return block;
 }
 
 absl::Status SharedMemoryRegistry::Unregister(const std::string& tenant, const std::string& name) {

@@ -15,17 +15,24 @@
 namespace shardgemm {
 
 struct SharedMemoryRegion {
-  std::string key;         // the shm_open name
-  uint64_t byte_size = 0;  // what the service may use of it
+  std::string key;              // a POSIX object's shm_open name, or
+  std::string cuda_ipc_handle;  // a CUDA allocation's IPC handle
+  uint64_t byte_size = 0;       // what the service may use of it
+  // The region's object, `offset` and size as a worker's block names them.
+  v1::SharedMemoryBlock Block(uint64_t offset) const;
 };
+
+// A cudaIpcMemHandle_t's size (CUDA_IPC_HANDLE_SIZE).
+inline constexpr size_t kCudaIpcHandleBytes = 64;
 
 class SharedMemoryRegistry {
  public:
   explicit SharedMemoryRegistry(int max_regions_per_tenant = 64) : max_per_tenant_(max_regions_per_tenant) {}
 
-  // INVALID_ARGUMENT for a bad name, key or size; NOT_FOUND when no object
-  // of that key exists on this host; INVALID_ARGUMENT when it is smaller
-  // than byte_size; ALREADY_EXISTS for a name the tenant registered;
+  // INVALID_ARGUMENT for a bad name, key, CUDA IPC handle or size;
+  // NOT_FOUND when no object of that key exists on this host;
+  // INVALID_ARGUMENT when it is smaller than byte_size (a CUDA allocation's
+  // size is checked where a worker opens it); ALREADY_EXISTS for a name the tenant registered;
   // RESOURCE_EXHAUSTED past the tenant's limit.
   absl::Status Register(const std::string& tenant, const v1::RegisterSharedMemoryRequest& request);
   // NOT_FOUND unless the tenant registered `name`.

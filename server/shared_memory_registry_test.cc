@@ -75,5 +75,49 @@ TEST_F(SharedMemoryRegistryTest, BadRegistrationsSayWhy) {
   EXPECT_TRUE(registry.Register("b", Request("two", 8)).ok()) << "a limit per tenant";
 }
 
+// A CUDA allocation registers by its IPC handle (opened by the workers, so
+// only its length is checked here) and resolves to blocks that name it.
+TEST_F(SharedMemoryRegistryTest, ACudaRegionRegistersByItsHandleAndItsBlocksNameIt) {
+  SharedMemoryRegistry registry;
+  v1::RegisterSharedMemoryRequest r;
+  r.set_name("dev");
+  r.mutable_cuda()->set_ipc_handle(std::string(kCudaIpcHandleBytes, '\x07'));
+  r.set_byte_size(4096);
+  ASSERT_TRUE(registry.Register("t", r).ok());
+  auto region = registry.Resolve("t", Ref("dev", 1024, 2048), 2048, "lhs.shared_memory");
+  ASSERT_TRUE(region.ok()) << region.status();
+  const v1::SharedMemoryBlock block = region->Block(1024);
+  EXPECT_EQ(block.object_case(), v1::SharedMemoryBlock::kCuda);
+  EXPECT_EQ(block.cuda().ipc_handle(), std::string(kCudaIpcHandleBytes, '\x07'));
+  EXPECT_EQ(block.offset(), 1024u);
+  EXPECT_EQ(block.region_bytes(), 4096u);
+  EXPECT_EQ(registry.Resolve("t", Ref("dev", 3072, 2048), 2048, "lhs.shared_memory").status().code(),
+            absl::StatusCode::kInvalidArgument);
+  // A POSIX region's blocks name its key.
+  ASSERT_TRUE(registry.Register("t", Request("host", 1024)).ok());
+  auto host = registry.Resolve("t", Ref("host", 0, 8), 8, "lhs.shared_memory");
+  ASSERT_TRUE(host.ok());
+  EXPECT_EQ(host->Block(0).object_case(), v1::SharedMemoryBlock::kKey);
+  EXPECT_EQ(host->Block(0).key(), key_);
+}
+
+TEST_F(SharedMemoryRegistryTest, ACudaHandleOfTheWrongLengthOrAnEmptyRegionIsRefusedNamingTheField) {
+  SharedMemoryRegistry registry;
+  v1::RegisterSharedMemoryRequest r;
+  r.set_name("dev");
+  r.mutable_cuda()->set_ipc_handle("short");
+  r.set_byte_size(64);
+  auto s = registry.Register("t", r);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("cuda.ipc_handle"), std::string::npos) << s;
+  r.mutable_cuda()->set_ipc_handle(std::string(kCudaIpcHandleBytes, 'x'));
+  r.set_byte_size(0);
+  s = registry.Register("t", r);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("byte_size"), std::string::npos) << s;
+  EXPECT_EQ(registry.Resolve("t", Ref("dev", 0, 8), 8, "lhs.shared_memory").status().code(),
+            absl::StatusCode::kNotFound);
+}
+
 }  // namespace
 }  // namespace shardgemm

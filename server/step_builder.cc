@@ -59,13 +59,11 @@ absl::StatusOr<std::vector<v1::Step>> BuildGemmSteps(const GemmStepsRequest& req
         local->set_staged(operand.meta.staged_tickets[r]);
         continue;
       }
-      if (!operand.meta.shared_memory_key.empty()) {  // the worker reads its block itself
+      if (operand.meta.shared_memory.has_value()) {  // the worker reads its block itself
         local->set_dtype(DTypeToProto(operand.meta.dtype));
         local->mutable_shape()->Assign(op->input_local_shape.begin(), op->input_local_shape.end());
         v1::SharedMemoryBlock* block = local->mutable_shared_memory();
-        block->set_key(operand.meta.shared_memory_key);
-        block->set_offset(operand.meta.shared_memory_offset);
-        block->set_region_bytes(operand.meta.shared_memory_region_bytes);
+        *block = *operand.meta.shared_memory;
         block->mutable_global_shape()->Assign(op->global_shape.begin(), op->global_shape.end());
         auto offsets = planner::BlockOffsets(name, op->global_shape, op->input_spec, mesh, r);
         if (!offsets.ok()) return offsets.status();

@@ -212,3 +212,53 @@ def test_global_sorted_refuses_every_shared_memory_operand(cluster_factory, regi
     with pytest.raises(grpc.RpcError) as err:
         client.stub.GroupedGemm(req, timeout=30)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "GLOBAL_SORTED" in err.value.details()
+
+
+def _register_cuda(client, name, handle, nbytes):
+    client.stub.RegisterSharedMemory(
+        pb.RegisterSharedMemoryRequest(name=name, cuda=pb.CudaIpcMemory(ipc_handle=handle), byte_size=nbytes))
+
+
+def test_cuda_ipc_regions_on_cpu_workers_fail_clearly_and_lose_nothing(cluster_factory):
+    """A CUDA allocation registers by its IPC handle; CPU workers cannot open
+    one, so a request that names it as an operand or as the output is
+    refused naming the field and the backend, and what is resident stays."""
+    c = cluster_factory(mesh="dp=2", workers=2, coordinator_flags=["--shared_memory"])
+    client = c.client
+    lhs = rng.standard_normal((64, 32)).astype(np.float32)
+    rhs = rng.standard_normal((2, 32, 16)).astype(np.float32)
+    sizes = [10, 22, 16, 16]
+    client.put("w", rhs)
+    with pytest.raises(grpc.RpcError) as err:
+        _register_cuda(client, "dev", b"\x01" * 12, lhs.nbytes)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "cuda.ipc_handle" in err.value.details()
+    _register_cuda(client, "dev", bytes(range(64)), 1 << 20)
+    with pytest.raises(grpc.RpcError) as err:
+        _register_cuda(client, "dev", bytes(range(64)), 1 << 20)
+    assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
+
+    req = client.gemm_request(lhs, rhs, sizes, lhs_spec="(dp, None)", group_sizes_spec="(dp,)")
+    _in_shm(req.lhs, "dev", 0, lhs.nbytes)
+    req.rhs.Clear()
+    req.rhs.resident = "w"
+    with pytest.raises(grpc.RpcError) as err:
+        client.stub.GroupedGemm(req, timeout=30)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION, err.value.details()
+    assert "lhs.shared_memory" in err.value.details() and "cpu" in err.value.details(), err.value.details()
+
+    req = client.gemm_request(lhs, rhs, sizes, lhs_spec="(dp, None)", group_sizes_spec="(dp,)")
+    req.rhs.Clear()
+    req.rhs.resident = "w"
+    req.out_shared_memory.region = "dev"
+    req.out_shared_memory.byte_size = 64 * 16 * 4
+    with pytest.raises(grpc.RpcError) as err:
+        client.stub.GroupedGemm(req, timeout=30)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION, err.value.details()
+    assert "out_shared_memory" in err.value.details(), err.value.details()
+
+    # The same request without the region runs, and the weight is intact.
+    req.ClearField("out_shared_memory")
+    out = client.stub.GroupedGemm(req, timeout=30)
+    assert_close(np.frombuffer(out.out.data, np.float32).reshape(64, 16), _reference(lhs, rhs, sizes, 2), 32)
+    np.testing.assert_array_equal(client.get("w"), rhs)
+    client.stub.UnregisterSharedMemory(pb.UnregisterSharedMemoryRequest(name="dev"))

@@ -51,6 +51,30 @@ absl::StatusOr<Shard> Backend::GroupedGemmToShard(const LocalGemm& gemm) {
   return Shard::OnHost(std::move(*out));
 }
 
+namespace {
+absl::Status NoDeviceMemory(absl::string_view field, absl::string_view backend) {
+  return absl::FailedPreconditionError(absl::StrCat(
+      field, ": a CUDA IPC region needs CUDA workers on the client's host; this worker's backend is ", backend));
+}
+}  // namespace
+
+absl::StatusOr<std::shared_ptr<const DeviceBuffer>> Backend::BlockToDevice(const ClientMemory&,
+                                                                           const platform::TensorBlock&,
+                                                                           absl::string_view field) {
+  return NoDeviceMemory(field, Name());
+}
+
+absl::Status Backend::BlockFromDevice(const DeviceBuffer&, const ClientMemory&, const platform::TensorBlock&,
+                                      absl::string_view field) {
+  return NoDeviceMemory(field, Name());
+}
+
+absl::Status Backend::BlockFromHost(const char* source, const ClientMemory& memory, const platform::TensorBlock& block,
+                                    absl::string_view field) {
+  if (memory.mapping == nullptr) return NoDeviceMemory(field, Name());
+  return platform::CopyBlockIn(*memory.mapping, block, source, field);
+}
+
 absl::StatusOr<HostTensor> Backend::Download(const Shard& shard) {
   if (shard.host != nullptr) return *shard.host;
   return absl::FailedPreconditionError(absl::StrCat("the ", Name(), " backend holds no device shards"));

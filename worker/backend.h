@@ -11,6 +11,7 @@
 #include "absl/status/statusor.h"
 #include "kernels/cpu/quantize.h"
 #include "kernels/host_tensor.h"
+#include "platform/shared_memory.h"
 #include "worker/collectives.h"
 #include "worker/shard.h"
 
@@ -110,6 +111,16 @@ struct QuantizeBuffers {
 // Points the kernel's output fields at `b`.
 void PointQuantizeOutputs(const LocalQuantize& q, const QuantizeBuffers& b, GroupedQuantizeArgs* a);
 
+// Memory of a same-host client that a step reads an operand's block from or
+// writes its output block into: a POSIX shared-memory object mapped in this
+// process, or a CUDA allocation another process exported with
+// cudaIpcGetMemHandle (Triton's system and CUDA shared-memory extensions).
+struct ClientMemory {
+  std::shared_ptr<const platform::SharedMemoryMapping> mapping;  // set: host memory
+  std::string cuda_ipc_handle;  // set (the handle's bytes): device memory
+  uint64_t region_bytes = 0;    // what was registered: nothing past it is read or written
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -144,6 +155,25 @@ class Backend {
   // the device's context for this process) is for good: the worker reports
   // itself unhealthy and exits for its supervisor to restart it.
   virtual absl::Status DeviceHealth() const { return absl::OkStatus(); }
+
+  // Client memory. A block of it in this backend's device memory, row-major:
+  // client device memory used in place where the block is one contiguous
+  // run (the buffer then lives only as long as the caller needs it),
+  // otherwise copied on the device; client host memory copied in (pinned
+  // once per mapping where the system allows). The bytes are ready for
+  // work on the backend's stream when this returns. FAILED_PRECONDITION
+  // naming `field` on a backend without a device.
+  virtual absl::StatusOr<std::shared_ptr<const DeviceBuffer>> BlockToDevice(const ClientMemory& memory,
+                                                                          const platform::TensorBlock& block,
+                                                                          absl::string_view field);
+  // Writes a block (row-major) from this backend's device memory, or from
+  // host memory, into client memory; done (visible to the client) when
+  // this returns. FAILED_PRECONDITION for device memory on a backend
+  // without a device.
+  virtual absl::Status BlockFromDevice(const DeviceBuffer& source, const ClientMemory& memory,
+                                       const platform::TensorBlock& block, absl::string_view field);
+  virtual absl::Status BlockFromHost(const char* source, const ClientMemory& memory,
+                                     const platform::TensorBlock& block, absl::string_view field);
 };
 
 // `g` with its rhs_gather done on the host (Collectives::AllGather), run by

@@ -20,6 +20,8 @@
 #include "kernels/cuda/grouped_gemm.h"
 #include "kernels/cuda/quantize.h"
 #include "worker/backend.h"
+#include "worker/cuda_client_memory.h"
+#include "worker/cuda_device_buffer.h"
 #include "worker/fault_injection.h"
 #include "worker/fault_injection_kernels.h"
 
@@ -52,35 +54,6 @@ class Scratch {
   cuda::DevicePool* pool_;
   std::atomic<int64_t>* uploaded_;
   std::vector<void*> held_;
-};
-
-// A kept output in stream-ordered device memory (cudaMallocAsync): unlike
-// the runner's pool it may be freed from any thread (a GetShard, a delete).
-class StreamDeviceBuffer : public DeviceBuffer {
- public:
-  static absl::StatusOr<std::shared_ptr<StreamDeviceBuffer>> Allocate(int device, int64_t bytes,
-                                                                      cudaStream_t stream) {
-    void* p = nullptr;
-    if (auto s = CudaStatus(cudaMallocAsync(&p, std::max<int64_t>(bytes, 256), stream), "device output");
-        !s.ok()) {
-      return absl::ResourceExhaustedError(absl::StrCat("no device memory for a ", bytes, "-byte output: ", s.message()));
-    }
-    return std::shared_ptr<StreamDeviceBuffer>(new StreamDeviceBuffer(device, p, bytes, stream));
-  }
-  ~StreamDeviceBuffer() override {
-    cudaSetDevice(device_);
-    cudaFreeAsync(ptr_, stream_);
-  }
-  void* data() const override { return ptr_; }
-  int64_t bytes() const override { return bytes_; }
-
- private:
-  StreamDeviceBuffer(int device, void* ptr, int64_t bytes, cudaStream_t stream)
-      : device_(device), ptr_(ptr), bytes_(bytes), stream_(stream) {}
-  int device_;
-  void* ptr_;
-  int64_t bytes_;
-  cudaStream_t stream_;
 };
 
 class CudaBackend : public Backend {
@@ -150,6 +123,24 @@ class CudaBackend : public Backend {
   absl::Status DeviceHealth() const override {
     std::lock_guard<std::mutex> lock(lost_mu_);
     return lost_;
+  }
+
+  absl::StatusOr<std::shared_ptr<const DeviceBuffer>> BlockToDevice(const ClientMemory& memory,
+                                                                  const platform::TensorBlock& block,
+                                                                  absl::string_view field) override {
+    auto buffer = client_memory_.ToDevice(memory, block, field);
+    if (!buffer.ok()) return AfterFailure(buffer.status());
+    return buffer;
+  }
+  absl::Status BlockFromDevice(const DeviceBuffer& source, const ClientMemory& memory,
+                               const platform::TensorBlock& block, absl::string_view field) override {
+    absl::Status s = client_memory_.FromDevice(source.data(), memory, block, field);
+    return s.ok() ? s : AfterFailure(s);
+  }
+  absl::Status BlockFromHost(const char* source, const ClientMemory& memory, const platform::TensorBlock& block,
+                             absl::string_view field) override {
+    absl::Status s = client_memory_.FromHost(source, memory, block, field);
+    return s.ok() ? s : AfterFailure(s);
   }
 
  private:
@@ -712,6 +703,7 @@ class CudaBackend : public Backend {
   std::map<const HostTensor*, Cached> scale_cache_;  // WeightScales
   std::unique_ptr<cuda::GroupedGemmRunner> runner_;
   cudaStream_t stream_;
+  CudaClientMemory client_memory_{device_, stream_, &uploaded_, &downloaded_};  // after stream_
   std::string name_;
   std::unique_ptr<Backend> cpu_;
   FaultInjector* faults_;  // --fault_injection's (null: none)

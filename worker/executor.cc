@@ -326,36 +326,71 @@ platform::SharedMemoryMappings& Mappings() {
   return *mappings;
 }
 
-// A worker's block of a same-host client's shared-memory region, copied
-// into the step's memory (the region is the client's to change later).
-absl::StatusOr<HostTensor> ReadSharedMemoryBlock(const v1::LocalTensor& t, absl::string_view field) {
+// The client memory a block lies in: a POSIX object mapped here (kept
+// across steps), or a CUDA allocation's IPC handle (the backend opens it).
+absl::StatusOr<ClientMemory> ClientMemoryOf(const v1::SharedMemoryBlock& b, bool writable, absl::string_view field) {
+  ClientMemory memory;
+  memory.region_bytes = b.region_bytes();
+  if (b.object_case() == v1::SharedMemoryBlock::kCuda) {
+    memory.cuda_ipc_handle = b.cuda().ipc_handle();
+    return memory;
+  }
+  auto mapping = Mappings().Get(b.key(), b.region_bytes(), writable, field);
+  if (!mapping.ok()) return mapping.status();
+  memory.mapping = *std::move(mapping);
+  return memory;
+}
+
+// A worker's block of a same-host client's region: into device memory where
+// the step's device GEMM reads it (`on_device`) or the region is device
+// memory, else copied into host memory (the region is the client's to
+// change later).
+absl::StatusOr<Input> ReadClientBlock(const v1::LocalTensor& t, Backend* backend, bool on_device,
+                                      absl::string_view field) {
   const std::string at = absl::StrCat(field, ".shared_memory");
   auto dtype = DTypeFromProto(t.dtype(), field);
   if (!dtype.ok()) return dtype.status();
   std::vector<int64_t> shape(t.shape().begin(), t.shape().end());
   auto n = CheckedNumElements(shape, DTypeSize(*dtype), field);
   if (!n.ok()) return n.status();
-  auto mapping = Mappings().Get(t.shared_memory().key(), t.shared_memory().region_bytes(), /*writable=*/false, at);
-  if (!mapping.ok()) return mapping.status();
-  HostTensor out;
-  out.dtype = *dtype;
-  out.shape = shape;
-  out.bytes.resize(static_cast<size_t>(*n * DTypeSize(*dtype)));
-  if (auto s = platform::CopyBlockOut(**mapping, BlockOf(t.shared_memory(), shape, *dtype), out.bytes.data(), at);
-      !s.ok()) {
-    return s;
+  auto memory = ClientMemoryOf(t.shared_memory(), /*writable=*/false, at);
+  if (!memory.ok()) return memory.status();
+  const platform::TensorBlock block = BlockOf(t.shared_memory(), shape, *dtype);
+  Input in;
+  if (memory->mapping == nullptr || (on_device && backend->KeepsOutputsOnDevice())) {
+    auto device = backend->BlockToDevice(*memory, block, at);
+    if (!device.ok()) return device.status();
+    auto header = std::make_shared<HostTensor>();
+    header->dtype = *dtype;
+    header->shape = shape;
+    in.tensor = std::move(header);
+    in.device = *std::move(device);
+    return in;
   }
-  return out;
+  auto out = std::make_shared<HostTensor>();
+  out->dtype = *dtype;
+  out->shape = shape;
+  out->bytes.resize(static_cast<size_t>(*n * DTypeSize(*dtype)));
+  if (auto s = platform::CopyBlockOut(*memory->mapping, block, out->bytes.data(), at); !s.ok()) return s;
+  in.tensor = std::move(out);
+  return in;
 }
 
-absl::Status WriteSharedMemoryBlock(const v1::SharedMemoryBlock& b, const HostTensor& out) {
-  auto mapping = Mappings().Get(b.key(), b.region_bytes(), /*writable=*/true, "out_shared_memory");
-  if (!mapping.ok()) return mapping.status();
-  return platform::CopyBlockIn(**mapping, BlockOf(b, out.shape, out.dtype), out.bytes.data(), "out_shared_memory");
+// An output block into a same-host client's region, from where the step
+// holds it (device or host memory).
+absl::Status WriteClientBlock(Backend* backend, const v1::SharedMemoryBlock& b, DType dtype,
+                              const std::vector<int64_t>& shape, const DeviceBuffer* device, const HostTensor* host) {
+  constexpr absl::string_view kField = "out_shared_memory";
+  auto memory = ClientMemoryOf(b, /*writable=*/true, kField);
+  if (!memory.ok()) return memory.status();
+  const platform::TensorBlock block = BlockOf(b, shape, dtype);
+  if (device != nullptr) return backend->BlockFromDevice(*device, *memory, block, kField);
+  if (host == nullptr) return absl::InternalError("an output with neither host nor device bytes");
+  return backend->BlockFromHost(host->bytes.data(), *memory, block, kField);
 }
 
 absl::StatusOr<Input> ResolveInput(v1::LocalTensor&& t, const ShardStore& store, StagingArea* staging,
-                                   absl::string_view field) {
+                                   Backend* backend, bool on_device, absl::string_view field) {
   Input in;
   if (t.source_case() == v1::LocalTensor::kStaged) {  // a block a client streamed here directly
     if (staging == nullptr) {
@@ -383,12 +418,7 @@ absl::StatusOr<Input> ResolveInput(v1::LocalTensor&& t, const ShardStore& store,
     }
     return in;
   }
-  if (t.source_case() == v1::LocalTensor::kSharedMemory) {
-    auto read = ReadSharedMemoryBlock(t, field);
-    if (!read.ok()) return read.status();
-    in.tensor = std::make_shared<const HostTensor>(std::move(*read));
-    return in;
-  }
+  if (t.source_case() == v1::LocalTensor::kSharedMemory) return ReadClientBlock(t, backend, on_device, field);
   auto decoded = HostTensorFromProto(std::move(t), field);
   if (!decoded.ok()) return decoded.status();
   in.tensor = std::make_shared<const HostTensor>(std::move(*decoded));
@@ -805,9 +835,18 @@ absl::StatusOr<v1::StepResult> Executor::RunGemm(v1::GemmStep& gemm) {
   Input lhs, rhs, bias, lhs_scale, rhs_scale;
   Input* inputs[kOperands] = {&lhs, &rhs, &bias, &lhs_scale, &rhs_scale};
   absl::Status prepared = CancelledStatus();
+  // Whether an operand can stay in device memory for the device GEMM (and
+  // its device weight gather): every host path takes its bytes first.
+  auto stays_on_device = [&](int i) {
+    if (!device_gemm || i >= kBias) return false;
+    for (const auto& c : gemm.collectives()) {
+      if (c.phase() == v1::PHASE_BEFORE && c.tensor() == roles[i] && &c != device_gather) return false;
+    }
+    return true;
+  };
   for (int i = 0; i < kOperands && prepared.ok(); ++i) {
     if (!present[i]) continue;
-    auto in = ResolveInput(std::move(*protos[i]), *store_, staging_, RoleName(roles[i]));
+    auto in = ResolveInput(std::move(*protos[i]), *store_, staging_, backend_, stays_on_device(i), RoleName(roles[i]));
     if (!in.ok()) {
       prepared = in.status();
     } else if (in->tensor->dtype != declared_dtype[i] || in->tensor->shape != declared_shape[i]) {
@@ -818,15 +857,8 @@ absl::StatusOr<v1::StepResult> Executor::RunGemm(v1::GemmStep& gemm) {
       *inputs[i] = *in;
     }
   }
-  // Device-only shards stay on the device for the device GEMM (and its
-  // device weight gather); every host path takes their bytes first.
   for (int i = 0; i < kOperands && prepared.ok(); ++i) {
-    if (inputs[i]->device == nullptr) continue;
-    bool host_collective = false;
-    for (const auto& c : gemm.collectives()) {
-      host_collective |= c.phase() == v1::PHASE_BEFORE && c.tensor() == roles[i] && &c != device_gather;
-    }
-    if (!device_gemm || i >= kBias || host_collective) prepared = EnsureOnHost(backend_, inputs[i]);
+    if (inputs[i]->device != nullptr && !stays_on_device(i)) prepared = EnsureOnHost(backend_, inputs[i]);
   }
   int64_t working_bytes = 0;
   if (prepared.ok()) {
@@ -934,6 +966,24 @@ absl::StatusOr<v1::StepResult> Executor::RunGemm(v1::GemmStep& gemm) {
   // (device memory on a device backend): no copy to the host.
   const bool has_after = std::any_of(gemm.collectives().begin(), gemm.collectives().end(),
                                      [](const auto& c) { return c.phase() == v1::PHASE_AFTER; });
+  // An output into client memory likewise goes there from the device.
+  if (gemm.has_out_shared_memory() && !has_after && local_dtype == *out_dtype && device_gemm &&
+      backend_->KeepsOutputsOnDevice()) {
+    local.keep_on_device = true;
+    auto kept = TimeKernel([&] { return backend_->GroupedGemmToShard(local); });
+    if (!kept.ok()) return WhyStopped(kept.status());
+    if (auto s = WriteClientBlock(backend_, gemm.out_shared_memory(), kept->dtype, kept->shape, kept->device.get(),
+                                  kept->host.get());
+        !s.ok()) {
+      return s;
+    }
+    v1::StepResult result;
+    v1::LocalTensor* info = result.mutable_out();
+    info->set_dtype(DTypeToProto(kept->dtype));
+    info->mutable_shape()->Assign(kept->shape.begin(), kept->shape.end());
+    FinishResult(start, agreements, transfers_before, &result);
+    return result;
+  }
   if (!gemm.keep_output_as().empty() && !has_after && local_dtype == *out_dtype &&
       backend_->KeepsOutputsOnDevice()) {
     local.keep_on_device = true;
@@ -1009,7 +1059,10 @@ absl::StatusOr<v1::StepResult> Executor::RunGemm(v1::GemmStep& gemm) {
     // Into the client's region (or another worker writes this block): the
     // result carries the header only.
     if (gemm.has_out_shared_memory()) {
-      if (auto s = WriteSharedMemoryBlock(gemm.out_shared_memory(), *out); !s.ok()) return s;
+      if (auto s = WriteClientBlock(backend_, gemm.out_shared_memory(), out->dtype, out->shape, nullptr, &*out);
+          !s.ok()) {
+        return s;
+      }
     }
     v1::LocalTensor* info = result.mutable_out();
     info->set_dtype(DTypeToProto(out->dtype));
@@ -1031,7 +1084,7 @@ absl::StatusOr<v1::StepResult> Executor::RunQuantize(v1::QuantizeStep& q) {
   if (prepared.ok()) prepared = CancelledStatus();
   Input x;
   if (prepared.ok()) {
-    auto in = ResolveInput(std::move(*q.mutable_x()), *store_, staging_, "x");
+    auto in = ResolveInput(std::move(*q.mutable_x()), *store_, staging_, backend_, /*on_device=*/false, "x");
     if (in.ok()) x = *in;
     else prepared = in.status();
     if (prepared.ok()) prepared = EnsureOnHost(backend_, &x);
