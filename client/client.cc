@@ -339,6 +339,20 @@ absl::Status ShardGemmClient::RegisterSharedMemory(const std::string& name, cons
   return FromGrpcStatus(s);
 }
 
+absl::Status ShardGemmClient::RegisterCudaMemory(const std::string& name, const std::string& ipc_handle,
+                                                 uint64_t byte_size) {
+  grpc::ClientContext ctx;
+  Prepare(&ctx);
+  v1::RegisterSharedMemoryRequest request;
+  request.set_name(name);
+  request.mutable_cuda()->set_ipc_handle(ipc_handle);
+  request.set_byte_size(byte_size);
+  v1::RegisterSharedMemoryResponse response;
+  grpc::Status s = stub_->RegisterSharedMemory(&ctx, request, &response);
+  NoteRequestId(ctx);
+  return FromGrpcStatus(s);
+}
+
 absl::Status ShardGemmClient::UnregisterSharedMemory(const std::string& name) {
   grpc::ClientContext ctx;
   Prepare(&ctx);

@@ -49,6 +49,10 @@ class ShardGemmClient {
   // A POSIX shared-memory object of this host (`key`, its shm_open name)
   // under `name`, for requests' SharedMemoryRef (coordinator --shared_memory).
   absl::Status RegisterSharedMemory(const std::string& name, const std::string& key, uint64_t byte_size);
+  // A CUDA allocation of this process (`ipc_handle`: cudaIpcGetMemHandle's
+  // 64 bytes of its base) under `name`, the same way: CUDA workers on this
+  // host read operands from it in place and write outputs into it.
+  absl::Status RegisterCudaMemory(const std::string& name, const std::string& ipc_handle, uint64_t byte_size);
   absl::Status UnregisterSharedMemory(const std::string& name);
 
   // Sent with every later call as x-request-id metadata: the coordinator's

@@ -6,7 +6,7 @@
 //       [--local=cuda|cpu] [--iters 20] [--warmup 3] [--returned] [--scale_rows 1.0]
 //       [--lhs_spec '(ep, None)' --rhs_spec '(ep, None, None)' --group_sizes_spec '(ep,)']
 //       [--concurrency 1,2,4,8 | --request_rate 100,200 [--arrivals poisson|constant] [--max_outstanding 16]]
-//       [--activations resident|inline|shared_memory] [--check every|last]
+//       [--activations resident|inline|shared_memory|cuda_ipc|direct] [--check every|last]
 //
 // Weights are put resident first; each call then names them, takes its
 // activations the --activations way, and keeps its output resident (or,
@@ -103,8 +103,11 @@ ABSL_FLAG(bool, returned, false, "return the output to the client instead of kee
 ABSL_FLAG(std::string, activations, "resident",
           "how lhs reaches the workers each call: resident (put once), inline (in every request, through the "
           "coordinator), shared_memory (a POSIX region of this host the workers read; with --returned the output "
-          "is written into one too; the coordinator needs --shared_memory), direct (each call stages lhs's blocks "
-          "on the workers and, with --returned, fetches the output blocks from them: the direct path)");
+          "is written into one too; the coordinator needs --shared_memory), cuda_ipc (lhs in a CUDA allocation "
+          "of the bench's, on the workers' GPU, which they read in place; with --returned the output is written "
+          "into one too; CUDA workers on this host, the coordinator with --shared_memory), direct (each call "
+          "stages lhs's blocks on the workers and, with --returned, fetches the output blocks from them: the "
+          "direct path)");
 ABSL_FLAG(std::string, dtype, "bf16", "operand and output dtype: bf16 or f32");
 ABSL_FLAG(double, scale_rows, 1.0, "scale every preset's rows per group (small CPU runs)");
 ABSL_FLAG(double, scale_dims, 1.0, "scale every preset's k and n (small CPU runs)");
@@ -540,6 +543,43 @@ class BenchRegion {
   bool registered_ = true;
 };
 
+// A CUDA allocation of the bench's (on the GPU the CUDA workers use), exported
+// and registered under `name`; unregistered and freed when it goes.
+class BenchCudaRegion {
+ public:
+  static absl::StatusOr<std::unique_ptr<BenchCudaRegion>> Create(ShardGemmClient& client, const std::string& name,
+                                                                 int64_t bytes) {
+    void* p = nullptr;
+    if (cudaError_t e = cudaMalloc(&p, static_cast<size_t>(bytes)); e != cudaSuccess) {
+      return absl::ResourceExhaustedError(absl::StrCat("cudaMalloc ", bytes, ": ", cudaGetErrorString(e)));
+    }
+    auto region = std::unique_ptr<BenchCudaRegion>(new BenchCudaRegion(client, name, p));
+    cudaIpcMemHandle_t handle;
+    if (cudaError_t e = cudaIpcGetMemHandle(&handle, p); e != cudaSuccess) {
+      return absl::FailedPreconditionError(absl::StrCat("cudaIpcGetMemHandle: ", cudaGetErrorString(e)));
+    }
+    const std::string bytes_of(reinterpret_cast<const char*>(&handle), sizeof(handle));
+    if (auto s = client.RegisterCudaMemory(name, bytes_of, static_cast<uint64_t>(bytes)); !s.ok()) {
+      return absl::Status(s.code(), absl::StrCat("register ", name, ": ", s.message()));
+    }
+    region->registered_ = true;
+    return region;
+  }
+  ~BenchCudaRegion() {
+    if (registered_) (void)client_.UnregisterSharedMemory(name_);
+    cudaFree(data_);
+  }
+  char* data() const { return static_cast<char*>(data_); }
+
+ private:
+  BenchCudaRegion(ShardGemmClient& client, std::string name, void* data)
+      : client_(client), name_(std::move(name)), data_(data) {}
+  ShardGemmClient& client_;
+  std::string name_;
+  void* data_;
+  bool registered_ = false;
+};
+
 // GroupedGemmResponse.phases, in the order a request meets them (they add
 // up to its server time): the JSON's names and their accessors.
 struct Phase {
@@ -611,6 +651,8 @@ struct Caller {
   v1::GroupedGemmRequest request;
   std::string kept_as;        // the output kept resident under this name; empty: returned
   const char* out = nullptr;  // returned into shared memory: its slice of the output region
+  const char* device_out = nullptr;  // returned into a CUDA region: its slice there
+  mutable std::string device_out_copy;  // what a check reads of it
   int64_t out_bytes = 0;
   bool direct = false;        // --activations=direct: stage lhs and fetch the output itself
 
@@ -627,6 +669,14 @@ struct Caller {
   // A returned answer's output bytes (valid while `response` and the next call wait).
   absl::string_view ReturnedBytes(const v1::GroupedGemmResponse& response) const {
     if (out != nullptr) return absl::string_view(out, static_cast<size_t>(out_bytes));
+    if (device_out != nullptr) {
+      device_out_copy.resize(static_cast<size_t>(out_bytes));
+      if (cudaMemcpy(&device_out_copy[0], device_out, static_cast<size_t>(out_bytes), cudaMemcpyDeviceToHost) !=
+          cudaSuccess) {
+        device_out_copy.assign(static_cast<size_t>(out_bytes), '\xff');  // counted wrong
+      }
+      return device_out_copy;
+    }
     return response.out().data();
   }
 };
@@ -960,6 +1010,7 @@ int Main() {
     request.mutable_rhs()->set_resident("bench_rhs");
     const std::string activations = absl::GetFlag(FLAGS_activations);
     std::unique_ptr<BenchRegion> lhs_region;
+    std::unique_ptr<BenchCudaRegion> lhs_cuda;
     // The direct path: lhs inline in the request as built here; each call
     // stages its blocks on the workers (GroupedGemmDirect).
     const bool direct = activations == "direct";
@@ -980,8 +1031,26 @@ int Main() {
       t->set_spec(absl::GetFlag(FLAGS_lhs_spec));
       t->mutable_shared_memory()->set_region("bench_lhs_shm");
       t->mutable_shared_memory()->set_byte_size(lhs.NumBytes());
+    } else if (activations == "cuda_ipc") {
+      auto made = BenchCudaRegion::Create(client, "bench_lhs_cuda", lhs.NumBytes());
+      if (!made.ok()) {
+        std::fprintf(stderr, "%s: %s\n", p.name.c_str(), std::string(made.status().message()).c_str());
+        return 1;
+      }
+      lhs_cuda = std::move(*made);
+      if (cudaMemcpy(lhs_cuda->data(), lhs.bytes.data(), lhs.NumBytes(), cudaMemcpyHostToDevice) != cudaSuccess ||
+          cudaDeviceSynchronize() != cudaSuccess) {
+        std::fprintf(stderr, "%s: copying lhs to the device failed\n", p.name.c_str());
+        return 1;
+      }
+      v1::Tensor* t = request.mutable_lhs();
+      t->set_dtype(DTypeToProto(lhs.dtype));
+      t->mutable_shape()->Assign(lhs.shape.begin(), lhs.shape.end());
+      t->set_spec(absl::GetFlag(FLAGS_lhs_spec));
+      t->mutable_shared_memory()->set_region("bench_lhs_cuda");
+      t->mutable_shared_memory()->set_byte_size(lhs.NumBytes());
     } else if (activations != "resident") {
-      std::fprintf(stderr, "--activations: '%s' is not resident, inline, shared_memory or direct\n",
+      std::fprintf(stderr, "--activations: '%s' is not resident, inline, shared_memory, cuda_ipc or direct\n",
                    activations.c_str());
       return 1;
     }
@@ -1041,6 +1110,17 @@ int Main() {
       }
       out_region = std::move(*made);
     }
+    std::unique_ptr<BenchCudaRegion> out_cuda;
+    if (returned && activations == "cuda_ipc") {
+      int most = 1;
+      for (const LoadLevel& level : levels) most = std::max(most, level.callers);
+      auto made = BenchCudaRegion::Create(client, "bench_out_cuda", out_stride * most);
+      if (!made.ok()) {
+        std::fprintf(stderr, "%s: %s\n", p.name.c_str(), std::string(made.status().message()).c_str());
+        return 1;
+      }
+      out_cuda = std::move(*made);
+    }
     // Callers, made as the levels need them and kept across levels: each its
     // own client, its own kept output name (caller 0 keeps bench_out) or its
     // own slice of the output region.
@@ -1060,6 +1140,12 @@ int Main() {
         if (out_region != nullptr) {
           caller->out = out_region->data() + c * out_stride;
           caller->request.mutable_out_shared_memory()->set_region("bench_out_shm");
+          caller->request.mutable_out_shared_memory()->set_offset(static_cast<uint64_t>(c * out_stride));
+          caller->request.mutable_out_shared_memory()->set_byte_size(out_bytes);
+        }
+        if (out_cuda != nullptr) {
+          caller->device_out = out_cuda->data() + c * out_stride;
+          caller->request.mutable_out_shared_memory()->set_region("bench_out_cuda");
           caller->request.mutable_out_shared_memory()->set_offset(static_cast<uint64_t>(c * out_stride));
           caller->request.mutable_out_shared_memory()->set_byte_size(out_bytes);
         }

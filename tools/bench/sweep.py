@@ -50,10 +50,12 @@ PATHS = {
     "resident": {"flags": ["--activations=resident"]},
     # lhs resident, output returned through the coordinator.
     "resident_returned": {"flags": ["--activations=resident", "--returned"]},
-    # Client-direct transfers (issue 22, item 1: the client streams each
-    # worker its blocks and reads the outputs from them). Its bench mode is
-    # being added on another branch; until the bench knows it, it is skipped.
+    # Client-direct transfers: the client streams each worker its blocks and
+    # reads the outputs from them.
     "direct": {"flags": ["--activations=direct", "--returned"], "needs": "direct"},
+    # lhs and output in CUDA allocations of the bench's, which CUDA workers of
+    # the same host open (CUDA IPC) and use in place: only with --local=cuda.
+    "cuda_ipc": {"flags": ["--activations=cuda_ipc", "--returned"], "needs": "cuda_ipc", "cuda_only": True},
 }
 DEFAULT_PATHS = "inline,shared_memory,resident,direct"
 
@@ -353,6 +355,10 @@ def main(argv=None):
         needs = PATHS[name].get("needs")
         if needs and not bench_knows(bench, needs):
             skipped.append({"path": name, "why": f"{os.path.basename(bench)} has no --activations={needs} yet"})
+            print(f"# {name}: skipped, {skipped[-1]['why']}", flush=True)
+            continue
+        if PATHS[name].get("cuda_only") and a.local != "cuda":
+            skipped.append({"path": name, "why": "needs CUDA workers (--local=cuda)"})
             print(f"# {name}: skipped, {skipped[-1]['why']}", flush=True)
             continue
         paths.append(name)

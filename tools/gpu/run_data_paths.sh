@@ -11,7 +11,7 @@ set -uo pipefail
 B=${1:-.gpu_bundle/svc}
 export LD_LIBRARY_PATH=$PWD/$B/lib:${LD_LIBRARY_PATH:-}
 for preset in ${PRESETS:-small-decode deepseek-v3-up}; do
-  for mode in "resident" "inline --returned" "shared_memory --returned" "direct --returned" "resident --returned"; do
+  for mode in "resident" "inline --returned" "shared_memory --returned" "cuda_ipc --returned" "direct --returned" "resident --returned"; do
     SERVER_BIN=$B/bin BENCH=$B/bin/shardgemm-service-bench WORKER_FLAGS=--backend=cuda \
       COORDINATOR_FLAGS=--shared_memory PORT=50193 bash tools/service_bench.sh --local=cuda \
       --presets="$B/presets.json" --iters="${ITERS:-10}" --only="$preset" --activations=$mode 2>&1 |

@@ -22,7 +22,7 @@ OUTDIR=${OUT:-/tmp/sweep}
 mkdir -p "$OUTDIR"
 export SERVER_BIN=$B/bin BENCH=$B/bin/shardgemm-service-bench TRANSPORT_BENCH=$B/bin/shardgemm-transport-bench
 export WORKER_FLAGS=--backend=cuda
-paths=${PATHS:-inline,shared_memory,resident,resident_returned,direct}
+paths=${PATHS:-inline,shared_memory,cuda_ipc,resident,resident_returned,direct}
 rc=0
 python3 tools/bench/sweep.py --presets="$B/presets.json" --only=small-decode --local=cuda --paths="$paths" \
   --concurrency="${SMALL_LEVELS:-1,2,4,8,16,32,64}" --iters="${SMALL_ITERS:-10}" --warmup=2 --run_timeout_s=300 \
