@@ -6,8 +6,8 @@
 
 namespace shardgemm {
 
-const char* StepOpName(const v1::Step& step) {
-  switch (step.op_case()) {
+const char* StepOpName(v1::Step::OpCase op) {
+  switch (op) {
     case v1::Step::kGemm: return "gemm";
     case v1::Step::kQuantize: return "quantize";
     case v1::Step::kStore: return "store";
@@ -73,9 +73,9 @@ void StepObserver::WatchStaging(metrics::Registry* registry, const StagingArea* 
   });
 }
 
-void StepObserver::Record(const v1::Step& step, absl::Duration elapsed, const absl::Status& status,
+void StepObserver::Record(const StepIdentity& step, absl::Duration elapsed, const absl::Status& status,
                           const v1::StepResult* result, int64_t bytes_in, int64_t bytes_out) {
-  const char* op = StepOpName(step);
+  const char* op = StepOpName(step.op);
   const std::string code = absl::StatusCodeToString(status.code());
   // What is neither kernel nor collective moved the step's bytes.
   const double transfer = result == nullptr ? 0.0
@@ -86,7 +86,7 @@ void StepObserver::Record(const v1::Step& step, absl::Duration elapsed, const ab
     step_seconds_->With({op})->Observe(absl::ToDoubleSeconds(elapsed));
     step_bytes_->With({"received"})->Increment(static_cast<double>(bytes_in));
     step_bytes_->With({"sent"})->Increment(static_cast<double>(bytes_out));
-    const bool computes = step.op_case() == v1::Step::kGemm || step.op_case() == v1::Step::kQuantize;
+    const bool computes = step.op == v1::Step::kGemm || step.op == v1::Step::kQuantize;
     if (result != nullptr && computes) {
       const double kernel = result->kernel_seconds(), collective = result->collective_seconds();
       phase_seconds_->With({"kernel"})->Observe(kernel);
@@ -99,8 +99,8 @@ void StepObserver::Record(const v1::Step& step, absl::Duration elapsed, const ab
   const logging::Level level = status.ok() ? logging::Level::kInfo : logging::Level::kWarning;
   if (logger_ == nullptr || !logger_->Enabled(level)) return;
   std::vector<logging::Field> fields = {
-      {"request_id", step.request_id()},
-      {"sequence", step.sequence()},
+      {"request_id", step.request_id},
+      {"sequence", step.sequence},
       {"op", op},
       {"code", code},
       {"step_ms", absl::ToDoubleMilliseconds(elapsed)},

@@ -29,10 +29,23 @@ class StepObserver {
   // staged or held for fetch, and the budget. `staging` must outlive it.
   static void WatchStaging(metrics::Registry* registry, const StagingArea* staging);
 
+  // What the record names of a step: taken before the executor consumes the
+  // step (it moves the inline operands' bytes out).
+  struct StepIdentity {
+    v1::Step::OpCase op = v1::Step::OP_NOT_SET;
+    std::string request_id;
+    uint64_t sequence = 0;
+    static StepIdentity Of(const v1::Step& step) { return {step.op_case(), step.request_id(), step.sequence()}; }
+  };
+
   // One step answered: `result` when it succeeded; `bytes_in`/`bytes_out`
   // are the step's and the result's encoded sizes.
-  void Record(const v1::Step& step, absl::Duration elapsed, const absl::Status& status,
+  void Record(const StepIdentity& step, absl::Duration elapsed, const absl::Status& status,
               const v1::StepResult* result, int64_t bytes_in, int64_t bytes_out);
+  void Record(const v1::Step& step, absl::Duration elapsed, const absl::Status& status,
+              const v1::StepResult* result, int64_t bytes_in, int64_t bytes_out) {
+    Record(StepIdentity::Of(step), elapsed, status, result, bytes_in, bytes_out);
+  }
 
  private:
   logging::Logger* logger_;

@@ -33,12 +33,17 @@ grpc::Status WorkerServiceImpl::Execute(grpc::ServerContext* context, const v1::
   if (grpc::Status s = CheckCaller(*context); !s.ok()) return s;
   if (grpc::Status s = CheckDevice(); !s.ok()) return s;
   const absl::Time start = absl::Now();
-  auto r = executor_->Execute(*step, DeadlineOf(context));
+  const StepObserver::StepIdentity identity = StepObserver::StepIdentity::Of(*step);
+  const int64_t bytes_in = observer_ != nullptr ? static_cast<int64_t>(step->ByteSizeLong()) : 0;
+  // The executor moves inline operands' bytes out of the step; a copy here
+  // would copy every byte the request carries. gRPC made the request
+  // non-const in the call's arena and destroys it after this handler returns,
+  // so moving from it is safe.
+  auto r = executor_->Execute(std::move(*const_cast<v1::Step*>(step)), DeadlineOf(context));
   if (!r.ok()) (void)CheckDevice();  // a failure may have lost the device
   if (r.ok()) *result = std::move(*r);
   if (observer_ != nullptr) {
-    observer_->Record(*step, absl::Now() - start, r.status(), r.ok() ? result : nullptr,
-                      static_cast<int64_t>(step->ByteSizeLong()),
+    observer_->Record(identity, absl::Now() - start, r.status(), r.ok() ? result : nullptr, bytes_in,
                       r.ok() ? static_cast<int64_t>(result->ByteSizeLong()) : 0);
   }
   if (!r.ok()) return ToGrpcStatus(r.status());

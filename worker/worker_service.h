@@ -23,6 +23,8 @@ class WorkerServiceImpl final : public v1::Worker::Service {
                     StepObserver* observer = nullptr, const security::Transport* transport = nullptr)
       : executor_(executor), store_(store), backend_(backend), observer_(observer), transport_(transport) {}
 
+  // Consumes `step`: its inline operands' bytes move into the executor (gRPC
+  // hands the handler a request it allocated non-const and destroys after).
   grpc::Status Execute(grpc::ServerContext* context, const v1::Step* step,
                        v1::StepResult* result) override;
   grpc::Status CancelSteps(grpc::ServerContext* context, const v1::CancelStepsRequest* request,

@@ -62,14 +62,14 @@ TEST(WorkerService, AStepThatLosesTheDeviceIsAnsweredThenTheWorkerGoesUnavailabl
   {
     grpc::ServerContext context;
     v1::StepResult result;
-    const v1::Step step = GemmStep(1);
+    v1::Step step = GemmStep(1);
     EXPECT_TRUE(service.Execute(&context, &step, &result).ok());
   }
   EXPECT_TRUE(lost.empty());
   {
     grpc::ServerContext context;
     v1::StepResult result;
-    const v1::Step step = GemmStep(2);
+    v1::Step step = GemmStep(2);
     grpc::Status s = service.Execute(&context, &step, &result);
     // The step that lost the device gets its own error.
     EXPECT_EQ(s.error_code(), grpc::StatusCode::INTERNAL);
@@ -88,10 +88,41 @@ TEST(WorkerService, AStepThatLosesTheDeviceIsAnsweredThenTheWorkerGoesUnavailabl
   {
     grpc::ServerContext context;
     v1::StepResult result;
-    const v1::Step step = GemmStep(3);
+    v1::Step step = GemmStep(3);
     EXPECT_EQ(service.Execute(&context, &step, &result).error_code(), grpc::StatusCode::UNAVAILABLE);
   }
   EXPECT_EQ(lost.size(), 1u);  // once
+}
+
+TEST(WorkerService, AStepsInlineBytesMoveIntoTheExecutorUncopied) {
+  std::unique_ptr<Backend> backend = MakeCpuBackend(1);
+  ShardStore store(int64_t{1} << 30);
+  Executor executor(backend.get(), &store);
+  executor.Configure(SingleWorkerPosition(), MakeLocalCollectives(SingleWorkerPosition()));
+  WorkerServiceImpl service(&executor, &store, backend.get());
+  v1::Step step;
+  step.set_sequence(1);
+  v1::GemmStep* g = step.mutable_gemm();
+  HostTensor lhs = *ZerosTensor(DType::kF32, {2, 2});
+  for (int i = 0; i < 4; ++i) StoreFromFloat(&lhs, i, static_cast<float>(i + 1));  // [[1, 2], [3, 4]]
+  HostTensor rhs = *ZerosTensor(DType::kF32, {1, 2, 1});
+  StoreFromFloat(&rhs, 0, 10.0f);
+  StoreFromFloat(&rhs, 1, 100.0f);
+  HostTensorToProto(lhs, g->mutable_lhs());
+  HostTensorToProto(rhs, g->mutable_rhs());
+  g->add_group_sizes(2);
+  g->set_out_dtype(v1::F32);
+  grpc::ServerContext context;
+  v1::StepResult result;
+  ASSERT_TRUE(service.Execute(&context, &step, &result).ok());
+  auto out = HostTensorFromProto(result.out(), "out");
+  ASSERT_TRUE(out.ok()) << out.status();
+  ASSERT_EQ(out->shape, (std::vector<int64_t>{2, 1}));
+  EXPECT_EQ(out->data<float>()[0], 210.0f);
+  EXPECT_EQ(out->data<float>()[1], 430.0f);
+  // The request's operand bytes were taken, not copied.
+  EXPECT_TRUE(step.gemm().lhs().data().empty());
+  EXPECT_TRUE(step.gemm().rhs().data().empty());
 }
 
 }  // namespace
