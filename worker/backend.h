@@ -34,6 +34,10 @@ struct LocalGemm {
   std::shared_ptr<const DeviceBuffer> lhs_device, rhs_device;
   // GroupedGemmToShard: keep the output in device memory.
   bool keep_on_device = false;
+  // With keep_on_device: the device memory the output is written into (at
+  // least its bytes; a block of a client's CUDA region), which the shard then
+  // views, instead of memory of the backend's own.
+  std::shared_ptr<const DeviceBuffer> out_device;
   const HostTensor* bias = nullptr;  // may be null
   std::vector<int64_t> group_sizes;  // this worker's local groups
   bool rhs_transposed = false;

@@ -471,7 +471,7 @@ class CudaBackend : public Backend {
     int64_t out_bytes = DTypeSize(g.out_dtype);
     for (int64_t d : out_shape) out_bytes *= d;
     Scratch scratch(&runner_->pool(), &uploaded_);
-    std::shared_ptr<StreamDeviceBuffer> kept;
+    std::shared_ptr<const DeviceBuffer> kept;
     const absl::StatusOr<void*> unprepared = absl::FailedPreconditionError("not prepared");
     absl::StatusOr<void*> d_lhs = unprepared, d_rhs = unprepared, d_sizes = unprepared, d_out = unprepared;
     if (out.ok()) {
@@ -482,7 +482,15 @@ class CudaBackend : public Backend {
               : g.resident_rhs != nullptr ? DeviceCopy(g.resident_rhs, g.resident_lhs.get())
                                           : scratch.Upload(rhs.bytes.data(), rhs.NumBytes(), stream_);
       d_sizes = scratch.Upload(g.group_sizes.data(), a.num_groups * 8, stream_);
-      if (keep) {
+      if (keep && g.out_device != nullptr) {
+        if (g.out_device->bytes() < out_bytes) {
+          d_out = absl::InternalError(absl::StrCat("the output's ", out_bytes, " bytes do not fit the ",
+                                                   g.out_device->bytes(), " given for it"));
+        } else {
+          kept = g.out_device;
+          d_out = kept->data();
+        }
+      } else if (keep) {
         auto buffer = StreamDeviceBuffer::Allocate(device_, out_bytes, stream_);
         if (buffer.ok()) {
           kept = *buffer;

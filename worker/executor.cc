@@ -966,16 +966,29 @@ absl::StatusOr<v1::StepResult> Executor::RunGemm(v1::GemmStep& gemm) {
   // (device memory on a device backend): no copy to the host.
   const bool has_after = std::any_of(gemm.collectives().begin(), gemm.collectives().end(),
                                      [](const auto& c) { return c.phase() == v1::PHASE_AFTER; });
-  // An output into client memory likewise goes there from the device.
+  // An output into client memory likewise goes there from the device: a
+  // contiguous block of a CUDA region is the GEMM's output itself.
   if (gemm.has_out_shared_memory() && !has_after && local_dtype == *out_dtype && device_gemm &&
       backend_->KeepsOutputsOnDevice()) {
     local.keep_on_device = true;
+    const v1::SharedMemoryBlock& b = gemm.out_shared_memory();
+    const platform::TensorBlock block = BlockOf(b, local_out_shape, local_dtype);
+    bool in_place = false;
+    if (b.object_case() == v1::SharedMemoryBlock::kCuda && platform::BlockIsContiguous(block)) {
+      auto memory = ClientMemoryOf(b, /*writable=*/true, "out_shared_memory");
+      if (!memory.ok()) return memory.status();
+      auto target = backend_->BlockToDevice(*memory, block, "out_shared_memory");
+      if (!target.ok()) return target.status();
+      local.out_device = *std::move(target);
+      in_place = true;
+    }
     auto kept = TimeKernel([&] { return backend_->GroupedGemmToShard(local); });
     if (!kept.ok()) return WhyStopped(kept.status());
-    if (auto s = WriteClientBlock(backend_, gemm.out_shared_memory(), kept->dtype, kept->shape, kept->device.get(),
-                                  kept->host.get());
-        !s.ok()) {
-      return s;
+    if (!in_place || kept->device != local.out_device) {
+      if (auto s = WriteClientBlock(backend_, b, kept->dtype, kept->shape, kept->device.get(), kept->host.get());
+          !s.ok()) {
+        return s;
+      }
     }
     v1::StepResult result;
     v1::LocalTensor* info = result.mutable_out();
