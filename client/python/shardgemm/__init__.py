@@ -6,11 +6,14 @@
 
 shardgemm.Client (sync) and shardgemm.aio.Client (asyncio, grpc.aio) have the
 same methods: cluster_info, grouped_gemm, plan, grouped_quantize, put, get,
-delete, list, register_shared_memory, unregister_shared_memory. Operands:
+delete, list, register_shared_memory, register_cuda_memory,
+unregister_shared_memory. Operands:
 NumPy arrays, objects with __dlpack__ (torch CPU tensors, ...), resident
 tensor names, or SharedMemoryTensor references into a SharedMemoryRegion
 (same-host clients of a coordinator run with --shared_memory; grouped_gemm's
-out= writes the output there); output="torch" returns torch tensors
+out= writes the output there), or CUDA arrays (torch, CuPy, DLPack) that CUDA
+workers on this host read and write in place through CUDA IPC
+(CudaMemoryRegion, or registered per call); output="torch" returns torch tensors
 (pip install 'shardgemm[torch]'); progress=True shows tqdm bars on put/get
 (pip install 'shardgemm[progress]'). A failed call raises a ShardGemmError
 subclass with .code (grpc.StatusCode) and .details.
@@ -19,6 +22,7 @@ from . import aio, errors
 from ._convert import NUMPY_DTYPES, PROTO_DTYPES, SCALING, Array, SharedMemoryTensor, SupportsDLPack, TensorLike, \
     as_numpy, from_tensor, to_tensor
 from ._proto import pb, pb_grpc
+from ._cuda import CudaError, CudaMemoryRegion, CudaMemoryTensor
 from ._shm import SharedMemoryRegion
 from ._version import __version__
 from .client import Client
@@ -29,6 +33,7 @@ from .errors import (AbortedError, AlreadyExistsError, CancelledError, DataLossE
 
 __all__ = [
     "Client", "aio", "errors", "ShardGemmError", "SharedMemoryRegion", "SharedMemoryTensor",
+    "CudaMemoryRegion", "CudaMemoryTensor", "CudaError",
     "AbortedError", "AlreadyExistsError", "CancelledError", "DataLossError", "DeadlineExceededError",
     "FailedPreconditionError", "InternalError", "InvalidArgumentError", "NotFoundError", "OutOfRangeError",
     "PermissionDeniedError", "ResourceExhaustedError", "UnauthenticatedError", "UnavailableError",

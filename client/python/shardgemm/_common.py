@@ -87,7 +87,8 @@ def gemm_request(lhs: TensorLike, rhs: TensorLike, group_sizes: TensorLike, bias
                  quantize_lhs: Any = None, out: Optional[SharedMemoryTensor] = None) -> "pb.GroupedGemmRequest":
     """A v1.GroupedGemmRequest (see Client.grouped_gemm)."""
     if out is not None and not isinstance(out, SharedMemoryTensor):
-        raise TypeError(f"out= names a SharedMemoryTensor (SharedMemoryRegion.tensor(...)), not {type(out).__name__}")
+        raise TypeError("out= is a SharedMemoryTensor (SharedMemoryRegion.tensor(...)) or a CUDA array, "
+                        f"not {type(out).__name__}")
     if out is not None and keep_output_as:
         raise ValueError("an output is kept resident (keep_output_as) or written to shared memory (out=), not both")
     if compat not in ("default", "te"):
@@ -120,14 +121,18 @@ def gemm_request(lhs: TensorLike, rhs: TensorLike, group_sizes: TensorLike, bias
     return req
 
 
-def gemm_output(resp: "pb.GroupedGemmResponse", out: Optional[SharedMemoryTensor]) -> Optional[np.ndarray]:
+def gemm_output(resp: "pb.GroupedGemmResponse", out: Optional[SharedMemoryTensor]) -> Any:
     """A GroupedGemmResponse's output as NumPy: the bytes it carries; None
     when kept resident; with out=, the view of the region it was written to
-    (shaped as the response says), or None where out= has no view here."""
+    (shaped as the response says), the CUDA array itself for a CUDA
+    region's tensor, or None where out= has no view here."""
     kind = resp.out.WhichOneof("source")
     if kind == "resident":
         return None
     if kind == "shared_memory":
+        source = getattr(out, "source", None)  # a CUDA region's tensor: the array it stands for
+        if source is not None:
+            return source
         if out is None or out.array is None:
             return None
         dtype, shape = _convert.numpy_dtype(resp.out.dtype), tuple(resp.out.shape)

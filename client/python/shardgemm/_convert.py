@@ -203,8 +203,9 @@ def check_output(output: str) -> str:
 
 
 def to_output(a: Optional[np.ndarray], output: str) -> Optional[Array]:
-    """`a` as NumPy (as it is) or as a torch.Tensor sharing its memory."""
-    if a is None or check_output(output) == "numpy":
+    """`a` as NumPy (as it is) or as a torch.Tensor sharing its memory.
+    Anything else (a CUDA out= array) is returned as it is."""
+    if a is None or check_output(output) == "numpy" or not isinstance(a, np.ndarray):
         return a
     try:
         import torch

@@ -4,26 +4,28 @@
         out, plan = await c.grouped_gemm(lhs, rhs, group_sizes)
 
 shardgemm.aio.SharedMemoryRegion is shardgemm.SharedMemoryRegion for it
-(registered by `async with` or `await SharedMemoryRegion.create(c, n)`).
+(registered by `async with` or `await SharedMemoryRegion.create(c, n)`), and
+shardgemm.aio.CudaMemoryRegion is shardgemm.CudaMemoryRegion likewise.
 
 Make it inside a running event loop (grpc.aio binds the channel to it).
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, AsyncIterator, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import grpc
 import grpc.aio
 
-from . import _common, _direct
+from . import _common, _cuda, _direct
 from ._convert import Array, SharedMemoryTensor, TensorLike, check_output, to_output
 from ._progress import Meter, Progress
 from ._proto import pb, pb_grpc
+from ._cuda import AsyncCudaMemoryRegion as CudaMemoryRegion
 from ._shm import AsyncSharedMemoryRegion as SharedMemoryRegion
-from .errors import from_rpc_error
+from .errors import ShardGemmError, error_for, from_rpc_error
 
-__all__ = ["Client", "SharedMemoryRegion"]
+__all__ = ["Client", "CudaMemoryRegion", "SharedMemoryRegion"]
 
 
 class Client:
@@ -33,8 +35,11 @@ class Client:
 
     def __init__(self, address: str, timeout: Optional[float] = None, *, tls_dir: Optional[str] = None,
                  token: Optional[str] = None, output: str = "numpy", progress: Progress = False,
-                 options: Sequence[Tuple[str, Any]] = (), path: str = "auto") -> None:
+                 options: Sequence[Tuple[str, Any]] = (), path: str = "auto", cuda_ipc: bool = True) -> None:
         self.output = check_output(output)
+        self.cuda_ipc = bool(cuda_ipc)
+        # CudaMemoryRegions registered with this client: reused by calls, unregistered by close().
+        self._cuda_regions: List[_cuda._CudaRegion] = []
         self.path = _direct.check_path(path)
         self.progress = progress
         self.timeout = timeout
@@ -57,6 +62,21 @@ class Client:
         await self.close()
 
     async def close(self) -> None:
+        """Unregisters the CudaMemoryRegions made with this client (the
+        first failure raised after the rest), then closes the channels."""
+        try:
+            failure: Optional[BaseException] = None
+            for region in list(self._cuda_regions):
+                try:
+                    await region.close(timeout=self._timeout(None) or 10)
+                except ShardGemmError as e:
+                    failure = failure or e
+            if failure is not None:
+                raise failure
+        finally:
+            await self._close_channels()
+
+    async def _close_channels(self) -> None:
         channels, self._staging_channels = list(self._staging_channels.values()), {}
         for channel, _ in channels:
             await channel.close()
@@ -113,12 +133,54 @@ class Client:
         return _common.gemm_request(lhs, rhs, group_sizes, bias, **kwargs)
 
     async def grouped_gemm(self, lhs: TensorLike, rhs: TensorLike, group_sizes: TensorLike,
-                           bias: Optional[TensorLike] = None, *, out: Optional[SharedMemoryTensor] = None,
+                           bias: Optional[TensorLike] = None, *, out: Optional[Any] = None,
                            request_id: Optional[str] = None, output: Optional[str] = None,
                            timeout: Optional[float] = None, path: Optional[str] = None,
                            **kwargs: Any) -> Tuple[Optional[Array], "pb.Plan"]:
-        """See shardgemm.Client.grouped_gemm (out= and path= included)."""
+        """See shardgemm.Client.grouped_gemm (out=, CUDA arrays and path= included)."""
         out_as = check_output(output or self.output)
+        mem = _cuda.call_memory(_cuda.gemm_fields(lhs, rhs, bias, out, kwargs), self._cuda_regions,
+                                lambda x, field: _cuda._CudaRegion(x, what=field), self.cuda_ipc)
+        async with self._cuda_call(mem, timeout):
+            lhs, rhs, bias, out, kwargs = _cuda.gemm_arguments(mem.fields, kwargs)
+            return await self._grouped_gemm(lhs, rhs, group_sizes, bias, out, request_id, out_as, timeout, path,
+                                            kwargs)
+
+    @contextlib.asynccontextmanager
+    async def _cuda_call(self, mem: _cuda.CallMemory, timeout: Optional[float]) -> AsyncIterator[None]:
+        """As shardgemm.Client._cuda_call. The device synchronization blocks the event loop while it waits."""
+        made: List[_cuda._CudaRegion] = []
+        failed = False
+        try:
+            for region in mem.new:
+                try:
+                    await self.register_cuda_memory(region.name, region.ipc_handle, region.byte_size,
+                                                    timeout=timeout)
+                except ShardGemmError as e:
+                    raise error_for(e.code, _cuda.registration_hint(region, e.details),
+                                    request_id=e.request_id) from e
+                region.registered = True
+                made.append(region)
+            _cuda.synchronize(mem.devices)
+            yield
+        except BaseException:
+            failed = True
+            raise
+        finally:
+            for region in made:
+                region.registered = False
+                try:
+                    await self.unregister_shared_memory(region.name, timeout=timeout)
+                except ShardGemmError:
+                    if not failed:
+                        raise
+                finally:
+                    region._release()
+
+    async def _grouped_gemm(self, lhs: TensorLike, rhs: TensorLike, group_sizes: TensorLike,
+                            bias: Optional[TensorLike], out: Optional[SharedMemoryTensor], request_id: Optional[str],
+                            out_as: str, timeout: Optional[float], path: Optional[str],
+                            kwargs: Dict[str, Any]) -> Tuple[Optional[Array], "pb.Plan"]:
         chosen = _direct.check_path(path or self.path)
         offered = False
         if chosen == "auto" and _direct.worth_staging(lhs) and out is None and not kwargs.get("global_sorted", False):
@@ -266,6 +328,13 @@ class Client:
         """See shardgemm.Client.register_shared_memory (and
         shardgemm.aio.SharedMemoryRegion)."""
         req = pb.RegisterSharedMemoryRequest(name=name, key=key, byte_size=int(byte_size))
+        await self._unary(self.stub.RegisterSharedMemory, req, timeout, request_id)
+
+    async def register_cuda_memory(self, name: str, ipc_handle: bytes, byte_size: int, *,
+                                   request_id: Optional[str] = None, timeout: Optional[float] = None) -> None:
+        """See shardgemm.Client.register_cuda_memory (and shardgemm.aio.CudaMemoryRegion)."""
+        req = pb.RegisterSharedMemoryRequest(name=name, cuda=pb.CudaIpcMemory(ipc_handle=bytes(ipc_handle)),
+                                             byte_size=int(byte_size))
         await self._unary(self.stub.RegisterSharedMemory, req, timeout, request_id)
 
     async def unregister_shared_memory(self, name: str, *, request_id: Optional[str] = None,

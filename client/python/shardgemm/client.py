@@ -8,11 +8,11 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import grpc
 
-from . import _common, _direct
+from . import _common, _cuda, _direct
 from ._convert import Array, SharedMemoryTensor, TensorLike, check_output, to_output
 from ._progress import Meter, Progress
 from ._proto import pb, pb_grpc
-from .errors import from_rpc_error
+from .errors import ShardGemmError, error_for, from_rpc_error
 
 
 class Client:
@@ -43,7 +43,8 @@ class Client:
 
     def __init__(self, address: str, timeout: Optional[float] = None, *, tls_dir: Optional[str] = None,
                  token: Optional[str] = None, output: str = "numpy", progress: Progress = False,
-                 options: Sequence[Tuple[str, Any]] = (), path: Optional[str] = None) -> None:
+                 options: Sequence[Tuple[str, Any]] = (), path: Optional[str] = None,
+                 cuda_ipc: bool = True) -> None:
         """address: the coordinator's HOST:PORT. tls_dir: the mesh's
         certificates (ca.crt verifies the coordinator; client.crt/client.key
         are sent when present); token: the bearer token (default:
@@ -52,12 +53,18 @@ class Client:
         the default of every call. progress: the default of put/get (True: a
         tqdm bar, when tqdm is installed; or a callable(done, total)).
         options: more gRPC channel options. path: grouped_gemm's default
-        path ("auto", "direct" or "inline"; see grouped_gemm)."""
+        path ("auto", "direct" or "inline"; see grouped_gemm). cuda_ipc:
+        whether grouped_gemm's CUDA arrays travel by CUDA IPC (the default;
+        see grouped_gemm) or, False, are copied through the host (out= then
+        cannot be a CUDA array)."""
         self.output = check_output(output)
         self.path = _direct.check_path(path or self._default_path)
         self.progress = progress
         self.timeout = timeout
         self.last_request_id: Optional[str] = None
+        self.cuda_ipc = bool(cuda_ipc)
+        # CudaMemoryRegions registered with this client: reused by calls, unregistered by close().
+        self._cuda_regions: List[_cuda._CudaRegion] = []
         opts = [*_common.CHANNEL_OPTIONS, *options]
         creds = _common.credentials(tls_dir, token)
         if creds is not None:
@@ -80,6 +87,21 @@ class Client:
         self.close()
 
     def close(self) -> None:
+        """Unregisters the CudaMemoryRegions made with this client (the
+        first failure raised after the rest), then closes the channels."""
+        try:
+            failure: Optional[BaseException] = None
+            for region in list(self._cuda_regions):
+                try:
+                    region.close(timeout=self._timeout(None) or 10)
+                except (ShardGemmError, grpc.RpcError) as e:
+                    failure = failure or e
+            if failure is not None:
+                raise failure
+        finally:
+            self._close_channels()
+
+    def _close_channels(self) -> None:
         with self._staging_lock:
             channels, self._staging_channels = list(self._staging_channels.values()), {}
             pool, self._pool = self._pool, None
@@ -145,7 +167,7 @@ class Client:
         return _common.gemm_request(lhs, rhs, group_sizes, bias, **kwargs)
 
     def grouped_gemm(self, lhs: TensorLike, rhs: TensorLike, group_sizes: TensorLike,
-                     bias: Optional[TensorLike] = None, *, out: Optional[SharedMemoryTensor] = None,
+                     bias: Optional[TensorLike] = None, *, out: Optional[Any] = None,
                      request_id: Optional[str] = None, output: Optional[str] = None,
                      timeout: Optional[float] = None, path: Optional[str] = None,
                      **kwargs: Any) -> Tuple[Optional[Array], "pb.Plan"]:
@@ -173,6 +195,22 @@ class Client:
         one is given; its byte size must be the output's; not with
         keep_output_as).
 
+        CUDA arrays (coordinator --shared_memory, CUDA workers on this
+        host): lhs, rhs, bias, the scales and out= may be C-contiguous CUDA
+        arrays (torch tensors, CuPy arrays, __cuda_array_interface__ or
+        CUDA DLPack objects), which the workers read and write in place
+        through CUDA IPC. Each is named as an offset in the allocation
+        holding it: a CudaMemoryRegion of this client's that holds it, else
+        one registered for the call and unregistered after (one per
+        allocation). Before the request the client synchronizes every
+        device those arrays are on (cuCtxSynchronize of its primary
+        context: all of this process's streams there), so the producers'
+        writes, and earlier work on out=, are done; when the call returns,
+        the output has been written (returned is out= itself, output=
+        aside). A CUDA lhs without out= gets its output back in the
+        response, on the host. cuda_ipc=False on the client copies CUDA
+        operands through the host instead.
+
         path: how the operands' and the output's bytes travel. "direct":
         the coordinator plans where each block goes, this client streams
         every worker its blocks itself, in parallel (the workers' staging
@@ -190,14 +228,50 @@ class Client:
         the region's memory, not a copy), or None when out= was made by hand
         and has no view. plan is empty unless include_plan."""
         out_as = check_output(output or self.output)
-        if _direct.wants_direct(_direct.check_path(path or self.path), self._offers_staging, lhs, out, kwargs):
-            return self._grouped_gemm_direct(lhs, rhs, group_sizes, bias, request_id, out_as, timeout, kwargs)
-        req = _common.gemm_request(lhs, rhs, group_sizes, bias, out=out, **kwargs)
-        with self._errors():
-            resp, call = self.stub.GroupedGemm.with_call(req, timeout=self._timeout(timeout),
-                                                         metadata=_common.metadata(request_id))
-        self._note_request_id(call)
-        return to_output(_common.gemm_output(resp, out), out_as), resp.plan
+        mem = _cuda.call_memory(_cuda.gemm_fields(lhs, rhs, bias, out, kwargs), self._cuda_regions,
+                                lambda x, field: _cuda._CudaRegion(x, what=field), self.cuda_ipc)
+        with self._cuda_call(mem, timeout):
+            lhs, rhs, bias, out, kwargs = _cuda.gemm_arguments(mem.fields, kwargs)
+            if _direct.wants_direct(_direct.check_path(path or self.path), self._offers_staging, lhs, out, kwargs):
+                return self._grouped_gemm_direct(lhs, rhs, group_sizes, bias, request_id, out_as, timeout, kwargs)
+            req = _common.gemm_request(lhs, rhs, group_sizes, bias, out=out, **kwargs)
+            with self._errors():
+                resp, call = self.stub.GroupedGemm.with_call(req, timeout=self._timeout(timeout),
+                                                             metadata=_common.metadata(request_id))
+            self._note_request_id(call)
+            return to_output(_common.gemm_output(resp, out), out_as), resp.plan
+
+    @contextlib.contextmanager
+    def _cuda_call(self, mem: _cuda.CallMemory, timeout: Optional[float]) -> Iterator[None]:
+        """Registers the call's own CUDA regions, synchronizes the devices,
+        and unregisters the regions after the call (a failure to do that
+        is raised only when the call itself succeeded)."""
+        made: List[_cuda._CudaRegion] = []
+        failed = False
+        try:
+            for region in mem.new:
+                try:
+                    self.register_cuda_memory(region.name, region.ipc_handle, region.byte_size, timeout=timeout)
+                except ShardGemmError as e:
+                    raise error_for(e.code, _cuda.registration_hint(region, e.details),
+                                    request_id=e.request_id) from e
+                region.registered = True
+                made.append(region)
+            _cuda.synchronize(mem.devices)
+            yield
+        except BaseException:
+            failed = True
+            raise
+        finally:
+            for region in made:
+                region.registered = False
+                try:
+                    self.unregister_shared_memory(region.name, timeout=timeout)
+                except (ShardGemmError, grpc.RpcError):
+                    if not failed:
+                        raise
+                finally:
+                    region._release()
 
     def _grouped_gemm_direct(self, lhs: TensorLike, rhs: TensorLike, group_sizes: TensorLike,
                              bias: Optional[TensorLike], request_id: Optional[str], out_as: str,
@@ -371,6 +445,24 @@ class Client:
         smaller than byte_size. shardgemm.SharedMemoryRegion does all this
         for an object it makes."""
         req = pb.RegisterSharedMemoryRequest(name=name, key=key, byte_size=int(byte_size))
+        with self._errors():
+            _, call = self.stub.RegisterSharedMemory.with_call(req, timeout=self._timeout(timeout),
+                                                               metadata=_common.metadata(request_id))
+        self._note_request_id(call)
+
+    def register_cuda_memory(self, name: str, ipc_handle: bytes, byte_size: int, *,
+                             request_id: Optional[str] = None, timeout: Optional[float] = None) -> None:
+        """Registers a CUDA allocation of this process by its IPC handle
+        (the 64-byte cudaIpcMemHandle_t of the allocation's base) under
+        `name`, of which the service may use the first `byte_size` bytes.
+        The coordinator needs --shared_memory and CUDA workers on this host
+        (CPU workers refuse requests naming it: FailedPreconditionError);
+        InvalidArgumentError for a handle of another size, AlreadyExistsError
+        when `name` is registered. The allocation must stay alive while it
+        is registered. shardgemm.CudaMemoryRegion does all this for an
+        array."""
+        req = pb.RegisterSharedMemoryRequest(name=name, cuda=pb.CudaIpcMemory(ipc_handle=bytes(ipc_handle)),
+                                             byte_size=int(byte_size))
         with self._errors():
             _, call = self.stub.RegisterSharedMemory.with_call(req, timeout=self._timeout(timeout),
                                                                metadata=_common.metadata(request_id))
