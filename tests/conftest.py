@@ -34,18 +34,20 @@ def wait_for_port(port, timeout=30):
 
 
 class Cluster:
-    """A coordinator with `workers` CPU workers on `mesh`."""
+    """A coordinator with `workers` workers (CPU unless `backend` says) on `mesh`."""
 
     def __init__(self, tmp_path, mesh="dp=1", workers=1, roles="", worker_flags=(), coordinator_flags=(),
-                 tls_dir=None):
-        """Plaintext (--insecure) unless `tls_dir` names certificates (make_certs)."""
+                 tls_dir=None, backend="cpu", bin_dir=BIN, per_worker_flags=()):
+        """Plaintext (--insecure) unless `tls_dir` names certificates (make_certs).
+        `bin_dir` holds the servers (the worktree's ./bin unless given);
+        per_worker_flags[i], where given, are worker i's own flags (--device=i)."""
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.logs = tmp_path
         self.procs = []
         security = [f"--tls_dir={tls_dir}"] if tls_dir else ["--insecure"]
         self.tls_dir = tls_dir
-        cmd = [os.path.join(BIN, "shardgemm-coordinator"), f"--listen={self.address}", f"--mesh={mesh}",
+        cmd = [os.path.join(bin_dir, "shardgemm-coordinator"), f"--listen={self.address}", f"--mesh={mesh}",
                *security]
         if roles:
             cmd.append(f"--roles={roles}")
@@ -53,9 +55,10 @@ class Cluster:
         self.coordinator = self._start("coordinator", cmd)
         wait_for_port(self.port)
         for i in range(workers):
-            self._start(f"worker{i}", [os.path.join(BIN, "shardgemm-worker"),
-                                       f"--coordinator={self.address}", "--backend=cpu",
-                                       *security, *worker_flags])
+            self._start(f"worker{i}", [os.path.join(bin_dir, "shardgemm-worker"),
+                                       f"--coordinator={self.address}", f"--backend={backend}",
+                                       *security, *worker_flags,
+                                       *(per_worker_flags[i] if i < len(per_worker_flags) else ())])
         self.client = Client(self.address, timeout=60, tls_dir=tls_dir)
         deadline = time.time() + 60  # generous: a loaded 2-core machine starts TLS meshes slowly
         while time.time() < deadline:
