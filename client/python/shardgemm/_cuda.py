@@ -269,7 +269,10 @@ def _from_dlpack(what: str, x: Any) -> CudaArray:
     get.restype, get.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
     # The capsule stays unconsumed (its name unchanged) and is kept: its destructor frees the producer's
     # reference when the region lets go of it.
-    t = _DLTensor.from_address(get(capsule, b"dltensor"))
+    try:
+        t = _DLTensor.from_address(get(capsule, b"dltensor"))
+    except ValueError as e:  # a used or versioned capsule
+        raise TypeError(f"{what}: {type(x).__name__}.__dlpack__() gave no unused 'dltensor' capsule ({e})") from None
     if t.device_type not in (_DL_CUDA, _DL_CUDA_MANAGED):
         raise TypeError(f"{what}: the DLPack tensor is on device type {t.device_type}, not CUDA")
     key = (int(t.code), int(t.bits))
