@@ -1649,10 +1649,12 @@ absl::StatusOr<std::unique_ptr<Coordinator::StreamedPut>> Coordinator::BeginStre
     if (!ticket.ok()) return ticket.status();
     put.standby.push_back({c, *ticket});
   }
-  // A block a worker's staging budget could never hold goes the assembled way.
+  // A block a worker's staging budget (or the tenant's share of it) could never hold goes the assembled way.
   for (const v1::WorkerInfo& w : dispatcher_.Workers()) {
     if (w.rank() < 0 || w.rank() >= num_workers_) continue;
-    if (w.staging_budget_bytes() < staged_bytes[w.rank()]) return nullptr;
+    const int64_t room = call.tenant.empty() ? w.staging_budget_bytes()
+                                             : std::min(w.staging_budget_bytes(), w.staging_tenant_limit_bytes());
+    if (room < staged_bytes[w.rank()]) return nullptr;
   }
 
   auto claimed = registry_.Claim(call.tenant, name, overwrite, options_.max_tensors_per_tenant);

@@ -113,6 +113,7 @@ absl::StatusOr<Dispatcher::Joined> Dispatcher::Join(const v1::RegisterRequest& r
     w.info.set_memory_budget_bytes(request.memory_budget_bytes());
     w.info.set_staging_address(request.staging_address());
     w.info.set_staging_budget_bytes(request.staging_budget_bytes());
+    w.info.set_staging_tenant_limit_bytes(request.staging_tenant_limit_bytes());
     auto coords = planner::RankToCoords(mesh_, rank);
     if (coords.ok()) w.info.mutable_coords()->Assign(coords->begin(), coords->end());
     // A rank's member changed: its communicators in every group it belongs

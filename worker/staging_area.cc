@@ -25,8 +25,13 @@ absl::StatusOr<int64_t> BlockBytes(const ExpectedBlock& block) {
 
 }  // namespace
 
-StagingArea::StagingArea(int64_t budget_bytes, absl::Duration ttl, Clock now)
-    : budget_bytes_(budget_bytes), ttl_(ttl), now_(std::move(now)) {}
+StagingArea::StagingArea(int64_t budget_bytes, absl::Duration ttl, Clock now, int64_t tenant_limit_bytes)
+    : budget_bytes_(budget_bytes), tenant_limit_bytes_(tenant_limit_bytes), ttl_(ttl), now_(std::move(now)) {}
+
+void StagingArea::set_worker_name(std::string name) {
+  absl::MutexLock lock(&mu_);
+  worker_name_ = std::move(name);
+}
 
 StagingArea::Entry* StagingArea::Find(const std::string& ticket) {
   auto it = entries_.find(ticket);
@@ -41,20 +46,41 @@ StagingArea::Entry* StagingArea::Find(const std::string& ticket) {
 void StagingArea::Drop(absl::flat_hash_map<std::string, Entry>::iterator it) {
   const State s = it->second.state;
   // A stream being received owns its reservation (it ends it); the others' bytes are the entry's.
-  if (s == State::kStaged || s == State::kHeld || s == State::kFetching) held_bytes_ -= it->second.bytes;
+  if (s == State::kStaged || s == State::kHeld || s == State::kFetching) Unreserve(it->second.bytes, it->second.block.tenant);
   if ((s == State::kStaging || s == State::kFetching) && it->second.cancel) {
     expired_streams_[it->second.id] = std::move(it->second.cancel);
   }
   entries_.erase(it);
 }
 
-absl::Status StagingArea::Reserve(int64_t bytes, absl::string_view what) {
+absl::Status StagingArea::Reserve(int64_t bytes, const std::string& tenant, absl::string_view what) {
   if (bytes > budget_bytes_ - held_bytes_) {
     return absl::ResourceExhaustedError(absl::StrCat(what, " needs ", bytes, " bytes; ", held_bytes_, " of the ",
-                                                     budget_bytes_, " of --staging_budget are held"));
+                                                     budget_bytes_, " of --staging_budget are held on ",
+                                                     worker_name_));
+  }
+  if (!tenant.empty() && tenant_limit_bytes_ >= 0) {
+    auto it = held_by_tenant_.find(tenant);
+    const int64_t held = it == held_by_tenant_.end() ? 0 : it->second;
+    if (bytes > tenant_limit_bytes_ - held) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          what, ": tenant '", tenant, "' holds ", held, " bytes staged on ", worker_name_, " and asks ", bytes,
+          " more; its limit there is ", tenant_limit_bytes_, " bytes (--staging_tenant_share of the ", budget_bytes_,
+          " of --staging_budget)"));
+    }
   }
   held_bytes_ += bytes;
+  if (!tenant.empty() && bytes > 0) held_by_tenant_[tenant] += bytes;
   return absl::OkStatus();
+}
+
+void StagingArea::Unreserve(int64_t bytes, const std::string& tenant) {
+  held_bytes_ -= bytes;
+  if (tenant.empty() || bytes == 0) return;
+  auto it = held_by_tenant_.find(tenant);
+  if (it == held_by_tenant_.end()) return;
+  it->second -= bytes;
+  if (it->second <= 0) held_by_tenant_.erase(it);
 }
 
 absl::Status StagingArea::Expect(const std::string& ticket, ExpectedBlock block) {
@@ -95,21 +121,22 @@ absl::StatusOr<std::unique_ptr<StagingArea::Upload>> StagingArea::BeginStage(con
     case State::kFetching:
       return absl::FailedPreconditionError(absl::StrCat("ticket: ", Named(ticket), " is an output's, for Fetch"));
   }
-  if (auto s = Reserve(e->bytes, absl::StrCat("staging the ", e->block.operand, " block of ", Named(ticket)));
+  if (auto s = Reserve(e->bytes, tenant, absl::StrCat("staging the ", e->block.operand, " block of ", Named(ticket)));
       !s.ok()) {
     return s;
   }
   e->state = State::kStaging;
   e->id = next_id_++;
   e->cancel = std::move(cancel);
-  return std::unique_ptr<Upload>(new Upload(this, ticket, e->id, e->bytes));
+  return std::unique_ptr<Upload>(new Upload(this, ticket, tenant, e->id, e->bytes));
 }
 
-StagingArea::Upload::Upload(StagingArea* area, std::string ticket, uint64_t id, int64_t expected_bytes)
-    : area_(area), ticket_(std::move(ticket)), id_(id), expected_bytes_(expected_bytes) {}
+StagingArea::Upload::Upload(StagingArea* area, std::string ticket, std::string tenant, uint64_t id,
+                            int64_t expected_bytes)
+    : area_(area), ticket_(std::move(ticket)), tenant_(std::move(tenant)), id_(id), expected_bytes_(expected_bytes) {}
 
 StagingArea::Upload::~Upload() {
-  if (!committed_) area_->EndUpload(ticket_, id_, expected_bytes_);
+  if (!committed_) area_->EndUpload(ticket_, tenant_, id_, expected_bytes_);
 }
 
 absl::Status StagingArea::Upload::Append(absl::string_view data) {
@@ -148,9 +175,9 @@ absl::StatusOr<int64_t> StagingArea::Upload::Commit() {
   return expected_bytes_;
 }
 
-void StagingArea::EndUpload(const std::string& ticket, uint64_t id, int64_t reserved) {
+void StagingArea::EndUpload(const std::string& ticket, const std::string& tenant, uint64_t id, int64_t reserved) {
   absl::MutexLock lock(&mu_);
-  held_bytes_ -= reserved;
+  Unreserve(reserved, tenant);
   ForgetStream(id);
   auto it = entries_.find(ticket);
   if (it != entries_.end() && it->second.state == State::kStaging && it->second.id == id) {
@@ -190,7 +217,7 @@ absl::StatusOr<HostTensor> StagingArea::Claim(const std::string& ticket, DType d
   }
   HostTensor out = std::move(*std::const_pointer_cast<HostTensor>(e->data));
   e->data.reset();
-  held_bytes_ -= e->bytes;
+  Unreserve(e->bytes, e->block.tenant);
   e->state = State::kUsed;  // remembered until it expires
   return out;
 }
@@ -198,20 +225,41 @@ absl::StatusOr<HostTensor> StagingArea::Claim(const std::string& ticket, DType d
 void StagingArea::Discard(const std::string& ticket) {
   absl::MutexLock lock(&mu_);
   Entry* e = Find(ticket);
-  if (e == nullptr || e->state == State::kUsed || e->state == State::kHeld || e->state == State::kFetching) return;
-  if (e->state == State::kStaged) held_bytes_ -= e->bytes;
+  if (e == nullptr) {  // not here yet (an output its step has still to hold): refused when it comes
+    Entry& used = entries_[ticket];
+    used.state = State::kUsed;
+    used.expires = now_() + ttl_;
+    return;
+  }
+  if (e->state == State::kUsed) return;
+  if (e->state == State::kStaged || e->state == State::kHeld || e->state == State::kFetching) {
+    Unreserve(e->bytes, e->block.tenant);
+  }
   // A stream still staging it frees its own reservation when it ends, and its Commit finds the ticket used;
-  // the sweep ends that stream now, not when its client finishes.
-  if (e->state == State::kStaging && e->cancel) expired_streams_[e->id] = std::move(e->cancel);
+  // the sweep ends that stream (or a fetch of it) now, not when its client finishes.
+  if ((e->state == State::kStaging || e->state == State::kFetching) && e->cancel) {
+    expired_streams_[e->id] = std::move(e->cancel);
+  }
   e->data.reset();
   e->cancel = nullptr;
   e->state = State::kUsed;
 }
 
+absl::Status StagingArea::Known(const std::string& ticket) {
+  const Entry* e = Find(ticket);
+  if (e == nullptr) return absl::OkStatus();
+  if (e->state == State::kUsed) {
+    return absl::FailedPreconditionError(absl::StrCat("out_staged: ", Named(ticket), " was dropped: the coordinator "
+                                                      "gave up its request"));
+  }
+  return absl::AlreadyExistsError(absl::StrCat(Named(ticket), " is known already"));
+}
+
 absl::Status StagingArea::Hold(const std::string& ticket, const std::string& tenant, HostTensor block) {
   absl::MutexLock lock(&mu_);
-  if (Find(ticket) != nullptr) return absl::AlreadyExistsError(absl::StrCat(Named(ticket), " is known already"));
-  if (auto s = Reserve(block.NumBytes(), "out_staged: holding the output block for a direct fetch"); !s.ok()) {
+  if (auto s = Known(ticket); !s.ok()) return s;
+  if (auto s = Reserve(block.NumBytes(), tenant, "out_staged: holding the output block for a direct fetch");
+      !s.ok()) {
     return s;
   }
   InsertHeld(ticket, tenant, std::move(block));
@@ -222,18 +270,18 @@ absl::Status StagingArea::HoldMade(const std::string& ticket, const std::string&
                                    const std::function<absl::StatusOr<HostTensor>()>& make) {
   {
     absl::MutexLock lock(&mu_);
-    if (Find(ticket) != nullptr) return absl::AlreadyExistsError(absl::StrCat(Named(ticket), " is known already"));
-    if (auto s = Reserve(bytes, "holding a copy of the block for a direct fetch"); !s.ok()) return s;
+    if (auto s = Known(ticket); !s.ok()) return s;
+    if (auto s = Reserve(bytes, tenant, "holding a copy of the block for a direct fetch"); !s.ok()) return s;
   }
   absl::StatusOr<HostTensor> block = make();
   absl::MutexLock lock(&mu_);
   if (!block.ok() || block->NumBytes() != bytes || Find(ticket) != nullptr) {
-    held_bytes_ -= bytes;
+    Unreserve(bytes, tenant);
     if (!block.ok()) return block.status();
     if (block->NumBytes() != bytes) {
       return absl::InternalError(absl::StrCat("the block to hold has ", block->NumBytes(), " bytes, not ", bytes));
     }
-    return absl::AlreadyExistsError(absl::StrCat(Named(ticket), " is known already"));
+    return Known(ticket);
   }
   InsertHeld(ticket, tenant, *std::move(block));
   return absl::OkStatus();
@@ -301,7 +349,7 @@ void StagingArea::EndDownload(const std::string& ticket, uint64_t id, bool done)
     it->second.state = State::kHeld;  // may be fetched again, until it expires
     return;
   }
-  held_bytes_ -= it->second.bytes;
+  Unreserve(it->second.bytes, it->second.block.tenant);
   it->second.data.reset();
   it->second.state = State::kUsed;
 }
@@ -326,6 +374,12 @@ int StagingArea::Sweep() {
 int64_t StagingArea::held_bytes() const {
   absl::MutexLock lock(&mu_);
   return held_bytes_;
+}
+
+int64_t StagingArea::held_bytes_of(const std::string& tenant) const {
+  absl::MutexLock lock(&mu_);
+  auto it = held_by_tenant_.find(tenant);
+  return it == held_by_tenant_.end() ? 0 : it->second;
 }
 
 size_t StagingArea::tickets() const {

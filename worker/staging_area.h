@@ -41,8 +41,15 @@ class StagingArea {
   using Clock = std::function<absl::Time()>;
   // `budget_bytes` (--staging_budget): bytes staged, being staged and held
   // for fetch together. `ttl` (--staged_block_ttl): how long a ticket or its
-  // block waits to be used.
-  StagingArea(int64_t budget_bytes, absl::Duration ttl, Clock now = [] { return absl::Now(); });
+  // block waits to be used. `tenant_limit_bytes` (--staging_tenant_share of
+  // the budget): what one named tenant may hold of it; negative: no bound.
+  // The anonymous tenant (a mesh without tokens, where every client is the
+  // same one) is bounded by the budget alone.
+  StagingArea(int64_t budget_bytes, absl::Duration ttl, Clock now = [] { return absl::Now(); },
+              int64_t tenant_limit_bytes = -1);
+
+  // How errors name this worker (its staging address); "this worker" until set.
+  void set_worker_name(std::string name);
 
   // The coordinator issued `ticket` for `block` on this worker.
   // INVALID_ARGUMENT for a malformed block; ALREADY_EXISTS for a ticket known already.
@@ -65,9 +72,10 @@ class StagingArea {
 
    private:
     friend class StagingArea;
-    Upload(StagingArea* area, std::string ticket, uint64_t id, int64_t expected_bytes);
+    Upload(StagingArea* area, std::string ticket, std::string tenant, uint64_t id, int64_t expected_bytes);
     StagingArea* area_;
     std::string ticket_;
+    std::string tenant_;  // whose reservation it holds
     uint64_t id_;
     int64_t expected_bytes_;
     std::string bytes_;
@@ -80,8 +88,8 @@ class StagingArea {
 
   // NOT_FOUND for an unknown or expired ticket, PERMISSION_DENIED for
   // another tenant's, FAILED_PRECONDITION for one staged, being staged or
-  // used already, RESOURCE_EXHAUSTED (naming --staging_budget) when its
-  // bytes do not fit.
+  // used already, RESOURCE_EXHAUSTED (naming --staging_budget, or the
+  // tenant and --staging_tenant_share) when its bytes do not fit.
   absl::StatusOr<std::unique_ptr<Upload>> BeginStage(const std::string& ticket, const std::string& tenant,
                                                      CancelStream cancel = nullptr);
 
@@ -92,10 +100,13 @@ class StagingArea {
   absl::StatusOr<HostTensor> Claim(const std::string& ticket, DType dtype, const std::vector<int64_t>& shape,
                                    absl::string_view field);
 
-  // A step that named `ticket` failed, or the put staging it was abandoned:
-  // its block (staged, being staged or still to come) can serve no other
-  // step, so its bytes go now and the ticket is used (a stream staging it
-  // then fails its Commit with FAILED_PRECONDITION).
+  // A step that named `ticket` failed, or the request or put staging it was
+  // abandoned: its block (staged, being staged or still to come, or an
+  // output held for fetch) can serve no other step or fetch, so its bytes go
+  // now and the ticket is used (a stream staging it then fails its Commit
+  // with FAILED_PRECONDITION; one fetching it is cancelled by the sweep). A
+  // ticket not known yet is remembered as used until the TTL: a step still
+  // running when its request was given up cannot hold its output after.
   void Discard(const std::string& ticket);
 
   // Holds a step's output block for the client's fetch under `ticket`.
@@ -137,7 +148,9 @@ class StagingArea {
   int Sweep();
 
   int64_t held_bytes() const;  // staged, being staged and held for fetch
+  int64_t held_bytes_of(const std::string& tenant) const;
   int64_t budget_bytes() const { return budget_bytes_; }
+  int64_t tenant_limit_bytes() const { return tenant_limit_bytes_; }  // negative: none
   absl::Duration ttl() const { return ttl_; }
   size_t tickets() const;  // known now (for tests and status)
 
@@ -155,8 +168,14 @@ class StagingArea {
   // The live entry of `ticket` (expired ones are dropped first), or null.
   Entry* Find(const std::string& ticket) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Drop(absl::flat_hash_map<std::string, Entry>::iterator it) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::Status Reserve(int64_t bytes, absl::string_view what) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void EndUpload(const std::string& ticket, uint64_t id, int64_t reserved);
+  // OK for a ticket not known here; FAILED_PRECONDITION for one dropped
+  // (Discard), ALREADY_EXISTS for any other (a new hold is refused).
+  absl::Status Known(const std::string& ticket) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Counts `bytes` of `tenant` against the budget and the tenant's limit.
+  absl::Status Reserve(int64_t bytes, const std::string& tenant, absl::string_view what)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Unreserve(int64_t bytes, const std::string& tenant) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void EndUpload(const std::string& ticket, const std::string& tenant, uint64_t id, int64_t reserved);
   void EndDownload(const std::string& ticket, uint64_t id, bool done);
   void ForgetStream(uint64_t id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Keeps `block` under `ticket` for fetch; its bytes are reserved already.
@@ -164,11 +183,14 @@ class StagingArea {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const int64_t budget_bytes_;
+  const int64_t tenant_limit_bytes_;
   const absl::Duration ttl_;
   const Clock now_;
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, Entry> entries_ ABSL_GUARDED_BY(mu_);
   int64_t held_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::flat_hash_map<std::string, int64_t> held_by_tenant_ ABSL_GUARDED_BY(mu_);  // only nonzero ones
+  std::string worker_name_ ABSL_GUARDED_BY(mu_) = "this worker";
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
   // Streams whose ticket was dropped while they were open, by stream id:
   // Sweep cancels them (under mu_, so a stream cannot end meanwhile).

@@ -311,5 +311,81 @@ TEST_F(StagingAreaTest, DiscardDuringAnUploadEndsItsStreamAtTheNextSweep) {
   EXPECT_EQ(Stage(kTicket, std::string(32, 'a')).code(), absl::StatusCode::kFailedPrecondition);
 }
 
+TEST_F(StagingAreaTest, DiscardFreesAHeldOutputAndEndsItsFetch) {
+  HostTensor out;
+  out.dtype = DType::kF32;
+  out.shape = {2, 2};
+  out.bytes.assign(16, 'o');
+  ASSERT_TRUE(area_.Hold(kTicket, "demo", out).ok());
+  const std::string other = "fedcba9876543210fedcba9876543210";
+  ASSERT_TRUE(area_.Hold(other, "demo", out).ok());
+  int cancels = 0;
+  auto fetch = area_.BeginFetch(other, "demo", [&] { ++cancels; });
+  ASSERT_TRUE(fetch.ok());
+  EXPECT_EQ(area_.held_bytes(), 32);
+  area_.Discard(kTicket);  // its request failed on another rank
+  area_.Discard(other);
+  EXPECT_EQ(area_.held_bytes(), 0);
+  EXPECT_EQ(area_.held_bytes_of("demo"), 0);
+  area_.Sweep();
+  EXPECT_EQ(cancels, 1);
+  EXPECT_EQ((*fetch)->block().bytes, std::string(16, 'o'));  // the stream's copy stays valid until it ends
+  fetch->reset();
+  EXPECT_EQ(area_.held_bytes(), 0);
+  EXPECT_EQ(area_.BeginFetch(kTicket, "demo").status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
+TEST_F(StagingAreaTest, DiscardBeforeTheHoldRefusesIt) {
+  area_.Discard(kTicket);  // the coordinator gave up the request while its step still ran
+  HostTensor out;
+  out.dtype = DType::kF32;
+  out.shape = {2, 2};
+  out.bytes.assign(16, 'o');
+  absl::Status held = area_.Hold(kTicket, "demo", out);
+  EXPECT_EQ(held.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(held.message(), HasSubstr("dropped"));
+  EXPECT_EQ(area_.held_bytes(), 0);
+  now_ += absl::Seconds(61);
+  EXPECT_EQ(area_.Sweep(), 1);  // the mark goes with the TTL
+  EXPECT_EQ(area_.tickets(), 0u);
+}
+
+TEST(StagingAreaTenantTest, ATenantHoldsAtMostItsShare) {
+  absl::Time now = absl::FromUnixSeconds(1000);
+  StagingArea area(100, absl::Seconds(60), [&] { return now; }, /*tenant_limit_bytes=*/50);
+  area.set_worker_name("the worker at 127.0.0.1:9");
+  const std::string a1(32, '1'), a2(32, '2'), b1(32, '3');
+  ASSERT_TRUE(area.Expect(a1, Block("team-a", {2, 4})).ok());  // 32 bytes each
+  ASSERT_TRUE(area.Expect(a2, Block("team-a", {2, 4})).ok());
+  ASSERT_TRUE(area.Expect(b1, Block("team-b", {2, 4})).ok());
+  auto first = area.BeginStage(a1, "team-a");
+  ASSERT_TRUE(first.ok()) << first.status();
+  auto second = area.BeginStage(a2, "team-a");
+  ASSERT_EQ(second.status().code(), absl::StatusCode::kResourceExhausted);
+  for (const char* part : {"tenant 'team-a'", "holds 32 bytes", "asks 32", "limit there is 50",
+                           "127.0.0.1:9", "--staging_tenant_share"}) {
+    EXPECT_THAT(second.status().message(), HasSubstr(part));
+  }
+  auto other = area.BeginStage(b1, "team-b");  // another tenant's share is its own
+  ASSERT_TRUE(other.ok()) << other.status();
+  EXPECT_EQ(area.held_bytes_of("team-a"), 32);
+  EXPECT_EQ(area.held_bytes_of("team-b"), 32);
+  first->reset();  // a stream that ends unfinished gives its share back
+  EXPECT_EQ(area.held_bytes_of("team-a"), 0);
+  EXPECT_TRUE(area.BeginStage(a2, "team-a").ok());
+}
+
+TEST(StagingAreaTenantTest, TheAnonymousTenantIsBoundedByTheBudgetAlone) {
+  StagingArea area(100, absl::Seconds(60), [] { return absl::Now(); }, /*tenant_limit_bytes=*/50);
+  const std::string t1(32, '1'), t2(32, '2');
+  ASSERT_TRUE(area.Expect(t1, Block("", {2, 4})).ok());
+  ASSERT_TRUE(area.Expect(t2, Block("", {2, 4})).ok());
+  auto first = area.BeginStage(t1, "");
+  auto second = area.BeginStage(t2, "");
+  EXPECT_TRUE(first.ok());
+  EXPECT_TRUE(second.ok());
+  EXPECT_EQ(area.held_bytes(), 64);
+}
+
 }  // namespace
 }  // namespace shardgemm

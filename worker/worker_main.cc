@@ -81,6 +81,11 @@ ABSL_FLAG(std::string, staging_advertise, "",
 ABSL_FLAG(int64_t, staging_budget, int64_t{1} << 30,
           "bytes of staged blocks and outputs held for direct fetch, together; past it a stage or a direct "
           "output is RESOURCE_EXHAUSTED");
+ABSL_FLAG(double, staging_tenant_share, 0.5,
+          "the fraction of --staging_budget one tenant may hold staged (blocks and outputs for fetch) on this "
+          "worker, so one tenant cannot shut the others out; past it a stage is RESOURCE_EXHAUSTED naming the "
+          "tenant; in (0, 1] (1: no bound but the budget). The anonymous tenant of a mesh without tokens is "
+          "bounded by the budget alone");
 ABSL_FLAG(absl::Duration, staged_block_ttl, absl::Seconds(60),
           "how long a ticket, a staged block or an output held for fetch waits to be used before it expires "
           "(its bytes freed)");
@@ -314,7 +319,14 @@ int Run() {
     std::cerr << "shardgemm-worker: --staged_block_ttl must be positive and --staging_budget not negative\n";
     return 2;
   }
-  StagingArea staging(absl::GetFlag(FLAGS_staging_budget), staged_ttl);
+  const double tenant_share = absl::GetFlag(FLAGS_staging_tenant_share);
+  if (!(tenant_share > 0 && tenant_share <= 1)) {
+    std::cerr << "shardgemm-worker: --staging_tenant_share must be in (0, 1], got " << tenant_share << "\n";
+    return 2;
+  }
+  const int64_t staging_budget = absl::GetFlag(FLAGS_staging_budget);
+  StagingArea staging(staging_budget, staged_ttl, [] { return absl::Now(); },
+                      static_cast<int64_t>(static_cast<double>(staging_budget) * tenant_share));
   // Clients' tokens for the staging port: the coordinator's file (TLS), none with --insecure.
   bool serve_staging = absl::GetFlag(FLAGS_staging_port) >= 0;
   std::unique_ptr<security::TokenFile> tokens;
@@ -439,6 +451,7 @@ int Run() {
     }
     staging_address = absl::GetFlag(FLAGS_staging_advertise);
     if (staging_address.empty()) staging_address = absl::StrCat(host, ":", staging_port);
+    staging.set_worker_name(absl::StrCat("the worker at ", staging_address));
   }
   // Tickets and blocks nobody used expire on access, and here, a few times per TTL.
   Sweeper sweeper(&staging, std::clamp(staged_ttl / 4, absl::Milliseconds(100), absl::Seconds(1)));
@@ -453,7 +466,10 @@ int Run() {
   request.set_device((*backend)->Device());
   request.set_memory_budget_bytes(store.budget_bytes());
   request.set_staging_address(staging_address);
-  if (!staging_address.empty()) request.set_staging_budget_bytes(staging.budget_bytes());
+  if (!staging_address.empty()) {
+    request.set_staging_budget_bytes(staging.budget_bytes());
+    request.set_staging_tenant_limit_bytes(staging.tenant_limit_bytes());
+  }
   if (socket_dir) {
     auto inode = platform::SocketInode(socket_dir->socket_path());
     if (!inode.ok()) {

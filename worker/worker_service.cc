@@ -113,6 +113,7 @@ grpc::Status WorkerServiceImpl::Status(grpc::ServerContext* context, const v1::W
   if (staging_ != nullptr) {
     status->set_staged_bytes(staging_->held_bytes());
     status->set_staging_budget_bytes(staging_->budget_bytes());
+    status->set_staging_tenant_limit_bytes(staging_->tenant_limit_bytes());
   }
   return grpc::Status::OK;
 }
