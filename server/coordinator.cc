@@ -10,6 +10,7 @@
 #include <thread>
 #include <tuple>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/random/random.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -615,6 +616,7 @@ struct Coordinator::GemmCall {
   bool out_to_shared_memory = false;  // the workers wrote the output into the client's region
   bool direct = false;  // staged operands or a direct output: the direct path's bytes
   std::vector<v1::StagedBlock> out_blocks;  // direct_output: where each distinct block is held
+  TicketsByRank staged_tickets;  // its transfer plans' blocks: dropped if it fails
   std::vector<v1::Step> steps;
 };
 
@@ -1205,6 +1207,63 @@ absl::Status Coordinator::TellStagingTickets(std::vector<v1::ExpectStagedRequest
   return absl::OkStatus();
 }
 
+namespace {
+
+constexpr absl::Duration kDropStagedTimeout = absl::Seconds(2);
+
+void DropOnWorkers(const std::vector<std::shared_ptr<WorkerChannel>>& channels, const std::string& session,
+                   const std::map<int, std::vector<std::string>>& tickets, absl::Time until) {
+  std::vector<std::thread> droppers;
+  for (const auto& [rank, of_rank] : tickets) {
+    if (of_rank.empty() || rank < 0 || rank >= static_cast<int>(channels.size()) || channels[rank] == nullptr) {
+      continue;
+    }
+    v1::DropStagedRequest drop;
+    drop.set_session(session);
+    for (const std::string& t : of_rank) drop.add_tickets(t);
+    droppers.emplace_back([channel = channels[rank], drop = std::move(drop), until] {
+      channel->DropStaged(drop, until).IgnoreError();  // a worker that misses it expires them at its TTL
+    });
+  }
+  for (std::thread& t : droppers) t.join();
+}
+
+}  // namespace
+
+Coordinator::TicketsByRank Coordinator::TicketsOf(const StagingRecord& record) {
+  TicketsByRank tickets;
+  for (const auto& [field, op] : record.operands) {
+    for (size_t r = 0; r < op.ticket_of_rank.size(); ++r) tickets[static_cast<int>(r)].push_back(op.ticket_of_rank[r]);
+  }
+  if (record.put != nullptr) {
+    for (size_t r = 0; r < record.put->ticket_of_rank.size(); ++r) {
+      tickets[static_cast<int>(r)].push_back(record.put->ticket_of_rank[r]);
+    }
+    for (const auto& [copy, ticket] : record.put->standby) tickets[copy.holder_rank].push_back(ticket);
+  }
+  return tickets;
+}
+
+Coordinator::TicketsByRank Coordinator::TicketsOf(const std::vector<v1::ExpectStagedRequest>& expect) {
+  TicketsByRank tickets;
+  for (size_t r = 0; r < expect.size(); ++r) {
+    for (const v1::StagingTicket& t : expect[r].tickets()) tickets[static_cast<int>(r)].push_back(t.ticket());
+  }
+  return tickets;
+}
+
+void Coordinator::DropStaged(const TicketsByRank& tickets, absl::Time until) {
+  DropOnWorkers(dispatcher_.Channels(), session_, tickets, until);
+}
+
+void Coordinator::DropStagedBestEffort(TicketsByRank tickets) {
+  if (tickets.empty()) return;
+  // The thread holds the channels and the session, not the coordinator.
+  std::thread([channels = dispatcher_.Channels(), session = session_, tickets = std::move(tickets)] {
+    DropOnWorkers(channels, session, tickets, absl::Now() + kDropStagedTimeout);
+  }).detach();
+}
+
 absl::Status Coordinator::RoomForStagingPlan() {
   const absl::Time now = absl::Now();
   for (auto it = staging_.begin(); it != staging_.end();) {
@@ -1224,13 +1283,22 @@ absl::StatusOr<v1::StagingPlan> Coordinator::IssueStaging(StagingRecord record, 
     absl::MutexLock lock(&staging_mu_);
     if (auto s = RoomForStagingPlan(); !s.ok()) return s;
   }
-  // Every worker hears of its tickets before the client does.
-  if (auto s = TellStagingTickets(std::move(expect), deadline); !s.ok()) return s;
+  // Every worker hears of its tickets before the client does; those that
+  // did when another failed drop them again.
+  TicketsByRank told = TicketsOf(expect);
+  if (auto s = TellStagingTickets(std::move(expect), deadline); !s.ok()) {
+    DropStagedBestEffort(std::move(told));
+    return s;
+  }
   const std::string staging_id = security::RandomHex(16);
   response.set_staging_id(staging_id);
   response.set_expires_unix_ms(absl::ToUnixMillis(record.expires));
+  record.is_put = record.put != nullptr;
   absl::MutexLock lock(&staging_mu_);
-  if (auto s = RoomForStagingPlan(); !s.ok()) return s;  // others took the room meanwhile
+  if (auto s = RoomForStagingPlan(); !s.ok()) {  // others took the room meanwhile
+    DropStagedBestEffort(std::move(told));
+    return s;
+  }
   staging_[staging_id] = std::move(record);
   return response;
 }
@@ -1364,8 +1432,58 @@ absl::StatusOr<v1::TensorBlocks> Coordinator::PlanFetch(const std::string& name,
   }
   for (std::thread& t : threads) t.join();
   for (const absl::Status& s : held) {
-    if (!s.ok()) return ExplainMissingShard(s, call.tenant, {name});  // what was held expires unfetched
+    if (s.ok()) continue;
+    // The copies that were held will not be fetched: their holders free them now.
+    TicketsByRank dropped;
+    for (size_t i = 0; i < holds.size(); ++i) {
+      if (held[i].ok()) dropped[holds[i].first].push_back(holds[i].second.ticket().ticket());
+    }
+    DropStagedBestEffort(std::move(dropped));
+    return ExplainMissingShard(s, call.tenant, {name});
   }
+  return response;
+}
+
+absl::StatusOr<bool> Coordinator::StagingPlanIsPut(const std::string& staging_id, const CallContext& call) {
+  absl::MutexLock lock(&staging_mu_);
+  auto it = staging_.find(staging_id);
+  if (it == staging_.end() || it->second.expires <= absl::Now()) {
+    return absl::NotFoundError(absl::StrCat("staging_id: no transfer plan of that id (unknown, or expired after ",
+                                            absl::FormatDuration(options_.staging_ttl), ")"));
+  }
+  if (it->second.tenant != call.tenant) {
+    return absl::PermissionDeniedError("staging_id: the transfer plan was issued to another tenant");
+  }
+  return it->second.is_put;
+}
+
+absl::StatusOr<v1::ReleaseStagingResponse> Coordinator::ReleaseStaging(const std::string& staging_id,
+                                                                      absl::Time deadline, const CallContext& call) {
+  if (auto is_put = StagingPlanIsPut(staging_id, call); !is_put.ok()) return is_put.status();
+  v1::ReleaseStagingResponse response;
+  TicketsByRank tickets;
+  {
+    absl::MutexLock lock(&staging_mu_);
+    auto it = staging_.find(staging_id);
+    if (it == staging_.end()) {
+      return absl::NotFoundError("staging_id: the transfer plan expired meanwhile");
+    }
+    StagingRecord& record = it->second;
+    if (record.released) {
+      response.set_outcome(v1::RELEASE_ALREADY_RELEASED);
+      return response;
+    }
+    if (record.used) {  // its request owns the blocks now
+      response.set_outcome(v1::RELEASE_PLAN_SUBMITTED);
+      return response;
+    }
+    record.used = record.released = true;
+    tickets = TicketsOf(record);
+    record.operands.clear();
+    record.put.reset();
+  }
+  DropStaged(tickets, std::min(deadline, absl::Now() + kDropStagedTimeout));
+  response.set_outcome(v1::RELEASE_DROPPED);
   return response;
 }
 
@@ -1382,6 +1500,9 @@ absl::StatusOr<v1::PutTensorResponse> Coordinator::PutStaged(const v1::PutStaged
     }
     if (it->second.tenant != call.tenant) {
       return absl::PermissionDeniedError("staging_id: the transfer plan was issued to another tenant");
+    }
+    if (it->second.released) {
+      return absl::FailedPreconditionError("staging_id: the transfer plan was released (ReleaseStaging)");
     }
     if (it->second.used) return absl::FailedPreconditionError("staging_id: the transfer plan was used already");
     if (it->second.put == nullptr) return absl::InvalidArgumentError("staging_id: the transfer plan is no put's");
@@ -1404,8 +1525,14 @@ absl::StatusOr<v1::PutTensorResponse> Coordinator::PutStaged(const v1::PutStaged
   }
   const std::string shard_name = *claimed;
   ClaimGuard claim(&registry_, call.tenant, put->name);
-  return StoreStagedPut(
+  auto stored = StoreStagedPut(
       *put, shard_name, [&claim](Resident resident) { return claim.Register(std::move(resident)); }, deadline, call);
+  if (!stored.ok()) {  // the copies whose store steps did not run will not be stored
+    StagingRecord failed;
+    failed.put = std::move(put);
+    DropStagedBestEffort(TicketsOf(failed));
+  }
+  return stored;
 }
 
 absl::StatusOr<v1::PutTensorResponse> Coordinator::StoreStagedPut(
@@ -1684,6 +1811,10 @@ absl::StatusOr<TensorMeta> Coordinator::ResolveStaged(const v1::Tensor& t, const
   if (record.tenant != tenant) {
     return absl::PermissionDeniedError(absl::StrCat(at, ": the transfer plan was issued to another tenant"));
   }
+  if (record.released) {
+    return absl::FailedPreconditionError(absl::StrCat(at, ": the transfer plan was released (ReleaseStaging; its "
+                                                      "blocks dropped); stage again under a new one"));
+  }
   if (record.used) {
     return absl::FailedPreconditionError(absl::StrCat(at, ": the transfer plan was used already (its blocks are "
                                                       "consumed); stage again under a new one"));
@@ -1716,7 +1847,8 @@ absl::StatusOr<TensorMeta> Coordinator::ResolveStaged(const v1::Tensor& t, const
   return meta;
 }
 
-absl::Status Coordinator::TakeStaged(const std::string& staging_id, const planner::Plan& plan) {
+absl::Status Coordinator::TakeStaged(const std::string& staging_id, const planner::Plan& plan,
+                                     TicketsByRank* tickets) {
   absl::MutexLock lock(&staging_mu_);
   auto it = staging_.find(staging_id);
   if (it == staging_.end()) return absl::NotFoundError("staged: the transfer plan expired meanwhile");
@@ -1735,6 +1867,10 @@ absl::Status Coordinator::TakeStaged(const std::string& staging_id, const planne
     }
   }
   it->second.used = true;
+  for (auto& [rank, of_rank] : TicketsOf(it->second)) {
+    std::vector<std::string>& to = (*tickets)[rank];
+    to.insert(to.end(), of_rank.begin(), of_rank.end());
+  }
   return absl::OkStatus();
 }
 
@@ -1796,8 +1932,11 @@ absl::StatusOr<v1::GroupedQuantizeResponse> Coordinator::GroupedQuantize(
     }
     scales.assign(t->data<float>(), t->data<float>() + t->NumElements());
   }
+  TicketsByRank staged_tickets;
+  // A request that fails from here has its staged blocks dropped now, not at their TTL.
+  absl::Cleanup drop_staged = [&] { DropStagedBestEffort(std::move(staged_tickets)); };
   if (direct) {  // the workers consume the staged blocks now: a plan is used once
-    if (auto s = TakeStaged(metas["x"].staging_id, *plan); !s.ok()) return s;
+    if (auto s = TakeStaged(metas["x"].staging_id, *plan, &staged_tickets); !s.ok()) return s;
   }
   HostTensor x_data;
   const bool x_inline = metas["x"].resident_shard.empty() && metas["x"].staged_tickets.empty();
@@ -1848,6 +1987,7 @@ absl::StatusOr<v1::GroupedQuantizeResponse> Coordinator::GroupedQuantize(
   }
   for (const KeptOutput& k : *keeps) kept_shards.push_back({k.shard_name, {}});
   auto results = Dispatch(std::move(steps), StepDeadline(deadline), call);
+  if (results.ok()) std::move(drop_staged).Cancel();  // every step claimed its block
   // Each kept output's standby copies (--replicas), before anything is registered.
   std::vector<Placement> placements;
   for (size_t i = 0; results.ok() && i < keeps->size(); ++i) {
@@ -2291,7 +2431,10 @@ absl::StatusOr<std::shared_ptr<Coordinator::GemmCall>> Coordinator::PrepareGroup
   // and only by a request that passed every check (a refused one may submit
   // the plan again).
   for (const std::string& id : staging_ids) {
-    if (auto s = TakeStaged(id, *plan); !s.ok()) return s;
+    if (auto s = TakeStaged(id, *plan, &c->staged_tickets); !s.ok()) {
+      DropStagedBestEffort(std::move(c->staged_tickets));  // the plans taken before this one
+      return s;
+    }
   }
   c->shard_name = std::move(shard_name);
   c->steps = std::move(steps);
@@ -2357,6 +2500,12 @@ absl::StatusOr<v1::GroupedGemmResponse> Coordinator::CompleteGroupedGemm(
   }
   if (!results.ok()) {
     if (!shard_name.empty()) DeleteShardsBestEffort(kept);
+    // The other ranks' staged blocks and held outputs: no step or fetch will use them.
+    TicketsByRank dropped = std::move(c.staged_tickets);
+    for (const v1::StagedBlock& b : c.out_blocks) {
+      for (const v1::StagingDestination& d : b.destinations()) dropped[d.rank()].push_back(d.ticket());
+    }
+    DropStagedBestEffort(std::move(dropped));
     return ExplainMissingShard(results.status(), c.call.tenant, c.guard.names);
   }
 

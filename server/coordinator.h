@@ -203,6 +203,15 @@ class Coordinator {
   absl::StatusOr<v1::PutTensorResponse> PutStaged(const v1::PutStagedRequest& request,
                                                   absl::Time deadline = absl::InfiniteFuture(),
                                                   const CallContext& call = {});
+  // Whether the transfer plan `staging_id` of this tenant is a put's (the
+  // grant releasing it needs): NOT_FOUND unknown or expired, PERMISSION_DENIED another tenant's.
+  absl::StatusOr<bool> StagingPlanIsPut(const std::string& staging_id, const CallContext& call = {});
+  // A plan its client will not submit: every holder drops its tickets now
+  // (bounded by `deadline` and a few seconds), and the plan is marked used.
+  // A plan submitted already is left to its request (RELEASE_PLAN_SUBMITTED).
+  absl::StatusOr<v1::ReleaseStagingResponse> ReleaseStaging(const std::string& staging_id,
+                                                            absl::Time deadline = absl::InfiniteFuture(),
+                                                            const CallContext& call = {});
 
   // A same-host client's shared-memory region, by the name requests use.
   absl::Status RegisterSharedMemory(const v1::RegisterSharedMemoryRequest& request, const CallContext& call = {});
@@ -340,6 +349,8 @@ class Coordinator {
     std::string tenant;
     absl::Time expires;
     bool used = false;
+    bool released = false;  // by ReleaseStaging (used too)
+    bool is_put = false;
     std::map<std::string, StagedOperandRecord> operands;  // "lhs", "rhs", ...
     std::unique_ptr<StagedPut> put;                        // a put's plan instead
   };
@@ -352,6 +363,16 @@ class Coordinator {
       const std::function<absl::StatusOr<ShardCopies>(Resident)>& register_resident, absl::Time deadline,
       const CallContext& call);
   class StreamedPutImpl;
+  // Tickets by holder rank, of blocks no step will claim nor client fetch.
+  using TicketsByRank = std::map<int, std::vector<std::string>>;
+  static TicketsByRank TicketsOf(const StagingRecord& record);
+  static TicketsByRank TicketsOf(const std::vector<v1::ExpectStagedRequest>& expect);
+  // Has each holder drop its tickets now (Worker.DropStaged, in parallel,
+  // each call bounded by `until`); a worker that misses it expires them.
+  void DropStaged(const TicketsByRank& tickets, absl::Time until);
+  // As DropStaged, on a thread of its own (bounded by kDropStagedTimeout):
+  // a failed request's answer does not wait for it.
+  void DropStagedBestEffort(TicketsByRank tickets);
   // Tells each worker its tickets (Worker.ExpectStaged, in parallel).
   absl::Status TellStagingTickets(std::vector<v1::ExpectStagedRequest> expect, absl::Time deadline);
   // Tells each worker its tickets, then keeps the record under a new staging id.
@@ -369,7 +390,8 @@ class Coordinator {
                                                   const std::string& tenant);
   // Marks `staging_id` used (FAILED_PRECONDITION if it was) and checks that
   // `plan` places each staged operand's blocks where they were staged.
-  absl::Status TakeStaged(const std::string& staging_id, const planner::Plan& plan);
+  // `tickets` gets the plan's (each holder's), to drop if the request fails.
+  absl::Status TakeStaged(const std::string& staging_id, const planner::Plan& plan, TicketsByRank* tickets);
   // The workers' staging addresses by rank (FAILED_PRECONDITION naming a rank without one).
   absl::StatusOr<std::vector<std::string>> StagingAddresses() const;
 

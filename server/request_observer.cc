@@ -21,6 +21,7 @@ const char* RequestOpName(RequestOp op) {
     case RequestOp::kPlanStaging: return "plan_staging";
     case RequestOp::kPutStaged: return "put_staged";
     case RequestOp::kPlanFetch: return "plan_fetch";
+    case RequestOp::kReleaseStaging: return "release_staging";
   }
   return "unknown";
 }

@@ -31,6 +31,7 @@ enum class RequestOp {
   kPlanStaging,
   kPutStaged,
   kPlanFetch,
+  kReleaseStaging,
 };
 const char* RequestOpName(RequestOp op);  // "grouped_gemm", ...
 

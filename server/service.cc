@@ -1,6 +1,7 @@
 #include "server/service.h"
 
 #include <new>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
@@ -407,6 +408,32 @@ grpc::Status ShardGemmService::PlanFetch(grpc::ServerContext* context, const v1:
   auto r = coordinator_->PlanFetch(request->name(), DeadlineOf(context), CallOf(record, context));
   if (!r.ok()) return Finish(record, ToGrpcStatus(r.status()));
   *blocks = std::move(*r);
+  return Finish(record, grpc::Status::OK);
+}
+
+grpc::Status ShardGemmService::ReleaseStaging(grpc::ServerContext* context, const v1::ReleaseStagingRequest* request,
+                                              v1::ReleaseStagingResponse* response) {
+  RequestRecord record = Begin(RequestOp::kReleaseStaging, context);
+  // Releasing a plan needs the grant making it did: write for a put's, compute otherwise.
+  std::optional<security::Principal> principal;
+  if (tokens_ != nullptr) {
+    auto p = tokens_->Authenticate(*context);
+    if (!p.ok()) return Finish(record, ToGrpcStatus(p.status()));
+    record.tenant = p->tenant;
+    principal = *std::move(p);
+  }
+  auto is_put = coordinator_->StagingPlanIsPut(request->staging_id(), CallOf(record));
+  if (!is_put.ok()) return Finish(record, ToGrpcStatus(is_put.status()));
+  const security::Grant needed = *is_put ? security::Grant::kWrite : security::Grant::kCompute;
+  if (principal.has_value() && !principal->Has(needed)) {
+    return Finish(record, grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
+                                       absl::StrCat("the token of tenant '", principal->tenant, "' is not granted ",
+                                                    security::GrantName(needed), " (release_staging of a ",
+                                                    *is_put ? "put's" : "request's", " transfer plan)")));
+  }
+  auto r = coordinator_->ReleaseStaging(request->staging_id(), DeadlineOf(context), CallOf(record, context));
+  if (!r.ok()) return Finish(record, ToGrpcStatus(r.status()));
+  *response = std::move(*r);
   return Finish(record, grpc::Status::OK);
 }
 

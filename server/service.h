@@ -70,6 +70,8 @@ class ShardGemmService final
                          v1::PutTensorResponse* response) override;
   grpc::Status PlanFetch(grpc::ServerContext* context, const v1::GetTensorRequest* request,
                          v1::TensorBlocks* blocks) override;
+  grpc::Status ReleaseStaging(grpc::ServerContext* context, const v1::ReleaseStagingRequest* request,
+                              v1::ReleaseStagingResponse* response) override;
 
  private:
   // Records `record` with `status` (when observed) and returns `status`.

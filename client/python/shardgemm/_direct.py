@@ -26,6 +26,8 @@ FIELD_OF_ROLE = {pb.TENSOR_LHS: "lhs", pb.TENSOR_RHS: "rhs", pb.TENSOR_BIAS: "bi
                  pb.TENSOR_X: "x", pb.TENSOR_ROLE_UNSPECIFIED: "tensor"}  # a put's tensor has no role
 #: How long a client trusts what ClusterInfo said about staging ("auto").
 STAGING_INFO_SECONDS = 10.0
+#: The bound on ReleaseStaging after a direct call failed before its submit.
+RELEASE_SECONDS = 5.0
 
 
 def run_all(pool: concurrent.futures.Executor, fn: Callable[[Any], None], items: Iterable[Any]) -> None:

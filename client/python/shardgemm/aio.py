@@ -11,6 +11,7 @@ Make it inside a running event loop (grpc.aio binds the channel to it).
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from typing import Any, AsyncIterator, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -203,7 +204,7 @@ class Client:
             staging_id, md = await self._stage(pb.StagingPlanRequest(grouped_gemm=req), arrays, request_id, timeout)
             call = self.stub.GroupedGemm(_direct.submitted(req, staging_id, arrays, direct_output=not keep),
                                          timeout=t, metadata=md)
-            resp = await call
+            resp = await self._submit(staging_id, md, call)
             await self._note_request_id(call)
             if keep:
                 return None, resp.plan
@@ -227,15 +228,36 @@ class Client:
         plan = await call
         await self._note_request_id(call)
         md = _common.metadata(request_id or _common.request_id_of(await call.initial_metadata()))
-        uploads = _direct.uploads(plan, arrays)
-        with Meter(progress, sum(u.block.nbytes for u in uploads), what) as meter:
+        try:
+            uploads = _direct.uploads(plan, arrays)
+            with Meter(progress, sum(u.block.nbytes for u in uploads), what) as meter:
 
-            async def stage(u: _direct.Upload) -> None:
-                await self._staging_stub(u.address).Stage(_direct.stage_chunks(u), timeout=t, metadata=md)
-                meter.update(u.block.nbytes)
+                async def stage(u: _direct.Upload) -> None:
+                    await self._staging_stub(u.address).Stage(_direct.stage_chunks(u), timeout=t, metadata=md)
+                    meter.update(u.block.nbytes)
 
-            await _direct.gather_all(stage(u) for u in uploads)
+                await _direct.gather_all(stage(u) for u in uploads)
+        except BaseException:
+            # Shielded: a cancelled call still tells the coordinator, within the bound.
+            await asyncio.shield(self._release(plan.staging_id, md))
+            raise
         return plan.staging_id, md
+
+    async def _submit(self, staging_id: str, md: Any, call: Any) -> Any:
+        """See shardgemm.Client._submit."""
+        try:
+            return await call
+        except BaseException:
+            await asyncio.shield(self._release(staging_id, md))
+            raise
+
+    async def _release(self, staging_id: str, md: Any) -> None:
+        """See shardgemm.Client._release."""
+        try:
+            await self.stub.ReleaseStaging(pb.ReleaseStagingRequest(staging_id=staging_id),
+                                           timeout=_direct.RELEASE_SECONDS, metadata=md)
+        except grpc.RpcError:
+            pass
 
     async def plan(self, lhs: TensorLike, rhs: TensorLike, group_sizes: TensorLike,
                    bias: Optional[TensorLike] = None, *, request_id: Optional[str] = None,
@@ -257,7 +279,7 @@ class Client:
                                                    timeout)
                 call = self.stub.GroupedQuantize(_direct.submitted(req, staging_id, arrays),
                                                  timeout=self._timeout(timeout), metadata=md)
-                resp = await call
+                resp = await self._submit(staging_id, md, call)
                 await self._note_request_id(call)
             return resp
         req = _common.quantize_request(x, group_sizes, **kwargs)
@@ -275,7 +297,7 @@ class Client:
                                                    self.progress if progress is None else progress, f"put {name}")
                 call = self.stub.PutStaged(pb.PutStagedRequest(staging_id=staging_id),
                                            timeout=self._timeout(timeout), metadata=md)
-                resp = await call
+                resp = await self._submit(staging_id, md, call)
                 await self._note_request_id(call)
             return resp
         chunks = _common.put_chunks(name, array, spec, overwrite, self.progress if progress is None else progress)

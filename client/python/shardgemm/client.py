@@ -282,8 +282,8 @@ class Client:
         keep = bool(kwargs.get("keep_output_as"))
         with self._errors():
             staging_id, md = self._stage(pb.StagingPlanRequest(grouped_gemm=req), arrays, request_id, timeout)
-            resp, call = self.stub.GroupedGemm.with_call(
-                _direct.submitted(req, staging_id, arrays, direct_output=not keep), timeout=t, metadata=md)
+            resp, call = self._submit(staging_id, md, lambda: self.stub.GroupedGemm.with_call(
+                _direct.submitted(req, staging_id, arrays, direct_output=not keep), timeout=t, metadata=md))
             self._note_request_id(call)
             if keep:
                 return None, resp.plan
@@ -309,17 +309,41 @@ class Client:
         # The request's calls share the plan's id (the coordinator made one if the caller did not).
         md = _common.metadata(request_id or _common.request_id_of(call.initial_metadata()))
 
-        uploads = _direct.uploads(plan, arrays)
-        lock = threading.Lock()
-        with Meter(progress, sum(u.block.nbytes for u in uploads), what) as meter:
+        try:
+            uploads = _direct.uploads(plan, arrays)
+            lock = threading.Lock()
+            with Meter(progress, sum(u.block.nbytes for u in uploads), what) as meter:
 
-            def stage(u: _direct.Upload) -> None:
-                self._staging_stub(u.address).Stage(_direct.stage_chunks(u), timeout=t, metadata=md)
-                with lock:
-                    meter.update(u.block.nbytes)
+                def stage(u: _direct.Upload) -> None:
+                    self._staging_stub(u.address).Stage(_direct.stage_chunks(u), timeout=t, metadata=md)
+                    with lock:
+                        meter.update(u.block.nbytes)
 
-            _direct.run_all(self._threads(), stage, uploads)
+                _direct.run_all(self._threads(), stage, uploads)
+        except BaseException:
+            self._release(plan.staging_id, md)
+            raise
         return plan.staging_id, md
+
+    def _submit(self, staging_id: str, md: Any, call: Any) -> Any:
+        """The request naming the plan; if it fails the plan is released (a
+        request refused before its steps leaves its plan unused, and this
+        client does not submit it again)."""
+        try:
+            return call()
+        except BaseException:
+            self._release(staging_id, md)
+            raise
+
+    def _release(self, staging_id: str, md: Any) -> None:
+        """A plan this call will not submit: the workers drop its staged
+        blocks now rather than at their TTL. Best effort: the error that
+        ended the call is what the caller hears."""
+        try:
+            self.stub.ReleaseStaging(pb.ReleaseStagingRequest(staging_id=staging_id),
+                                     timeout=_direct.RELEASE_SECONDS, metadata=md)
+        except grpc.RpcError:
+            pass
 
     def plan(self, lhs: TensorLike, rhs: TensorLike, group_sizes: TensorLike, bias: Optional[TensorLike] = None,
              *, request_id: Optional[str] = None, timeout: Optional[float] = None, **kwargs: Any) -> "pb.Plan":
@@ -347,8 +371,8 @@ class Client:
             req = _common.quantize_request(x, group_sizes, **kwargs)
             with self._errors():
                 staging_id, md = self._stage(pb.StagingPlanRequest(grouped_quantize=req), arrays, request_id, timeout)
-                resp, call = self.stub.GroupedQuantize.with_call(_direct.submitted(req, staging_id, arrays),
-                                                                 timeout=self._timeout(timeout), metadata=md)
+                resp, call = self._submit(staging_id, md, lambda: self.stub.GroupedQuantize.with_call(
+                    _direct.submitted(req, staging_id, arrays), timeout=self._timeout(timeout), metadata=md))
             self._note_request_id(call)
             return resp
         req = _common.quantize_request(x, group_sizes, **kwargs)
@@ -372,8 +396,8 @@ class Client:
             with self._errors():
                 staging_id, md = self._stage(plan_request, arrays, request_id, timeout,
                                              self.progress if progress is None else progress, f"put {name}")
-                resp, call = self.stub.PutStaged.with_call(pb.PutStagedRequest(staging_id=staging_id),
-                                                           timeout=self._timeout(timeout), metadata=md)
+                resp, call = self._submit(staging_id, md, lambda: self.stub.PutStaged.with_call(
+                    pb.PutStagedRequest(staging_id=staging_id), timeout=self._timeout(timeout), metadata=md))
             self._note_request_id(call)
             return resp
         chunks = _common.put_chunks(name, array, spec, overwrite, self.progress if progress is None else progress)
