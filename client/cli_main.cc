@@ -65,8 +65,11 @@ ABSL_FLAG(bool, check, false, "check the result against a local reference");
 ABSL_FLAG(std::string, out, "", "write the result to this .npy file");
 ABSL_FLAG(std::string, keep_as, "", "keep the output resident under this name");
 ABSL_FLAG(std::string, path, "inline",
-          "gemm: inline (the bytes in the request and the response) | direct (stage each worker its blocks and "
-          "fetch the output blocks from the workers, in parallel; the coordinator touches none of their bytes)");
+          "gemm, put, get: inline (the bytes in the request and the response, or a put's and a get's chunks) | "
+          "direct (stage each worker its blocks and fetch the blocks from the workers, in parallel; the "
+          "coordinator touches none of their bytes)");
+ABSL_FLAG(absl::Duration, direct_timeout, absl::Minutes(5),
+          "--path=direct: the bound on the whole transfer (plan, stage, submit, fetch), e.g. 30s");
 ABSL_FLAG(std::string, request, "", "read the GroupedGemmRequest from this JSON file (protobuf JSON mapping)");
 ABSL_FLAG(bool, json, false, "print the plan as JSON (protobuf JSON mapping)");
 ABSL_FLAG(bool, show_plan, true, "print the plan before the result");
@@ -95,6 +98,15 @@ namespace {
 int Fail(const absl::Status& s) {
   std::cerr << "shardgemm: " << absl::StatusCodeToString(s.code()) << ": " << s.message() << "\n";
   return 1;
+}
+
+// How a command's tensor bytes travel (--path).
+enum class Path { kInline, kDirect };
+absl::StatusOr<Path> PathFromFlags() {
+  const std::string path = absl::GetFlag(FLAGS_path);
+  if (path == "inline") return Path::kInline;
+  if (path == "direct") return Path::kDirect;
+  return absl::InvalidArgumentError(absl::StrCat("--path: inline or direct, not '", path, "'"));
 }
 
 // "SHAPE@SPEC" -> (SHAPE, SPEC); the spec may itself contain '@'-free text.
@@ -412,15 +424,14 @@ int Gemm() {
   ops.ragged_k = request.ragged() == v1::GroupedGemmRequest::RAGGED_K;
   ops.rhs_transposed = request.rhs_transposed();
 
-  const std::string path = absl::GetFlag(FLAGS_path);
-  if (path != "inline" && path != "direct") {
-    return Fail(absl::InvalidArgumentError(absl::StrCat("--path: inline or direct, not '", path, "'")));
-  }
+  auto path = PathFromFlags();
+  if (!path.ok()) return Fail(path.status());
   ShardGemmClient client(absl::GetFlag(FLAGS_coordinator), ClientCredentialsFromFlags("shardgemm"),
                          ClientMaxMessageBytesFromFlags("shardgemm"));
   client.set_request_id(absl::GetFlag(FLAGS_request_id));
+  client.set_timeout(absl::GetFlag(FLAGS_direct_timeout));
   const absl::Time start = absl::Now();
-  auto response = path == "direct" ? client.GroupedGemmDirect(request) : client.GroupedGemm(request);
+  auto response = *path == Path::kDirect ? client.GroupedGemmDirect(request) : client.GroupedGemm(request);
   if (!response.ok()) return Fail(response.status());
   const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
   if (absl::GetFlag(FLAGS_show_plan)) PrintPlan(response->plan());
@@ -749,10 +760,15 @@ int Put(const std::string& name) {
     t = RandomTensor(*dtype, *shape, absl::GetFlag(FLAGS_seed));
   }
   if (!t.ok()) return Fail(t.status());
+  auto path = PathFromFlags();
+  if (!path.ok()) return Fail(path.status());
   ShardGemmClient client(absl::GetFlag(FLAGS_coordinator), ClientCredentialsFromFlags("shardgemm"),
                          ClientMaxMessageBytesFromFlags("shardgemm"));
   client.set_request_id(absl::GetFlag(FLAGS_request_id));
-  auto r = client.PutTensor(name, *t, absl::GetFlag(FLAGS_spec), absl::GetFlag(FLAGS_overwrite));
+  client.set_timeout(absl::GetFlag(FLAGS_direct_timeout));
+  auto r = *path == Path::kDirect
+               ? client.PutTensorDirect(name, *t, absl::GetFlag(FLAGS_spec), absl::GetFlag(FLAGS_overwrite))
+               : client.PutTensor(name, *t, absl::GetFlag(FLAGS_spec), absl::GetFlag(FLAGS_overwrite));
   if (!r.ok()) return Fail(r.status());
   std::cout << "put '" << r->name() << "': " << ShapeToString(t->shape) << " "
             << DTypeName(t->dtype) << ", " << r->bytes() << " bytes, spec "
@@ -761,10 +777,13 @@ int Put(const std::string& name) {
 }
 
 int Get(const std::string& name) {
+  auto path = PathFromFlags();
+  if (!path.ok()) return Fail(path.status());
   ShardGemmClient client(absl::GetFlag(FLAGS_coordinator), ClientCredentialsFromFlags("shardgemm"),
                          ClientMaxMessageBytesFromFlags("shardgemm"));
   client.set_request_id(absl::GetFlag(FLAGS_request_id));
-  auto t = client.GetTensor(name);
+  client.set_timeout(absl::GetFlag(FLAGS_direct_timeout));
+  auto t = *path == Path::kDirect ? client.GetTensorDirect(name) : client.GetTensor(name);
   if (!t.ok()) return Fail(t.status());
   std::cout << "got '" << name << "': " << ShapeToString(t->shape) << " " << DTypeName(t->dtype) << "\n";
   if (!absl::GetFlag(FLAGS_out).empty()) {

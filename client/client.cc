@@ -63,7 +63,122 @@ absl::Status InParallel(int n, const std::function<absl::Status(int)>& f) {
 
 }  // namespace
 
+namespace {
+
+void SetDeadline(grpc::ClientContext* ctx, absl::Time deadline) { ctx->set_deadline(absl::ToChronoTime(deadline)); }
+
+}  // namespace
+
+absl::StatusOr<v1::StagingPlan> ShardGemmClient::PlanTransfer(const v1::StagingPlanRequest& request,
+                                                              absl::Time deadline, std::string* request_id) {
+  v1::StagingPlan plan;
+  grpc::ClientContext ctx;
+  Prepare(&ctx);
+  SetDeadline(&ctx, deadline);
+  grpc::Status s = stub_->PlanStaging(&ctx, request, &plan);
+  NoteRequestId(ctx);
+  if (!s.ok()) return FromGrpcStatus(s);
+  // The request's later calls share the plan's id.
+  *request_id = request_id_.empty() ? last_request_id_ : request_id_;
+  return plan;
+}
+
+absl::Status ShardGemmClient::StageAll(const v1::StagingPlan& plan,
+                                       const std::map<v1::TensorRole, const HostTensor*>& arrays,
+                                       const std::string& request_id, absl::Time deadline) {
+  std::vector<HostTensor> blocks;
+  std::vector<std::pair<size_t, const v1::StagingDestination*>> sends;  // (block index, destination)
+  for (const v1::StagedOperand& op : plan.operands()) {
+    auto it = arrays.find(op.role());
+    if (it == arrays.end()) return absl::InternalError("the transfer plan names an operand this client did not stage");
+    for (const v1::StagedBlock& b : op.blocks()) {
+      if (auto s = CheckBlock(it->second->shape, b.offsets(), b.shape(), v1::TensorRole_Name(op.role())); !s.ok()) {
+        return s;
+      }
+      blocks.push_back(SliceBlock(*it->second, b.offsets(), b.shape()));
+      for (const v1::StagingDestination& d : b.destinations()) sends.emplace_back(blocks.size() - 1, &d);
+    }
+  }
+  return InParallel(static_cast<int>(sends.size()), [&](int i) -> absl::Status {
+    const HostTensor& block = blocks[sends[i].first];
+    const v1::StagingDestination& d = *sends[i].second;
+    grpc::ClientContext ctx;
+    if (!request_id.empty()) ctx.AddMetadata("x-request-id", request_id);
+    SetDeadline(&ctx, deadline);
+    v1::StageResponse response;
+    auto writer = StagingStub(d.address())->Stage(&ctx, &response);
+    size_t offset = 0;
+    do {
+      v1::StageChunk chunk;
+      if (offset == 0) chunk.set_ticket(d.ticket());
+      const size_t n = std::min(kChunkBytes, block.bytes.size() - offset);
+      chunk.set_data(block.bytes.data() + offset, n);
+      offset += n;
+      if (!writer->Write(chunk)) break;  // the worker ended the stream: Finish says why
+    } while (offset < block.bytes.size());
+    writer->WritesDone();
+    grpc::Status s = writer->Finish();
+    if (!s.ok()) {
+      return absl::Status(FromGrpcStatus(s).code(),
+                          absl::StrCat("staging at worker rank ", d.rank(), " (", d.address(), "): ", s.error_message()));
+    }
+    return absl::OkStatus();
+  });
+}
+
+absl::StatusOr<HostTensor> ShardGemmClient::FetchAll(v1::DType dtype_proto, const std::vector<int64_t>& shape,
+                                                     const google::protobuf::RepeatedPtrField<v1::StagedBlock>& blocks,
+                                                     const std::string& request_id, absl::Time deadline) {
+  auto dtype = DTypeFromProto(dtype_proto, "dtype");
+  if (!dtype.ok()) return dtype.status();
+  auto out = ZerosTensor(*dtype, shape);
+  if (!out.ok()) return out.status();
+  absl::Mutex out_mu;
+  absl::Status fetched = InParallel(blocks.size(), [&](int i) -> absl::Status {
+    const v1::StagedBlock& b = blocks[i];
+    if (auto s = CheckBlock(shape, b.offsets(), b.shape(), "fetched"); !s.ok()) return s;
+    if (b.destinations_size() == 0) return absl::InternalError("a block with no worker holding it");
+    const v1::StagingDestination& d = b.destinations(0);
+    grpc::ClientContext ctx;
+    if (!request_id.empty()) ctx.AddMetadata("x-request-id", request_id);
+    SetDeadline(&ctx, deadline);
+    v1::FetchRequest fetch;
+    fetch.set_ticket(d.ticket());
+    auto reader = StagingStub(d.address())->Fetch(&ctx, fetch);
+    HostTensor block;
+    block.dtype = *dtype;
+    block.shape.assign(b.shape().begin(), b.shape().end());
+    v1::FetchChunk chunk;
+    while (reader->Read(&chunk)) block.bytes += chunk.data();
+    grpc::Status s = reader->Finish();
+    if (!s.ok()) {
+      return absl::Status(FromGrpcStatus(s).code(),
+                          absl::StrCat("fetching from worker rank ", d.rank(), " (", d.address(), "): ",
+                                       s.error_message()));
+    }
+    if (static_cast<int64_t>(block.bytes.size()) != block.NumElements() * DTypeSize(*dtype)) {
+      return absl::DataLossError(absl::StrCat("block ", i, " came with ", block.bytes.size(), " bytes"));
+    }
+    absl::MutexLock lock(&out_mu);
+    InsertBlock(block, std::vector<int64_t>(b.offsets().begin(), b.offsets().end()), &*out);
+    return absl::OkStatus();
+  });
+  if (!fetched.ok()) return fetched;
+  return out;
+}
+
+void ShardGemmClient::Release(const std::string& staging_id, const std::string& request_id) {
+  grpc::ClientContext ctx;
+  if (!request_id.empty()) ctx.AddMetadata("x-request-id", request_id);
+  SetDeadline(&ctx, absl::Now() + kReleaseTimeout);
+  v1::ReleaseStagingRequest request;
+  request.set_staging_id(staging_id);
+  v1::ReleaseStagingResponse response;
+  (void)stub_->ReleaseStaging(&ctx, request, &response);  // the caller reports the error that ended the call
+}
+
 absl::StatusOr<v1::GroupedGemmResponse> ShardGemmClient::GroupedGemmDirect(const v1::GroupedGemmRequest& request) {
+  const absl::Time deadline = absl::Now() + timeout_;
   // The operands whose bytes this client holds are staged; the request carries their headers.
   v1::GroupedGemmRequest planned = request;
   std::map<v1::TensorRole, HostTensor> arrays;
@@ -84,59 +199,19 @@ absl::StatusOr<v1::GroupedGemmResponse> ShardGemmClient::GroupedGemmDirect(const
   if (arrays.empty()) return absl::InvalidArgumentError("direct path: the request has no inline operand to stage");
   v1::StagingPlanRequest plan_request;
   *plan_request.mutable_grouped_gemm() = planned;
-  v1::StagingPlan plan;
-  {
-    grpc::ClientContext ctx;
-    Prepare(&ctx);
-    grpc::Status s = stub_->PlanStaging(&ctx, plan_request, &plan);
-    NoteRequestId(ctx);
-    if (!s.ok()) return FromGrpcStatus(s);
+  std::string request_id;
+  auto plan = PlanTransfer(plan_request, deadline, &request_id);
+  if (!plan.ok()) return plan.status();
+  std::map<v1::TensorRole, const HostTensor*> staged_arrays;
+  for (const auto& [role, t] : arrays) staged_arrays[role] = &t;
+  if (absl::Status s = StageAll(*plan, staged_arrays, request_id, deadline); !s.ok()) {
+    Release(plan->staging_id(), request_id);
+    return s;
   }
-  // The request's calls share the plan's id.
-  const std::string request_id = request_id_.empty() ? last_request_id_ : request_id_;
-  struct Upload {
-    std::string address, ticket;
-    const HostTensor* block;
-  };
-  std::vector<HostTensor> blocks;
-  std::vector<std::pair<size_t, const v1::StagingDestination*>> sends;  // (block index, destination)
-  for (const v1::StagedOperand& op : plan.operands()) {
-    auto it = arrays.find(op.role());
-    if (it == arrays.end()) return absl::InternalError("the transfer plan names an operand this client did not stage");
-    for (const v1::StagedBlock& b : op.blocks()) {
-      if (auto s = CheckBlock(it->second.shape, b.offsets(), b.shape(), v1::TensorRole_Name(op.role())); !s.ok()) {
-        return s;
-      }
-      blocks.push_back(SliceBlock(it->second, b.offsets(), b.shape()));
-      for (const v1::StagingDestination& d : b.destinations()) sends.emplace_back(blocks.size() - 1, &d);
-    }
-  }
-  absl::Status staged = InParallel(static_cast<int>(sends.size()), [&](int i) -> absl::Status {
-    const HostTensor& block = blocks[sends[i].first];
-    const v1::StagingDestination& d = *sends[i].second;
-    grpc::ClientContext ctx;
-    if (!request_id.empty()) ctx.AddMetadata("x-request-id", request_id);
-    v1::StageResponse response;
-    auto writer = StagingStub(d.address())->Stage(&ctx, &response);
-    size_t offset = 0;
-    do {
-      v1::StageChunk chunk;
-      if (offset == 0) chunk.set_ticket(d.ticket());
-      const size_t n = std::min(kChunkBytes, block.bytes.size() - offset);
-      chunk.set_data(block.bytes.data() + offset, n);
-      offset += n;
-      if (!writer->Write(chunk)) break;  // the worker ended the stream: Finish says why
-    } while (offset < block.bytes.size());
-    writer->WritesDone();
-    grpc::Status s = writer->Finish();
-    if (!s.ok()) return FromGrpcStatus(s);
-    return absl::OkStatus();
-  });
-  if (!staged.ok()) return staged;
 
   v1::GroupedGemmRequest submitted = std::move(planned);
   for (const auto& [role, field] : fields) {
-    if (arrays.count(role) != 0) (submitted.*field)()->set_staged(plan.staging_id());
+    if (arrays.count(role) != 0) (submitted.*field)()->set_staged(plan->staging_id());
   }
   const bool keep = !request.keep_output_as().empty();
   submitted.set_direct_output(!keep);
@@ -144,47 +219,74 @@ absl::StatusOr<v1::GroupedGemmResponse> ShardGemmClient::GroupedGemmDirect(const
   {
     grpc::ClientContext ctx;
     if (!request_id.empty()) ctx.AddMetadata("x-request-id", request_id);
+    SetDeadline(&ctx, deadline);
     grpc::Status s = stub_->GroupedGemm(&ctx, submitted, &response);
     NoteRequestId(ctx);
-    if (!s.ok()) return FromGrpcStatus(s);
+    if (!s.ok()) {
+      Release(plan->staging_id(), request_id);  // refused before its steps, the plan would wait for its TTL
+      return FromGrpcStatus(s);
+    }
   }
   if (keep) return response;
-  auto dtype = DTypeFromProto(response.out().dtype(), "out.dtype");
-  if (!dtype.ok()) return dtype.status();
   const std::vector<int64_t> shape(response.out().shape().begin(), response.out().shape().end());
-  auto out = ZerosTensor(*dtype, shape);
+  auto out = FetchAll(response.out().dtype(), shape, response.out_blocks(), request_id, deadline);
   if (!out.ok()) return out.status();
-  absl::Mutex out_mu;
-  absl::Status fetched = InParallel(response.out_blocks_size(), [&](int i) -> absl::Status {
-    const v1::StagedBlock& b = response.out_blocks(i);
-    if (auto s = CheckBlock(shape, b.offsets(), b.shape(), "output"); !s.ok()) return s;
-    if (b.destinations_size() == 0) return absl::InternalError("an output block with no worker holding it");
-    const v1::StagingDestination& d = b.destinations(0);
-    grpc::ClientContext ctx;
-    if (!request_id.empty()) ctx.AddMetadata("x-request-id", request_id);
-    v1::FetchRequest fetch;
-    fetch.set_ticket(d.ticket());
-    auto reader = StagingStub(d.address())->Fetch(&ctx, fetch);
-    HostTensor block;
-    block.dtype = *dtype;
-    block.shape.assign(b.shape().begin(), b.shape().end());
-    v1::FetchChunk chunk;
-    while (reader->Read(&chunk)) block.bytes += chunk.data();
-    grpc::Status s = reader->Finish();
-    if (!s.ok()) return FromGrpcStatus(s);
-    if (static_cast<int64_t>(block.bytes.size()) != block.NumElements() * DTypeSize(*dtype)) {
-      return absl::DataLossError(absl::StrCat("output block ", i, " came with ", block.bytes.size(), " bytes"));
-    }
-    absl::MutexLock lock(&out_mu);
-    InsertBlock(block, std::vector<int64_t>(b.offsets().begin(), b.offsets().end()), &*out);
-    return absl::OkStatus();
-  });
-  if (!fetched.ok()) return fetched;
   const std::string spec = response.out().spec();
   HostTensorToProto(std::move(*out), response.mutable_out());
   response.mutable_out()->set_spec(spec);
   response.clear_out_blocks();
   return response;
+}
+
+absl::StatusOr<v1::PutTensorResponse> ShardGemmClient::PutTensorDirect(const std::string& name,
+                                                                       const HostTensor& tensor,
+                                                                       const std::string& spec, bool overwrite) {
+  const absl::Time deadline = absl::Now() + timeout_;
+  v1::StagingPlanRequest plan_request;
+  v1::PutStagingRequest* put = plan_request.mutable_put();
+  put->set_name(name);
+  put->set_dtype(DTypeToProto(tensor.dtype));
+  put->mutable_shape()->Assign(tensor.shape.begin(), tensor.shape.end());
+  put->set_spec(spec);
+  put->set_overwrite(overwrite);
+  std::string request_id;
+  auto plan = PlanTransfer(plan_request, deadline, &request_id);
+  if (!plan.ok()) return plan.status();
+  if (absl::Status s = StageAll(*plan, {{v1::TENSOR_ROLE_UNSPECIFIED, &tensor}}, request_id, deadline); !s.ok()) {
+    Release(plan->staging_id(), request_id);
+    return s;
+  }
+  grpc::ClientContext ctx;
+  if (!request_id.empty()) ctx.AddMetadata("x-request-id", request_id);
+  SetDeadline(&ctx, deadline);
+  v1::PutStagedRequest request;
+  request.set_staging_id(plan->staging_id());
+  v1::PutTensorResponse response;
+  grpc::Status s = stub_->PutStaged(&ctx, request, &response);
+  NoteRequestId(ctx);
+  if (!s.ok()) {
+    Release(plan->staging_id(), request_id);  // a put refused for its name leaves its plan for a retry this client won't make
+    return FromGrpcStatus(s);
+  }
+  return response;
+}
+
+absl::StatusOr<HostTensor> ShardGemmClient::GetTensorDirect(const std::string& name) {
+  const absl::Time deadline = absl::Now() + timeout_;
+  v1::TensorBlocks blocks;
+  {
+    grpc::ClientContext ctx;
+    Prepare(&ctx);
+    SetDeadline(&ctx, deadline);
+    v1::GetTensorRequest request;
+    request.set_name(name);
+    grpc::Status s = stub_->PlanFetch(&ctx, request, &blocks);
+    NoteRequestId(ctx);
+    if (!s.ok()) return FromGrpcStatus(s);
+  }
+  const std::string request_id = request_id_.empty() ? last_request_id_ : request_id_;
+  const std::vector<int64_t> shape(blocks.shape().begin(), blocks.shape().end());
+  return FetchAll(blocks.dtype(), shape, blocks.blocks(), request_id, deadline);
 }
 
 void ShardGemmClient::Prepare(grpc::ClientContext* ctx) const {

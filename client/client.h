@@ -37,7 +37,22 @@ class ShardGemmClient {
   // workers in parallel and put in the response's `out` as inline bytes, so
   // the answer reads like GroupedGemm's. The coordinator touches none of
   // those bytes. FAILED_PRECONDITION when a worker serves no staging.
+  // Each call of it (plan, stage, submit, fetch) is bounded by timeout();
+  // a plan not submitted (a stage or the submit failed) is released
+  // (ReleaseStaging), so its staged blocks leave the workers at once.
   absl::StatusOr<v1::GroupedGemmResponse> GroupedGemmDirect(const v1::GroupedGemmRequest& request);
+  // PutTensor on the direct path: the coordinator places the copies
+  // (PlanStaging's put), this client streams each holder its block in
+  // parallel, and PutStaged registers them. Bounded and released as
+  // GroupedGemmDirect.
+  absl::StatusOr<v1::PutTensorResponse> PutTensorDirect(const std::string& name, const HostTensor& tensor,
+                                                        const std::string& spec, bool overwrite);
+  // GetTensor on the direct path: PlanFetch, then each distinct block read
+  // from a worker holding it, in parallel.
+  absl::StatusOr<HostTensor> GetTensorDirect(const std::string& name);
+  // The bound on a direct operation, all of its calls together (default 5 min).
+  void set_timeout(absl::Duration timeout) { timeout_ = timeout; }
+  absl::Duration timeout() const { return timeout_; }
   absl::StatusOr<v1::GroupedQuantizeResponse> GroupedQuantize(
       const v1::GroupedQuantizeRequest& request);
   // Streams the tensor in chunks, so tensors past gRPC's message limit work.
@@ -67,6 +82,19 @@ class ShardGemmClient {
   void NoteRequestId(const grpc::ClientContext& ctx);
 
   v1::Staging::Stub* StagingStub(const std::string& address);
+  // The direct path's parts: the transfer plan (and the request id its
+  // later calls carry); every block of it streamed to its destinations in
+  // parallel; the blocks read from their holders into one tensor; a plan
+  // given up (best effort, bounded by kReleaseTimeout).
+  absl::StatusOr<v1::StagingPlan> PlanTransfer(const v1::StagingPlanRequest& request, absl::Time deadline,
+                                               std::string* request_id);
+  absl::Status StageAll(const v1::StagingPlan& plan, const std::map<v1::TensorRole, const HostTensor*>& arrays,
+                        const std::string& request_id, absl::Time deadline);
+  absl::StatusOr<HostTensor> FetchAll(v1::DType dtype, const std::vector<int64_t>& shape,
+                                      const google::protobuf::RepeatedPtrField<v1::StagedBlock>& blocks,
+                                      const std::string& request_id, absl::Time deadline);
+  void Release(const std::string& staging_id, const std::string& request_id);
+  static constexpr absl::Duration kReleaseTimeout = absl::Seconds(5);
 
   std::unique_ptr<v1::ShardGemm::Stub> stub_;
   std::shared_ptr<grpc::ChannelCredentials> credentials_;
@@ -74,6 +102,7 @@ class ShardGemmClient {
   absl::Mutex staging_mu_;
   std::map<std::string, std::unique_ptr<v1::Staging::Stub>> staging_ ABSL_GUARDED_BY(staging_mu_);
   std::string request_id_, last_request_id_;
+  absl::Duration timeout_ = absl::Minutes(5);
 };
 
 }  // namespace shardgemm

@@ -253,3 +253,73 @@ def test_a_tenant_holds_at_most_its_share_of_a_workers_staging(cluster_factory, 
         direct, _ = demo.grouped_gemm(lhs, rhs, sizes, lhs_spec="(dp, None)", group_sizes_spec="(dp,)",
                                       path="direct")
         assert direct.tobytes() == inline.tobytes()
+
+
+# -------------------------------------------------------------------- CLI --
+
+def cli(cluster, *args, timeout=60):
+    import subprocess
+    from conftest import BIN
+    return subprocess.run([os.path.join(BIN, "shardgemm"), *args, *cluster.cli_flags()], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("spec", ["(dp, None)", ""], ids=["rows_split", "replicated"])
+def test_cli_direct_put_then_get_is_bit_exact(cluster_factory, tmp_path, spec):
+    cluster = cluster_factory(mesh="dp=2", workers=2)
+    t = rand(96, 40)
+    np.save(tmp_path / "t.npy", t)
+    before = cluster.client.cluster_info()
+    r = cli(cluster, "put", "t", f"--data={tmp_path}/t.npy", f"--spec={spec}", "--path=direct",
+            "--direct_timeout=30s")
+    assert r.returncode == 0, r.stderr
+    assert f"{t.nbytes} bytes" in r.stdout
+    r = cli(cluster, "get", "t", f"--out={tmp_path}/direct.npy", "--path=direct")
+    assert r.returncode == 0, r.stderr
+    got = np.load(tmp_path / "direct.npy")
+    assert got.dtype == t.dtype and got.shape == t.shape and got.tobytes() == t.tobytes()
+    r = cli(cluster, "get", "t", f"--out={tmp_path}/inline.npy")  # the inline path reads the same
+    assert r.returncode == 0, r.stderr
+    assert np.load(tmp_path / "inline.npy").tobytes() == t.tobytes()
+    after = cluster.client.cluster_info()
+    assert (after.inline_activation_bytes, after.direct_activation_bytes) == \
+        (before.inline_activation_bytes, before.direct_activation_bytes)
+    assert staged_bytes(cluster) == [0, 0]
+    r = cli(cluster, "put", "t", f"--data={tmp_path}/t.npy", f"--spec={spec}", "--path=direct")
+    assert r.returncode == 1 and "ALREADY_EXISTS" in r.stderr
+    r = cli(cluster, "get", "nope", "--path=direct")
+    assert r.returncode == 1 and "NOT_FOUND" in r.stderr
+    r = cli(cluster, "get", "t", "--path=sideways")
+    assert r.returncode == 1 and "--path" in r.stderr
+
+
+def test_cli_direct_put_whose_stage_fails_releases_its_plan(cluster_factory, tmp_path):
+    # With --replicas=2 rank 0 holds its block and a standby copy of rank
+    # 1's, but its staging budget fits one: one of its stages fails, and the
+    # copies staged meanwhile must not wait for their TTL.
+    t = rand(64, 32)  # (dp, None): 4096-byte blocks
+    cluster = cluster_factory(mesh="dp=2", workers=2, coordinator_flags=("--replicas=2",),
+                              worker_flags=("--staging_budget=4096",))
+    np.save(tmp_path / "t.npy", t)
+    r = cli(cluster, "put", "t", f"--data={tmp_path}/t.npy", "--spec=(dp, None)", "--path=direct")
+    assert r.returncode == 1 and "RESOURCE_EXHAUSTED" in r.stderr and "staging at worker rank" in r.stderr
+    assert staged_bytes(cluster) == [0, 0]
+    assert "t" not in [x.name for x in cluster.client.list()]
+
+
+def test_cli_direct_gemm_and_get_are_bounded_by_direct_timeout(cluster_factory, tmp_path):
+    import signal
+    cluster = cluster_factory(mesh="dp=2", workers=2)
+    t = rand(64, 32)
+    np.save(tmp_path / "t.npy", t)
+    assert cli(cluster, "put", "t", f"--data={tmp_path}/t.npy", "--spec=(dp, None)").returncode == 0
+    victim = dict(cluster.procs)["worker1"]
+    os.kill(victim.pid, signal.SIGSTOP)  # its HoldShard never answers
+    try:
+        start = time.monotonic()
+        r = cli(cluster, "get", "t", "--path=direct", "--direct_timeout=1s", timeout=30)
+        elapsed = time.monotonic() - start
+    finally:
+        os.kill(victim.pid, signal.SIGCONT)
+    assert r.returncode == 1 and "DEADLINE_EXCEEDED" in r.stderr
+    assert elapsed < 10, elapsed
