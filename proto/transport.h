@@ -22,6 +22,12 @@ inline constexpr int kMaxMessageBytes = 2047 * 1024 * 1024;
 // fits the smallest message limit (1 MiB).
 inline constexpr int64_t kTensorChunkBytes = (1 << 20) - 4096;
 
+// Worker.StageShard: the worker's initial metadata carries this key once it
+// has reserved the block's bytes in its staging area, so the coordinator
+// learns of a refusal (its --staging_budget taken) before it forwards any
+// bytes, while it can still take the assembled path.
+inline constexpr char kStageReservedMetadataKey[] = "x-shardgemm-stage-reserved";
+
 // Message limits (`max_message_bytes` each way, at most kMaxMessageBytes; a
 // larger tensor goes in chunks: PutTensor, GetTensor), a wide HTTP/2 window
 // with big frames (so large transfers do not stall on flow control), and

@@ -1632,6 +1632,13 @@ class Coordinator::StreamedPutImpl final : public Coordinator::StreamedPut {
       if (!stream.ok()) return Named(d, stream.status());
       d.stream = std::move(*stream);
     }
+    // Every header is out before the first answer is awaited: the holders reserve at once.
+    for (Destination& d : destinations_) {
+      if (absl::Status reserved = d.stream->WaitReserved(); !reserved.ok()) {
+        d.stream.reset();
+        return Named(d, reserved);
+      }
+    }
     return absl::OkStatus();
   }
 
@@ -1794,7 +1801,12 @@ absl::StatusOr<std::unique_ptr<Coordinator::StreamedPut>> Coordinator::BeginStre
                                                     std::move(destinations));
   // From here the object's destructor releases the claim and drops the tickets.
   if (auto s = TellStagingTickets(std::move(expect), deadline); !s.ok()) return s;
-  if (auto s = streamed->Open(StepDeadline(deadline)); !s.ok()) return s;
+  if (auto s = streamed->Open(StepDeadline(deadline)); !s.ok()) {
+    // A holder's staging budget is taken now (other puts' streams, direct-path blocks), and no byte has
+    // left yet: the assembled path needs none of it.
+    if (s.code() == absl::StatusCode::kResourceExhausted) return nullptr;
+    return s;
+  }
   return std::unique_ptr<StreamedPut>(std::move(streamed));
 }
 

@@ -165,8 +165,10 @@ class Coordinator {
   // the row-major bytes (a spec that splits only dim 0, or none) on a mesh
   // whose workers all stage and whose staging budgets fit the blocks: opens
   // a stage stream to each holder, all bounded by `deadline`. Null (OK) when
-  // the put does not qualify: it takes PutTensor. Errors as PutTensor's
-  // (name, spec, an existing name without overwrite) before anything is sent.
+  // the put does not qualify, or when a holder's staging budget is taken now
+  // (it refused its stream before any byte went): it takes PutTensor. Errors
+  // as PutTensor's (name, spec, an existing name without overwrite) before
+  // anything is sent.
   absl::StatusOr<std::unique_ptr<StreamedPut>> BeginStreamedPut(const std::string& name, DType dtype,
                                                                 const std::vector<int64_t>& shape,
                                                                 const std::string& spec, bool overwrite,

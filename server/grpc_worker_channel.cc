@@ -128,7 +128,7 @@ struct ChannelCore {
 // so at most gRPC's window of the block is buffered on either side.
 class GrpcStageStream final : public StageStream {
  public:
-  // Starts the call and sends `header`; the worker's error if it refuses at once.
+  // Starts the call and sends `header` (WaitReserved then has the worker's answer).
   static absl::StatusOr<std::unique_ptr<StageStream>> Open(std::shared_ptr<ChannelCore> core,
                                                            const v1::StageShardChunk& header, absl::Time deadline) {
     std::unique_ptr<GrpcStageStream> stream(new GrpcStageStream(core));
@@ -142,6 +142,16 @@ class GrpcStageStream final : public StageStream {
       context_.TryCancel();
       writer_->Finish();  // CANCELLED at once; releases the call
     }
+  }
+  absl::Status WaitReserved() override {
+    if (!broken_) {
+      writer_->WaitForInitialMetadata();  // bounded by the call's deadline
+      const auto& metadata = context_.GetServerInitialMetadata();
+      if (metadata.find(kStageReservedMetadataKey) != metadata.end()) return absl::OkStatus();
+    }
+    absl::StatusOr<int64_t> answer = Finish();
+    if (!answer.ok()) return answer.status();
+    return absl::InternalError("the worker answered the stage stream without reserving its block");
   }
   absl::Status Write(absl::string_view data) override {
     chunk_.Clear();

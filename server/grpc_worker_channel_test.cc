@@ -9,6 +9,7 @@
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "proto/shardgemm.grpc.pb.h"
+#include "proto/transport.h"
 #include "server/worker_channel.h"
 
 namespace shardgemm {
@@ -29,7 +30,22 @@ class FakeWorkerService final : public v1::Worker::Service {
     for (uint64_t s : request->sequences()) cancelled.push_back(s);
     return grpc::Status::OK;
   }
+  // Reads the header, then refuses (as a worker whose staging budget is
+  // taken) or reserves and counts the bytes that follow.
+  grpc::Status StageShard(grpc::ServerContext* context, grpc::ServerReader<v1::StageShardChunk>* reader,
+                          v1::StageResponse* response) override {
+    v1::StageShardChunk chunk;
+    if (!reader->Read(&chunk)) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "no header");
+    if (refuse_stage) return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, "--staging_budget is held");
+    context->AddInitialMetadata(kStageReservedMetadataKey, "1");
+    reader->SendInitialMetadata();
+    int64_t bytes = 0;
+    while (reader->Read(&chunk)) bytes += static_cast<int64_t>(chunk.data().size());
+    response->set_bytes(bytes);
+    return grpc::Status::OK;
+  }
   absl::Duration delay = absl::ZeroDuration();
+  std::atomic<bool> refuse_stage{false};
   absl::Mutex mu;
   std::vector<uint64_t> cancelled ABSL_GUARDED_BY(mu);
 };
@@ -127,6 +143,27 @@ TEST_F(GrpcWorkerChannelTest, ANeverConnectedWorkerDoesNotHoldTheCaller) {
   EXPECT_FALSE(status.ok());
   EXPECT_TRUE(status.code() == absl::StatusCode::kUnavailable || status.code() == absl::StatusCode::kDeadlineExceeded)
       << status;
+}
+
+TEST_F(GrpcWorkerChannelTest, AStageStreamReportsTheWorkersRefusalBeforeAnyByteIsSent) {
+  std::shared_ptr<WorkerChannel> channel = Channel(Address());
+  v1::StageShardChunk header;
+  header.set_ticket("t");
+  service_.refuse_stage = true;
+  auto refused = channel->OpenStage(header, absl::Now() + absl::Seconds(10));
+  ASSERT_TRUE(refused.ok()) << refused.status();  // the header is out; the answer comes with WaitReserved
+  const absl::Status answer = (*refused)->WaitReserved();
+  EXPECT_EQ(answer.code(), absl::StatusCode::kResourceExhausted) << answer;
+  EXPECT_NE(answer.message().find("--staging_budget"), absl::string_view::npos) << answer;
+
+  service_.refuse_stage = false;
+  auto accepted = channel->OpenStage(header, absl::Now() + absl::Seconds(10));
+  ASSERT_TRUE(accepted.ok()) << accepted.status();
+  ASSERT_TRUE((*accepted)->WaitReserved().ok());
+  ASSERT_TRUE((*accepted)->Write("abcdef").ok());
+  auto staged = (*accepted)->Finish();
+  ASSERT_TRUE(staged.ok()) << staged.status();
+  EXPECT_EQ(*staged, 6);
 }
 
 }  // namespace

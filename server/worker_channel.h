@@ -21,6 +21,11 @@ namespace shardgemm {
 class StageStream {
  public:
   virtual ~StageStream() = default;
+  // Waits, at most until the stream's deadline, for the worker's answer to
+  // the header: OK once it reserved the block's bytes in its staging area;
+  // else its refusal (RESOURCE_EXHAUSTED when its --staging_budget is taken
+  // now), and the stream is finished.
+  virtual absl::Status WaitReserved() = 0;
   // The block's next bytes; blocks while the worker's flow control says
   // wait, at most until the stream's deadline. An error means the stream
   // broke: Finish says why.

@@ -242,3 +242,26 @@ def test_a_worker_that_stalls_mid_stream_fails_the_put_at_its_deadline(cluster_f
         time.sleep(0.1)
     assert list(resident(c, "w").shape) == [256, 1024]
     np.testing.assert_array_equal(c.client.get("w"), old)
+
+
+def test_a_put_meeting_a_full_staging_area_takes_the_assembled_path(cluster_factory):
+    # Each worker stages at most 4 MiB; a first put's streams reserve 3 MiB on each while its client pauses.
+    c = cluster_factory(mesh="dp=2", workers=2, worker_flags=(f"--staging_budget={4 << 20}",))
+    first = rng.standard_normal((1536, 1024), dtype=np.float32)  # 6 MiB: 3 MiB a rank
+    resume = threading.Event()
+    errors = []
+    t = threading.Thread(target=put_in_background, args=(c, chunks("first", first, "(dp, None)", pause_at=2 * CHUNK,
+                                                                    resume=resume), errors))
+    t.start()
+    try:
+        wait_reserved(c, {0: first.nbytes // 2, 1: first.nbytes // 2})
+        second = rng.standard_normal((1024, 1024), dtype=np.float32)  # 2 MiB a rank: more than is left
+        c.client.put("second", second, spec="(dp, None)", path="inline")
+        np.testing.assert_array_equal(c.client.get("second", path="inline"), second)
+    finally:
+        resume.set()
+        t.join(30)
+    assert not t.is_alive() and not errors, errors
+    np.testing.assert_array_equal(c.client.get("first", path="inline"), first)
+    wait_unstaged(c)
+

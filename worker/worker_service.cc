@@ -180,6 +180,9 @@ grpc::Status WorkerServiceImpl::StageShard(grpc::ServerContext* context,
   }
   auto upload = staging_->BeginStage(chunk.ticket(), chunk.tenant());
   if (!upload.ok()) return ToGrpcStatus(upload.status());
+  // The coordinator waits for this before it forwards bytes (GrpcStageStream::Open).
+  context->AddInitialMetadata(kStageReservedMetadataKey, "1");
+  reader->SendInitialMetadata();
   // Destroyed on every early return: a stream that does not finish holds nothing.
   do {
     if (auto s = (*upload)->Append(chunk.data()); !s.ok()) return ToGrpcStatus(s);
