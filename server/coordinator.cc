@@ -1619,6 +1619,7 @@ class Coordinator::StreamedPutImpl final : public Coordinator::StreamedPut {
 
   // Opens every destination's stream (its header goes first), once the holders know the tickets.
   absl::Status Open(absl::Time stream_deadline) {
+    stream_deadline_ = stream_deadline;
     const std::vector<std::shared_ptr<WorkerChannel>> channels = coordinator_->dispatcher_.Channels();
     for (Destination& d : destinations_) {
       if (d.holder >= static_cast<int>(channels.size()) || channels[d.holder] == nullptr) {
@@ -1663,6 +1664,7 @@ class Coordinator::StreamedPutImpl final : public Coordinator::StreamedPut {
   }
 
   int64_t received_bytes() const override { return received_; }
+  absl::Time bytes_deadline() const override { return stream_deadline_; }
 
   absl::StatusOr<v1::PutTensorResponse> Finish() override {
     if (received_ != total_bytes_) {
@@ -1719,6 +1721,7 @@ class Coordinator::StreamedPutImpl final : public Coordinator::StreamedPut {
   const int64_t total_bytes_;
   std::vector<Destination> destinations_;
   int64_t received_ = 0;
+  absl::Time stream_deadline_ = absl::InfiniteFuture();
   bool stored_ = false;
 };
 

@@ -156,6 +156,9 @@ class Coordinator {
     // the rank.
     virtual absl::Status Append(absl::string_view data) = 0;
     virtual int64_t received_bytes() const = 0;
+    // When the workers' streams end (the call's deadline, or --step_timeout
+    // from the put's start): a byte still to come after it cannot be stored.
+    virtual absl::Time bytes_deadline() const = 0;
     // After the last chunk: INVALID_ARGUMENT unless every byte arrived;
     // then each worker's answer, and the store steps naming the staged
     // blocks (as PutStaged).

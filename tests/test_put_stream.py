@@ -265,3 +265,29 @@ def test_a_put_meeting_a_full_staging_area_takes_the_assembled_path(cluster_fact
     np.testing.assert_array_equal(c.client.get("first", path="inline"), first)
     wait_unstaged(c)
 
+
+def test_a_client_that_stalls_mid_put_without_a_deadline_frees_the_name_at_the_step_timeout(cluster_factory):
+    # The workers' streams end at --step_timeout; the put cannot finish after that, so its call ends
+    # then too and its claim on the name goes (a client with no deadline held it for as long as it stalled).
+    c = cluster_factory(mesh="dp=2", workers=2, coordinator_flags=("--step_timeout=2s",))
+    a = rng.standard_normal((1024, 1024), dtype=np.float32)  # 4 MiB
+    resume = threading.Event()
+    errors = []
+    start = time.time()
+    t = threading.Thread(target=put_in_background, args=(c, chunks("stalled", a, "(dp, None)", pause_at=CHUNK,
+                                                                    resume=resume), errors),
+                         kwargs={"timeout": None})
+    t.start()
+    try:
+        t.join(8)
+        assert not t.is_alive(), "the stalled put's call is still open"
+        assert len(errors) == 1 and errors[0].code() in (grpc.StatusCode.CANCELLED,
+                                                         grpc.StatusCode.DEADLINE_EXCEEDED), errors
+        assert time.time() - start < 8
+        assert resident(c, "stalled") is None
+        c.client.put("stalled", a, spec="(dp, None)", overwrite=False, path="inline")  # the name is free
+        np.testing.assert_array_equal(c.client.get("stalled", path="inline"), a)
+    finally:
+        resume.set()
+        t.join(30)
+    wait_unstaged(c)
