@@ -860,6 +860,37 @@ absl::StatusOr<v1::StepResult> Executor::RunGemm(v1::GemmStep& gemm) {
   for (int i = 0; i < kOperands && prepared.ok(); ++i) {
     if (inputs[i]->device != nullptr && !stays_on_device(i)) prepared = EnsureOnHost(backend_, inputs[i]);
   }
+  // An output into client memory goes there from the device (stage 3): a
+  // contiguous block of a CUDA region is the GEMM's output itself. Opened
+  // here, with the inputs, so that a failure is this step's local failure
+  // and meets the agreement (the device weight gather's included); not in
+  // place where it overlaps an operand read in place (the GEMM would
+  // overwrite what it still reads): the output then comes through a buffer.
+  const bool has_after = std::any_of(gemm.collectives().begin(), gemm.collectives().end(),
+                                     [](const auto& c) { return c.phase() == v1::PHASE_AFTER; });
+  const bool out_from_device = gemm.has_out_shared_memory() && !has_after && local_dtype == *out_dtype &&
+                               device_gemm && backend_->KeepsOutputsOnDevice();
+  std::shared_ptr<const DeviceBuffer> out_in_place;
+  if (prepared.ok() && out_from_device) {
+    const v1::SharedMemoryBlock& b = gemm.out_shared_memory();
+    const platform::TensorBlock block = BlockOf(b, local_out_shape, local_dtype);
+    prepared = platform::CheckTensorBlock(block, b.region_bytes(), "out_shared_memory");
+    if (prepared.ok() && b.object_case() == v1::SharedMemoryBlock::kCuda && platform::BlockIsContiguous(block)) {
+      auto memory = ClientMemoryOf(b, /*writable=*/true, "out_shared_memory");
+      auto target = memory.ok() ? backend_->BlockToDevice(*memory, block, "out_shared_memory")
+                                : absl::StatusOr<std::shared_ptr<const DeviceBuffer>>(memory.status());
+      if (!target.ok()) {
+        prepared = target.status();
+      } else {
+        auto overlaps = [&](const DeviceBuffer* in) {
+          if (in == nullptr || in->bytes() == 0 || (*target)->bytes() == 0) return false;
+          const auto a = reinterpret_cast<uintptr_t>(in->data()), o = reinterpret_cast<uintptr_t>((*target)->data());
+          return a < o + static_cast<uintptr_t>((*target)->bytes()) && o < a + static_cast<uintptr_t>(in->bytes());
+        };
+        if (!overlaps(lhs.device.get()) && !overlaps(rhs.device.get())) out_in_place = *std::move(target);
+      }
+    }
+  }
   int64_t working_bytes = 0;
   if (prepared.ok()) {
     // Inline inputs (resident ones are already counted), host gathers and
@@ -963,25 +994,14 @@ absl::StatusOr<v1::StepResult> Executor::RunGemm(v1::GemmStep& gemm) {
     if (gemm.agree()) ++agreements;
   }
   // A kept output with nothing after the GEMM stays where the GEMM wrote it
-  // (device memory on a device backend): no copy to the host.
-  const bool has_after = std::any_of(gemm.collectives().begin(), gemm.collectives().end(),
-                                     [](const auto& c) { return c.phase() == v1::PHASE_AFTER; });
-  // An output into client memory likewise goes there from the device: a
-  // contiguous block of a CUDA region is the GEMM's output itself.
-  if (gemm.has_out_shared_memory() && !has_after && local_dtype == *out_dtype && device_gemm &&
-      backend_->KeepsOutputsOnDevice()) {
+  // (device memory on a device backend): no copy to the host. An output
+  // into client memory likewise goes there from the device (in place where
+  // stage 1 opened its block).
+  if (out_from_device) {
     local.keep_on_device = true;
     const v1::SharedMemoryBlock& b = gemm.out_shared_memory();
-    const platform::TensorBlock block = BlockOf(b, local_out_shape, local_dtype);
-    bool in_place = false;
-    if (b.object_case() == v1::SharedMemoryBlock::kCuda && platform::BlockIsContiguous(block)) {
-      auto memory = ClientMemoryOf(b, /*writable=*/true, "out_shared_memory");
-      if (!memory.ok()) return memory.status();
-      auto target = backend_->BlockToDevice(*memory, block, "out_shared_memory");
-      if (!target.ok()) return target.status();
-      local.out_device = *std::move(target);
-      in_place = true;
-    }
+    const bool in_place = out_in_place != nullptr;
+    local.out_device = std::move(out_in_place);
     auto kept = TimeKernel([&] { return backend_->GroupedGemmToShard(local); });
     if (!kept.ok()) return WhyStopped(kept.status());
     if (!in_place || kept->device != local.out_device) {

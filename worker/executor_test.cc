@@ -1,6 +1,8 @@
 #include "worker/executor.h"
 
 #include <algorithm>
+#include <cstring>
+#include <map>
 #include <memory>
 #include <thread>
 #include <vector>
@@ -555,6 +557,277 @@ TEST_F(ExecutorTest, QuantizeWorkerWhoseInputIsMissingJoinsTheAmaxReduction) {
 
 namespace shardgemm {
 namespace {
+
+// A device backend whose device memory is host memory and whose CUDA IPC
+// regions are buffers of the test's (named by their handle's bytes): the
+// executor's device paths (operands read in place, the output written into
+// client memory) run without a GPU. Its GEMM (BF16, ragged M) reads the
+// operands and writes the output through the pointers it is given, element
+// by element, as a device kernel does.
+class HostDeviceBackend : public Backend {
+ public:
+  class Buffer : public DeviceBuffer {
+   public:
+    Buffer(char* data, int64_t bytes) : data_(data), bytes_(bytes) {}
+    explicit Buffer(int64_t bytes) : owned_(static_cast<size_t>(bytes)), data_(owned_.data()), bytes_(bytes) {}
+    void* data() const override { return data_; }
+    int64_t bytes() const override { return bytes_; }
+
+   private:
+    std::vector<char> owned_;
+    char* data_;
+    int64_t bytes_;
+  };
+
+  std::map<std::string, std::vector<char>*> regions;
+  absl::Status refuse_open = absl::OkStatus();  // set: a CUDA region does not open
+  bool gathers = false;                         // CanGatherOnDevice
+
+  std::string Name() const override { return "host-device"; }
+  std::string Device() const override { return "host memory as a device"; }
+  bool KeepsOutputsOnDevice() const override { return true; }
+  bool CanGatherOnDevice() const override { return gathers; }
+  absl::StatusOr<HostTensor> GroupedGemm(const LocalGemm&) override {
+    return absl::UnimplementedError("host-device: GroupedGemmToShard only");
+  }
+  absl::StatusOr<QuantizeOutputs> GroupedQuantize(const LocalQuantize&) override {
+    return absl::UnimplementedError("host-device: no quantize");
+  }
+
+  absl::StatusOr<std::shared_ptr<const DeviceBuffer>> BlockToDevice(const ClientMemory& memory,
+                                                                  const platform::TensorBlock& block,
+                                                                  absl::string_view field) override {
+    if (!refuse_open.ok()) return refuse_open;
+    auto it = regions.find(memory.cuda_ipc_handle);
+    if (it == regions.end()) return absl::NotFoundError(absl::StrCat(field, ": no such test region"));
+    if (auto s = platform::CheckTensorBlock(block, it->second->size(), field); !s.ok()) return s;
+    auto pieces = platform::BlockPieces(block);
+    int64_t bytes = block.element_bytes;
+    for (int64_t d : block.block_shape) bytes *= d;
+    if (platform::BlockIsContiguous(block) && !pieces.empty()) {
+      return std::shared_ptr<const DeviceBuffer>(
+          std::make_shared<Buffer>(it->second->data() + pieces[0].region_offset, bytes));
+    }
+    auto copy = std::make_shared<Buffer>(bytes);
+    Copy(pieces, it->second->data(), static_cast<char*>(copy->data()), false);
+    return std::shared_ptr<const DeviceBuffer>(copy);
+  }
+  absl::Status BlockFromDevice(const DeviceBuffer& source, const ClientMemory& memory,
+                               const platform::TensorBlock& block, absl::string_view field) override {
+    auto it = regions.find(memory.cuda_ipc_handle);
+    if (it == regions.end()) return absl::NotFoundError(absl::StrCat(field, ": no such test region"));
+    if (auto s = platform::CheckTensorBlock(block, it->second->size(), field); !s.ok()) return s;
+    Copy(platform::BlockPieces(block), it->second->data(), static_cast<char*>(source.data()), true);
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<Shard> GroupedGemmToShard(const LocalGemm& g) override {
+    if (g.rhs_gather.enabled && g.rhs_gather.agree) {
+      if (auto s = g.rhs_gather.collectives->Agree(absl::OkStatus(), g.rhs_gather.agree_axes); !s.ok()) return s;
+    }
+    ++gemms;
+    const int64_t m = g.lhs->shape[0], k = g.lhs->shape[1], n = g.rhs->shape[2];
+    const auto* lhs = reinterpret_cast<const uint16_t*>(g.lhs_device ? g.lhs_device->data() : g.lhs->bytes.data());
+    const auto* rhs = reinterpret_cast<const uint16_t*>(g.rhs_device ? g.rhs_device->data() : g.rhs->bytes.data());
+    std::shared_ptr<const DeviceBuffer> out = g.out_device;
+    if (out == nullptr) out = std::make_shared<Buffer>(m * n * 2);
+    auto* o = static_cast<uint16_t*>(out->data());
+    int64_t row = 0;
+    for (size_t group = 0; group < g.group_sizes.size(); ++group) {
+      for (int64_t r = row; r < row + g.group_sizes[group]; ++r) {
+        for (int64_t j = 0; j < n; ++j) {
+          float acc = 0;
+          for (int64_t i = 0; i < k; ++i) acc += Float(lhs[r * k + i]) * Float(rhs[(group * k + i) * n + j]);
+          o[r * n + j] = Bf16(acc);
+        }
+      }
+      row += g.group_sizes[group];
+    }
+    Shard shard;
+    shard.dtype = g.out_dtype;
+    shard.shape = {m, n};
+    shard.device = std::move(out);
+    return shard;
+  }
+
+  static float Float(uint16_t b) {
+    const uint32_t bits = static_cast<uint32_t>(b) << 16;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+  }
+  static uint16_t Bf16(float f) {  // the tests' values are exact in BF16
+    uint32_t bits;
+    std::memcpy(&bits, &f, 4);
+    return static_cast<uint16_t>(bits >> 16);
+  }
+
+  int gemms = 0;
+
+ private:
+  static void Copy(const std::vector<platform::BlockPiece>& pieces, char* region, char* local, bool into_region) {
+    for (const auto& p : pieces) {
+      for (uint64_t r = 0; r < p.rows; ++r) {
+        char* at = region + p.region_offset + r * p.region_pitch;
+        char* packed = local + p.block_offset + r * p.row_bytes;
+        std::memcpy(into_region ? at : packed, into_region ? packed : at, p.row_bytes);
+      }
+    }
+  }
+};
+
+class DeviceMirrorCollectives : public MirrorCollectives {
+ public:
+  using MirrorCollectives::MirrorCollectives;
+  bool SupportsDeviceAllGather() const override { return true; }
+};
+
+v1::LocalTensor CudaRegionTensor(const std::string& handle, uint64_t offset, std::vector<int64_t> shape,
+                                 uint64_t region_bytes) {
+  v1::LocalTensor t;
+  t.set_dtype(v1::BF16);
+  t.mutable_shape()->Assign(shape.begin(), shape.end());
+  v1::SharedMemoryBlock* b = t.mutable_shared_memory();
+  b->mutable_cuda()->set_ipc_handle(handle);
+  b->set_offset(offset);
+  b->mutable_global_shape()->Assign(shape.begin(), shape.end());
+  for (size_t d = 0; d < shape.size(); ++d) b->add_block_offsets(0);
+  b->set_region_bytes(region_bytes);
+  return t;
+}
+
+HostTensor Bf16Tensor(std::vector<int64_t> shape, const std::vector<float>& values) {
+  HostTensor t = *ZerosTensor(DType::kBF16, shape);
+  for (int64_t i = 0; i < t.NumElements(); ++i) {
+    reinterpret_cast<uint16_t*>(t.bytes.data())[i] = HostDeviceBackend::Bf16(values[i % values.size()]);
+  }
+  return t;
+}
+
+// out= the very bytes of lhs in one CUDA region (an in-place call, N == K):
+// the GEMM must not write the output over the operand it still reads.
+TEST(ExecutorClientMemoryTest, AnOutputOverAnOperandInACudaRegionIsRightAsWithACopy) {
+  HostDeviceBackend backend;
+  ShardStore store(int64_t{1} << 30);
+  Executor e(&backend, &store);
+  e.Configure(SingleWorkerPosition(), std::make_unique<MirrorCollectives>(SingleWorkerPosition()), 1);
+  const std::string handle(64, 'h');
+  const HostTensor lhs = Bf16Tensor({4, 4}, {1, 2, -1, 3, 2, 1}), rhs = Bf16Tensor({1, 4, 4}, {1, 0, 2, -1, 1});
+  std::vector<char> region(lhs.bytes.begin(), lhs.bytes.end());
+  backend.regions[handle] = &region;
+  v1::Step step;
+  step.set_sequence(1);
+  v1::GemmStep* g = step.mutable_gemm();
+  *g->mutable_lhs() = CudaRegionTensor(handle, 0, {4, 4}, region.size());
+  HostTensorToProto(rhs, g->mutable_rhs());
+  g->add_group_sizes(4);
+  g->set_out_dtype(v1::BF16);
+  *g->mutable_out_shared_memory() = CudaRegionTensor(handle, 0, {4, 4}, region.size()).shared_memory();
+  auto result = e.Execute(step);
+  ASSERT_TRUE(result.ok()) << result.status();
+  ASSERT_EQ(backend.gemms, 1);
+  const auto* got = reinterpret_cast<const uint16_t*>(region.data());
+  const auto* l = reinterpret_cast<const uint16_t*>(lhs.bytes.data());
+  const auto* w = reinterpret_cast<const uint16_t*>(rhs.bytes.data());
+  for (int r = 0; r < 4; ++r) {
+    for (int j = 0; j < 4; ++j) {
+      float want = 0;
+      for (int i = 0; i < 4; ++i) want += HostDeviceBackend::Float(l[r * 4 + i]) * HostDeviceBackend::Float(w[i * 4 + j]);
+      EXPECT_EQ(HostDeviceBackend::Float(got[r * 4 + j]), want) << r << "," << j;
+    }
+  }
+}
+
+// A contiguous output block elsewhere in the region is still the GEMM's output itself.
+TEST(ExecutorClientMemoryTest, AContiguousOutputBlockOfACudaRegionIsWrittenInPlace) {
+  HostDeviceBackend backend;
+  ShardStore store(int64_t{1} << 30);
+  Executor e(&backend, &store);
+  e.Configure(SingleWorkerPosition(), std::make_unique<MirrorCollectives>(SingleWorkerPosition()), 1);
+  const std::string handle(64, 'i');
+  const HostTensor lhs = Bf16Tensor({2, 4}, {1, 2, -1, 3}), rhs = Bf16Tensor({1, 4, 3}, {1, 0, 2});
+  std::vector<char> region(64, 0);
+  std::memcpy(region.data(), lhs.bytes.data(), lhs.bytes.size());
+  backend.regions[handle] = &region;
+  v1::Step step;
+  step.set_sequence(1);
+  v1::GemmStep* g = step.mutable_gemm();
+  *g->mutable_lhs() = CudaRegionTensor(handle, 0, {2, 4}, region.size());
+  HostTensorToProto(rhs, g->mutable_rhs());
+  g->add_group_sizes(2);
+  g->set_out_dtype(v1::BF16);
+  *g->mutable_out_shared_memory() = CudaRegionTensor(handle, 32, {2, 3}, region.size()).shared_memory();
+  auto result = e.Execute(step);
+  ASSERT_TRUE(result.ok()) << result.status();
+  const auto* got = reinterpret_cast<const uint16_t*>(region.data() + 32);
+  const auto* l = reinterpret_cast<const uint16_t*>(lhs.bytes.data());
+  const auto* w = reinterpret_cast<const uint16_t*>(rhs.bytes.data());
+  for (int r = 0; r < 2; ++r) {
+    for (int j = 0; j < 3; ++j) {
+      float want = 0;
+      for (int i = 0; i < 4; ++i) want += HostDeviceBackend::Float(l[r * 4 + i]) * HostDeviceBackend::Float(w[i * 3 + j]);
+      EXPECT_EQ(HostDeviceBackend::Float(got[r * 3 + j]), want) << r << "," << j;
+    }
+  }
+}
+
+// The device weight gather holds the step's agreement inside the backend:
+// an output region that does not open on this worker must still meet it
+// (its peers would wait there until the collective timeout).
+TEST(ExecutorClientMemoryTest, AnOutputRegionThatDoesNotOpenMeetsTheDeviceGathersAgreement) {
+  HostDeviceBackend backend;
+  backend.gathers = true;
+  backend.refuse_open = absl::FailedPreconditionError("out_shared_memory.cuda: the CUDA IPC handle does not open here");
+  ShardStore store(int64_t{1} << 30);
+  Executor e(&backend, &store);
+  auto collectives = std::make_unique<DeviceMirrorCollectives>(FsdpOf2());
+  DeviceMirrorCollectives* mirror = collectives.get();
+  e.Configure(FsdpOf2(), std::move(collectives), 1);
+  v1::Step step;
+  step.set_sequence(1);
+  v1::GemmStep* g = step.mutable_gemm();
+  HostTensorToProto(Bf16Tensor({4, 6}, {1, 2}), g->mutable_lhs());
+  HostTensorToProto(Bf16Tensor({2, 3, 4}, {1, -1}), g->mutable_rhs());
+  g->add_group_sizes(1);
+  g->add_group_sizes(3);
+  g->set_out_dtype(v1::BF16);
+  g->set_agree(true);
+  v1::CollectivePlan* c = g->add_collectives();
+  c->set_phase(v1::PHASE_BEFORE);
+  c->set_kind(v1::COLLECTIVE_ALL_GATHER);
+  c->set_tensor(v1::TENSOR_RHS);
+  c->set_dim(1);
+  c->add_axes("fsdp");
+  *g->mutable_out_shared_memory() = CudaRegionTensor(std::string(64, 'j'), 0, {4, 4}, 32).shared_memory();
+  auto result = e.Execute(step);
+  EXPECT_EQ(result.status().code(), absl::StatusCode::kFailedPrecondition) << result.status();
+  EXPECT_NE(result.status().message().find("out_shared_memory"), std::string::npos) << result.status();
+  EXPECT_EQ(mirror->agreements, 1);
+  EXPECT_EQ(backend.gemms, 0);
+}
+
+// A malformed output block (its rank not the output's) is refused naming
+// the field, not read past its vectors.
+TEST(ExecutorClientMemoryTest, AnOutputBlockOfAnotherRankIsRefusedNamingTheField) {
+  HostDeviceBackend backend;
+  ShardStore store(int64_t{1} << 30);
+  Executor e(&backend, &store);
+  e.Configure(SingleWorkerPosition(), std::make_unique<MirrorCollectives>(SingleWorkerPosition()), 1);
+  std::vector<char> region(256, 0);
+  backend.regions[std::string(64, 'k')] = &region;
+  v1::Step step;
+  step.set_sequence(1);
+  v1::GemmStep* g = step.mutable_gemm();
+  HostTensorToProto(Bf16Tensor({2, 4}, {1}), g->mutable_lhs());
+  HostTensorToProto(Bf16Tensor({1, 4, 3}, {1}), g->mutable_rhs());
+  g->add_group_sizes(2);
+  g->set_out_dtype(v1::BF16);
+  *g->mutable_out_shared_memory() = CudaRegionTensor(std::string(64, 'k'), 0, {2, 3, 1, 1}, 256).shared_memory();
+  auto result = e.Execute(step);
+  EXPECT_EQ(result.status().code(), absl::StatusCode::kInvalidArgument) << result.status();
+  EXPECT_NE(result.status().message().find("out_shared_memory"), std::string::npos) << result.status();
+  EXPECT_EQ(backend.gemms, 0);
+}
 
 TEST(ExecutorStoreTest, AStoreStepKeepsItsShardAndStandbyCopiesAllOrNone) {
   std::unique_ptr<Backend> backend = MakeCpuBackend(1);
