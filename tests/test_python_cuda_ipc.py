@@ -272,3 +272,57 @@ def test_the_asyncio_client_registers_and_unregisters_the_same_way(cluster_facto
             await client.unregister_shared_memory("aio-kept")
 
     asyncio.run(run())
+
+
+def test_a_registration_whose_call_ended_on_the_client_is_not_left_behind(cluster_factory, fake_driver, monkeypatch):
+    """The coordinator registered the region, but the client saw the call end
+    (its deadline): the region is unregistered all the same, so the name and
+    the tenant's region count are not taken for good."""
+    import asyncio
+
+    import grpc
+
+    import shardgemm.aio
+    from shardgemm.errors import error_for
+
+    c = cluster_factory(mesh="dp=1", workers=1, coordinator_flags=["--shared_memory"])
+    lhs, rhs = _operands()
+
+    def made_then_timed_out(register):
+        def call(name, *args, **kwargs):
+            register(name, *args, **kwargs)
+            raise error_for(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+        return call
+
+    with shardgemm.Client(c.address, timeout=30) as client:
+        client.put("w", rhs)
+        real = client.register_cuda_memory
+        monkeypatch.setattr(client, "register_cuda_memory", made_then_timed_out(real))
+        monkeypatch.setattr(_cuda, "fresh_name", lambda: "per-call")
+        with pytest.raises(shardgemm.DeadlineExceededError, match="registering CUDA region 'per-call'"):
+            client.grouped_gemm(FakeCudaArray(BASE, lhs.shape), "w", [40, 24])
+        with pytest.raises(shardgemm.DeadlineExceededError):
+            shardgemm.CudaMemoryRegion(client, FakeCudaArray(BASE, lhs.shape), name="kept")
+        assert client._cuda_regions == []
+        for name in ("per-call", "kept"):
+            real(name, bytes(64), 1024)  # free: the ended registrations were undone
+            client.unregister_shared_memory(name)
+
+    async def run():
+        async with shardgemm.aio.Client(c.address, timeout=30) as client:
+            real = client.register_cuda_memory
+
+            async def made_then_timed_out_async(name, *args, **kwargs):
+                await real(name, *args, **kwargs)
+                raise error_for(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+
+            client.register_cuda_memory = made_then_timed_out_async
+            with pytest.raises(shardgemm.DeadlineExceededError):
+                await client.grouped_gemm(FakeCudaArray(BASE, lhs.shape), "w", [40, 24])
+            with pytest.raises(shardgemm.DeadlineExceededError):
+                await shardgemm.aio.CudaMemoryRegion.create(client, FakeCudaArray(BASE, lhs.shape), "aio-kept")
+            for name in ("per-call", "aio-kept"):
+                await real(name, bytes(64), 1024)
+                await client.unregister_shared_memory(name)
+
+    asyncio.run(run())

@@ -26,10 +26,12 @@ import sys
 import threading
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
+import grpc
 import ml_dtypes
 import numpy as np
 
 from ._convert import SharedMemoryTensor, proto_dtype
+from .errors import ShardGemmError
 
 if TYPE_CHECKING:
     from . import aio
@@ -365,6 +367,18 @@ class CudaMemoryTensor(SharedMemoryTensor):
 _names = itertools.count()
 
 
+#: A registration that failed with one of these may have been made all the same
+#: (the call ended on the client's side: its deadline, a cancel, a broken
+#: connection after the request went): it is unregistered, a NotFound aside.
+_MAYBE_MADE = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN)
+
+
+def maybe_registered(error: BaseException) -> bool:
+    """Whether a registration that raised `error` may still have been made by
+    the coordinator (not a refusal of its own: an ended or interrupted call)."""
+    return not isinstance(error, ShardGemmError) or error.code in _MAYBE_MADE
+
+
 def fresh_name() -> str:
     """A region name of this process's own (pid, a counter and random bits: unique among clients)."""
     return f"cuda-{os.getpid()}-{next(_names)}-{os.urandom(4).hex()}"
@@ -434,7 +448,16 @@ class CudaMemoryRegion(_CudaRegion):
                  timeout: Optional[float] = None) -> None:
         super().__init__(array, name)
         self.client = client
-        client.register_cuda_memory(self.name, self.ipc_handle, self.byte_size, timeout=timeout)
+        try:
+            client.register_cuda_memory(self.name, self.ipc_handle, self.byte_size, timeout=timeout)
+        except BaseException as e:
+            if maybe_registered(e):
+                try:
+                    client.unregister_shared_memory(self.name, timeout=timeout)
+                except (ShardGemmError, grpc.RpcError):
+                    pass  # NotFound: it was not made; else the error raised is the registration's
+            self._release()
+            raise
         self.registered = True
         client._cuda_regions.append(self)
 
@@ -482,7 +505,15 @@ class AsyncCudaMemoryRegion(_CudaRegion):
         if self.closed:
             raise ValueError(f"CUDA region {self.name!r} is closed")
         if not self.registered:
-            await self.client.register_cuda_memory(self.name, self.ipc_handle, self.byte_size, timeout=timeout)
+            try:
+                await self.client.register_cuda_memory(self.name, self.ipc_handle, self.byte_size, timeout=timeout)
+            except BaseException as e:
+                if maybe_registered(e):
+                    try:
+                        await self.client.unregister_shared_memory(self.name, timeout=timeout)
+                    except (ShardGemmError, grpc.RpcError):
+                        pass  # NotFound: it was not made; else the error raised is the registration's
+                raise
             self.registered = True
             self.client._cuda_regions.append(self)
         return self

@@ -252,7 +252,11 @@ class Client:
             for region in mem.new:
                 try:
                     self.register_cuda_memory(region.name, region.ipc_handle, region.byte_size, timeout=timeout)
-                except ShardGemmError as e:
+                except BaseException as e:
+                    if _cuda.maybe_registered(e):
+                        made.append(region)  # the coordinator may have it: unregistered below
+                    if not isinstance(e, ShardGemmError):
+                        raise
                     raise error_for(e.code, _cuda.registration_hint(region, e.details),
                                     request_id=e.request_id) from e
                 region.registered = True
