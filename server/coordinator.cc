@@ -1,6 +1,7 @@
 #include "server/coordinator.h"
 
 #include <algorithm>
+#include <atomic>
 #include <memory>
 #include <set>
 
@@ -1258,9 +1259,19 @@ void Coordinator::DropStaged(const TicketsByRank& tickets, absl::Time until) {
 
 void Coordinator::DropStagedBestEffort(TicketsByRank tickets) {
   if (tickets.empty()) return;
+  // Droppers in flight, across coordinators of the process: past the cap
+  // (requests failing fast while a worker hangs) the tickets are left to
+  // expire at their TTL instead of starting ever more threads.
+  static std::atomic<int> in_flight{0};
+  constexpr int kMaxDroppers = 16;
+  if (in_flight.fetch_add(1) >= kMaxDroppers) {
+    in_flight.fetch_sub(1);
+    return;
+  }
   // The thread holds the channels and the session, not the coordinator.
   std::thread([channels = dispatcher_.Channels(), session = session_, tickets = std::move(tickets)] {
     DropOnWorkers(channels, session, tickets, absl::Now() + kDropStagedTimeout);
+    in_flight.fetch_sub(1);
   }).detach();
 }
 
