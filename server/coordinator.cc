@@ -1042,10 +1042,25 @@ void Coordinator::AbandonRequests() {
   dispatcher_.AbandonAll(absl::UnavailableError("the coordinator is shutting down; retry with another"));
 }
 
-absl::Status Coordinator::RegisterSharedMemory(const v1::RegisterSharedMemoryRequest& request,
-                                               const CallContext& call) {
+absl::StatusOr<v1::RegisterSharedMemoryResponse> Coordinator::RegisterSharedMemory(
+    const v1::RegisterSharedMemoryRequest& request, const CallContext& call) {
   if (!options_.allow_shared_memory) return SharedMemoryOff("RegisterSharedMemory");
-  return shared_memory_.Register(call.tenant, request);
+  auto expires = shared_memory_.Register(call.tenant, request);
+  if (!expires.ok()) return expires.status();
+  v1::RegisterSharedMemoryResponse response;
+  if (*expires != absl::InfiniteFuture()) response.set_expires_unix_ms(absl::ToUnixMillis(*expires));
+  return response;
+}
+
+absl::StatusOr<v1::RenewSharedMemoryResponse> Coordinator::RenewSharedMemory(
+    const v1::RenewSharedMemoryRequest& request, const CallContext& call) {
+  if (!options_.allow_shared_memory) return SharedMemoryOff("RenewSharedMemory");
+  v1::RenewSharedMemoryResponse response;
+  for (std::string& name :
+       shared_memory_.Renew(call.tenant, std::vector<std::string>(request.names().begin(), request.names().end()))) {
+    response.add_lapsed(std::move(name));
+  }
+  return response;
 }
 
 absl::Status Coordinator::UnregisterSharedMemory(const std::string& name, const CallContext& call) {

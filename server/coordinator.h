@@ -219,7 +219,10 @@ class Coordinator {
                                                             const CallContext& call = {});
 
   // A same-host client's shared-memory region, by the name requests use.
-  absl::Status RegisterSharedMemory(const v1::RegisterSharedMemoryRequest& request, const CallContext& call = {});
+  absl::StatusOr<v1::RegisterSharedMemoryResponse> RegisterSharedMemory(const v1::RegisterSharedMemoryRequest& request,
+                                                                        const CallContext& call = {});
+  absl::StatusOr<v1::RenewSharedMemoryResponse> RenewSharedMemory(const v1::RenewSharedMemoryRequest& request,
+                                                                  const CallContext& call = {});
   absl::Status UnregisterSharedMemory(const std::string& name, const CallContext& call = {});
 
   const planner::Mesh& mesh() const { return mesh_; }

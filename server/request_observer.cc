@@ -18,6 +18,7 @@ const char* RequestOpName(RequestOp op) {
     case RequestOp::kListTensors: return "list_tensors";
     case RequestOp::kRegisterSharedMemory: return "register_shared_memory";
     case RequestOp::kUnregisterSharedMemory: return "unregister_shared_memory";
+    case RequestOp::kRenewSharedMemory: return "renew_shared_memory";
     case RequestOp::kPlanStaging: return "plan_staging";
     case RequestOp::kPutStaged: return "put_staged";
     case RequestOp::kPlanFetch: return "plan_fetch";

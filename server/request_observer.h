@@ -28,6 +28,7 @@ enum class RequestOp {
   kListTensors,
   kRegisterSharedMemory,
   kUnregisterSharedMemory,
+  kRenewSharedMemory,
   kPlanStaging,
   kPutStaged,
   kPlanFetch,

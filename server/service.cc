@@ -375,13 +375,29 @@ grpc::Status ShardGemmService::ListTensors(grpc::ServerContext* context, const v
 
 grpc::Status ShardGemmService::RegisterSharedMemory(grpc::ServerContext* context,
                                                     const v1::RegisterSharedMemoryRequest* request,
-                                                    v1::RegisterSharedMemoryResponse*) {
+                                                    v1::RegisterSharedMemoryResponse* response) {
   RequestRecord record = Begin(RequestOp::kRegisterSharedMemory, context);
   if (grpc::Status a = Authenticate(*context, &record, security::Grant::kWrite); !a.ok()) {
     return Finish(record, std::move(a));
   }
   record.tensor = request->name();
-  return Finish(record, ToGrpcStatus(coordinator_->RegisterSharedMemory(*request, CallOf(record))));
+  auto registered = coordinator_->RegisterSharedMemory(*request, CallOf(record));
+  if (!registered.ok()) return Finish(record, ToGrpcStatus(registered.status()));
+  *response = *std::move(registered);
+  return Finish(record, grpc::Status::OK);
+}
+
+grpc::Status ShardGemmService::RenewSharedMemory(grpc::ServerContext* context,
+                                                 const v1::RenewSharedMemoryRequest* request,
+                                                 v1::RenewSharedMemoryResponse* response) {
+  RequestRecord record = Begin(RequestOp::kRenewSharedMemory, context);
+  if (grpc::Status a = Authenticate(*context, &record, security::Grant::kWrite); !a.ok()) {
+    return Finish(record, std::move(a));
+  }
+  auto renewed = coordinator_->RenewSharedMemory(*request, CallOf(record));
+  if (!renewed.ok()) return Finish(record, ToGrpcStatus(renewed.status()));
+  *response = *std::move(renewed);
+  return Finish(record, grpc::Status::OK);
 }
 
 grpc::Status ShardGemmService::UnregisterSharedMemory(grpc::ServerContext* context,

@@ -62,6 +62,8 @@ class ShardGemmService final
                            v1::ListTensorsResponse*) override;
   grpc::Status RegisterSharedMemory(grpc::ServerContext*, const v1::RegisterSharedMemoryRequest*,
                                     v1::RegisterSharedMemoryResponse*) override;
+  grpc::Status RenewSharedMemory(grpc::ServerContext*, const v1::RenewSharedMemoryRequest*,
+                                 v1::RenewSharedMemoryResponse*) override;
   grpc::Status UnregisterSharedMemory(grpc::ServerContext*, const v1::UnregisterSharedMemoryRequest*,
                                       v1::UnregisterSharedMemoryResponse*) override;
   grpc::Status PlanStaging(grpc::ServerContext* context, const v1::StagingPlanRequest* request,

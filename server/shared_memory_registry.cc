@@ -6,11 +6,21 @@
 
 namespace shardgemm {
 
-absl::Status SharedMemoryRegistry::Register(const std::string& tenant,
-                                            const v1::RegisterSharedMemoryRequest& request) {
+absl::StatusOr<absl::Time> SharedMemoryRegistry::Register(const std::string& tenant,
+                                                          const v1::RegisterSharedMemoryRequest& request,
+                                                          absl::Time now) {
   if (auto s = ValidateResidentName("name", request.name()); !s.ok()) return s;
   SharedMemoryRegion region;
   region.byte_size = request.byte_size();
+  if (request.lease_ms() > 0) {
+    constexpr uint64_t kShortestMs = 100, kLongestMs = uint64_t{7} * 24 * 3600 * 1000;
+    if (request.lease_ms() < kShortestMs || request.lease_ms() > kLongestMs) {
+      return absl::InvalidArgumentError(absl::StrCat("lease_ms: ", request.lease_ms(),
+                                                     "; a lease is 100 ms to 7 days, or 0 for none"));
+    }
+    region.lease = absl::Milliseconds(static_cast<int64_t>(request.lease_ms()));
+    region.expires = now + region.lease;
+  }
   if (request.object_case() == v1::RegisterSharedMemoryRequest::kCuda) {
     if (request.cuda().ipc_handle().size() != kCudaIpcHandleBytes) {
       return absl::InvalidArgumentError(absl::StrCat("cuda.ipc_handle: ", request.cuda().ipc_handle().size(),
@@ -30,6 +40,7 @@ absl::Status SharedMemoryRegistry::Register(const std::string& tenant,
     region.key = request.key();
   }
   absl::MutexLock lock(&mu_);
+  DropLapsed(now);
   const auto id = std::make_pair(tenant, request.name());
   if (regions_.count(id) > 0) {
     return absl::AlreadyExistsError(absl::StrCat("name: a shared-memory region '", request.name(),
@@ -39,9 +50,37 @@ absl::Status SharedMemoryRegistry::Register(const std::string& tenant,
     return absl::ResourceExhaustedError(absl::StrCat("this tenant has ", max_per_tenant_,
                                                      " shared-memory regions registered, its limit"));
   }
+  const absl::Time expires = region.expires;
   regions_[id] = std::move(region);
   ++per_tenant_[tenant];
-  return absl::OkStatus();
+  return expires;
+}
+
+void SharedMemoryRegistry::DropLapsed(absl::Time now) const {
+  for (auto it = regions_.begin(); it != regions_.end();) {
+    if (it->second.expires > now) {
+      ++it;
+      continue;
+    }
+    if (--per_tenant_[it->first.first] <= 0) per_tenant_.erase(it->first.first);
+    it = regions_.erase(it);
+  }
+}
+
+std::vector<std::string> SharedMemoryRegistry::Renew(const std::string& tenant, const std::vector<std::string>& names,
+                                                     absl::Time now) {
+  std::vector<std::string> lapsed;
+  absl::MutexLock lock(&mu_);
+  DropLapsed(now);
+  for (const std::string& name : names) {
+    auto it = regions_.find({tenant, name});
+    if (it == regions_.end()) {
+      lapsed.push_back(name);
+    } else if (it->second.lease > absl::ZeroDuration()) {
+      it->second.expires = now + it->second.lease;
+    }
+  }
+  return lapsed;
 }
 
 v1::SharedMemoryBlock SharedMemoryRegion::Block(uint64_t offset) const {
@@ -56,8 +95,9 @@ v1::SharedMemoryBlock SharedMemoryRegion::Block(uint64_t offset) const {
   return block;
 }
 
-absl::Status SharedMemoryRegistry::Unregister(const std::string& tenant, const std::string& name) {
+absl::Status SharedMemoryRegistry::Unregister(const std::string& tenant, const std::string& name, absl::Time now) {
   absl::MutexLock lock(&mu_);
+  DropLapsed(now);
   if (regions_.erase({tenant, name}) == 0) {
     return absl::NotFoundError(absl::StrCat("name: no shared-memory region '", name, "' is registered"));
   }
@@ -67,14 +107,16 @@ absl::Status SharedMemoryRegistry::Unregister(const std::string& tenant, const s
 
 absl::StatusOr<SharedMemoryRegion> SharedMemoryRegistry::Resolve(const std::string& tenant,
                                                                  const v1::SharedMemoryRef& ref, int64_t bytes,
-                                                                 const std::string& field) const {
+                                                                 const std::string& field, absl::Time now) const {
   SharedMemoryRegion region;
   {
     absl::MutexLock lock(&mu_);
+    DropLapsed(now);
     auto it = regions_.find({tenant, ref.region()});
     if (it == regions_.end()) {
       return absl::NotFoundError(
-          absl::StrCat(field, ".region: no shared-memory region '", ref.region(), "' is registered"));
+          absl::StrCat(field, ".region: no shared-memory region '", ref.region(),
+                       "' is registered (never, unregistered, or its lease lapsed)"));
     }
     region = it->second;
   }

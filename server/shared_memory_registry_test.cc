@@ -59,19 +59,19 @@ TEST_F(SharedMemoryRegistryTest, ARegionResolvesForItsTenantOnlyAndWithinItsBoun
 
 TEST_F(SharedMemoryRegistryTest, BadRegistrationsSayWhy) {
   SharedMemoryRegistry registry(/*max_regions_per_tenant=*/1);
-  EXPECT_EQ(registry.Register("a", Request("big", 2048)).code(), absl::StatusCode::kInvalidArgument)
+  EXPECT_EQ(registry.Register("a", Request("big", 2048)).status().code(), absl::StatusCode::kInvalidArgument)
       << "larger than the object";
   v1::RegisterSharedMemoryRequest missing = Request("m", 8);
   missing.set_key("/shardgemm_no_such_region");
-  EXPECT_EQ(registry.Register("a", missing).code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(registry.Register("a", missing).status().code(), absl::StatusCode::kNotFound);
   v1::RegisterSharedMemoryRequest bad_key = Request("k", 8);
   bad_key.set_key("no-slash");
-  EXPECT_EQ(registry.Register("a", bad_key).code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(registry.Register("a", Request("", 8)).code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(registry.Register("a", Request("z", 0)).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(registry.Register("a", bad_key).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(registry.Register("a", Request("", 8)).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(registry.Register("a", Request("z", 0)).status().code(), absl::StatusCode::kInvalidArgument);
   ASSERT_TRUE(registry.Register("a", Request("one", 8)).ok());
-  EXPECT_EQ(registry.Register("a", Request("one", 8)).code(), absl::StatusCode::kAlreadyExists);
-  EXPECT_EQ(registry.Register("a", Request("two", 8)).code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(registry.Register("a", Request("one", 8)).status().code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_EQ(registry.Register("a", Request("two", 8)).status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_TRUE(registry.Register("b", Request("two", 8)).ok()) << "a limit per tenant";
 }
 
@@ -107,16 +107,55 @@ TEST_F(SharedMemoryRegistryTest, ACudaHandleOfTheWrongLengthOrAnEmptyRegionIsRef
   r.set_name("dev");
   r.mutable_cuda()->set_ipc_handle("short");
   r.set_byte_size(64);
-  auto s = registry.Register("t", r);
+  absl::Status s = registry.Register("t", r).status();
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(s.message().find("cuda.ipc_handle"), std::string::npos) << s;
   r.mutable_cuda()->set_ipc_handle(std::string(kCudaIpcHandleBytes, 'x'));
   r.set_byte_size(0);
-  s = registry.Register("t", r);
+  s = registry.Register("t", r).status();
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(s.message().find("byte_size"), std::string::npos) << s;
   EXPECT_EQ(registry.Resolve("t", Ref("dev", 0, 8), 8, "lhs.shared_memory").status().code(),
             absl::StatusCode::kNotFound);
+}
+
+// A leased region lapses unless renewed, and then frees its name and its
+// place in the tenant's limit; one without a lease stays.
+TEST_F(SharedMemoryRegistryTest, ALeaseLapsesUnlessRenewed) {
+  SharedMemoryRegistry registry(/*max_regions_per_tenant=*/2);
+  const absl::Time t0 = absl::FromUnixSeconds(1000);
+  v1::RegisterSharedMemoryRequest leased = Request("leased", 8);
+  leased.set_lease_ms(2000);
+  auto expires = registry.Register("a", leased, t0);
+  ASSERT_TRUE(expires.ok()) << expires.status();
+  EXPECT_EQ(*expires, t0 + absl::Seconds(2));
+  auto forever = registry.Register("a", Request("forever", 8), t0);
+  ASSERT_TRUE(forever.ok());
+  EXPECT_EQ(*forever, absl::InfiniteFuture());
+  // Renewed at 1.5 s: held at 3 s, lapsed at 3.6 s.
+  EXPECT_TRUE(registry.Renew("a", {"leased", "forever"}, t0 + absl::Milliseconds(1500)).empty());
+  EXPECT_TRUE(registry.Resolve("a", Ref("leased", 0, 8), 8, "f", t0 + absl::Seconds(3)).ok());
+  auto gone = registry.Resolve("a", Ref("leased", 0, 8), 8, "lhs.shared_memory", t0 + absl::Milliseconds(3600));
+  EXPECT_EQ(gone.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_NE(gone.status().message().find("lease"), std::string::npos) << gone.status();
+  EXPECT_EQ(registry.Renew("a", {"leased", "forever", "never"}, t0 + absl::Seconds(4)),
+            (std::vector<std::string>{"leased", "never"}));
+  EXPECT_TRUE(registry.Resolve("a", Ref("forever", 0, 8), 8, "f", t0 + absl::Hours(48)).ok());
+  // Its place in the limit of 2 is free again, and so is its name.
+  EXPECT_TRUE(registry.Register("a", leased, t0 + absl::Seconds(5)).ok());
+  // Another tenant cannot renew it.
+  EXPECT_EQ(registry.Renew("b", {"leased"}, t0 + absl::Seconds(5)), (std::vector<std::string>{"leased"}));
+}
+
+TEST_F(SharedMemoryRegistryTest, ALeaseOutsideItsBoundsIsRefusedNamingTheField) {
+  SharedMemoryRegistry registry;
+  for (uint64_t ms : {uint64_t{1}, uint64_t{99}, uint64_t{8} * 24 * 3600 * 1000}) {
+    v1::RegisterSharedMemoryRequest r = Request("r", 8);
+    r.set_lease_ms(ms);
+    absl::Status s = registry.Register("a", r).status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << ms;
+    EXPECT_NE(s.message().find("lease_ms"), std::string::npos) << s;
+  }
 }
 
 }  // namespace

@@ -18,7 +18,7 @@ from typing import Any, AsyncIterator, Dict, Iterator, List, Optional, Sequence,
 import grpc
 import grpc.aio
 
-from . import _common, _cuda, _direct
+from . import _common, _cuda, _direct, _lease
 from ._convert import Array, SharedMemoryTensor, TensorLike, check_output, to_output
 from ._progress import Meter, Progress
 from ._proto import pb, pb_grpc
@@ -36,9 +36,12 @@ class Client:
 
     def __init__(self, address: str, timeout: Optional[float] = None, *, tls_dir: Optional[str] = None,
                  token: Optional[str] = None, output: str = "numpy", progress: Progress = False,
-                 options: Sequence[Tuple[str, Any]] = (), path: str = "auto", cuda_ipc: bool = True) -> None:
+                 options: Sequence[Tuple[str, Any]] = (), path: str = "auto", cuda_ipc: bool = True,
+                 shared_memory_lease: Optional[float] = _lease.DEFAULT_LEASE_S) -> None:
         self.output = check_output(output)
         self.cuda_ipc = bool(cuda_ipc)
+        self._lease_ms = _lease.lease_ms(shared_memory_lease)
+        self._leases = _lease.AsyncLeaseRenewer(self._renew_leases, self._lease_ms / 3000.0 or 1.0)
         # CudaMemoryRegions registered with this client: reused by calls, unregistered by close().
         self._cuda_regions: List[_cuda._CudaRegion] = []
         self.path = _direct.check_path(path)
@@ -75,6 +78,7 @@ class Client:
             if failure is not None:
                 raise failure
         finally:
+            await self._leases.close()
             await self._close_channels()
 
     async def _close_channels(self) -> None:
@@ -353,19 +357,31 @@ class Client:
                                      request_id: Optional[str] = None, timeout: Optional[float] = None) -> None:
         """See shardgemm.Client.register_shared_memory (and
         shardgemm.aio.SharedMemoryRegion)."""
-        req = pb.RegisterSharedMemoryRequest(name=name, key=key, byte_size=int(byte_size))
+        req = pb.RegisterSharedMemoryRequest(name=name, key=key, byte_size=int(byte_size), lease_ms=self._lease_ms)
+        await self._register(req, request_id, timeout)
+
+    async def _register(self, req: "pb.RegisterSharedMemoryRequest", request_id: Optional[str],
+                        timeout: Optional[float]) -> None:
         await self._unary(self.stub.RegisterSharedMemory, req, timeout, request_id)
+        if req.lease_ms:
+            self._leases.add(req.name)
+
+    async def _renew_leases(self, names: List[str]) -> List[str]:
+        resp = await self.stub.RenewSharedMemory(pb.RenewSharedMemoryRequest(names=names),
+                                                 timeout=min(10.0, self._lease_ms / 3000.0))
+        return list(resp.lapsed)
 
     async def register_cuda_memory(self, name: str, ipc_handle: bytes, byte_size: int, *,
                                    request_id: Optional[str] = None, timeout: Optional[float] = None) -> None:
         """See shardgemm.Client.register_cuda_memory (and shardgemm.aio.CudaMemoryRegion)."""
         req = pb.RegisterSharedMemoryRequest(name=name, cuda=pb.CudaIpcMemory(ipc_handle=bytes(ipc_handle)),
-                                             byte_size=int(byte_size))
-        await self._unary(self.stub.RegisterSharedMemory, req, timeout, request_id)
+                                             byte_size=int(byte_size), lease_ms=self._lease_ms)
+        await self._register(req, request_id, timeout)
 
     async def unregister_shared_memory(self, name: str, *, request_id: Optional[str] = None,
                                        timeout: Optional[float] = None) -> None:
         """See shardgemm.Client.unregister_shared_memory."""
+        self._leases.discard(name)
         await self._unary(self.stub.UnregisterSharedMemory, pb.UnregisterSharedMemoryRequest(name=name), timeout,
                           request_id)
 

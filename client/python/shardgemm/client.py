@@ -8,7 +8,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import grpc
 
-from . import _common, _cuda, _direct
+from . import _common, _cuda, _direct, _lease
 from ._convert import Array, SharedMemoryTensor, TensorLike, check_output, to_output
 from ._progress import Meter, Progress
 from ._proto import pb, pb_grpc
@@ -44,7 +44,7 @@ class Client:
     def __init__(self, address: str, timeout: Optional[float] = None, *, tls_dir: Optional[str] = None,
                  token: Optional[str] = None, output: str = "numpy", progress: Progress = False,
                  options: Sequence[Tuple[str, Any]] = (), path: Optional[str] = None,
-                 cuda_ipc: bool = True) -> None:
+                 cuda_ipc: bool = True, shared_memory_lease: Optional[float] = _lease.DEFAULT_LEASE_S) -> None:
         """address: the coordinator's HOST:PORT. tls_dir: the mesh's
         certificates (ca.crt verifies the coordinator; client.crt/client.key
         are sent when present); token: the bearer token (default:
@@ -56,13 +56,19 @@ class Client:
         path ("auto", "direct" or "inline"; see grouped_gemm). cuda_ipc:
         whether grouped_gemm's CUDA arrays travel by CUDA IPC (the default;
         see grouped_gemm) or, False, are copied through the host (out= then
-        cannot be a CUDA array)."""
+        cannot be a CUDA array). shared_memory_lease: the seconds a region
+        this client registers is held on the service unless renewed; the
+        client renews its regions in the background (a third of the lease
+        apart) until it unregisters them or closes, so a client that dies
+        loses them a lease later. None: held until unregistered."""
         self.output = check_output(output)
         self.path = _direct.check_path(path or self._default_path)
         self.progress = progress
         self.timeout = timeout
         self.last_request_id: Optional[str] = None
         self.cuda_ipc = bool(cuda_ipc)
+        self._lease_ms = _lease.lease_ms(shared_memory_lease)
+        self._leases = _lease.LeaseRenewer(self._renew_leases, self._lease_ms / 3000.0 or 1.0)
         # CudaMemoryRegions registered with this client: reused by calls, unregistered by close().
         self._cuda_regions: List[_cuda._CudaRegion] = []
         opts = [*_common.CHANNEL_OPTIONS, *options]
@@ -99,6 +105,7 @@ class Client:
             if failure is not None:
                 raise failure
         finally:
+            self._leases.close()
             self._close_channels()
 
     def _close_channels(self) -> None:
@@ -472,11 +479,22 @@ class Client:
         when there is no object `key`, InvalidArgumentError when it is
         smaller than byte_size. shardgemm.SharedMemoryRegion does all this
         for an object it makes."""
-        req = pb.RegisterSharedMemoryRequest(name=name, key=key, byte_size=int(byte_size))
+        req = pb.RegisterSharedMemoryRequest(name=name, key=key, byte_size=int(byte_size), lease_ms=self._lease_ms)
+        self._register(req, request_id, timeout)
+
+    def _register(self, req: "pb.RegisterSharedMemoryRequest", request_id: Optional[str],
+                  timeout: Optional[float]) -> None:
         with self._errors():
             _, call = self.stub.RegisterSharedMemory.with_call(req, timeout=self._timeout(timeout),
                                                                metadata=_common.metadata(request_id))
         self._note_request_id(call)
+        if req.lease_ms:
+            self._leases.add(req.name)
+
+    def _renew_leases(self, names: List[str]) -> List[str]:
+        resp = self.stub.RenewSharedMemory(pb.RenewSharedMemoryRequest(names=names),
+                                           timeout=min(10.0, self._lease_ms / 3000.0))
+        return list(resp.lapsed)
 
     def register_cuda_memory(self, name: str, ipc_handle: bytes, byte_size: int, *,
                              request_id: Optional[str] = None, timeout: Optional[float] = None) -> None:
@@ -490,11 +508,8 @@ class Client:
         is registered. shardgemm.CudaMemoryRegion does all this for an
         array."""
         req = pb.RegisterSharedMemoryRequest(name=name, cuda=pb.CudaIpcMemory(ipc_handle=bytes(ipc_handle)),
-                                             byte_size=int(byte_size))
-        with self._errors():
-            _, call = self.stub.RegisterSharedMemory.with_call(req, timeout=self._timeout(timeout),
-                                                               metadata=_common.metadata(request_id))
-        self._note_request_id(call)
+                                             byte_size=int(byte_size), lease_ms=self._lease_ms)
+        self._register(req, request_id, timeout)
 
     def unregister_shared_memory(self, name: str, *, request_id: Optional[str] = None,
                                  timeout: Optional[float] = None) -> None:
@@ -502,6 +517,7 @@ class Client:
         registered): later requests naming it are NotFoundError. The object
         itself is the caller's to unlink."""
         req = pb.UnregisterSharedMemoryRequest(name=name)
+        self._leases.discard(name)
         with self._errors():
             _, call = self.stub.UnregisterSharedMemory.with_call(req, timeout=self._timeout(timeout),
                                                                  metadata=_common.metadata(request_id))
