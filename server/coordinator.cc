@@ -1391,6 +1391,8 @@ absl::StatusOr<v1::StagingPlan> Coordinator::PlanPutStaging(const v1::PutStaging
     v1::StagingTicket* t = expect[holder].add_tickets();
     t->set_ticket(ticket);
     t->set_tenant(call.tenant);
+    t->set_put_tensor(put.name());
+    t->set_put_block_rank(block_rank);
     t->set_dtype(DTypeToProto(*dtype));
     t->mutable_shape()->Assign(local->begin(), local->end());
     return ticket;
@@ -1619,17 +1621,24 @@ absl::StatusOr<v1::PutTensorResponse> Coordinator::StoreStagedPut(
 // The streams of one BeginStreamedPut: each copy of each block (a rank's
 // own, a standby) has its holder's stream and its range of the tensor's
 // row-major bytes; every arriving chunk is cut to the ranges it meets.
+// Bounded by progress, not by its length: a watchdog ends the put (cancels
+// every stream, then runs OnStall's callback) once it has waited
+// `idle_timeout` (--step_timeout) for one thing (the client's next chunk, a
+// worker's reservation, write or answer); the streams' own deadline is the
+// call's.
 class Coordinator::StreamedPutImpl final : public Coordinator::StreamedPut {
  public:
   struct Destination {
     int holder = 0;
     std::string ticket;
     int64_t begin = 0, end = 0;  // the block's bytes within the tensor's
-    std::unique_ptr<StageStream> stream;
+    std::unique_ptr<StageStream> stream;  // set and reset under mu_ (the watchdog cancels it)
+    absl::Time last_sent = absl::InfinitePast();  // its last message (the worker's bound runs from it)
   };
 
   StreamedPutImpl(Coordinator* coordinator, StagedPut put, std::string shard_name, absl::Time deadline,
-                  CallContext call, int64_t total_bytes, std::vector<Destination> destinations)
+                  CallContext call, int64_t total_bytes, std::vector<Destination> destinations,
+                  absl::Duration idle_timeout)
       : coordinator_(coordinator),
         put_(std::move(put)),
         shard_name_(std::move(shard_name)),
@@ -1637,15 +1646,18 @@ class Coordinator::StreamedPutImpl final : public Coordinator::StreamedPut {
         deadline_(deadline),
         call_(std::move(call)),
         total_bytes_(total_bytes),
-        destinations_(std::move(destinations)) {}
+        destinations_(std::move(destinations)),
+        idle_timeout_(idle_timeout) {}
 
   ~StreamedPutImpl() override {
+    StopWatchdog();
     if (!stored_) Abandon();
   }
 
   // Opens every destination's stream (its header goes first), once the holders know the tickets.
-  absl::Status Open(absl::Time stream_deadline) {
-    stream_deadline_ = stream_deadline;
+  absl::Status Open() {
+    last_progress_ = absl::Now();
+    watchdog_ = std::thread([this] { Watch(); });
     const std::vector<std::shared_ptr<WorkerChannel>> channels = coordinator_->dispatcher_.Channels();
     for (Destination& d : destinations_) {
       if (d.holder >= static_cast<int>(channels.size()) || channels[d.holder] == nullptr) {
@@ -1655,17 +1667,26 @@ class Coordinator::StreamedPutImpl final : public Coordinator::StreamedPut {
       header.set_session(coordinator_->session_);
       header.set_ticket(d.ticket);
       header.set_tenant(call_.tenant);
-      auto stream = channels[d.holder]->OpenStage(header, stream_deadline);
-      if (!stream.ok()) return Named(d, stream.status());
+      // The worker's bound on a silence: twice the longest wait here (a keep-alive goes with the next
+      // chunk, which may come a step timeout after the last, behind the writes to other blocks).
+      header.set_idle_timeout_ms(absl::ToInt64Milliseconds(2 * idle_timeout_));
+      Waiting(absl::StrCat("worker rank ", d.holder, " to open its stage stream"));
+      auto stream = channels[d.holder]->OpenStage(header, deadline_);
+      if (!stream.ok()) return Broken(d, stream.status());
+      d.last_sent = absl::Now();
+      absl::MutexLock lock(&mu_);
       d.stream = std::move(*stream);
+      if (stalled_) d.stream->Cancel();  // the watchdog fired meanwhile
     }
     // Every header is out before the first answer is awaited: the holders reserve at once.
     for (Destination& d : destinations_) {
+      Waiting(absl::StrCat("worker rank ", d.holder, " to reserve its block"));
       if (absl::Status reserved = d.stream->WaitReserved(); !reserved.ok()) {
-        d.stream.reset();
-        return Named(d, reserved);
+        ResetStream(d);
+        return Broken(d, reserved);
       }
     }
+    Waiting("the client's next chunk");
     return absl::OkStatus();
   }
 
@@ -1676,32 +1697,66 @@ class Coordinator::StreamedPutImpl final : public Coordinator::StreamedPut {
       return absl::InvalidArgumentError(absl::StrCat("data: tensor '", put_.name, "' needs ", total_bytes_,
                                                      " bytes, the chunks carry ", to, " or more"));
     }
+    const absl::Time now = absl::Now();
     for (Destination& d : destinations_) {
       const int64_t begin = std::max(from, d.begin), end = std::min(to, d.end);
-      if (begin >= end) continue;
-      if (!d.stream->Write(data.substr(begin - from, end - begin)).ok()) {
+      // A block this chunk does not meet gets an empty message now and then: its holder's ticket
+      // expires after a silence (the put's bytes may go to other blocks for longer than that).
+      if (begin >= end && now - d.last_sent < kKeepAlive) continue;
+      Waiting(absl::StrCat("worker rank ", d.holder, " to take the bytes of its block"));
+      const absl::string_view piece = begin < end ? data.substr(begin - from, end - begin) : absl::string_view();
+      if (!d.stream->Write(piece).ok()) {
         auto answer = d.stream->Finish();  // why it broke
-        d.stream.reset();
-        return Named(d, answer.ok() ? absl::UnavailableError("the stage stream ended early") : answer.status());
+        ResetStream(d);
+        absl::Status why = answer.ok() ? absl::UnavailableError("the stage stream ended early") : answer.status();
+        if (why.code() == absl::StatusCode::kCancelled) {
+          why = absl::Status(why.code(), absl::StrCat(why.message(), " (a worker ends a put's stream that "
+                                                      "brought nothing for its --staged_block_ttl, or twice "
+                                                      "--step_timeout if longer)"));
+        }
+        return Broken(d, why);
       }
+      d.last_sent = absl::Now();
     }
     received_ = to;
+    Waiting("the client's next chunk");
     return absl::OkStatus();
   }
 
   int64_t received_bytes() const override { return received_; }
-  absl::Time bytes_deadline() const override { return stream_deadline_; }
+
+  void OnStall(std::function<void()> stalled) override {
+    absl::MutexLock lock(&mu_);
+    if (stalled_) {
+      stalled();
+      return;
+    }
+    on_stall_ = std::move(stalled);
+  }
+
+  absl::Status Stalled() const override {
+    absl::MutexLock lock(&mu_);
+    return StalledLocked();
+  }
 
   absl::StatusOr<v1::PutTensorResponse> Finish() override {
     if (received_ != total_bytes_) {
       return absl::InvalidArgumentError(absl::StrCat("data: tensor '", put_.name, "' needs ", total_bytes_,
-                                                     " bytes, the chunks carry ", received_));
+                                                     " bytes, the chunks carry ", received_.load()));
     }
     for (Destination& d : destinations_) {
+      Waiting(absl::StrCat("worker rank ", d.holder, " to answer its stream"));
       auto staged = d.stream->Finish();
-      d.stream.reset();
-      if (!staged.ok()) return Named(d, staged.status());
+      ResetStream(d);
+      if (!staged.ok()) return Broken(d, staged.status());
     }
+    {
+      // The streams are done: from here the store steps' own deadline bounds the put.
+      absl::MutexLock lock(&mu_);
+      if (stalled_) return StalledLocked();
+      done_ = true;
+    }
+    StopWatchdog();
     if (absl::Status gone = Abandoned(deadline_, call_, absl::StrCat("'", put_.name, "'")); !gone.ok()) return gone;
     auto response = coordinator_->StoreStagedPut(
         put_, shard_name_, [this](Resident resident) { return claim_.Register(std::move(resident)); }, deadline_,
@@ -1711,14 +1766,63 @@ class Coordinator::StreamedPutImpl final : public Coordinator::StreamedPut {
   }
 
  private:
-  static absl::Status Named(const Destination& d, const absl::Status& s) {
+  // A stream's failure, naming the rank; the watchdog's own when it ended the stream.
+  absl::Status Broken(const Destination& d, const absl::Status& s) {
+    if (absl::Status stalled = Stalled(); !stalled.ok()) return stalled;
     return absl::Status(s.code(), absl::StrCat("worker rank ", d.holder, " (staging its block): ", s.message()));
+  }
+
+  absl::Status StalledLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (!stalled_) return absl::OkStatus();
+    return absl::DeadlineExceededError(absl::StrCat(
+        "data: tensor '", put_.name, "': waited --step_timeout (", absl::FormatDuration(idle_timeout_), ") for ",
+        stalled_waiting_for_, " with ", received_bytes_when_stalled_, " of its ", total_bytes_,
+        " bytes in; it was not kept (a streamed put may take any time while its bytes keep coming)"));
+  }
+
+  // What the put waits for now; each change is progress, and restarts the watchdog's bound.
+  void Waiting(std::string what) {
+    absl::MutexLock lock(&mu_);
+    waiting_for_ = std::move(what);
+    last_progress_ = absl::Now();
+  }
+
+  void ResetStream(Destination& d) {
+    std::unique_ptr<StageStream> gone;  // destroyed (cancelled, its call released) once the lock is let go
+    absl::MutexLock lock(&mu_);
+    gone = std::move(d.stream);
+  }
+
+  void Watch() {
+    absl::MutexLock lock(&mu_);
+    while (!done_) {
+      const absl::Time until = last_progress_ + idle_timeout_;
+      if (absl::Now() >= until) {
+        stalled_ = true;
+        stalled_waiting_for_ = waiting_for_;
+        received_bytes_when_stalled_ = received_;
+        for (Destination& d : destinations_) {
+          if (d.stream != nullptr) d.stream->Cancel();
+        }
+        if (on_stall_) on_stall_();
+        return;
+      }
+      mu_.AwaitWithDeadline(absl::Condition(&done_), until);
+    }
+  }
+
+  void StopWatchdog() {
+    {
+      absl::MutexLock lock(&mu_);
+      done_ = true;
+    }
+    if (watchdog_.joinable()) watchdog_.join();
   }
 
   // Cancels the open streams and has every holder drop its tickets now, in
   // parallel, each call bounded (a failed put's blocks do not wait for their TTL).
   void Abandon() {
-    for (Destination& d : destinations_) d.stream.reset();
+    for (Destination& d : destinations_) ResetStream(d);
     std::map<int, v1::DropStagedRequest> drops;
     for (const Destination& d : destinations_) {
       v1::DropStagedRequest& drop = drops[d.holder];
@@ -1738,6 +1842,7 @@ class Coordinator::StreamedPutImpl final : public Coordinator::StreamedPut {
   }
 
   static constexpr absl::Duration kDropTimeout = absl::Seconds(2);
+  static constexpr absl::Duration kKeepAlive = absl::Seconds(1);
   Coordinator* coordinator_;
   const StagedPut put_;
   const std::string shard_name_;
@@ -1746,9 +1851,18 @@ class Coordinator::StreamedPutImpl final : public Coordinator::StreamedPut {
   const CallContext call_;
   const int64_t total_bytes_;
   std::vector<Destination> destinations_;
-  int64_t received_ = 0;
-  absl::Time stream_deadline_ = absl::InfiniteFuture();
+  const absl::Duration idle_timeout_;
+  std::atomic<int64_t> received_{0};  // the watchdog reads it
   bool stored_ = false;
+  mutable absl::Mutex mu_;
+  absl::Time last_progress_ ABSL_GUARDED_BY(mu_);
+  std::string waiting_for_ ABSL_GUARDED_BY(mu_) = "the client's next chunk";
+  bool done_ ABSL_GUARDED_BY(mu_) = false;  // the watchdog stops
+  bool stalled_ ABSL_GUARDED_BY(mu_) = false;
+  std::string stalled_waiting_for_ ABSL_GUARDED_BY(mu_);
+  int64_t received_bytes_when_stalled_ ABSL_GUARDED_BY(mu_) = 0;
+  std::function<void()> on_stall_ ABSL_GUARDED_BY(mu_);
+  std::thread watchdog_;
 };
 
 absl::StatusOr<std::unique_ptr<Coordinator::StreamedPut>> Coordinator::BeginStreamedPut(
@@ -1796,6 +1910,8 @@ absl::StatusOr<std::unique_ptr<Coordinator::StreamedPut>> Coordinator::BeginStre
     v1::StagingTicket* t = expect[holder].add_tickets();
     t->set_ticket(d.ticket);
     t->set_tenant(call.tenant);
+    t->set_put_tensor(name);
+    t->set_put_block_rank(block_rank);
     t->set_dtype(DTypeToProto(dtype));
     t->mutable_shape()->Assign(local->begin(), local->end());
     staged_bytes[holder] += block_bytes;
@@ -1827,10 +1943,10 @@ absl::StatusOr<std::unique_ptr<Coordinator::StreamedPut>> Coordinator::BeginStre
                                                               exists ? " (set overwrite to replace it)" : ""));
   }
   auto streamed = std::make_unique<StreamedPutImpl>(this, std::move(put), *claimed, deadline, call, total_bytes,
-                                                    std::move(destinations));
+                                                    std::move(destinations), options_.step_timeout);
   // From here the object's destructor releases the claim and drops the tickets.
   if (auto s = TellStagingTickets(std::move(expect), deadline); !s.ok()) return s;
-  if (auto s = streamed->Open(StepDeadline(deadline)); !s.ok()) {
+  if (auto s = streamed->Open(); !s.ok()) {
     // A holder's staging budget is taken now (other puts' streams, direct-path blocks), and no byte has
     // left yet: the assembled path needs none of it.
     if (s.code() == absl::StatusCode::kResourceExhausted) return nullptr;

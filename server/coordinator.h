@@ -156,9 +156,16 @@ class Coordinator {
     // the rank.
     virtual absl::Status Append(absl::string_view data) = 0;
     virtual int64_t received_bytes() const = 0;
-    // When the workers' streams end (the call's deadline, or --step_timeout
-    // from the put's start): a byte still to come after it cannot be stored.
-    virtual absl::Time bytes_deadline() const = 0;
+    // The put is bounded by progress, not by its length: once it has waited
+    // --step_timeout for one thing (the client's next chunk, a worker's
+    // reservation, write or answer) it is ended: every stream is cancelled
+    // and `stalled` runs (once, on another thread; at once if that happened
+    // already), to end the client's call. The call's own deadline still
+    // bounds it all.
+    virtual void OnStall(std::function<void()> stalled) = 0;
+    // DEADLINE_EXCEEDED naming what it waited for and the bytes that came
+    // once the put was ended so; else OK.
+    virtual absl::Status Stalled() const = 0;
     // After the last chunk: INVALID_ARGUMENT unless every byte arrived;
     // then each worker's answer, and the store steps naming the staged
     // blocks (as PutStaged).
@@ -167,7 +174,8 @@ class Coordinator {
   // For a put whose every block (and standby copy) is a contiguous range of
   // the row-major bytes (a spec that splits only dim 0, or none) on a mesh
   // whose workers all stage and whose staging budgets fit the blocks: opens
-  // a stage stream to each holder, all bounded by `deadline`. Null (OK) when
+  // a stage stream to each holder, all bounded by `deadline` and by
+  // progress (StreamedPut::OnStall). Null (OK) when
   // the put does not qualify, or when a holder's staging budget is taken now
   // (it refused its stream before any byte went): it takes PutTensor. Errors
   // as PutTensor's (name, spec, an existing name without overwrite) before

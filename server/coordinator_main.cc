@@ -49,7 +49,8 @@ ABSL_FLAG(absl::Duration, staging_ttl, absl::Seconds(60),
           "tickets by their own --staged_block_ttl)");
 ABSL_FLAG(absl::Duration, step_timeout, absl::Seconds(120),
           "the longest a request's steps may take on the workers (queueing included) when the "
-          "client sets no earlier deadline, as an absl duration (5s, 1m30s, 500ms)");
+          "client sets no earlier deadline, and the longest a streamed put waits for its client's next "
+          "chunk, as an absl duration (5s, 1m30s, 500ms)");
 ABSL_FLAG(double, step_timeout_s, 0, "the same in seconds (kept for older scripts; 0: --step_timeout decides)");
 
 ABSL_FLAG(std::string, tls_dir, "",

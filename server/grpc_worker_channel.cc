@@ -166,6 +166,7 @@ class GrpcStageStream final : public StageStream {
     if (broken_) return absl::UnavailableError("the stage stream broke");
     return response_.bytes();
   }
+  void Cancel() override { context_.TryCancel(); }  // thread-safe, also during a Write
 
  private:
   explicit GrpcStageStream(std::shared_ptr<ChannelCore> core) : core_(std::move(core)) {}

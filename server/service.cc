@@ -243,37 +243,15 @@ grpc::Status ShardGemmService::ReceiveTensor(grpc::ServerContext* context,
       record->bytes_in = put.received_bytes();
       return appended;
     };
-    // The workers' streams end at the put's bytes deadline: a client still sending then (one with no
-    // deadline of its own that stalled) cannot finish the put, and its call would hold the name's claim
-    // and a slot for as long as it stayed connected. Ended then.
-    absl::Notification all_read;
-    std::atomic<bool> too_late{false};
-    std::thread watchdog;
-    if (put.bytes_deadline() < DeadlineOf(context)) {
-      watchdog = std::thread([&] {
-        if (!all_read.WaitForNotificationWithDeadline(put.bytes_deadline())) {
-          too_late = true;
-          context->TryCancel();
-        }
-      });
-    }
-    auto stop_watchdog = [&] {
-      if (!all_read.HasBeenNotified()) all_read.Notify();
-      if (watchdog.joinable()) watchdog.join();
-    };
-    absl::Cleanup stop_on_return = stop_watchdog;
+    // A put that waited --step_timeout for the client's next chunk (or for a worker) cannot go on, and its
+    // call would hold the name's claim and a slot for as long as its client stayed connected: ended then.
+    put.OnStall([context] { context->TryCancel(); });
     if (grpc::Status s = forward(first.data()); !s.ok()) return s;
     v1::TensorChunk chunk;
     while (reader->Read(&chunk)) {
       if (grpc::Status s = forward(chunk.data()); !s.ok()) return s;
     }
-    stop_watchdog();
-    if (too_late) {
-      return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
-                          absl::StrCat("data: tensor '", first.name(), "': ", put.received_bytes(), " of its ",
-                                       expected, " bytes arrived by the put's deadline (the call's, or "
-                                       "--step_timeout from its start); it was not kept"));
-    }
+    if (absl::Status stalled = put.Stalled(); !stalled.ok()) return ToGrpcStatus(stalled);
     if (context->IsCancelled()) {
       return grpc::Status(grpc::StatusCode::CANCELLED, absl::StrCat("the client ended the stream; tensor '",
                                                                     first.name(), "' was not kept"));

@@ -32,6 +32,9 @@ class StageStream {
   virtual absl::Status Write(absl::string_view data) = 0;
   // After the last bytes: the worker's answer (the bytes it staged).
   virtual absl::StatusOr<int64_t> Finish() = 0;
+  // Ends the stream from another thread (a stalled put's watchdog): a
+  // WaitReserved, Write or Finish waiting on it returns soon after.
+  virtual void Cancel() = 0;
 };
 
 class WorkerChannel {

@@ -258,6 +258,13 @@ def test_a_put_meeting_a_full_staging_area_takes_the_assembled_path(cluster_fact
         second = rng.standard_normal((1024, 1024), dtype=np.float32)  # 2 MiB a rank: more than is left
         c.client.put("second", second, spec="(dp, None)", path="inline")
         np.testing.assert_array_equal(c.client.get("second", path="inline"), second)
+        # The direct path has no assembled fallback: the worker's refusal names the put's tensor and rank
+        # (a put's ticket has no role: it read "staging the TENSOR_ROLE_UNSPECIFIED block").
+        with pytest.raises(grpc.RpcError) as refused:
+            c.client.put("third", second, spec="(dp, None)", path="direct")
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refused.value
+        assert "staging the block of tensor 'third' for rank " in refused.value.details(), refused.value.details()
+        assert "TENSOR_ROLE_UNSPECIFIED" not in refused.value.details()
     finally:
         resume.set()
         t.join(30)
@@ -266,9 +273,32 @@ def test_a_put_meeting_a_full_staging_area_takes_the_assembled_path(cluster_fact
     wait_unstaged(c)
 
 
+def test_a_put_whose_client_pauses_longer_than_the_ttl_between_chunks_is_stored(cluster_factory):
+    # A streamed put is bounded by progress, not length: each chunk restarts its blocks' TTL on the workers
+    # and the coordinator's wait for the next one. 2 s TTL; two pauses of 3.5 s; 7 s in all (more than the TTL
+    # three times over), once NOT_FOUND "expired while it was being staged".
+    c = cluster_factory(mesh="dp=2", workers=2, worker_flags=("--staged_block_ttl=2s",),
+                        coordinator_flags=("--step_timeout=5s",))
+    a = rng.standard_normal((1024, 1024), dtype=np.float32)  # 4 MiB: 4 chunks, 2 MiB a rank
+
+    def slow():
+        for i, chunk in enumerate(chunks("slow", a, "(dp, None)")):
+            if i in (1, 3):
+                time.sleep(3.5)
+            yield chunk
+
+    start = time.time()
+    with grpc.insecure_channel(c.address) as ch:
+        pb_grpc.ShardGemmStub(ch).PutTensor(slow(), timeout=60)
+    assert time.time() - start > 7
+    assert list(resident(c, "slow").shape) == [1024, 1024]
+    np.testing.assert_array_equal(c.client.get("slow", path="inline"), a)
+    wait_unstaged(c)
+
+
 def test_a_client_that_stalls_mid_put_without_a_deadline_frees_the_name_at_the_step_timeout(cluster_factory):
-    # The workers' streams end at --step_timeout; the put cannot finish after that, so its call ends
-    # then too and its claim on the name goes (a client with no deadline held it for as long as it stalled).
+    # A put that waited --step_timeout for its client's next chunk cannot go on: its call ends then and its
+    # claim on the name goes (a client with no deadline held it for as long as it stalled).
     c = cluster_factory(mesh="dp=2", workers=2, coordinator_flags=("--step_timeout=2s",))
     a = rng.standard_normal((1024, 1024), dtype=np.float32)  # 4 MiB
     resume = threading.Event()
@@ -283,7 +313,7 @@ def test_a_client_that_stalls_mid_put_without_a_deadline_frees_the_name_at_the_s
         assert not t.is_alive(), "the stalled put's call is still open"
         assert len(errors) == 1 and errors[0].code() in (grpc.StatusCode.CANCELLED,
                                                          grpc.StatusCode.DEADLINE_EXCEEDED), errors
-        assert time.time() - start < 8
+        assert 2 <= time.time() - start < 8
         assert resident(c, "stalled") is None
         c.client.put("stalled", a, spec="(dp, None)", overwrite=False, path="inline")  # the name is free
         np.testing.assert_array_equal(c.client.get("stalled", path="inline"), a)

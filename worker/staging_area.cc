@@ -1,5 +1,6 @@
 #include "worker/staging_area.h"
 
+#include <algorithm>
 #include <limits>
 #include <utility>
 
@@ -97,7 +98,8 @@ absl::Status StagingArea::Expect(const std::string& ticket, ExpectedBlock block)
 
 absl::StatusOr<std::unique_ptr<StagingArea::Upload>> StagingArea::BeginStage(const std::string& ticket,
                                                                              const std::string& tenant,
-                                                                             CancelStream cancel) {
+                                                                             CancelStream cancel, StageTtl ttl,
+                                                                             absl::Duration idle) {
   absl::MutexLock lock(&mu_);
   Entry* e = Find(ticket);
   if (e == nullptr) {
@@ -121,25 +123,51 @@ absl::StatusOr<std::unique_ptr<StagingArea::Upload>> StagingArea::BeginStage(con
     case State::kFetching:
       return absl::FailedPreconditionError(absl::StrCat("ticket: ", Named(ticket), " is an output's, for Fetch"));
   }
-  if (auto s = Reserve(e->bytes, tenant, absl::StrCat("staging the ", e->block.operand, " block of ", Named(ticket)));
+  if (auto s = Reserve(e->bytes, tenant, absl::StrCat("staging ", e->block.operand, " of ", Named(ticket)));
       !s.ok()) {
     return s;
   }
   e->state = State::kStaging;
   e->id = next_id_++;
   e->cancel = std::move(cancel);
-  return std::unique_ptr<Upload>(new Upload(this, ticket, tenant, e->id, e->bytes));
+  const absl::Duration renew_for = ttl == StageTtl::kFromLastData ? std::max(ttl_, idle) : absl::ZeroDuration();
+  if (renew_for > absl::ZeroDuration()) e->expires = now_() + renew_for;
+  return std::unique_ptr<Upload>(new Upload(this, ticket, tenant, e->id, e->bytes, renew_for));
 }
 
 StagingArea::Upload::Upload(StagingArea* area, std::string ticket, std::string tenant, uint64_t id,
-                            int64_t expected_bytes)
-    : area_(area), ticket_(std::move(ticket)), tenant_(std::move(tenant)), id_(id), expected_bytes_(expected_bytes) {}
+                            int64_t expected_bytes, absl::Duration renew_for)
+    : area_(area),
+      ticket_(std::move(ticket)),
+      tenant_(std::move(tenant)),
+      id_(id),
+      expected_bytes_(expected_bytes),
+      renew_for_(renew_for) {}
+
+absl::Status StagingArea::Renew(const std::string& ticket, uint64_t id, absl::Duration renew_for) {
+  absl::MutexLock lock(&mu_);
+  Entry* e = Find(ticket);
+  if (e != nullptr && e->state == State::kStaging && e->id == id) {
+    e->expires = now_() + renew_for;
+    return absl::OkStatus();
+  }
+  if (e != nullptr && e->state == State::kUsed) {
+    return absl::FailedPreconditionError(absl::StrCat("ticket: ", Named(ticket), " was dropped while it was being "
+                                                      "staged (its step failed, or its put was abandoned)"));
+  }
+  return absl::NotFoundError(absl::StrCat("ticket: ", Named(ticket), " expired while it was being staged: nothing "
+                                          "arrived for ", absl::FormatDuration(renew_for),
+                                          " (--staged_block_ttl, or the coordinator's --step_timeout if longer)"));
+}
 
 StagingArea::Upload::~Upload() {
   if (!committed_) area_->EndUpload(ticket_, tenant_, id_, expected_bytes_);
 }
 
 absl::Status StagingArea::Upload::Append(absl::string_view data) {
+  if (renew_for_ > absl::ZeroDuration()) {
+    if (absl::Status s = area_->Renew(ticket_, id_, renew_for_); !s.ok()) return s;
+  }
   if (static_cast<int64_t>(bytes_.size() + data.size()) > expected_bytes_) {
     return absl::InvalidArgumentError(absl::StrCat("data: more than the ", expected_bytes_, " bytes ",
                                                    Named(ticket_), " expects"));

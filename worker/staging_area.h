@@ -31,7 +31,9 @@ namespace shardgemm {
 // What a ticket stands for (Worker.ExpectStaged's StagingTicket).
 struct ExpectedBlock {
   std::string tenant;
-  std::string operand;  // "lhs", "rhs", ... (for messages)
+  // What the block is, for messages: "the TENSOR_LHS block", "the block of
+  // tensor 'w' for rank 1".
+  std::string operand;
   DType dtype = DType::kInvalid;
   std::vector<int64_t> shape;
 };
@@ -63,6 +65,9 @@ class StagingArea {
     Upload(const Upload&) = delete;
     Upload& operator=(const Upload&) = delete;
     // INVALID_ARGUMENT past the ticket's bytes.
+    // With StageTtl::kFromLastData (empty `data` too: a keep-alive), NOT_FOUND
+    // once the ticket expired (nothing arrived for its bound),
+    // FAILED_PRECONDITION once it was discarded.
     absl::Status Append(absl::string_view data);
     // The block is staged: INVALID_ARGUMENT unless exactly the ticket's
     // bytes arrived; NOT_FOUND if the ticket expired meanwhile;
@@ -72,12 +77,14 @@ class StagingArea {
 
    private:
     friend class StagingArea;
-    Upload(StagingArea* area, std::string ticket, std::string tenant, uint64_t id, int64_t expected_bytes);
+    Upload(StagingArea* area, std::string ticket, std::string tenant, uint64_t id, int64_t expected_bytes,
+           absl::Duration renew_for);
     StagingArea* area_;
     std::string ticket_;
     std::string tenant_;  // whose reservation it holds
     uint64_t id_;
     int64_t expected_bytes_;
+    absl::Duration renew_for_;  // StageTtl::kFromLastData: each Append's; zero: none
     std::string bytes_;
     bool committed_ = false;
   };
@@ -86,12 +93,24 @@ class StagingArea {
   // never after the stream's Upload or Download is destroyed.
   using CancelStream = std::function<void()>;
 
+  // When a ticket being staged expires. kFromIssue: a TTL after the
+  // coordinator issued it (Expect), however the stream goes; a client's
+  // Staging.Stage, which could otherwise trickle bytes to hold its budget.
+  // kFromLastData: the TTL, or `idle` if longer, after the stream began or
+  // its last Append; the coordinator's own stream of an inline put
+  // (Worker.StageShard), which forwards the client's chunks as they come
+  // and may take any time in all (a large weight), but ends a put that
+  // waited `idle` (its --step_timeout) for one.
+  enum class StageTtl { kFromIssue, kFromLastData };
+
   // NOT_FOUND for an unknown or expired ticket, PERMISSION_DENIED for
   // another tenant's, FAILED_PRECONDITION for one staged, being staged or
   // used already, RESOURCE_EXHAUSTED (naming --staging_budget, or the
   // tenant and --staging_tenant_share) when its bytes do not fit.
   absl::StatusOr<std::unique_ptr<Upload>> BeginStage(const std::string& ticket, const std::string& tenant,
-                                                     CancelStream cancel = nullptr);
+                                                     CancelStream cancel = nullptr,
+                                                     StageTtl ttl = StageTtl::kFromIssue,
+                                                     absl::Duration idle = absl::ZeroDuration());
 
   // A step's input: the staged block, taken out (its bytes leave the
   // budget; the step owns them). `field` names the operand in errors.
@@ -176,6 +195,8 @@ class StagingArea {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Unreserve(int64_t bytes, const std::string& tenant) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void EndUpload(const std::string& ticket, const std::string& tenant, uint64_t id, int64_t reserved);
+  // An Upload of StageTtl::kFromLastData got bytes: its ticket's TTL restarts.
+  absl::Status Renew(const std::string& ticket, uint64_t id, absl::Duration renew_for);
   void EndDownload(const std::string& ticket, uint64_t id, bool done);
   void ForgetStream(uint64_t id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Keeps `block` under `ticket` for fetch; its bytes are reserved already.

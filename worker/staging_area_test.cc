@@ -15,7 +15,7 @@ constexpr char kTicket[] = "0123456789abcdef0123456789abcdef";
 ExpectedBlock Block(std::string tenant = "demo", std::vector<int64_t> shape = {2, 4}) {
   ExpectedBlock b;
   b.tenant = std::move(tenant);
-  b.operand = "lhs";
+  b.operand = "the lhs block";
   b.dtype = DType::kF32;
   b.shape = std::move(shape);
   return b;
@@ -221,6 +221,88 @@ TEST_F(StagingAreaTest, ExpiryDuringAnUploadFailsItsCommitAndFreesItsReservation
   EXPECT_EQ((*up)->Commit().status().code(), absl::StatusCode::kNotFound);
   up->reset();
   EXPECT_EQ(area_.held_bytes(), 0);
+}
+
+// The coordinator's stream of a put (StageTtl::kFromLastData) takes as long
+// as its client does, so long as no TTL passes without a byte; a client's
+// own stage keeps the TTL from the ticket's issue (trickled bytes hold nothing longer).
+TEST_F(StagingAreaTest, AStreamWhoseTtlRestartsWithDataOutlivesTheTtlWhileBytesKeepComing) {
+  ASSERT_TRUE(area_.Expect(kTicket, Block()).ok());
+  int cancels = 0;
+  auto up = area_.BeginStage(kTicket, "demo", [&] { ++cancels; }, StagingArea::StageTtl::kFromLastData);
+  ASSERT_TRUE(up.ok());
+  for (int i = 0; i < 4; ++i) {  // 4 pieces 50 s apart: 200 s in all, past three TTLs
+    now_ += absl::Seconds(50);
+    EXPECT_EQ(area_.Sweep(), 0);
+    ASSERT_TRUE((*up)->Append(std::string(8, static_cast<char>('a' + i))).ok()) << i;
+  }
+  auto staged = (*up)->Commit();
+  ASSERT_TRUE(staged.ok()) << staged.status();
+  EXPECT_EQ(cancels, 0);
+  now_ += absl::Seconds(50);  // a staged block waits a TTL for its step, from its commit
+  auto claimed = area_.Claim(kTicket, DType::kF32, {2, 4}, "shard");
+  ASSERT_TRUE(claimed.ok()) << claimed.status();
+  EXPECT_EQ(claimed->bytes, std::string(8, 'a') + std::string(8, 'b') + std::string(8, 'c') + std::string(8, 'd'));
+  EXPECT_EQ(area_.held_bytes(), 0);
+}
+
+TEST_F(StagingAreaTest, AStreamWhoseTtlRestartsWithDataExpiresATtlAfterItsLastByte) {
+  ASSERT_TRUE(area_.Expect(kTicket, Block()).ok());
+  int cancels = 0;
+  auto up = area_.BeginStage(kTicket, "demo", [&] { ++cancels; }, StagingArea::StageTtl::kFromLastData);
+  ASSERT_TRUE(up.ok());
+  now_ += absl::Seconds(50);
+  ASSERT_TRUE((*up)->Append(std::string(8, 'a')).ok());
+  now_ += absl::Seconds(61);
+  EXPECT_EQ(area_.Sweep(), 1);
+  EXPECT_EQ(cancels, 1);  // the sweep ends its stream
+  absl::Status late = (*up)->Append(std::string(8, 'b'));
+  EXPECT_EQ(late.code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(late.message(), HasSubstr("nothing arrived for 1m"));
+  EXPECT_EQ(area_.held_bytes(), 32);  // the open stream's reservation, until it ends
+  up->reset();
+  EXPECT_EQ(area_.held_bytes(), 0);
+}
+
+// The coordinator's bound on its own waits, when longer than the TTL, is the stream's.
+TEST_F(StagingAreaTest, AStreamWhoseTtlRestartsWithDataWaitsTheCoordinatorsBoundIfLonger) {
+  ASSERT_TRUE(area_.Expect(kTicket, Block()).ok());
+  int cancels = 0;
+  auto up = area_.BeginStage(kTicket, "demo", [&] { ++cancels; }, StagingArea::StageTtl::kFromLastData,
+                             absl::Seconds(240));
+  ASSERT_TRUE(up.ok());
+  now_ += absl::Seconds(200);  // past the 60 s TTL, within the 240 s
+  EXPECT_EQ(area_.Sweep(), 0);
+  ASSERT_TRUE((*up)->Append("").ok());  // a keep-alive
+  now_ += absl::Seconds(200);
+  ASSERT_TRUE((*up)->Append(std::string(32, 'a')).ok());
+  ASSERT_TRUE((*up)->Commit().ok());
+  now_ += absl::Seconds(241);
+  EXPECT_EQ(area_.Sweep(), 1);  // staged: the TTL again, for its step
+  EXPECT_EQ(cancels, 0);
+}
+
+TEST_F(StagingAreaTest, AClientsStageExpiresATtlAfterItsTicketWasIssuedThoughBytesKeepComing) {
+  ASSERT_TRUE(area_.Expect(kTicket, Block()).ok());
+  auto up = area_.BeginStage(kTicket, "demo");
+  ASSERT_TRUE(up.ok());
+  for (int i = 0; i < 3; ++i) {
+    now_ += absl::Seconds(20);
+    ASSERT_TRUE((*up)->Append(std::string(8, 'a')).ok());
+  }
+  now_ += absl::Seconds(1);  // 61 s after the ticket was issued, 1 s after the last byte
+  ASSERT_TRUE((*up)->Append(std::string(8, 'a')).ok());
+  EXPECT_EQ((*up)->Commit().status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(StagingAreaTest, ARefusalNamesWhatTheBlockIs) {
+  StagingArea small(16, absl::Seconds(60), [this] { return now_; });
+  ExpectedBlock b = Block();
+  b.operand = "the block of tensor 'w' for rank 1";
+  ASSERT_TRUE(small.Expect(kTicket, b).ok());
+  auto up = small.BeginStage(kTicket, "demo");
+  ASSERT_EQ(up.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(up.status().message(), HasSubstr("staging the block of tensor 'w' for rank 1 of ticket 01234567..."));
 }
 
 TEST_F(StagingAreaTest, SweepCancelsTheStreamsOfExpiredTicketsOnce) {

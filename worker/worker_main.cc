@@ -88,7 +88,7 @@ ABSL_FLAG(double, staging_tenant_share, 0.5,
           "bounded by the budget alone");
 ABSL_FLAG(absl::Duration, staged_block_ttl, absl::Seconds(60),
           "how long a ticket, a staged block or an output held for fetch waits to be used before it expires "
-          "(its bytes freed)");
+          "(its bytes freed); a block the coordinator streams for a put, how long it waits for its next chunk");
 ABSL_FLAG(std::string, tokens_file, "",
           "clients' bearer tokens, checked on the staging port as the coordinator checks them (default with "
           "--tls_dir: its tokens file; without one there, no staging port)");

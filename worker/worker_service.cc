@@ -1,5 +1,7 @@
 #include "worker/worker_service.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "logging/log.h"
@@ -151,7 +153,10 @@ grpc::Status WorkerServiceImpl::ExpectStaged(grpc::ServerContext* context, const
   for (const v1::StagingTicket& t : request->tickets()) {
     ExpectedBlock block;
     block.tenant = t.tenant();
-    block.operand = v1::TensorRole_Name(t.role());
+    // Puts have no role: their blocks are named by tensor and rank.
+    block.operand = t.put_tensor().empty()
+                        ? absl::StrCat("the ", v1::TensorRole_Name(t.role()), " block")
+                        : absl::StrCat("the block of tensor '", t.put_tensor(), "' for rank ", t.put_block_rank());
     auto dtype = DTypeFromProto(t.dtype(), "dtype");
     if (!dtype.ok()) return ToGrpcStatus(dtype.status());
     block.dtype = *dtype;
@@ -178,7 +183,13 @@ grpc::Status WorkerServiceImpl::StageShard(grpc::ServerContext* context,
   if (chunk.ticket().empty()) {
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "ticket: the first message carries no ticket");
   }
-  auto upload = staging_->BeginStage(chunk.ticket(), chunk.tenant());
+  // The coordinator forwards a put's chunks as its client sends them (and an empty message now and then
+  // while they go to other blocks): the block's TTL restarts with each message and is at least the
+  // coordinator's own bound on a wait (a large put takes as long as it takes, a lost coordinator's stream
+  // holds nothing past it); the sweep ends this stream once it expires.
+  auto upload = staging_->BeginStage(chunk.ticket(), chunk.tenant(), [context] { context->TryCancel(); },
+                                     StagingArea::StageTtl::kFromLastData,
+                                     absl::Milliseconds(std::max<int64_t>(0, chunk.idle_timeout_ms())));
   if (!upload.ok()) return ToGrpcStatus(upload.status());
   // The coordinator waits for this before it forwards bytes (GrpcStageStream::Open).
   context->AddInitialMetadata(kStageReservedMetadataKey, "1");
