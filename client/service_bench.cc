@@ -41,6 +41,7 @@
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <functional>
 #include <optional>
 #include <random>
 #include <string>
@@ -67,6 +68,7 @@
 #include "absl/time/clock.h"
 #include "client/client.h"
 #include "client/connect_flags.h"
+#include "client/output_checker.h"
 #include "kernels/cpu/grouped_gemm.h"
 #include "kernels/cuda/device_pool.h"
 #include "kernels/cpu/fp8_grouped_gemm.h"
@@ -489,18 +491,6 @@ class CpuFp8LocalOp : public LocalOp {
   HostTensor w8_, w_scale_, out_;
 };
 
-// Max |a - b| over max |b| (both as F32).
-double RelativeError(const HostTensor& a, const HostTensor& b) {
-  if (a.shape != b.shape) return INFINITY;
-  HostTensor fa = *ConvertFloatTensor(a, DType::kF32), fb = *ConvertFloatTensor(b, DType::kF32);
-  double err = 0, scale = 0;
-  for (int64_t i = 0; i < fa.NumElements(); ++i) {
-    err = std::max(err, std::abs(static_cast<double>(fa.data<float>()[i]) - fb.data<float>()[i]));
-    scale = std::max(scale, std::abs(static_cast<double>(fb.data<float>()[i])));
-  }
-  return scale > 0 ? err / scale : err;
-}
-
 // A POSIX shared-memory region the bench creates, registers under `name`,
 // and removes (unregistered, unlinked) when it goes.
 class BenchRegion {
@@ -594,55 +584,6 @@ constexpr Phase kPhases[] = {
 };
 constexpr size_t kNumPhases = sizeof(kPhases) / sizeof(kPhases[0]);
 
-// Checks answers against the local op's output `want` (one row shard's
-// block; the service's output is that block once per row shard). The first
-// answer is checked within tolerance and becomes the reference; later ones
-// are compared byte for byte with it, and a block that differs is checked
-// within tolerance again (sums need not be bit-reproducible to be right).
-class OutputChecker {
- public:
-  OutputChecker(HostTensor want, DType dtype, int64_t total_bytes)
-      : want_(std::move(want)), tolerance_(dtype == DType::kF32 ? 1e-4 : 1e-2), total_bytes_(total_bytes) {}
-
-  // Before the timed calls (not thread-safe): "ok 1.2e-03" or why not.
-  std::string SetReference(absl::string_view bytes) {
-    if (static_cast<int64_t>(bytes.size()) != total_bytes_) {
-      return absl::StrFormat("FAIL %d bytes, want %lld", bytes.size(), static_cast<long long>(total_bytes_));
-    }
-    double worst = 0;
-    for (int64_t at = 0; at < total_bytes_; at += want_.NumBytes()) {
-      worst = std::max(worst, BlockError(bytes.substr(at, want_.NumBytes())));
-    }
-    if (!(worst <= tolerance_)) return absl::StrFormat("FAIL %.1e", worst);
-    reference_ = std::string(bytes);
-    return absl::StrFormat("ok %.1e", worst);
-  }
-
-  bool Matches(absl::string_view bytes) const {
-    if (static_cast<int64_t>(bytes.size()) != total_bytes_) return false;
-    if (!reference_.empty() && bytes == reference_) return true;
-    for (int64_t at = 0; at < total_bytes_; at += want_.NumBytes()) {
-      const absl::string_view block = bytes.substr(at, want_.NumBytes());
-      if (!reference_.empty() && block == absl::string_view(reference_).substr(at, want_.NumBytes())) continue;
-      if (!(BlockError(block) <= tolerance_)) return false;
-    }
-    return true;
-  }
-
- private:
-  double BlockError(absl::string_view block) const {
-    HostTensor got;
-    got.dtype = want_.dtype;
-    got.shape = want_.shape;
-    got.bytes = std::string(block);
-    return RelativeError(got, want_);
-  }
-  HostTensor want_;
-  double tolerance_;
-  int64_t total_bytes_;
-  std::string reference_;
-};
-
 // One caller of the timed calls: its own client (and so its own channel),
 // its own kept output name, or, returned through shared memory, its own
 // output region.
@@ -650,8 +591,8 @@ struct Caller {
   std::unique_ptr<ShardGemmClient> client;
   v1::GroupedGemmRequest request;
   std::string kept_as;        // the output kept resident under this name; empty: returned
-  const char* out = nullptr;  // returned into shared memory: its slice of the output region
-  const char* device_out = nullptr;  // returned into a CUDA region: its slice there
+  char* out = nullptr;  // returned into shared memory: its slice of the output region
+  char* device_out = nullptr;  // returned into a CUDA region: its slice there
   mutable std::string device_out_copy;  // what a check reads of it
   int64_t out_bytes = 0;
   bool direct = false;        // --activations=direct: stage lhs and fetch the output itself
@@ -665,6 +606,20 @@ struct Caller {
   int64_t CoordinatorBytes(size_t bytes, const v1::Tensor& tensor) const {
     return static_cast<int64_t>(bytes) - (direct ? static_cast<int64_t>(tensor.data().size()) : 0);
   }
+
+  // Before a checked call (outside its timing): every byte of the output's
+  // slice of a region 0xff (a NaN in every float dtype), so an answer that
+  // never wrote it fails its check instead of passing on an earlier call's
+  // bytes. False when the CUDA region could not be written (counted wrong).
+  bool Poison() {
+    if (out != nullptr) std::memset(out, 0xff, static_cast<size_t>(out_bytes));
+    if (device_out != nullptr) {
+      return cudaMemset(device_out, 0xff, static_cast<size_t>(out_bytes)) == cudaSuccess &&
+             cudaDeviceSynchronize() == cudaSuccess;
+    }
+    return true;
+  }
+  bool poisons() const { return out != nullptr || device_out != nullptr; }
 
   // A returned answer's output bytes (valid while `response` and the next call wait).
   absl::string_view ReturnedBytes(const v1::GroupedGemmResponse& response) const {
@@ -762,10 +717,13 @@ struct LoadResult {
 
 // Runs one level: every caller warms up, then all are released together;
 // wall clock from the release to the last answer. Returned outputs are
-// checked as they come (--check=every) or each caller's last (--check=last);
-// kept outputs are read back by the caller of this.
+// checked as they come (--check=every) or each caller's last (--check=last;
+// open loop: one more call after the timed ones), each checked call's
+// shared-memory or CUDA slice poisoned before it; kept outputs are poisoned
+// and read back by the caller of this.
 LoadResult RunLoad(const LoadLevel& level, std::vector<std::unique_ptr<Caller>>& callers,
-                   const OutputChecker& checker, int warmup, int iters) {
+                   const OutputChecker& checker, int warmup, int iters,
+                   const std::function<absl::Status()>& before_release) {
   const int n = level.callers;
   const bool check_every = absl::GetFlag(FLAGS_check) == "every";
   std::vector<double> due_s;  // open loop: each request's arrival, seconds after the release
@@ -799,8 +757,9 @@ LoadResult RunLoad(const LoadLevel& level, std::vector<std::unique_ptr<Caller>>&
       warm.DecrementCount();
       go.WaitForNotification();
       const bool returned = me.kept_as.empty();
-      std::optional<v1::GroupedGemmResponse> last;
-      auto call = [&]() -> bool {
+      // A checked call's output slice is poisoned first (outside its timing).
+      auto call = [&](bool checked) -> bool {
+        const bool poisoned = !(checked && returned) || me.Poison();
         const absl::Time start = absl::Now();
         auto r = me.Send();
         const double rtt = absl::ToDoubleSeconds(absl::Now() - start);
@@ -818,16 +777,14 @@ LoadResult RunLoad(const LoadLevel& level, std::vector<std::unique_ptr<Caller>>&
         out.wire_received += me.CoordinatorBytes(r->ByteSizeLong(), r->out());
         out.h2d = r->host_to_device_bytes();
         out.d2h = r->device_to_host_bytes();
-        if (returned && check_every) {
+        if (returned && checked) {
           ++out.checked;
-          if (!checker.Matches(me.ReturnedBytes(*r))) ++out.wrong;
-        } else if (returned) {
-          last = std::move(*r);
+          if (!poisoned || !checker.Matches(me.ReturnedBytes(*r))) ++out.wrong;
         }
         return true;
       };
       if (out.status.ok() && !level.open_loop) {
-        for (int i = 0; i < iters && call(); ++i) {
+        for (int i = 0; i < iters && call(check_every || i == iters - 1); ++i) {
         }
       } else if (out.status.ok()) {
         // Requests are taken in order by whichever caller is free, so one
@@ -841,7 +798,7 @@ LoadResult RunLoad(const LoadLevel& level, std::vector<std::unique_ptr<Caller>>&
           } else {
             absl::SleepFor(due - absl::Now());
           }
-          if (!call()) break;
+          if (!call(check_every)) break;
           free_since = absl::Now();
         }
       }
@@ -849,17 +806,23 @@ LoadResult RunLoad(const LoadLevel& level, std::vector<std::unique_ptr<Caller>>&
         absl::MutexLock lock(&mu);
         last_answer = std::max(last_answer, absl::Now());
       }
-      if (last.has_value()) {
+      // --check=last, open loop: which call is a caller's last is known only
+      // once it was made, so one more, untimed, poisoned first, is checked.
+      if (returned && !check_every && level.open_loop && out.status.ok()) {
+        const bool poisoned = me.Poison();
+        auto r = me.Send();
         ++out.checked;
-        if (!checker.Matches(me.ReturnedBytes(*last))) ++out.wrong;
+        if (!poisoned || !r.ok() || !checker.Matches(me.ReturnedBytes(*r))) ++out.wrong;
       }
     });
   }
   warm.Wait();
+  const absl::Status ready = before_release();  // untimed: the callers wait for the release
   released = absl::Now();
   go.Notify();
   for (std::thread& t : threads) t.join();
   LoadResult all;
+  if (!ready.ok()) all.status = ready;
   all.phase_s.resize(kNumPhases);
   for (LoadResult& r : per_caller) all.Merge(std::move(r));
   all.wall_s = absl::ToDoubleSeconds(last_answer - released);
@@ -1159,6 +1122,7 @@ int Main() {
     std::string first_check = "fail";
     {
       Caller& first = *callers[0];
+      const bool poisoned = first.Poison();
       auto r = first.Send();
       absl::StatusOr<HostTensor> kept = absl::UnknownError("not kept");
       if (r.ok() && !first.kept_as.empty()) kept = first.client->GetTensor(first.kept_as);
@@ -1167,15 +1131,33 @@ int Main() {
         std::fprintf(stderr, "%s: first request: %s\n", p.name.c_str(), std::string(s.message()).c_str());
         return 1;
       }
-      first_check = checker.SetReference(first.kept_as.empty() ? first.ReturnedBytes(*r) : kept->bytes);
+      first_check = !poisoned ? "FAIL the output's CUDA region could not be poisoned"
+                              : checker.SetReference(first.kept_as.empty() ? first.ReturnedBytes(*r) : kept->bytes);
     }
     // The tensor bytes one call hands the service and gets back, whichever
     // way they travel (in the request, through a region); GB/s counts these.
     const int64_t payload_in = activations == "resident" ? 0 : lhs.NumBytes();
     const int64_t payload_out = returned ? out_bytes : 0;
+    // A kept output is overwritten with 0xff bytes (NaNs) after each level's
+    // warm-up, before its timed calls: one that no timed call rewrote fails
+    // the read-back check.
+    HostTensor poison;
+    poison.dtype = dtype;
+    poison.shape = {out_bytes / DTypeSize(dtype)};
+    poison.bytes.assign(static_cast<size_t>(out_bytes), '\xff');
     for (const LoadLevel& level : levels) {
       make_callers(level.callers);
-      LoadResult r = RunLoad(level, callers, checker, warmup, iters);
+      auto poison_kept = [&]() -> absl::Status {
+        for (int c = 0; c < level.callers && !returned; ++c) {
+          if (auto put = callers[c]->client->PutTensor(callers[c]->kept_as, poison, "", /*overwrite=*/true);
+              !put.ok()) {
+            return absl::Status(put.status().code(), absl::StrCat("poisoning the kept output ", callers[c]->kept_as,
+                                                                  ": ", put.status().message()));
+          }
+        }
+        return absl::OkStatus();
+      };
+      LoadResult r = RunLoad(level, callers, checker, warmup, iters, poison_kept);
       if (!r.status.ok()) {
         std::fprintf(stderr, "%s: request: %s\n", p.name.c_str(), std::string(r.status.message()).c_str());
         return 1;
