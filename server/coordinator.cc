@@ -1656,7 +1656,7 @@ class Coordinator::StreamedPutImpl final : public Coordinator::StreamedPut {
 
   // Opens every destination's stream (its header goes first), once the holders know the tickets.
   absl::Status Open() {
-    last_progress_ = absl::Now();
+    Waiting("the holders to learn of their tickets");  // the watchdog's bound starts now
     watchdog_ = std::thread([this] { Watch(); });
     const std::vector<std::shared_ptr<WorkerChannel>> channels = coordinator_->dispatcher_.Channels();
     for (Destination& d : destinations_) {

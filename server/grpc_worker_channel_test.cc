@@ -166,5 +166,22 @@ TEST_F(GrpcWorkerChannelTest, AStageStreamReportsTheWorkersRefusalBeforeAnyByteI
   EXPECT_EQ(*staged, 6);
 }
 
+// A stalled put's watchdog ends its streams with Cancel (they carry only the
+// call's deadline, here none): what the stream does next fails at once.
+TEST_F(GrpcWorkerChannelTest, ACancelledStageStreamFailsAtOnce) {
+  std::shared_ptr<WorkerChannel> channel = Channel(Address());
+  v1::StageShardChunk header;
+  header.set_ticket("t");
+  auto stream = channel->OpenStage(header, absl::InfiniteFuture());
+  ASSERT_TRUE(stream.ok()) << stream.status();
+  ASSERT_TRUE((*stream)->WaitReserved().ok());
+  std::thread canceller([&] { (*stream)->Cancel(); });
+  canceller.join();
+  const absl::Time start = absl::Now();
+  auto answer = (*stream)->Finish();
+  EXPECT_EQ(answer.status().code(), absl::StatusCode::kCancelled) << answer.status();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(2));
+}
+
 }  // namespace
 }  // namespace shardgemm
