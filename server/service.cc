@@ -1,13 +1,9 @@
 #include "server/service.h"
 
-#include <atomic>
 #include <new>
 #include <optional>
-#include <thread>
 
-#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
-#include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "proto/tensor_codec.h"
 #include "proto/transport.h"
