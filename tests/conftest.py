@@ -63,7 +63,9 @@ class Cluster:
         deadline = time.time() + 60  # generous: a loaded 2-core machine starts TLS meshes slowly
         while time.time() < deadline:
             try:
-                if self.client.cluster_info().ready:
+                # Each probe bounded on its own: one call stuck on a connection
+                # attempt must not use up the whole wait.
+                if self.client.cluster_info(timeout=max(0.5, min(5.0, deadline - time.time()))).ready:
                     return
             except Exception:  # noqa: BLE001 - not up yet
                 pass
