@@ -766,13 +766,16 @@ int Put(const std::string& name) {
                          ClientMaxMessageBytesFromFlags("shardgemm"));
   client.set_request_id(absl::GetFlag(FLAGS_request_id));
   client.set_timeout(absl::GetFlag(FLAGS_direct_timeout));
+  const absl::Time start = absl::Now();
   auto r = *path == Path::kDirect
                ? client.PutTensorDirect(name, *t, absl::GetFlag(FLAGS_spec), absl::GetFlag(FLAGS_overwrite))
                : client.PutTensor(name, *t, absl::GetFlag(FLAGS_spec), absl::GetFlag(FLAGS_overwrite));
+  const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
   if (!r.ok()) return Fail(r.status());
   std::cout << "put '" << r->name() << "': " << ShapeToString(t->shape) << " "
             << DTypeName(t->dtype) << ", " << r->bytes() << " bytes, spec "
-            << (absl::GetFlag(FLAGS_spec).empty() ? "()" : absl::GetFlag(FLAGS_spec)) << "\n";
+            << (absl::GetFlag(FLAGS_spec).empty() ? "()" : absl::GetFlag(FLAGS_spec))
+            << absl::StrFormat("  (%.1f ms, %.2f GB/s)", seconds * 1e3, r->bytes() / seconds / 1e9) << "\n";
   return 0;
 }
 
@@ -783,9 +786,14 @@ int Get(const std::string& name) {
                          ClientMaxMessageBytesFromFlags("shardgemm"));
   client.set_request_id(absl::GetFlag(FLAGS_request_id));
   client.set_timeout(absl::GetFlag(FLAGS_direct_timeout));
+  const absl::Time start = absl::Now();
   auto t = *path == Path::kDirect ? client.GetTensorDirect(name) : client.GetTensor(name);
+  const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
   if (!t.ok()) return Fail(t.status());
-  std::cout << "got '" << name << "': " << ShapeToString(t->shape) << " " << DTypeName(t->dtype) << "\n";
+  std::cout << "got '" << name << "': " << ShapeToString(t->shape) << " " << DTypeName(t->dtype)
+            << absl::StrFormat("  (%d bytes, %.1f ms, %.2f GB/s)", t->NumBytes(), seconds * 1e3,
+                               t->NumBytes() / seconds / 1e9)
+            << "\n";
   if (!absl::GetFlag(FLAGS_out).empty()) {
     if (auto s = WriteNpyFile(absl::GetFlag(FLAGS_out), *t); !s.ok()) return Fail(s);
     std::cout << "wrote " << absl::GetFlag(FLAGS_out) << "\n";

@@ -1,6 +1,8 @@
 #include "client/client.h"
 
 #include <algorithm>
+#include <cstring>
+#include <memory>
 #include <functional>
 #include <thread>
 #include <vector>
@@ -48,6 +50,24 @@ absl::Status CheckBlock(const std::vector<int64_t>& shape, const google::protobu
                                           ShapeToString(shape)));
 }
 
+// Where a block lies in its row-major tensor's bytes when it is one range of
+// them (it splits at most one dimension, and every dimension before that one
+// is 1 in the block): its first byte; -1 when the block is strided.
+int64_t ContiguousStart(const std::vector<int64_t>& shape, const google::protobuf::RepeatedField<int64_t>& offsets,
+                        const google::protobuf::RepeatedField<int64_t>& block, int64_t element_bytes) {
+  const int rank = static_cast<int>(shape.size());
+  int split = -1;  // the last dimension the block does not cover whole
+  for (int d = 0; d < rank; ++d) {
+    if (block[d] != shape[d]) split = d;
+  }
+  for (int d = 0; d < split; ++d) {
+    if (block[d] != 1) return -1;
+  }
+  int64_t start = 0;
+  for (int d = 0; d < rank; ++d) start = start * shape[d] + offsets[d];
+  return start * element_bytes;
+}
+
 // Runs f(i) for i in [0, n) on threads of their own; the first error.
 absl::Status InParallel(int n, const std::function<absl::Status(int)>& f) {
   std::vector<absl::Status> status(n);
@@ -86,36 +106,50 @@ absl::StatusOr<v1::StagingPlan> ShardGemmClient::PlanTransfer(const v1::StagingP
 absl::Status ShardGemmClient::StageAll(const v1::StagingPlan& plan,
                                        const std::map<v1::TensorRole, const HostTensor*>& arrays,
                                        const std::string& request_id, absl::Time deadline) {
-  std::vector<HostTensor> blocks;
+  // Each distinct block's bytes: a range of its tensor when it is one (sent from there), else sliced once.
+  std::vector<absl::string_view> blocks;
+  std::vector<std::unique_ptr<HostTensor>> sliced;
   std::vector<std::pair<size_t, const v1::StagingDestination*>> sends;  // (block index, destination)
   for (const v1::StagedOperand& op : plan.operands()) {
     auto it = arrays.find(op.role());
     if (it == arrays.end()) return absl::InternalError("the transfer plan names an operand this client did not stage");
+    const HostTensor& array = *it->second;
     for (const v1::StagedBlock& b : op.blocks()) {
-      if (auto s = CheckBlock(it->second->shape, b.offsets(), b.shape(), v1::TensorRole_Name(op.role())); !s.ok()) {
+      if (auto s = CheckBlock(array.shape, b.offsets(), b.shape(), v1::TensorRole_Name(op.role())); !s.ok()) {
         return s;
       }
-      blocks.push_back(SliceBlock(*it->second, b.offsets(), b.shape()));
+      int64_t bytes = DTypeSize(array.dtype);
+      for (int64_t d : b.shape()) bytes *= d;
+      const int64_t start = ContiguousStart(array.shape, b.offsets(), b.shape(), DTypeSize(array.dtype));
+      if (start >= 0) {
+        blocks.push_back(absl::string_view(array.bytes).substr(static_cast<size_t>(start), static_cast<size_t>(bytes)));
+      } else {
+        sliced.push_back(std::make_unique<HostTensor>(SliceBlock(array, b.offsets(), b.shape())));
+        blocks.push_back(sliced.back()->bytes);
+      }
       for (const v1::StagingDestination& d : b.destinations()) sends.emplace_back(blocks.size() - 1, &d);
     }
   }
   return InParallel(static_cast<int>(sends.size()), [&](int i) -> absl::Status {
-    const HostTensor& block = blocks[sends[i].first];
+    const absl::string_view block = blocks[sends[i].first];
     const v1::StagingDestination& d = *sends[i].second;
     grpc::ClientContext ctx;
     if (!request_id.empty()) ctx.AddMetadata("x-request-id", request_id);
     SetDeadline(&ctx, deadline);
     v1::StageResponse response;
     auto writer = StagingStub(d.address())->Stage(&ctx, &response);
+    // One message reused: its data keeps its capacity, so a chunk is one copy into it (Write serializes it
+    // before it returns).
+    v1::StageChunk chunk;
+    chunk.set_ticket(d.ticket());
     size_t offset = 0;
     do {
-      v1::StageChunk chunk;
-      if (offset == 0) chunk.set_ticket(d.ticket());
-      const size_t n = std::min(kChunkBytes, block.bytes.size() - offset);
-      chunk.set_data(block.bytes.data() + offset, n);
+      const size_t n = std::min(kChunkBytes, block.size() - offset);
+      chunk.set_data(block.data() + offset, n);
       offset += n;
       if (!writer->Write(chunk)) break;  // the worker ended the stream: Finish says why
-    } while (offset < block.bytes.size());
+      chunk.clear_ticket();
+    } while (offset < block.size());
     writer->WritesDone();
     grpc::Status s = writer->Finish();
     if (!s.ok()) {
@@ -131,36 +165,80 @@ absl::StatusOr<HostTensor> ShardGemmClient::FetchAll(v1::DType dtype_proto, cons
                                                      const std::string& request_id, absl::Time deadline) {
   auto dtype = DTypeFromProto(dtype_proto, "dtype");
   if (!dtype.ok()) return dtype.status();
-  auto out = ZerosTensor(*dtype, shape);
-  if (!out.ok()) return out.status();
+  const int64_t element_bytes = DTypeSize(*dtype);
+  for (const v1::StagedBlock& b : blocks) {
+    if (auto s = CheckBlock(shape, b.offsets(), b.shape(), "fetched"); !s.ok()) return s;
+  }
+  // One block that is the whole tensor (a get from one holder) is received as the output itself;
+  // otherwise each block that is one range of the output's bytes is written there as it arrives, and a
+  // strided one is received whole and then inserted.
+  bool whole = blocks.size() == 1;
+  for (int d = 0; whole && d < blocks[0].shape_size(); ++d) whole = blocks[0].shape(d) == shape[d];
+  absl::StatusOr<HostTensor> out;
+  if (whole) {
+    auto n = CheckedNumElements(shape, element_bytes, "fetched");
+    if (!n.ok()) return n.status();
+    out = HostTensor();
+    out->dtype = *dtype;
+    out->shape = shape;
+    out->bytes.reserve(static_cast<size_t>(*n * element_bytes));
+  } else {
+    out = ZerosTensor(*dtype, shape);
+    if (!out.ok()) return out.status();
+  }
+  char* const out_bytes = out->bytes.data();  // not reallocated while the blocks arrive
   absl::Mutex out_mu;
   absl::Status fetched = InParallel(blocks.size(), [&](int i) -> absl::Status {
     const v1::StagedBlock& b = blocks[i];
-    if (auto s = CheckBlock(shape, b.offsets(), b.shape(), "fetched"); !s.ok()) return s;
     if (b.destinations_size() == 0) return absl::InternalError("a block with no worker holding it");
     const v1::StagingDestination& d = b.destinations(0);
+    int64_t block_bytes = element_bytes;
+    for (int64_t n : b.shape()) block_bytes *= n;
+    const int64_t start = whole ? -1 : ContiguousStart(shape, b.offsets(), b.shape(), element_bytes);
+    HostTensor block;  // a strided block's bytes, or (whole) the output's
+    if (start < 0 && !whole) {
+      block.dtype = *dtype;
+      block.shape.assign(b.shape().begin(), b.shape().end());
+      block.bytes.reserve(static_cast<size_t>(block_bytes));
+    }
+    std::string& received = whole ? out->bytes : block.bytes;
     grpc::ClientContext ctx;
     if (!request_id.empty()) ctx.AddMetadata("x-request-id", request_id);
     SetDeadline(&ctx, deadline);
     v1::FetchRequest fetch;
     fetch.set_ticket(d.ticket());
     auto reader = StagingStub(d.address())->Fetch(&ctx, fetch);
-    HostTensor block;
-    block.dtype = *dtype;
-    block.shape.assign(b.shape().begin(), b.shape().end());
+    int64_t got = 0;
+    bool overflow = false;
     v1::FetchChunk chunk;
-    while (reader->Read(&chunk)) block.bytes += chunk.data();
+    while (reader->Read(&chunk)) {
+      const std::string& data = chunk.data();
+      if (got + static_cast<int64_t>(data.size()) > block_bytes) {
+        overflow = true;
+        ctx.TryCancel();  // Finish then returns at once
+        break;
+      }
+      if (start >= 0) {
+        std::memcpy(out_bytes + start + got, data.data(), data.size());
+      } else {
+        received.append(data);
+      }
+      got += static_cast<int64_t>(data.size());
+    }
     grpc::Status s = reader->Finish();
+    if (overflow) return absl::DataLossError(absl::StrCat("block ", i, " came with more than its ", block_bytes, " bytes"));
     if (!s.ok()) {
       return absl::Status(FromGrpcStatus(s).code(),
                           absl::StrCat("fetching from worker rank ", d.rank(), " (", d.address(), "): ",
                                        s.error_message()));
     }
-    if (static_cast<int64_t>(block.bytes.size()) != block.NumElements() * DTypeSize(*dtype)) {
-      return absl::DataLossError(absl::StrCat("block ", i, " came with ", block.bytes.size(), " bytes"));
+    if (got != block_bytes) {
+      return absl::DataLossError(absl::StrCat("block ", i, " came with ", got, " bytes"));
     }
-    absl::MutexLock lock(&out_mu);
-    InsertBlock(block, std::vector<int64_t>(b.offsets().begin(), b.offsets().end()), &*out);
+    if (start < 0 && !whole) {
+      absl::MutexLock lock(&out_mu);
+      InsertBlock(block, std::vector<int64_t>(b.offsets().begin(), b.offsets().end()), &*out);
+    }
     return absl::OkStatus();
   });
   if (!fetched.ok()) return fetched;
@@ -178,9 +256,15 @@ void ShardGemmClient::Release(const std::string& staging_id, const std::string& 
 }
 
 absl::StatusOr<v1::GroupedGemmResponse> ShardGemmClient::GroupedGemmDirect(const v1::GroupedGemmRequest& request) {
+  return GroupedGemmDirect(v1::GroupedGemmRequest(request));
+}
+
+absl::StatusOr<v1::GroupedGemmResponse> ShardGemmClient::GroupedGemmDirect(v1::GroupedGemmRequest&& request) {
   const absl::Time deadline = absl::Now() + timeout_;
-  // The operands whose bytes this client holds are staged; the request carries their headers.
-  v1::GroupedGemmRequest planned = request;
+  // The operands whose bytes this client holds are staged (their bytes move out of the request, which then
+  // carries their headers).
+  v1::GroupedGemmRequest planned = std::move(request);
+  const bool keep = !planned.keep_output_as().empty();
   std::map<v1::TensorRole, HostTensor> arrays;
   const std::pair<v1::TensorRole, v1::Tensor* (v1::GroupedGemmRequest::*)()> fields[] = {
       {v1::TENSOR_LHS, &v1::GroupedGemmRequest::mutable_lhs},
@@ -191,7 +275,7 @@ absl::StatusOr<v1::GroupedGemmResponse> ShardGemmClient::GroupedGemmDirect(const
   for (const auto& [role, field] : fields) {
     v1::Tensor* t = (planned.*field)();
     if (t->source_case() != v1::Tensor::kData) continue;
-    auto decoded = HostTensorFromProto(*t, v1::TensorRole_Name(role));
+    auto decoded = HostTensorFromProto(std::move(*t), v1::TensorRole_Name(role));  // the bytes move out
     if (!decoded.ok()) return decoded.status();
     arrays[role] = std::move(*decoded);
     t->clear_data();
@@ -213,7 +297,6 @@ absl::StatusOr<v1::GroupedGemmResponse> ShardGemmClient::GroupedGemmDirect(const
   for (const auto& [role, field] : fields) {
     if (arrays.count(role) != 0) (submitted.*field)()->set_staged(plan->staging_id());
   }
-  const bool keep = !request.keep_output_as().empty();
   submitted.set_direct_output(!keep);
   v1::GroupedGemmResponse response;
   {

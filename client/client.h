@@ -41,6 +41,8 @@ class ShardGemmClient {
   // a plan not submitted (a stage or the submit failed) is released
   // (ReleaseStaging), so its staged blocks leave the workers at once.
   absl::StatusOr<v1::GroupedGemmResponse> GroupedGemmDirect(const v1::GroupedGemmRequest& request);
+  // As above, taking the inline operands' bytes out of `request` (no copy of them).
+  absl::StatusOr<v1::GroupedGemmResponse> GroupedGemmDirect(v1::GroupedGemmRequest&& request);
   // PutTensor on the direct path: the coordinator places the copies
   // (PlanStaging's put), this client streams each holder its block in
   // parallel, and PutStaged registers them. Bounded and released as

@@ -46,6 +46,12 @@ absl::StatusOr<HostTensor> HostTensorFromProto(const v1::Tensor& t, absl::string
   return Decode(t, std::string(t.data()), field);
 }
 
+absl::StatusOr<HostTensor> HostTensorFromProto(v1::Tensor&& t, absl::string_view field) {
+  if (t.source_case() != v1::Tensor::kData) return HostTensorFromProto(static_cast<const v1::Tensor&>(t), field);
+  std::string data = std::move(*t.mutable_data());
+  return Decode(t, std::move(data), field);
+}
+
 absl::StatusOr<HostTensor> HostTensorFromProto(const v1::LocalTensor& t, absl::string_view field) {
   return Decode(t, std::string(t.data()), field);
 }
@@ -59,6 +65,12 @@ void HostTensorToProto(const HostTensor& t, v1::Tensor* out) {
   out->set_dtype(DTypeToProto(t.dtype));
   out->mutable_shape()->Assign(t.shape.begin(), t.shape.end());
   out->set_data(t.bytes);
+}
+
+void HostTensorToProto(HostTensor&& t, v1::Tensor* out) {
+  out->set_dtype(DTypeToProto(t.dtype));
+  out->mutable_shape()->Assign(t.shape.begin(), t.shape.end());
+  out->set_data(std::move(t.bytes));
 }
 
 void HostTensorToProto(const HostTensor& t, v1::LocalTensor* out) {

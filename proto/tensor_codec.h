@@ -17,10 +17,13 @@ v1::DType DTypeToProto(DType dtype);
 // length equals prod(shape) * size(dtype). `field` names the tensor in errors,
 // e.g. "lhs". The tensor must carry inline data.
 absl::StatusOr<HostTensor> HostTensorFromProto(const v1::Tensor& t, absl::string_view field);
+// As above, taking the bytes out of `t` (no copy); `t` keeps its header.
+absl::StatusOr<HostTensor> HostTensorFromProto(v1::Tensor&& t, absl::string_view field);
 absl::StatusOr<HostTensor> HostTensorFromProto(const v1::LocalTensor& t, absl::string_view field);
 absl::StatusOr<HostTensor> HostTensorFromProto(v1::LocalTensor&& t, absl::string_view field);
 
 void HostTensorToProto(const HostTensor& t, v1::Tensor* out);
+void HostTensorToProto(HostTensor&& t, v1::Tensor* out);  // moves the bytes
 void HostTensorToProto(const HostTensor& t, v1::LocalTensor* out);
 void HostTensorToProto(HostTensor&& t, v1::LocalTensor* out);
 

@@ -290,24 +290,25 @@ absl::Status StagingArea::Hold(const std::string& ticket, const std::string& ten
       !s.ok()) {
     return s;
   }
-  InsertHeld(ticket, tenant, std::move(block));
+  InsertHeld(ticket, tenant, std::make_shared<const HostTensor>(std::move(block)));
   return absl::OkStatus();
 }
 
 absl::Status StagingArea::HoldMade(const std::string& ticket, const std::string& tenant, int64_t bytes,
-                                   const std::function<absl::StatusOr<HostTensor>()>& make) {
+                                   const std::function<absl::StatusOr<std::shared_ptr<const HostTensor>>()>& make) {
   {
     absl::MutexLock lock(&mu_);
     if (auto s = Known(ticket); !s.ok()) return s;
     if (auto s = Reserve(bytes, tenant, "holding a copy of the block for a direct fetch"); !s.ok()) return s;
   }
-  absl::StatusOr<HostTensor> block = make();
+  absl::StatusOr<std::shared_ptr<const HostTensor>> block = make();
+  if (block.ok() && *block == nullptr) block = absl::InternalError("no block to hold");
   absl::MutexLock lock(&mu_);
-  if (!block.ok() || block->NumBytes() != bytes || Find(ticket) != nullptr) {
+  if (!block.ok() || (*block)->NumBytes() != bytes || Find(ticket) != nullptr) {
     Unreserve(bytes, tenant);
     if (!block.ok()) return block.status();
-    if (block->NumBytes() != bytes) {
-      return absl::InternalError(absl::StrCat("the block to hold has ", block->NumBytes(), " bytes, not ", bytes));
+    if ((*block)->NumBytes() != bytes) {
+      return absl::InternalError(absl::StrCat("the block to hold has ", (*block)->NumBytes(), " bytes, not ", bytes));
     }
     return Known(ticket);
   }
@@ -315,16 +316,17 @@ absl::Status StagingArea::HoldMade(const std::string& ticket, const std::string&
   return absl::OkStatus();
 }
 
-void StagingArea::InsertHeld(const std::string& ticket, const std::string& tenant, HostTensor block) {
+void StagingArea::InsertHeld(const std::string& ticket, const std::string& tenant,
+                             std::shared_ptr<const HostTensor> block) {
   Entry& e = entries_[ticket];
   e.block.tenant = tenant;
   e.block.operand = "out";
-  e.block.dtype = block.dtype;
-  e.block.shape = block.shape;
-  e.bytes = block.NumBytes();
+  e.block.dtype = block->dtype;
+  e.block.shape = block->shape;
+  e.bytes = block->NumBytes();
   e.state = State::kHeld;
   e.expires = now_() + ttl_;
-  e.data = std::make_shared<const HostTensor>(std::move(block));
+  e.data = std::move(block);
 }
 
 absl::StatusOr<std::unique_ptr<StagingArea::Download>> StagingArea::BeginFetch(const std::string& ticket,

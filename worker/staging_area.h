@@ -132,11 +132,15 @@ class StagingArea {
   // RESOURCE_EXHAUSTED (naming --staging_budget) when it does not fit;
   // ALREADY_EXISTS for a ticket known already.
   absl::Status Hold(const std::string& ticket, const std::string& tenant, HostTensor block);
-  // As Hold, for a block that is made only once its `bytes` fit (a copy of
-  // a resident shard): they are reserved before `make` runs, so concurrent
-  // holds cannot copy more than the budget; freed again if `make` fails.
+  // As Hold, for a block that is made only once its `bytes` fit (a resident
+  // shard's: its host bytes shared, or a download of a device-only one):
+  // they are reserved before `make` runs, so concurrent holds cannot take
+  // more than the budget; freed again if `make` fails. The block is only
+  // read (a fetch streams it), so `make` may share bytes another owner keeps
+  // unchanged (a resident shard's generation): they count against the
+  // budget all the same, until fetched or expired.
   absl::Status HoldMade(const std::string& ticket, const std::string& tenant, int64_t bytes,
-                        const std::function<absl::StatusOr<HostTensor>()>& make);
+                        const std::function<absl::StatusOr<std::shared_ptr<const HostTensor>>()>& make);
 
   // One Fetch stream: the block stays held until Done (fetched: the ticket
   // is used); destroyed without Done, it may be fetched again.
@@ -200,7 +204,7 @@ class StagingArea {
   void EndDownload(const std::string& ticket, uint64_t id, bool done);
   void ForgetStream(uint64_t id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Keeps `block` under `ticket` for fetch; its bytes are reserved already.
-  void InsertHeld(const std::string& ticket, const std::string& tenant, HostTensor block)
+  void InsertHeld(const std::string& ticket, const std::string& tenant, std::shared_ptr<const HostTensor> block)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const int64_t budget_bytes_;

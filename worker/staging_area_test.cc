@@ -349,12 +349,12 @@ TEST_F(StagingAreaTest, AStreamThatEndedIsNeverCancelled) {
 
 TEST_F(StagingAreaTest, ACopyToHoldIsMadeOnlyOnceItsBytesFit) {
   int made = 0;
-  auto copy = [&]() -> absl::StatusOr<HostTensor> {
+  auto copy = [&]() -> absl::StatusOr<std::shared_ptr<const HostTensor>> {
     ++made;
-    HostTensor t;
-    t.dtype = DType::kF32;
-    t.shape = {2};
-    t.bytes.assign(8, 'c');
+    auto t = std::make_shared<HostTensor>();
+    t->dtype = DType::kF32;
+    t->shape = {2};
+    t->bytes.assign(8, 'c');
     return t;
   };
   absl::Status over = area_.HoldMade(kTicket, "demo", 2048, copy);
@@ -367,7 +367,9 @@ TEST_F(StagingAreaTest, ACopyToHoldIsMadeOnlyOnceItsBytesFit) {
   EXPECT_EQ(area_.held_bytes(), 8);
   const std::string other = "fedcba9876543210fedcba9876543210";
   absl::Status failed =
-      area_.HoldMade(other, "demo", 8, [] { return absl::StatusOr<HostTensor>(absl::InternalError("no copy")); });
+      area_.HoldMade(other, "demo", 8, [] {
+        return absl::StatusOr<std::shared_ptr<const HostTensor>>(absl::InternalError("no copy"));
+      });
   EXPECT_EQ(failed.code(), absl::StatusCode::kInternal);
   EXPECT_EQ(area_.held_bytes(), 8);  // the failed copy's reservation is freed
   auto fetch = area_.BeginFetch(kTicket, "demo");
@@ -467,6 +469,23 @@ TEST(StagingAreaTenantTest, TheAnonymousTenantIsBoundedByTheBudgetAlone) {
   EXPECT_TRUE(first.ok());
   EXPECT_TRUE(second.ok());
   EXPECT_EQ(area.held_bytes(), 64);
+}
+
+TEST_F(StagingAreaTest, AHeldSharedBlockIsFetchedWithoutACopy) {
+  auto shard = std::make_shared<HostTensor>();
+  shard->dtype = DType::kF32;
+  shard->shape = {4};
+  shard->bytes.assign(16, 's');
+  std::shared_ptr<const HostTensor> kept = shard;
+  ASSERT_TRUE(area_.HoldMade(kTicket, "demo", 16, [&] { return kept; }).ok());
+  EXPECT_EQ(area_.held_bytes(), 16);  // shared bytes count against the budget all the same
+  auto fetch = area_.BeginFetch(kTicket, "demo");
+  ASSERT_TRUE(fetch.ok()) << fetch.status();
+  EXPECT_EQ(&(*fetch)->block(), kept.get());
+  (*fetch)->Done();
+  EXPECT_EQ(area_.held_bytes(), 0);
+  EXPECT_EQ(kept->bytes, std::string(16, 's'));  // the owner's bytes are untouched
+  EXPECT_EQ(kept.use_count(), 2);  // the area let go of them
 }
 
 }  // namespace

@@ -132,12 +132,15 @@ grpc::Status WorkerServiceImpl::HoldShard(grpc::ServerContext* context, const v1
   auto t = store_->Get(request->name());
   if (!t.ok()) return ToGrpcStatus(t.status());
   const std::shared_ptr<const Shard>& shard = *t;
-  // The copy is made once its bytes are reserved: holds past the budget copy nothing.
+  // Held once its bytes are reserved: holds past the budget download nothing. A host shard's
+  // bytes are shared, not copied: a generation's bytes are never changed (a put replaces the shard).
   return ToGrpcStatus(staging_->HoldMade(
       request->ticket().ticket(), request->ticket().tenant(), shard->NumBytes(),
-      [&]() -> absl::StatusOr<HostTensor> {
-        if (shard->host != nullptr) return *shard->host;
-        return backend_->Download(*shard);  // a shard kept on the device
+      [&]() -> absl::StatusOr<std::shared_ptr<const HostTensor>> {
+        if (shard->host != nullptr) return shard->host;
+        auto downloaded = backend_->Download(*shard);  // a shard kept on the device
+        if (!downloaded.ok()) return downloaded.status();
+        return std::make_shared<const HostTensor>(*std::move(downloaded));
       }));
 }
 
