@@ -3,12 +3,15 @@
 #include <algorithm>
 #include <cstring>
 #include <memory>
+#include <set>
 #include <functional>
 #include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "google/protobuf/field_mask.pb.h"
+#include "google/protobuf/util/field_mask_util.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/tensor_codec.h"
 #include "proto/transport.h"
@@ -68,6 +71,35 @@ int64_t ContiguousStart(const std::vector<int64_t>& shape, const google::protobu
   return start * element_bytes;
 }
 
+// The bytes of block [offsets, offsets + sizes) of `array` (the plan's block, checked inside it),
+// one innermost run at a time.
+std::string SliceOf(const ShardGemmClient::ArrayView& array, const google::protobuf::RepeatedField<int64_t>& offsets,
+                    const google::protobuf::RepeatedField<int64_t>& sizes) {
+  const int rank = static_cast<int>(array.shape.size());
+  const int64_t element_bytes = DTypeSize(array.dtype);
+  int64_t bytes = element_bytes;
+  for (int64_t d : sizes) bytes *= d;
+  std::string out;
+  out.reserve(static_cast<size_t>(bytes));
+  if (bytes == 0) return out;
+  if (rank == 0) return std::string(array.bytes.substr(0, static_cast<size_t>(element_bytes)));
+  std::vector<int64_t> stride(rank, 1);
+  for (int d = rank - 2; d >= 0; --d) stride[d] = stride[d + 1] * array.shape[d + 1];
+  const size_t run = static_cast<size_t>(sizes[rank - 1] * element_bytes);
+  std::vector<int64_t> idx(rank, 0);  // over every dimension but the innermost
+  while (true) {
+    int64_t at = offsets[rank - 1];
+    for (int d = 0; d < rank - 1; ++d) at += (offsets[d] + idx[d]) * stride[d];
+    out.append(array.bytes.data() + at * element_bytes, run);
+    int d = rank - 2;
+    for (; d >= 0; --d) {
+      if (++idx[d] < sizes[d]) break;
+      idx[d] = 0;
+    }
+    if (d < 0) return out;
+  }
+}
+
 // Runs f(i) for i in [0, n) on threads of their own; the first error.
 absl::Status InParallel(int n, const std::function<absl::Status(int)>& f) {
   std::vector<absl::Status> status(n);
@@ -82,6 +114,22 @@ absl::Status InParallel(int n, const std::function<absl::Status(int)>& f) {
 }
 
 }  // namespace
+
+ShardGemmClient::ArrayView ShardGemmClient::ArrayViewOf(const HostTensor& t) { return {t.dtype, t.shape, t.bytes}; }
+
+absl::StatusOr<ShardGemmClient::ArrayView> ShardGemmClient::ArrayViewOf(const v1::Tensor& t, absl::string_view field) {
+  auto dtype = DTypeFromProto(t.dtype(), field);
+  if (!dtype.ok()) return dtype.status();
+  ArrayView view{*dtype, std::vector<int64_t>(t.shape().begin(), t.shape().end()), t.data()};
+  auto n = CheckedNumElements(view.shape, DTypeSize(view.dtype), field);
+  if (!n.ok()) return n.status();
+  if (static_cast<int64_t>(view.bytes.size()) != *n * DTypeSize(view.dtype)) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ".data has ", view.bytes.size(), " bytes but shape ",
+                                                   ShapeToString(view.shape), " of ", DTypeName(view.dtype),
+                                                   " needs ", *n * DTypeSize(view.dtype)));
+  }
+  return view;
+}
 
 namespace {
 
@@ -103,17 +151,16 @@ absl::StatusOr<v1::StagingPlan> ShardGemmClient::PlanTransfer(const v1::StagingP
   return plan;
 }
 
-absl::Status ShardGemmClient::StageAll(const v1::StagingPlan& plan,
-                                       const std::map<v1::TensorRole, const HostTensor*>& arrays,
+absl::Status ShardGemmClient::StageAll(const v1::StagingPlan& plan, const std::map<v1::TensorRole, ArrayView>& arrays,
                                        const std::string& request_id, absl::Time deadline) {
   // Each distinct block's bytes: a range of its tensor when it is one (sent from there), else sliced once.
   std::vector<absl::string_view> blocks;
-  std::vector<std::unique_ptr<HostTensor>> sliced;
+  std::vector<std::unique_ptr<std::string>> sliced;
   std::vector<std::pair<size_t, const v1::StagingDestination*>> sends;  // (block index, destination)
   for (const v1::StagedOperand& op : plan.operands()) {
     auto it = arrays.find(op.role());
     if (it == arrays.end()) return absl::InternalError("the transfer plan names an operand this client did not stage");
-    const HostTensor& array = *it->second;
+    const ArrayView& array = it->second;
     for (const v1::StagedBlock& b : op.blocks()) {
       if (auto s = CheckBlock(array.shape, b.offsets(), b.shape(), v1::TensorRole_Name(op.role())); !s.ok()) {
         return s;
@@ -122,10 +169,10 @@ absl::Status ShardGemmClient::StageAll(const v1::StagingPlan& plan,
       for (int64_t d : b.shape()) bytes *= d;
       const int64_t start = ContiguousStart(array.shape, b.offsets(), b.shape(), DTypeSize(array.dtype));
       if (start >= 0) {
-        blocks.push_back(absl::string_view(array.bytes).substr(static_cast<size_t>(start), static_cast<size_t>(bytes)));
+        blocks.push_back(array.bytes.substr(static_cast<size_t>(start), static_cast<size_t>(bytes)));
       } else {
-        sliced.push_back(std::make_unique<HostTensor>(SliceBlock(array, b.offsets(), b.shape())));
-        blocks.push_back(sliced.back()->bytes);
+        sliced.push_back(std::make_unique<std::string>(SliceOf(array, b.offsets(), b.shape())));
+        blocks.push_back(*sliced.back());
       }
       for (const v1::StagingDestination& d : b.destinations()) sends.emplace_back(blocks.size() - 1, &d);
     }
@@ -256,46 +303,61 @@ void ShardGemmClient::Release(const std::string& staging_id, const std::string& 
 }
 
 absl::StatusOr<v1::GroupedGemmResponse> ShardGemmClient::GroupedGemmDirect(const v1::GroupedGemmRequest& request) {
-  return GroupedGemmDirect(v1::GroupedGemmRequest(request));
-}
-
-absl::StatusOr<v1::GroupedGemmResponse> ShardGemmClient::GroupedGemmDirect(v1::GroupedGemmRequest&& request) {
   const absl::Time deadline = absl::Now() + timeout_;
-  // The operands whose bytes this client holds are staged (their bytes move out of the request, which then
-  // carries their headers).
-  v1::GroupedGemmRequest planned = std::move(request);
-  const bool keep = !planned.keep_output_as().empty();
-  std::map<v1::TensorRole, HostTensor> arrays;
-  const std::pair<v1::TensorRole, v1::Tensor* (v1::GroupedGemmRequest::*)()> fields[] = {
-      {v1::TENSOR_LHS, &v1::GroupedGemmRequest::mutable_lhs},
-      {v1::TENSOR_RHS, &v1::GroupedGemmRequest::mutable_rhs},
-      {v1::TENSOR_BIAS, &v1::GroupedGemmRequest::mutable_bias},
-      {v1::TENSOR_LHS_SCALE_INV, &v1::GroupedGemmRequest::mutable_lhs_scale_inv},
-      {v1::TENSOR_RHS_SCALE_INV, &v1::GroupedGemmRequest::mutable_rhs_scale_inv}};
-  for (const auto& [role, field] : fields) {
-    v1::Tensor* t = (planned.*field)();
-    if (t->source_case() != v1::Tensor::kData) continue;
-    auto decoded = HostTensorFromProto(std::move(*t), v1::TensorRole_Name(role));  // the bytes move out
-    if (!decoded.ok()) return decoded.status();
-    arrays[role] = std::move(*decoded);
-    t->clear_data();
+  const bool keep = !request.keep_output_as().empty();
+  // The operands whose bytes this client holds are staged from the request's bytes (not copied); the
+  // request sent on carries everything else, their headers included.
+  const std::pair<v1::TensorRole, const char*> fields[] = {{v1::TENSOR_LHS, "lhs"},
+                                                           {v1::TENSOR_RHS, "rhs"},
+                                                           {v1::TENSOR_BIAS, "bias"},
+                                                           {v1::TENSOR_LHS_SCALE_INV, "lhs_scale_inv"},
+                                                           {v1::TENSOR_RHS_SCALE_INV, "rhs_scale_inv"}};
+  const google::protobuf::Descriptor* descriptor = v1::GroupedGemmRequest::descriptor();
+  const google::protobuf::Reflection* reflection = request.GetReflection();
+  std::map<v1::TensorRole, ArrayView> arrays;
+  std::set<std::string> staged_fields;
+  for (const auto& [role, name] : fields) {
+    const google::protobuf::FieldDescriptor* f = descriptor->FindFieldByName(name);
+    if (f == nullptr || !reflection->HasField(request, f)) continue;
+    const auto& t = static_cast<const v1::Tensor&>(reflection->GetMessage(request, f));
+    if (t.source_case() != v1::Tensor::kData) continue;
+    auto view = ArrayViewOf(t, v1::TensorRole_Name(role));
+    if (!view.ok()) return view.status();
+    arrays[role] = *std::move(view);
+    staged_fields.insert(name);
   }
+  google::protobuf::FieldMask mask;
+  for (int i = 0; i < descriptor->field_count(); ++i) {
+    const google::protobuf::FieldDescriptor* f = descriptor->field(i);
+    if (staged_fields.count(f->name()) == 0) {
+      mask.add_paths(f->name());
+      continue;
+    }
+    const google::protobuf::Descriptor* tensor = v1::Tensor::descriptor();
+    for (int j = 0; j < tensor->field_count(); ++j) {
+      if (tensor->field(j)->name() != "data") mask.add_paths(absl::StrCat(f->name(), ".", tensor->field(j)->name()));
+    }
+  }
+  v1::GroupedGemmRequest planned;
+  google::protobuf::util::FieldMaskUtil::MergeMessageTo(request, mask,
+                                                        google::protobuf::util::FieldMaskUtil::MergeOptions(), &planned);
   if (arrays.empty()) return absl::InvalidArgumentError("direct path: the request has no inline operand to stage");
   v1::StagingPlanRequest plan_request;
   *plan_request.mutable_grouped_gemm() = planned;
   std::string request_id;
   auto plan = PlanTransfer(plan_request, deadline, &request_id);
   if (!plan.ok()) return plan.status();
-  std::map<v1::TensorRole, const HostTensor*> staged_arrays;
-  for (const auto& [role, t] : arrays) staged_arrays[role] = &t;
-  if (absl::Status s = StageAll(*plan, staged_arrays, request_id, deadline); !s.ok()) {
+  if (absl::Status s = StageAll(*plan, arrays, request_id, deadline); !s.ok()) {
     Release(plan->staging_id(), request_id);
     return s;
   }
 
   v1::GroupedGemmRequest submitted = std::move(planned);
-  for (const auto& [role, field] : fields) {
-    if (arrays.count(role) != 0) (submitted.*field)()->set_staged(plan->staging_id());
+  for (const auto& [role, name] : fields) {
+    if (arrays.count(role) == 0) continue;
+    auto* t = static_cast<v1::Tensor*>(
+        submitted.GetReflection()->MutableMessage(&submitted, descriptor->FindFieldByName(name)));
+    t->set_staged(plan->staging_id());
   }
   submitted.set_direct_output(!keep);
   v1::GroupedGemmResponse response;
@@ -335,7 +397,7 @@ absl::StatusOr<v1::PutTensorResponse> ShardGemmClient::PutTensorDirect(const std
   std::string request_id;
   auto plan = PlanTransfer(plan_request, deadline, &request_id);
   if (!plan.ok()) return plan.status();
-  if (absl::Status s = StageAll(*plan, {{v1::TENSOR_ROLE_UNSPECIFIED, &tensor}}, request_id, deadline); !s.ok()) {
+  if (absl::Status s = StageAll(*plan, {{v1::TENSOR_ROLE_UNSPECIFIED, ArrayViewOf(tensor)}}, request_id, deadline); !s.ok()) {
     Release(plan->staging_id(), request_id);
     return s;
   }

@@ -41,8 +41,6 @@ class ShardGemmClient {
   // a plan not submitted (a stage or the submit failed) is released
   // (ReleaseStaging), so its staged blocks leave the workers at once.
   absl::StatusOr<v1::GroupedGemmResponse> GroupedGemmDirect(const v1::GroupedGemmRequest& request);
-  // As above, taking the inline operands' bytes out of `request` (no copy of them).
-  absl::StatusOr<v1::GroupedGemmResponse> GroupedGemmDirect(v1::GroupedGemmRequest&& request);
   // PutTensor on the direct path: the coordinator places the copies
   // (PlanStaging's put), this client streams each holder its block in
   // parallel, and PutStaged registers them. Bounded and released as
@@ -79,7 +77,17 @@ class ShardGemmClient {
   void set_request_id(std::string id) { request_id_ = std::move(id); }
   const std::string& last_request_id() const { return last_request_id_; }
 
+  // An operand's bytes as the direct path stages them: the caller's, not copied.
+  struct ArrayView {
+    DType dtype = DType::kInvalid;
+    std::vector<int64_t> shape;
+    absl::string_view bytes;
+  };
+
  private:
+  static ArrayView ArrayViewOf(const HostTensor& t);
+  // INVALID_ARGUMENT naming `field` unless the data is the dtype and shape's bytes.
+  static absl::StatusOr<ArrayView> ArrayViewOf(const v1::Tensor& t, absl::string_view field);
   void Prepare(grpc::ClientContext* ctx) const;
   void NoteRequestId(const grpc::ClientContext& ctx);
 
@@ -90,7 +98,7 @@ class ShardGemmClient {
   // given up (best effort, bounded by kReleaseTimeout).
   absl::StatusOr<v1::StagingPlan> PlanTransfer(const v1::StagingPlanRequest& request, absl::Time deadline,
                                                std::string* request_id);
-  absl::Status StageAll(const v1::StagingPlan& plan, const std::map<v1::TensorRole, const HostTensor*>& arrays,
+  absl::Status StageAll(const v1::StagingPlan& plan, const std::map<v1::TensorRole, ArrayView>& arrays,
                         const std::string& request_id, absl::Time deadline);
   absl::StatusOr<HostTensor> FetchAll(v1::DType dtype, const std::vector<int64_t>& shape,
                                       const google::protobuf::RepeatedPtrField<v1::StagedBlock>& blocks,

@@ -46,12 +46,6 @@ absl::StatusOr<HostTensor> HostTensorFromProto(const v1::Tensor& t, absl::string
   return Decode(t, std::string(t.data()), field);
 }
 
-absl::StatusOr<HostTensor> HostTensorFromProto(v1::Tensor&& t, absl::string_view field) {
-  if (t.source_case() != v1::Tensor::kData) return HostTensorFromProto(static_cast<const v1::Tensor&>(t), field);
-  std::string data = std::move(*t.mutable_data());
-  return Decode(t, std::move(data), field);
-}
-
 absl::StatusOr<HostTensor> HostTensorFromProto(const v1::LocalTensor& t, absl::string_view field) {
   return Decode(t, std::string(t.data()), field);
 }

@@ -17,8 +17,6 @@ v1::DType DTypeToProto(DType dtype);
 // length equals prod(shape) * size(dtype). `field` names the tensor in errors,
 // e.g. "lhs". The tensor must carry inline data.
 absl::StatusOr<HostTensor> HostTensorFromProto(const v1::Tensor& t, absl::string_view field);
-// As above, taking the bytes out of `t` (no copy); `t` keeps its header.
-absl::StatusOr<HostTensor> HostTensorFromProto(v1::Tensor&& t, absl::string_view field);
 absl::StatusOr<HostTensor> HostTensorFromProto(const v1::LocalTensor& t, absl::string_view field);
 absl::StatusOr<HostTensor> HostTensorFromProto(v1::LocalTensor&& t, absl::string_view field);
 
