@@ -13,6 +13,7 @@
 #include "google/protobuf/field_mask.pb.h"
 #include "google/protobuf/util/field_mask_util.h"
 #include "grpcpp/grpcpp.h"
+#include "platform/huge_pages.h"
 #include "proto/tensor_codec.h"
 #include "proto/transport.h"
 #include "proto/grpc_status.h"
@@ -229,9 +230,17 @@ absl::StatusOr<HostTensor> ShardGemmClient::FetchAll(v1::DType dtype_proto, cons
     out->dtype = *dtype;
     out->shape = shape;
     out->bytes.reserve(static_cast<size_t>(*n * element_bytes));
+    platform::AdviseHugePages(out->bytes.data(), out->bytes.capacity());
   } else {
-    out = ZerosTensor(*dtype, shape);
-    if (!out.ok()) return out.status();
+    auto n = CheckedNumElements(shape, element_bytes, "fetched");
+    if (!n.ok()) return n.status();
+    out = HostTensor();
+    out->dtype = *dtype;
+    out->shape = shape;
+    // Advised before resize() zero-fills it (the blocks then cover every byte).
+    out->bytes.reserve(static_cast<size_t>(*n * element_bytes));
+    platform::AdviseHugePages(out->bytes.data(), out->bytes.capacity());
+    out->bytes.resize(static_cast<size_t>(*n * element_bytes));
   }
   char* const out_bytes = out->bytes.data();  // not reallocated while the blocks arrive
   absl::Mutex out_mu;
@@ -247,6 +256,7 @@ absl::StatusOr<HostTensor> ShardGemmClient::FetchAll(v1::DType dtype_proto, cons
       block.dtype = *dtype;
       block.shape.assign(b.shape().begin(), b.shape().end());
       block.bytes.reserve(static_cast<size_t>(block_bytes));
+      platform::AdviseHugePages(block.bytes.data(), block.bytes.capacity());
     }
     std::string& received = whole ? out->bytes : block.bytes;
     grpc::ClientContext ctx;

@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "platform/huge_pages.h"
 
 namespace shardgemm {
 
@@ -172,7 +173,10 @@ absl::Status StagingArea::Upload::Append(absl::string_view data) {
     return absl::InvalidArgumentError(absl::StrCat("data: more than the ", expected_bytes_, " bytes ",
                                                    Named(ticket_), " expects"));
   }
-  if (bytes_.empty()) bytes_.reserve(static_cast<size_t>(expected_bytes_));
+  if (bytes_.empty()) {  // the whole block at once, filled as the stream arrives
+    bytes_.reserve(static_cast<size_t>(expected_bytes_));
+    platform::AdviseHugePages(bytes_.data(), bytes_.capacity());
+  }
   bytes_.append(data.data(), data.size());
   return absl::OkStatus();
 }
