@@ -1,7 +1,6 @@
 #include "client/npy.h"
 
 #include <fstream>
-#include <sstream>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
@@ -136,11 +135,15 @@ std::string SerializeNpy(const HostTensor& t) {
 }
 
 absl::StatusOr<HostTensor> ReadNpyFile(const std::string& path, absl::optional<DType> raw_dtype) {
-  std::ifstream in(path, std::ios::binary);
+  std::ifstream in(path, std::ios::binary | std::ios::ate);
   if (!in) return absl::NotFoundError(absl::StrCat("cannot open ", path));
-  std::stringstream ss;
-  ss << in.rdbuf();
-  auto t = ParseNpy(ss.str(), raw_dtype);
+  // Read once into a buffer of the file's size (a stringstream held the file twice more).
+  const std::streamoff size = in.tellg();
+  if (size < 0) return absl::InternalError(absl::StrCat("cannot size ", path));
+  std::string contents(static_cast<size_t>(size), '\0');
+  in.seekg(0);
+  if (!in.read(contents.data(), size)) return absl::InternalError(absl::StrCat("short read of ", path));
+  auto t = ParseNpy(contents, raw_dtype);
   if (!t.ok()) return absl::InvalidArgumentError(absl::StrCat(path, ": ", t.status().message()));
   return t;
 }
