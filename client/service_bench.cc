@@ -1063,10 +1063,10 @@ int Main() {
     // it per caller (a tenant may register only so many regions).
     std::unique_ptr<BenchRegion> out_region;
     const int64_t out_stride = (out_bytes + 4095) / 4096 * 4096;
+    int most_callers = 1;  // the output region has a slice for each
+    for (const LoadLevel& level : levels) most_callers = std::max(most_callers, level.callers);
     if (returned && activations == "shared_memory") {
-      int most = 1;
-      for (const LoadLevel& level : levels) most = std::max(most, level.callers);
-      auto made = BenchRegion::Create(client, "bench_out_shm", out_stride * most);
+      auto made = BenchRegion::Create(client, "bench_out_shm", out_stride * most_callers);
       if (!made.ok()) {
         std::fprintf(stderr, "%s: %s\n", p.name.c_str(), std::string(made.status().message()).c_str());
         return 1;
@@ -1075,9 +1075,7 @@ int Main() {
     }
     std::unique_ptr<BenchCudaRegion> out_cuda;
     if (returned && activations == "cuda_ipc") {
-      int most = 1;
-      for (const LoadLevel& level : levels) most = std::max(most, level.callers);
-      auto made = BenchCudaRegion::Create(client, "bench_out_cuda", out_stride * most);
+      auto made = BenchCudaRegion::Create(client, "bench_out_cuda", out_stride * most_callers);
       if (!made.ok()) {
         std::fprintf(stderr, "%s: %s\n", p.name.c_str(), std::string(made.status().message()).c_str());
         return 1;

@@ -10,6 +10,7 @@ absl::StatusOr<absl::Time> SharedMemoryRegistry::Register(const std::string& ten
                                                           const v1::RegisterSharedMemoryRequest& request,
                                                           absl::Time now) {
   if (auto s = ValidateResidentName("name", request.name()); !s.ok()) return s;
+  if (request.byte_size() == 0) return absl::InvalidArgumentError("byte_size: a region of 0 bytes");
   SharedMemoryRegion region;
   region.byte_size = request.byte_size();
   if (request.lease_ms() > 0) {
@@ -26,11 +27,9 @@ absl::StatusOr<absl::Time> SharedMemoryRegistry::Register(const std::string& ten
       return absl::InvalidArgumentError(absl::StrCat("cuda.ipc_handle: ", request.cuda().ipc_handle().size(),
                                                      " bytes; a cudaIpcMemHandle_t has ", kCudaIpcHandleBytes));
     }
-    if (request.byte_size() == 0) return absl::InvalidArgumentError("byte_size: a region of 0 bytes");
     region.cuda_ipc_handle = request.cuda().ipc_handle();
   } else {
     if (auto s = platform::CheckSharedMemoryKey(request.key(), "key"); !s.ok()) return s;
-    if (request.byte_size() == 0) return absl::InvalidArgumentError("byte_size: a region of 0 bytes");
     auto size = platform::SharedMemoryObjectSize(request.key(), "key");
     if (!size.ok()) return size.status();
     if (*size < request.byte_size()) {

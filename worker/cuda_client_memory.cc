@@ -215,9 +215,6 @@ absl::StatusOr<std::shared_ptr<const DeviceBuffer>> CudaClientMemory::ToDevice(c
     }
     return std::shared_ptr<const DeviceBuffer>(*buffer);
   }
-  if (memory.mapping->size() < memory.region_bytes) {
-    return absl::FailedPreconditionError(absl::StrCat(field, ": the mapping is smaller than the region"));
-  }
   (void)Pin(memory.mapping, /*writable=*/false);
   auto buffer = StreamDeviceBuffer::Allocate(device_, bytes, stream_);
   if (!buffer.ok()) return buffer.status();
@@ -239,9 +236,6 @@ absl::Status CudaClientMemory::FromDevice(const void* source, const ClientMemory
     auto imported = Import(memory, field);
     if (!imported.ok()) return imported.status();
     return CopyPieces(block, static_cast<char*>((*imported)->base), from, true, cudaMemcpyDeviceToDevice, field);
-  }
-  if (memory.mapping->size() < memory.region_bytes) {
-    return absl::FailedPreconditionError(absl::StrCat(field, ": the mapping is smaller than the region"));
   }
   (void)Pin(memory.mapping, /*writable=*/true);
   if (auto s = CopyPieces(block, memory.mapping->data(), from, true, cudaMemcpyDeviceToHost, field); !s.ok()) return s;
