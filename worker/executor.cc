@@ -19,9 +19,11 @@
 
 namespace shardgemm {
 
-bool Executor::IsSession(const std::string& session) {
+bool Executor::IsSession(const std::string& session, absl::Time deadline) {
   absl::MutexLock lock(&mu_);
-  return configured_ && (session_.empty() || session == session_);
+  auto configured = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return configured_; };
+  if (!mu_.AwaitWithDeadline(absl::Condition(&configured), deadline)) return false;
+  return session_.empty() || session == session_;
 }
 
 Executor::Executor(Backend* backend, ShardStore* store, StagingArea* staging)

@@ -63,8 +63,11 @@ class Executor {
   // a worker that missed the request still hears of the epoch before it
   // runs any later step. FAILED_PRECONDITION for another session's.
   absl::Status AdvanceEpoch(const v1::AdvanceEpochRequest& request);
-  // Whether `session` is the coordinator's this worker is configured by.
-  bool IsSession(const std::string& session);
+  // Whether `session` is the coordinator's this worker is configured by. A
+  // worker the coordinator registered may not have configured itself yet
+  // (it builds its collectives first): the answer waits for that until
+  // `deadline`, as a step does.
+  bool IsSession(const std::string& session, absl::Time deadline);
   // Steps waiting for their turn now (the worker's queue depth).
   int64_t steps_waiting() const { return steps_waiting_.load(std::memory_order_relaxed); }
   // Collective calls that failed since start (transport errors, timeouts).

@@ -342,6 +342,22 @@ TEST_F(ExecutorTest, StepNumberedBeforeTheWorkerJoinedIsRetryable) {
   EXPECT_NE(result.status().message().find("retry"), std::string::npos) << result.status();
 }
 
+// A worker the coordinator registered answers its calls once it has
+// configured itself (it builds its collectives after registering), within
+// the call's deadline, rather than refusing the session at once.
+TEST_F(ExecutorTest, ASessionCheckWaitsForTheWorkerToJoinWithinItsDeadline) {
+  executor_ = std::make_unique<Executor>(backend_.get(), &store_);
+  EXPECT_FALSE(executor_->IsSession("session-a", absl::Now() + absl::Milliseconds(50))) << "not joined: no session";
+  std::thread join([this] {
+    absl::SleepFor(absl::Milliseconds(100));
+    executor_->Configure(SingleWorkerPosition(), MakeLocalCollectives(SingleWorkerPosition()), 1, "session-a");
+  });
+  const bool joined = executor_->IsSession("session-a", absl::Now() + absl::Seconds(10));
+  join.join();
+  EXPECT_TRUE(joined);
+  EXPECT_FALSE(executor_->IsSession("session-old", absl::Now() + absl::Seconds(10)));
+}
+
 TEST_F(ExecutorTest, StepsOfAnotherSessionAreRefusedAndRunNothing) {
   executor_ = std::make_unique<Executor>(backend_.get(), &store_);
   executor_->Configure(SingleWorkerPosition(), MakeLocalCollectives(SingleWorkerPosition()), 1, "session-a");

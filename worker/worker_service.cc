@@ -10,6 +10,16 @@
 #include "proto/grpc_status.h"
 
 namespace shardgemm {
+namespace {
+
+// How long a coordinator's call waits for this worker to finish joining
+// the mesh it was registered into: the call's deadline, 10 s at most.
+absl::Time JoinWaitDeadline(const grpc::ServerContext* context) {
+  return std::min(DeadlineOf(context), absl::Now() + absl::Seconds(10));
+}
+
+}  // namespace
+
 
 grpc::Status WorkerServiceImpl::CheckCaller(const grpc::ServerContext& context) const {
   if (transport_ == nullptr || transport_->CallerIs(context, security::kCoordinatorName) ||
@@ -126,7 +136,7 @@ grpc::Status WorkerServiceImpl::HoldShard(grpc::ServerContext* context, const v1
   if (staging_ == nullptr) {
     return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "this worker serves no staging (--staging_port)");
   }
-  if (!executor_->IsSession(request->session())) {
+  if (!executor_->IsSession(request->session(), JoinWaitDeadline(context))) {
     return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "a hold of another coordinator session");
   }
   auto t = store_->Get(request->name());
@@ -150,7 +160,7 @@ grpc::Status WorkerServiceImpl::ExpectStaged(grpc::ServerContext* context, const
   if (staging_ == nullptr) {
     return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "this worker serves no staging (--staging_port)");
   }
-  if (!executor_->IsSession(request->session())) {
+  if (!executor_->IsSession(request->session(), JoinWaitDeadline(context))) {
     return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "tickets of another coordinator session");
   }
   for (const v1::StagingTicket& t : request->tickets()) {
@@ -180,7 +190,7 @@ grpc::Status WorkerServiceImpl::StageShard(grpc::ServerContext* context,
   if (!reader->Read(&chunk)) {
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "ticket: the stream ended before its first message");
   }
-  if (!executor_->IsSession(chunk.session())) {
+  if (!executor_->IsSession(chunk.session(), JoinWaitDeadline(context))) {
     return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "a stage of another coordinator session");
   }
   if (chunk.ticket().empty()) {
@@ -215,7 +225,7 @@ grpc::Status WorkerServiceImpl::DropStaged(grpc::ServerContext* context, const v
   if (staging_ == nullptr) {
     return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "this worker serves no staging (--staging_port)");
   }
-  if (!executor_->IsSession(request->session())) {
+  if (!executor_->IsSession(request->session(), JoinWaitDeadline(context))) {
     return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "a drop of another coordinator session");
   }
   for (const std::string& ticket : request->tickets()) staging_->Discard(ticket);
