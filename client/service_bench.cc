@@ -77,6 +77,8 @@
 #include "kernels/cuda/grouped_gemm.h"
 #include "kernels/cuda/quantize.h"
 #include "kernels/fp8.h"
+#include "platform/busy_poll.h"
+#include "platform/busy_poll_flags.h"
 #include "platform/shared_memory.h"
 #include "nlohmann/json.hpp"
 #include "proto/tensor_codec.h"
@@ -128,7 +130,13 @@ ABSL_FLAG(std::string, op, "gemm",
           "FP8 GEMM");
 
 namespace shardgemm {
+
 namespace {
+
+// --busy_poll: this process's cores kept from halting while its calls are in
+// flight, as the servers' own flag does for theirs (a same-host client's
+// wake-up is part of its round trip). Null: off.
+platform::BusyPoller* busy_poller = nullptr;
 
 struct Preset {
   std::string name;
@@ -760,6 +768,7 @@ LoadResult RunLoad(const LoadLevel& level, std::vector<std::unique_ptr<Caller>>&
       // A checked call's output slice is poisoned first (outside its timing).
       auto call = [&](bool checked) -> bool {
         const bool poisoned = !(checked && returned) || me.Poison();
+        const platform::BusyPoller::Activity busy = platform::BusyPoller::BusyIfOn(busy_poller);
         const absl::Time start = absl::Now();
         auto r = me.Send();
         const double rtt = absl::ToDoubleSeconds(absl::Now() - start);
@@ -830,6 +839,13 @@ LoadResult RunLoad(const LoadLevel& level, std::vector<std::unique_ptr<Caller>>&
 }
 
 int Main() {
+  auto busy_poll = platform::BusyPollOptionsFromFlags();
+  if (!busy_poll.ok()) {
+    std::fprintf(stderr, "%s\n", std::string(busy_poll.status().message()).c_str());
+    return 2;
+  }
+  platform::BusyPoller poller(*busy_poll);
+  busy_poller = &poller;
   std::ifstream in(absl::GetFlag(FLAGS_presets));
   if (!in) {
     std::fprintf(stderr, "--presets: cannot read '%s'\n", absl::GetFlag(FLAGS_presets).c_str());

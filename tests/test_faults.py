@@ -39,15 +39,6 @@ def gemm(client, seed):
     np.testing.assert_allclose(out, reference(lhs, rhs, sizes), rtol=1e-4, atol=1e-4)
 
 
-def wait_until(predicate, timeout):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return False
-
-
 def test_a_killed_worker_is_down_within_its_heartbeats_and_a_new_one_takes_its_rank(cluster_factory):
     cl = cluster_factory(mesh="ep=2", workers=2,
                          coordinator_flags=["--heartbeat_interval_s=0.2", "--heartbeat_misses=2"])
@@ -202,6 +193,7 @@ import threading  # noqa: E402
 
 from conftest import Cluster, free_port  # noqa: E402
 from shardgemm_client import from_tensor  # noqa: E402
+from polling import wait_until
 
 CLEAR = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED, grpc.StatusCode.DEADLINE_EXCEEDED}
 

@@ -16,18 +16,10 @@ import numpy as np
 import pytest
 
 from conftest import BIN
+from polling import wait_until
 
 MESH = "ep=2,fsdp=2"
 FAST = ["--heartbeat_interval_s=0.2", "--heartbeat_misses=2"]
-
-
-def wait_until(predicate, timeout):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return False
 
 
 def ready(client):

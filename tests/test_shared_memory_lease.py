@@ -17,6 +17,7 @@ import pytest
 import shardgemm
 import shardgemm.aio
 from shardgemm_client import pb
+from polling import wait_until
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -42,15 +43,6 @@ def _registered(stub, name):
             return False
         return True
     return True
-
-
-def _wait_until(predicate, seconds):
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.1)
-    return predicate()
 
 
 def test_a_live_client_keeps_its_regions_past_their_lease(shm_cluster):
@@ -83,7 +75,7 @@ def test_a_killed_client_loses_its_regions_a_lease_later(shm_cluster):
             assert _registered(c.stub, "orphan"), "the live client renews it"
             proc.kill()
             proc.wait(timeout=10)
-            assert _wait_until(lambda: not _registered(c.stub, "orphan"), 5.0), "lapsed a lease after the kill"
+            assert wait_until(lambda: not _registered(c.stub, "orphan"), 5.0), "lapsed a lease after the kill"
             # Its name is free again.
             key = "/shardgemm_lease_test_%d" % os.getpid()
             from multiprocessing import shared_memory
@@ -128,7 +120,7 @@ def test_lease_rpcs_say_what_lapsed_and_refuse_bad_leases(shm_cluster):
                 name="r", key="/" + shm.name, byte_size=4096, lease_ms=500), timeout=30)
             assert reply.expires_unix_ms > time.time() * 1000
             # Unrenewed (this client took no lease of its own for it): gone after 0.5 s.
-            assert _wait_until(lambda: not _registered(c.stub, "r"), 3.0)
+            assert wait_until(lambda: not _registered(c.stub, "r"), 3.0)
             assert list(c.stub.RenewSharedMemory(pb.RenewSharedMemoryRequest(names=["r"]), timeout=30).lapsed) == ["r"]
             # Without a lease it stays.
             c.stub.RegisterSharedMemory(pb.RegisterSharedMemoryRequest(
