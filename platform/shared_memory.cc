@@ -136,6 +136,20 @@ absl::StatusOr<std::shared_ptr<const SharedMemoryMapping>> SharedMemoryMappings:
   return mapping;
 }
 
+std::vector<std::shared_ptr<const SharedMemoryMapping>> SharedMemoryMappings::Forget(const std::string& key) {
+  std::vector<std::shared_ptr<const SharedMemoryMapping>> forgotten;
+  absl::MutexLock lock(&mu_);
+  for (auto it = entries_.begin(); it != entries_.end();) {
+    if (it->key != key) {
+      ++it;
+      continue;
+    }
+    forgotten.push_back(std::move(it->mapping));
+    it = entries_.erase(it);
+  }
+  return forgotten;
+}
+
 size_t SharedMemoryMappings::size() const {
   absl::MutexLock lock(&mu_);
   return entries_.size();

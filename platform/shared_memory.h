@@ -57,6 +57,10 @@ class SharedMemoryMappings {
   absl::StatusOr<std::shared_ptr<const SharedMemoryMapping>> Get(const std::string& key, uint64_t bytes,
                                                                  bool writable, absl::string_view field);
   size_t size() const;
+  // Drops `key`'s mappings from the cache and returns them: each is unmapped
+  // once the last holder (a step still using it, a pinned registration)
+  // lets it go.
+  std::vector<std::shared_ptr<const SharedMemoryMapping>> Forget(const std::string& key);
 
  private:
   struct Entry {

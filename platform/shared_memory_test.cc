@@ -140,6 +140,26 @@ TEST(SharedMemoryMappings, ReusedForTheSameObjectAndRemadeForARecreatedOne) {
   EXPECT_EQ(cache.Get("/shardgemm_none_here", 8, false, "region").status().code(), absl::StatusCode::kNotFound);
 }
 
+TEST(SharedMemoryMappings, AForgottenObjectIsRemappedAndOnlyItsMappingsGo) {
+  SharedMemoryMappings cache(4);
+  Object a(64), b(64);
+  auto read_a = cache.Get(a.key(), 64, false, "region");
+  auto write_a = cache.Get(a.key(), 64, true, "region");
+  auto of_b = cache.Get(b.key(), 64, false, "region");
+  ASSERT_TRUE(read_a.ok() && write_a.ok() && of_b.ok());
+  ASSERT_EQ(cache.size(), 3u);
+  std::vector<std::shared_ptr<const SharedMemoryMapping>> forgotten = cache.Forget(a.key());
+  ASSERT_EQ(forgotten.size(), 2u) << "its read-only and writable mappings";
+  EXPECT_EQ(cache.size(), 1u);
+  EXPECT_TRUE(cache.Forget(a.key()).empty()) << "said once";
+  auto again = cache.Get(a.key(), 64, false, "region");
+  ASSERT_TRUE(again.ok());
+  EXPECT_NE(again->get(), read_a->get()) << "mapped afresh";
+  auto still_b = cache.Get(b.key(), 64, false, "region");
+  ASSERT_TRUE(still_b.ok());
+  EXPECT_EQ(still_b->get(), of_b->get()) << "another object's mapping is kept";
+}
+
 // The 2-D pieces a device copy takes hold the same bytes, in the same
 // order, as the host copy's runs, for blocks of every rank and split.
 TEST(SharedMemoryBlocks, PiecesCopyWhatTheRunsCopy) {

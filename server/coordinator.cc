@@ -112,6 +112,7 @@ void Coordinator::Heartbeat() {
                            channels[r].get());
     }
   }
+  if (options_.allow_shared_memory) ForgetGoneClientMemory(/*wait=*/false);  // regions whose lease lapsed
 }
 
 absl::StatusOr<v1::RegisterResponse> Coordinator::Register(const v1::RegisterRequest& request) {
@@ -1065,7 +1066,58 @@ absl::StatusOr<v1::RenewSharedMemoryResponse> Coordinator::RenewSharedMemory(
 
 absl::Status Coordinator::UnregisterSharedMemory(const std::string& name, const CallContext& call) {
   if (!options_.allow_shared_memory) return SharedMemoryOff("UnregisterSharedMemory");
-  return shared_memory_.Unregister(call.tenant, name);
+  if (absl::Status s = shared_memory_.Unregister(call.tenant, name); !s.ok()) return s;
+  ForgetGoneClientMemory(/*wait=*/true);
+  return absl::OkStatus();
+}
+
+namespace {
+
+constexpr absl::Duration kForgetClientMemoryTimeout = absl::Seconds(2);
+
+void ForgetOnWorkers(const std::vector<std::shared_ptr<WorkerChannel>>& channels,
+                     const v1::ForgetClientMemoryRequest& request, absl::Time until) {
+  std::vector<std::thread> tellers;
+  for (const auto& channel : channels) {
+    if (channel == nullptr) continue;
+    tellers.emplace_back([channel, &request, until] {
+      // A worker that misses it closes them as its caches fill, oldest first.
+      channel->ForgetClientMemory(request, until).IgnoreError();
+    });
+  }
+  for (std::thread& t : tellers) t.join();
+}
+
+}  // namespace
+
+void Coordinator::ForgetGoneClientMemory(bool wait) {
+  auto request_of = [](SharedMemoryRegistry::GoneObjects gone) {
+    v1::ForgetClientMemoryRequest request;
+    for (std::string& key : gone.keys) request.add_keys(std::move(key));
+    for (std::string& handle : gone.cuda_ipc_handles) request.add_cuda_ipc_handles(std::move(handle));
+    return request;
+  };
+  if (wait) {
+    SharedMemoryRegistry::GoneObjects gone = shared_memory_.TakeGone();
+    if (!gone.empty()) {
+      ForgetOnWorkers(dispatcher_.Channels(), request_of(std::move(gone)), absl::Now() + kForgetClientMemoryTimeout);
+    }
+    return;
+  }
+  // One teller at a time, across coordinators of the process: a hung
+  // worker cannot make heartbeats pile threads up; what lapses meanwhile
+  // waits in the registry for a later heartbeat.
+  static std::atomic<bool> telling{false};
+  if (telling.exchange(true)) return;
+  SharedMemoryRegistry::GoneObjects gone = shared_memory_.TakeGone();
+  if (gone.empty()) {
+    telling.store(false);
+    return;
+  }
+  std::thread([channels = dispatcher_.Channels(), request = request_of(std::move(gone))] {
+    ForgetOnWorkers(channels, request, absl::Now() + kForgetClientMemoryTimeout);
+    telling.store(false);
+  }).detach();
 }
 
 absl::StatusOr<std::vector<std::string>> Coordinator::StagingAddresses() const {

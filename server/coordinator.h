@@ -389,6 +389,11 @@ class Coordinator {
   // As DropStaged, on a thread of its own (bounded by kDropStagedTimeout):
   // a failed request's answer does not wait for it.
   void DropStagedBestEffort(TicketsByRank tickets);
+  // Tells every worker which clients' memory no region names any more
+  // (unregistered or lapsed): waiting for their answers (bounded) with
+  // `wait`, so an unregister returns once the workers let go of it; else
+  // from a thread of its own (the heartbeat's lapses).
+  void ForgetGoneClientMemory(bool wait);
   // Tells each worker its tickets (Worker.ExpectStaged, in parallel).
   absl::Status TellStagingTickets(std::vector<v1::ExpectStagedRequest> expect, absl::Time deadline);
   // Tells each worker its tickets, then keeps the record under a new staging id.

@@ -295,6 +295,14 @@ class GrpcWorkerChannel : public WorkerChannel {
     return FromGrpcStatus(core_->stub->DropStaged(&ctx, request, &response));
   }
 
+  absl::Status ForgetClientMemory(const v1::ForgetClientMemoryRequest& request, absl::Time deadline) override {
+    if (absl::Status c = core_->Connected(deadline); !c.ok()) return c;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(ToGrpcDeadline(deadline));
+    v1::ForgetClientMemoryResponse response;
+    return FromGrpcStatus(core_->stub->ForgetClientMemory(&ctx, request, &response));
+  }
+
   // The worker's Status RPC, which answers on its own thread whatever its
   // steps are doing. Not wait-for-ready: a killed worker's ping fails at
   // once (connection refused), not at the ping's deadline (at least 2 s,

@@ -1,5 +1,8 @@
 #include "server/shared_memory_registry.h"
 
+#include <iterator>
+#include <set>
+
 #include "absl/strings/str_cat.h"
 #include "platform/shared_memory.h"
 #include "server/resident_registry.h"
@@ -55,15 +58,43 @@ absl::StatusOr<absl::Time> SharedMemoryRegistry::Register(const std::string& ten
   return expires;
 }
 
+void SharedMemoryRegistry::Erase(std::map<std::pair<std::string, std::string>, SharedMemoryRegion>::iterator it) const {
+  if (--per_tenant_[it->first.first] <= 0) per_tenant_.erase(it->first.first);
+  // The coordinator takes them at once (an unregister) or at its next
+  // heartbeat (a lapse); bounded for a coordinator without heartbeats (the
+  // workers' caches close what is not said, oldest first, as they fill).
+  constexpr size_t kMaxGone = 4096;
+  if (gone_.size() < kMaxGone) gone_.push_back(std::move(it->second));
+  regions_.erase(it);
+}
+
 void SharedMemoryRegistry::DropLapsed(absl::Time now) const {
   for (auto it = regions_.begin(); it != regions_.end();) {
-    if (it->second.expires > now) {
-      ++it;
-      continue;
-    }
-    if (--per_tenant_[it->first.first] <= 0) per_tenant_.erase(it->first.first);
-    it = regions_.erase(it);
+    auto next = std::next(it);
+    if (it->second.expires <= now) Erase(it);
+    it = next;
   }
+}
+
+SharedMemoryRegistry::GoneObjects SharedMemoryRegistry::TakeGone(absl::Time now) {
+  absl::MutexLock lock(&mu_);
+  DropLapsed(now);
+  std::set<std::string> live_keys, live_handles;
+  for (const auto& [id, region] : regions_) {
+    (region.cuda_ipc_handle.empty() ? live_keys : live_handles)
+        .insert(region.cuda_ipc_handle.empty() ? region.key : region.cuda_ipc_handle);
+  }
+  GoneObjects gone;
+  std::set<std::string> said;
+  for (SharedMemoryRegion& region : gone_) {
+    const bool cuda = !region.cuda_ipc_handle.empty();
+    std::string& object = cuda ? region.cuda_ipc_handle : region.key;
+    if ((cuda ? live_handles : live_keys).count(object) > 0) continue;  // another region still names it
+    if (!said.insert(absl::StrCat(cuda ? "c" : "k", object)).second) continue;
+    (cuda ? gone.cuda_ipc_handles : gone.keys).push_back(std::move(object));
+  }
+  gone_.clear();
+  return gone;
 }
 
 std::vector<std::string> SharedMemoryRegistry::Renew(const std::string& tenant, const std::vector<std::string>& names,
@@ -97,10 +128,11 @@ v1::SharedMemoryBlock SharedMemoryRegion::Block(uint64_t offset) const {
 absl::Status SharedMemoryRegistry::Unregister(const std::string& tenant, const std::string& name, absl::Time now) {
   absl::MutexLock lock(&mu_);
   DropLapsed(now);
-  if (regions_.erase({tenant, name}) == 0) {
+  auto it = regions_.find({tenant, name});
+  if (it == regions_.end()) {
     return absl::NotFoundError(absl::StrCat("name: no shared-memory region '", name, "' is registered"));
   }
-  if (--per_tenant_[tenant] <= 0) per_tenant_.erase(tenant);
+  Erase(it);
   return absl::OkStatus();
 }
 

@@ -53,6 +53,18 @@ class SharedMemoryRegistry {
   // and are what it says: INVALID_ARGUMENT naming `field` otherwise,
   // NOT_FOUND for a name the tenant has not registered (another tenant's
   // included).
+  // The objects of the regions unregistered or lapsed since the last call
+  // (lapses found by `now`) that no region still registered names: what
+  // the workers may close (their mappings of a POSIX object, their opened
+  // IPC handles of a CUDA allocation), so a client's memory is freed when
+  // it frees it. Each object is returned once.
+  struct GoneObjects {
+    std::vector<std::string> keys;
+    std::vector<std::string> cuda_ipc_handles;
+    bool empty() const { return keys.empty() && cuda_ipc_handles.empty(); }
+  };
+  GoneObjects TakeGone(absl::Time now = absl::Now());
+
   absl::StatusOr<SharedMemoryRegion> Resolve(const std::string& tenant, const v1::SharedMemoryRef& ref,
                                              int64_t bytes, const std::string& field,
                                              absl::Time now = absl::Now()) const;
@@ -60,10 +72,14 @@ class SharedMemoryRegistry {
  private:
   // Forgets every region whose lease lapsed by `now`.
   void DropLapsed(absl::Time now) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Erases `it` (unregistered or lapsed) and remembers its object for TakeGone.
+  void Erase(std::map<std::pair<std::string, std::string>, SharedMemoryRegion>::iterator it) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   const int max_per_tenant_;
   mutable absl::Mutex mu_;
   mutable std::map<std::pair<std::string, std::string>, SharedMemoryRegion> regions_ ABSL_GUARDED_BY(mu_);
   mutable std::map<std::string, int> per_tenant_ ABSL_GUARDED_BY(mu_);
+  mutable std::vector<SharedMemoryRegion> gone_ ABSL_GUARDED_BY(mu_);  // since the last TakeGone
 };
 
 }  // namespace shardgemm

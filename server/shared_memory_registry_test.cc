@@ -158,5 +158,41 @@ TEST_F(SharedMemoryRegistryTest, ALeaseOutsideItsBoundsIsRefusedNamingTheField) 
   }
 }
 
+TEST_F(SharedMemoryRegistryTest, AnObjectIsGoneOnceNoRegionNamesItUnregisteredOrLapsed) {
+  SharedMemoryRegistry registry;
+  const absl::Time t0 = absl::FromUnixSeconds(1000);
+  // Two names of one object (two tenants), and a CUDA allocation's handle under a lease.
+  ASSERT_TRUE(registry.Register("a", Request("r", 8), t0).ok());
+  ASSERT_TRUE(registry.Register("b", Request("r", 8), t0).ok());
+  v1::RegisterSharedMemoryRequest cuda;
+  cuda.set_name("c");
+  cuda.set_byte_size(256);
+  cuda.set_lease_ms(1000);
+  cuda.mutable_cuda()->set_ipc_handle(std::string(kCudaIpcHandleBytes, '\x07'));
+  ASSERT_TRUE(registry.Register("a", cuda, t0).ok());
+  EXPECT_TRUE(registry.TakeGone(t0).empty());
+
+  // One name gone: tenant b's region still names the object, so it stays open.
+  ASSERT_TRUE(registry.Unregister("a", "r", t0).ok());
+  EXPECT_TRUE(registry.TakeGone(t0).empty());
+  ASSERT_TRUE(registry.Unregister("b", "r", t0).ok());
+  SharedMemoryRegistry::GoneObjects gone = registry.TakeGone(t0);
+  EXPECT_EQ(gone.keys, std::vector<std::string>{key_});
+  EXPECT_TRUE(gone.cuda_ipc_handles.empty());
+  EXPECT_TRUE(registry.TakeGone(t0).empty()) << "each object is said once";
+
+  // The lease lapses unrenewed: found by the next TakeGone.
+  EXPECT_TRUE(registry.TakeGone(t0 + absl::Milliseconds(999)).empty());
+  gone = registry.TakeGone(t0 + absl::Seconds(1));
+  EXPECT_TRUE(gone.keys.empty());
+  EXPECT_EQ(gone.cuda_ipc_handles, std::vector<std::string>{std::string(kCudaIpcHandleBytes, '\x07')});
+
+  // Registered again before the take: still named, so not gone.
+  ASSERT_TRUE(registry.Register("a", Request("r", 8), t0).ok());
+  ASSERT_TRUE(registry.Unregister("a", "r", t0).ok());
+  ASSERT_TRUE(registry.Register("a", Request("again", 8), t0).ok());
+  EXPECT_TRUE(registry.TakeGone(t0).empty());
+}
+
 }  // namespace
 }  // namespace shardgemm

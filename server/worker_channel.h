@@ -79,6 +79,11 @@ class WorkerChannel {
   virtual absl::Status DropStaged(const v1::DropStagedRequest& request, absl::Time deadline) {
     return absl::UnimplementedError("this worker channel cannot drop staged blocks");
   }
+  // Tells the worker which same-host clients' memory no region names any
+  // more (it closes its mappings and handles of it); waits until `deadline`.
+  virtual absl::Status ForgetClientMemory(const v1::ForgetClientMemoryRequest& request, absl::Time deadline) {
+    return absl::UnimplementedError("this worker channel cannot forget client memory");
+  }
   // A liveness check (the heartbeat): OK when the worker answers by `deadline`.
   virtual absl::Status Ping(absl::Time deadline) = 0;
 };

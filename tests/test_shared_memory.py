@@ -262,3 +262,49 @@ def test_cuda_ipc_regions_on_cpu_workers_fail_clearly_and_lose_nothing(cluster_f
     assert_close(np.frombuffer(out.out.data, np.float32).reshape(64, 16), _reference(lhs, rhs, sizes, 2), 32)
     np.testing.assert_array_equal(client.get("w"), rhs)
     client.stub.UnregisterSharedMemory(pb.UnregisterSharedMemoryRequest(name="dev"))
+
+
+def _maps_object(pid, key):
+    """Whether process `pid` has the POSIX shared-memory object `key` mapped."""
+    with open(f"/proc/{pid}/maps") as f:
+        return any(line.rstrip().endswith("/dev/shm" + key) for line in f)
+
+
+def test_a_worker_lets_go_of_a_region_once_it_is_unregistered_or_its_lease_lapses(cluster_factory, regions):
+    from polling import wait_until
+
+    c = cluster_factory(mesh="dp=1", workers=1, coordinator_flags=["--shared_memory", "--heartbeat_interval_s=0.2"])
+    worker = next(p for name, p in c.procs if name.startswith("worker"))
+    lhs = rng.standard_normal((16, 32)).astype(np.float32)
+    rhs = rng.standard_normal((2, 32, 8)).astype(np.float32)
+
+    def use(name, region):
+        region.array(np.float32, lhs.shape)[:] = lhs
+        req = c.client.gemm_request(lhs, rhs, [6, 10])
+        _in_shm(req.lhs, name, 0, lhs.nbytes)
+        resp = c.client.stub.GroupedGemm(req, timeout=30)
+        assert list(resp.out.shape) == [16, 8]
+
+    # Unregistered: the worker's mapping goes before the unregister returns.
+    kept = regions(lhs.nbytes)
+    _register(c.client, "kept", kept, lhs.nbytes)
+    use("kept", kept)
+    assert _maps_object(worker.pid, kept.key), "the worker keeps a used region mapped across steps"
+    # A second name for the same object: the mapping stays while one still names it.
+    _register(c.client, "alias", kept, lhs.nbytes)
+    c.client.stub.UnregisterSharedMemory(pb.UnregisterSharedMemoryRequest(name="kept"), timeout=30)
+    assert _maps_object(worker.pid, kept.key), "still registered as 'alias'"
+    c.client.stub.UnregisterSharedMemory(pb.UnregisterSharedMemoryRequest(name="alias"), timeout=30)
+    assert not _maps_object(worker.pid, kept.key), "unmapped once no region names it"
+
+    # Lapsed unrenewed: gone within a lease and a few heartbeats.
+    leased = regions(lhs.nbytes)
+    c.client.stub.RegisterSharedMemory(pb.RegisterSharedMemoryRequest(
+        name="leased", key=leased.key, byte_size=lhs.nbytes, lease_ms=500), timeout=30)
+    use("leased", leased)
+    assert _maps_object(worker.pid, leased.key)
+    assert wait_until(lambda: not _maps_object(worker.pid, leased.key), 5.0), "unmapped after its lease lapsed"
+    # A region used again after it was let go is mapped afresh and still right.
+    _register(c.client, "kept", kept, lhs.nbytes)
+    use("kept", kept)
+    assert c.alive()

@@ -178,6 +178,13 @@ class Backend {
                                        const platform::TensorBlock& block, absl::string_view field);
   virtual absl::Status BlockFromHost(const char* source, const ClientMemory& memory,
                                      const platform::TensorBlock& block, absl::string_view field);
+  // Clients' memory no region names any more: the backend lets go of what
+  // it keeps of it across steps (pinned registrations of these mappings,
+  // opened IPC handles); returns how many handles it held open.
+  virtual int ForgetClientMemory(const std::vector<std::shared_ptr<const platform::SharedMemoryMapping>>& mappings,
+                                 const std::vector<std::string>& cuda_ipc_handles) {
+    return 0;
+  }
 };
 
 // `g` with its rhs_gather done on the host (Collectives::AllGather), run by

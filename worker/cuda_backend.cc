@@ -142,6 +142,10 @@ class CudaBackend : public Backend {
     absl::Status s = client_memory_.FromHost(source, memory, block, field);
     return s.ok() ? s : AfterFailure(s);
   }
+  int ForgetClientMemory(const std::vector<std::shared_ptr<const platform::SharedMemoryMapping>>& mappings,
+                         const std::vector<std::string>& cuda_ipc_handles) override {
+    return client_memory_.Forget(mappings, cuda_ipc_handles);
+  }
 
  private:
   // Called with the status of a failed call: waits for what the call left

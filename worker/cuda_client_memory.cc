@@ -112,6 +112,26 @@ absl::StatusOr<std::shared_ptr<CudaClientMemory::Imported>> CudaClientMemory::Im
       return found;
     }
   }
+  for (auto it = retiring_.begin(); it != retiring_.end();) {
+    std::shared_ptr<Imported> live = it->lock();
+    if (live == nullptr) {
+      it = retiring_.erase(it);
+      continue;
+    }
+    if (live->handle != memory.cuda_ipc_handle) {
+      ++it;
+      continue;
+    }
+    retiring_.erase(it);  // still open for a step: cached again
+    imported_.push_back(live);
+    Evict();
+    if (live->bytes < memory.region_bytes) {
+      return absl::FailedPreconditionError(absl::StrCat(field, ".cuda: the allocation has ", live->bytes,
+                                                        " bytes, fewer than the ", memory.region_bytes,
+                                                        " registered"));
+    }
+    return live;
+  }
   cudaSetDevice(device_);
   cudaIpcMemHandle_t handle;
   std::memcpy(&handle, memory.cuda_ipc_handle.data(), kIpcHandleBytes);
@@ -137,8 +157,51 @@ absl::StatusOr<std::shared_ptr<CudaClientMemory::Imported>> CudaClientMemory::Im
                                                       " bytes, fewer than the ", memory.region_bytes, " registered"));
   }
   imported_.push_back(imported);
-  while (imported_.size() > kCachedHandles) imported_.pop_front();  // closed once no step holds it
+  Evict();
   return imported;
+}
+
+void CudaClientMemory::Retire(std::shared_ptr<Imported> imported) {
+  // Closed here unless a step holds it; then when that step lets it go.
+  if (imported.use_count() > 1) retiring_.push_back(imported);
+}
+
+void CudaClientMemory::Evict() {
+  while (imported_.size() > kCachedHandles) {
+    Retire(std::move(imported_.front()));
+    imported_.pop_front();
+  }
+}
+
+int CudaClientMemory::Forget(const std::vector<std::shared_ptr<const platform::SharedMemoryMapping>>& mappings,
+                             const std::vector<std::string>& cuda_ipc_handles) {
+  std::vector<std::shared_ptr<Imported>> closing;  // closed after the lock is let go
+  std::vector<std::shared_ptr<Pinned>> unpinning;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const std::string& handle : cuda_ipc_handles) {
+      for (auto it = imported_.begin(); it != imported_.end();) {
+        if ((*it)->handle != handle) {
+          ++it;
+          continue;
+        }
+        Retire(*it);
+        closing.push_back(std::move(*it));
+        it = imported_.erase(it);
+      }
+    }
+    for (const auto& mapping : mappings) {
+      for (auto it = pinned_.begin(); it != pinned_.end();) {
+        if ((*it)->mapping != mapping) {
+          ++it;
+          continue;
+        }
+        unpinning.push_back(std::move(*it));
+        it = pinned_.erase(it);
+      }
+    }
+  }
+  return static_cast<int>(closing.size());
 }
 
 bool CudaClientMemory::Pin(const std::shared_ptr<const platform::SharedMemoryMapping>& mapping, bool writable) {

@@ -14,6 +14,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -41,6 +42,11 @@ class CudaClientMemory {
   absl::Status FromHost(const char* source, const ClientMemory& memory, const platform::TensorBlock& block,
                         absl::string_view field);
 
+  // Backend::ForgetClientMemory: closes the handles (those a step still
+  // uses when it ends) and unpins the mappings; how many were held.
+  int Forget(const std::vector<std::shared_ptr<const platform::SharedMemoryMapping>>& mappings,
+             const std::vector<std::string>& cuda_ipc_handles);
+
   // A cudaIpcMemHandle_t's size: what a registered handle must have.
   static constexpr size_t kIpcHandleBytes = sizeof(cudaIpcMemHandle_t);
 
@@ -51,6 +57,9 @@ class CudaClientMemory {
   // Whether the copies from / to `mapping` may run at pinned speed (it was
   // registered); keeps the mapping while it is in the cache.
   bool Pin(const std::shared_ptr<const platform::SharedMemoryMapping>& mapping, bool writable);
+  // Out of the cache: kept in retiring_ while a step holds it.
+  void Retire(std::shared_ptr<Imported> imported);
+  void Evict();  // the oldest handles past the cache's size
   // The pieces of `block` between `region` and packed `local` memory.
   absl::Status CopyPieces(const platform::TensorBlock& block, char* region, char* local, bool into_region,
                           cudaMemcpyKind kind, absl::string_view field);
@@ -61,6 +70,10 @@ class CudaClientMemory {
   std::atomic<int64_t>* downloaded_;
   std::mutex mu_;
   std::deque<std::shared_ptr<Imported>> imported_;  // most recent last
+  // Forgotten while a step still used them: open until it ends. Found again
+  // by a new registration of the same allocation (a handle is opened once
+  // per process), so it is not opened twice.
+  std::vector<std::weak_ptr<Imported>> retiring_;
   std::deque<std::shared_ptr<Pinned>> pinned_;      // most recent last
   bool said_unpinned_ = false;
 };

@@ -1306,4 +1306,13 @@ absl::StatusOr<v1::StepResult> Executor::RunQuantize(v1::QuantizeStep& q) {
   return result;
 }
 
+int Executor::ForgetClientMemory(const v1::ForgetClientMemoryRequest& request) {
+  std::vector<std::shared_ptr<const platform::SharedMemoryMapping>> mappings;
+  for (const std::string& key : request.keys()) {
+    for (auto& m : Mappings().Forget(key)) mappings.push_back(std::move(m));
+  }
+  const std::vector<std::string> handles(request.cuda_ipc_handles().begin(), request.cuda_ipc_handles().end());
+  return static_cast<int>(mappings.size()) + backend_->ForgetClientMemory(mappings, handles);
+}
+
 }  // namespace shardgemm

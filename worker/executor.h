@@ -63,6 +63,10 @@ class Executor {
   // a worker that missed the request still hears of the epoch before it
   // runs any later step. FAILED_PRECONDITION for another session's.
   absl::Status AdvanceEpoch(const v1::AdvanceEpochRequest& request);
+
+  // Same-host clients' memory no region names any more (Worker.ForgetClientMemory):
+  // the mappings and handles kept across steps are let go; how many were held.
+  int ForgetClientMemory(const v1::ForgetClientMemoryRequest& request);
   // Whether `session` is the coordinator's this worker is configured by. A
   // worker the coordinator registered may not have configured itself yet
   // (it builds its collectives first): the answer waits for that until

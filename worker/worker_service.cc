@@ -232,4 +232,12 @@ grpc::Status WorkerServiceImpl::DropStaged(grpc::ServerContext* context, const v
   return grpc::Status::OK;
 }
 
+grpc::Status WorkerServiceImpl::ForgetClientMemory(grpc::ServerContext* context,
+                                                   const v1::ForgetClientMemoryRequest* request,
+                                                   v1::ForgetClientMemoryResponse* response) {
+  if (grpc::Status s = CheckCaller(*context); !s.ok()) return s;
+  response->set_closed(executor_->ForgetClientMemory(*request));
+  return grpc::Status::OK;
+}
+
 }  // namespace shardgemm

@@ -45,6 +45,8 @@ class WorkerServiceImpl final : public v1::Worker::Service {
                           v1::StageResponse* response) override;
   grpc::Status DropStaged(grpc::ServerContext* context, const v1::DropStagedRequest* request,
                           v1::DropStagedResponse* response) override;
+  grpc::Status ForgetClientMemory(grpc::ServerContext* context, const v1::ForgetClientMemoryRequest* request,
+                                  v1::ForgetClientMemoryResponse* response) override;
 
   // The staging area the coordinator's tickets go to (null: this worker
   // serves no staging; ExpectStaged is then FAILED_PRECONDITION). Set before
