@@ -12,16 +12,23 @@
 
 namespace shardgemm {
 
-class StagingServiceImpl final : public v1::Staging::Service {
+// Both methods take raw messages (proto/chunk_wire.h) on callback reactors:
+// a staged chunk's bytes go from gRPC's slices straight into the block, and
+// a fetched block goes out as slices borrowing its bytes, with no protobuf
+// copy either way.
+class StagingServiceImpl final
+    : public v1::Staging::WithRawCallbackMethod_Stage<v1::Staging::WithRawCallbackMethod_Fetch<v1::Staging::Service>> {
  public:
   // `tokens` null: no tokens checked (--insecure), every caller is the
   // tenant "" (as at an insecure coordinator).
   StagingServiceImpl(StagingArea* area, security::TokenFile* tokens) : area_(area), tokens_(tokens) {}
 
-  grpc::Status Stage(grpc::ServerContext* context, grpc::ServerReader<v1::StageChunk>* reader,
-                     v1::StageResponse* response) override;
-  grpc::Status Fetch(grpc::ServerContext* context, const v1::FetchRequest* request,
-                     grpc::ServerWriter<v1::FetchChunk>* writer) override;
+  // StageChunk messages in, a StageResponse out.
+  grpc::ServerReadReactor<grpc::ByteBuffer>* Stage(grpc::CallbackServerContext* context,
+                                                   grpc::ByteBuffer* response) override;
+  // A FetchRequest in, FetchChunk messages out.
+  grpc::ServerWriteReactor<grpc::ByteBuffer>* Fetch(grpc::CallbackServerContext* context,
+                                                    const grpc::ByteBuffer* request) override;
 
   // Data bytes of a Fetch stream's message (with its header within 1 MiB, as the service's streams).
   static constexpr size_t kChunkBytes = static_cast<size_t>(kTensorChunkBytes);
@@ -38,7 +45,7 @@ class StagingServiceImpl final : public v1::Staging::Service {
  private:
   // The caller's tenant: UNAUTHENTICATED without a valid token,
   // PERMISSION_DENIED for a token not granted compute.
-  absl::StatusOr<std::string> TenantOf(const grpc::ServerContext& context);
+  absl::StatusOr<std::string> TenantOf(const grpc::ServerContextBase& context);
 
   StagingArea* area_;
   security::TokenFile* tokens_;
