@@ -12,8 +12,11 @@
 #include "absl/time/clock.h"
 #include "google/protobuf/field_mask.pb.h"
 #include "google/protobuf/util/field_mask_util.h"
+#include "absl/synchronization/notification.h"
+#include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
 #include "platform/huge_pages.h"
+#include "proto/chunk_wire.h"
 #include "proto/tensor_codec.h"
 #include "proto/transport.h"
 #include "proto/grpc_status.h"
@@ -21,6 +24,68 @@
 namespace shardgemm {
 namespace {
 constexpr size_t kChunkBytes = kTensorChunkBytes;
+constexpr char kStageMethod[] = "/shardgemm.v1.Staging/Stage";
+constexpr char kFetchMethod[] = "/shardgemm.v1.Staging/Fetch";
+// How long a staged block's bytes may stay lent to gRPC after its call
+// ended: only a connection whose writes are stuck holds them that long.
+constexpr absl::Duration kLentBytesTimeout = absl::Seconds(30);
+
+// One raw call on a generic stub, client-streaming or server-streaming
+// alike: writes each message `next` gives until it returns false, then
+// half-closes; hands each message the server answers to `on_message`
+// (false: the call is cancelled). The context's deadline bounds the wait.
+class RawCall final : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
+ public:
+  using Next = std::function<bool(grpc::ByteBuffer*)>;
+  using OnMessage = std::function<bool(const grpc::ByteBuffer&)>;
+
+  static grpc::Status Run(grpc::GenericStub* stub, grpc::ClientContext* ctx, const char* method, Next next,
+                          OnMessage on_message) {
+    RawCall call(ctx, std::move(next), std::move(on_message));
+    stub->PrepareBidiStreamingCall(ctx, method, grpc::StubOptions(), &call);
+    call.StartRead(&call.in_);
+    call.WriteNext();
+    call.StartCall();
+    call.done_.WaitForNotification();
+    return call.status_;
+  }
+
+  void OnWriteDone(bool ok) override {
+    if (ok) WriteNext();  // else the server ended the call: OnDone says why
+  }
+  void OnReadDone(bool ok) override {
+    if (!ok) return;
+    if (!on_message_(in_)) {
+      ctx_->TryCancel();
+      return;
+    }
+    in_.Clear();
+    StartRead(&in_);
+  }
+  void OnDone(const grpc::Status& status) override {
+    status_ = status;
+    out_.Clear();
+    done_.Notify();
+  }
+
+ private:
+  RawCall(grpc::ClientContext* ctx, Next next, OnMessage on_message)
+      : ctx_(ctx), next_(std::move(next)), on_message_(std::move(on_message)) {}
+  void WriteNext() {
+    if (next_(&out_)) {
+      StartWrite(&out_);
+    } else {
+      out_.Clear();
+      StartWritesDone();
+    }
+  }
+  grpc::ClientContext* const ctx_;
+  Next next_;
+  OnMessage on_message_;
+  grpc::ByteBuffer out_, in_;
+  grpc::Status status_;
+  absl::Notification done_;
+};
 }  // namespace
 
 ShardGemmClient::ShardGemmClient(const std::string& address,
@@ -30,12 +95,12 @@ ShardGemmClient::ShardGemmClient(const std::string& address,
   stub_ = v1::ShardGemm::NewStub(grpc::CreateCustomChannel(address, std::move(credentials), args));
 }
 
-v1::Staging::Stub* ShardGemmClient::StagingStub(const std::string& address) {
+grpc::GenericStub* ShardGemmClient::StagingStub(const std::string& address) {
   absl::MutexLock lock(&staging_mu_);
-  std::unique_ptr<v1::Staging::Stub>& stub = staging_[address];
+  std::unique_ptr<grpc::GenericStub>& stub = staging_[address];
   if (stub == nullptr) {
     grpc::ChannelArguments args = TensorChannelArguments(max_message_bytes_);
-    stub = v1::Staging::NewStub(grpc::CreateCustomChannel(address, credentials_, args));
+    stub = std::make_unique<grpc::GenericStub>(grpc::CreateCustomChannel(address, credentials_, args));
   }
   return stub.get();
 }
@@ -184,22 +249,33 @@ absl::Status ShardGemmClient::StageAll(const v1::StagingPlan& plan, const std::m
     grpc::ClientContext ctx;
     if (!request_id.empty()) ctx.AddMetadata("x-request-id", request_id);
     SetDeadline(&ctx, deadline);
-    v1::StageResponse response;
-    auto writer = StagingStub(d.address())->Stage(&ctx, &response);
-    // One message reused: its data keeps its capacity, so a chunk is one copy into it (Write serializes it
-    // before it returns).
-    v1::StageChunk chunk;
-    chunk.set_ticket(d.ticket());
-    size_t offset = 0;
-    do {
-      const size_t n = std::min(kChunkBytes, block.size() - offset);
-      chunk.set_data(block.data() + offset, n);
-      offset += n;
-      if (!writer->Write(chunk)) break;  // the worker ended the stream: Finish says why
-      chunk.clear_ticket();
-    } while (offset < block.size());
-    writer->WritesDone();
-    grpc::Status s = writer->Finish();
+    // Each message's data borrows the block's bytes; gRPC may hold them a
+    // moment past the call's end (a write still on the socket), so the
+    // caller's bytes are handed back only once it has let go of them all.
+    auto released = std::make_shared<absl::Notification>();
+    grpc::Status s;
+    {
+      std::shared_ptr<const void> lent(block.data(), [released](const void*) { released->Notify(); });
+      size_t offset = 0;
+      bool first = true;
+      s = RawCall::Run(
+          StagingStub(d.address()), &ctx, kStageMethod,
+          [&](grpc::ByteBuffer* message) {
+            if (!first && offset >= block.size()) return false;
+            const size_t n = std::min(kChunkBytes, block.size() - offset);
+            *message = EncodeStageChunk(first ? absl::string_view(d.ticket()) : absl::string_view(),
+                                        block.substr(offset, n), lent);
+            offset += n;
+            first = false;
+            return true;
+          },
+          [](const grpc::ByteBuffer&) { return true; });  // the StageResponse: its byte count is the block's
+    }
+    if (!released->WaitForNotificationWithTimeout(kLentBytesTimeout)) {
+      return absl::UnavailableError(absl::StrCat("staging at worker rank ", d.rank(), " (", d.address(),
+                                                 "): the connection still held the block's bytes ",
+                                                 absl::FormatDuration(kLentBytesTimeout), " after the call"));
+    }
     if (!s.ok()) {
       return absl::Status(FromGrpcStatus(s).code(),
                           absl::StrCat("staging at worker rank ", d.rank(), " (", d.address(), "): ", s.error_message()));
@@ -264,26 +340,42 @@ absl::StatusOr<HostTensor> ShardGemmClient::FetchAll(v1::DType dtype_proto, cons
     SetDeadline(&ctx, deadline);
     v1::FetchRequest fetch;
     fetch.set_ticket(d.ticket());
-    auto reader = StagingStub(d.address())->Fetch(&ctx, fetch);
     int64_t got = 0;
     bool overflow = false;
-    v1::FetchChunk chunk;
-    while (reader->Read(&chunk)) {
-      const std::string& data = chunk.data();
-      if (got + static_cast<int64_t>(data.size()) > block_bytes) {
-        overflow = true;
-        ctx.TryCancel();  // Finish then returns at once
-        break;
-      }
-      if (start >= 0) {
-        std::memcpy(out_bytes + start + got, data.data(), data.size());
-      } else {
-        received.append(data);
-      }
-      got += static_cast<int64_t>(data.size());
-    }
-    grpc::Status s = reader->Finish();
+    absl::Status malformed;
+    bool asked = false;
+    DecodedChunk chunk;
+    // Each chunk's bytes are copied once, from gRPC's slices to where they go.
+    grpc::Status s = RawCall::Run(
+        StagingStub(d.address()), &ctx, kFetchMethod,
+        [&](grpc::ByteBuffer* message) {
+          if (asked) return false;
+          asked = true;
+          grpc::Slice slice(fetch.SerializeAsString());
+          *message = grpc::ByteBuffer(&slice, 1);
+          return true;
+        },
+        [&](const grpc::ByteBuffer& message) {
+          if (malformed = DecodeFetchChunk(message, &chunk); !malformed.ok()) return false;
+          const int64_t n = static_cast<int64_t>(chunk.data_size());
+          if (got + n > block_bytes) {
+            overflow = true;
+            return false;  // the call is cancelled: it ends at once
+          }
+          if (start >= 0) {
+            chunk.CopyDataTo(out_bytes + start + got);
+          } else {
+            for (absl::string_view piece : chunk.data()) received.append(piece.data(), piece.size());
+          }
+          got += n;
+          chunk.Clear();
+          return true;
+        });
     if (overflow) return absl::DataLossError(absl::StrCat("block ", i, " came with more than its ", block_bytes, " bytes"));
+    if (!malformed.ok()) {
+      return absl::DataLossError(absl::StrCat("fetching from worker rank ", d.rank(), " (", d.address(),
+                                              "): ", malformed.message()));
+    }
     if (!s.ok()) {
       return absl::Status(FromGrpcStatus(s).code(),
                           absl::StrCat("fetching from worker rank ", d.rank(), " (", d.address(), "): ",

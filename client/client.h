@@ -10,6 +10,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "kernels/host_tensor.h"
+#include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/security/credentials.h"
 #include "proto/shardgemm.grpc.pb.h"
 #include "proto/transport.h"
@@ -91,7 +92,8 @@ class ShardGemmClient {
   void Prepare(grpc::ClientContext* ctx) const;
   void NoteRequestId(const grpc::ClientContext& ctx);
 
-  v1::Staging::Stub* StagingStub(const std::string& address);
+  // The raw Staging calls' stub for a worker's staging address (proto/chunk_wire.h encodes their chunks).
+  grpc::GenericStub* StagingStub(const std::string& address);
   // The direct path's parts: the transfer plan (and the request id its
   // later calls carry); every block of it streamed to its destinations in
   // parallel; the blocks read from their holders into one tensor; a plan
@@ -110,7 +112,7 @@ class ShardGemmClient {
   std::shared_ptr<grpc::ChannelCredentials> credentials_;
   int max_message_bytes_;
   absl::Mutex staging_mu_;
-  std::map<std::string, std::unique_ptr<v1::Staging::Stub>> staging_ ABSL_GUARDED_BY(staging_mu_);
+  std::map<std::string, std::unique_ptr<grpc::GenericStub>> staging_ ABSL_GUARDED_BY(staging_mu_);
   std::string request_id_, last_request_id_;
   absl::Duration timeout_ = absl::Minutes(5);
 };
