@@ -5,7 +5,6 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "platform/huge_pages.h"
 
 namespace shardgemm {
 
@@ -27,8 +26,13 @@ absl::StatusOr<int64_t> BlockBytes(const ExpectedBlock& block) {
 
 }  // namespace
 
-StagingArea::StagingArea(int64_t budget_bytes, absl::Duration ttl, Clock now, int64_t tenant_limit_bytes)
-    : budget_bytes_(budget_bytes), tenant_limit_bytes_(tenant_limit_bytes), ttl_(ttl), now_(std::move(now)) {}
+StagingArea::StagingArea(int64_t budget_bytes, absl::Duration ttl, Clock now, int64_t tenant_limit_bytes,
+                         std::unique_ptr<StagingMemory> memory)
+    : budget_bytes_(budget_bytes),
+      tenant_limit_bytes_(tenant_limit_bytes),
+      ttl_(ttl),
+      now_(std::move(now)),
+      memory_(memory != nullptr ? std::move(memory) : MakeHostStagingMemory()) {}
 
 void StagingArea::set_worker_name(std::string name) {
   absl::MutexLock lock(&mu_);
@@ -52,7 +56,7 @@ void StagingArea::Drop(absl::flat_hash_map<std::string, Entry>::iterator it) {
   if ((s == State::kStaging || s == State::kFetching) && it->second.cancel) {
     expired_streams_[it->second.id] = std::move(it->second.cancel);
   }
-  entries_.erase(it);
+  entries_.erase(it);  // frees a block's memory (a device staging memory's too)
 }
 
 absl::Status StagingArea::Reserve(int64_t bytes, const std::string& tenant, absl::string_view what) {
@@ -101,6 +105,27 @@ absl::StatusOr<std::unique_ptr<StagingArea::Upload>> StagingArea::BeginStage(con
                                                                              const std::string& tenant,
                                                                              CancelStream cancel, StageTtl ttl,
                                                                              absl::Duration idle) {
+  ExpectedBlock block;
+  std::string worker;
+  auto upload = OpenUpload(ticket, tenant, std::move(cancel), ttl, idle, &block, &worker);
+  if (!upload.ok()) return upload.status();
+  // Outside the lock: a device staging memory allocates device memory here.
+  // Failing, the upload goes: its reservation with it, the ticket stays expected.
+  auto writer = memory_->BeginBlock(block, (*upload)->expected_bytes());
+  if (!writer.ok()) {
+    return absl::Status(writer.status().code(), absl::StrCat("staging ", block.operand, " of ", Named(ticket),
+                                                             " on ", worker, ": ", writer.status().message()));
+  }
+  (*upload)->writer_ = *std::move(writer);
+  return upload;
+}
+
+absl::StatusOr<std::unique_ptr<StagingArea::Upload>> StagingArea::OpenUpload(const std::string& ticket,
+                                                                             const std::string& tenant,
+                                                                             CancelStream cancel, StageTtl ttl,
+                                                                             absl::Duration idle,
+                                                                             ExpectedBlock* block,
+                                                                             std::string* worker) {
   absl::MutexLock lock(&mu_);
   Entry* e = Find(ticket);
   if (e == nullptr) {
@@ -133,6 +158,8 @@ absl::StatusOr<std::unique_ptr<StagingArea::Upload>> StagingArea::BeginStage(con
   e->cancel = std::move(cancel);
   const absl::Duration renew_for = ttl == StageTtl::kFromLastData ? std::max(ttl_, idle) : absl::ZeroDuration();
   if (renew_for > absl::ZeroDuration()) e->expires = now_() + renew_for;
+  *block = e->block;
+  *worker = worker_name_;
   return std::unique_ptr<Upload>(new Upload(this, ticket, tenant, e->id, e->bytes, renew_for));
 }
 
@@ -162,29 +189,48 @@ absl::Status StagingArea::Renew(const std::string& ticket, uint64_t id, absl::Du
 }
 
 StagingArea::Upload::~Upload() {
-  if (!committed_) area_->EndUpload(ticket_, tenant_, id_, expected_bytes_);
+  if (!committed_) Abandon();
+}
+
+void StagingArea::Upload::Abandon() {
+  if (ended_) return;
+  ended_ = true;
+  writer_.reset();  // its memory first: a device block's copies in flight are its memory's to finish
+  area_->EndUpload(ticket_, tenant_, id_, expected_bytes_);
 }
 
 absl::Status StagingArea::Upload::Append(absl::string_view data) {
+  if (!failed_.ok()) return failed_;
   if (renew_for_ > absl::ZeroDuration()) {
     if (absl::Status s = area_->Renew(ticket_, id_, renew_for_); !s.ok()) return s;
   }
-  if (static_cast<int64_t>(bytes_.size() + data.size()) > expected_bytes_) {
+  if (received_ + static_cast<int64_t>(data.size()) > expected_bytes_) {
     return absl::InvalidArgumentError(absl::StrCat("data: more than the ", expected_bytes_, " bytes ",
                                                    Named(ticket_), " expects"));
   }
-  if (bytes_.empty()) {  // the whole block at once, filled as the stream arrives
-    bytes_.reserve(static_cast<size_t>(expected_bytes_));
-    platform::AdviseHugePages(bytes_.data(), bytes_.capacity());
+  if (data.empty()) return absl::OkStatus();
+  if (absl::Status s = writer_->Append(data); !s.ok()) {
+    failed_ = s;
+    Abandon();
+    return s;
   }
-  bytes_.append(data.data(), data.size());
+  received_ += static_cast<int64_t>(data.size());
   return absl::OkStatus();
 }
 
 absl::StatusOr<int64_t> StagingArea::Upload::Commit() {
-  if (static_cast<int64_t>(bytes_.size()) != expected_bytes_) {
-    return absl::InvalidArgumentError(absl::StrCat("data: ", bytes_.size(), " bytes, but ", Named(ticket_),
+  if (!failed_.ok()) return failed_;
+  if (received_ != expected_bytes_) {
+    return absl::InvalidArgumentError(absl::StrCat("data: ", received_, " bytes, but ", Named(ticket_),
                                                    " expects ", expected_bytes_));
+  }
+  // Outside the lock: a device staging memory waits for its copies here.
+  absl::StatusOr<StagedBytes> staged = writer_->Finish();
+  writer_.reset();
+  if (!staged.ok()) {
+    failed_ = staged.status();
+    Abandon();
+    return failed_;
   }
   absl::MutexLock lock(&area_->mu_);
   Entry* e = area_->Find(ticket_);
@@ -195,11 +241,16 @@ absl::StatusOr<int64_t> StagingArea::Upload::Commit() {
   if (e == nullptr || e->state != State::kStaging || e->id != id_) {
     return absl::NotFoundError(absl::StrCat("ticket: ", Named(ticket_), " expired while it was being staged"));
   }
+  if (staged->device == nullptr && static_cast<int64_t>(staged->host.size()) != expected_bytes_) {
+    return absl::InternalError(absl::StrCat("the staging memory kept ", staged->host.size(), " bytes of ",
+                                            Named(ticket_), "'s ", expected_bytes_));
+  }
   auto t = std::make_shared<HostTensor>();
   t->dtype = e->block.dtype;
   t->shape = e->block.shape;
-  t->bytes = std::move(bytes_);
+  t->bytes = std::move(staged->host);
   e->data = std::move(t);
+  e->device = std::move(staged->device);
   e->state = State::kStaged;
   e->cancel = nullptr;
   e->expires = area_->now_() + area_->ttl_;  // a staged block waits a TTL for its step
@@ -222,6 +273,19 @@ void StagingArea::ForgetStream(uint64_t id) { expired_streams_.erase(id); }
 
 absl::StatusOr<HostTensor> StagingArea::Claim(const std::string& ticket, DType dtype,
                                               const std::vector<int64_t>& shape, absl::string_view field) {
+  auto block = Take(ticket, dtype, shape, field, /*host_only=*/true);
+  if (!block.ok()) return block.status();
+  return std::move(block->tensor);
+}
+
+absl::StatusOr<StagedBlock> StagingArea::ClaimBlock(const std::string& ticket, DType dtype,
+                                                    const std::vector<int64_t>& shape, absl::string_view field) {
+  return Take(ticket, dtype, shape, field, /*host_only=*/false);
+}
+
+absl::StatusOr<StagedBlock> StagingArea::Take(const std::string& ticket, DType dtype,
+                                              const std::vector<int64_t>& shape, absl::string_view field,
+                                              bool host_only) {
   absl::MutexLock lock(&mu_);
   Entry* e = Find(ticket);
   if (e == nullptr) {
@@ -247,8 +311,15 @@ absl::StatusOr<HostTensor> StagingArea::Claim(const std::string& ticket, DType d
         field, ".staged: the step's block is ", DTypeName(dtype), " ", ShapeToString(shape), " but ", Named(ticket),
         " was issued for ", DTypeName(e->block.dtype), " ", ShapeToString(e->block.shape)));
   }
-  HostTensor out = std::move(*std::const_pointer_cast<HostTensor>(e->data));
+  if (host_only && e->device != nullptr) {
+    return absl::InternalError(absl::StrCat(field, ".staged: the block of ", Named(ticket),
+                                            " is in device memory (ClaimBlock takes it)"));
+  }
+  StagedBlock out;
+  out.tensor = std::move(*std::const_pointer_cast<HostTensor>(e->data));
+  out.device = std::move(e->device);
   e->data.reset();
+  e->device.reset();
   Unreserve(e->bytes, e->block.tenant);
   e->state = State::kUsed;  // remembered until it expires
   return out;
@@ -273,6 +344,7 @@ void StagingArea::Discard(const std::string& ticket) {
     expired_streams_[e->id] = std::move(e->cancel);
   }
   e->data.reset();
+  e->device.reset();
   e->cancel = nullptr;
   e->state = State::kUsed;
 }
@@ -300,10 +372,39 @@ absl::Status StagingArea::Hold(const std::string& ticket, const std::string& ten
 
 absl::Status StagingArea::HoldMade(const std::string& ticket, const std::string& tenant, int64_t bytes,
                                    const std::function<absl::StatusOr<std::shared_ptr<const HostTensor>>()>& make) {
+  return HoldMadeAs(ticket, tenant, bytes, "holding a copy of the block for a direct fetch", make);
+}
+
+absl::Status StagingArea::HoldOutput(const std::string& ticket, const std::string& tenant, DType dtype,
+                                     const std::vector<int64_t>& shape,
+                                     const std::function<absl::Status(char* dst)>& fill) {
+  ExpectedBlock expected;
+  expected.dtype = dtype;
+  expected.shape = shape;
+  auto bytes = BlockBytes(expected);
+  if (!bytes.ok()) return absl::InvalidArgumentError(absl::StrCat("out_staged: ", bytes.status().message()));
+  return HoldMadeAs(ticket, tenant, *bytes, "out_staged: holding the output block for a direct fetch",
+                    [&]() -> absl::StatusOr<std::shared_ptr<const HostTensor>> {
+                      auto block = memory_->OutputBlock(dtype, shape, *bytes);
+                      if (!block.ok()) return block.status();
+                      if ((*block)->NumBytes() != *bytes) {
+                        return absl::InternalError(absl::StrCat("the staging memory gave ", (*block)->NumBytes(),
+                                                                " bytes for an output of ", *bytes));
+                      }
+                      if (*bytes > 0) {
+                        if (auto s = fill(&(*block)->bytes[0]); !s.ok()) return s;
+                      }
+                      return std::shared_ptr<const HostTensor>(*std::move(block));
+                    });
+}
+
+absl::Status StagingArea::HoldMadeAs(const std::string& ticket, const std::string& tenant, int64_t bytes,
+                                     absl::string_view what,
+                                     const std::function<absl::StatusOr<std::shared_ptr<const HostTensor>>()>& make) {
   {
     absl::MutexLock lock(&mu_);
     if (auto s = Known(ticket); !s.ok()) return s;
-    if (auto s = Reserve(bytes, tenant, "holding a copy of the block for a direct fetch"); !s.ok()) return s;
+    if (auto s = Reserve(bytes, tenant, what); !s.ok()) return s;
   }
   absl::StatusOr<std::shared_ptr<const HostTensor>> block = make();
   if (block.ok() && *block == nullptr) block = absl::InternalError("no block to hold");

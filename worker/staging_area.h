@@ -8,7 +8,11 @@
 // output: held -> being fetched -> fetched (used). Every held byte counts
 // against the budget; anything not claimed or fetched within the TTL
 // expires and frees its bytes. A used ticket is remembered until its
-// expiry, so a second use is told apart from an unknown ticket.
+// expiry, so a second use is told apart from an unknown ticket. Where the
+// bytes live is the injected StagingMemory's choice (worker/staging_memory.h):
+// host memory by default; on a CUDA worker a staged GEMM operand is in
+// device memory once committed, and an output held for fetch in pinned host
+// memory.
 #ifndef SHARDGEMM_WORKER_STAGING_AREA_H_
 #define SHARDGEMM_WORKER_STAGING_AREA_H_
 
@@ -25,17 +29,17 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "kernels/host_tensor.h"
+#include "worker/shard.h"
+#include "worker/staging_memory.h"
 
 namespace shardgemm {
 
-// What a ticket stands for (Worker.ExpectStaged's StagingTicket).
-struct ExpectedBlock {
-  std::string tenant;
-  // What the block is, for messages: "the TENSOR_LHS block", "the block of
-  // tensor 'w' for rank 1".
-  std::string operand;
-  DType dtype = DType::kInvalid;
-  std::vector<int64_t> shape;
+// A staged block a step claimed: `tensor` has its dtype and shape, and its
+// bytes unless `device` holds them (a device staging memory's; `tensor` is
+// then a header without bytes, as a device-only shard's).
+struct StagedBlock {
+  HostTensor tensor;
+  std::shared_ptr<const DeviceBuffer> device;
 };
 
 class StagingArea {
@@ -46,9 +50,10 @@ class StagingArea {
   // block waits to be used. `tenant_limit_bytes` (--staging_tenant_share of
   // the budget): what one named tenant may hold of it; negative: no bound.
   // The anonymous tenant (a mesh without tokens, where every client is the
-  // same one) is bounded by the budget alone.
+  // same one) is bounded by the budget alone. `memory` keeps the blocks'
+  // bytes (null: host memory); the budget counts them wherever they are.
   StagingArea(int64_t budget_bytes, absl::Duration ttl, Clock now = [] { return absl::Now(); },
-              int64_t tenant_limit_bytes = -1);
+              int64_t tenant_limit_bytes = -1, std::unique_ptr<StagingMemory> memory = nullptr);
 
   // How errors name this worker (its staging address); "this worker" until set.
   void set_worker_name(std::string name);
@@ -64,14 +69,17 @@ class StagingArea {
     ~Upload();
     Upload(const Upload&) = delete;
     Upload& operator=(const Upload&) = delete;
-    // INVALID_ARGUMENT past the ticket's bytes.
+    // INVALID_ARGUMENT past the ticket's bytes. The staging memory's error
+    // as it is (its block is freed then, the reservation given back, and the
+    // ticket may be staged again; this upload fails from then on).
     // With StageTtl::kFromLastData (empty `data` too: a keep-alive), NOT_FOUND
     // once the ticket expired (nothing arrived for its bound),
     // FAILED_PRECONDITION once it was discarded.
     absl::Status Append(absl::string_view data);
     // The block is staged: INVALID_ARGUMENT unless exactly the ticket's
     // bytes arrived; NOT_FOUND if the ticket expired meanwhile;
-    // FAILED_PRECONDITION if it was discarded meanwhile.
+    // FAILED_PRECONDITION if it was discarded meanwhile; the staging
+    // memory's error (waiting for a device's copies) as Append's.
     absl::StatusOr<int64_t> Commit();
     int64_t expected_bytes() const { return expected_bytes_; }
 
@@ -79,14 +87,19 @@ class StagingArea {
     friend class StagingArea;
     Upload(StagingArea* area, std::string ticket, std::string tenant, uint64_t id, int64_t expected_bytes,
            absl::Duration renew_for);
+    // Frees the block and gives its reservation back (once).
+    void Abandon();
     StagingArea* area_;
     std::string ticket_;
     std::string tenant_;  // whose reservation it holds
     uint64_t id_;
     int64_t expected_bytes_;
     absl::Duration renew_for_;  // StageTtl::kFromLastData: each Append's; zero: none
-    std::string bytes_;
+    std::unique_ptr<StagingMemory::Writer> writer_;
+    int64_t received_ = 0;
+    absl::Status failed_;  // the staging memory's error, once it failed
     bool committed_ = false;
+    bool ended_ = false;  // abandoned: nothing held
   };
   // Ends a stream whose ticket expired while it was open (a client that
   // stalls would otherwise hold its bytes past the TTL); called by Sweep,
@@ -106,7 +119,9 @@ class StagingArea {
   // NOT_FOUND for an unknown or expired ticket, PERMISSION_DENIED for
   // another tenant's, FAILED_PRECONDITION for one staged, being staged or
   // used already, RESOURCE_EXHAUSTED (naming --staging_budget, or the
-  // tenant and --staging_tenant_share) when its bytes do not fit.
+  // tenant and --staging_tenant_share) when its bytes do not fit; the
+  // staging memory's error (RESOURCE_EXHAUSTED: no device memory for it)
+  // naming this worker, the ticket given back.
   absl::StatusOr<std::unique_ptr<Upload>> BeginStage(const std::string& ticket, const std::string& tenant,
                                                      CancelStream cancel = nullptr,
                                                      StageTtl ttl = StageTtl::kFromIssue,
@@ -116,6 +131,10 @@ class StagingArea {
   // budget; the step owns them). `field` names the operand in errors.
   // NOT_FOUND unknown or expired; FAILED_PRECONDITION not staged yet, or
   // used; INVALID_ARGUMENT when dtype or shape differ from the ticket's.
+  absl::StatusOr<StagedBlock> ClaimBlock(const std::string& ticket, DType dtype, const std::vector<int64_t>& shape,
+                                         absl::string_view field);
+  // As ClaimBlock, for a block in host memory (every block of the host
+  // staging memory); INTERNAL, the block kept, for one in device memory.
   absl::StatusOr<HostTensor> Claim(const std::string& ticket, DType dtype, const std::vector<int64_t>& shape,
                                    absl::string_view field);
 
@@ -141,6 +160,12 @@ class StagingArea {
   // budget all the same, until fetched or expired.
   absl::Status HoldMade(const std::string& ticket, const std::string& tenant, int64_t bytes,
                         const std::function<absl::StatusOr<std::shared_ptr<const HostTensor>>()>& make);
+  // As Hold, for a step's output still to be brought to the host: `fill`
+  // writes its bytes into host memory of the staging memory's (pinned on a
+  // CUDA worker while its pool has room), once they are reserved. Errors as
+  // Hold's, and `fill`'s own (nothing held then).
+  absl::Status HoldOutput(const std::string& ticket, const std::string& tenant, DType dtype,
+                          const std::vector<int64_t>& shape, const std::function<absl::Status(char* dst)>& fill);
 
   // One Fetch stream: the block stays held until Done (fetched: the ticket
   // is used); destroyed without Done, it may be fetched again.
@@ -150,6 +175,8 @@ class StagingArea {
     Download(const Download&) = delete;
     Download& operator=(const Download&) = delete;
     const HostTensor& block() const { return *block_; }
+    // The block's bytes: contiguous host memory, valid until destroyed.
+    absl::string_view bytes() const { return block_->bytes; }
     void Done();
 
    private:
@@ -186,8 +213,14 @@ class StagingArea {
     absl::Time expires;
     uint64_t id = 0;  // the stream that owns it now (kStaging, kFetching)
     CancelStream cancel;  // that stream's
-    std::shared_ptr<const HostTensor> data;  // kStaged, kHeld, kFetching
+    std::shared_ptr<const HostTensor> data;  // kStaged (a header when `device` is set), kHeld, kFetching
+    std::shared_ptr<const DeviceBuffer> device;  // kStaged: its bytes, where the staging memory kept them there
   };
+  // BeginStage's part under the lock: the reservation and the stream's
+  // entry; `block` and `worker` for the staging memory and its errors.
+  absl::StatusOr<std::unique_ptr<Upload>> OpenUpload(const std::string& ticket, const std::string& tenant,
+                                                     CancelStream cancel, StageTtl ttl, absl::Duration idle,
+                                                     ExpectedBlock* block, std::string* worker);
   // The live entry of `ticket` (expired ones are dropped first), or null.
   Entry* Find(const std::string& ticket) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Drop(absl::flat_hash_map<std::string, Entry>::iterator it) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -203,6 +236,10 @@ class StagingArea {
   absl::Status Renew(const std::string& ticket, uint64_t id, absl::Duration renew_for);
   void EndDownload(const std::string& ticket, uint64_t id, bool done);
   void ForgetStream(uint64_t id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status HoldMadeAs(const std::string& ticket, const std::string& tenant, int64_t bytes, absl::string_view what,
+                          const std::function<absl::StatusOr<std::shared_ptr<const HostTensor>>()>& make);
+  absl::StatusOr<StagedBlock> Take(const std::string& ticket, DType dtype, const std::vector<int64_t>& shape,
+                                   absl::string_view field, bool host_only);
   // Keeps `block` under `ticket` for fetch; its bytes are reserved already.
   void InsertHeld(const std::string& ticket, const std::string& tenant, std::shared_ptr<const HostTensor> block)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -211,6 +248,7 @@ class StagingArea {
   const int64_t tenant_limit_bytes_;
   const absl::Duration ttl_;
   const Clock now_;
+  const std::unique_ptr<StagingMemory> memory_;
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, Entry> entries_ ABSL_GUARDED_BY(mu_);
   int64_t held_bytes_ ABSL_GUARDED_BY(mu_) = 0;

@@ -1,9 +1,12 @@
 #include "worker/staging_area.h"
 
+#include <cstring>
+#include <memory>
 #include <string>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "worker/fake_staging_memory.h"
 
 namespace shardgemm {
 namespace {
@@ -486,6 +489,218 @@ TEST_F(StagingAreaTest, AHeldSharedBlockIsFetchedWithoutACopy) {
   EXPECT_EQ(area_.held_bytes(), 0);
   EXPECT_EQ(kept->bytes, std::string(16, 's'));  // the owner's bytes are untouched
   EXPECT_EQ(kept.use_count(), 2);  // the area let go of them
+}
+
+// The staging area's semantics hold whatever memory keeps the bytes: a
+// fake that keeps committed blocks in "device" memory and counts them.
+class StagingMemoryTest : public ::testing::Test {
+ protected:
+  StagingMemoryTest() {
+    auto memory = std::make_unique<FakeStagingMemory>();
+    fake_ = memory->state();
+    area_ = std::make_unique<StagingArea>(1024, absl::Seconds(60), [this] { return now_; }, -1, std::move(memory));
+    area_->set_worker_name("worker-7:53007");
+  }
+
+  absl::Status Stage(const std::string& ticket, const std::string& data) {
+    auto up = area_->BeginStage(ticket, "demo");
+    if (!up.ok()) return up.status();
+    if (auto s = (*up)->Append(data); !s.ok()) return s;
+    return (*up)->Commit().status();
+  }
+
+  absl::Time now_ = absl::FromUnixSeconds(1000);
+  std::shared_ptr<FakeStagingMemory::State> fake_;
+  std::unique_ptr<StagingArea> area_;
+};
+
+TEST_F(StagingMemoryTest, ACommittedBlockIsClaimedWhereTheMemoryKeptIt) {
+  ExpectedBlock block = Block();
+  block.gemm_operand = true;
+  ASSERT_TRUE(area_->Expect(kTicket, block).ok());
+  auto up = area_->BeginStage(kTicket, "demo");
+  ASSERT_TRUE(up.ok()) << up.status();
+  ASSERT_EQ(fake_->begun.size(), 1u);  // the memory learns the block before its bytes
+  EXPECT_TRUE(fake_->begun[0].gemm_operand);
+  EXPECT_EQ(fake_->begun[0].shape, (std::vector<int64_t>{2, 4}));
+  ASSERT_TRUE((*up)->Append(std::string(12, 'a')).ok());
+  ASSERT_TRUE((*up)->Append(std::string(20, 'b')).ok());
+  ASSERT_TRUE((*up)->Commit().ok());
+  up->reset();
+  EXPECT_EQ(fake_->appends, (std::vector<std::string>{std::string(12, 'a'), std::string(20, 'b')}));
+  EXPECT_EQ(fake_->live_blocks, 1);
+  EXPECT_EQ(area_->held_bytes(), 32);
+
+  // Claim gives host bytes only: a device block stays for ClaimBlock.
+  auto host = area_->Claim(kTicket, DType::kF32, {2, 4}, "lhs");
+  EXPECT_EQ(host.status().code(), absl::StatusCode::kInternal) << host.status();
+  EXPECT_EQ(area_->held_bytes(), 32);
+  // Claim's checks come first, as they do for host blocks.
+  EXPECT_EQ(area_->ClaimBlock(kTicket, DType::kF32, {4, 2}, "lhs").status().code(),
+            absl::StatusCode::kInvalidArgument);
+  auto claimed = area_->ClaimBlock(kTicket, DType::kF32, {2, 4}, "lhs");
+  ASSERT_TRUE(claimed.ok()) << claimed.status();
+  ASSERT_NE(claimed->device, nullptr);
+  EXPECT_EQ(std::string(static_cast<const char*>(claimed->device->data()), 32),
+            std::string(12, 'a') + std::string(20, 'b'));
+  EXPECT_EQ(claimed->tensor.dtype, DType::kF32);
+  EXPECT_EQ(claimed->tensor.shape, (std::vector<int64_t>{2, 4}));
+  EXPECT_TRUE(claimed->tensor.bytes.empty());  // a header: the bytes are the device's
+  EXPECT_EQ(area_->held_bytes(), 0);  // the step owns them now
+  EXPECT_EQ(fake_->live_blocks, 1);
+  claimed->device.reset();
+  EXPECT_EQ(fake_->live_blocks, 0);
+  EXPECT_EQ(area_->ClaimBlock(kTicket, DType::kF32, {2, 4}, "lhs").status().code(),
+            absl::StatusCode::kFailedPrecondition);
+}
+
+TEST_F(StagingMemoryTest, AnUploadDestroyedWithoutCommitFreesItsBlock) {
+  ASSERT_TRUE(area_->Expect(kTicket, Block()).ok());
+  {
+    auto up = area_->BeginStage(kTicket, "demo");
+    ASSERT_TRUE(up.ok()) << up.status();
+    ASSERT_TRUE((*up)->Append(std::string(16, 'x')).ok());
+    EXPECT_EQ(fake_->live_blocks, 1);
+  }
+  EXPECT_EQ(fake_->live_blocks, 0);
+  EXPECT_EQ(area_->held_bytes(), 0);
+  EXPECT_TRUE(Stage(kTicket, std::string(32, 'y')).ok());  // staged again, into a new block
+  EXPECT_EQ(fake_->live_blocks, 1);
+}
+
+TEST_F(StagingMemoryTest, DiscardExpiryAndSweepFreeTheBlocks) {
+  const std::string a = "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa", b = "bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb",
+                    c = "cccccccccccccccccccccccccccccccc", d = "dddddddddddddddddddddddddddddddd";
+  for (const std::string& t : {a, b, c, d}) ASSERT_TRUE(area_->Expect(t, Block()).ok());
+  for (const std::string& t : {a, b, c}) ASSERT_TRUE(Stage(t, std::string(32, t[0])).ok());
+  auto open = area_->BeginStage(d, "demo");  // still arriving when it is discarded
+  ASSERT_TRUE(open.ok());
+  ASSERT_TRUE((*open)->Append(std::string(32, 'd')).ok());
+  EXPECT_EQ(fake_->live_blocks, 4);
+  EXPECT_EQ(area_->held_bytes(), 128);
+
+  area_->Discard(a);
+  EXPECT_EQ(fake_->live_blocks, 3);
+  EXPECT_EQ(area_->held_bytes(), 96);
+  area_->Discard(d);
+  EXPECT_EQ((*open)->Commit().status().code(), absl::StatusCode::kFailedPrecondition);
+  open->reset();
+  EXPECT_EQ(fake_->live_blocks, 2);
+  EXPECT_EQ(area_->held_bytes(), 64);
+
+  now_ += absl::Seconds(61);  // b and c expired: b found so on access, c by the sweep
+  EXPECT_EQ(area_->ClaimBlock(b, DType::kF32, {2, 4}, "lhs").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(fake_->live_blocks, 1);
+  EXPECT_GE(area_->Sweep(), 1);
+  EXPECT_EQ(fake_->live_blocks, 0);
+  EXPECT_EQ(area_->held_bytes(), 0);
+}
+
+TEST_F(StagingMemoryTest, TheBudgetCountsBlocksWhereverTheyLive) {
+  const std::string big = "bigbigbigbigbigbigbigbigbigbigbi", more = "moremoremoremoremoremoremoremore";
+  ASSERT_TRUE(area_->Expect(big, Block("demo", {200})).ok());   // 800 bytes
+  ASSERT_TRUE(area_->Expect(more, Block("demo", {100})).ok());  // 400 more: past 1024
+  ASSERT_TRUE(Stage(big, std::string(800, 'g')).ok());
+  absl::Status over = area_->BeginStage(more, "demo").status();
+  EXPECT_EQ(over.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(over.message(), HasSubstr("--staging_budget"));
+  EXPECT_EQ(fake_->begun.size(), 1u);  // refused before the memory was asked
+  EXPECT_EQ(area_->held_bytes(), 800);
+  EXPECT_EQ(fake_->live_blocks, 1);
+}
+
+TEST_F(StagingMemoryTest, AMemoryThatCannotTakeABlockNamesTheWorkerAndHoldsNothing) {
+  ASSERT_TRUE(area_->Expect(kTicket, Block()).ok());
+  fake_->fail_begin = absl::ResourceExhaustedError("no device memory for 32 bytes");
+  auto up = area_->BeginStage(kTicket, "demo");
+  EXPECT_EQ(up.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(up.status().message(), HasSubstr("worker-7:53007"));
+  EXPECT_THAT(up.status().message(), HasSubstr("no device memory for 32 bytes"));
+  EXPECT_EQ(area_->held_bytes(), 0);
+  fake_->fail_begin = absl::OkStatus();
+  EXPECT_TRUE(Stage(kTicket, std::string(32, 'z')).ok());  // the ticket was given back
+}
+
+TEST_F(StagingMemoryTest, AFailingAppendReturnsItsStatusAndLeavesNothingHeld) {
+  ASSERT_TRUE(area_->Expect(kTicket, Block()).ok());
+  fake_->fail_append_at = 1;
+  auto up = area_->BeginStage(kTicket, "demo");
+  ASSERT_TRUE(up.ok());
+  ASSERT_TRUE((*up)->Append(std::string(16, 'p')).ok());
+  absl::Status failed = (*up)->Append(std::string(16, 'q'));
+  EXPECT_EQ(failed, fake_->append_error);
+  EXPECT_EQ(area_->held_bytes(), 0);  // at once, not when the stream ends
+  EXPECT_EQ(fake_->live_blocks, 0);
+  EXPECT_EQ((*up)->Append(std::string(16, 'q')), fake_->append_error);  // the upload stays failed
+  EXPECT_EQ((*up)->Commit().status(), fake_->append_error);
+  EXPECT_EQ(fake_->appends.size(), 2u);
+  fake_->fail_append_at = -1;
+  EXPECT_TRUE(Stage(kTicket, std::string(32, 'r')).ok());  // may be staged again meanwhile
+  up->reset();  // and the failed stream ending takes nothing from it
+  EXPECT_EQ(area_->held_bytes(), 32);
+  EXPECT_EQ(fake_->live_blocks, 1);
+}
+
+TEST_F(StagingMemoryTest, AFailingCommitReturnsItsStatusAndLeavesNothingHeld) {
+  ASSERT_TRUE(area_->Expect(kTicket, Block()).ok());
+  fake_->fail_finish = absl::DeadlineExceededError("the block's copies did not finish");
+  auto up = area_->BeginStage(kTicket, "demo");
+  ASSERT_TRUE(up.ok());
+  ASSERT_TRUE((*up)->Append(std::string(32, 'p')).ok());
+  EXPECT_EQ((*up)->Commit().status(), fake_->fail_finish);
+  EXPECT_EQ(area_->held_bytes(), 0);
+  EXPECT_EQ(fake_->live_blocks, 0);
+  EXPECT_EQ(area_->ClaimBlock(kTicket, DType::kF32, {2, 4}, "lhs").status().code(),
+            absl::StatusCode::kFailedPrecondition);  // not staged
+  up->reset();
+  fake_->fail_finish = absl::OkStatus();
+  EXPECT_TRUE(Stage(kTicket, std::string(32, 'r')).ok());
+}
+
+TEST_F(StagingMemoryTest, AnOutputIsHeldInTheMemorysHostBlockAndFreedOnceFetched) {
+  const std::vector<int64_t> shape = {2, 2};
+  ASSERT_TRUE(area_->HoldOutput(kTicket, "demo", DType::kF32, shape, [](char* dst) {
+                  std::memset(dst, 'o', 16);
+                  return absl::OkStatus();
+                }).ok());
+  EXPECT_EQ(fake_->live_outputs, 1);
+  EXPECT_EQ(area_->held_bytes(), 16);
+  auto fetch = area_->BeginFetch(kTicket, "demo");
+  ASSERT_TRUE(fetch.ok()) << fetch.status();
+  EXPECT_EQ((*fetch)->bytes(), std::string(16, 'o'));
+  EXPECT_EQ((*fetch)->block().shape, shape);
+  (*fetch)->Done();
+  EXPECT_EQ(area_->held_bytes(), 0);
+  fetch->reset();
+  EXPECT_EQ(fake_->live_outputs, 0);
+  EXPECT_EQ(area_->BeginFetch(kTicket, "demo").status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
+TEST_F(StagingMemoryTest, AnOutputThatFailsOrDoesNotFitHoldsNothing) {
+  const std::string other = "fedcba9876543210fedcba9876543210";
+  absl::Status failed = area_->HoldOutput(kTicket, "demo", DType::kF32, {4}, [](char*) {
+    return absl::InternalError("download failed");
+  });
+  EXPECT_EQ(failed.code(), absl::StatusCode::kInternal);
+  EXPECT_EQ(area_->held_bytes(), 0);
+  EXPECT_EQ(fake_->live_outputs, 0);
+  EXPECT_EQ(area_->BeginFetch(kTicket, "demo").status().code(), absl::StatusCode::kNotFound);
+
+  bool filled = false;
+  absl::Status over = area_->HoldOutput(other, "demo", DType::kF32, {300}, [&](char*) {  // 1200 bytes
+    filled = true;
+    return absl::OkStatus();
+  });
+  EXPECT_EQ(over.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(over.message(), HasSubstr("out_staged"));
+  EXPECT_THAT(over.message(), HasSubstr("--staging_budget"));
+  EXPECT_FALSE(filled);
+  EXPECT_EQ(fake_->live_outputs, 0);
+
+  fake_->fail_output = absl::ResourceExhaustedError("no host memory");
+  EXPECT_EQ(area_->HoldOutput(other, "demo", DType::kF32, {4}, [](char*) { return absl::OkStatus(); }).code(),
+            absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(area_->held_bytes(), 0);
 }
 
 }  // namespace
