@@ -1,5 +1,7 @@
 #include "worker/backend.h"
 
+#include <cstring>
+
 #include "absl/strings/str_cat.h"
 #include "kernels/gemm_scale_layout.h"
 
@@ -78,6 +80,24 @@ absl::Status Backend::BlockFromHost(const char* source, const ClientMemory& memo
 absl::StatusOr<HostTensor> Backend::Download(const Shard& shard) {
   if (shard.host != nullptr) return *shard.host;
   return absl::FailedPreconditionError(absl::StrCat("the ", Name(), " backend holds no device shards"));
+}
+
+absl::Status Backend::CopyToHost(const Shard& shard, char* dst) {
+  std::shared_ptr<const HostTensor> host = shard.host;
+  if (host == nullptr) {
+    auto downloaded = Download(shard);
+    if (!downloaded.ok()) return downloaded.status();
+    host = std::make_shared<const HostTensor>(*std::move(downloaded));
+  }
+  if (host->NumBytes() != shard.NumBytes()) {
+    return absl::InternalError(absl::StrCat("a shard of ", shard.NumBytes(), " bytes holds ", host->NumBytes()));
+  }
+  if (host->NumBytes() > 0) std::memcpy(dst, host->bytes.data(), static_cast<size_t>(host->NumBytes()));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<StagingMemory>> Backend::MakeStagingMemory(int64_t) {
+  return MakeHostStagingMemory();
 }
 
 GroupedQuantizeArgs QuantizeArgs(const LocalQuantize& q, const void* x) {

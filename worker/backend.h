@@ -14,6 +14,7 @@
 #include "platform/shared_memory.h"
 #include "worker/collectives.h"
 #include "worker/shard.h"
+#include "worker/staging_memory.h"
 
 namespace shardgemm {
 
@@ -148,6 +149,14 @@ class Backend {
   // The host bytes of a shard (a copy from the device for a device-only
   // one). Safe to call while steps run.
   virtual absl::StatusOr<HostTensor> Download(const Shard& shard);
+  // The shard's NumBytes() bytes into host memory at `dst` (pinned memory:
+  // at the device's full speed). From the step's thread, as GroupedGemm.
+  virtual absl::Status CopyToHost(const Shard& shard, char* dst);
+  // Where the worker's staging area keeps blocks (worker/staging_memory.h):
+  // host memory here; a device backend's own memory (staged GEMM operands
+  // in device memory, outputs held for fetch in pinned host memory, at most
+  // `pinned_output_bytes` of it, past that pageable).
+  virtual absl::StatusOr<std::unique_ptr<StagingMemory>> MakeStagingMemory(int64_t pinned_output_bytes);
   // The device's memory, for the default device budget (0: no device).
   virtual int64_t DeviceMemoryBytes() const { return 0; }
   // Bytes copied host to device and back so far (a step reports its share).

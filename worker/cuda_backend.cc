@@ -5,6 +5,8 @@
 #include <cuda_runtime_api.h>
 
 #include <atomic>
+#include <cstring>
+#include <functional>
 #include <iostream>
 #include <map>
 #include <memory>
@@ -22,6 +24,7 @@
 #include "worker/backend.h"
 #include "worker/cuda_client_memory.h"
 #include "worker/cuda_device_buffer.h"
+#include "worker/cuda_staging_memory.h"
 #include "worker/fault_injection.h"
 #include "worker/fault_injection_kernels.h"
 
@@ -118,6 +121,41 @@ class CudaBackend : public Backend {
     }
     downloaded_ += out->NumBytes();
     return out;
+  }
+
+  absl::Status CopyToHost(const Shard& shard, char* dst) override {
+    if (shard.device == nullptr) return Backend::CopyToHost(shard, dst);
+    const int64_t bytes = shard.NumBytes();
+    if (bytes > shard.device->bytes()) return absl::InternalError("device shard smaller than its shape");
+    if (bytes == 0) return absl::OkStatus();
+    cudaSetDevice(device_);
+    // Pinned memory (the staging memory's output pool) takes one copy at
+    // full speed; pageable memory the chunks through pinned buffers.
+    cudaPointerAttributes attributes;
+    const bool pinned =
+        cudaPointerGetAttributes(&attributes, dst) == cudaSuccess && attributes.type == cudaMemoryTypeHost;
+    (void)cudaGetLastError();
+    absl::Status s;
+    if (pinned) {
+      s = CudaStatus(cudaMemcpyAsync(dst, shard.device->data(), bytes, cudaMemcpyDeviceToHost, stream_), "download");
+      if (s.ok()) s = CudaStatus(cudaStreamSynchronize(stream_), "download");
+      if (s.ok()) downloaded_ += bytes;
+    } else {
+      char* at = dst;
+      s = DownloadChunked(shard.device->data(), bytes, [&at](const char* p, int64_t n) {
+        std::memcpy(at, p, static_cast<size_t>(n));
+        at += n;
+      });
+    }
+    return s.ok() ? s : AfterFailure(s);
+  }
+
+  absl::StatusOr<std::unique_ptr<StagingMemory>> MakeStagingMemory(int64_t pinned_output_bytes) override {
+    CudaStagingOptions options;
+    options.device = device_;
+    options.device_name = name_;
+    options.pinned_output_bytes = pinned_output_bytes;
+    return MakeCudaStagingMemory(options);
   }
 
   absl::Status DeviceHealth() const override {
@@ -224,6 +262,11 @@ class CudaBackend : public Backend {
   absl::Status DownloadInto(const void* src, int64_t bytes, HostTensor* out) {
     out->bytes.clear();
     out->bytes.reserve(static_cast<size_t>(bytes));
+    return DownloadChunked(src, bytes, [out](const char* p, int64_t n) { out->bytes.append(p, static_cast<size_t>(n)); });
+  }
+
+  // DownloadInto's chunks, each handed to `emit` in order.
+  absl::Status DownloadChunked(const void* src, int64_t bytes, const std::function<void(const char*, int64_t)>& emit) {
     for (int i = 0; i < 2; ++i) {
       if (staging_[i] == nullptr) {
         if (auto s = CudaStatus(cudaMallocHost(&staging_[i], kStagingBytes), "pinned staging"); !s.ok()) return s;
@@ -245,13 +288,13 @@ class CudaBackend : public Backend {
         }
         if (auto s = CudaStatus(cudaEventRecord(staged_[b], stream_), "event"); !s.ok()) return s;
         if (pending >= 0) {
-          if (auto s = AppendStaged(static_cast<int>(pending % 2), pending_len, out); !s.ok()) return s;
+          if (auto s = EmitStaged(static_cast<int>(pending % 2), pending_len, emit); !s.ok()) return s;
         }
         pending = chunk;
         pending_len = len;
         offset += len;
       } else {
-        if (auto s = AppendStaged(static_cast<int>(pending % 2), pending_len, out); !s.ok()) return s;
+        if (auto s = EmitStaged(static_cast<int>(pending % 2), pending_len, emit); !s.ok()) return s;
         pending = -1;
       }
     }
@@ -259,9 +302,9 @@ class CudaBackend : public Backend {
     return absl::OkStatus();
   }
 
-  absl::Status AppendStaged(int b, int64_t len, HostTensor* out) {
+  absl::Status EmitStaged(int b, int64_t len, const std::function<void(const char*, int64_t)>& emit) {
     if (auto s = CudaStatus(cudaEventSynchronize(staged_[b]), "download"); !s.ok()) return s;
-    out->bytes.append(static_cast<const char*>(staging_[b]), static_cast<size_t>(len));
+    emit(static_cast<const char*>(staging_[b]), len);
     return absl::OkStatus();
   }
 

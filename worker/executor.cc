@@ -264,15 +264,28 @@ absl::Status Executor::CancelledStatus() const {
   return absl::CancelledError("the request was cancelled or expired before this step ran");
 }
 
-absl::StatusOr<HostTensor> Executor::StoredTensor(v1::LocalTensor&& t, absl::string_view field) {
-  if (t.source_case() != v1::LocalTensor::kStaged) return HostTensorFromProto(std::move(t), field);
+absl::StatusOr<Shard> Executor::StoredTensor(v1::LocalTensor&& t, absl::string_view field) {
+  if (t.source_case() != v1::LocalTensor::kStaged) {
+    auto decoded = HostTensorFromProto(std::move(t), field);
+    if (!decoded.ok()) return decoded.status();
+    return Shard::OnHost(*std::move(decoded));
+  }
   // A block of a direct put: the client staged it here.
   if (staging_ == nullptr) {
     return absl::FailedPreconditionError(absl::StrCat(field, ".staged: this worker has no staging area"));
   }
   auto dtype = DTypeFromProto(t.dtype(), field);
   if (!dtype.ok()) return dtype.status();
-  return staging_->Claim(t.staged(), *dtype, std::vector<int64_t>(t.shape().begin(), t.shape().end()), field);
+  auto block = staging_->ClaimBlock(t.staged(), *dtype, std::vector<int64_t>(t.shape().begin(), t.shape().end()),
+                                    field);
+  if (!block.ok()) return block.status();
+  if (block->device == nullptr) return Shard::OnHost(std::move(block->tensor));
+  // Kept where the staging memory put it (device memory): a device-only shard.
+  Shard shard;
+  shard.dtype = block->tensor.dtype;
+  shard.shape = block->tensor.shape;
+  shard.device = std::move(block->device);
+  return shard;
 }
 
 absl::StatusOr<v1::StepResult> Executor::RunStore(v1::StoreShardStep& store) {
@@ -400,9 +413,13 @@ absl::StatusOr<Input> ResolveInput(v1::LocalTensor&& t, const ShardStore& store,
     }
     auto dtype = DTypeFromProto(t.dtype(), field);
     if (!dtype.ok()) return dtype.status();
-    auto block = staging->Claim(t.staged(), *dtype, std::vector<int64_t>(t.shape().begin(), t.shape().end()), field);
+    auto block =
+        staging->ClaimBlock(t.staged(), *dtype, std::vector<int64_t>(t.shape().begin(), t.shape().end()), field);
     if (!block.ok()) return block.status();
-    in.tensor = std::make_shared<const HostTensor>(std::move(*block));
+    // A block the staging memory kept in device memory reaches the GEMM as a
+    // device shard does (`tensor` a header); a host path downloads it (EnsureOnHost).
+    in.tensor = std::make_shared<const HostTensor>(std::move(block->tensor));
+    in.device = std::move(block->device);
     return in;
   }
   if (t.source_case() == v1::LocalTensor::kResident) {
@@ -1030,6 +1047,35 @@ absl::StatusOr<v1::StepResult> Executor::RunGemm(v1::GemmStep& gemm) {
     info->mutable_shape()->Assign(kept->shape.begin(), kept->shape.end());
     info->set_resident(gemm.keep_output_as());
     if (auto s = store_->Put(gemm.keep_output_as(), std::move(*kept)); !s.ok()) return s;
+    FinishResult(start, agreements, transfers_before, &result);
+    return result;
+  }
+  // An output held for a direct fetch with nothing after the GEMM, on a
+  // device backend: kept on the device, then copied once into the staging
+  // memory's host block (pinned on a CUDA worker), from which the fetch
+  // streams; no pageable copy in between.
+  if (gemm.has_out_staged() && !has_after && local_dtype == *out_dtype && backend_->KeepsOutputsOnDevice()) {
+    if (staging_ == nullptr) return absl::FailedPreconditionError("out_staged: this worker has no staging area");
+    local.keep_on_device = true;
+    auto kept = TimeKernel([&] { return backend_->GroupedGemmToShard(local); });
+    if (!kept.ok()) return WhyStopped(kept.status());
+    if (kept->shape != local_out_shape) {
+      return absl::InternalError(absl::StrCat("the GEMM gave ", ShapeToString(kept->shape), ", expected ",
+                                              ShapeToString(local_out_shape)));
+    }
+    reservation.Release();  // the block leaves the step's working memory for the staging area's budget
+    const v1::StagingTicket& to = gemm.out_staged();
+    // A GEMM the backend ran on the host gave host bytes (this step's alone): held as they are.
+    absl::Status held =
+        kept->host != nullptr
+            ? staging_->Hold(to.ticket(), to.tenant(), std::move(*std::const_pointer_cast<HostTensor>(kept->host)))
+            : staging_->HoldOutput(to.ticket(), to.tenant(), kept->dtype, kept->shape,
+                                   [&](char* dst) { return backend_->CopyToHost(*kept, dst); });
+    if (!held.ok()) return held;
+    v1::StepResult result;
+    v1::LocalTensor* info = result.mutable_out();
+    info->set_dtype(DTypeToProto(kept->dtype));
+    info->mutable_shape()->Assign(kept->shape.begin(), kept->shape.end());
     FinishResult(start, agreements, transfers_before, &result);
     return result;
   }

@@ -100,8 +100,9 @@ class Executor {
   // The shape a tensor of `shape` has after `c` on this worker.
   absl::StatusOr<std::vector<int64_t>> ShapeAfter(const v1::CollectivePlan& c, std::vector<int64_t> shape) const;
   absl::StatusOr<v1::StepResult> RunStore(v1::StoreShardStep& store);
-  // A store step's tensor: inline, or the block a client staged here (claimed).
-  absl::StatusOr<HostTensor> StoredTensor(v1::LocalTensor&& t, absl::string_view field);
+  // A store step's tensor: inline, or the block a client staged here
+  // (claimed; device-only where the staging memory kept it on the device).
+  absl::StatusOr<Shard> StoredTensor(v1::LocalTensor&& t, absl::string_view field);
   absl::StatusOr<v1::StepResult> RunQuantize(v1::QuantizeStep& quantize);
   // Times, agreements and the host<->device bytes of a step, into its result.
   void FinishResult(absl::Time start, int agreements, const Backend::Transfers& before,

@@ -5,12 +5,14 @@
 #include <map>
 #include <memory>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "proto/tensor_codec.h"
 #include "worker/fake_collectives.h"
+#include "worker/fake_staging_memory.h"
 
 namespace shardgemm {
 namespace {
@@ -642,6 +644,7 @@ class HostDeviceBackend : public Backend {
       if (auto s = g.rhs_gather.collectives->Agree(absl::OkStatus(), g.rhs_gather.agree_axes); !s.ok()) return s;
     }
     ++gemms;
+    device_operands += (g.lhs_device != nullptr) + (g.rhs_device != nullptr);
     const int64_t m = g.lhs->shape[0], k = g.lhs->shape[1], n = g.rhs->shape[2];
     const auto* lhs = reinterpret_cast<const uint16_t*>(g.lhs_device ? g.lhs_device->data() : g.lhs->bytes.data());
     const auto* rhs = reinterpret_cast<const uint16_t*>(g.rhs_device ? g.rhs_device->data() : g.rhs->bytes.data());
@@ -678,7 +681,16 @@ class HostDeviceBackend : public Backend {
     return static_cast<uint16_t>(bits >> 16);
   }
 
+  absl::Status CopyToHost(const Shard& shard, char* dst) override {
+    if (shard.device == nullptr) return Backend::CopyToHost(shard, dst);
+    ++copies_to_host;
+    std::memcpy(dst, shard.device->data(), static_cast<size_t>(shard.NumBytes()));
+    return absl::OkStatus();
+  }
+
   int gemms = 0;
+  int device_operands = 0;  // lhs and rhs the GEMMs read from device memory
+  int copies_to_host = 0;
 
  private:
   static void Copy(const std::vector<platform::BlockPiece>& pieces, char* region, char* local, bool into_region) {
@@ -843,6 +855,101 @@ TEST(ExecutorClientMemoryTest, AnOutputBlockOfAnotherRankIsRefusedNamingTheField
   EXPECT_EQ(result.status().code(), absl::StatusCode::kInvalidArgument) << result.status();
   EXPECT_NE(result.status().message().find("out_shared_memory"), std::string::npos) << result.status();
   EXPECT_EQ(backend.gemms, 0);
+}
+
+// On a device backend whose staging memory keeps GEMM operands in device
+// memory: the step reads them there (no upload), and an output held for a
+// direct fetch is copied once from the device into the memory's host block.
+TEST(ExecutorStagingMemoryTest, StagedDeviceOperandsReachTheGemmAndItsOutputIsHeldInTheMemorysBlock) {
+  HostDeviceBackend backend;
+  ShardStore store(int64_t{1} << 30);
+  auto memory = std::make_unique<FakeStagingMemory>(/*on_device=*/true);
+  std::shared_ptr<FakeStagingMemory::State> fake = memory->state();
+  StagingArea staging(1 << 20, absl::Seconds(60), [] { return absl::Now(); }, -1, std::move(memory));
+  Executor e(&backend, &store, &staging);
+  e.Configure(SingleWorkerPosition(), std::make_unique<MirrorCollectives>(SingleWorkerPosition()), 1);
+  const HostTensor lhs = Bf16Tensor({3, 4}, {1, 2, -1, 3, 2}), rhs = Bf16Tensor({1, 4, 2}, {1, 0, 2, -1});
+  auto stage = [&](const std::string& ticket, const HostTensor& t) {
+    ASSERT_TRUE(staging.Expect(ticket, ExpectedBlock{"", "operand", t.dtype, t.shape, true}).ok());
+    auto up = staging.BeginStage(ticket, "");
+    ASSERT_TRUE(up.ok()) << up.status();
+    ASSERT_TRUE((*up)->Append(t.bytes).ok());
+    ASSERT_TRUE((*up)->Commit().ok());
+  };
+  stage("lhs-ticket-0000", lhs);
+  stage("rhs-ticket-0000", rhs);
+  EXPECT_EQ(fake->live_blocks, 2);
+  v1::Step step;
+  step.set_sequence(1);
+  v1::GemmStep* g = step.mutable_gemm();
+  for (auto [t, at, ticket] : {std::make_tuple(&lhs, g->mutable_lhs(), "lhs-ticket-0000"),
+                               std::make_tuple(&rhs, g->mutable_rhs(), "rhs-ticket-0000")}) {
+    at->set_dtype(v1::BF16);
+    at->mutable_shape()->Assign(t->shape.begin(), t->shape.end());
+    at->set_staged(ticket);
+  }
+  g->add_group_sizes(3);
+  g->set_out_dtype(v1::BF16);
+  g->mutable_out_staged()->set_ticket("out-ticket-0000");
+  auto result = e.Execute(step);
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_EQ(backend.gemms, 1);
+  EXPECT_EQ(backend.device_operands, 2);  // read where they were staged
+  EXPECT_EQ(fake->live_blocks, 0);        // and freed with the step
+  EXPECT_EQ(backend.copies_to_host, 1);
+  EXPECT_EQ(fake->live_outputs, 1);
+  EXPECT_TRUE(result->out().data().empty());
+  EXPECT_EQ(staging.held_bytes(), 3 * 2 * 2);
+  auto fetched = staging.BeginFetch("out-ticket-0000", "");
+  ASSERT_TRUE(fetched.ok()) << fetched.status();
+  const absl::string_view got = (*fetched)->bytes();
+  ASSERT_EQ(got.size(), 12u);
+  const auto* o = reinterpret_cast<const uint16_t*>(got.data());
+  const auto* l = reinterpret_cast<const uint16_t*>(lhs.bytes.data());
+  const auto* w = reinterpret_cast<const uint16_t*>(rhs.bytes.data());
+  for (int r = 0; r < 3; ++r) {
+    for (int j = 0; j < 2; ++j) {
+      float want = 0;
+      for (int i = 0; i < 4; ++i) want += HostDeviceBackend::Float(l[r * 4 + i]) * HostDeviceBackend::Float(w[i * 2 + j]);
+      EXPECT_EQ(HostDeviceBackend::Float(o[r * 2 + j]), want) << r << "," << j;
+    }
+  }
+  (*fetched)->Done();
+  fetched->reset();
+  EXPECT_EQ(fake->live_outputs, 0);
+  EXPECT_EQ(staging.held_bytes(), 0);
+}
+
+// A put's block the staging memory kept in device memory is stored as a
+// device-only shard, against the device budget.
+TEST(ExecutorStagingMemoryTest, AStagedPutBlockInDeviceMemoryIsStoredOnTheDevice) {
+  HostDeviceBackend backend;
+  ShardStore store(int64_t{1} << 30, /*device_budget_bytes=*/1 << 20);
+  auto memory = std::make_unique<FakeStagingMemory>(/*on_device=*/true);
+  StagingArea staging(1 << 20, absl::Seconds(60), [] { return absl::Now(); }, -1, std::move(memory));
+  Executor e(&backend, &store, &staging);
+  e.Configure(SingleWorkerPosition(), std::make_unique<MirrorCollectives>(SingleWorkerPosition()), 1);
+  const HostTensor w = Bf16Tensor({1, 4, 2}, {1, 0, 2, -1});
+  ASSERT_TRUE(staging.Expect("put-ticket-0000", ExpectedBlock{"", "w", w.dtype, w.shape}).ok());
+  auto up = staging.BeginStage("put-ticket-0000", "");
+  ASSERT_TRUE(up.ok());
+  ASSERT_TRUE((*up)->Append(w.bytes).ok());
+  ASSERT_TRUE((*up)->Commit().ok());
+  v1::Step step;
+  step.set_sequence(1);
+  v1::StoreShardStep* s = step.mutable_store();
+  s->set_name("w@1");
+  s->mutable_shard()->set_dtype(v1::BF16);
+  s->mutable_shard()->mutable_shape()->Assign(w.shape.begin(), w.shape.end());
+  s->mutable_shard()->set_staged("put-ticket-0000");
+  ASSERT_TRUE(e.Execute(step).ok());
+  auto shard = store.Get("w@1");
+  ASSERT_TRUE(shard.ok());
+  EXPECT_EQ((*shard)->host, nullptr);
+  ASSERT_NE((*shard)->device, nullptr);
+  EXPECT_EQ(std::string(static_cast<const char*>((*shard)->device->data()), w.bytes.size()), w.bytes);
+  EXPECT_EQ(store.device_used_bytes(), w.NumBytes());
+  EXPECT_EQ(store.used_bytes(), 0);
 }
 
 TEST(ExecutorStoreTest, AStoreStepKeepsItsShardAndStandbyCopiesAllOrNone) {

@@ -81,6 +81,9 @@ ABSL_FLAG(std::string, staging_advertise, "",
 ABSL_FLAG(int64_t, staging_budget, int64_t{1} << 30,
           "bytes of staged blocks and outputs held for direct fetch, together; past it a stage or a direct "
           "output is RESOURCE_EXHAUSTED");
+ABSL_FLAG(int64_t, staging_pinned_mb, 512,
+          "CUDA backend: pinned host memory (MiB) for outputs held for direct fetch, kept for reuse; past it "
+          "they are held in pageable memory (they count against --staging_budget either way)");
 ABSL_FLAG(double, staging_tenant_share, 0.5,
           "the fraction of --staging_budget one tenant may hold staged (blocks and outputs for fetch) on this "
           "worker, so one tenant cannot shut the others out; past it a stage is RESOURCE_EXHAUSTED naming the "
@@ -325,8 +328,20 @@ int Run() {
     return 2;
   }
   const int64_t staging_budget = absl::GetFlag(FLAGS_staging_budget);
+  if (absl::GetFlag(FLAGS_staging_pinned_mb) < 0) {
+    std::cerr << "shardgemm-worker: --staging_pinned_mb must not be negative\n";
+    return 2;
+  }
+  // Where staged blocks and held outputs live: the backend's choice (device
+  // and pinned memory on CUDA, host memory on the CPU).
+  auto staging_memory = (*backend)->MakeStagingMemory(absl::GetFlag(FLAGS_staging_pinned_mb) * 1024 * 1024);
+  if (!staging_memory.ok()) {
+    std::cerr << "shardgemm-worker: staging memory: " << staging_memory.status() << "\n";
+    return 1;
+  }
   StagingArea staging(staging_budget, staged_ttl, [] { return absl::Now(); },
-                      static_cast<int64_t>(static_cast<double>(staging_budget) * tenant_share));
+                      static_cast<int64_t>(static_cast<double>(staging_budget) * tenant_share),
+                      *std::move(staging_memory));
   // Clients' tokens for the staging port: the coordinator's file (TLS), none with --insecure.
   bool serve_staging = absl::GetFlag(FLAGS_staging_port) >= 0;
   std::unique_ptr<security::TokenFile> tokens;

@@ -174,6 +174,8 @@ grpc::Status WorkerServiceImpl::ExpectStaged(grpc::ServerContext* context, const
     if (!dtype.ok()) return ToGrpcStatus(dtype.status());
     block.dtype = *dtype;
     block.shape.assign(t.shape().begin(), t.shape().end());
+    // A GEMM's operand may wait where the GEMM reads it (device memory on a CUDA worker).
+    block.gemm_operand = t.put_tensor().empty() && (t.role() == v1::TENSOR_LHS || t.role() == v1::TENSOR_RHS);
     if (auto s = staging_->Expect(t.ticket(), std::move(block)); !s.ok()) return ToGrpcStatus(s);
   }
   return grpc::Status::OK;
