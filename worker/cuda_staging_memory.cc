@@ -6,6 +6,7 @@
 #include <atomic>
 #include <cstring>
 #include <iostream>
+#include <iterator>
 #include <map>
 #include <mutex>
 #include <thread>

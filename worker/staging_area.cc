@@ -209,6 +209,7 @@ absl::Status StagingArea::Upload::Append(absl::string_view data) {
                                                    Named(ticket_), " expects"));
   }
   if (data.empty()) return absl::OkStatus();
+  if (writer_ == nullptr) return absl::FailedPreconditionError(absl::StrCat("data: ", Named(ticket_), " was committed"));
   if (absl::Status s = writer_->Append(data); !s.ok()) {
     failed_ = s;
     Abandon();
@@ -224,6 +225,7 @@ absl::StatusOr<int64_t> StagingArea::Upload::Commit() {
     return absl::InvalidArgumentError(absl::StrCat("data: ", received_, " bytes, but ", Named(ticket_),
                                                    " expects ", expected_bytes_));
   }
+  if (writer_ == nullptr) return absl::FailedPreconditionError(absl::StrCat("data: ", Named(ticket_), " was committed"));
   // Outside the lock: a device staging memory waits for its copies here.
   absl::StatusOr<StagedBytes> staged = writer_->Finish();
   writer_.reset();
@@ -234,16 +236,20 @@ absl::StatusOr<int64_t> StagingArea::Upload::Commit() {
   }
   absl::MutexLock lock(&area_->mu_);
   Entry* e = area_->Find(ticket_);
+  // Refused here, the block goes with `staged` and the reservation when the upload does.
   if (e != nullptr && e->state == State::kUsed) {
-    return absl::FailedPreconditionError(absl::StrCat("ticket: ", Named(ticket_), " was dropped while it was being "
-                                                      "staged (its step failed, or its put was abandoned)"));
+    failed_ = absl::FailedPreconditionError(absl::StrCat("ticket: ", Named(ticket_), " was dropped while it was "
+                                                         "being staged (its step failed, or its put was abandoned)"));
+    return failed_;
   }
   if (e == nullptr || e->state != State::kStaging || e->id != id_) {
-    return absl::NotFoundError(absl::StrCat("ticket: ", Named(ticket_), " expired while it was being staged"));
+    failed_ = absl::NotFoundError(absl::StrCat("ticket: ", Named(ticket_), " expired while it was being staged"));
+    return failed_;
   }
   if (staged->device == nullptr && static_cast<int64_t>(staged->host.size()) != expected_bytes_) {
-    return absl::InternalError(absl::StrCat("the staging memory kept ", staged->host.size(), " bytes of ",
-                                            Named(ticket_), "'s ", expected_bytes_));
+    failed_ = absl::InternalError(absl::StrCat("the staging memory kept ", staged->host.size(), " bytes of ",
+                                               Named(ticket_), "'s ", expected_bytes_));
+    return failed_;
   }
   auto t = std::make_shared<HostTensor>();
   t->dtype = e->block.dtype;
