@@ -443,15 +443,25 @@ absl::StatusOr<v1::GroupedGemmResponse> ShardGemmClient::GroupedGemmDirect(const
   v1::GroupedGemmRequest planned;
   google::protobuf::util::FieldMaskUtil::MergeMessageTo(request, mask,
                                                         google::protobuf::util::FieldMaskUtil::MergeOptions(), &planned);
-  if (arrays.empty()) return absl::InvalidArgumentError("direct path: the request has no inline operand to stage");
-  v1::StagingPlanRequest plan_request;
-  *plan_request.mutable_grouped_gemm() = planned;
-  std::string request_id;
-  auto plan = PlanTransfer(plan_request, deadline, &request_id);
-  if (!plan.ok()) return plan.status();
-  if (absl::Status s = StageAll(*plan, arrays, request_id, deadline); !s.ok()) {
-    Release(plan->staging_id(), request_id);
-    return s;
+  if (arrays.empty() && keep) {
+    return absl::InvalidArgumentError(
+        "direct path: the request has no inline operand to stage and keeps its output (keep_output_as): "
+        "nothing would go direct");
+  }
+  // With nothing to stage there is no transfer plan: only the output is
+  // held on the workers for the fetch below.
+  std::string request_id = request_id_;
+  v1::StagingPlan plan;
+  if (!arrays.empty()) {
+    v1::StagingPlanRequest plan_request;
+    *plan_request.mutable_grouped_gemm() = planned;
+    auto planned_transfer = PlanTransfer(plan_request, deadline, &request_id);
+    if (!planned_transfer.ok()) return planned_transfer.status();
+    plan = *std::move(planned_transfer);
+    if (absl::Status s = StageAll(plan, arrays, request_id, deadline); !s.ok()) {
+      Release(plan.staging_id(), request_id);
+      return s;
+    }
   }
 
   v1::GroupedGemmRequest submitted = std::move(planned);
@@ -459,7 +469,7 @@ absl::StatusOr<v1::GroupedGemmResponse> ShardGemmClient::GroupedGemmDirect(const
     if (arrays.count(role) == 0) continue;
     auto* t = static_cast<v1::Tensor*>(
         submitted.GetReflection()->MutableMessage(&submitted, descriptor->FindFieldByName(name)));
-    t->set_staged(plan->staging_id());
+    t->set_staged(plan.staging_id());
   }
   submitted.set_direct_output(!keep);
   v1::GroupedGemmResponse response;
@@ -470,11 +480,13 @@ absl::StatusOr<v1::GroupedGemmResponse> ShardGemmClient::GroupedGemmDirect(const
     grpc::Status s = stub_->GroupedGemm(&ctx, submitted, &response);
     NoteRequestId(ctx);
     if (!s.ok()) {
-      Release(plan->staging_id(), request_id);  // refused before its steps, the plan would wait for its TTL
+      // Refused before its steps, the plan would wait for its TTL.
+      if (!plan.staging_id().empty()) Release(plan.staging_id(), request_id);
       return FromGrpcStatus(s);
     }
   }
   if (keep) return response;
+  if (request_id.empty()) request_id = last_request_id_;  // nothing staged: the submit named the request
   const std::vector<int64_t> shape(response.out().shape().begin(), response.out().shape().end());
   auto out = FetchAll(response.out().dtype(), shape, response.out_blocks(), request_id, deadline);
   if (!out.ok()) return out.status();

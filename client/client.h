@@ -37,7 +37,10 @@ class ShardGemmClient {
   // it, in parallel; the output (unless keep_output_as) is fetched from the
   // workers in parallel and put in the response's `out` as inline bytes, so
   // the answer reads like GroupedGemm's. The coordinator touches none of
-  // those bytes. FAILED_PRECONDITION when a worker serves no staging.
+  // those bytes. A request with no inline operand (all resident or in
+  // shared memory) stages nothing and only fetches its output directly;
+  // one that also keeps its output is INVALID_ARGUMENT (nothing would take
+  // the direct path). FAILED_PRECONDITION when a worker serves no staging.
   // Each call of it (plan, stage, submit, fetch) is bounded by timeout();
   // a plan not submitted (a stage or the submit failed) is released
   // (ReleaseStaging), so its staged blocks leave the workers at once.

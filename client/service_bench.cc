@@ -112,6 +112,11 @@ ABSL_FLAG(std::string, activations, "resident",
           "into one too; CUDA workers on this host, the coordinator with --shared_memory), direct (each call "
           "stages lhs's blocks on the workers and, with --returned, fetches the output blocks from them: the "
           "direct path)");
+ABSL_FLAG(std::string, output_path, "",
+          "with --returned, how the output comes back: coordinator (in the coordinator's answer) or direct (held "
+          "on the workers, in pinned memory on CUDA, and fetched from them: the direct path's fetch); default: "
+          "direct with --activations=direct, else coordinator. --activations=direct takes direct only; the "
+          "shared_memory and cuda_ipc outputs go into their regions");
 ABSL_FLAG(std::string, dtype, "bf16", "operand and output dtype: bf16 or f32");
 ABSL_FLAG(double, scale_rows, 1.0, "scale every preset's rows per group (small CPU runs)");
 ABSL_FLAG(double, scale_dims, 1.0, "scale every preset's k and n (small CPU runs)");
@@ -603,7 +608,7 @@ struct Caller {
   char* device_out = nullptr;  // returned into a CUDA region: its slice there
   mutable std::string device_out_copy;  // what a check reads of it
   int64_t out_bytes = 0;
-  bool direct = false;        // --activations=direct: stage lhs and fetch the output itself
+  bool direct = false;  // GroupedGemmDirect: stage the inline lhs, fetch a returned output from the workers
 
   absl::StatusOr<v1::GroupedGemmResponse> Send() {
     return direct ? client->GroupedGemmDirect(request) : client->GroupedGemm(request);
@@ -899,7 +904,11 @@ int Main() {
               fp8 ? (BlockFp8() ? "quantize + fp8 gemm (e4m3, 1x128 x 128x128 block scales, bf16 out)"
                                 : "quantize + fp8 gemm (e4m3, per-group scales, bf16 out)")
                   : std::string(DTypeName(dtype)).c_str(),
-              returned ? "returned" : "kept", iters, warmup);
+              !returned ? "kept"
+              : (absl::GetFlag(FLAGS_output_path) == "direct" || absl::GetFlag(FLAGS_activations) == "direct")
+                  ? "returned (fetched from the workers)"
+                  : "returned",
+              iters, warmup);
   std::printf("# %-18s %9s %9s %9s %9s %9s %9s %9s %9s %7s %9s %11s %11s %s\n", "preset", "local_us",
               "d2h_us", "server50", "server90", "worker50", "worker90", "rtt50", "rtt90", "ratio", "added_us",
               "h2d_bytes", "d2h_bytes", "check");
@@ -993,6 +1002,22 @@ int Main() {
     // The direct path: lhs inline in the request as built here; each call
     // stages its blocks on the workers (GroupedGemmDirect).
     const bool direct = activations == "direct";
+    std::string output_path = absl::GetFlag(FLAGS_output_path);
+    if (output_path.empty()) output_path = direct ? "direct" : "coordinator";
+    if (output_path != "coordinator" && output_path != "direct") {
+      std::fprintf(stderr, "--output_path: '%s' is not coordinator or direct\n", output_path.c_str());
+      return 1;
+    }
+    if (output_path == "direct" &&
+        (!returned || activations == "shared_memory" || activations == "cuda_ipc")) {
+      std::fprintf(stderr, "--output_path=direct needs --returned and --activations resident, inline or direct\n");
+      return 1;
+    }
+    if (direct && output_path != "direct") {
+      std::fprintf(stderr, "--activations=direct fetches its output directly: --output_path=direct\n");
+      return 1;
+    }
+    const bool output_direct = output_path == "direct";
     if (activations == "inline" || direct) {
       HostTensorToProto(lhs, request.mutable_lhs());
       request.mutable_lhs()->set_spec(absl::GetFlag(FLAGS_lhs_spec));
@@ -1109,7 +1134,7 @@ int Main() {
         caller->client = std::make_unique<ShardGemmClient>(absl::GetFlag(FLAGS_coordinator),
                                                            ClientCredentialsFromFlags("shardgemm-service-bench"));
         caller->request = request;
-        caller->direct = direct;
+        caller->direct = direct || output_direct;
         if (!returned) {
           caller->kept_as = c == 0 ? "bench_out" : absl::StrCat("bench_out_", c);
           caller->request.set_keep_output_as(caller->kept_as);
@@ -1209,6 +1234,7 @@ int Main() {
                             {"local", on_cuda ? "cuda" : "cpu"},
                             {"op", fp8 ? "fp8_" + absl::GetFlag(FLAGS_fp8_scaling) : "gemm"},
                             {"activations", activations}, {"returned", returned},
+                            {"output_path", returned ? output_path : "kept"},
                             {"local_p50_us", l.p50 * 1e6}, {"d2h_p50_us", dd.p50 * 1e6}, {"h2d_p50_us", uu.p50 * 1e6},
                             {"server_p50_us", sv.p50 * 1e6}, {"server_p90_us", sv.p90 * 1e6},
                             {"server_p99_us", sv.p99 * 1e6}, {"worker_p50_us", wk.p50 * 1e6},

@@ -61,7 +61,7 @@ def test_concurrency_sweep_figures_are_consistent(tmp_path):
     transport = [r for r in results if r["kind"] == "transport"]
 
     # Every path the bench offers, at every level asked; direct run or skipped saying why.
-    for path in ("inline", "shared_memory", "resident"):
+    for path in ("inline", "shared_memory", "resident", "resident_fetched"):
         assert sorted(r["concurrency"] for r in service if r["path"] == path) == LEVELS, path
     assert "direct" in doc["paths"] or any(s["path"] == "direct" and s["why"] for s in doc["skipped"])
     for variant in ("raw_stream", "raw_stream_chunked"):

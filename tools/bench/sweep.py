@@ -50,6 +50,10 @@ PATHS = {
     "resident": {"flags": ["--activations=resident"]},
     # lhs resident, output returned through the coordinator.
     "resident_returned": {"flags": ["--activations=resident", "--returned"]},
+    # lhs resident, output held on the workers (pinned on CUDA) and fetched
+    # from them: the direct path's fetch alone.
+    "resident_fetched": {"flags": ["--activations=resident", "--returned", "--output_path=direct"],
+                         "needs_flag": "output_path"},
     # Client-direct transfers: the client streams each worker its blocks and
     # reads the outputs from them.
     "direct": {"flags": ["--activations=direct", "--returned"], "needs": "direct"},
@@ -57,7 +61,7 @@ PATHS = {
     # the same host open (CUDA IPC) and use in place: only with --local=cuda.
     "cuda_ipc": {"flags": ["--activations=cuda_ipc", "--returned"], "needs": "cuda_ipc", "cuda_only": True},
 }
-DEFAULT_PATHS = "inline,shared_memory,resident,direct"
+DEFAULT_PATHS = "inline,shared_memory,resident,resident_fetched,direct"
 
 # The raw stream's variants: its flags for the messages both ways.
 TRANSPORT_VARIANTS = {
@@ -160,6 +164,12 @@ def bench_knows(bench, mode):
     at = text.find("--activations (")
     end = text.find("default:", at)
     return at >= 0 and re.search(rf"\b{re.escape(mode)}\b", text[at:end if end > at else None]) is not None
+
+
+def bench_has_flag(bench, flag):
+    """Whether the service bench takes --`flag`."""
+    r = subprocess.run([bench, "--helpfull"], capture_output=True, text=True, timeout=30)
+    return f"--{flag} (" in r.stdout + r.stderr
 
 
 def x_key(rows):
@@ -355,6 +365,11 @@ def main(argv=None):
         needs = PATHS[name].get("needs")
         if needs and not bench_knows(bench, needs):
             skipped.append({"path": name, "why": f"{os.path.basename(bench)} has no --activations={needs} yet"})
+            print(f"# {name}: skipped, {skipped[-1]['why']}", flush=True)
+            continue
+        needs_flag = PATHS[name].get("needs_flag")
+        if needs_flag and not bench_has_flag(bench, needs_flag):
+            skipped.append({"path": name, "why": f"{os.path.basename(bench)} has no --{needs_flag} yet"})
             print(f"# {name}: skipped, {skipped[-1]['why']}", flush=True)
             continue
         if PATHS[name].get("cuda_only") and a.local != "cuda":
