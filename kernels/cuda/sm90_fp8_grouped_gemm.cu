@@ -23,6 +23,9 @@
 // temporary, 128 FP32 registers). Without kPromote (fast accumulation, the
 // 128x256 tile only) the wgmmas accumulate all of K, and a slot is freed once
 // the next block's wgmmas are issued and the previous ones retired.
+// Block scaling (kBlock, 1x128 lhs x 128x128 rhs): the producer bulk-copies
+// each K block's scales of the tile into the stage with its tiles, and the
+// consumers multiply the temporary by them as they promote it (FFMA).
 // BM = 128: each consumer takes 64 rows x BN columns. BM = 64 (small groups):
 // each consumer takes all 64 rows x BN/2 columns.
 // Rows of lhs past M and K past the end read as zeros (TMA out-of-bounds fill).
@@ -194,7 +197,13 @@ struct Config {
   static constexpr int kBBytes = BN * kBK;
   static constexpr int kStageBytes = kABytes + kBBytes;
   static constexpr int kStagingBytes = kTmaStore ? BM * BN * 2 : 0;  // 16-bit out only
-  static constexpr int kFit = (kSmemLimit - 1024 - kOffsetBytes - 256 - kStagingBytes) / kStageBytes;
+  // Block scaling: each stage's scales, loaded by the producer with its
+  // tiles: BM rows' 1x128 lhs scales, then for each 128-column block of the
+  // tile the 16 bytes of its 128x128 rhs scale row holding this K block's.
+  static constexpr int kNB = (BN + 127) / 128;
+  static constexpr int kScaleFloats = BM + 4 * kNB;
+  static constexpr int kFit =
+      (kSmemLimit - 1024 - kOffsetBytes - 256 - kStagingBytes) / (kStageBytes + kScaleFloats * 4);
   static constexpr int kStages = kFit < 6 ? kFit : 6;
   static constexpr int kRingBytes = kStages * kStageBytes;
   static_assert(kWN % 64 == 0, "staging boxes are 64 columns wide");
@@ -203,7 +212,8 @@ struct Config {
 template <int BM, int BN, bool kPromote, bool kTmaStore>
 constexpr int SmemBytes(int num_groups) {
   using C = Config<BM, BN, kPromote, kTmaStore>;
-  return 1024 /*align slack*/ + C::kRingBytes + C::kStagingBytes + 2 * C::kStages * 8 + 3 * (num_groups + 1) * 4;
+  return 1024 /*align slack*/ + C::kRingBytes + C::kStagingBytes + 2 * C::kStages * 8 +
+         C::kStages * C::kScaleFloats * 4 + 3 * (num_groups + 1) * 4;
 }
 
 template <int BM, int BN, bool kPromote, bool kTmaStore, bool kBlock, int kFa, int kFb>
@@ -223,7 +233,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint8_t* staging = smem + C::kRingBytes;  // kStagingBytes, 1024-aligned
   uint64_t* full = reinterpret_cast<uint64_t*>(staging + C::kStagingBytes);
   uint64_t* empty = full + kStages;
-  int* row_start = reinterpret_cast<int*>(empty + kStages);
+  float* stage_scales = reinterpret_cast<float*>(empty + kStages);  // 16-byte aligned: 2 * kStages barriers
+  int* row_start = reinterpret_cast<int*>(stage_scales + kStages * C::kScaleFloats);
   int* tile_start = row_start + args.num_groups + 1;
   int* row4_start = tile_start + args.num_groups + 1;  // kBlock: sum of roundup(rows, 4) before each group
   __shared__ int warp_rows[kThreads / 32], warp_tiles[kThreads / 32], warp_rows4[kThreads / 32];
@@ -293,12 +304,37 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int mt_count = (row_start[g + 1] - row_start[g] + BM - 1) / BM;
         const int row0 = row_start[g] + (local % mt_count) * BM;
         const int n0 = (local / mt_count) * BN;
+        // kBlock: the tile's rows of the group's [num_kb][roundup(rows, 4)]
+        // lhs scales (rows past the group's end are not stored, so their
+        // scales need not be loaded), and for each 128-column block the row
+        // nb of the group's [ceil(n/128)][roundup(num_kb, 4)] rhs scales.
+        const float* a_scales = nullptr;
+        int a_scale_ld = 0, a_scale_bytes = 0;
+        const float* b_scales[C::kNB];
+        if constexpr (kBlock) {
+          const int g_rows = row_start[g + 1] - row_start[g];
+          const int r0 = (local % mt_count) * BM;
+          a_scale_ld = (g_rows + 3) & ~3;
+          a_scale_bytes = min(BM, a_scale_ld - r0) * 4;
+          a_scales = args.lhs_scale + static_cast<int64_t>(num_kb) * row4_start[g] + r0;
+          const int nbc = (args.n + 127) / 128, kb4 = (num_kb + 3) & ~3;
+#pragma unroll
+          for (int j = 0; j < C::kNB; ++j) {
+            b_scales[j] = args.rhs_scale + (static_cast<int64_t>(g) * nbc + min(n0 / 128 + j, nbc - 1)) * kb4;
+          }
+        }
         for (int kb = 0; kb < num_kb; ++kb) {
           BarWait(&empty[stage], phase ^ 1);
-          BarExpectTx(&full[stage], C::kStageBytes);
+          BarExpectTx(&full[stage], C::kStageBytes + (kBlock ? a_scale_bytes + 16 * C::kNB : 0));
           uint8_t* sa = ring + stage * C::kStageBytes;
           TmaLoad2d(sa, &map_a, kb * kBK, row0, &full[stage]);
           TmaLoad3d(sa + C::kABytes, &map_b, kb * kBK, n0, g, &full[stage]);
+          if constexpr (kBlock) {
+            float* sc = stage_scales + stage * C::kScaleFloats;
+            BulkLoad(sc, a_scales + static_cast<int64_t>(kb) * a_scale_ld, a_scale_bytes, &full[stage]);
+#pragma unroll
+            for (int j = 0; j < C::kNB; ++j) BulkLoad(sc + BM + 4 * j, b_scales[j] + (kb & ~3), 16, &full[stage]);
+          }
           if (++stage == kStages) { stage = 0; phase ^= 1; }
         }
       }
@@ -343,28 +379,6 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int row0 = row_start[g] + (local % mt_count) * BM;
       const int n0 = (local / mt_count) * BN;
       const float scale = kBlock ? 1.f : __ldg(args.lhs_scale + g) * __ldg(args.rhs_scale + g);
-      // kBlock: this thread's two rows' 1x128 scales (column kb of the group's
-      // [num_kb][roundup(rows, 4)] block) and the 128x128 scale of each
-      // 128-column half (row nb, column kb of the group's [ceil(n/128)][roundup(num_kb, 4)]).
-      const float* sa_p0 = nullptr;
-      const float* sa_p1 = nullptr;
-      const float* sb_p[kHalves];
-      int sa_ld = 0;
-      if constexpr (kBlock) {
-        const int lr = (BM == 128 ? c * 64 : 0) + (local % mt_count) * BM + warp_in_wg * 16 + lane / 4;
-        const int lr0 = min(lr, g_rows - 1), lr1 = min(lr + 8, g_rows - 1);
-        const float* lbase = args.lhs_scale + static_cast<int64_t>(num_kb) * row4_start[g];
-        sa_ld = (g_rows + 3) & ~3;
-        sa_p0 = lbase + lr0;
-        sa_p1 = lbase + lr1;
-        const int nbc = (args.n + 127) / 128, kb4 = (num_kb + 3) & ~3;
-        const float* rbase = args.rhs_scale + static_cast<int64_t>(g) * nbc * kb4;
-#pragma unroll
-        for (int hf = 0; hf < kHalves; ++hf) {
-          const int nb = min((n0 + (BM == 128 ? 0 : c * kWN) + hf * kWNH) / 128, nbc - 1);
-          sb_p[hf] = rbase + static_cast<int64_t>(nb) * kb4;
-        }
-      }
       if constexpr (!kPromote) {
         int prev_stage = 0;
         for (int kb = 0; kb < num_kb; ++kb) {
@@ -390,29 +404,19 @@ __global__ void __launch_bounds__(kThreads, 1)
       } else {
 #pragma unroll
         for (int i = 0; i < kWN / 2; ++i) acc[i] = 0.f;
-        // kBlock: the next K block's scales are loaded one block ahead (their
-        // latency hides behind this block's wgmmas).
-        float n_a0 = 0.f, n_a1 = 0.f, n_b[kHalves];
-        if constexpr (kBlock) {
-          n_a0 = __ldg(sa_p0);
-          n_a1 = __ldg(sa_p1);
-#pragma unroll
-          for (int hf = 0; hf < kHalves; ++hf) n_b[hf] = __ldg(sb_p[hf]);
-        }
+        // kBlock: this thread's two rows (lane/4 and lane/4 + 8 of its warp's
+        // 16) within the tile, whose scales the stage holds.
+        const int scale_row = (BM == 128 ? c * 64 : 0) + warp_in_wg * 16 + lane / 4;
         for (int kb = 0; kb < num_kb; ++kb) {
-          float s_a0 = 0.f, s_a1 = 0.f, s_b[kHalves];
-          if constexpr (kBlock) {
-            s_a0 = n_a0, s_a1 = n_a1;
-#pragma unroll
-            for (int hf = 0; hf < kHalves; ++hf) s_b[hf] = n_b[hf];
-            if (kb + 1 < num_kb) {
-              n_a0 = __ldg(sa_p0 + static_cast<int64_t>(kb + 1) * sa_ld);
-              n_a1 = __ldg(sa_p1 + static_cast<int64_t>(kb + 1) * sa_ld);
-#pragma unroll
-              for (int hf = 0; hf < kHalves; ++hf) n_b[hf] = __ldg(sb_p[hf] + kb + 1);
-            }
-          }
           BarWait(&full[stage], phase);
+          float s_a0 = 0.f, s_a1 = 0.f, s_b[kHalves];
+          if constexpr (kBlock) {  // read before the stage is released
+            const float* sc = stage_scales + stage * C::kScaleFloats;
+            s_a0 = sc[scale_row];
+            s_a1 = sc[scale_row + 8];
+#pragma unroll
+            for (int hf = 0; hf < kHalves; ++hf) s_b[hf] = sc[BM + 4 * (BM == 128 ? hf : c) + (kb & 3)];
+          }
           const uint32_t sa = ring_addr + stage * C::kStageBytes + a_off;
           const uint32_t sb = ring_addr + stage * C::kStageBytes + C::kABytes + b_off;
 #pragma unroll
@@ -580,6 +584,9 @@ const char* Sm90Fp8GroupedGemmUnsupportedReason(const Sm90Fp8GroupedGemmParams& 
   if (!p.promote && !(p.tile_m == 128 && p.tile_n == 256)) return "fast accumulation (no promotion) needs the 128x256 tile";
   if (p.block_scaling && !p.promote) return "block scaling promotes every 128-K block (promote must be set)";
   if (p.block_scaling && p.tile_n == 192) return "block scaling: tile 128x256, 128x128 or 64x256";
+  if (p.block_scaling &&
+      ((reinterpret_cast<uintptr_t>(p.lhs_scale_inv) | reinterpret_cast<uintptr_t>(p.rhs_scale_inv)) & 15))
+    return "block scaling: the scales must be 16-byte aligned (the kernel copies them in bulk)";
   if (p.num_groups < 1 || p.num_groups > kSm90Fp8MaxGroups) return "num_groups out of range for the sm90 FP8 kernel";
   if (p.k < 1 || p.k % 16 != 0) return "k must be a positive multiple of 16 (16-byte TMA strides)";
   if (p.m < 0 || p.n < 1) return "m must be >= 0 and n >= 1";
