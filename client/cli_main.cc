@@ -42,7 +42,8 @@
 #include "kernels/quantize_assembly.h"
 #include "proto/plan_codec.h"
 
-ABSL_FLAG(std::string, coordinator, "127.0.0.1:50051", "coordinator address");
+ABSL_FLAG(std::string, coordinator, "127.0.0.1:50051",
+          "coordinator address: HOST:PORT, or unix:PATH for its --client_socket");
 ABSL_FLAG(std::string, request_id, "",
           "id sent as x-request-id metadata, found in the coordinator's and workers' log lines "
           "(default: the coordinator makes one; gemm prints it)");
@@ -94,6 +95,11 @@ ABSL_FLAG(int, flatten_axis, 0, "quantize: dims before it are rows (0: all but t
 
 namespace shardgemm {
 namespace {
+
+// For --coordinator: TLS or, on its Unix socket, local credentials.
+ClientCredentials CoordinatorCredentials() {
+  return ClientCredentialsFromFlags("shardgemm", absl::GetFlag(FLAGS_coordinator));
+}
 
 int Fail(const absl::Status& s) {
   std::cerr << "shardgemm: " << absl::StatusCodeToString(s.code()) << ": " << s.message() << "\n";
@@ -245,7 +251,7 @@ v1::Compat CompatFlag() {
 }
 
 int Cluster() {
-  ShardGemmClient client(absl::GetFlag(FLAGS_coordinator), ClientCredentialsFromFlags("shardgemm"),
+  ShardGemmClient client(absl::GetFlag(FLAGS_coordinator), CoordinatorCredentials(),
                          ClientMaxMessageBytesFromFlags("shardgemm"));
   client.set_request_id(absl::GetFlag(FLAGS_request_id));
   auto info = client.ClusterInfo();
@@ -322,7 +328,7 @@ int PlanCommand() {
     PrintPlan(proto);
     return 0;
   }
-  ShardGemmClient client(absl::GetFlag(FLAGS_coordinator), ClientCredentialsFromFlags("shardgemm"),
+  ShardGemmClient client(absl::GetFlag(FLAGS_coordinator), CoordinatorCredentials(),
                          ClientMaxMessageBytesFromFlags("shardgemm"));
   client.set_request_id(absl::GetFlag(FLAGS_request_id));
   auto plan = client.Plan(request);
@@ -426,7 +432,7 @@ int Gemm() {
 
   auto path = PathFromFlags();
   if (!path.ok()) return Fail(path.status());
-  ShardGemmClient client(absl::GetFlag(FLAGS_coordinator), ClientCredentialsFromFlags("shardgemm"),
+  ShardGemmClient client(absl::GetFlag(FLAGS_coordinator), CoordinatorCredentials(),
                          ClientMaxMessageBytesFromFlags("shardgemm"));
   client.set_request_id(absl::GetFlag(FLAGS_request_id));
   client.set_timeout(absl::GetFlag(FLAGS_direct_timeout));
@@ -688,7 +694,7 @@ int Quantize() {
   if (keeping && absl::GetFlag(FLAGS_check)) {
     return Fail(absl::InvalidArgumentError("--check reads the returned outputs: drop --keep_data_as/--keep_scale_as"));
   }
-  ShardGemmClient client(absl::GetFlag(FLAGS_coordinator), ClientCredentialsFromFlags("shardgemm"),
+  ShardGemmClient client(absl::GetFlag(FLAGS_coordinator), CoordinatorCredentials(),
                          ClientMaxMessageBytesFromFlags("shardgemm"));
   client.set_request_id(absl::GetFlag(FLAGS_request_id));
   auto r = client.GroupedQuantize(request);
@@ -762,7 +768,7 @@ int Put(const std::string& name) {
   if (!t.ok()) return Fail(t.status());
   auto path = PathFromFlags();
   if (!path.ok()) return Fail(path.status());
-  ShardGemmClient client(absl::GetFlag(FLAGS_coordinator), ClientCredentialsFromFlags("shardgemm"),
+  ShardGemmClient client(absl::GetFlag(FLAGS_coordinator), CoordinatorCredentials(),
                          ClientMaxMessageBytesFromFlags("shardgemm"));
   client.set_request_id(absl::GetFlag(FLAGS_request_id));
   client.set_timeout(absl::GetFlag(FLAGS_direct_timeout));
@@ -782,7 +788,7 @@ int Put(const std::string& name) {
 int Get(const std::string& name) {
   auto path = PathFromFlags();
   if (!path.ok()) return Fail(path.status());
-  ShardGemmClient client(absl::GetFlag(FLAGS_coordinator), ClientCredentialsFromFlags("shardgemm"),
+  ShardGemmClient client(absl::GetFlag(FLAGS_coordinator), CoordinatorCredentials(),
                          ClientMaxMessageBytesFromFlags("shardgemm"));
   client.set_request_id(absl::GetFlag(FLAGS_request_id));
   client.set_timeout(absl::GetFlag(FLAGS_direct_timeout));
@@ -802,7 +808,7 @@ int Get(const std::string& name) {
 }
 
 int List() {
-  ShardGemmClient client(absl::GetFlag(FLAGS_coordinator), ClientCredentialsFromFlags("shardgemm"),
+  ShardGemmClient client(absl::GetFlag(FLAGS_coordinator), CoordinatorCredentials(),
                          ClientMaxMessageBytesFromFlags("shardgemm"));
   client.set_request_id(absl::GetFlag(FLAGS_request_id));
   auto r = client.ListTensors();
@@ -853,7 +859,7 @@ int main(int argc, char** argv) {
   if (command == "put") return Put(name);
   if (command == "get") return Get(name);
   if (command == "delete") {
-    ShardGemmClient client(absl::GetFlag(FLAGS_coordinator), ClientCredentialsFromFlags("shardgemm"),
+    ShardGemmClient client(absl::GetFlag(FLAGS_coordinator), CoordinatorCredentials(),
                          ClientMaxMessageBytesFromFlags("shardgemm"));
   client.set_request_id(absl::GetFlag(FLAGS_request_id));
     absl::Status s = client.DeleteTensor(name);

@@ -9,21 +9,37 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "kernels/host_tensor.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/security/credentials.h"
+#include "kernels/host_tensor.h"
 #include "proto/shardgemm.grpc.pb.h"
 #include "proto/transport.h"
 
 namespace shardgemm {
 
+// The credentials of a client's two kinds of hop: to the coordinator, and
+// to the workers' staging ports (the direct path). They differ when the
+// coordinator is reached on its Unix socket (gRPC's local credentials) and
+// the workers over TCP (TLS). `workers` null: this client has none for the
+// workers (the direct path is FAILED_PRECONDITION).
+struct ClientCredentials {
+  ClientCredentials(std::shared_ptr<grpc::ChannelCredentials> both)  // NOLINT: one for every hop
+      : coordinator(both), workers(std::move(both)) {}
+  ClientCredentials(std::shared_ptr<grpc::ChannelCredentials> coordinator_credentials,
+                    std::shared_ptr<grpc::ChannelCredentials> worker_credentials)
+      : coordinator(std::move(coordinator_credentials)), workers(std::move(worker_credentials)) {}
+  std::shared_ptr<grpc::ChannelCredentials> coordinator;
+  std::shared_ptr<grpc::ChannelCredentials> workers;
+};
+
 class ShardGemmClient {
  public:
-  // `credentials`: MakeClientCredentials's (TLS and a token), or insecure ones.
+  // `address`: HOST:PORT, or unix:PATH for a coordinator's --client_socket.
+  // `credentials`: MakeClientCredentials's (TLS or local, and a token), or
+  // insecure ones.
   // `max_message_bytes`: the largest message sent or received (a larger
   // inline response fails RESOURCE_EXHAUSTED; puts and gets go in chunks).
-  ShardGemmClient(const std::string& address, std::shared_ptr<grpc::ChannelCredentials> credentials,
-                  int max_message_bytes = kMaxMessageBytes);
+  ShardGemmClient(const std::string& address, ClientCredentials credentials, int max_message_bytes = kMaxMessageBytes);
 
   // Waits up to `timeout` for the coordinator to answer and its mesh to be
   // complete.
@@ -57,8 +73,7 @@ class ShardGemmClient {
   // The bound on a direct operation, all of its calls together (default 5 min).
   void set_timeout(absl::Duration timeout) { timeout_ = timeout; }
   absl::Duration timeout() const { return timeout_; }
-  absl::StatusOr<v1::GroupedQuantizeResponse> GroupedQuantize(
-      const v1::GroupedQuantizeRequest& request);
+  absl::StatusOr<v1::GroupedQuantizeResponse> GroupedQuantize(const v1::GroupedQuantizeRequest& request);
   // Streams the tensor in chunks, so tensors past gRPC's message limit work.
   absl::StatusOr<v1::PutTensorResponse> PutTensor(const std::string& name, const HostTensor& tensor,
                                                   const std::string& spec, bool overwrite);
@@ -112,7 +127,7 @@ class ShardGemmClient {
   static constexpr absl::Duration kReleaseTimeout = absl::Seconds(5);
 
   std::unique_ptr<v1::ShardGemm::Stub> stub_;
-  std::shared_ptr<grpc::ChannelCredentials> credentials_;
+  std::shared_ptr<grpc::ChannelCredentials> worker_credentials_;
   int max_message_bytes_;
   absl::Mutex staging_mu_;
   std::map<std::string, std::unique_ptr<grpc::GenericStub>> staging_ ABSL_GUARDED_BY(staging_mu_);

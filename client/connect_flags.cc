@@ -5,7 +5,9 @@
 
 #include "absl/flags/flag.h"
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "grpcpp/security/credentials.h"
 #include "proto/transport.h"
 #include "security/tls.h"
 
@@ -18,33 +20,58 @@ ABSL_FLAG(int64_t, max_message_mb, 2047,
 
 namespace shardgemm {
 
-absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeClientCredentials(const ClientSecurity& security) {
-  if (security.insecure) {
-    if (!security.tls_dir.empty()) {
-      return absl::InvalidArgumentError("insecure: --insecure and --tls_dir exclude each other");
-    }
-    return grpc::InsecureChannelCredentials();
-  }
-  if (security.tls_dir.empty()) {
-    return absl::InvalidArgumentError(
-        "tls_dir: set --tls_dir to the mesh's certificates (with --token_file), or --insecure");
-  }
+bool IsUnixSocketTarget(absl::string_view target) { return absl::StartsWith(target, "unix:"); }
+
+namespace {
+
+absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> TlsCredentials(const std::string& tls_dir) {
   grpc::SslCredentialsOptions options;
-  auto ca = security::ReadCredentialFile(security.tls_dir + "/ca.crt", "tls_dir");
+  auto ca = security::ReadCredentialFile(tls_dir + "/ca.crt", "tls_dir");
   if (!ca.ok()) return ca.status();
   options.pem_root_certs = *ca;
-  auto cert = security::ReadCredentialFile(security.tls_dir + "/client.crt", "tls_dir");
-  auto key = security::ReadCredentialFile(security.tls_dir + "/client.key", "tls_dir");
+  auto cert = security::ReadCredentialFile(tls_dir + "/client.crt", "tls_dir");
+  auto key = security::ReadCredentialFile(tls_dir + "/client.key", "tls_dir");
   if (cert.ok() && key.ok()) {
     options.pem_cert_chain = *cert;
     options.pem_private_key = *key;
   }
-  std::shared_ptr<grpc::ChannelCredentials> channel = grpc::SslCredentials(options);
-  if (security.token.empty()) return channel;
-  return grpc::CompositeChannelCredentials(channel, grpc::AccessTokenCredentials(security.token));
+  return grpc::SslCredentials(options);
 }
 
-std::shared_ptr<grpc::ChannelCredentials> ClientCredentialsFromFlags(const char* program) {
+std::shared_ptr<grpc::ChannelCredentials> WithToken(std::shared_ptr<grpc::ChannelCredentials> channel,
+                                                    const std::string& token) {
+  if (channel == nullptr || token.empty()) return channel;
+  return grpc::CompositeChannelCredentials(channel, grpc::AccessTokenCredentials(token));
+}
+
+}  // namespace
+
+absl::StatusOr<ClientCredentials> MakeClientCredentials(const ClientSecurity& security,
+                                                        absl::string_view coordinator_target) {
+  if (security.insecure) {
+    if (!security.tls_dir.empty()) {
+      return absl::InvalidArgumentError("insecure: --insecure and --tls_dir exclude each other");
+    }
+    return ClientCredentials(grpc::InsecureChannelCredentials());
+  }
+  const bool unix_socket = IsUnixSocketTarget(coordinator_target);
+  if (security.tls_dir.empty() && !unix_socket) {
+    return absl::InvalidArgumentError(
+        "tls_dir: set --tls_dir to the mesh's certificates (with --token_file), or --insecure");
+  }
+  std::shared_ptr<grpc::ChannelCredentials> tls;
+  if (!security.tls_dir.empty()) {
+    auto made = TlsCredentials(security.tls_dir);
+    if (!made.ok()) return made.status();
+    tls = *std::move(made);
+  }
+  // The socket's peer is checked by the kernel (a Unix socket only), so the
+  // token needs no encryption there; gRPC sends call credentials over it.
+  std::shared_ptr<grpc::ChannelCredentials> coordinator = unix_socket ? grpc::experimental::LocalCredentials(UDS) : tls;
+  return ClientCredentials(WithToken(coordinator, security.token), WithToken(tls, security.token));
+}
+
+ClientCredentials ClientCredentialsFromFlags(const char* program, absl::string_view coordinator_target) {
   ClientSecurity security;
   security.insecure = absl::GetFlag(FLAGS_insecure);
   security.tls_dir = absl::GetFlag(FLAGS_tls_dir);
@@ -58,7 +85,7 @@ std::shared_ptr<grpc::ChannelCredentials> ClientCredentialsFromFlags(const char*
     }
     security.token = std::string(absl::StripAsciiWhitespace(*token));
   }
-  auto credentials = MakeClientCredentials(security);
+  auto credentials = MakeClientCredentials(security, coordinator_target);
   if (!credentials.ok()) {
     std::cerr << program << ": " << credentials.status().message() << "\n";
     std::exit(2);

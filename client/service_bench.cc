@@ -83,7 +83,8 @@
 #include "nlohmann/json.hpp"
 #include "proto/tensor_codec.h"
 
-ABSL_FLAG(std::string, coordinator, "127.0.0.1:50051", "coordinator address");
+ABSL_FLAG(std::string, coordinator, "127.0.0.1:50051",
+          "coordinator address: HOST:PORT, or unix:PATH for its --client_socket");
 ABSL_FLAG(std::string, presets, "", "presets JSON (anchors/presets.json format)");
 ABSL_FLAG(std::string, only, "", "run only the presets whose name contains this");
 ABSL_FLAG(std::string, local, "cuda", "where the local op runs: cuda or cpu");
@@ -137,6 +138,11 @@ ABSL_FLAG(std::string, op, "gemm",
 namespace shardgemm {
 
 namespace {
+
+// For --coordinator: TLS or, on its Unix socket, local credentials.
+ClientCredentials CoordinatorCredentials() {
+  return ClientCredentialsFromFlags("shardgemm-service-bench", absl::GetFlag(FLAGS_coordinator));
+}
 
 // --busy_poll: this process's cores kept from halting while its calls are in
 // flight, as the servers' own flag does for theirs (a same-host client's
@@ -893,7 +899,7 @@ int Main() {
   }
   const int row_shards = absl::GetFlag(FLAGS_row_shards), expert_shards = absl::GetFlag(FLAGS_expert_shards);
 
-  ShardGemmClient client(absl::GetFlag(FLAGS_coordinator), ClientCredentialsFromFlags("shardgemm-service-bench"));
+  ShardGemmClient client(absl::GetFlag(FLAGS_coordinator), CoordinatorCredentials());
   auto info = client.WaitUntilReady(absl::Seconds(60));
   if (!info.ok()) {
     std::fprintf(stderr, "coordinator: %s\n", std::string(info.status().message()).c_str());
@@ -1132,7 +1138,7 @@ int Main() {
         const int c = static_cast<int>(callers.size());
         auto caller = std::make_unique<Caller>();
         caller->client = std::make_unique<ShardGemmClient>(absl::GetFlag(FLAGS_coordinator),
-                                                           ClientCredentialsFromFlags("shardgemm-service-bench"));
+                                                           CoordinatorCredentials());
         caller->request = request;
         caller->direct = direct || output_direct;
         if (!returned) {

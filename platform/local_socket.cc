@@ -12,8 +12,8 @@
 #include <fstream>
 #include <vector>
 
-#include "absl/strings/str_cat.h"
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 
@@ -26,16 +26,15 @@ std::string BootId() {
   return std::string(absl::StripAsciiWhitespace(id));
 }
 
-absl::StatusOr<PrivateSocketDir> PrivateSocketDir::Create(const std::string& parent,
-                                                          const std::string& socket_name) {
+absl::StatusOr<PrivateSocketDir> PrivateSocketDir::Create(const std::string& parent, const std::string& socket_name) {
   if (socket_name.empty() || socket_name.find('/') != std::string::npos) {
     return absl::InvalidArgumentError(absl::StrCat("socket name '", socket_name, "' must be one path component"));
   }
   std::string templ = absl::StrCat(parent.empty() ? "/tmp" : parent, "/shardgemm-XXXXXX");
   // sun_path holds 108 bytes with its NUL.
   if (templ.size() + 1 + socket_name.size() > 107) {
-    return absl::InvalidArgumentError(absl::StrCat("socket path ", templ, "/", socket_name,
-                                                   " is longer than a Unix socket's 107 bytes"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("socket path ", templ, "/", socket_name, " is longer than a Unix socket's 107 bytes"));
   }
   std::vector<char> buffer(templ.begin(), templ.end());
   buffer.push_back('\0');
@@ -153,6 +152,49 @@ int RemoveStaleSocketDirs(const std::string& parent, const std::string& socket_n
     if (rmdir(dir.c_str()) == 0) ++removed;
   }
   return removed;
+}
+
+absl::Status ClaimSocketPath(const std::string& path, const std::string& flag) {
+  if (path.empty() || path[0] != '/') {
+    return absl::InvalidArgumentError(absl::StrCat(flag, ": '", path, "' is not an absolute path"));
+  }
+  if (path.size() >= sizeof(sockaddr_un{}.sun_path)) {
+    return absl::InvalidArgumentError(absl::StrCat(flag, ": '", path, "' is ", path.size(),
+                                                   " bytes; a Unix socket's path is at most ",
+                                                   sizeof(sockaddr_un{}.sun_path) - 1));
+  }
+  struct stat st;
+  if (lstat(path.c_str(), &st) != 0) {
+    if (errno == ENOENT) return absl::OkStatus();
+    return absl::FailedPreconditionError(absl::StrCat(flag, ": ", path, ": ", std::strerror(errno)));
+  }
+  if (!S_ISSOCK(st.st_mode)) {
+    return absl::FailedPreconditionError(absl::StrCat(flag, ": ", path, " exists and is not a socket"));
+  }
+  if (!NothingListens(path)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(flag, ": another process serves ", path, " (or it cannot be told that nothing does)"));
+  }
+  if (unlink(path.c_str()) != 0 && errno != ENOENT) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(flag, ": cannot remove the stale socket ", path, ": ", std::strerror(errno)));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<unsigned> ParseSocketMode(const std::string& text, const std::string& flag) {
+  unsigned mode = 0;
+  bool ok = !text.empty() && text.size() <= 4;
+  for (char c : text) ok = ok && c >= '0' && c <= '7';
+  if (ok) mode = static_cast<unsigned>(std::strtoul(text.c_str(), nullptr, 8));
+  if (!ok || mode > 0777) {
+    return absl::InvalidArgumentError(absl::StrCat(flag, ": '", text, "' is not an octal file mode (e.g. 0600)"));
+  }
+  if ((mode & 0600) != 0600) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(flag, ": '", text, "' leaves the owner without read and write (the server's own)"));
+  }
+  return mode;
 }
 
 absl::StatusOr<uint64_t> SocketInode(const std::string& path) {

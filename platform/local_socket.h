@@ -49,6 +49,17 @@ class PrivateSocketDir {
 // older than `min_age`. Anything else is left alone. Returns how many went.
 int RemoveStaleSocketDirs(const std::string& parent, const std::string& socket_name, absl::Duration min_age);
 
+// Makes `path` free for a server to bind a Unix socket at (a coordinator's
+// --client_socket): nothing there, or a socket nothing listens on (a killed
+// server's), which is removed. FAILED_PRECONDITION naming `flag` when
+// something else is there, or a live server listens on it; INVALID_ARGUMENT
+// when the path is empty, not absolute or too long for a socket address.
+absl::Status ClaimSocketPath(const std::string& path, const std::string& flag);
+
+// Parses a socket file's mode, octal ("0600", "660"): INVALID_ARGUMENT
+// naming `flag` unless it is 0-0777 with the owner's read and write bits.
+absl::StatusOr<unsigned> ParseSocketMode(const std::string& text, const std::string& flag);
+
 // The inode of the socket at `path`: FAILED_PRECONDITION when there is none,
 // or it is not a socket.
 absl::StatusOr<uint64_t> SocketInode(const std::string& path);

@@ -56,8 +56,7 @@ TEST(LocalSocketTest, RefusesBadNamesAndLongPaths) {
   EXPECT_FALSE(PrivateSocketDir::Create(::testing::TempDir(), "").ok());
   EXPECT_EQ(PrivateSocketDir::Create("/tmp", std::string(120, 's')).status().code(),
             absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(PrivateSocketDir::Create("/nonexistent/dir", "s").status().code(),
-            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(PrivateSocketDir::Create("/nonexistent/dir", "s").status().code(), absl::StatusCode::kFailedPrecondition);
 }
 
 TEST(LocalSocketTest, AcceptsOnlyTheDescribedSocketOnThisHost) {
@@ -142,6 +141,60 @@ TEST(LocalSocketTest, RemovesOnlyTheDirectoriesOfSocketsNothingListensOn) {
   EXPECT_TRUE(Exists(other_socket + "/client.sock"));
   close(listening);
   EXPECT_EQ(RemoveStaleSocketDirs("/nonexistent/parent", "worker.sock", absl::ZeroDuration()), 0);
+}
+
+TEST(LocalSocketTest, ClaimsAFreePathOrAStaleSocketOnly) {
+  char templ[] = "/tmp/claim_socket_test_XXXXXX";
+  ASSERT_NE(mkdtemp(templ), nullptr);
+  const std::string dir = templ;
+  // Nothing there: free.
+  EXPECT_TRUE(ClaimSocketPath(dir + "/free.sock", "client_socket").ok());
+  // A killed server's socket: removed.
+  const std::string stale = dir + "/stale.sock";
+  int fd = BindUnixSocket(stale);
+  ASSERT_GE(fd, 0);
+  close(fd);
+  ASSERT_TRUE(Exists(stale));
+  EXPECT_TRUE(ClaimSocketPath(stale, "client_socket").ok());
+  EXPECT_FALSE(Exists(stale));
+  // A live server's: refused, and left in place.
+  const std::string live = dir + "/live.sock";
+  const int listening = BindUnixSocket(live);
+  ASSERT_GE(listening, 0);
+  ASSERT_EQ(listen(listening, 4), 0);
+  absl::Status s = ClaimSocketPath(live, "client_socket");
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_NE(s.message().find("another process serves"), std::string::npos) << s;
+  EXPECT_TRUE(Exists(live));
+  close(listening);
+  // A regular file: never removed.
+  const std::string file = dir + "/notes.txt";
+  std::ofstream(file) << "keep";
+  s = ClaimSocketPath(file, "client_socket");
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_NE(s.message().find("not a socket"), std::string::npos) << s;
+  EXPECT_TRUE(Exists(file));
+  // Relative, empty and over-long paths name the flag.
+  for (const std::string& bad : {std::string("relative.sock"), std::string(), "/" + std::string(200, 'x')}) {
+    s = ClaimSocketPath(bad, "client_socket");
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_NE(s.message().find("client_socket"), std::string::npos) << s;
+  }
+  unlink(file.c_str());
+  unlink(live.c_str());
+  rmdir(dir.c_str());
+}
+
+TEST(LocalSocketTest, ParsesOctalModesThatKeepTheOwnersAccess) {
+  EXPECT_EQ(*ParseSocketMode("0600", "m"), 0600u);
+  EXPECT_EQ(*ParseSocketMode("660", "m"), 0660u);
+  EXPECT_EQ(*ParseSocketMode("0777", "m"), 0777u);
+  for (const char* bad : {"", "0800", "abc", "06000", "-600", "0400", "0000"}) {
+    auto mode = ParseSocketMode(bad, "client_socket_mode");
+    ASSERT_FALSE(mode.ok()) << bad;
+    EXPECT_EQ(mode.status().code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_NE(mode.status().message().find("client_socket_mode"), std::string::npos) << mode.status();
+  }
 }
 
 }  // namespace

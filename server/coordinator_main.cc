@@ -1,30 +1,36 @@
 // shardgemm-coordinator: owns the mesh, plans requests and dispatches them to
 // the workers that register with it.
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <csignal>
+#include <cstring>
 #include <iostream>
 #include <memory>
 #include <thread>
 
 #include "absl/flags/flag.h"
-#include "absl/strings/match.h"
-#include "absl/time/time.h"
-#include "gperftools/malloc_extension.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/strings/match.h"
 #include "absl/synchronization/mutex.h"
-#include "platform/cpu_affinity.h"
+#include "absl/time/time.h"
+#include "gperftools/malloc_extension.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "logging/log.h"
 #include "metrics/http_exporter.h"
+#include "platform/busy_poll.h"
+#include "platform/busy_poll_flags.h"
+#include "platform/cpu_affinity.h"
+#include "platform/local_socket.h"
+#include "proto/transport.h"
 #include "security/tls.h"
 #include "security/tokens.h"
 #include "server/coordinator.h"
 #include "server/request_observer.h"
-#include "platform/busy_poll.h"
-#include "platform/busy_poll_flags.h"
-#include "proto/transport.h"
 #include "server/service.h"
 
 ABSL_FLAG(bool, shared_memory, false,
@@ -36,6 +42,14 @@ ABSL_FLAG(std::string, cpus, "",
           "guest a wake-up that crosses cores costs several times one that stays, and a request hands off between "
           "threads several times");
 ABSL_FLAG(std::string, listen, "127.0.0.1:50051", "address to serve clients and workers on");
+ABSL_FLAG(std::string, client_socket, "",
+          "also serve clients on a Unix socket at this absolute path (clients target unix:PATH): one kernel hop "
+          "instead of loopback TCP. With --tls_dir it takes gRPC's local credentials (the kernel vouches that the "
+          "peer is on this host; no encryption) and tokens are still checked; workers keep --listen (their "
+          "certificates are TCP's). A socket a killed coordinator left is replaced; anything else there is an "
+          "error. Empty: none");
+ABSL_FLAG(std::string, client_socket_mode, "0600",
+          "the --client_socket file's mode, octal: 0600 lets this user's processes connect, 0660 its group's too");
 ABSL_FLAG(int64_t, max_message_mb, 2047,
           "the largest message a client may send or be sent, MiB (1-2047): an inline request or response over it "
           "is refused with RESOURCE_EXHAUSTED; PutTensor and GetTensor stream larger tensors in 1 MiB chunks");
@@ -91,7 +105,7 @@ namespace {
 
 int Run() {
   if (auto s = logging::ConfigureProcessLogger(absl::GetFlag(FLAGS_log_format), absl::GetFlag(FLAGS_log_level),
-                                              "coordinator");
+                                               "coordinator");
       !s.ok()) {
     std::cerr << "shardgemm-coordinator: " << s.message() << "\n";
     return 2;
@@ -127,8 +141,8 @@ int Run() {
     return 2;
   }
   const absl::Duration step_timeout = absl::GetFlag(FLAGS_step_timeout_s) != 0
-                                         ? absl::Seconds(absl::GetFlag(FLAGS_step_timeout_s))
-                                         : absl::GetFlag(FLAGS_step_timeout);
+                                          ? absl::Seconds(absl::GetFlag(FLAGS_step_timeout_s))
+                                          : absl::GetFlag(FLAGS_step_timeout);
   if (!(step_timeout > absl::ZeroDuration())) {
     std::cerr << "shardgemm-coordinator: --step_timeout (or --step_timeout_s) must be positive\n";
     return 2;
@@ -162,8 +176,8 @@ int Run() {
   Coordinator coordinator(
       *mesh,
       [worker_credentials, local_worker_credentials](const std::string& target) {
-        return MakeGrpcWorkerChannel(
-            target, absl::StartsWith(target, "unix:") ? local_worker_credentials : worker_credentials);
+        return MakeGrpcWorkerChannel(target,
+                                     absl::StartsWith(target, "unix:") ? local_worker_credentials : worker_credentials);
       },
       options);
   if (const std::string state_dir = absl::GetFlag(FLAGS_state_dir); !state_dir.empty()) {
@@ -174,8 +188,7 @@ int Run() {
   }
   metrics::Registry registry;
   const std::string metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
-  RequestObserver observer(&coordinator, metrics_listen.empty() ? nullptr : &registry,
-                           &logging::ProcessLogger());
+  RequestObserver observer(&coordinator, metrics_listen.empty() ? nullptr : &registry, &logging::ProcessLogger());
   std::unique_ptr<metrics::HttpExporter> exporter;
   if (!metrics_listen.empty()) {
     auto started = metrics::HttpExporter::Start(metrics_listen, &registry);
@@ -229,23 +242,57 @@ int Run() {
   grpc::ServerBuilder builder;
   int port = 0;
   builder.AddListeningPort(absl::GetFlag(FLAGS_listen), transport->ServerCredentials(), &port);
+  const std::string client_socket = absl::GetFlag(FLAGS_client_socket);
+  unsigned client_socket_mode = 0600;
+  if (!client_socket.empty()) {
+    auto mode = platform::ParseSocketMode(absl::GetFlag(FLAGS_client_socket_mode), "--client_socket_mode");
+    absl::Status claimed = mode.ok() ? platform::ClaimSocketPath(client_socket, "--client_socket") : mode.status();
+    if (!claimed.ok()) {
+      std::cerr << "shardgemm-coordinator: " << claimed.message() << "\n";
+      return 2;
+    }
+    client_socket_mode = *mode;
+    builder.AddListeningPort(absl::StrCat("unix:", client_socket), transport->LocalServerCredentials());
+  }
   ConfigureTensorServer(&builder, *max_message_bytes);
   builder.RegisterService(&service);
   builder.RegisterService(&coordination);
+  // The socket is bound inside BuildAndStart: made owner-only from the
+  // start, then given its mode, so no one else can connect in between.
+  const mode_t umask_before = umask(0177);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  umask(umask_before);
   if (server == nullptr || port == 0) {
-    std::cerr << "shardgemm-coordinator: cannot listen on " << absl::GetFlag(FLAGS_listen) << "\n";
+    std::cerr << "shardgemm-coordinator: cannot listen on " << absl::GetFlag(FLAGS_listen)
+              << (client_socket.empty() ? "" : absl::StrCat(" and unix:", client_socket)) << "\n";
     return 1;
+  }
+  uint64_t client_socket_inode = 0;
+  if (!client_socket.empty()) {
+    auto inode = platform::SocketInode(client_socket);
+    if (!inode.ok() || chmod(client_socket.c_str(), client_socket_mode) != 0) {
+      std::cerr << "shardgemm-coordinator: --client_socket: "
+                << (inode.ok() ? std::string(std::strerror(errno)) : std::string(inode.status().message())) << "\n";
+      return 1;
+    }
+    client_socket_inode = *inode;
   }
   std::vector<logging::Field> serving = {{"mesh", planner::FormatMesh(*mesh)},
                                          {"workers_expected", planner::NumWorkers(*mesh)},
                                          {"port", port},
                                          {"tls", !transport->insecure()}};
+  if (!client_socket.empty()) serving.push_back({"client_socket", client_socket});
   if (health != nullptr) serving.push_back({"health_port", health_port});
   if (exporter != nullptr) serving.push_back({"metrics_port", exporter->port()});
   logging::ProcessLogger().Log(logging::Level::kInfo, "serving", serving);
 
   ServeUntilSignalled(server.get(), [&coordinator] { coordinator.AbandonRequests(); });
+  // Ours only if still the socket this process bound (not a successor's).
+  if (!client_socket.empty()) {
+    if (auto inode = platform::SocketInode(client_socket); inode.ok() && *inode == client_socket_inode) {
+      unlink(client_socket.c_str());
+    }
+  }
   logging::ProcessLogger().Log(logging::Level::kInfo, "stopped", {});
   return 0;
 }

@@ -11,7 +11,9 @@
 # (even empty), replaces the servers' security flags only (a build older than
 # --insecure gets SERVER_SECURITY= ; the bench keeps --insecure).
 # COORDINATOR_CPUS, WORKER_CPUS and BENCH_CPUS (taskset -c lists, e.g. 2 or
-# 2-3) pin the processes to cores.
+# 2-3) pin the processes to cores. CLIENT_SOCKET=PATH: the coordinator also
+# serves clients on that Unix socket (--client_socket) and the bench calls it
+# there (unix:PATH) instead of over loopback TCP; the workers keep TCP.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SERVER_BIN=${SERVER_BIN:-./bin}
@@ -34,10 +36,16 @@ cleanup() {
   wait 2>/dev/null || true
 }
 trap cleanup EXIT
-pinned "${COORDINATOR_CPUS:-}" "$SERVER_BIN/shardgemm-coordinator" --listen="$ADDR" --mesh="$MESH" $SERVER_SECURITY ${COORDINATOR_FLAGS:-} 2>"$LOGS/coordinator.log" &
+CLIENT_TARGET=$ADDR
+SOCKET_FLAGS=()
+if [[ -n ${CLIENT_SOCKET:-} ]]; then
+  CLIENT_TARGET=unix:$CLIENT_SOCKET
+  SOCKET_FLAGS=(--client_socket="$CLIENT_SOCKET")
+fi
+pinned "${COORDINATOR_CPUS:-}" "$SERVER_BIN/shardgemm-coordinator" --listen="$ADDR" --mesh="$MESH" "${SOCKET_FLAGS[@]}" $SERVER_SECURITY ${COORDINATOR_FLAGS:-} 2>"$LOGS/coordinator.log" &
 pids+=($!)
 for ((i = 0; i < WORKERS; i++)); do
   pinned "${WORKER_CPUS:-}" "$SERVER_BIN/shardgemm-worker" --coordinator="$ADDR" $SERVER_SECURITY ${WORKER_FLAGS:-} 2>"$LOGS/worker$i.log" &
   pids+=($!)
 done
-(pinned "${BENCH_CPUS:-}" "$BENCH" --coordinator="$ADDR" $SECURITY "$@")
+(pinned "${BENCH_CPUS:-}" "$BENCH" --coordinator="$CLIENT_TARGET" $SECURITY "$@")

@@ -3,7 +3,7 @@ the chunking of a put and the assembly of a get."""
 from __future__ import annotations
 
 import os
-from typing import Any, Iterator, List, Optional, Tuple
+from typing import Any, Iterator, List, NamedTuple, Optional, Tuple
 
 import grpc
 import numpy as np
@@ -26,14 +26,36 @@ CHANNEL_OPTIONS: List[Tuple[str, Any]] = [
 ]
 
 
-def credentials(tls_dir: Optional[str], token: Optional[str]) -> Optional[grpc.ChannelCredentials]:
+class Credentials(NamedTuple):
+    """A client's credentials per hop; None: plaintext."""
+    coordinator: Optional[grpc.ChannelCredentials]
+    workers: Optional[grpc.ChannelCredentials]
+    #: Why the workers' staging ports cannot be called (a unix: client with a
+    #: token but no tls_dir), or None.
+    workers_unavailable: Optional[str] = None
+
+
+def is_unix_target(address: str) -> bool:
+    """Whether `address` names a Unix socket (a coordinator's --client_socket)."""
+    return address.startswith("unix:")
+
+
+def credentials(tls_dir: Optional[str], token: Optional[str], address: str = "") -> Credentials:
     """TLS credentials from the mesh's certificates (ca.crt verifies the
     coordinator; client.crt / client.key are sent when present) with the
-    bearer token (default: tls_dir/client.token); None for plaintext."""
+    bearer token (default: tls_dir/client.token); plaintext without tls_dir
+    and token. A unix:PATH coordinator is called with gRPC's local
+    credentials and the token (tls_dir then only for the workers' staging
+    ports)."""
+    unix = is_unix_target(address)
     if not tls_dir:
-        if token:
-            raise ValueError("a token is sent only over TLS: give tls_dir too")
-        return None
+        if token and not unix:
+            raise ValueError("a token is sent only over TLS or a Unix socket: give tls_dir too")
+        if not token:
+            return Credentials(None, None)
+        local = grpc.local_channel_credentials(grpc.LocalConnectionType.UDS)
+        return Credentials(grpc.composite_channel_credentials(local, grpc.access_token_call_credentials(token)),
+                           None, "the workers' staging ports need TLS: give tls_dir too")
 
     def read(name: str) -> Optional[bytes]:
         path = os.path.join(tls_dir, name)
@@ -42,14 +64,17 @@ def credentials(tls_dir: Optional[str], token: Optional[str]) -> Optional[grpc.C
         with open(path, "rb") as f:
             return f.read()
 
-    creds = grpc.ssl_channel_credentials(root_certificates=read("ca.crt"), private_key=read("client.key"),
-                                         certificate_chain=read("client.crt"))
+    tls = grpc.ssl_channel_credentials(root_certificates=read("ca.crt"), private_key=read("client.key"),
+                                       certificate_chain=read("client.crt"))
+    coordinator = grpc.local_channel_credentials(grpc.LocalConnectionType.UDS) if unix else tls
     if token is None:
         saved = read("client.token")
         token = saved.decode().strip() if saved is not None else None
     if token:
-        creds = grpc.composite_channel_credentials(creds, grpc.access_token_call_credentials(token))
-    return creds
+        bearer = grpc.access_token_call_credentials(token)
+        tls = grpc.composite_channel_credentials(tls, bearer)
+        coordinator = grpc.composite_channel_credentials(coordinator, bearer)
+    return Credentials(coordinator, tls)
 
 
 def metadata(request_id: Optional[str]) -> Optional[List[Tuple[str, str]]]:

@@ -49,13 +49,14 @@ class Client:
         self.timeout = timeout
         self.last_request_id: Optional[str] = None
         opts = [*_common.CHANNEL_OPTIONS, *options]
-        creds = _common.credentials(tls_dir, token)
-        if creds is not None:
-            self.channel = grpc.aio.secure_channel(address, creds, options=opts)
+        creds = _common.credentials(tls_dir, token, address)
+        if creds.coordinator is not None:
+            self.channel = grpc.aio.secure_channel(address, creds.coordinator, options=opts)
         else:
             self.channel = grpc.aio.insecure_channel(address, options=opts)
         self.stub = pb_grpc.ShardGemmStub(self.channel)
-        self._creds, self._opts = creds, opts
+        self._creds, self._opts = creds.workers, opts
+        self._workers_unavailable = creds.workers_unavailable
         self._staging_channels: Dict[str, Tuple[grpc.aio.Channel, Any]] = {}
         self._staging_info = _direct.StagingInfo()
 
@@ -89,6 +90,9 @@ class Client:
 
     def _staging_stub(self, address: str) -> Any:
         if address not in self._staging_channels:
+            if self._workers_unavailable is not None:
+                raise error_for(
+                    grpc.StatusCode.FAILED_PRECONDITION, f"the direct path to {address}: {self._workers_unavailable}")
             if self._creds is not None:
                 channel = grpc.aio.secure_channel(address, self._creds, options=self._opts)
             else:

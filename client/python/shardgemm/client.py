@@ -45,7 +45,9 @@ class Client:
                  token: Optional[str] = None, output: str = "numpy", progress: Progress = False,
                  options: Sequence[Tuple[str, Any]] = (), path: Optional[str] = None,
                  cuda_ipc: bool = True, shared_memory_lease: Optional[float] = _lease.DEFAULT_LEASE_S) -> None:
-        """address: the coordinator's HOST:PORT. tls_dir: the mesh's
+        """address: the coordinator's HOST:PORT, or unix:PATH for its
+        --client_socket (gRPC's local credentials with the token; tls_dir
+        then only for the workers' staging ports). tls_dir: the mesh's
         certificates (ca.crt verifies the coordinator; client.crt/client.key
         are sent when present); token: the bearer token (default:
         tls_dir/client.token). Without tls_dir the channel is plaintext, for
@@ -72,13 +74,14 @@ class Client:
         # CudaMemoryRegions registered with this client: reused by calls, unregistered by close().
         self._cuda_regions: List[_cuda._CudaRegion] = []
         opts = [*_common.CHANNEL_OPTIONS, *options]
-        creds = _common.credentials(tls_dir, token)
-        if creds is not None:
-            self.channel = grpc.secure_channel(address, creds, options=opts)
+        creds = _common.credentials(tls_dir, token, address)
+        if creds.coordinator is not None:
+            self.channel = grpc.secure_channel(address, creds.coordinator, options=opts)
         else:
             self.channel = grpc.insecure_channel(address, options=opts)
         self.stub = pb_grpc.ShardGemmStub(self.channel)
-        self._creds, self._opts = creds, opts
+        self._creds, self._opts = creds.workers, opts
+        self._workers_unavailable = creds.workers_unavailable
         # The direct path's: channels to the workers' staging services, the
         # threads that stream blocks in parallel, what ClusterInfo said.
         self._staging_lock = threading.Lock()
@@ -121,6 +124,9 @@ class Client:
     def _staging_stub(self, address: str) -> Any:
         with self._staging_lock:
             if address not in self._staging_channels:
+                if self._workers_unavailable is not None:
+                    raise error_for(
+                        grpc.StatusCode.FAILED_PRECONDITION, f"the direct path to {address}: {self._workers_unavailable}")
                 if self._creds is not None:
                     channel = grpc.secure_channel(address, self._creds, options=self._opts)
                 else:
