@@ -6,6 +6,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -162,6 +163,19 @@ absl::Status ClaimSocketPath(const std::string& path, const std::string& flag) {
     return absl::InvalidArgumentError(absl::StrCat(flag, ": '", path, "' is ", path.size(),
                                                    " bytes; a Unix socket's path is at most ",
                                                    sizeof(sockaddr_un{}.sun_path) - 1));
+  }
+  // Clients trust whatever listens at the path (local credentials prove
+  // nothing about the server): only this user may create or replace it.
+  const std::string parent = path.substr(0, std::max<size_t>(path.rfind('/'), 1));
+  struct stat dir;
+  if (stat(parent.c_str(), &dir) != 0 || !S_ISDIR(dir.st_mode)) {
+    return absl::FailedPreconditionError(absl::StrCat(flag, ": ", parent, " is not a directory"));
+  }
+  if (dir.st_uid != geteuid() || (dir.st_mode & (S_IWGRP | S_IWOTH)) != 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(flag, ": ", parent,
+                     " must be a directory of this user's that no one else can write (e.g. mode 0700 or 0755): "
+                     "in a shared one another user could bind the path first and collect clients' tokens"));
   }
   struct stat st;
   if (lstat(path.c_str(), &st) != 0) {

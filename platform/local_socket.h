@@ -52,7 +52,9 @@ int RemoveStaleSocketDirs(const std::string& parent, const std::string& socket_n
 // Makes `path` free for a server to bind a Unix socket at (a coordinator's
 // --client_socket): nothing there, or a socket nothing listens on (a killed
 // server's), which is removed. FAILED_PRECONDITION naming `flag` when
-// something else is there, or a live server listens on it; INVALID_ARGUMENT
+// something else is there, a live server listens on it, or its directory is
+// not this user's alone to write (another user could bind the path first and
+// collect the tokens clients send there); INVALID_ARGUMENT
 // when the path is empty, not absolute or too long for a socket address.
 absl::Status ClaimSocketPath(const std::string& path, const std::string& flag);
 

@@ -180,6 +180,15 @@ TEST(LocalSocketTest, ClaimsAFreePathOrAStaleSocketOnly) {
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << bad;
     EXPECT_NE(s.message().find("client_socket"), std::string::npos) << s;
   }
+  // A directory others may write: another user could have bound the path.
+  ASSERT_EQ(chmod(dir.c_str(), 0777), 0);
+  s = ClaimSocketPath(dir + "/free.sock", "client_socket");
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_NE(s.message().find("no one else can write"), std::string::npos) << s;
+  ASSERT_EQ(chmod(dir.c_str(), 0755), 0);
+  EXPECT_TRUE(ClaimSocketPath(dir + "/free.sock", "client_socket").ok());
+  s = ClaimSocketPath(file + "/x.sock", "client_socket");  // under a file
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
   unlink(file.c_str());
   unlink(live.c_str());
   rmdir(dir.c_str());

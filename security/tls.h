@@ -72,9 +72,10 @@ absl::StatusOr<std::string> ReadCredentialFile(const std::string& path, absl::st
 // The common name of the caller's verified certificate; empty without one.
 std::string PeerCommonName(const grpc::ServerContextBase& context);
 
-// Whether the call came over a port with local credentials (a Unix socket):
-// its caller could enter the socket's private directory, so it runs as this
-// process's user on this host.
+// Whether the call came over a port with local credentials (a Unix socket).
+// On a worker's socket (a 0700 directory) the caller runs as this process's
+// user on this host; a coordinator's --client_socket may admit others (its
+// mode), so the coordinator never treats this as an identity.
 bool CallerIsLocalSocketPeer(const grpc::ServerContextBase& context);
 
 }  // namespace shardgemm::security

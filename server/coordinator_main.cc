@@ -259,9 +259,9 @@ int Run() {
   builder.RegisterService(&coordination);
   // The socket is bound inside BuildAndStart: made owner-only from the
   // start, then given its mode, so no one else can connect in between.
-  const mode_t umask_before = umask(0177);
+  const mode_t umask_before = client_socket.empty() ? 0 : umask(0177);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  umask(umask_before);
+  if (!client_socket.empty()) umask(umask_before);
   if (server == nullptr || port == 0) {
     std::cerr << "shardgemm-coordinator: cannot listen on " << absl::GetFlag(FLAGS_listen)
               << (client_socket.empty() ? "" : absl::StrCat(" and unix:", client_socket)) << "\n";
@@ -273,6 +273,7 @@ int Run() {
     if (!inode.ok() || chmod(client_socket.c_str(), client_socket_mode) != 0) {
       std::cerr << "shardgemm-coordinator: --client_socket: "
                 << (inode.ok() ? std::string(std::strerror(errno)) : std::string(inode.status().message())) << "\n";
+      unlink(client_socket.c_str());
       return 1;
     }
     client_socket_inode = *inode;

@@ -122,6 +122,15 @@ def test_a_token_without_certificates_reaches_the_coordinator_but_not_the_worker
         assert "tls_dir" in str(e.value), e.value
         assert "FAILED_PRECONDITION" in str(getattr(e.value, "code", "")) or \
             "FAILED_PRECONDITION" in repr(e.value), repr(e.value)
+        # "auto" keeps a large call (over the direct path's 4 MiB threshold) inline: it still works.
+        rng = np.random.default_rng(9)
+        lhs = rng.standard_normal((2048, 1024)).astype(np.float32)
+        rhs = rng.standard_normal((4, 1024, 16)).astype(np.float32)
+        sizes = [512, 512, 512, 512]
+        out, _ = client.grouped_gemm(lhs, rhs, sizes, lhs_spec="(ep, None)", rhs_spec="(ep, None, None)",
+                                     group_sizes_spec="(ep,)", path="auto")
+        want = np.concatenate([lhs[g * 512:(g + 1) * 512] @ rhs[g] for g in range(4)])
+        np.testing.assert_allclose(out, want, rtol=1e-3, atol=1e-3)
 
 
 def test_plaintext_meshes_serve_the_socket_too(cluster_factory, sock):
@@ -166,6 +175,7 @@ def test_anything_else_at_the_path_is_refused(sock, tmp_path):
     finally:
         live.close()
     for flags, why in (([f"--client_socket=relative.sock"], "not an absolute path"),
+                       (["--client_socket=/tmp/shardgemm-client-socket-test.sock"], "no one else can write"),
                        ([f"--client_socket={sock}x", "--client_socket_mode=0400"], "--client_socket_mode"),
                        ([f"--client_socket={sock}x", "--client_socket_mode=rw"], "not an octal file mode")):
         r = start_coordinator(flags)

@@ -13,7 +13,8 @@
 # COORDINATOR_CPUS, WORKER_CPUS and BENCH_CPUS (taskset -c lists, e.g. 2 or
 # 2-3) pin the processes to cores. CLIENT_SOCKET=PATH: the coordinator also
 # serves clients on that Unix socket (--client_socket) and the bench calls it
-# there (unix:PATH) instead of over loopback TCP; the workers keep TCP.
+# there (unix:PATH) instead of over loopback TCP; the workers keep TCP. PATH's
+# directory must be this user's and writable by no one else (not /tmp itself).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SERVER_BIN=${SERVER_BIN:-./bin}

@@ -101,6 +101,8 @@ class Client:
         return self._staging_channels[address][1]
 
     async def _offers_staging(self) -> bool:
+        if self._workers_unavailable is not None:
+            return False  # "auto" stays inline: this client cannot call the staging ports
         fresh = self._staging_info.fresh()
         if fresh is not None:
             return fresh
