@@ -1,6 +1,8 @@
 #include "platform/local_socket.h"
 
 #include <dirent.h>
+#include <fcntl.h>
+#include <sys/file.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -155,7 +157,22 @@ int RemoveStaleSocketDirs(const std::string& parent, const std::string& socket_n
   return removed;
 }
 
-absl::Status ClaimSocketPath(const std::string& path, const std::string& flag) {
+SocketPathClaim::SocketPathClaim(SocketPathClaim&& other) noexcept : lock_fd_(other.lock_fd_) {
+  other.lock_fd_ = -1;
+}
+SocketPathClaim& SocketPathClaim::operator=(SocketPathClaim&& other) noexcept {
+  if (this != &other) {
+    if (lock_fd_ >= 0) close(lock_fd_);
+    lock_fd_ = other.lock_fd_;
+    other.lock_fd_ = -1;
+  }
+  return *this;
+}
+SocketPathClaim::~SocketPathClaim() {
+  if (lock_fd_ >= 0) close(lock_fd_);
+}
+
+absl::StatusOr<SocketPathClaim> ClaimSocketPath(const std::string& path, const std::string& flag) {
   if (path.empty() || path[0] != '/') {
     return absl::InvalidArgumentError(absl::StrCat(flag, ": '", path, "' is not an absolute path"));
   }
@@ -177,9 +194,19 @@ absl::Status ClaimSocketPath(const std::string& path, const std::string& flag) {
                      " must be a directory of this user's that no one else can write (e.g. mode 0700 or 0755): "
                      "in a shared one another user could bind the path first and collect clients' tokens"));
   }
+  const std::string lock_path = path + ".lock";
+  const int lock_fd = open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0600);
+  if (lock_fd < 0) {
+    return absl::FailedPreconditionError(absl::StrCat(flag, ": ", lock_path, ": ", std::strerror(errno)));
+  }
+  SocketPathClaim claim(lock_fd);
+  if (flock(lock_fd, LOCK_EX | LOCK_NB) != 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(flag, ": another server holds ", lock_path, " (it serves or is about to serve ", path, ")"));
+  }
   struct stat st;
   if (lstat(path.c_str(), &st) != 0) {
-    if (errno == ENOENT) return absl::OkStatus();
+    if (errno == ENOENT) return claim;
     return absl::FailedPreconditionError(absl::StrCat(flag, ": ", path, ": ", std::strerror(errno)));
   }
   if (!S_ISSOCK(st.st_mode)) {
@@ -193,7 +220,7 @@ absl::Status ClaimSocketPath(const std::string& path, const std::string& flag) {
     return absl::FailedPreconditionError(
         absl::StrCat(flag, ": cannot remove the stale socket ", path, ": ", std::strerror(errno)));
   }
-  return absl::OkStatus();
+  return claim;
 }
 
 absl::StatusOr<unsigned> ParseSocketMode(const std::string& text, const std::string& flag) {

@@ -56,7 +56,24 @@ int RemoveStaleSocketDirs(const std::string& parent, const std::string& socket_n
 // not this user's alone to write (another user could bind the path first and
 // collect the tokens clients send there); INVALID_ARGUMENT
 // when the path is empty, not absolute or too long for a socket address.
-absl::Status ClaimSocketPath(const std::string& path, const std::string& flag);
+//
+// The claim holds an exclusive lock (flock) on PATH.lock for as long as it
+// lives, so two servers of this user started at once on one path cannot both
+// pass the check (the second is FAILED_PRECONDITION); the lock file stays.
+class SocketPathClaim {
+ public:
+  SocketPathClaim(SocketPathClaim&& other) noexcept;
+  SocketPathClaim& operator=(SocketPathClaim&& other) noexcept;
+  SocketPathClaim(const SocketPathClaim&) = delete;
+  SocketPathClaim& operator=(const SocketPathClaim&) = delete;
+  ~SocketPathClaim();
+
+ private:
+  friend absl::StatusOr<SocketPathClaim> ClaimSocketPath(const std::string& path, const std::string& flag);
+  explicit SocketPathClaim(int lock_fd) : lock_fd_(lock_fd) {}
+  int lock_fd_ = -1;
+};
+absl::StatusOr<SocketPathClaim> ClaimSocketPath(const std::string& path, const std::string& flag);
 
 // Parses a socket file's mode, octal ("0600", "660"): INVALID_ARGUMENT
 // naming `flag` unless it is 0-0777 with the owner's read and write bits.

@@ -162,7 +162,7 @@ TEST(LocalSocketTest, ClaimsAFreePathOrAStaleSocketOnly) {
   const int listening = BindUnixSocket(live);
   ASSERT_GE(listening, 0);
   ASSERT_EQ(listen(listening, 4), 0);
-  absl::Status s = ClaimSocketPath(live, "client_socket");
+  absl::Status s = ClaimSocketPath(live, "client_socket").status();
   EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
   EXPECT_NE(s.message().find("another process serves"), std::string::npos) << s;
   EXPECT_TRUE(Exists(live));
@@ -170,28 +170,42 @@ TEST(LocalSocketTest, ClaimsAFreePathOrAStaleSocketOnly) {
   // A regular file: never removed.
   const std::string file = dir + "/notes.txt";
   std::ofstream(file) << "keep";
-  s = ClaimSocketPath(file, "client_socket");
+  s = ClaimSocketPath(file, "client_socket").status();
   EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
   EXPECT_NE(s.message().find("not a socket"), std::string::npos) << s;
   EXPECT_TRUE(Exists(file));
   // Relative, empty and over-long paths name the flag.
   for (const std::string& bad : {std::string("relative.sock"), std::string(), "/" + std::string(200, 'x')}) {
-    s = ClaimSocketPath(bad, "client_socket");
+    s = ClaimSocketPath(bad, "client_socket").status();
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << bad;
     EXPECT_NE(s.message().find("client_socket"), std::string::npos) << s;
   }
+  // Held: a second server on the same path is refused until the first lets go.
+  {
+    auto first = ClaimSocketPath(dir + "/free.sock", "client_socket");
+    ASSERT_TRUE(first.ok()) << first.status();
+    s = ClaimSocketPath(dir + "/free.sock", "client_socket").status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+    EXPECT_NE(s.message().find("another server holds"), std::string::npos) << s;
+  }
+  EXPECT_TRUE(ClaimSocketPath(dir + "/free.sock", "client_socket").ok());
+  unlink((dir + "/free.sock.lock").c_str());
+  unlink((stale + ".lock").c_str());
+  unlink((live + ".lock").c_str());
   // A directory others may write: another user could have bound the path.
   ASSERT_EQ(chmod(dir.c_str(), 0777), 0);
-  s = ClaimSocketPath(dir + "/free.sock", "client_socket");
+  s = ClaimSocketPath(dir + "/free.sock", "client_socket").status();
   EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
   EXPECT_NE(s.message().find("no one else can write"), std::string::npos) << s;
   ASSERT_EQ(chmod(dir.c_str(), 0755), 0);
   EXPECT_TRUE(ClaimSocketPath(dir + "/free.sock", "client_socket").ok());
-  s = ClaimSocketPath(file + "/x.sock", "client_socket");  // under a file
+  s = ClaimSocketPath(file + "/x.sock", "client_socket").status();  // under a file
   EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
   unlink(file.c_str());
   unlink(live.c_str());
-  rmdir(dir.c_str());
+  unlink((dir + "/free.sock.lock").c_str());
+  unlink((file + ".lock").c_str());
+  EXPECT_EQ(rmdir(dir.c_str()), 0) << "left behind in " << dir;
 }
 
 TEST(LocalSocketTest, ParsesOctalModesThatKeepTheOwnersAccess) {

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <iostream>
 #include <memory>
+#include <optional>
 #include <thread>
 
 #include "absl/flags/flag.h"
@@ -244,13 +245,19 @@ int Run() {
   builder.AddListeningPort(absl::GetFlag(FLAGS_listen), transport->ServerCredentials(), &port);
   const std::string client_socket = absl::GetFlag(FLAGS_client_socket);
   unsigned client_socket_mode = 0600;
+  std::optional<platform::SocketPathClaim> client_socket_claim;  // held while serving
   if (!client_socket.empty()) {
     auto mode = platform::ParseSocketMode(absl::GetFlag(FLAGS_client_socket_mode), "--client_socket_mode");
-    absl::Status claimed = mode.ok() ? platform::ClaimSocketPath(client_socket, "--client_socket") : mode.status();
-    if (!claimed.ok()) {
-      std::cerr << "shardgemm-coordinator: " << claimed.message() << "\n";
+    if (!mode.ok()) {
+      std::cerr << "shardgemm-coordinator: " << mode.status().message() << "\n";
       return 2;
     }
+    auto claimed = platform::ClaimSocketPath(client_socket, "--client_socket");
+    if (!claimed.ok()) {
+      std::cerr << "shardgemm-coordinator: " << claimed.status().message() << "\n";
+      return 2;
+    }
+    client_socket_claim.emplace(*std::move(claimed));
     client_socket_mode = *mode;
     builder.AddListeningPort(absl::StrCat("unix:", client_socket), transport->LocalServerCredentials());
   }

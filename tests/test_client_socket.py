@@ -180,3 +180,17 @@ def test_anything_else_at_the_path_is_refused(sock, tmp_path):
                        ([f"--client_socket={sock}x", "--client_socket_mode=rw"], "not an octal file mode")):
         r = start_coordinator(flags)
         assert r.returncode == 2 and why in r.stderr, (flags, r.stderr)
+
+
+def test_a_second_coordinator_on_the_same_socket_is_refused(cluster_factory, sock):
+    c = cluster_factory(mesh="ep=2", workers=2, coordinator_flags=[f"--client_socket={sock}"])
+    r = start_coordinator([f"--client_socket={sock}"])
+    assert r.returncode == 2 and "another server holds" in r.stderr, r.stderr
+    with Client(f"unix:{sock}", timeout=30) as client:
+        gemm(client, seed=10)  # the first one still serves it
+    c.stop()
+    # Its lock goes with it: a successor may take the path.
+    c2 = cluster_factory(mesh="ep=2", workers=2, coordinator_flags=[f"--client_socket={sock}"])
+    with Client(f"unix:{sock}", timeout=30) as client:
+        gemm(client, seed=11)
+    c2.stop()
