@@ -2,24 +2,24 @@
 
 #include <algorithm>
 #include <cstring>
-#include <functional>
 #include <memory>
 #include <set>
+#include <functional>
 #include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "google/protobuf/field_mask.pb.h"
 #include "google/protobuf/util/field_mask_util.h"
+#include "absl/synchronization/notification.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
 #include "platform/huge_pages.h"
 #include "proto/chunk_wire.h"
-#include "proto/grpc_status.h"
 #include "proto/tensor_codec.h"
 #include "proto/transport.h"
+#include "proto/grpc_status.h"
 
 namespace shardgemm {
 namespace {
@@ -123,8 +123,8 @@ absl::Status CheckBlock(const std::vector<int64_t>& shape, const google::protobu
     inside = offsets[d] >= 0 && block[d] >= 0 && offsets[d] + block[d] <= shape[d];
   }
   if (inside) return absl::OkStatus();
-  return absl::InternalError(
-      absl::StrCat("the coordinator named a ", what, " block outside its tensor of shape ", ShapeToString(shape)));
+  return absl::InternalError(absl::StrCat("the coordinator named a ", what, " block outside its tensor of shape ",
+                                          ShapeToString(shape)));
 }
 
 // Where a block lies in its row-major tensor's bytes when it is one range of
@@ -199,8 +199,8 @@ absl::StatusOr<ShardGemmClient::ArrayView> ShardGemmClient::ArrayViewOf(const v1
   if (!n.ok()) return n.status();
   if (static_cast<int64_t>(view.bytes.size()) != *n * DTypeSize(view.dtype)) {
     return absl::InvalidArgumentError(absl::StrCat(field, ".data has ", view.bytes.size(), " bytes but shape ",
-                                                   ShapeToString(view.shape), " of ", DTypeName(view.dtype), " needs ",
-                                                   *n * DTypeSize(view.dtype)));
+                                                   ShapeToString(view.shape), " of ", DTypeName(view.dtype),
+                                                   " needs ", *n * DTypeSize(view.dtype)));
   }
   return view;
 }
@@ -287,8 +287,8 @@ absl::Status ShardGemmClient::StageAll(const v1::StagingPlan& plan, const std::m
                                                  absl::FormatDuration(kLentBytesTimeout), " after the call"));
     }
     if (!s.ok()) {
-      return absl::Status(FromGrpcStatus(s).code(), absl::StrCat("staging at worker rank ", d.rank(), " (", d.address(),
-                                                                 "): ", s.error_message()));
+      return absl::Status(FromGrpcStatus(s).code(),
+                          absl::StrCat("staging at worker rank ", d.rank(), " (", d.address(), "): ", s.error_message()));
     }
     return absl::OkStatus();
   });
@@ -383,15 +383,15 @@ absl::StatusOr<HostTensor> ShardGemmClient::FetchAll(v1::DType dtype_proto, cons
           chunk.Clear();
           return true;
         });
-    if (overflow)
-      return absl::DataLossError(absl::StrCat("block ", i, " came with more than its ", block_bytes, " bytes"));
+    if (overflow) return absl::DataLossError(absl::StrCat("block ", i, " came with more than its ", block_bytes, " bytes"));
     if (!malformed.ok()) {
-      return absl::DataLossError(
-          absl::StrCat("fetching from worker rank ", d.rank(), " (", d.address(), "): ", malformed.message()));
+      return absl::DataLossError(absl::StrCat("fetching from worker rank ", d.rank(), " (", d.address(),
+                                              "): ", malformed.message()));
     }
     if (!s.ok()) {
-      return absl::Status(FromGrpcStatus(s).code(), absl::StrCat("fetching from worker rank ", d.rank(), " (",
-                                                                 d.address(), "): ", s.error_message()));
+      return absl::Status(FromGrpcStatus(s).code(),
+                          absl::StrCat("fetching from worker rank ", d.rank(), " (", d.address(), "): ",
+                                       s.error_message()));
     }
     if (got != block_bytes) {
       return absl::DataLossError(absl::StrCat("block ", i, " came with ", got, " bytes"));
@@ -453,8 +453,8 @@ absl::StatusOr<v1::GroupedGemmResponse> ShardGemmClient::GroupedGemmDirect(const
     }
   }
   v1::GroupedGemmRequest planned;
-  google::protobuf::util::FieldMaskUtil::MergeMessageTo(
-      request, mask, google::protobuf::util::FieldMaskUtil::MergeOptions(), &planned);
+  google::protobuf::util::FieldMaskUtil::MergeMessageTo(request, mask,
+                                                        google::protobuf::util::FieldMaskUtil::MergeOptions(), &planned);
   if (arrays.empty() && keep) {
     return absl::InvalidArgumentError(
         "direct path: the request has no inline operand to stage and keeps its output (keep_output_as): "
@@ -523,8 +523,7 @@ absl::StatusOr<v1::PutTensorResponse> ShardGemmClient::PutTensorDirect(const std
   std::string request_id;
   auto plan = PlanTransfer(plan_request, deadline, &request_id);
   if (!plan.ok()) return plan.status();
-  if (absl::Status s = StageAll(*plan, {{v1::TENSOR_ROLE_UNSPECIFIED, ArrayViewOf(tensor)}}, request_id, deadline);
-      !s.ok()) {
+  if (absl::Status s = StageAll(*plan, {{v1::TENSOR_ROLE_UNSPECIFIED, ArrayViewOf(tensor)}}, request_id, deadline); !s.ok()) {
     Release(plan->staging_id(), request_id);
     return s;
   }
@@ -537,8 +536,7 @@ absl::StatusOr<v1::PutTensorResponse> ShardGemmClient::PutTensorDirect(const std
   grpc::Status s = stub_->PutStaged(&ctx, request, &response);
   NoteRequestId(ctx);
   if (!s.ok()) {
-    Release(plan->staging_id(),
-            request_id);  // a put refused for its name leaves its plan for a retry this client won't make
+    Release(plan->staging_id(), request_id);  // a put refused for its name leaves its plan for a retry this client won't make
     return FromGrpcStatus(s);
   }
   return response;
@@ -582,8 +580,9 @@ absl::StatusOr<v1::ClusterInfo> ShardGemmClient::WaitUntilReady(absl::Duration t
     v1::ClusterInfo info;
     grpc::Status s = stub_->GetClusterInfo(&ctx, v1::ClusterInfoRequest(), &info);
     if (s.ok() && info.ready()) return info;
-    last = s.ok() ? absl::UnavailableError(
-                        absl::StrCat(info.workers_size(), " of ", info.workers_expected(), " workers registered"))
+    last = s.ok() ? absl::UnavailableError(absl::StrCat(info.workers_size(), " of ",
+                                                        info.workers_expected(),
+                                                        " workers registered"))
                   : FromGrpcStatus(s);
     absl::SleepFor(absl::Milliseconds(100));
   }
@@ -609,7 +608,8 @@ absl::StatusOr<v1::Plan> ShardGemmClient::Plan(const v1::PlanRequest& request) {
   return response.plan();
 }
 
-absl::StatusOr<v1::GroupedGemmResponse> ShardGemmClient::GroupedGemm(const v1::GroupedGemmRequest& request) {
+absl::StatusOr<v1::GroupedGemmResponse> ShardGemmClient::GroupedGemm(
+    const v1::GroupedGemmRequest& request) {
   grpc::ClientContext ctx;
   Prepare(&ctx);
   v1::GroupedGemmResponse response;
@@ -630,8 +630,10 @@ absl::StatusOr<v1::GroupedQuantizeResponse> ShardGemmClient::GroupedQuantize(
   return response;
 }
 
-absl::StatusOr<v1::PutTensorResponse> ShardGemmClient::PutTensor(const std::string& name, const HostTensor& tensor,
-                                                                 const std::string& spec, bool overwrite) {
+absl::StatusOr<v1::PutTensorResponse> ShardGemmClient::PutTensor(const std::string& name,
+                                                                 const HostTensor& tensor,
+                                                                 const std::string& spec,
+                                                                 bool overwrite) {
   grpc::ClientContext ctx;
   Prepare(&ctx);
   v1::PutTensorResponse response;

@@ -15,8 +15,8 @@
 #include <fstream>
 #include <vector>
 
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/match.h"
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 
@@ -29,15 +29,16 @@ std::string BootId() {
   return std::string(absl::StripAsciiWhitespace(id));
 }
 
-absl::StatusOr<PrivateSocketDir> PrivateSocketDir::Create(const std::string& parent, const std::string& socket_name) {
+absl::StatusOr<PrivateSocketDir> PrivateSocketDir::Create(const std::string& parent,
+                                                          const std::string& socket_name) {
   if (socket_name.empty() || socket_name.find('/') != std::string::npos) {
     return absl::InvalidArgumentError(absl::StrCat("socket name '", socket_name, "' must be one path component"));
   }
   std::string templ = absl::StrCat(parent.empty() ? "/tmp" : parent, "/shardgemm-XXXXXX");
   // sun_path holds 108 bytes with its NUL.
   if (templ.size() + 1 + socket_name.size() > 107) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("socket path ", templ, "/", socket_name, " is longer than a Unix socket's 107 bytes"));
+    return absl::InvalidArgumentError(absl::StrCat("socket path ", templ, "/", socket_name,
+                                                   " is longer than a Unix socket's 107 bytes"));
   }
   std::vector<char> buffer(templ.begin(), templ.end());
   buffer.push_back('\0');
@@ -157,19 +158,44 @@ int RemoveStaleSocketDirs(const std::string& parent, const std::string& socket_n
   return removed;
 }
 
-SocketPathClaim::SocketPathClaim(SocketPathClaim&& other) noexcept : lock_fd_(other.lock_fd_) {
+SocketPathClaim::SocketPathClaim(SocketPathClaim&& other) noexcept
+    : path_(std::move(other.path_)), lock_fd_(other.lock_fd_), bound_inode_(other.bound_inode_) {
   other.lock_fd_ = -1;
+  other.bound_inode_ = 0;
 }
+
 SocketPathClaim& SocketPathClaim::operator=(SocketPathClaim&& other) noexcept {
   if (this != &other) {
-    if (lock_fd_ >= 0) close(lock_fd_);
+    Release();
+    path_ = std::move(other.path_);
     lock_fd_ = other.lock_fd_;
+    bound_inode_ = other.bound_inode_;
     other.lock_fd_ = -1;
+    other.bound_inode_ = 0;
   }
   return *this;
 }
-SocketPathClaim::~SocketPathClaim() {
+
+SocketPathClaim::~SocketPathClaim() { Release(); }
+
+void SocketPathClaim::Release() {
+  if (bound_inode_ != 0) {
+    if (auto inode = SocketInode(path_); inode.ok() && *inode == bound_inode_) unlink(path_.c_str());
+    bound_inode_ = 0;
+  }
   if (lock_fd_ >= 0) close(lock_fd_);
+  lock_fd_ = -1;
+}
+
+absl::Status SocketPathClaim::Bound(unsigned mode) {
+  auto inode = SocketInode(path_);
+  if (!inode.ok() || chmod(path_.c_str(), mode) != 0) {
+    const std::string why = inode.ok() ? std::strerror(errno) : std::string(inode.status().message());
+    unlink(path_.c_str());
+    return absl::FailedPreconditionError(absl::StrCat(path_, ": ", why));
+  }
+  bound_inode_ = *inode;
+  return absl::OkStatus();
 }
 
 absl::StatusOr<SocketPathClaim> ClaimSocketPath(const std::string& path, const std::string& flag) {
@@ -199,7 +225,7 @@ absl::StatusOr<SocketPathClaim> ClaimSocketPath(const std::string& path, const s
   if (lock_fd < 0) {
     return absl::FailedPreconditionError(absl::StrCat(flag, ": ", lock_path, ": ", std::strerror(errno)));
   }
-  SocketPathClaim claim(lock_fd);
+  SocketPathClaim claim(path, lock_fd);
   if (flock(lock_fd, LOCK_EX | LOCK_NB) != 0) {
     return absl::FailedPreconditionError(
         absl::StrCat(flag, ": another server holds ", lock_path, " (it serves or is about to serve ", path, ")"));

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -66,12 +67,22 @@ class SocketPathClaim {
   SocketPathClaim& operator=(SocketPathClaim&& other) noexcept;
   SocketPathClaim(const SocketPathClaim&) = delete;
   SocketPathClaim& operator=(const SocketPathClaim&) = delete;
+  // Removes the socket if Bound() noted it and it is still that file (not a
+  // successor's), then lets go of the lock.
   ~SocketPathClaim();
+
+  // Once the server has bound the path (owner-only, under umask 0177): gives
+  // the socket `mode` and notes its inode. On failure the socket is removed.
+  absl::Status Bound(unsigned mode);
 
  private:
   friend absl::StatusOr<SocketPathClaim> ClaimSocketPath(const std::string& path, const std::string& flag);
-  explicit SocketPathClaim(int lock_fd) : lock_fd_(lock_fd) {}
+  SocketPathClaim(std::string path, int lock_fd) : path_(std::move(path)), lock_fd_(lock_fd) {}
+  void Release();
+
+  std::string path_;
   int lock_fd_ = -1;
+  uint64_t bound_inode_ = 0;  // 0: not bound
 };
 absl::StatusOr<SocketPathClaim> ClaimSocketPath(const std::string& path, const std::string& flag);
 

@@ -1,37 +1,34 @@
 // shardgemm-coordinator: owns the mesh, plans requests and dispatches them to
 // the workers that register with it.
 #include <sys/stat.h>
-#include <unistd.h>
 
-#include <cerrno>
 #include <csignal>
-#include <cstring>
 #include <iostream>
 #include <memory>
 #include <optional>
 #include <thread>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
-#include "absl/flags/usage.h"
 #include "absl/strings/match.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "gperftools/malloc_extension.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/synchronization/mutex.h"
+#include "platform/cpu_affinity.h"
+#include "platform/local_socket.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "logging/log.h"
 #include "metrics/http_exporter.h"
-#include "platform/busy_poll.h"
-#include "platform/busy_poll_flags.h"
-#include "platform/cpu_affinity.h"
-#include "platform/local_socket.h"
-#include "proto/transport.h"
 #include "security/tls.h"
 #include "security/tokens.h"
 #include "server/coordinator.h"
 #include "server/request_observer.h"
+#include "platform/busy_poll.h"
+#include "platform/busy_poll_flags.h"
+#include "proto/transport.h"
 #include "server/service.h"
 
 ABSL_FLAG(bool, shared_memory, false,
@@ -44,11 +41,11 @@ ABSL_FLAG(std::string, cpus, "",
           "threads several times");
 ABSL_FLAG(std::string, listen, "127.0.0.1:50051", "address to serve clients and workers on");
 ABSL_FLAG(std::string, client_socket, "",
-          "also serve clients on a Unix socket at this absolute path (clients target unix:PATH): one kernel hop "
-          "instead of loopback TCP. With --tls_dir it takes gRPC's local credentials (the kernel vouches that the "
-          "peer is on this host; no encryption) and tokens are still checked; workers keep --listen (their "
-          "certificates are TCP's). A socket a killed coordinator left is replaced; anything else there is an "
-          "error. Empty: none");
+          "also serve clients on a Unix socket at this absolute path (clients target unix:PATH), in a directory "
+          "of this user's that no one else can write: one kernel hop instead of loopback TCP. With --tls_dir it "
+          "takes gRPC's local credentials (the kernel vouches that the peer is on this host; no encryption) and "
+          "tokens are still checked; workers keep --listen (their certificates are TCP's). A socket a killed "
+          "coordinator left is replaced; anything else there is an error. Empty: none");
 ABSL_FLAG(std::string, client_socket_mode, "0600",
           "the --client_socket file's mode, octal: 0600 lets this user's processes connect, 0660 its group's too");
 ABSL_FLAG(int64_t, max_message_mb, 2047,
@@ -106,7 +103,7 @@ namespace {
 
 int Run() {
   if (auto s = logging::ConfigureProcessLogger(absl::GetFlag(FLAGS_log_format), absl::GetFlag(FLAGS_log_level),
-                                               "coordinator");
+                                              "coordinator");
       !s.ok()) {
     std::cerr << "shardgemm-coordinator: " << s.message() << "\n";
     return 2;
@@ -142,8 +139,8 @@ int Run() {
     return 2;
   }
   const absl::Duration step_timeout = absl::GetFlag(FLAGS_step_timeout_s) != 0
-                                          ? absl::Seconds(absl::GetFlag(FLAGS_step_timeout_s))
-                                          : absl::GetFlag(FLAGS_step_timeout);
+                                         ? absl::Seconds(absl::GetFlag(FLAGS_step_timeout_s))
+                                         : absl::GetFlag(FLAGS_step_timeout);
   if (!(step_timeout > absl::ZeroDuration())) {
     std::cerr << "shardgemm-coordinator: --step_timeout (or --step_timeout_s) must be positive\n";
     return 2;
@@ -177,8 +174,8 @@ int Run() {
   Coordinator coordinator(
       *mesh,
       [worker_credentials, local_worker_credentials](const std::string& target) {
-        return MakeGrpcWorkerChannel(target,
-                                     absl::StartsWith(target, "unix:") ? local_worker_credentials : worker_credentials);
+        return MakeGrpcWorkerChannel(
+            target, absl::StartsWith(target, "unix:") ? local_worker_credentials : worker_credentials);
       },
       options);
   if (const std::string state_dir = absl::GetFlag(FLAGS_state_dir); !state_dir.empty()) {
@@ -189,7 +186,8 @@ int Run() {
   }
   metrics::Registry registry;
   const std::string metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
-  RequestObserver observer(&coordinator, metrics_listen.empty() ? nullptr : &registry, &logging::ProcessLogger());
+  RequestObserver observer(&coordinator, metrics_listen.empty() ? nullptr : &registry,
+                           &logging::ProcessLogger());
   std::unique_ptr<metrics::HttpExporter> exporter;
   if (!metrics_listen.empty()) {
     auto started = metrics::HttpExporter::Start(metrics_listen, &registry);
@@ -244,46 +242,38 @@ int Run() {
   int port = 0;
   builder.AddListeningPort(absl::GetFlag(FLAGS_listen), transport->ServerCredentials(), &port);
   const std::string client_socket = absl::GetFlag(FLAGS_client_socket);
-  unsigned client_socket_mode = 0600;
-  std::optional<platform::SocketPathClaim> client_socket_claim;  // held while serving
+  std::optional<platform::SocketPathClaim> client_socket_claim;  // held while serving; removes the socket
+  absl::StatusOr<unsigned> client_socket_mode = 0600u;
   if (!client_socket.empty()) {
-    auto mode = platform::ParseSocketMode(absl::GetFlag(FLAGS_client_socket_mode), "--client_socket_mode");
-    if (!mode.ok()) {
-      std::cerr << "shardgemm-coordinator: " << mode.status().message() << "\n";
-      return 2;
-    }
-    auto claimed = platform::ClaimSocketPath(client_socket, "--client_socket");
+    client_socket_mode = platform::ParseSocketMode(absl::GetFlag(FLAGS_client_socket_mode), "--client_socket_mode");
+    auto claimed = client_socket_mode.ok() ? platform::ClaimSocketPath(client_socket, "--client_socket")
+                                           : absl::StatusOr<platform::SocketPathClaim>(client_socket_mode.status());
     if (!claimed.ok()) {
       std::cerr << "shardgemm-coordinator: " << claimed.status().message() << "\n";
       return 2;
     }
     client_socket_claim.emplace(*std::move(claimed));
-    client_socket_mode = *mode;
     builder.AddListeningPort(absl::StrCat("unix:", client_socket), transport->LocalServerCredentials());
   }
   ConfigureTensorServer(&builder, *max_message_bytes);
   builder.RegisterService(&service);
   builder.RegisterService(&coordination);
-  // The socket is bound inside BuildAndStart: made owner-only from the
-  // start, then given its mode, so no one else can connect in between.
-  const mode_t umask_before = client_socket.empty() ? 0 : umask(0177);
+  // The socket is bound inside BuildAndStart: owner-only from the start,
+  // then given its mode, so no one else can connect in between.
+  std::optional<mode_t> umask_before;
+  if (client_socket_claim) umask_before = umask(0177);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  if (!client_socket.empty()) umask(umask_before);
+  if (umask_before) umask(*umask_before);
   if (server == nullptr || port == 0) {
     std::cerr << "shardgemm-coordinator: cannot listen on " << absl::GetFlag(FLAGS_listen)
               << (client_socket.empty() ? "" : absl::StrCat(" and unix:", client_socket)) << "\n";
     return 1;
   }
-  uint64_t client_socket_inode = 0;
-  if (!client_socket.empty()) {
-    auto inode = platform::SocketInode(client_socket);
-    if (!inode.ok() || chmod(client_socket.c_str(), client_socket_mode) != 0) {
-      std::cerr << "shardgemm-coordinator: --client_socket: "
-                << (inode.ok() ? std::string(std::strerror(errno)) : std::string(inode.status().message())) << "\n";
-      unlink(client_socket.c_str());
+  if (client_socket_claim) {
+    if (absl::Status s = client_socket_claim->Bound(*client_socket_mode); !s.ok()) {
+      std::cerr << "shardgemm-coordinator: --client_socket: " << s.message() << "\n";
       return 1;
     }
-    client_socket_inode = *inode;
   }
   std::vector<logging::Field> serving = {{"mesh", planner::FormatMesh(*mesh)},
                                          {"workers_expected", planner::NumWorkers(*mesh)},
@@ -295,12 +285,6 @@ int Run() {
   logging::ProcessLogger().Log(logging::Level::kInfo, "serving", serving);
 
   ServeUntilSignalled(server.get(), [&coordinator] { coordinator.AbandonRequests(); });
-  // Ours only if still the socket this process bound (not a successor's).
-  if (!client_socket.empty()) {
-    if (auto inode = platform::SocketInode(client_socket); inode.ok() && *inode == client_socket_inode) {
-      unlink(client_socket.c_str());
-    }
-  }
   logging::ProcessLogger().Log(logging::Level::kInfo, "stopped", {});
   return 0;
 }
