@@ -2496,7 +2496,9 @@ absl::StatusOr<std::shared_ptr<Coordinator::GemmCall>> Coordinator::PrepareGroup
     if (!meta.staging_id.empty()) staging_ids.insert(meta.staging_id);
   }
   c->direct = !staging_ids.empty() || request.direct_output();
+  logging::TraceMark("checked");
   auto plan = planner::MakePlan(*plan_request);
+  logging::TraceMark("planned");
   if (!plan.ok() && request.has_quantize_lhs() &&
       absl::StrContains(plan.status().message(), "lhs_scale_inv")) {
     // The operand is the one the workers' quantize makes, not the client's.
@@ -2562,6 +2564,7 @@ absl::StatusOr<std::shared_ptr<Coordinator::GemmCall>> Coordinator::PrepareGroup
     step_request.operands[name] = GemmOperand{metas[name], held != inline_tensors.end() ? &held->second : nullptr};
   }
   auto built = BuildGemmSteps(step_request);
+  logging::TraceMark("steps_built");
   if (!built.ok()) return built.status();
   std::vector<v1::Step> steps = std::move(*built);
   std::string shard_name;
@@ -2645,6 +2648,7 @@ absl::StatusOr<std::shared_ptr<Coordinator::GemmCall>> Coordinator::PrepareGroup
       return s;
     }
   }
+  logging::TraceMark("prepared");
   c->shard_name = std::move(shard_name);
   c->steps = std::move(steps);
   c->plan = std::move(*plan);
@@ -2792,9 +2796,11 @@ void Coordinator::StartGroupedGemmPerShard(const v1::GroupedGemmRequest& request
   std::shared_ptr<GemmCall> c = std::move(*prepared);
   std::vector<v1::Step> steps = std::move(c->steps);
   c->dispatched = absl::Now();
+  if (c->call.marks != nullptr) c->call.marks->Mark("dispatching");
   DispatchThen(std::move(steps), StepDeadline(deadline), c->call,
                [this, c, done = std::move(done)](absl::StatusOr<std::vector<v1::StepResult>> results) {
                  c->answered = absl::Now();
+                 if (c->call.marks != nullptr) c->call.marks->Mark("answered");
                  size_t out_bytes = 0;
                  if (results.ok()) {
                    for (const v1::StepResult& r : *results) out_bytes += r.out().data().size();

@@ -21,6 +21,7 @@
 #include "kernels/host_tensor.h"
 #include "proto/plan_codec.h"
 #include "proto/shardgemm.pb.h"
+#include "logging/trace_marks.h"
 #include "planner/mesh.h"
 #include "planner/spec.h"
 #include "server/dispatcher.h"
@@ -71,6 +72,8 @@ struct CallContext {
   // The same, pushed (the callback API's OnCancel): a dispatch in flight
   // ends at once. Null: `cancelled` is polled, or there is none.
   std::shared_ptr<Cancellation> cancellation;
+  // --trace_requests: the request's instants (null: not traced).
+  std::shared_ptr<logging::TraceMarks> marks;
 };
 
 class Coordinator {

@@ -94,6 +94,9 @@ ABSL_FLAG(int, max_requests_per_tenant, 64,
           "GEMM, quantize, put and get requests one tenant may have running at once (0: no limit)");
 ABSL_FLAG(std::string, metrics_listen, "",
           "HOST:PORT to serve Prometheus metrics on (GET /metrics); empty: no metrics");
+ABSL_FLAG(bool, trace_requests, false,
+          "log one request_marks line per GroupedGemm: its phases' instants in microseconds from its arrival in "
+          "the handler, beside the wall-clock start (finding a fixed cost; costs a log line per request)");
 ABSL_FLAG(std::string, log_format, "text", "text | json | logfmt: one line per request and event");
 ABSL_FLAG(std::string, log_level, "info",
           "debug | info | warning | error (request lines are info; failed requests warning)");
@@ -205,6 +208,7 @@ int Run() {
   platform::BusyPoller busy_poller(*busy_poll);
   ShardGemmService service(&coordinator, &observer, tokens.get(), absl::GetFlag(FLAGS_max_requests_per_tenant));
   service.SetBusyPoller(&busy_poller);
+  service.SetTraceRequests(absl::GetFlag(FLAGS_trace_requests));
   // A large request's buffers (a put's blocks, a get's tensor) go back to
   // the system once freed; small requests leave the allocator's cache alone.
   service.SetFreeMemoryReleaser([] {

@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
+#include "logging/trace_marks.h"
 #include "proto/tensor_codec.h"
 #include "proto/transport.h"
 #include "proto/grpc_status.h"
@@ -127,6 +128,10 @@ class CancellableReactor : public grpc::ServerUnaryReactor {
 grpc::ServerUnaryReactor* ShardGemmService::GroupedGemm(grpc::CallbackServerContext* context,
                                                         const v1::GroupedGemmRequest* request,
                                                         v1::GroupedGemmResponse* response) {
+  auto marks = trace_requests_ ? std::make_shared<logging::TraceMarks>() : nullptr;
+  // The handler's thread marks the request's preparation (the coordinator's
+  // TraceMark calls); the answers arrive on other threads (marks itself).
+  const logging::ScopedTraceMarks marking(marks.get());
   auto* reactor = new CancellableReactor;
   // Shared so the completion callback (copyable) can hold it; none when off.
   auto busy = busy_poller_ != nullptr && busy_poller_->on()
@@ -147,13 +152,24 @@ grpc::ServerUnaryReactor* ShardGemmService::GroupedGemm(grpc::CallbackServerCont
   CallContext call = CallOf(record);
   call.cancellation = reactor->cancellation();
   call.cancelled = [c = call.cancellation] { return c->cancelled(); };
+  call.marks = marks;
   std::shared_ptr<Slot> held(std::move(*slot));
+  logging::TraceMark("admitted");
   coordinator_->GroupedGemmAsync(
       *request, DeadlineOf(context), std::move(call),
-      [this, reactor, response, record, held, busy](absl::StatusOr<v1::GroupedGemmResponse> r) mutable {
+      [this, reactor, response, record, held, busy, marks](absl::StatusOr<v1::GroupedGemmResponse> r) mutable {
         held.reset();  // the tenant's slot is free before the client hears back
+        // The line goes out once the call's answer is handed to gRPC.
+        auto log_marks = [&] {
+          if (marks == nullptr) return;
+          marks->Mark("finished");
+          std::vector<logging::Field> fields = {{"request_id", record.request_id}, {"ok", r.ok()}};
+          for (logging::Field& f : marks->Fields()) fields.push_back(std::move(f));
+          logging::ProcessLogger().Log(logging::Level::kInfo, "request_marks", fields);
+        };
         if (!r.ok()) {
           reactor->Finish(Finish(record, ToGrpcStatus(r.status())));
+          log_marks();
           return;
         }
         *response = std::move(*r);
@@ -163,7 +179,10 @@ grpc::ServerUnaryReactor* ShardGemmService::GroupedGemm(grpc::CallbackServerCont
         record.host_to_device_bytes = response->host_to_device_bytes();
         record.device_to_host_bytes = response->device_to_host_bytes();
         record.bytes_out = static_cast<int64_t>(response->ByteSizeLong());
-        reactor->Finish(Finish(record, grpc::Status::OK));
+        if (marks != nullptr) marks->Mark("response_made");
+        grpc::Status st = Finish(record, grpc::Status::OK);
+        reactor->Finish(st);
+        log_marks();
       });
   return reactor;
 }

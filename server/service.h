@@ -43,6 +43,9 @@ class ShardGemmService final
   // Keeps the process's cores busy while a GEMM or quantize request is in
   // flight (--busy_poll). Null: never. Set before the server starts.
   void SetBusyPoller(platform::BusyPoller* poller) { busy_poller_ = poller; }
+  // --trace_requests: one "request_marks" log line per GroupedGemm
+  // (logging/trace_marks.h). Set before the server starts.
+  void SetTraceRequests(bool on) { trace_requests_ = on; }
 
   grpc::Status GetClusterInfo(grpc::ServerContext*, const v1::ClusterInfoRequest*,
                               v1::ClusterInfo*) override;
@@ -97,6 +100,7 @@ class ShardGemmService final
   const int max_requests_per_tenant_;
   std::function<void()> release_free_memory_;
   platform::BusyPoller* busy_poller_ = nullptr;
+  bool trace_requests_ = false;
   absl::Mutex slots_mu_;
   absl::flat_hash_map<std::string, int> running_ ABSL_GUARDED_BY(slots_mu_);
 };

@@ -21,6 +21,7 @@
 #include "kernels/gemm_scale_layout.h"
 #include "kernels/cuda/grouped_gemm.h"
 #include "kernels/cuda/quantize.h"
+#include "logging/trace_marks.h"
 #include "worker/backend.h"
 #include "worker/cuda_client_memory.h"
 #include "worker/cuda_device_buffer.h"
@@ -128,6 +129,7 @@ class CudaBackend : public Backend {
     const int64_t bytes = shard.NumBytes();
     if (bytes > shard.device->bytes()) return absl::InternalError("device shard smaller than its shape");
     if (bytes == 0) return absl::OkStatus();
+    logging::TraceMark("to_host");
     cudaSetDevice(device_);
     // Pinned memory (the staging memory's output pool) takes one copy at
     // full speed; pageable memory the chunks through pinned buffers.
@@ -136,9 +138,11 @@ class CudaBackend : public Backend {
         cudaPointerGetAttributes(&attributes, dst) == cudaSuccess && attributes.type == cudaMemoryTypeHost;
     (void)cudaGetLastError();
     absl::Status s;
+    logging::TraceMark(pinned ? "d2h_pinned" : "d2h_pageable");
     if (pinned) {
       s = CudaStatus(cudaMemcpyAsync(dst, shard.device->data(), bytes, cudaMemcpyDeviceToHost, stream_), "download");
       if (s.ok()) s = CudaStatus(cudaStreamSynchronize(stream_), "download");
+      logging::TraceMark("d2h_done");
       if (s.ok()) downloaded_ += bytes;
     } else {
       char* at = dst;
@@ -564,6 +568,7 @@ class CudaBackend : public Backend {
       d_gathered = scratch.Take(gathered_bytes);
       prep = d_gathered.status();
     }
+    logging::TraceMark("device_operands");
     if (gather && g.rhs_gather.agree) prep = g.rhs_gather.collectives->Agree(prep, g.rhs_gather.agree_axes);
     if (!prep.ok()) return prep;
     if (gathering) {
@@ -593,10 +598,12 @@ class CudaBackend : public Backend {
     absl::Status s =
         Launch("grouped GEMM", [&] { return g.ragged_k ? runner_->RaggedK(a, stream_) : runner_->RaggedM(a, stream_); });
     if (!s.ok()) return s;
+    logging::TraceMark("launched");
     if (!keep) {
       if (auto st = DownloadInto(*d_out, out_bytes, &*out); !st.ok()) return st;
     }
     if (auto st = CudaStatus(cudaStreamSynchronize(stream_), "grouped GEMM"); !st.ok()) return st;
+    logging::TraceMark("synced");
     GemmOutput result;
     result.dtype = g.out_dtype;
     result.shape = out_shape;

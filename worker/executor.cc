@@ -1,5 +1,7 @@
 #include "worker/executor.h"
 
+#include "logging/trace_marks.h"
+
 #include "platform/shared_memory.h"
 
 #include <algorithm>
@@ -188,6 +190,7 @@ absl::StatusOr<v1::StepResult> Executor::Execute(v1::Step step, absl::Time deadl
     return s;
   }
   const absl::Time turn = absl::Now();
+  logging::TraceMark("turn");
   // Shards the coordinator retired since the last step (a missing one was
   // never stored here, e.g. by a put that failed on this worker).
   for (const std::string& name : step.release_shards()) (void)store_->Delete(name);
@@ -938,6 +941,7 @@ absl::StatusOr<v1::StepResult> Executor::RunGemm(v1::GemmStep& gemm) {
     prepared = store_->Reserve(working_bytes);
   }
   ShardStore::ScopedReservation reservation(store_, working_bytes, prepared.ok());
+  logging::TraceMark("inputs");
   const bool agree_first = agreeing && fused == nullptr && first_communicating->phase() == v1::PHASE_BEFORE &&
                            device_gather == nullptr;
   if (agree_first) prepared = agree(prepared);
@@ -976,6 +980,7 @@ absl::StatusOr<v1::StepResult> Executor::RunGemm(v1::GemmStep& gemm) {
   }
 
   // Stage 3: the local op.
+  logging::TraceMark("before_collectives");
   LocalGemm local;
   local.stop = [this] {
     return running_step_cancelled_.load(std::memory_order_relaxed) || absl::Now() >= step_deadline_;
@@ -1046,7 +1051,9 @@ absl::StatusOr<v1::StepResult> Executor::RunGemm(v1::GemmStep& gemm) {
     info->set_dtype(DTypeToProto(kept->dtype));
     info->mutable_shape()->Assign(kept->shape.begin(), kept->shape.end());
     info->set_resident(gemm.keep_output_as());
+    logging::TraceMark("local_op");
     if (auto s = store_->Put(gemm.keep_output_as(), std::move(*kept)); !s.ok()) return s;
+    logging::TraceMark("kept");
     FinishResult(start, agreements, transfers_before, &result);
     return result;
   }
@@ -1063,6 +1070,7 @@ absl::StatusOr<v1::StepResult> Executor::RunGemm(v1::GemmStep& gemm) {
       return absl::InternalError(absl::StrCat("the GEMM gave ", ShapeToString(kept->shape), ", expected ",
                                               ShapeToString(local_out_shape)));
     }
+    logging::TraceMark("local_op");
     reservation.Release();  // the block leaves the step's working memory for the staging area's budget
     const v1::StagingTicket& to = gemm.out_staged();
     // A GEMM the backend ran on the host gave host bytes (this step's alone): held as they are.
@@ -1072,6 +1080,7 @@ absl::StatusOr<v1::StepResult> Executor::RunGemm(v1::GemmStep& gemm) {
             : staging_->HoldOutput(to.ticket(), to.tenant(), kept->dtype, kept->shape,
                                    [&](char* dst) { return backend_->CopyToHost(*kept, dst); });
     if (!held.ok()) return held;
+    logging::TraceMark("held");
     v1::StepResult result;
     v1::LocalTensor* info = result.mutable_out();
     info->set_dtype(DTypeToProto(kept->dtype));

@@ -100,6 +100,9 @@ ABSL_FLAG(std::string, health_listen, "",
           "HOST:PORT for a plaintext gRPC health service only (for probes without TLS); empty: none");
 ABSL_FLAG(std::string, metrics_listen, "",
           "HOST:PORT to serve Prometheus metrics on (GET /metrics); empty: no metrics");
+ABSL_FLAG(bool, trace_steps, false,
+          "log one step_marks line per step: its phases' instants in microseconds from its arrival in the "
+          "handler, beside the wall-clock start (finding a fixed cost; costs a log line per step)");
 ABSL_FLAG(std::string, log_format, "text", "text | json | logfmt: one line per step and event");
 ABSL_FLAG(std::string, log_level, "info",
           "debug | info | warning | error (step lines are info; failed steps warning)");
@@ -386,6 +389,7 @@ int Run() {
   platform::BusyPoller busy_poller(*busy_poll);
   WorkerServiceImpl service(&executor, &store, backend->get(), &observer, &*transport);
   service.SetBusyPoller(&busy_poller);
+  service.SetTraceSteps(absl::GetFlag(FLAGS_trace_steps));
   if (serve_staging) service.SetStaging(&staging);
   // A lost CUDA context is for the process: report NOT_SERVING and exit, for
   // the supervisor to start a fresh worker (the coordinator marks the rank

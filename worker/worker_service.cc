@@ -1,10 +1,12 @@
 #include "worker/worker_service.h"
 
 #include <algorithm>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "logging/log.h"
+#include "logging/trace_marks.h"
 #include "proto/tensor_codec.h"
 #include "proto/transport.h"
 #include "proto/grpc_status.h"
@@ -41,10 +43,13 @@ grpc::Status WorkerServiceImpl::CheckDevice() {
 
 grpc::Status WorkerServiceImpl::Execute(grpc::ServerContext* context, const v1::Step* step,
                                         v1::StepResult* result) {
+  const absl::Time start = absl::Now();
+  std::optional<logging::TraceMarks> marks;
+  if (trace_steps_) marks.emplace(start);
+  const logging::ScopedTraceMarks marking(marks ? &*marks : nullptr);
   const platform::BusyPoller::Activity busy = platform::BusyPoller::BusyIfOn(busy_poller_);
   if (grpc::Status s = CheckCaller(*context); !s.ok()) return s;
   if (grpc::Status s = CheckDevice(); !s.ok()) return s;
-  const absl::Time start = absl::Now();
   const StepObserver::StepIdentity identity = StepObserver::StepIdentity::Of(*step);
   const int64_t bytes_in = observer_ != nullptr ? static_cast<int64_t>(step->ByteSizeLong()) : 0;
   // The executor moves inline operands' bytes out of the step; a copy here
@@ -54,9 +59,18 @@ grpc::Status WorkerServiceImpl::Execute(grpc::ServerContext* context, const v1::
   auto r = executor_->Execute(std::move(*const_cast<v1::Step*>(step)), DeadlineOf(context));
   if (!r.ok()) (void)CheckDevice();  // a failure may have lost the device
   if (r.ok()) *result = std::move(*r);
+  logging::TraceMark("executed");
   if (observer_ != nullptr) {
     observer_->Record(identity, absl::Now() - start, r.status(), r.ok() ? result : nullptr, bytes_in,
                       r.ok() ? static_cast<int64_t>(result->ByteSizeLong()) : 0);
+  }
+  if (marks) {
+    logging::TraceMark("recorded");
+    std::vector<logging::Field> fields = {{"request_id", identity.request_id},
+                                          {"sequence", identity.sequence},
+                                          {"ok", r.ok()}};
+    for (logging::Field& f : marks->Fields()) fields.push_back(std::move(f));
+    logging::ProcessLogger().Log(logging::Level::kInfo, "step_marks", fields);
   }
   if (!r.ok()) return ToGrpcStatus(r.status());
   return grpc::Status::OK;

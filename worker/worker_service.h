@@ -62,6 +62,8 @@ class WorkerServiceImpl final : public v1::Worker::Service {
   // Keeps the process's cores busy while a step is in flight (--busy_poll).
   // Null: never. Set before the server starts.
   void SetBusyPoller(platform::BusyPoller* poller) { busy_poller_ = poller; }
+  // --trace_steps: one "step_marks" log line per step (logging/trace_marks.h).
+  void SetTraceSteps(bool on) { trace_steps_ = on; }
 
  private:
   Executor* executor_;
@@ -75,6 +77,7 @@ class WorkerServiceImpl final : public v1::Worker::Service {
   grpc::Status CheckDevice();
 
   StepObserver* observer_;
+  bool trace_steps_ = false;
   const security::Transport* transport_;
   std::function<void(const absl::Status&)> on_device_lost_;
   platform::BusyPoller* busy_poller_ = nullptr;
