@@ -1,7 +1,9 @@
 #include "logging/log.h"
 
+#include <cstdlib>
 #include <iostream>
 #include <memory>
+#include <mutex>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
@@ -157,8 +159,44 @@ std::string Timestamp() {
 
 }  // namespace
 
-Logger::Logger(Format format, Level min_level, std::ostream* out)
-    : format_(format), min_level_(min_level), out_(out) {}
+Logger::Logger(Format format, Level min_level, std::ostream* out, bool background)
+    : format_(format), min_level_(min_level), out_(out) {
+  if (background && out_ != nullptr) writer_ = std::thread([this] { WriteInBackground(); });
+}
+
+Logger::~Logger() {
+  if (writer_.joinable()) {
+    {
+      absl::MutexLock lock(&mu_);
+      stop_ = true;
+    }
+    writer_.join();
+  }
+  Flush();
+}
+
+void Logger::WriteQueuedLocked() {
+  if (queued_.empty()) return;
+  out_->write(queued_.data(), static_cast<std::streamsize>(queued_.size()));
+  out_->flush();
+  queued_.clear();
+}
+
+void Logger::WriteInBackground() {
+  absl::MutexLock lock(&mu_);
+  while (!stop_) {
+    // Woken by the timeout (or the stop), not by each line: a line's writer
+    // pays no wake-up.
+    mu_.AwaitWithTimeout(absl::Condition(&stop_), kBackgroundWrite);
+    WriteQueuedLocked();
+  }
+}
+
+void Logger::Flush() {
+  if (out_ == nullptr) return;
+  absl::MutexLock lock(&mu_);
+  WriteQueuedLocked();
+}
 
 std::string Logger::FormatLine(Level level, absl::string_view event, const std::vector<Field>& fields) const {
   const std::string time = Timestamp();
@@ -203,6 +241,11 @@ void Logger::Log(Level level, absl::string_view event, const std::vector<Field>&
   std::string line = FormatLine(level, event, fields);
   line += '\n';
   absl::MutexLock lock(&mu_);
+  if (writer_.joinable() && level < Level::kWarning) {
+    queued_.append(line);
+    return;
+  }
+  WriteQueuedLocked();  // what came before it, first
   out_->write(line.data(), static_cast<std::streamsize>(line.size()));
   out_->flush();
 }
@@ -216,18 +259,24 @@ std::unique_ptr<Logger>& ProcessLoggerSlot() {
 
 Logger& ProcessLogger() { return *ProcessLoggerSlot(); }
 
-void ConfigureProcessLogger(Format format, Level min_level, std::string component) {
-  auto logger = std::make_unique<Logger>(format, min_level, &std::cerr);
+void ConfigureProcessLogger(Format format, Level min_level, std::string component, bool background) {
+  auto logger = std::make_unique<Logger>(format, min_level, &std::cerr, background);
   logger->set_component(std::move(component));
   ProcessLoggerSlot() = std::move(logger);
+  if (background) {
+    // The slot outlives main (it is never destroyed): its queue is written at exit.
+    static std::once_flag at_exit;
+    std::call_once(at_exit, [] { std::atexit([] { ProcessLogger().Flush(); }); });
+  }
 }
 
-absl::Status ConfigureProcessLogger(absl::string_view format, absl::string_view level, std::string component) {
+absl::Status ConfigureProcessLogger(absl::string_view format, absl::string_view level, std::string component,
+                                    bool background) {
   auto f = ParseFormat(format);
   if (!f.ok()) return f.status();
   auto l = ParseLevel(level);
   if (!l.ok()) return l.status();
-  ConfigureProcessLogger(*f, *l, std::move(component));
+  ConfigureProcessLogger(*f, *l, std::move(component), background);
   return absl::OkStatus();
 }
 

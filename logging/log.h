@@ -8,12 +8,14 @@
 #include <cstdint>
 #include <iosfwd>
 #include <string>
+#include <thread>
 #include <variant>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 
 namespace shardgemm::logging {
 
@@ -41,8 +43,18 @@ struct Field {
 
 class Logger {
  public:
-  // Writes to `out` (not owned), whole lines under a lock.
-  Logger(Format format, Level min_level, std::ostream* out);
+  // Writes to `out` (not owned), whole lines under a lock. `background`:
+  // lines below kWarning are queued, and a thread of the logger's own
+  // writes them at most kBackgroundWrite later, so a request's line costs
+  // its formatting and not a write to a file or pipe on the request's path;
+  // a warning or error (and Flush, and the destructor) writes what is
+  // queued first, then itself.
+  Logger(Format format, Level min_level, std::ostream* out, bool background = false);
+  ~Logger();
+  Logger(const Logger&) = delete;
+  Logger& operator=(const Logger&) = delete;
+
+  static constexpr absl::Duration kBackgroundWrite = absl::Milliseconds(5);
 
   bool Enabled(Level level) const { return level >= min_level_; }
   // One line: time, level, the component ("coordinator", "worker"), the
@@ -53,21 +65,33 @@ class Logger {
 
   void set_component(std::string component) { component_ = std::move(component); }
 
+  // Writes the queued lines now (background loggers; otherwise a no-op).
+  void Flush();
+
  private:
+  void WriteQueuedLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void WriteInBackground();
+
   const Format format_;
   const Level min_level_;
   std::ostream* out_;
   std::string component_;
   absl::Mutex mu_;
+  std::string queued_ ABSL_GUARDED_BY(mu_);
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread writer_;  // background loggers only
 };
 
 // The process's logger, set up once from the flags in main (text, info, to
 // stderr until then).
 Logger& ProcessLogger();
-void ConfigureProcessLogger(Format format, Level min_level, std::string component);
+// `background`: see Logger (the servers' choice; queued lines are written
+// at exit too).
+void ConfigureProcessLogger(Format format, Level min_level, std::string component, bool background = false);
 // The same from the --log_format and --log_level flags' text;
 // INVALID_ARGUMENT naming the flag, and nothing changed, for a bad one.
-absl::Status ConfigureProcessLogger(absl::string_view format, absl::string_view level, std::string component);
+absl::Status ConfigureProcessLogger(absl::string_view format, absl::string_view level, std::string component,
+                                    bool background = false);
 
 }  // namespace shardgemm::logging
 

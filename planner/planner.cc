@@ -96,6 +96,48 @@ const PlanOperand* FindPlanOperand(const Plan& plan, absl::string_view name) {
   return nullptr;
 }
 
+std::string PlanRequestKey(const PlanRequest& request) {
+  // Lengths before strings, so no two requests run together into one text.
+  std::string key;
+  auto add_text = [&key](absl::string_view t) { absl::StrAppend(&key, t.size(), ":", t, ";"); };
+  auto add_int = [&key](int64_t v) { absl::StrAppend(&key, v, ";"); };
+  auto add_spec = [&](const PartitionSpec& spec) {
+    add_int(static_cast<int64_t>(spec.dims.size()));
+    for (const auto& dim : spec.dims) {
+      add_int(static_cast<int64_t>(dim.size()));
+      for (const std::string& axis : dim) add_text(axis);
+    }
+  };
+  add_int(static_cast<int64_t>(request.mesh.axes.size()));
+  for (const MeshAxis& a : request.mesh.axes) {
+    add_text(a.name);
+    add_int(a.size);
+  }
+  for (const std::string* role : {&request.mesh.roles.dp, &request.mesh.roles.fsdp, &request.mesh.roles.ep,
+                                  &request.mesh.roles.tp}) {
+    add_text(*role);
+  }
+  add_int(static_cast<int64_t>(request.op));
+  const OpAttrs& at = request.attrs;
+  for (int64_t v : {int64_t{at.rhs_transposed}, int64_t{at.has_bias}, int64_t{at.flatten_axis},
+                    static_cast<int64_t>(at.scaling_mode), int64_t{at.shared_scales}, int64_t{at.rowwise},
+                    int64_t{at.colwise}, static_cast<int64_t>(at.out_dtype)}) {
+    add_int(v);
+  }
+  add_int(static_cast<int64_t>(request.operands.size()));
+  for (const OperandRequest& o : request.operands) {
+    add_text(o.name);
+    add_int(static_cast<int64_t>(o.dtype));
+    add_int(static_cast<int64_t>(o.shape.size()));
+    for (int64_t d : o.shape) add_int(d);
+    add_spec(o.spec);
+  }
+  add_int(request.out_spec.has_value() ? 1 : 0);
+  if (request.out_spec.has_value()) add_spec(*request.out_spec);
+  add_int(static_cast<int64_t>(request.compat));
+  return key;
+}
+
 absl::StatusOr<Plan> MakePlan(const PlanRequest& request) {
   absl::Status s = ValidateMesh(request.mesh);
   if (!s.ok()) return s;

@@ -71,6 +71,8 @@ struct OperandRequest {
   PartitionSpec spec;  // padded with None to the rank
 };
 
+// A field added here (or to OpAttrs, OperandRequest, Mesh) goes into
+// PlanRequestKey too: plans are cached under it.
 struct PlanRequest {
   Mesh mesh;
   OpKind op = OpKind::kGroupedGemmRaggedM;
@@ -177,6 +179,11 @@ struct Plan {
 };
 
 absl::StatusOr<Plan> MakePlan(const PlanRequest& request);
+
+// A text naming everything MakePlan reads of `request`: two requests with
+// the same key get the same plan (MakePlan is a pure function of them), so
+// a caller may keep plans under it.
+std::string PlanRequestKey(const PlanRequest& request);
 
 // The plan's operand named `name` ("lhs", "x", ...); null when it has none.
 const PlanOperand* FindPlanOperand(const Plan& plan, absl::string_view name);

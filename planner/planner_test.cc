@@ -1,5 +1,7 @@
 #include "planner/planner.h"
 
+#include <functional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -565,6 +567,60 @@ TEST(PlannerTest, FlattenAxisCountsFromTheEndWhenNegative) {
   EXPECT_EQ(plan->outputs[0].global_shape, std::vector<int64_t>({8, 4, 16}));
   req.attrs.flatten_axis = -5;
   EXPECT_EQ(MakePlan(req).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+
+// Every field MakePlan reads changes the key: a plan cached under it is the
+// request's own.
+TEST(PlanRequestKeyTest, EveryFieldChangesTheKey) {
+  const PlanRequest base = Req("dp=2,ep=2", "", kM, CompatMode::kDefault,
+                               {"lhs=64x32@(dp,None)", "rhs=4x32x16@(ep,None,None)", "group_sizes=4@(dp,)"});
+  const std::string key = PlanRequestKey(base);
+  EXPECT_EQ(key, PlanRequestKey(base));
+  std::vector<std::pair<std::string, std::function<void(PlanRequest&)>>> changes = {
+      {"mesh axis size", [](PlanRequest& r) { r.mesh.axes[0].size = 4; }},
+      {"mesh axis name", [](PlanRequest& r) { r.mesh.axes[1].name = "ep2"; }},
+      {"mesh axes", [](PlanRequest& r) { r.mesh.axes.push_back({"tp", 1}); }},
+      {"roles.dp", [](PlanRequest& r) { r.mesh.roles.dp = ""; }},
+      {"roles.fsdp", [](PlanRequest& r) { r.mesh.roles.fsdp = "dp"; }},
+      {"roles.ep", [](PlanRequest& r) { r.mesh.roles.ep = ""; }},
+      {"roles.tp", [](PlanRequest& r) { r.mesh.roles.tp = "ep"; }},
+      {"op", [](PlanRequest& r) { r.op = OpKind::kGroupedGemmRaggedK; }},
+      {"rhs_transposed", [](PlanRequest& r) { r.attrs.rhs_transposed = true; }},
+      {"has_bias", [](PlanRequest& r) { r.attrs.has_bias = true; }},
+      {"flatten_axis", [](PlanRequest& r) { r.attrs.flatten_axis = 1; }},
+      {"scaling_mode", [](PlanRequest& r) { r.attrs.scaling_mode = ScalingMode::kBlock; }},
+      {"shared_scales", [](PlanRequest& r) { r.attrs.shared_scales = true; }},
+      {"rowwise", [](PlanRequest& r) { r.attrs.rowwise = false; }},
+      {"colwise", [](PlanRequest& r) { r.attrs.colwise = true; }},
+      {"out_dtype", [](PlanRequest& r) { r.attrs.out_dtype = DType::kF32; }},
+      {"operand name", [](PlanRequest& r) { r.operands[0].name = "x"; }},
+      {"operand dtype", [](PlanRequest& r) { r.operands[0].dtype = DType::kF16; }},
+      {"operand shape", [](PlanRequest& r) { r.operands[0].shape[0] = 128; }},
+      {"operand rank", [](PlanRequest& r) { r.operands[0].shape.push_back(1); }},
+      {"operand spec", [](PlanRequest& r) { r.operands[1].spec.dims[0] = {"dp"}; }},
+      {"operand spec axes", [](PlanRequest& r) { r.operands[0].spec.dims[0] = {"dp", "ep"}; }},
+      {"operands", [](PlanRequest& r) { r.operands.pop_back(); }},
+      {"out_spec given", [](PlanRequest& r) { r.out_spec = PartitionSpec(); }},
+      {"compat", [](PlanRequest& r) { r.compat = CompatMode::kTe; }},
+  };
+  std::set<std::string> keys = {key};
+  for (auto& [what, change] : changes) {
+    PlanRequest r = base;
+    change(r);
+    EXPECT_NE(PlanRequestKey(r), key) << what;
+    keys.insert(PlanRequestKey(r));
+  }
+  EXPECT_EQ(keys.size(), changes.size() + 1);  // and no two changes collide
+  PlanRequest with_out = base, other_out = base;
+  with_out.out_spec = *ParsePartitionSpec("(dp, None)");
+  other_out.out_spec = *ParsePartitionSpec("((dp, ep), None)");
+  EXPECT_NE(PlanRequestKey(with_out), PlanRequestKey(other_out));
+  // Axis names that run together differently are different keys.
+  PlanRequest a = base, b = base;
+  a.operands[0].spec.dims[0] = {"dp", "ep"};
+  b.operands[0].spec.dims[0] = {"dpep"};
+  EXPECT_NE(PlanRequestKey(a), PlanRequestKey(b));
 }
 
 }  // namespace

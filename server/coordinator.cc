@@ -269,6 +269,12 @@ absl::StatusOr<std::vector<v1::StepResult>> Coordinator::Dispatch(std::vector<v1
   return dispatcher_.Dispatch(std::move(steps), deadline, call.cancelled);
 }
 
+absl::StatusOr<planner::Plan> Coordinator::MakePlan(const planner::PlanRequest& request) const {
+  auto plan = plan_cache_.Get(request);
+  if (!plan.ok()) return plan.status();
+  return **plan;
+}
+
 void Coordinator::DispatchThen(std::vector<v1::Step> steps, absl::Time deadline, const CallContext& call,
                                Dispatcher::DispatchDone done) {
   for (v1::Step& s : steps) {
@@ -1199,7 +1205,7 @@ absl::StatusOr<v1::StagingPlan> Coordinator::PlanStaging(const v1::StagingPlanRe
   if (!metas["group_sizes"].resident_shard.empty() || metas["group_sizes"].shared_memory.has_value()) {
     return absl::InvalidArgumentError("group_sizes must be sent inline: the plan needs its values");
   }
-  auto plan = planner::MakePlan(*plan_request);
+  auto plan = MakePlan(*plan_request);
   if (!plan.ok()) return plan.status();
   if (to_stage.empty()) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -2109,7 +2115,7 @@ absl::StatusOr<v1::GroupedQuantizeResponse> Coordinator::GroupedQuantize(
   if (!IsFloat8(plan_request->attrs.out_dtype)) {
     return absl::InvalidArgumentError("out_dtype must be F8E4M3 or F8E5M2");
   }
-  auto plan = planner::MakePlan(*plan_request);
+  auto plan = MakePlan(*plan_request);
   if (!plan.ok()) return plan.status();
   auto gs_tensor = HostTensorFromProto(request.group_sizes(), "group_sizes");
   if (!gs_tensor.ok()) return gs_tensor.status();
@@ -2320,7 +2326,7 @@ absl::StatusOr<v1::Plan> Coordinator::Plan(const v1::PlanRequest& request, const
     return absl::InvalidArgumentError("op: set grouped_gemm or grouped_quantize");
   }
   if (!pr.ok()) return pr.status();
-  auto plan = planner::MakePlan(*pr);
+  auto plan = MakePlan(*pr);
   if (!plan.ok()) return plan.status();
   v1::Plan out;
   PlanToProto(*plan, &out, !request.omit_text());
@@ -2497,7 +2503,7 @@ absl::StatusOr<std::shared_ptr<Coordinator::GemmCall>> Coordinator::PrepareGroup
   }
   c->direct = !staging_ids.empty() || request.direct_output();
   logging::TraceMark("checked");
-  auto plan = planner::MakePlan(*plan_request);
+  auto plan = MakePlan(*plan_request);
   logging::TraceMark("planned");
   if (!plan.ok() && request.has_quantize_lhs() &&
       absl::StrContains(plan.status().message(), "lhs_scale_inv")) {

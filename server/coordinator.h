@@ -25,6 +25,7 @@
 #include "planner/mesh.h"
 #include "planner/spec.h"
 #include "server/dispatcher.h"
+#include "server/plan_cache.h"
 #include "server/resident_registry.h"
 #include "server/shared_memory_registry.h"
 #include "server/worker_channel.h"
@@ -342,9 +343,13 @@ class Coordinator {
   const int num_workers_;
   const std::string session_;  // names this run in rendezvous keys
 
+  // planner::MakePlan through plan_cache_.
+  absl::StatusOr<planner::Plan> MakePlan(const planner::PlanRequest& request) const;
   Dispatcher dispatcher_;
 
   ResidentRegistry registry_;
+  // Plans by request (MakePlan is pure): a repeated shape is planned once.
+  mutable PlanCache plan_cache_;
   SharedMemoryRegistry shared_memory_;
 
   // Transfer plans by staging id, until used or expired.

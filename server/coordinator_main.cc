@@ -106,7 +106,7 @@ namespace {
 
 int Run() {
   if (auto s = logging::ConfigureProcessLogger(absl::GetFlag(FLAGS_log_format), absl::GetFlag(FLAGS_log_level),
-                                              "coordinator");
+                                              "coordinator", /*background=*/true);
       !s.ok()) {
     std::cerr << "shardgemm-coordinator: " << s.message() << "\n";
     return 2;

@@ -78,6 +78,14 @@ grpc::Status ShardGemmService::Finish(const RequestRecord& record, grpc::Status 
   return status;
 }
 
+void ShardGemmService::FinishReactor(grpc::ServerUnaryReactor* reactor, const RequestRecord& record,
+                                     grpc::Status status) {
+  // The answer goes out first: the request's log line and metrics are not
+  // the client's to wait for.
+  reactor->Finish(status);
+  (void)Finish(record, std::move(status));
+}
+
 grpc::Status ShardGemmService::GetClusterInfo(grpc::ServerContext* context, const v1::ClusterInfoRequest*,
                                               v1::ClusterInfo* info) {
   RequestRecord record = Begin(RequestOp::kGetClusterInfo, context);
@@ -94,17 +102,17 @@ grpc::ServerUnaryReactor* ShardGemmService::Plan(grpc::CallbackServerContext* co
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   RequestRecord record = Begin(RequestOp::kPlan, context);
   if (grpc::Status a = Authenticate(*context, &record, security::Grant::kCompute); !a.ok()) {
-    reactor->Finish(Finish(record, std::move(a)));
+    FinishReactor(reactor, record, std::move(a));
     return reactor;
   }
   record.bytes_in = static_cast<int64_t>(request->ByteSizeLong());
   auto plan = coordinator_->Plan(*request, CallOf(record));
   if (!plan.ok()) {
-    reactor->Finish(Finish(record, ToGrpcStatus(plan.status())));
+    FinishReactor(reactor, record, ToGrpcStatus(plan.status()));
   } else {
     *response->mutable_plan() = std::move(*plan);
     record.bytes_out = static_cast<int64_t>(response->ByteSizeLong());
-    reactor->Finish(Finish(record, grpc::Status::OK));
+    FinishReactor(reactor, record, grpc::Status::OK);
   }
   return reactor;
 }
@@ -140,12 +148,12 @@ grpc::ServerUnaryReactor* ShardGemmService::GroupedGemm(grpc::CallbackServerCont
   RequestRecord record = Begin(RequestOp::kGroupedGemm, context);
   record.tensor = request->keep_output_as();
   if (grpc::Status a = Authenticate(*context, &record, security::Grant::kCompute); !a.ok()) {
-    reactor->Finish(Finish(record, std::move(a)));
+    FinishReactor(reactor, record, std::move(a));
     return reactor;
   }
   auto slot = TakeSlot(record.tenant);
   if (!slot.ok()) {
-    reactor->Finish(Finish(record, ToGrpcStatus(slot.status())));
+    FinishReactor(reactor, record, ToGrpcStatus(slot.status()));
     return reactor;
   }
   record.bytes_in = static_cast<int64_t>(request->ByteSizeLong());
@@ -168,7 +176,7 @@ grpc::ServerUnaryReactor* ShardGemmService::GroupedGemm(grpc::CallbackServerCont
           logging::ProcessLogger().Log(logging::Level::kInfo, "request_marks", fields);
         };
         if (!r.ok()) {
-          reactor->Finish(Finish(record, ToGrpcStatus(r.status())));
+          FinishReactor(reactor, record, ToGrpcStatus(r.status()));
           log_marks();
           return;
         }
@@ -180,8 +188,7 @@ grpc::ServerUnaryReactor* ShardGemmService::GroupedGemm(grpc::CallbackServerCont
         record.device_to_host_bytes = response->device_to_host_bytes();
         record.bytes_out = static_cast<int64_t>(response->ByteSizeLong());
         if (marks != nullptr) marks->Mark("response_made");
-        grpc::Status st = Finish(record, grpc::Status::OK);
-        reactor->Finish(st);
+        FinishReactor(reactor, record, grpc::Status::OK);
         log_marks();
       });
   return reactor;

@@ -80,6 +80,9 @@ class ShardGemmService final
 
  private:
   // Records `record` with `status` (when observed) and returns `status`.
+  // A callback call's answer, then its record (Finish's): the client does
+  // not wait for the log line.
+  void FinishReactor(grpc::ServerUnaryReactor* reactor, const RequestRecord& record, grpc::Status status);
   grpc::Status Finish(const RequestRecord& record, grpc::Status status);
   grpc::Status ReceiveTensor(grpc::ServerContext* context, grpc::ServerReader<v1::TensorChunk>* reader,
                              v1::PutTensorResponse* response, RequestRecord* record);

@@ -225,7 +225,7 @@ absl::StatusOr<Joined> Join(v1::Coordination::Stub* stub, v1::RegisterRequest re
 
 int Run() {
   if (auto s = logging::ConfigureProcessLogger(absl::GetFlag(FLAGS_log_format), absl::GetFlag(FLAGS_log_level),
-                                              "worker");
+                                              "worker", /*background=*/true);
       !s.ok()) {
     std::cerr << "shardgemm-worker: " << s.message() << "\n";
     return 2;
@@ -550,6 +550,7 @@ int Run() {
     // NCCL's teardown would be): the process ends here, its socket directory
     // removed first.
     socket_dir.reset();
+    logging::ProcessLogger().Flush();
     std::cerr.flush();
     std::_Exit(kExitDeviceLost);
   }
