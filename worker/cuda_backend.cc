@@ -69,6 +69,7 @@ class CudaBackend : public Backend {
   ~CudaBackend() override {
     // The quantize library's workspace for the stream goes with it.
     cudaSetDevice(device_);
+    if (small_pinned_ != nullptr) cudaFreeHost(small_pinned_);
     for (int i = 0; i < 2; ++i) {
       if (staging_[i] != nullptr) cudaFreeHost(staging_[i]);
       if (staged_[i] != nullptr) cudaEventDestroy(staged_[i]);
@@ -532,7 +533,7 @@ class CudaBackend : public Backend {
       d_rhs = g.rhs_device != nullptr      ? absl::StatusOr<void*>(g.rhs_device->data())
               : g.resident_rhs != nullptr ? DeviceCopy(g.resident_rhs, g.resident_lhs.get())
                                           : scratch.Upload(rhs.bytes.data(), rhs.NumBytes(), stream_);
-      d_sizes = scratch.Upload(g.group_sizes.data(), a.num_groups * 8, stream_);
+      d_sizes = UploadSmall(&scratch, g.group_sizes.data(), a.num_groups * 8);
       if (keep && g.out_device != nullptr) {
         if (g.out_device->bytes() < out_bytes) {
           d_out = absl::InternalError(absl::StrCat("the output's ", out_bytes, " bytes do not fit the ",
@@ -603,6 +604,7 @@ class CudaBackend : public Backend {
       if (auto st = DownloadInto(*d_out, out_bytes, &*out); !st.ok()) return st;
     }
     if (auto st = CudaStatus(cudaStreamSynchronize(stream_), "grouped GEMM"); !st.ok()) return st;
+    small_pinned_in_flight_ = false;
     logging::TraceMark("synced");
     GemmOutput result;
     result.dtype = g.out_dtype;
@@ -676,6 +678,33 @@ class CudaBackend : public Backend {
   // The device copy of a resident shard, kept while the shard lives. When the
   // device is full, copies of other live shards (all but `keep`, the other
   // operand of this call) are dropped and made again when next used.
+  // A step's small upload (the group sizes) from a pinned buffer: the copy
+  // is queued, not staged through the driver's pageable path (a blocking
+  // host copy of its own). One buffer: a copy that a step which returned
+  // early left in flight is waited for before the buffer is written again.
+  absl::StatusOr<void*> UploadSmall(Scratch* scratch, const void* host, int64_t bytes) {
+    if (bytes > kSmallPinnedBytes || bytes == 0) return scratch->Upload(host, bytes, stream_);
+    if (small_pinned_ == nullptr && cudaMallocHost(&small_pinned_, kSmallPinnedBytes) != cudaSuccess) {
+      (void)cudaGetLastError();
+      small_pinned_ = nullptr;
+      return scratch->Upload(host, bytes, stream_);  // no pinned memory to spare: the pageable path
+    }
+    if (small_pinned_in_flight_) {
+      if (auto s = CudaStatus(cudaStreamSynchronize(stream_), "upload"); !s.ok()) return s;
+      small_pinned_in_flight_ = false;
+    }
+    auto p = scratch->Take(bytes);
+    if (!p.ok()) return p;
+    std::memcpy(small_pinned_, host, static_cast<size_t>(bytes));
+    if (auto s = CudaStatus(cudaMemcpyAsync(*p, small_pinned_, bytes, cudaMemcpyHostToDevice, stream_), "upload");
+        !s.ok()) {
+      return s;
+    }
+    small_pinned_in_flight_ = true;
+    uploaded_ += bytes;
+    return p;
+  }
+
   absl::StatusOr<void*> DeviceCopy(const std::shared_ptr<const HostTensor>& host, const HostTensor* keep = nullptr) {
     for (auto it = cache_.begin(); it != cache_.end();) {
       if (it->second.host.expired()) {
@@ -757,6 +786,9 @@ class CudaBackend : public Backend {
   static constexpr int64_t kStagingBytes = int64_t{16} << 20;
   void* staging_[2] = {nullptr, nullptr};  // pinned, for DownloadInto (the step's thread only)
   cudaEvent_t staged_[2] = {nullptr, nullptr};
+  static constexpr int64_t kSmallPinnedBytes = int64_t{64} << 10;
+  void* small_pinned_ = nullptr;  // UploadSmall's (the step's thread only)
+  bool small_pinned_in_flight_ = false;
   bool said_device_gather_ = false;
   static constexpr int64_t kLtWorkspaceBytes = int64_t{32} << 20;
   cublasLtHandle_t lt_ = nullptr;  // the FP8 GEMM's, made on first use
