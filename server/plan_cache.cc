@@ -20,21 +20,25 @@ absl::StatusOr<std::shared_ptr<const planner::Plan>> PlanCache::Get(const planne
   auto made = planner::MakePlan(request);
   if (!made.ok()) return made.status();
   auto plan = std::make_shared<const planner::Plan>(*std::move(made));
-  if (capacity_ == 0) return plan;
+  const size_t parts = plan->workers.size() + 1;
+  if (parts > capacity_) return plan;
   absl::MutexLock lock(&mu_);
   if (auto it = plans_.find(key); it != plans_.end()) return it->second.plan;
-  while (plans_.size() >= capacity_ && !lru_.empty()) {
-    plans_.erase(lru_.back());
+  while (parts_ + parts > capacity_ && !lru_.empty()) {
+    auto oldest = plans_.find(lru_.back());
+    parts_ -= oldest->second.parts;
+    plans_.erase(oldest);
     lru_.pop_back();
   }
   lru_.push_front(key);
-  plans_.emplace(std::move(key), Entry{plan, lru_.begin()});
+  plans_.emplace(std::move(key), Entry{plan, lru_.begin(), parts});
+  parts_ += parts;
   return plan;
 }
 
 PlanCache::Stats PlanCache::stats() const {
   absl::MutexLock lock(&mu_);
-  return {hits_, misses_, plans_.size()};
+  return {hits_, misses_, plans_.size(), parts_};
 }
 
 }  // namespace shardgemm

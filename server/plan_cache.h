@@ -1,9 +1,10 @@
 // The coordinator's plans by request: MakePlan is a pure function of its
 // request (planner::PlanRequestKey names everything it reads), and a
 // service sees the same few shapes and specs over and over, so a plan made
-// once serves every later request with the same key. Bounded: the least
-// recently used plan goes when a new one does not fit. Refusals are not
-// kept (a bad request costs its own planning).
+// once serves every later request with the same key. Bounded by its plans'
+// size (a plan holds a part per worker): the least recently used plans go
+// when a new one does not fit. Refusals are not kept (a bad request costs
+// its own planning).
 #ifndef SHARDGEMM_SERVER_PLAN_CACHE_H_
 #define SHARDGEMM_SERVER_PLAN_CACHE_H_
 
@@ -22,8 +23,11 @@ namespace shardgemm {
 
 class PlanCache {
  public:
-  // `capacity` plans at most; 0: none kept (every call plans).
-  explicit PlanCache(size_t capacity = 1024) : capacity_(capacity) {}
+  // Plans kept while their worker parts (Plan::workers, one more per plan)
+  // number `capacity` at most: 65536 is a few MiB, and 8192 plans of an
+  // 8-worker mesh. 0: none kept (every call plans); a plan larger than
+  // `capacity` is not kept.
+  explicit PlanCache(size_t capacity = 65536) : capacity_(capacity) {}
 
   // The plan of `request`: the kept one, or MakePlan's (kept when it is one).
   absl::StatusOr<std::shared_ptr<const planner::Plan>> Get(const planner::PlanRequest& request);
@@ -31,7 +35,8 @@ class PlanCache {
   struct Stats {
     int64_t hits = 0;
     int64_t misses = 0;
-    size_t size = 0;
+    size_t size = 0;   // plans kept
+    size_t parts = 0;  // their worker parts, against the capacity
   };
   Stats stats() const;
 
@@ -40,6 +45,7 @@ class PlanCache {
   struct Entry {
     std::shared_ptr<const planner::Plan> plan;
     Lru::iterator at;
+    size_t parts = 0;
   };
   const size_t capacity_;
   mutable absl::Mutex mu_;
@@ -47,6 +53,7 @@ class PlanCache {
   Lru lru_ ABSL_GUARDED_BY(mu_);
   int64_t hits_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t misses_ ABSL_GUARDED_BY(mu_) = 0;
+  size_t parts_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace shardgemm

@@ -66,12 +66,13 @@ TEST(PlanCacheTest, RefusalsAreNotKeptAndSayWhy) {
 }
 
 TEST(PlanCacheTest, TheLeastRecentlyUsedGoesFirst) {
-  PlanCache cache(2);
+  PlanCache cache(6);  // two plans of 2 workers (3 parts each)
   ASSERT_TRUE(cache.Get(Gemm(64)).ok());
   ASSERT_TRUE(cache.Get(Gemm(128)).ok());
   ASSERT_TRUE(cache.Get(Gemm(64)).ok());   // 64 is the most recent now
   ASSERT_TRUE(cache.Get(Gemm(256)).ok());  // 128 goes
   EXPECT_EQ(cache.stats().size, 2u);
+  EXPECT_EQ(cache.stats().parts, 6u);
   const int64_t misses = cache.stats().misses;
   ASSERT_TRUE(cache.Get(Gemm(64)).ok());
   EXPECT_EQ(cache.stats().misses, misses);  // kept
@@ -87,8 +88,16 @@ TEST(PlanCacheTest, CapacityZeroKeepsNothing) {
   EXPECT_EQ(cache.stats().size, 0u);
 }
 
+TEST(PlanCacheTest, APlanLargerThanTheCapacityIsNotKept) {
+  PlanCache cache(2);  // a 2-worker plan needs 3
+  ASSERT_TRUE(cache.Get(Gemm(64)).ok());
+  ASSERT_TRUE(cache.Get(Gemm(64)).ok());
+  EXPECT_EQ(cache.stats().size, 0u);
+  EXPECT_EQ(cache.stats().misses, 2);
+}
+
 TEST(PlanCacheTest, ConcurrentCallersAgree) {
-  PlanCache cache(4);
+  PlanCache cache(12);  // four plans
   std::vector<std::thread> threads;
   std::atomic<int> wrong{0};
   for (int t = 0; t < 4; ++t) {
@@ -103,6 +112,7 @@ TEST(PlanCacheTest, ConcurrentCallersAgree) {
   for (auto& th : threads) th.join();
   EXPECT_EQ(wrong.load(), 0);
   EXPECT_LE(cache.stats().size, 4u);
+  EXPECT_LE(cache.stats().parts, 12u);
 }
 
 }  // namespace

@@ -80,10 +80,10 @@ grpc::Status ShardGemmService::Finish(const RequestRecord& record, grpc::Status 
 
 void ShardGemmService::FinishReactor(grpc::ServerUnaryReactor* reactor, const RequestRecord& record,
                                      grpc::Status status) {
-  // The answer goes out first: the request's log line and metrics are not
-  // the client's to wait for.
-  reactor->Finish(status);
-  (void)Finish(record, std::move(status));
+  // The record first: a client that has its answer finds it in the metrics,
+  // and the service's objects outlive it (the server's Wait returns once
+  // every call is finished). Its log line is queued, not written, here.
+  reactor->Finish(Finish(record, std::move(status)));
 }
 
 grpc::Status ShardGemmService::GetClusterInfo(grpc::ServerContext* context, const v1::ClusterInfoRequest*,

@@ -80,8 +80,7 @@ class ShardGemmService final
 
  private:
   // Records `record` with `status` (when observed) and returns `status`.
-  // A callback call's answer, then its record (Finish's): the client does
-  // not wait for the log line.
+  // A callback call's record (Finish's), then its answer.
   void FinishReactor(grpc::ServerUnaryReactor* reactor, const RequestRecord& record, grpc::Status status);
   grpc::Status Finish(const RequestRecord& record, grpc::Status status);
   grpc::Status ReceiveTensor(grpc::ServerContext* context, grpc::ServerReader<v1::TensorChunk>* reader,

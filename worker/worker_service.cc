@@ -43,13 +43,13 @@ grpc::Status WorkerServiceImpl::CheckDevice() {
 
 grpc::Status WorkerServiceImpl::Execute(grpc::ServerContext* context, const v1::Step* step,
                                         v1::StepResult* result) {
-  const absl::Time start = absl::Now();
-  std::optional<logging::TraceMarks> marks;
-  if (trace_steps_) marks.emplace(start);
+  std::optional<logging::TraceMarks> marks;  // from the handler's start
+  if (trace_steps_) marks.emplace();
   const logging::ScopedTraceMarks marking(marks ? &*marks : nullptr);
   const platform::BusyPoller::Activity busy = platform::BusyPoller::BusyIfOn(busy_poller_);
   if (grpc::Status s = CheckCaller(*context); !s.ok()) return s;
   if (grpc::Status s = CheckDevice(); !s.ok()) return s;
+  const absl::Time start = absl::Now();
   const StepObserver::StepIdentity identity = StepObserver::StepIdentity::Of(*step);
   const int64_t bytes_in = observer_ != nullptr ? static_cast<int64_t>(step->ByteSizeLong()) : 0;
   // The executor moves inline operands' bytes out of the step; a copy here
