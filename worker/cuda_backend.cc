@@ -684,10 +684,14 @@ class CudaBackend : public Backend {
   // early left in flight is waited for before the buffer is written again.
   absl::StatusOr<void*> UploadSmall(Scratch* scratch, const void* host, int64_t bytes) {
     if (bytes > kSmallPinnedBytes || bytes == 0) return scratch->Upload(host, bytes, stream_);
-    if (small_pinned_ == nullptr && cudaMallocHost(&small_pinned_, kSmallPinnedBytes) != cudaSuccess) {
-      (void)cudaGetLastError();
-      small_pinned_ = nullptr;
-      return scratch->Upload(host, bytes, stream_);  // no pinned memory to spare: the pageable path
+    if (small_pinned_ == nullptr) {
+      if (small_pinned_refused_) return scratch->Upload(host, bytes, stream_);
+      if (cudaMallocHost(&small_pinned_, kSmallPinnedBytes) != cudaSuccess) {
+        (void)cudaGetLastError();
+        small_pinned_ = nullptr;
+        small_pinned_refused_ = true;  // no pinned memory to spare: the pageable path from now on
+        return scratch->Upload(host, bytes, stream_);
+      }
     }
     if (small_pinned_in_flight_) {
       if (auto s = CudaStatus(cudaStreamSynchronize(stream_), "upload"); !s.ok()) return s;
@@ -789,6 +793,7 @@ class CudaBackend : public Backend {
   static constexpr int64_t kSmallPinnedBytes = int64_t{64} << 10;
   void* small_pinned_ = nullptr;  // UploadSmall's (the step's thread only)
   bool small_pinned_in_flight_ = false;
+  bool small_pinned_refused_ = false;  // cudaMallocHost failed once: not asked again
   bool said_device_gather_ = false;
   static constexpr int64_t kLtWorkspaceBytes = int64_t{32} << 20;
   cublasLtHandle_t lt_ = nullptr;  // the FP8 GEMM's, made on first use
