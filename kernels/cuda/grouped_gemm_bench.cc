@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -117,7 +118,7 @@ const Strategy kStrategies[] = {Strategy::kLtLoop, Strategy::kLtLoopGraph, Strat
 int Main(int argc, char** argv) {
   std::string presets_path = "presets.json", json_path;
   int iters = 20, warmup = 5, round = 1;
-  bool only_auto = false;
+  bool only_auto = false, latency = false;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     auto next = [&]() -> std::string { return i + 1 < argc ? argv[++i] : ""; };
@@ -126,11 +127,13 @@ int Main(int argc, char** argv) {
     else if (a == "--warmup") warmup = std::atoi(next().c_str());
     else if (a == "--json") json_path = next();
     else if (a == "--only-auto") only_auto = true;
+    else if (a == "--latency") latency = true;
     else if (a == "--round") round = std::atoi(next().c_str());
     else if (a == "--local") continue;  // the GPU of this machine (the only mode for now)
     else {
       std::fprintf(stderr,
-                   "usage: %s [--local] --presets PATH [--iters N] [--warmup N] [--json OUT] [--only-auto] [--round N]\n",
+                   "usage: %s [--local] --presets PATH [--iters N] [--warmup N] [--json OUT] [--only-auto] [--round N]"
+                   " [--latency]\n",
                    argv[0]);
       return 1;
     }
@@ -193,6 +196,61 @@ int Main(int argc, char** argv) {
       (void)runner.RaggedM(a, s);
       SHARDGEMM_CHECK_CUDA(cudaStreamSynchronize(s));
     }
+  }
+  if (latency) {
+    // What a service sees: one call on an idle stream, then its sync. The
+    // host's part (the runner's call returning: cuBLASLt's or our launch)
+    // and the whole (to the sync's return), p50 / p90 over `iters` calls,
+    // per strategy and sm90 variant. Throughput figures hide the host's part.
+    std::printf("# latency: one call at a time on an idle stream, %d calls, us p50 / p90: host = the call's return,"
+                " whole = its sync's return\n", iters);
+    std::printf("# %-18s %-22s %17s %17s  %s\n", "preset", "strategy", "host p50/p90", "whole p50/p90", "ran");
+    for (const Preset& p : presets) {
+      PresetBuffers b(p, seed, seed + 1, s);
+      seed += 2;
+      const Variant v = Variants(p).front();
+      DeviceGroupedGemmArgs a = b.Args(p, v, s);
+      struct Way {
+        const char* name;
+        Strategy strategy;
+        int tile_n, cluster;
+      };
+      const Way ways[] = {{"auto", Strategy::kAuto, 0, 0},         {"lt_loop", Strategy::kLtLoop, 0, 0},
+                          {"lt_batched", Strategy::kLtBatched, 0, 0}, {"sm90", Strategy::kSm90, 0, 0},
+                          {"sm90 128x256", Strategy::kSm90, 256, 1},  {"sm90 128x256 2x1", Strategy::kSm90, 256, 2}};
+      for (const Way& w : ways) {
+        a.strategy = w.strategy;
+        a.sm90_tile_n = w.tile_n;
+        a.sm90_cluster = w.cluster;
+        if (!runner.Supports(a, false, w.strategy).ok()) continue;
+        bool ok = true;
+        for (int i = 0; i < warmup && ok; ++i) {
+          ok = runner.RaggedM(a, s).ok();
+          SHARDGEMM_CHECK_CUDA(cudaStreamSynchronize(s));
+        }
+        if (!ok) continue;
+        std::vector<double> host, whole;
+        for (int i = 0; i < iters; ++i) {
+          const auto t0 = std::chrono::steady_clock::now();
+          (void)runner.RaggedM(a, s);
+          const auto t1 = std::chrono::steady_clock::now();
+          SHARDGEMM_CHECK_CUDA(cudaStreamSynchronize(s));
+          const auto t2 = std::chrono::steady_clock::now();
+          host.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
+          whole.push_back(std::chrono::duration<double, std::micro>(t2 - t0).count());
+        }
+        auto pct = [](std::vector<double> x, double q) {
+          std::sort(x.begin(), x.end());
+          return x[static_cast<size_t>(q * (x.size() - 1))];
+        };
+        const RunInfo info = runner.LastRun();
+        std::printf("  %-18s %-22s %8.1f %8.1f %8.1f %8.1f  %s%s%s\n", p.name.c_str(), w.name, pct(host, 0.5),
+                    pct(host, 0.9), pct(whole, 0.5), pct(whole, 0.9), std::string(StrategyName(info.strategy)).c_str(),
+                    info.detail.empty() ? "" : ": ", info.detail.c_str());
+        std::fflush(stdout);
+      }
+    }
+    return 0;
   }
   for (const Preset& p : presets) {
     const uint64_t lhs_seed = seed++, rhs_seed = seed++;
