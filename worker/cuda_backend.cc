@@ -675,9 +675,6 @@ class CudaBackend : public Backend {
     std::weak_ptr<const HostTensor> host;
     void* device = nullptr;
   };
-  // The device copy of a resident shard, kept while the shard lives. When the
-  // device is full, copies of other live shards (all but `keep`, the other
-  // operand of this call) are dropped and made again when next used.
   // A step's small upload (the group sizes) from a pinned buffer: the copy
   // is queued, not staged through the driver's pageable path (a blocking
   // host copy of its own). One buffer: a copy that a step which returned
@@ -709,6 +706,9 @@ class CudaBackend : public Backend {
     return p;
   }
 
+  // The device copy of a resident shard, kept while the shard lives. When the
+  // device is full, copies of other live shards (all but `keep`, the other
+  // operand of this call) are dropped and made again when next used.
   absl::StatusOr<void*> DeviceCopy(const std::shared_ptr<const HostTensor>& host, const HostTensor* keep = nullptr) {
     for (auto it = cache_.begin(); it != cache_.end();) {
       if (it->second.host.expired()) {

@@ -1,7 +1,6 @@
 #include "worker/executor.h"
 
 #include "logging/trace_marks.h"
-
 #include "platform/shared_memory.h"
 
 #include <algorithm>
@@ -979,8 +978,8 @@ absl::StatusOr<v1::StepResult> Executor::RunGemm(v1::GemmStep& gemm) {
     target->resident = false;
   }
 
-  // Stage 3: the local op.
-  logging::TraceMark("before_collectives");
+  // Stage 3: the local op (its operands in their compute layout now).
+  logging::TraceMark("operands_ready");
   LocalGemm local;
   local.stop = [this] {
     return running_step_cancelled_.load(std::memory_order_relaxed) || absl::Now() >= step_deadline_;
