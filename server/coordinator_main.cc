@@ -287,6 +287,7 @@ int Run() {
   if (health != nullptr) serving.push_back({"health_port", health_port});
   if (exporter != nullptr) serving.push_back({"metrics_port", exporter->port()});
   logging::ProcessLogger().Log(logging::Level::kInfo, "serving", serving);
+  logging::ProcessLogger().Flush();  // the line supervisors wait for, written now
 
   ServeUntilSignalled(server.get(), [&coordinator] { coordinator.AbandonRequests(); });
   logging::ProcessLogger().Log(logging::Level::kInfo, "stopped", {});

@@ -203,14 +203,20 @@ def test_a_worker_that_dies_mid_stream_fails_the_put_naming_its_rank(cluster_fac
 
 
 def worker_pid(cluster, address):
-    """The pid of the worker serving `address` (its log names the address it serves)."""
-    for name, p in cluster.procs:
-        if not name.startswith("worker"):
-            continue
-        with open(os.path.join(cluster.logs, f"{name}.log")) as f:
-            if address in f.read():
-                return p.pid
-    raise LookupError(address)
+    """The pid of the worker serving `address` (its log names the address it serves).
+
+    A worker's "serving" line follows its registration: it is waited for, within a bound."""
+    deadline = time.time() + 10
+    while True:
+        for name, p in cluster.procs:
+            if not name.startswith("worker"):
+                continue
+            with open(os.path.join(cluster.logs, f"{name}.log")) as f:
+                if address in f.read():
+                    return p.pid
+        if time.time() > deadline:
+            raise LookupError(address)
+        time.sleep(0.05)
 
 
 def test_a_worker_that_stalls_mid_stream_fails_the_put_at_its_deadline(cluster_factory):

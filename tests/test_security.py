@@ -243,8 +243,14 @@ def test_only_the_coordinator_may_send_steps_or_read_shards(secure, tls_dir):
     still_right(secure)
 
 
-def local_sockets(cluster):
-    """The Unix sockets the workers said they serve their coordinator on."""
+def local_sockets(cluster, workers=2, timeout_s=10):
+    """The Unix sockets the workers said they serve their coordinator on.
+
+    A worker may register before its "serving" line is written: the lines are
+    waited for, within a bound."""
+    deadline = time.time() + timeout_s
+    while cluster.log_text().count(" worker: serving ") < workers and time.time() < deadline:
+        time.sleep(0.05)
     return re.findall(r"local_socket=(\S+)", cluster.log_text())
 
 

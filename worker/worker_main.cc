@@ -544,6 +544,9 @@ int Run() {
   if (exporter != nullptr) serving.push_back({"metrics_port", exporter->port()});
   if (health != nullptr) serving.push_back({"health_port", health_port});
   logging::ProcessLogger().Log(logging::Level::kInfo, "serving", serving);
+  // Supervisors and scripts wait for this line: it is written now, not with
+  // the logger's next batch.
+  logging::ProcessLogger().Flush();
   ServeUntilSignalled(server.get());
   if (device_lost) {
     // Nothing of the lost context is to be touched again (the backend's and
