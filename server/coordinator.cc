@@ -558,6 +558,13 @@ class ClaimGuard {
   }
   // The claim is taken care of elsewhere (ResidentRegistry::RegisterAll).
   void Registered() { registered_ = true; }
+  // Lets the name go now, for a put that can no longer register (its client
+  // is told at once and may put the name again).
+  void ReleaseNow() {
+    if (registered_) return;
+    registry_->Release(tenant_, name_);
+    registered_ = true;
+  }
 
  private:
   ResidentRegistry* registry_;
@@ -1862,6 +1869,9 @@ class Coordinator::StreamedPutImpl final : public Coordinator::StreamedPut {
         for (Destination& d : destinations_) {
           if (d.stream != nullptr) d.stream->Cancel();
         }
+        // Finish registers nothing once stalled_ is set: the name is free
+        // before the client hears the put ended.
+        claim_.ReleaseNow();
         if (on_stall_) on_stall_();
         return;
       }

@@ -70,7 +70,7 @@ void Executor::AwaitIdle() {
 }
 
 absl::Status Executor::WaitForTurn(uint64_t sequence, uint64_t oldest_live, absl::Time deadline,
-                                   const std::string& session) {
+                                   const std::string& session, bool* would_wait) {
   steps_waiting_.fetch_add(1, std::memory_order_relaxed);
   struct Done {
     std::atomic<int64_t>* waiting;
@@ -79,6 +79,10 @@ absl::Status Executor::WaitForTurn(uint64_t sequence, uint64_t oldest_live, absl
   absl::MutexLock lock(&mu_);
   if (sequence < next_sequence_) return StaleStep();
   auto configured = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return configured_; };
+  if (would_wait != nullptr && !configured_) {
+    *would_wait = true;
+    return absl::OkStatus();
+  }
   if (!mu_.AwaitWithDeadline(absl::Condition(&configured), deadline)) {
     return absl::DeadlineExceededError("this worker has not joined the mesh yet");
   }
@@ -98,6 +102,10 @@ absl::Status Executor::WaitForTurn(uint64_t sequence, uint64_t oldest_live, absl
     // come: with no step running, go on to the oldest one still live.
     if (!running_ && oldest_live > next_sequence_ && oldest_live <= sequence) next_sequence_ = oldest_live;
     if (next_sequence_ == sequence && !running_) break;
+    if (would_wait != nullptr) {
+      *would_wait = true;
+      return absl::OkStatus();
+    }
     const uint64_t seen_next = next_sequence_;
     const bool seen_running = running_;
     auto changed = [this, seen_next, seen_running]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
@@ -188,6 +196,20 @@ absl::StatusOr<v1::StepResult> Executor::Execute(v1::Step step, absl::Time deadl
   if (auto s = WaitForTurn(step.sequence(), step.oldest_live_sequence(), deadline, step.session()); !s.ok()) {
     return s;
   }
+  return RunTurn(std::move(step), deadline, arrived);
+}
+
+std::optional<absl::StatusOr<v1::StepResult>> Executor::ExecuteIfItsTurn(v1::Step& step, absl::Time deadline) {
+  LearnEpoch(step.session(), step.epoch(), "");
+  const absl::Time arrived = absl::Now();
+  bool would_wait = false;
+  absl::Status s = WaitForTurn(step.sequence(), step.oldest_live_sequence(), deadline, step.session(), &would_wait);
+  if (would_wait) return std::nullopt;
+  if (!s.ok()) return absl::StatusOr<v1::StepResult>(s);
+  return RunTurn(std::move(step), deadline, arrived);
+}
+
+absl::StatusOr<v1::StepResult> Executor::RunTurn(v1::Step step, absl::Time deadline, absl::Time arrived) {
   const absl::Time turn = absl::Now();
   logging::TraceMark("turn");
   // Shards the coordinator retired since the last step (a missing one was

@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -46,6 +47,14 @@ class Executor {
   // `deadline`: the coordinator's for this step (the call's); a step still
   // waiting for its turn then gives up (DEADLINE_EXCEEDED).
   absl::StatusOr<v1::StepResult> Execute(v1::Step step, absl::Time deadline = absl::InfiniteFuture());
+  // Execute, but only if `step` can start without waiting (this worker is
+  // configured, no step runs and it is the step's turn): nullopt, with
+  // `step` untouched, where it would wait. A step refused at once (stale, of
+  // another session, numbered too far ahead) is answered with its error.
+  // Lets a caller run the common in-order step on the thread that received
+  // it and hand only the early ones to a thread that may wait.
+  std::optional<absl::StatusOr<v1::StepResult>> ExecuteIfItsTurn(v1::Step& step,
+                                                                  absl::Time deadline = absl::InfiniteFuture());
 
   const MeshPosition& position() const { return position_; }
   // Returns once no step is running (a running step's collectives are bounded by their timeout).
@@ -78,8 +87,11 @@ class Executor {
   int64_t collective_failures() const { return timed_->failures(); }
 
  private:
+  // `would_wait` (null: wait): set, with OK, where the step cannot start at once.
   absl::Status WaitForTurn(uint64_t sequence, uint64_t oldest_live, absl::Time deadline,
-                           const std::string& session);
+                           const std::string& session, bool* would_wait = nullptr);
+  // The step, once it has the turn (`arrived`: when it came, for its queue time).
+  absl::StatusOr<v1::StepResult> RunTurn(v1::Step step, absl::Time deadline, absl::Time arrived);
   void PassTurn();
   // CANCELLED when the running step was cancelled before it started.
   absl::Status WhyStopped(absl::Status s) const;

@@ -333,6 +333,41 @@ TEST_F(ExecutorTest, AWaitingStepPassedOverByALaterOneIsStale) {
   EXPECT_EQ(waited.status().code(), absl::StatusCode::kUnavailable) << waited.status();
 }
 
+TEST_F(ExecutorTest, ExecuteIfItsTurnRunsOnlyAStepThatNeedNotWait) {
+  Executor& e = Make(SingleWorkerPosition());
+  // Step 2 before step 1: not run, and left as it came for a thread that may wait.
+  v1::Step second = GemmStep(F32({2, 3}, 1), F32({1, 3, 2}, 1), {2});
+  second.set_sequence(2);
+  const std::string before = second.SerializeAsString();
+  EXPECT_FALSE(e.ExecuteIfItsTurn(second, absl::Now() + absl::Seconds(10)).has_value());
+  EXPECT_EQ(second.SerializeAsString(), before);
+  // Step 1 is in turn: it runs at once, and then step 2 does.
+  v1::Step first = GemmStep(F32({2, 3}, 1), F32({1, 3, 2}, 1), {2});
+  first.set_sequence(1);
+  auto ran = e.ExecuteIfItsTurn(first, absl::Now() + absl::Seconds(10));
+  ASSERT_TRUE(ran.has_value());
+  EXPECT_TRUE(ran->ok()) << ran->status();
+  ran = e.ExecuteIfItsTurn(second, absl::Now() + absl::Seconds(10));
+  ASSERT_TRUE(ran.has_value());
+  EXPECT_TRUE(ran->ok()) << ran->status();
+  // A step it refuses outright (stale) is answered with its error, not passed on.
+  v1::Step stale = GemmStep(F32({2, 3}, 1), F32({1, 3, 2}, 1), {2});
+  stale.set_sequence(1);
+  ran = e.ExecuteIfItsTurn(stale, absl::Now() + absl::Seconds(10));
+  ASSERT_TRUE(ran.has_value());
+  EXPECT_EQ(ran->status().code(), absl::StatusCode::kUnavailable) << ran->status();
+}
+
+TEST_F(ExecutorTest, ExecuteIfItsTurnLeavesAStepForAWorkerNotYetJoined) {
+  // A worker the coordinator registered builds its collectives before it is
+  // configured: a step then waits (Execute), so ExecuteIfItsTurn leaves it.
+  Executor unconfigured(backend_.get(), &store_);
+  v1::Step step = GemmStep(F32({2, 3}, 1), F32({1, 3, 2}, 1), {2});
+  step.set_sequence(1);
+  EXPECT_FALSE(unconfigured.ExecuteIfItsTurn(step, absl::Now() + absl::Seconds(10)).has_value());
+  EXPECT_TRUE(step.gemm().has_lhs());
+}
+
 TEST_F(ExecutorTest, StepNumberedBeforeTheWorkerJoinedIsRetryable) {
   // A worker that (re)joined at step 7 is sent step 5 of a request that
   // started without it: the server's business, not the client's.

@@ -23,7 +23,7 @@ absl::Time JoinWaitDeadline(const grpc::ServerContext* context) {
 }  // namespace
 
 
-grpc::Status WorkerServiceImpl::CheckCaller(const grpc::ServerContext& context) const {
+grpc::Status WorkerServiceImpl::CheckCaller(const grpc::ServerContextBase& context) const {
   if (transport_ == nullptr || transport_->CallerIs(context, security::kCoordinatorName) ||
       security::CallerIsLocalSocketPeer(context)) {
     return grpc::Status::OK;
@@ -41,39 +41,66 @@ grpc::Status WorkerServiceImpl::CheckDevice() {
                       absl::StrCat(health.message(), "; this worker is exiting for its supervisor to restart it"));
 }
 
-grpc::Status WorkerServiceImpl::Execute(grpc::ServerContext* context, const v1::Step* step,
-                                        v1::StepResult* result) {
-  std::optional<logging::TraceMarks> marks;  // from the handler's start
-  if (trace_steps_) marks.emplace();
-  const logging::ScopedTraceMarks marking(marks ? &*marks : nullptr);
-  const platform::BusyPoller::Activity busy = platform::BusyPoller::BusyIfOn(busy_poller_);
-  if (grpc::Status s = CheckCaller(*context); !s.ok()) return s;
-  if (grpc::Status s = CheckDevice(); !s.ok()) return s;
-  const absl::Time start = absl::Now();
-  const StepObserver::StepIdentity identity = StepObserver::StepIdentity::Of(*step);
-  const int64_t bytes_in = observer_ != nullptr ? static_cast<int64_t>(step->ByteSizeLong()) : 0;
-  // The executor moves inline operands' bytes out of the step; a copy here
-  // would copy every byte the request carries. gRPC made the request
-  // non-const in the call's arena and destroys it after this handler returns,
-  // so moving from it is safe.
-  auto r = executor_->Execute(std::move(*const_cast<v1::Step*>(step)), DeadlineOf(context));
+grpc::ServerUnaryReactor* WorkerServiceImpl::Execute(grpc::CallbackServerContext* context, const v1::Step* step,
+                                                     v1::StepResult* result) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  // gRPC made the request non-const in the call's arena and destroys it
+  // after the call is finished: the executor moves inline operands' bytes
+  // out of it (a copy would copy every byte the request carries).
+  auto call = std::make_unique<StepCall>();
+  call->context = context;
+  call->step = const_cast<v1::Step*>(step);
+  call->result = result;
+  call->reactor = reactor;
+  if (trace_steps_) call->marks.emplace();  // from the handler's start
+  {
+    const logging::ScopedTraceMarks marking(call->marks ? &*call->marks : nullptr);
+    call->busy = platform::BusyPoller::BusyIfOn(busy_poller_);
+    if (grpc::Status s = CheckCaller(*context); !s.ok()) {
+      reactor->Finish(s);
+      return reactor;
+    }
+    if (grpc::Status s = CheckDevice(); !s.ok()) {
+      reactor->Finish(s);
+      return reactor;
+    }
+    call->start = absl::Now();
+    call->identity = StepObserver::StepIdentity::Of(*step);
+    call->bytes_in = observer_ != nullptr ? static_cast<int64_t>(step->ByteSizeLong()) : 0;
+    if (auto now = executor_->ExecuteIfItsTurn(*call->step, DeadlineOf(context)); now.has_value()) {
+      Answer(*call, *std::move(now));
+      return reactor;
+    }
+  }
+  // Early: it waits for the steps before it on a thread of its own.
+  absl::Status parked = waiting_.Run([this, call = std::shared_ptr<StepCall>(std::move(call))] {
+    const logging::ScopedTraceMarks marking(call->marks ? &*call->marks : nullptr);
+    Answer(*call, executor_->Execute(std::move(*call->step), DeadlineOf(call->context)));
+  });
+  if (!parked.ok()) {  // the call went with the task, unrun
+    reactor->Finish(ToGrpcStatus(absl::ResourceExhaustedError(
+        absl::StrCat("this worker has too many steps waiting for their turn: ", parked.message()))));
+  }
+  return reactor;
+}
+
+void WorkerServiceImpl::Answer(StepCall& call, absl::StatusOr<v1::StepResult> r) {
   if (!r.ok()) (void)CheckDevice();  // a failure may have lost the device
-  if (r.ok()) *result = std::move(*r);
+  if (r.ok()) *call.result = *std::move(r);
   logging::TraceMark("executed");
   if (observer_ != nullptr) {
-    observer_->Record(identity, absl::Now() - start, r.status(), r.ok() ? result : nullptr, bytes_in,
-                      r.ok() ? static_cast<int64_t>(result->ByteSizeLong()) : 0);
+    observer_->Record(call.identity, absl::Now() - call.start, r.status(), r.ok() ? call.result : nullptr,
+                      call.bytes_in, r.ok() ? static_cast<int64_t>(call.result->ByteSizeLong()) : 0);
   }
-  if (marks) {
+  if (call.marks) {
     logging::TraceMark("recorded");
-    std::vector<logging::Field> fields = {{"request_id", identity.request_id},
-                                          {"sequence", identity.sequence},
+    std::vector<logging::Field> fields = {{"request_id", call.identity.request_id},
+                                          {"sequence", call.identity.sequence},
                                           {"ok", r.ok()}};
-    for (logging::Field& f : marks->Fields()) fields.push_back(std::move(f));
+    for (logging::Field& f : call.marks->Fields()) fields.push_back(std::move(f));
     logging::ProcessLogger().Log(logging::Level::kInfo, "step_marks", fields);
   }
-  if (!r.ok()) return ToGrpcStatus(r.status());
-  return grpc::Status::OK;
+  call.reactor->Finish(r.ok() ? grpc::Status::OK : ToGrpcStatus(r.status()));
 }
 
 grpc::Status WorkerServiceImpl::CancelSteps(grpc::ServerContext* context, const v1::CancelStepsRequest* request,

@@ -3,18 +3,26 @@
 #define SHARDGEMM_WORKER_WORKER_SERVICE_H_
 
 #include <functional>
+#include <memory>
 #include <mutex>
+#include <optional>
 
 #include "platform/busy_poll.h"
+#include "platform/elastic_thread_pool.h"
 #include "proto/shardgemm.grpc.pb.h"
 #include "worker/executor.h"
 #include "worker/staging_area.h"
 #include "security/tls.h"
 #include "worker/step_observer.h"
+#include "logging/trace_marks.h"
+#include "absl/time/time.h"
 
 namespace shardgemm {
 
-class WorkerServiceImpl final : public v1::Worker::Service {
+// Execute is served on gRPC's callback API: a step whose turn it is runs on
+// the thread that read it (no hand-off to a handler thread); one that
+// arrived early waits for its turn on a thread of `waiting_`.
+class WorkerServiceImpl final : public v1::Worker::WithCallbackMethod_Execute<v1::Worker::Service> {
  public:
   // `observer` (may be null) sees every step answered.
   // `transport` (null: accept every caller, as in-process tests do) decides
@@ -25,8 +33,8 @@ class WorkerServiceImpl final : public v1::Worker::Service {
 
   // Consumes `step`: its inline operands' bytes move into the executor (gRPC
   // hands the handler a request it allocated non-const and destroys after).
-  grpc::Status Execute(grpc::ServerContext* context, const v1::Step* step,
-                       v1::StepResult* result) override;
+  grpc::ServerUnaryReactor* Execute(grpc::CallbackServerContext* context, const v1::Step* step,
+                                    v1::StepResult* result) override;
   grpc::Status CancelSteps(grpc::ServerContext* context, const v1::CancelStepsRequest* request,
                            v1::CancelStepsResponse* response) override;
   grpc::Status AdvanceEpoch(grpc::ServerContext* context, const v1::AdvanceEpochRequest* request,
@@ -71,7 +79,22 @@ class WorkerServiceImpl final : public v1::Worker::Service {
   Backend* backend_;
   StagingArea* staging_ = nullptr;
   // PERMISSION_DENIED unless the caller is this mesh's coordinator.
-  grpc::Status CheckCaller(const grpc::ServerContext& context) const;
+  grpc::Status CheckCaller(const grpc::ServerContextBase& context) const;
+
+  // A step's call, from its arrival to its answer (on whichever thread runs it).
+  struct StepCall {
+    grpc::CallbackServerContext* context = nullptr;
+    v1::Step* step = nullptr;
+    v1::StepResult* result = nullptr;
+    grpc::ServerUnaryReactor* reactor = nullptr;
+    std::optional<logging::TraceMarks> marks;
+    platform::BusyPoller::Activity busy;
+    absl::Time start;
+    StepObserver::StepIdentity identity;
+    int64_t bytes_in = 0;
+  };
+  // Records and answers `call` with the executor's `r`.
+  void Answer(StepCall& call, absl::StatusOr<v1::StepResult> r);
 
   // UNAVAILABLE once the device is lost (the handler then runs, once).
   grpc::Status CheckDevice();
@@ -82,6 +105,10 @@ class WorkerServiceImpl final : public v1::Worker::Service {
   std::function<void(const absl::Status&)> on_device_lost_;
   platform::BusyPoller* busy_poller_ = nullptr;
   std::once_flag device_lost_once_;
+  // Steps that arrived before their turn: the coordinator has at most its
+  // window of steps in flight; past this many waiting, a step is refused.
+  static constexpr int kMaxWaitingSteps = 1024;
+  platform::ElasticThreadPool waiting_{kMaxWaitingSteps};
 };
 
 }  // namespace shardgemm

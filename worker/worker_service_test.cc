@@ -1,11 +1,17 @@
 #include "worker/worker_service.h"
 
+#include <chrono>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "gmock/gmock.h"
+#include "grpcpp/create_channel.h"
+#include "grpcpp/server.h"
+#include "grpcpp/server_builder.h"
 #include "gtest/gtest.h"
+#include "proto/shardgemm.grpc.pb.h"
 #include "proto/tensor_codec.h"
 #include "worker/backend.h"
 
@@ -38,6 +44,35 @@ class LosesItsDeviceBackend : public Backend {
   absl::Status lost_;
 };
 
+// The service on an in-process gRPC server, called through its stub: the
+// callback API's handler is only reachable through a server.
+class Served {
+ public:
+  explicit Served(WorkerServiceImpl* service) {
+    grpc::ServerBuilder builder;
+    builder.RegisterService(service);
+    server_ = builder.BuildAndStart();
+    stub_ = v1::Worker::NewStub(server_->InProcessChannel(grpc::ChannelArguments()));
+  }
+  ~Served() { server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5)); }
+
+  grpc::Status Execute(const v1::Step& step, v1::StepResult* result,
+                       std::chrono::milliseconds timeout = std::chrono::seconds(30)) {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + timeout);
+    return stub_->Execute(&context, step, result);
+  }
+  grpc::Status Status(v1::WorkerStatus* status) {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+    return stub_->Status(&context, v1::WorkerStatusRequest(), status);
+  }
+
+ private:
+  std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<v1::Worker::Stub> stub_;
+};
+
 v1::Step GemmStep(uint64_t sequence) {
   v1::Step step;
   step.set_sequence(sequence);
@@ -58,19 +93,16 @@ TEST(WorkerService, AStepThatLosesTheDeviceIsAnsweredThenTheWorkerGoesUnavailabl
   WorkerServiceImpl service(&executor, &store, &backend);
   std::vector<std::string> lost;
   service.OnDeviceLost([&](const absl::Status& why) { lost.emplace_back(why.message()); });
+  Served served(&service);
 
   {
-    grpc::ServerContext context;
     v1::StepResult result;
-    v1::Step step = GemmStep(1);
-    EXPECT_TRUE(service.Execute(&context, &step, &result).ok());
+    EXPECT_TRUE(served.Execute(GemmStep(1), &result).ok());
   }
   EXPECT_TRUE(lost.empty());
   {
-    grpc::ServerContext context;
     v1::StepResult result;
-    v1::Step step = GemmStep(2);
-    grpc::Status s = service.Execute(&context, &step, &result);
+    grpc::Status s = served.Execute(GemmStep(2), &result);
     // The step that lost the device gets its own error.
     EXPECT_EQ(s.error_code(), grpc::StatusCode::INTERNAL);
     EXPECT_THAT(s.error_message(), HasSubstr("cudaErrorIllegalAddress: an illegal memory access"));
@@ -79,22 +111,19 @@ TEST(WorkerService, AStepThatLosesTheDeviceIsAnsweredThenTheWorkerGoesUnavailabl
   EXPECT_THAT(lost[0], HasSubstr("the CUDA context is lost"));
   {
     // The heartbeat fails from now on: the coordinator marks the rank down.
-    grpc::ServerContext context;
     v1::WorkerStatus status;
-    grpc::Status s = service.Status(&context, nullptr, &status);
+    grpc::Status s = served.Status(&status);
     EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAVAILABLE);
     EXPECT_THAT(s.error_message(), HasSubstr("exiting for its supervisor to restart it"));
   }
   {
-    grpc::ServerContext context;
     v1::StepResult result;
-    v1::Step step = GemmStep(3);
-    EXPECT_EQ(service.Execute(&context, &step, &result).error_code(), grpc::StatusCode::UNAVAILABLE);
+    EXPECT_EQ(served.Execute(GemmStep(3), &result).error_code(), grpc::StatusCode::UNAVAILABLE);
   }
   EXPECT_EQ(lost.size(), 1u);  // once
 }
 
-TEST(WorkerService, AStepsInlineBytesMoveIntoTheExecutorUncopied) {
+TEST(WorkerService, AStepsInlineOperandsAreComputedOn) {
   std::unique_ptr<Backend> backend = MakeCpuBackend(1);
   ShardStore store(int64_t{1} << 30);
   Executor executor(backend.get(), &store);
@@ -112,17 +141,65 @@ TEST(WorkerService, AStepsInlineBytesMoveIntoTheExecutorUncopied) {
   HostTensorToProto(rhs, g->mutable_rhs());
   g->add_group_sizes(2);
   g->set_out_dtype(v1::F32);
-  grpc::ServerContext context;
+  Served served(&service);
   v1::StepResult result;
-  ASSERT_TRUE(service.Execute(&context, &step, &result).ok());
+  ASSERT_TRUE(served.Execute(step, &result).ok());
   auto out = HostTensorFromProto(result.out(), "out");
   ASSERT_TRUE(out.ok()) << out.status();
   ASSERT_EQ(out->shape, (std::vector<int64_t>{2, 1}));
   EXPECT_EQ(out->data<float>()[0], 210.0f);
   EXPECT_EQ(out->data<float>()[1], 430.0f);
-  // The request's operand bytes were taken, not copied.
-  EXPECT_TRUE(step.gemm().lhs().data().empty());
-  EXPECT_TRUE(step.gemm().rhs().data().empty());
+}
+
+TEST(WorkerService, StepsThatArriveEarlyWaitForTheirTurnAndAllAreAnswered) {
+  std::unique_ptr<Backend> backend = MakeCpuBackend(1);
+  ShardStore store(int64_t{1} << 30);
+  Executor executor(backend.get(), &store);
+  executor.Configure(SingleWorkerPosition(), MakeLocalCollectives(SingleWorkerPosition()));
+  WorkerServiceImpl service(&executor, &store, backend.get());
+  Served served(&service);
+  // Steps 2..6 arrive first, in reverse: each waits on a thread of its own
+  // (none holds up another, nor the call that brings step 1).
+  constexpr int kEarly = 5;
+  std::vector<grpc::Status> early(kEarly);
+  std::vector<double> queue_seconds(kEarly, -1);
+  std::vector<std::thread> callers;
+  for (int i = kEarly - 1; i >= 0; --i) {
+    callers.emplace_back([&, i] {
+      v1::StepResult result;
+      early[i] = served.Execute(GemmStep(2 + i), &result);
+      queue_seconds[i] = result.queue_seconds();
+    });
+  }
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (executor.steps_waiting() < kEarly && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(1));
+  ASSERT_EQ(executor.steps_waiting(), kEarly);
+  v1::StepResult first;
+  ASSERT_TRUE(served.Execute(GemmStep(1), &first).ok());
+  for (std::thread& t : callers) t.join();
+  for (int i = 0; i < kEarly; ++i) {
+    EXPECT_TRUE(early[i].ok()) << "step " << 2 + i << ": " << early[i].error_message();
+    EXPECT_GT(queue_seconds[i], 0) << "step " << 2 + i << " waited for its turn";
+  }
+  // The next step in order runs at once again.
+  v1::StepResult next;
+  EXPECT_TRUE(served.Execute(GemmStep(2 + kEarly), &next).ok());
+}
+
+TEST(WorkerService, AnEarlyStepStillWaitingAtItsDeadlineIsAnsweredDeadlineExceeded) {
+  std::unique_ptr<Backend> backend = MakeCpuBackend(1);
+  ShardStore store(int64_t{1} << 30);
+  Executor executor(backend.get(), &store);
+  executor.Configure(SingleWorkerPosition(), MakeLocalCollectives(SingleWorkerPosition()));
+  WorkerServiceImpl service(&executor, &store, backend.get());
+  Served served(&service);
+  v1::StepResult result;
+  const absl::Time start = absl::Now();
+  grpc::Status s = served.Execute(GemmStep(2), &result, std::chrono::milliseconds(300));
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << s.error_message();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+  // Step 1, which never came, is still the next: it runs.
+  EXPECT_TRUE(served.Execute(GemmStep(1), &result).ok());
 }
 
 }  // namespace
