@@ -51,7 +51,8 @@ Coordinator::Coordinator(planner::Mesh mesh, Connector connect, CoordinatorOptio
       mesh_(std::move(mesh)),
       num_workers_(static_cast<int>(planner::NumWorkers(mesh_))),
       session_(MakeSessionId()),
-      dispatcher_(mesh_, std::move(connect), options_.dispatch_grace, options_.prefer_local_socket, session_) {
+      dispatcher_(mesh_, std::move(connect), options_.dispatch_grace, options_.prefer_local_socket, session_,
+                  options_.prefer_step_socket) {
   {
     absl::MutexLock lock(&heartbeat_mu_);
     missed_.assign(num_workers_, 0);

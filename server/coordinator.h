@@ -50,6 +50,8 @@ struct CoordinatorOptions {
   bool allow_shared_memory = false;
   // Workers on this host are called on their Unix socket (Dispatcher).
   bool prefer_local_socket = false;
+  // With it: such a worker's steps go on its step socket when it serves one.
+  bool prefer_step_socket = false;
   // Workers holding each block of a resident tensor (1 to the mesh's size):
   // with 2 or more, a worker that takes a replaced worker's rank gets its
   // copies back from the others (docs/reliability.md).

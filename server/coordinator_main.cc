@@ -82,6 +82,10 @@ ABSL_FLAG(int, heartbeat_misses, 3, "missed heartbeats in a row that mark a work
 ABSL_FLAG(bool, worker_local_socket, true,
           "call a worker on this host on its Unix socket (a private directory of this user's; gRPC's local "
           "credentials, no TLS: the bytes never leave the kernel) instead of over TCP with mutual TLS");
+ABSL_FLAG(bool, worker_step_socket, true,
+          "with --worker_local_socket: send a worker on this host its steps on its step socket (framed steps on "
+          "a Unix socket in the same private directory: a socket's round trip instead of a gRPC call's); its "
+          "other calls stay on gRPC");
 ABSL_FLAG(std::string, state_dir, "",
           "keep the registry of resident tensors here (fsync'd on every put and delete), so a restarted "
           "coordinator lists and serves them again; empty: in memory only");
@@ -159,6 +163,7 @@ int Run() {
   options.heartbeat_misses = absl::GetFlag(FLAGS_heartbeat_misses);
   options.allow_shared_memory = absl::GetFlag(FLAGS_shared_memory);
   options.prefer_local_socket = absl::GetFlag(FLAGS_worker_local_socket);
+  options.prefer_step_socket = absl::GetFlag(FLAGS_worker_step_socket);
   options.replicas = absl::GetFlag(FLAGS_replicas);
   options.staging_ttl = absl::GetFlag(FLAGS_staging_ttl);
   if (options.staging_ttl <= absl::ZeroDuration()) {

@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/types/optional.h"
 #include "platform/local_socket.h"
+#include "server/step_socket_channel.h"
 
 namespace shardgemm {
 
@@ -32,12 +33,13 @@ v1::AdvanceEpochRequest EpochChange(v1::EpochReason reason, int rank, uint64_t s
 }  // namespace
 
 Dispatcher::Dispatcher(planner::Mesh mesh, Connector connect, absl::Duration grace, bool prefer_local_socket,
-                       std::string session)
+                       std::string session, bool prefer_step_socket)
     : mesh_(std::move(mesh)),
       num_workers_(static_cast<int>(planner::NumWorkers(mesh_))),
       connect_(std::move(connect)),
       grace_(grace),
       prefer_local_socket_(prefer_local_socket),
+      prefer_step_socket_(prefer_step_socket),
       session_(std::move(session)) {
   workers_.resize(num_workers_);
   watchdog_ = std::thread([this] { Watchdog(); });
@@ -104,10 +106,17 @@ absl::StatusOr<Dispatcher::Joined> Dispatcher::Join(const v1::RegisterRequest& r
     const v1::LocalSocket& local = request.local_socket();
     const bool same_host = prefer_local_socket_ && !local.path().empty() &&
                            platform::CheckSameHostSocket(local.path(), local.boot_id(), local.inode()).ok();
-    w.channel = connect_(same_host ? absl::StrCat("unix:", local.path()) : request.address());
+    const std::string target = same_host ? absl::StrCat("unix:", local.path()) : request.address();
+    std::unique_ptr<WorkerChannel> channel = connect_(target);
+    const v1::LocalSocket& steps = request.step_socket();
+    const bool step_socket = same_host && prefer_step_socket_ && channel != nullptr && !steps.path().empty() &&
+                             platform::CheckSameHostSocket(steps.path(), steps.boot_id(), steps.inode()).ok();
+    if (step_socket) channel = MakeStepSocketChannel(std::move(channel), steps.path(), target);
+    w.channel = std::move(channel);
     w.info.set_rank(rank);
     w.info.set_address(request.address());
     w.info.set_hop(same_host ? v1::WORKER_HOP_UNIX_SOCKET : v1::WORKER_HOP_TCP);
+    w.info.set_step_socket(step_socket);
     w.info.set_backend(request.backend());
     w.info.set_device(request.device());
     w.info.set_memory_budget_bytes(request.memory_budget_bytes());

@@ -93,8 +93,10 @@ class Dispatcher {
   // on this host, that very socket and this user's is connected there
   // (`unix:PATH`) instead of at its address.
   // `session`: the coordinator's, which the workers check on AdvanceEpoch.
+  // `prefer_step_socket`: such a worker's steps go on its step socket
+  // (server/step_socket_channel.h) when it serves one, likewise checked.
   Dispatcher(planner::Mesh mesh, Connector connect, absl::Duration grace, bool prefer_local_socket = false,
-             std::string session = "");
+             std::string session = "", bool prefer_step_socket = false);
   ~Dispatcher();
   Dispatcher(const Dispatcher&) = delete;
   Dispatcher& operator=(const Dispatcher&) = delete;
@@ -229,6 +231,7 @@ class Dispatcher {
   const Connector connect_;
   const absl::Duration grace_;
   const bool prefer_local_socket_;
+  const bool prefer_step_socket_;
   const std::string session_;
 
   // Lock order: sequence_mu_, then workers_mu_.

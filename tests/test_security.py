@@ -10,6 +10,7 @@ import shutil
 import signal
 import socket
 import stat
+import struct
 import subprocess
 import sys
 import threading
@@ -254,11 +255,60 @@ def local_sockets(cluster, workers=2, timeout_s=10):
     return re.findall(r"local_socket=(\S+)", cluster.log_text())
 
 
+def step_sockets(cluster, workers=2):
+    """The step sockets the workers said they take steps on (after their serving lines)."""
+    local_sockets(cluster, workers)
+    return re.findall(r"step_socket=(\S+)", cluster.log_text())
+
+
+def step_frame(message):
+    """A step socket frame (proto/step_frame.h): "SGS1", version 1, the payload's length, the payload."""
+    payload = message.SerializeToString()
+    return struct.pack("<IIQ", 0x31534753, 1, len(payload)) + payload
+
+
+def read_step_frame(sock):
+    def exactly(n):
+        data = b""
+        while len(data) < n:
+            chunk = sock.recv(n - len(data))
+            assert chunk, "the step socket closed"
+            data += chunk
+        return data
+    magic, version, length = struct.unpack("<IIQ", exactly(16))
+    assert (magic, version) == (0x31534753, 1)
+    reply = pb.StepSocketReply()
+    reply.ParseFromString(exactly(length))
+    return reply
+
+
 def test_a_worker_on_this_host_is_called_on_a_unix_socket_only_its_user_can_reach(secure):
-    assert [w.hop for w in secure.client.cluster_info().workers] == [pb.WORKER_HOP_UNIX_SOCKET] * 2
+    workers = secure.client.cluster_info().workers
+    assert [w.hop for w in workers] == [pb.WORKER_HOP_UNIX_SOCKET] * 2
+    assert [w.step_socket for w in workers] == [True] * 2
     sockets = local_sockets(secure)
     assert len(sockets) == 2
-    for path in sockets:
+    steps = step_sockets(secure)
+    assert len(steps) == 2
+    for path in steps:
+        st = os.stat(path)
+        assert stat.S_ISSOCK(st.st_mode) and st.st_uid == os.geteuid()
+        directory = os.stat(os.path.dirname(path))
+        assert stat.S_IMODE(directory.st_mode) == 0o700 and directory.st_uid == os.geteuid()
+        # This user's process may send a step there, but one not of the coordinator's session is refused.
+        with socket.socket(socket.AF_UNIX) as s:
+            s.settimeout(10)
+            s.connect(path)
+            s.sendall(step_frame(pb.StepSocketRequest(call_id=5, step=pb.Step(sequence=10**6, session="forged"))))
+            reply = read_step_frame(s)
+            assert reply.call_id == 5 and reply.code == grpc.StatusCode.FAILED_PRECONDITION.value[0], reply
+            # Bytes that are no frame end the connection, not the worker.
+            s.sendall(b"GET / HTTP/1.1\r\n\r\n")
+            try:
+                assert s.recv(1) == b""
+            except ConnectionResetError:  # closed with the rest of the bytes unread
+                pass
+    for path in sockets + steps:
         st = os.stat(path)
         assert stat.S_ISSOCK(st.st_mode) and st.st_uid == os.geteuid()
         directory = os.stat(os.path.dirname(path))
@@ -270,6 +320,8 @@ def test_a_worker_on_this_host_is_called_on_a_unix_socket_only_its_user_can_reac
             r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c",
                                 probe, path], capture_output=True, timeout=30)
             assert r.returncode == 13, r.stderr
+        if path in steps:
+            continue  # its frames were tried above
         # A process of this user may call there (it could read the workers' keys too), but a
         # step that is not from the coordinator's session is refused like any stray step.
         local = grpc.local_channel_credentials(grpc.LocalConnectionType.UDS)
@@ -287,7 +339,21 @@ def test_without_the_unix_socket_the_worker_is_called_over_mutual_tls(cluster_fa
                         coordinator_flags=["--worker_local_socket=false"] if off == "coordinator" else [],
                         worker_flags=["--local_socket=false"] if off == "worker" else [])
     assert [w.hop for w in c.client.cluster_info().workers] == [pb.WORKER_HOP_TCP] * 2
+    assert [w.step_socket for w in c.client.cluster_info().workers] == [False] * 2
     assert (local_sockets(c) == []) == (off == "worker")
+    still_right(c)
+
+
+def test_with_the_step_socket_off_steps_go_on_the_workers_grpc_unix_socket(cluster_factory, tls_dir):
+    c = cluster_factory(mesh="ep=2", workers=2, tls_dir=tls_dir, coordinator_flags=["--worker_step_socket=false"])
+    workers = c.client.cluster_info().workers
+    assert [w.hop for w in workers] == [pb.WORKER_HOP_UNIX_SOCKET] * 2
+    assert [w.step_socket for w in workers] == [False] * 2
+    still_right(c)
+    # A worker told not to serve one is sent its steps on gRPC.
+    c = cluster_factory(mesh="ep=2", workers=2, tls_dir=tls_dir, worker_flags=["--step_socket=false"])
+    assert [w.step_socket for w in c.client.cluster_info().workers] == [False] * 2
+    assert step_sockets(c) == []
     still_right(c)
 
 

@@ -41,6 +41,7 @@
 #include "worker/staging_area.h"
 #include "worker/staging_service.h"
 #include "worker/step_observer.h"
+#include "worker/step_socket_server.h"
 #include "worker/worker_service.h"
 #include "platform/busy_poll.h"
 #include "platform/busy_poll_flags.h"
@@ -56,6 +57,10 @@ ABSL_FLAG(bool, local_socket, true,
           "also serve the coordinator on a Unix socket in a fresh directory only this user can enter (under "
           "$TMPDIR, else /tmp): a coordinator on this host, running as this user, calls there instead of over TCP, "
           "with gRPC's local credentials instead of TLS (the bytes never leave the kernel)");
+ABSL_FLAG(bool, step_socket, true,
+          "with --local_socket: also take steps on a step socket (framed steps on a Unix socket in a directory "
+          "of its own, only this user's): a coordinator on this host sends steps there, a socket's round trip "
+          "instead of a gRPC call's");
 ABSL_FLAG(std::string, advertise_host, "",
           "host name or address the coordinator and the other workers reach this worker at "
           "(its gRPC port and its CPU collectives); default: the --listen host, which must then "
@@ -427,7 +432,8 @@ int Run() {
     const char* tmpdir = std::getenv("TMPDIR");
     const std::string socket_parent = tmpdir != nullptr && *tmpdir != '\0' ? tmpdir : "/tmp";
     // Killed workers' directories (SIGKILL leaves no time to remove them).
-    if (const int removed = platform::RemoveStaleSocketDirs(socket_parent, "worker.sock", absl::Seconds(30));
+    if (const int removed = platform::RemoveStaleSocketDirs(socket_parent, "worker.sock", absl::Seconds(30)) +
+                            platform::RemoveStaleSocketDirs(socket_parent, "steps.sock", absl::Seconds(30));
         removed > 0) {
       logging::ProcessLogger().Log(logging::Level::kInfo, "stale_local_sockets_removed", {{"count", removed}});
     }
@@ -438,6 +444,27 @@ int Run() {
     } else {  // served over TCP only, as with --local_socket=false
       logging::ProcessLogger().Log(logging::Level::kWarning, "no_local_socket",
                                    {{"message", std::string(made.status().message())}});
+    }
+  }
+  // Steps from a coordinator on this host: framed on a Unix socket of its own directory.
+  std::optional<platform::PrivateSocketDir> step_socket_dir;
+  std::unique_ptr<StepSocketServer> step_socket;
+  if (socket_dir && absl::GetFlag(FLAGS_step_socket)) {
+    const std::string& dir = socket_dir->dir();
+    auto made = platform::PrivateSocketDir::Create(dir.substr(0, dir.rfind('/')), "steps.sock");
+    absl::StatusOr<std::unique_ptr<StepSocketServer>> started =
+        made.ok() ? StepSocketServer::Start(made->socket_path(),
+                                            [&service](std::unique_ptr<v1::StepSocketRequest> request,
+                                                       StepSocketServer::Reply reply) {
+                                              service.ExecuteFromStepSocket(std::move(request), std::move(reply));
+                                            })
+                  : absl::StatusOr<std::unique_ptr<StepSocketServer>>(made.status());
+    if (started.ok()) {
+      step_socket_dir = std::move(*made);
+      step_socket = std::move(*started);
+    } else {  // steps come on gRPC
+      logging::ProcessLogger().Log(logging::Level::kWarning, "no_step_socket",
+                                   {{"message", std::string(started.status().message())}});
     }
   }
   ConfigureTensorServer(&builder);
@@ -500,6 +527,17 @@ int Run() {
     local->set_boot_id(platform::BootId());
     local->set_inode(*inode);
   }
+  if (step_socket != nullptr) {
+    auto inode = platform::SocketInode(step_socket->path());
+    if (!inode.ok()) {
+      std::cerr << "shardgemm-worker: step_socket: " << inode.status().message() << "\n";
+      return 1;
+    }
+    v1::LocalSocket* steps = request.mutable_step_socket();
+    steps->set_path(step_socket->path());
+    steps->set_boot_id(platform::BootId());
+    steps->set_inode(*inode);
+  }
   const Mesher mesher{(*backend)->Name(), absl::GetFlag(FLAGS_device), channel, mesh->address,
                       std::chrono::seconds(absl::GetFlag(FLAGS_collective_timeout_s)), &faults, nccl_fault};
   auto joined = Join(stub.get(), request, store, absl::Seconds(absl::GetFlag(FLAGS_register_timeout_s)), mesher,
@@ -539,6 +577,7 @@ int Run() {
       {"rank", position.rank}, {"address", address}, {"backend", (*backend)->Device()}};
   serving.push_back({"tls", !transport->insecure()});
   if (socket_dir) serving.push_back({"local_socket", socket_dir->socket_path()});
+  if (step_socket != nullptr) serving.push_back({"step_socket", step_socket->path()});
   if (!staging_address.empty()) serving.push_back({"staging_address", staging_address});
   serving.insert(serving.end(), pinned.begin(), pinned.end());
   if (exporter != nullptr) serving.push_back({"metrics_port", exporter->port()});
@@ -553,6 +592,10 @@ int Run() {
     // NCCL's teardown would be): the process ends here, its socket directory
     // removed first.
     socket_dir.reset();
+    if (step_socket_dir) {
+      ::unlink(step_socket_dir->socket_path().c_str());
+      step_socket_dir.reset();
+    }
     logging::ProcessLogger().Flush();
     std::cerr.flush();
     std::_Exit(kExitDeviceLost);

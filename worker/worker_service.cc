@@ -44,44 +44,69 @@ grpc::Status WorkerServiceImpl::CheckDevice() {
 grpc::ServerUnaryReactor* WorkerServiceImpl::Execute(grpc::CallbackServerContext* context, const v1::Step* step,
                                                      v1::StepResult* result) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  auto call = std::make_unique<StepCall>();
+  if (trace_steps_) call->marks.emplace();  // from the handler's start
+  const logging::ScopedTraceMarks marking(call->marks ? &*call->marks : nullptr);
+  if (grpc::Status s = CheckCaller(*context); !s.ok()) {
+    reactor->Finish(s);
+    return reactor;
+  }
   // gRPC made the request non-const in the call's arena and destroys it
   // after the call is finished: the executor moves inline operands' bytes
   // out of it (a copy would copy every byte the request carries).
-  auto call = std::make_unique<StepCall>();
-  call->context = context;
   call->step = const_cast<v1::Step*>(step);
   call->result = result;
-  call->reactor = reactor;
-  if (trace_steps_) call->marks.emplace();  // from the handler's start
-  {
-    const logging::ScopedTraceMarks marking(call->marks ? &*call->marks : nullptr);
-    call->busy = platform::BusyPoller::BusyIfOn(busy_poller_);
-    if (grpc::Status s = CheckCaller(*context); !s.ok()) {
-      reactor->Finish(s);
-      return reactor;
-    }
-    if (grpc::Status s = CheckDevice(); !s.ok()) {
-      reactor->Finish(s);
-      return reactor;
-    }
-    call->start = absl::Now();
-    call->identity = StepObserver::StepIdentity::Of(*step);
-    call->bytes_in = observer_ != nullptr ? static_cast<int64_t>(step->ByteSizeLong()) : 0;
-    if (auto now = executor_->ExecuteIfItsTurn(*call->step, DeadlineOf(context)); now.has_value()) {
-      Answer(*call, *std::move(now));
-      return reactor;
-    }
+  call->deadline = DeadlineOf(context);
+  call->finish = [reactor](StepCall&, const grpc::Status& status) { reactor->Finish(status); };
+  Run(std::move(call));
+  return reactor;
+}
+
+void WorkerServiceImpl::ExecuteFromStepSocket(std::unique_ptr<v1::StepSocketRequest> request,
+                                              std::function<void(v1::StepSocketReply)> reply) {
+  auto call = std::make_unique<StepCall>();
+  if (trace_steps_) call->marks.emplace();
+  const logging::ScopedTraceMarks marking(call->marks ? &*call->marks : nullptr);
+  call->deadline = request->deadline_unix_us() > 0 ? absl::FromUnixMicros(request->deadline_unix_us())
+                                                   : absl::InfiniteFuture();
+  call->socket_request = std::move(request);
+  call->step = call->socket_request->mutable_step();
+  call->socket_reply.set_call_id(call->socket_request->call_id());
+  call->result = call->socket_reply.mutable_result();
+  call->finish = [reply = std::move(reply)](StepCall& c, const grpc::Status& status) {
+    c.socket_reply.set_code(static_cast<int32_t>(status.error_code()));
+    c.socket_reply.set_message(status.error_message());
+    if (!status.ok()) c.socket_reply.clear_result();
+    reply(std::move(c.socket_reply));
+  };
+  Run(std::move(call));
+}
+
+void WorkerServiceImpl::Run(std::unique_ptr<StepCall> call) {
+  call->busy = platform::BusyPoller::BusyIfOn(busy_poller_);
+  if (grpc::Status s = CheckDevice(); !s.ok()) {
+    call->finish(*call, s);
+    return;
+  }
+  call->start = absl::Now();
+  call->identity = StepObserver::StepIdentity::Of(*call->step);
+  call->bytes_in = observer_ != nullptr ? static_cast<int64_t>(call->step->ByteSizeLong()) : 0;
+  if (auto now = executor_->ExecuteIfItsTurn(*call->step, call->deadline); now.has_value()) {
+    Answer(*call, *std::move(now));
+    return;
   }
   // Early: it waits for the steps before it on a thread of its own.
-  absl::Status parked = waiting_.Run([this, call = std::shared_ptr<StepCall>(std::move(call))] {
-    const logging::ScopedTraceMarks marking(call->marks ? &*call->marks : nullptr);
-    Answer(*call, executor_->Execute(std::move(*call->step), DeadlineOf(call->context)));
+  StepCall* refused = call.get();
+  auto shared = std::shared_ptr<StepCall>(std::move(call));
+  absl::Status parked = waiting_.Run([this, shared] {
+    const logging::ScopedTraceMarks marking(shared->marks ? &*shared->marks : nullptr);
+    Answer(*shared, executor_->Execute(std::move(*shared->step), shared->deadline));
   });
-  if (!parked.ok()) {  // the call went with the task, unrun
-    reactor->Finish(ToGrpcStatus(absl::ResourceExhaustedError(
-        absl::StrCat("this worker has too many steps waiting for their turn: ", parked.message()))));
+  if (!parked.ok()) {  // not run: `shared` still holds the call
+    refused->finish(*refused, ToGrpcStatus(absl::ResourceExhaustedError(
+                                  absl::StrCat("this worker has too many steps waiting for their turn: ",
+                                               parked.message()))));
   }
-  return reactor;
 }
 
 void WorkerServiceImpl::Answer(StepCall& call, absl::StatusOr<v1::StepResult> r) {
@@ -100,7 +125,7 @@ void WorkerServiceImpl::Answer(StepCall& call, absl::StatusOr<v1::StepResult> r)
     for (logging::Field& f : call.marks->Fields()) fields.push_back(std::move(f));
     logging::ProcessLogger().Log(logging::Level::kInfo, "step_marks", fields);
   }
-  call.reactor->Finish(r.ok() ? grpc::Status::OK : ToGrpcStatus(r.status()));
+  call.finish(call, r.ok() ? grpc::Status::OK : ToGrpcStatus(r.status()));
 }
 
 grpc::Status WorkerServiceImpl::CancelSteps(grpc::ServerContext* context, const v1::CancelStepsRequest* request,

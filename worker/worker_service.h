@@ -67,6 +67,12 @@ class WorkerServiceImpl final : public v1::Worker::WithCallbackMethod_Execute<v1
   // heartbeat (Status) are UNAVAILABLE. Set before the server starts.
   void OnDeviceLost(std::function<void(const absl::Status&)> handler) { on_device_lost_ = std::move(handler); }
 
+  // A step from the worker's step socket (worker/step_socket_server.h):
+  // Execute's, answered through `reply`. The socket admits only this user's
+  // processes; the step's session is checked as Execute's is.
+  void ExecuteFromStepSocket(std::unique_ptr<v1::StepSocketRequest> request,
+                             std::function<void(v1::StepSocketReply)> reply);
+
   // Keeps the process's cores busy while a step is in flight (--busy_poll).
   // Null: never. Set before the server starts.
   void SetBusyPoller(platform::BusyPoller* poller) { busy_poller_ = poller; }
@@ -81,18 +87,25 @@ class WorkerServiceImpl final : public v1::Worker::WithCallbackMethod_Execute<v1
   // PERMISSION_DENIED unless the caller is this mesh's coordinator.
   grpc::Status CheckCaller(const grpc::ServerContextBase& context) const;
 
-  // A step's call, from its arrival to its answer (on whichever thread runs it).
+  // A step's call, from its arrival to its answer (on whichever thread runs
+  // it), over gRPC or the step socket.
   struct StepCall {
-    grpc::CallbackServerContext* context = nullptr;
-    v1::Step* step = nullptr;
-    v1::StepResult* result = nullptr;
-    grpc::ServerUnaryReactor* reactor = nullptr;
+    v1::Step* step = nullptr;          // the call's: gRPC's request, or socket_request's
+    v1::StepResult* result = nullptr;  // filled when OK: gRPC's response, or socket_reply's
+    absl::Time deadline = absl::InfiniteFuture();
+    // Answers the caller (after `result` is filled, when OK).
+    std::function<void(StepCall&, const grpc::Status&)> finish;
+    std::unique_ptr<v1::StepSocketRequest> socket_request;
+    v1::StepSocketReply socket_reply;
     std::optional<logging::TraceMarks> marks;
     platform::BusyPoller::Activity busy;
     absl::Time start;
     StepObserver::StepIdentity identity;
     int64_t bytes_in = 0;
   };
+  // Runs `call` now if it is its turn, else on a thread of `waiting_`
+  // (the caller checked who called and that the step is to run).
+  void Run(std::unique_ptr<StepCall> call);
   // Records and answers `call` with the executor's `r`.
   void Answer(StepCall& call, absl::StatusOr<v1::StepResult> r);
 

@@ -1,7 +1,14 @@
 #include "worker/worker_service.h"
 
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
 #include <chrono>
+#include <cstdlib>
+#include <cstring>
 #include <memory>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -12,8 +19,10 @@
 #include "grpcpp/server_builder.h"
 #include "gtest/gtest.h"
 #include "proto/shardgemm.grpc.pb.h"
+#include "proto/step_frame.h"
 #include "proto/tensor_codec.h"
 #include "worker/backend.h"
+#include "worker/step_socket_server.h"
 
 namespace shardgemm {
 namespace {
@@ -200,6 +209,116 @@ TEST(WorkerService, AnEarlyStepStillWaitingAtItsDeadlineIsAnsweredDeadlineExceed
   EXPECT_LT(absl::Now() - start, absl::Seconds(10));
   // Step 1, which never came, is still the next: it runs.
   EXPECT_TRUE(served.Execute(GemmStep(1), &result).ok());
+}
+
+// A coordinator's end of the step socket, played by the test.
+int ConnectTo(const std::string& path) {
+  const int fd = ::socket(AF_UNIX, SOCK_STREAM, 0);
+  sockaddr_un a{};
+  a.sun_family = AF_UNIX;
+  std::strcpy(a.sun_path, path.c_str());
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0) {
+    ::close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+class StepSocketTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    char dir[] = "/tmp/worker_step_socket_XXXXXX";
+    ASSERT_NE(::mkdtemp(dir), nullptr);
+    dir_ = dir;
+    executor_.Configure(SingleWorkerPosition(), MakeLocalCollectives(SingleWorkerPosition()));
+    auto started = StepSocketServer::Start(dir_ + "/steps.sock", [this](std::unique_ptr<v1::StepSocketRequest> r,
+                                                                        StepSocketServer::Reply reply) {
+      service_.ExecuteFromStepSocket(std::move(r), std::move(reply));
+    });
+    ASSERT_TRUE(started.ok()) << started.status();
+    server_ = std::move(*started);
+  }
+  void TearDown() override {
+    server_.reset();
+    ::rmdir(dir_.c_str());
+  }
+  static v1::StepSocketRequest Request(uint64_t id, uint64_t sequence, absl::Time deadline) {
+    v1::StepSocketRequest r;
+    r.set_call_id(id);
+    r.set_deadline_unix_us(absl::ToUnixMicros(deadline));
+    *r.mutable_step() = GemmStep(sequence);
+    return r;
+  }
+
+  std::unique_ptr<Backend> backend_ = MakeCpuBackend(1);
+  ShardStore store_{int64_t{1} << 30};
+  Executor executor_{backend_.get(), &store_};
+  WorkerServiceImpl service_{&executor_, &store_, backend_.get()};
+  std::string dir_;
+  std::unique_ptr<StepSocketServer> server_;
+};
+
+TEST_F(StepSocketTest, StepsSentOutOfOrderOnTheSocketAreAllAnsweredByCallId) {
+  const int fd = ConnectTo(server_->path());
+  ASSERT_GE(fd, 0);
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  // Steps 3, 2, 1: the first two wait for their turn on threads of their own.
+  for (uint64_t seq : {3, 2, 1}) ASSERT_TRUE(WriteStepFrame(fd, Request(100 + seq, seq, deadline)).ok());
+  std::set<uint64_t> answered;
+  for (int i = 0; i < 3; ++i) {
+    v1::StepSocketReply reply;
+    ASSERT_TRUE(ReadStepFrame(fd, &reply).ok());
+    EXPECT_EQ(reply.code(), 0) << reply.message();
+    EXPECT_TRUE(reply.result().has_out());
+    answered.insert(reply.call_id());
+  }
+  EXPECT_EQ(answered, (std::set<uint64_t>{101, 102, 103}));
+  ::close(fd);
+}
+
+TEST_F(StepSocketTest, AStepOfAnotherSessionIsAnsweredWithItsError) {
+  // A worker configured with a session refuses another's steps, on the socket as on gRPC.
+  executor_.Configure(SingleWorkerPosition(), MakeLocalCollectives(SingleWorkerPosition()), 1, "session-a");
+  const int fd = ConnectTo(server_->path());
+  ASSERT_GE(fd, 0);
+  v1::StepSocketRequest r = Request(7, 1, absl::Now() + absl::Seconds(30));
+  r.mutable_step()->set_session("session-b");
+  ASSERT_TRUE(WriteStepFrame(fd, r).ok());
+  v1::StepSocketReply reply;
+  ASSERT_TRUE(ReadStepFrame(fd, &reply).ok());
+  EXPECT_EQ(reply.call_id(), 7u);
+  EXPECT_EQ(reply.code(), static_cast<int>(grpc::StatusCode::FAILED_PRECONDITION)) << reply.message();
+  EXPECT_FALSE(reply.has_result());
+  ::close(fd);
+}
+
+TEST_F(StepSocketTest, AFrameThatIsNotOneEndsOnlyItsConnection) {
+  const int bad = ConnectTo(server_->path());
+  ASSERT_GE(bad, 0);
+  const std::string junk = "GET / HTTP/1.1\r\n\r\n";
+  ASSERT_EQ(::write(bad, junk.data(), junk.size()), static_cast<ssize_t>(junk.size()));
+  char c;
+  EXPECT_LE(::recv(bad, &c, 1, 0), 0);  // closed by the worker (reset, with bytes of it unread)
+  ::close(bad);
+  // Another connection is served as before.
+  const int fd = ConnectTo(server_->path());
+  ASSERT_GE(fd, 0);
+  ASSERT_TRUE(WriteStepFrame(fd, Request(1, 1, absl::Now() + absl::Seconds(30))).ok());
+  v1::StepSocketReply reply;
+  ASSERT_TRUE(ReadStepFrame(fd, &reply).ok());
+  EXPECT_EQ(reply.code(), 0) << reply.message();
+  ::close(fd);
+}
+
+TEST_F(StepSocketTest, StoppingTheServerEndsItsConnections) {
+  const int fd = ConnectTo(server_->path());
+  ASSERT_GE(fd, 0);
+  const std::string path = server_->path();
+  server_.reset();
+  char c;
+  EXPECT_EQ(::recv(fd, &c, 1, 0), 0);
+  ::close(fd);
+  EXPECT_LT(ConnectTo(path), 0);  // the socket is gone
 }
 
 }  // namespace

@@ -1,0 +1,64 @@
+// The worker's step socket: a Unix stream socket (in the worker's private
+// socket directory, beside its gRPC one) on which a coordinator of the same
+// host sends steps as frames (proto/step_frame.h) instead of one gRPC call
+// each. Only processes of this worker's user may connect (the directory is
+// theirs alone, and each connection's peer credentials are checked).
+#ifndef SHARDGEMM_WORKER_STEP_SOCKET_SERVER_H_
+#define SHARDGEMM_WORKER_STEP_SOCKET_SERVER_H_
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "proto/shardgemm.pb.h"
+
+namespace shardgemm {
+
+class StepSocketServer {
+ public:
+  // Answers one request; callable from any thread, once. A reply to a
+  // connection that has closed is dropped.
+  using Reply = std::function<void(v1::StepSocketReply)>;
+  // Runs on the connection's reading thread; it may answer there (the
+  // connection reads its next frame after) or hand the reply on.
+  using Handler = std::function<void(std::unique_ptr<v1::StepSocketRequest>, Reply)>;
+
+  // A step bigger than this goes on gRPC (the coordinator's side keeps to it).
+  static constexpr uint64_t kMaxRequestBytes = uint64_t{16} << 20;
+  static constexpr int kMaxConnections = 64;
+
+  // Listens on `path` (which must not exist). Its inode is the socket's, for the registration.
+  static absl::StatusOr<std::unique_ptr<StepSocketServer>> Start(const std::string& path, Handler handler);
+  // Stops accepting, ends every connection and joins its thread (a handler
+  // still running on another thread answers into nothing).
+  ~StepSocketServer();
+  StepSocketServer(const StepSocketServer&) = delete;
+  StepSocketServer& operator=(const StepSocketServer&) = delete;
+
+  const std::string& path() const { return path_; }
+  int connections() const;
+
+ private:
+  struct Connection;
+  StepSocketServer(std::string path, int listen_fd, Handler handler);
+  void Accept();
+  void Serve(std::shared_ptr<Connection> connection);
+
+  const std::string path_;
+  const int listen_fd_;
+  const Handler handler_;
+  mutable absl::Mutex mu_;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::vector<std::shared_ptr<Connection>> connections_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::thread> readers_ ABSL_GUARDED_BY(mu_);
+  std::thread acceptor_;
+};
+
+}  // namespace shardgemm
+
+#endif  // SHARDGEMM_WORKER_STEP_SOCKET_SERVER_H_
