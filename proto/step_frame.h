@@ -22,6 +22,11 @@ inline constexpr uint32_t kStepFrameVersion = 1;
 inline constexpr size_t kStepFrameHeaderBytes = 16;
 // Protobuf's own bound on a message.
 inline constexpr uint64_t kMaxStepFramePayloadBytes = (uint64_t{1} << 31) - 1;
+// The largest step (its encoded Step) a coordinator sends on a step socket;
+// a larger one goes on gRPC. A worker reads requests of up to
+// kMaxStepSocketRequestBytes: the step and StepSocketRequest's own fields.
+inline constexpr uint64_t kMaxStepSocketStepBytes = uint64_t{16} << 20;
+inline constexpr uint64_t kMaxStepSocketRequestBytes = kMaxStepSocketStepBytes + 4096;
 
 // The header of a frame whose payload is `payload_bytes` long.
 std::string StepFrameHeader(uint64_t payload_bytes);

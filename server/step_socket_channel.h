@@ -12,15 +12,16 @@
 #include <memory>
 #include <string>
 
+#include "proto/step_frame.h"
 #include "server/worker_channel.h"
 
 namespace shardgemm {
 
 // `name`: the worker, for errors ("worker at NAME: ..."). `max_step_bytes`:
-// larger steps go on `grpc` (the worker's StepSocketServer::kMaxRequestBytes).
+// larger steps go on `grpc` (what a worker reads there: proto/step_frame.h).
 std::unique_ptr<WorkerChannel> MakeStepSocketChannel(std::unique_ptr<WorkerChannel> grpc,
                                                      const std::string& socket_path, const std::string& name,
-                                                     uint64_t max_step_bytes = uint64_t{16} << 20);
+                                                     uint64_t max_step_bytes = kMaxStepSocketStepBytes);
 
 }  // namespace shardgemm
 

@@ -145,7 +145,7 @@ void StepSocketServer::Serve(std::shared_ptr<Connection> connection) {
   while (true) {
     auto request = std::make_unique<v1::StepSocketRequest>();
     // Only this thread reads, and the fd stays open until Close (after this thread ends).
-    if (absl::Status s = ReadStepFrame(fd, request.get(), kMaxRequestBytes); !s.ok()) {
+    if (absl::Status s = ReadStepFrame(fd, request.get(), kMaxStepSocketRequestBytes); !s.ok()) {
       if (s.code() != absl::StatusCode::kUnavailable) {
         logging::ProcessLogger().Log(logging::Level::kWarning, "step_socket_dropped",
                                      {{"message", std::string(s.message())}});

@@ -28,8 +28,6 @@ class StepSocketServer {
   // connection reads its next frame after) or hand the reply on.
   using Handler = std::function<void(std::unique_ptr<v1::StepSocketRequest>, Reply)>;
 
-  // A step bigger than this goes on gRPC (the coordinator's side keeps to it).
-  static constexpr uint64_t kMaxRequestBytes = uint64_t{16} << 20;
   static constexpr int kMaxConnections = 64;
 
   // Listens on `path` (which must not exist). Its inode is the socket's, for the registration.

@@ -310,6 +310,22 @@ TEST_F(StepSocketTest, AFrameThatIsNotOneEndsOnlyItsConnection) {
   ::close(fd);
 }
 
+TEST_F(StepSocketTest, TheLargestStepACoordinatorSendsThereIsReadAndAnswered) {
+  const int fd = ConnectTo(server_->path());
+  ASSERT_GE(fd, 0);
+  v1::StepSocketRequest r = Request(9, 1, absl::Now() + absl::Seconds(30));
+  // Inline bytes that do not match the declared shape: answered with the error, not dropped.
+  std::string* data = r.mutable_step()->mutable_gemm()->mutable_lhs()->mutable_data();
+  data->resize(kMaxStepSocketStepBytes - r.step().ByteSizeLong() - 16 + data->size());
+  ASSERT_LE(r.step().ByteSizeLong(), kMaxStepSocketStepBytes);
+  ASSERT_TRUE(WriteStepFrame(fd, r).ok());
+  v1::StepSocketReply reply;
+  ASSERT_TRUE(ReadStepFrame(fd, &reply).ok());
+  EXPECT_EQ(reply.call_id(), 9u);
+  EXPECT_EQ(reply.code(), static_cast<int>(grpc::StatusCode::INVALID_ARGUMENT)) << reply.message();
+  ::close(fd);
+}
+
 TEST_F(StepSocketTest, StoppingTheServerEndsItsConnections) {
   const int fd = ConnectTo(server_->path());
   ASSERT_GE(fd, 0);
