@@ -609,7 +609,13 @@ def test_the_collectives_listen_only_on_the_workers_mesh_address(cluster_factory
     slowed.send_signal(signal.SIGSTOP)
     try:
         caller.start()
-        time.sleep(0.3)  # the other worker is in the step, waiting for its peer
+        # The other worker may be in the step already, listening for its
+        # stopped peer: then it is seen here, without the slow motion's luck.
+        first = time.time() + 1
+        while time.time() < first and not any(seen[p.pid] - serving[p.pid] for p in workers):
+            for p in workers:
+                seen[p.pid] |= listening_addresses(p.pid)
+            time.sleep(0.01)
         deadline = time.time() + 60
         while caller.is_alive() and time.time() < deadline:
             slowed.send_signal(signal.SIGCONT)
