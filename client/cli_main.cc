@@ -264,7 +264,9 @@ int Cluster() {
             << "workers: " << info->workers_size() << " of " << info->workers_expected()
             << (info->ready() ? " (ready)" : " (waiting)") << "\n";
   for (const auto& w : info->workers()) {
-    const char* hop = w.hop() == v1::WORKER_HOP_UNIX_SOCKET ? "  (called on its Unix socket)" : "";
+    const char* hop = w.hop() != v1::WORKER_HOP_UNIX_SOCKET ? ""
+                      : w.step_socket()                     ? "  (called on its Unix socket, steps on its step socket)"
+                                                            : "  (called on its Unix socket)";
     std::cout << absl::StrFormat("  rank %d  coords (%s)  %s%s  backend %s  %s%s%s\n", w.rank(),
                                  absl::StrJoin(w.coords(), ","), w.address(), hop, w.backend(), w.device(),
                                  w.staging_address().empty() ? "" : absl::StrCat("  staging ", w.staging_address()),
