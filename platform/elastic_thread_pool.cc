@@ -1,5 +1,6 @@
 #include "platform/elastic_thread_pool.h"
 
+#include <system_error>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -27,7 +28,11 @@ absl::Status ElasticThreadPool::Run(std::function<void()> task) {
       return absl::ResourceExhaustedError(
           absl::StrCat("all ", max_threads_, " threads for waiting tasks are busy"));
     }
-    threads_.emplace_back([this] { Loop(); });
+    try {
+      threads_.emplace_back([this] { Loop(); });
+    } catch (const std::system_error& e) {  // the process is out of threads (or memory for one)
+      return absl::ResourceExhaustedError(absl::StrCat("cannot start a thread for a waiting task: ", e.what()));
+    }
     ++idle_;  // counted now: the next Run must not hand this thread a second task
   }
   tasks_.push_back(std::move(task));

@@ -67,6 +67,9 @@ absl::StatusOr<Dispatcher::Joined> Dispatcher::Join(const v1::RegisterRequest& r
   }
   Joined joined;
   v1::AdvanceEpochRequest advance;
+  // The channel a rejoining worker replaces goes after the locks: closing it
+  // ends calls whose callbacks take them.
+  std::shared_ptr<WorkerChannel> replaced;
   {
     absl::MutexLock sequence_lock(&sequence_mu_);
     absl::MutexLock lock(&workers_mu_);
@@ -112,6 +115,7 @@ absl::StatusOr<Dispatcher::Joined> Dispatcher::Join(const v1::RegisterRequest& r
     const bool step_socket = same_host && prefer_step_socket_ && channel != nullptr && !steps.path().empty() &&
                              platform::CheckSameHostSocket(steps.path(), steps.boot_id(), steps.inode()).ok();
     if (step_socket) channel = MakeStepSocketChannel(std::move(channel), steps.path(), target);
+    replaced = std::move(w.channel);
     w.channel = std::move(channel);
     w.info.set_rank(rank);
     w.info.set_address(request.address());

@@ -291,6 +291,38 @@ TEST_F(DispatcherTest, AnAsynchronousDispatchCallsBackOnceWithEveryAnswer) {
   EXPECT_EQ(got->size(), 2u);
 }
 
+// A worker that registers again replaces its channel; the old one fails the
+// steps it still holds as it goes (as a step socket's does), and those
+// answers take the dispatcher's locks: it goes after Join lets them go.
+TEST_F(DispatcherTest, AChannelReplacedByARejoinFailsItsStepsOutsideTheDispatchersLocks) {
+  int connects = 0;
+  FakeWorkerChannel first;
+  first.SetNeverAnswer(true);
+  FakeWorkerChannel watch = first;  // sees what the dispatcher's handle received
+  auto d = std::make_unique<Dispatcher>(
+      *planner::ParseMesh("dp=1", ""),
+      [&](const std::string&) -> std::unique_ptr<WorkerChannel> {
+        return std::make_unique<FakeWorkerChannel>(connects++ == 0 ? first : FakeWorkerChannel());
+      },
+      absl::Milliseconds(100), false);
+  ASSERT_TRUE(d->Join(At("a")).ok());
+  absl::Notification answered;
+  absl::Status got;
+  d->DispatchAsync(DeleteSteps(1), absl::Now() + absl::Seconds(30), [&](absl::StatusOr<std::vector<v1::StepResult>> r) {
+    got = r.status();
+    answered.Notify();
+  });
+  ASSERT_TRUE(watch.AwaitHeld(1, absl::Seconds(5)));
+  // The dispatcher now holds the held step's fake alone.
+  watch = FakeWorkerChannel();
+  first = FakeWorkerChannel();
+  auto rejoined = d->Join(At("a"));  // before the fix: the old channel's CANCELLED deadlocked here
+  ASSERT_TRUE(rejoined.ok()) << rejoined.status();
+  EXPECT_TRUE(rejoined->rejoined);
+  ASSERT_TRUE(answered.WaitForNotificationWithTimeout(absl::Seconds(5)));
+  EXPECT_EQ(got.code(), absl::StatusCode::kCancelled) << got;
+}
+
 // A channel that never reports back (a fake: gRPC's report by the deadline)
 // cannot hold an asynchronous dispatch: the watchdog ends it at the
 // deadline plus the grace (100 ms here), DEADLINE_EXCEEDED naming the worker.

@@ -1,6 +1,7 @@
 #include "server/step_socket_channel.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <poll.h>
 #include <sys/socket.h>
 #include <sys/time.h>
@@ -22,121 +23,50 @@
 namespace shardgemm {
 namespace {
 
-class StepSocketChannel final : public WorkerChannel {
- public:
-  StepSocketChannel(std::unique_ptr<WorkerChannel> grpc, std::string path, std::string name, uint64_t max_step_bytes)
-      : grpc_(std::move(grpc)), path_(std::move(path)), name_(std::move(name)), max_step_bytes_(max_step_bytes) {
-    reader_ = std::thread([this] { ReadConnections(); });
-  }
+struct Pending {
+  absl::Time deadline;
+  WorkerChannel::ExecuteDone done;
+};
 
-  ~StepSocketChannel() override {
+// What the channel and its reader share: the reader holds it too, so a
+// channel dropped by a callback on the reader's own thread (the last
+// reference to it going there) leaves the reader something to finish with.
+class StepSocket {
+ public:
+  StepSocket(std::string path, std::string name) : path_(std::move(path)), name_(std::move(name)) {}
+
+  // Sends `request` as call `id` (set here) whose answer goes to `*done`;
+  // false when it was not sent, and `*done` is then back with the caller
+  // unless the connection's end already failed it (then null).
+  bool Send(v1::StepSocketRequest& request, absl::Time deadline, WorkerChannel::ExecuteDone* done) {
+    absl::MutexLock write_lock(&write_mu_);
+    int fd = -1;
+    uint64_t id = 0;
     {
       absl::MutexLock lock(&mu_);
-      stopping_ = true;
-      if (fd_ >= 0) ::shutdown(fd_, SHUT_RDWR);
+      fd = ConnectedLocked();
+      if (fd < 0) return false;
+      id = next_id_++;
+      pending_.emplace(id, Pending{deadline, std::move(*done)});
+      *done = nullptr;
     }
-    reader_.join();
-    Fail(TakeAllPending(), absl::CancelledError(absl::StrCat("worker at ", name_, ": the channel was closed")));
-  }
-
-  void ExecuteAsync(v1::Step step, absl::Time deadline, ExecuteDone done) override {
-    if (step.ByteSizeLong() > max_step_bytes_) return grpc_->ExecuteAsync(std::move(step), deadline, std::move(done));
-    v1::StepSocketRequest request;
-    request.mutable_step()->Swap(&step);  // a put's step holds its block: not copied
-    request.set_deadline_unix_us(deadline == absl::InfiniteFuture() ? 0 : absl::ToUnixMicros(deadline));
-    bool sent = false;
-    {
-      absl::MutexLock write_lock(&write_mu_);
-      int fd = -1;
-      uint64_t id = 0;
-      {
-        absl::MutexLock lock(&mu_);
-        fd = ConnectedLocked();
-        if (fd >= 0) {
-          id = next_id_++;
-          pending_.emplace(id, Pending{deadline, std::move(done)});
-        }
-      }
-      if (fd >= 0) {
-        request.set_call_id(id);
-        sent = WriteStepFrame(fd, request).ok();
-        if (!sent) {
-          // Not all of the frame went, so the worker runs nothing of it: the
-          // step goes on gRPC (unless the reader already failed it), and the
-          // connection is given up.
-          absl::MutexLock lock(&mu_);
-          if (auto it = pending_.find(id); it != pending_.end()) {
-            done = std::move(it->second.done);
-            pending_.erase(it);
-          }
-          ::shutdown(fd, SHUT_RDWR);
-        }
-      }
+    request.set_call_id(id);
+    if (WriteStepFrame(fd, request).ok()) return true;
+    // Not all of the frame went, so the worker runs nothing of it, and the
+    // connection is given up.
+    absl::MutexLock lock(&mu_);
+    if (auto it = pending_.find(id); it != pending_.end()) {
+      *done = std::move(it->second.done);
+      pending_.erase(it);
     }
-    if (sent || !done) return;
-    step.Swap(request.mutable_step());
-    grpc_->ExecuteAsync(std::move(step), deadline, std::move(done));
+    ::shutdown(fd, SHUT_RDWR);
+    return false;
   }
 
-  absl::StatusOr<v1::LocalTensor> GetShard(const std::string& name, absl::Time deadline) override {
-    return grpc_->GetShard(name, deadline);
-  }
-  absl::Status PutShard(const std::string& name, const v1::LocalTensor& shard, absl::Time deadline) override {
-    return grpc_->PutShard(name, shard, deadline);
-  }
-  void CancelSteps(const v1::CancelStepsRequest& request, absl::Time deadline) override {
-    grpc_->CancelSteps(request, deadline);
-  }
-  void AdvanceEpoch(const v1::AdvanceEpochRequest& request, absl::Time deadline) override {
-    grpc_->AdvanceEpoch(request, deadline);
-  }
-  absl::Status ExpectStaged(const v1::ExpectStagedRequest& request, absl::Time deadline) override {
-    return grpc_->ExpectStaged(request, deadline);
-  }
-  absl::Status HoldShard(const v1::HoldShardRequest& request, absl::Time deadline) override {
-    return grpc_->HoldShard(request, deadline);
-  }
-  absl::StatusOr<std::unique_ptr<StageStream>> OpenStage(const v1::StageShardChunk& header,
-                                                         absl::Time deadline) override {
-    return grpc_->OpenStage(header, deadline);
-  }
-  absl::Status DropStaged(const v1::DropStagedRequest& request, absl::Time deadline) override {
-    return grpc_->DropStaged(request, deadline);
-  }
-  absl::Status ForgetClientMemory(const v1::ForgetClientMemoryRequest& request, absl::Time deadline) override {
-    return grpc_->ForgetClientMemory(request, deadline);
-  }
-  absl::Status Ping(absl::Time deadline) override { return grpc_->Ping(deadline); }
-
- private:
-  struct Pending {
-    absl::Time deadline;
-    ExecuteDone done;
-  };
-  static constexpr absl::Duration kRetryAfter = absl::Seconds(1);
-
-  // The connection's fd, connecting first if there is none (at most once per
-  // kRetryAfter after a failure); -1 when there is none to use.
-  int ConnectedLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    if (stopping_) return -1;
-    if (fd_ >= 0) return fd_;
-    if (absl::Now() < retry_at_) return -1;
-    retry_at_ = absl::Now() + kRetryAfter;
-    sockaddr_un address{};
-    if (path_.size() >= sizeof(address.sun_path)) return -1;
-    address.sun_family = AF_UNIX;
-    std::memcpy(address.sun_path, path_.c_str(), path_.size() + 1);
-    const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (fd < 0) return -1;
-    if (::connect(fd, reinterpret_cast<const sockaddr*>(&address), sizeof(address)) != 0) {
-      ::close(fd);
-      return -1;
-    }
-    // A step's write is bounded: a worker that stops reading loses the connection, not this thread.
-    timeval send_timeout{10, 0};
-    ::setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &send_timeout, sizeof(send_timeout));
-    fd_ = fd;  // the reader takes it from here
-    return fd_;
+  void Stop() {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+    if (fd_ >= 0) ::shutdown(fd_, SHUT_RDWR);
   }
 
   std::map<uint64_t, Pending> TakeAllPending() {
@@ -181,12 +111,42 @@ class StepSocketChannel final : public WorkerChannel {
     }
   }
 
+ private:
+  static constexpr absl::Duration kRetryAfter = absl::Seconds(1);
+
+  // The connection's fd, connecting first if there is none (at most once per
+  // kRetryAfter after a failure); -1 when there is none to use. The connect
+  // never waits: a worker whose backlog is full gets this step on gRPC.
+  int ConnectedLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (stopping_) return -1;
+    if (fd_ >= 0) return fd_;
+    if (absl::Now() < retry_at_) return -1;
+    retry_at_ = absl::Now() + kRetryAfter;
+    sockaddr_un address{};
+    if (path_.size() >= sizeof(address.sun_path)) return -1;
+    address.sun_family = AF_UNIX;
+    std::memcpy(address.sun_path, path_.c_str(), path_.size() + 1);
+    const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    if (fd < 0) return -1;
+    const int flags = ::fcntl(fd, F_GETFL);
+    if (::connect(fd, reinterpret_cast<const sockaddr*>(&address), sizeof(address)) != 0 || flags < 0 ||
+        ::fcntl(fd, F_SETFL, flags & ~O_NONBLOCK) != 0) {
+      ::close(fd);
+      return -1;
+    }
+    // A step's write is bounded: a worker that stops reading loses the connection, not this thread.
+    timeval send_timeout{10, 0};
+    ::setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &send_timeout, sizeof(send_timeout));
+    fd_ = fd;  // the reader takes it from here
+    return fd_;
+  }
+
   // Answers the connection's calls and fails those past their deadline;
   // returns why the connection ended.
   absl::Status ReadConnection(int fd) {
     while (true) {
       absl::Time earliest = absl::InfiniteFuture();
-      std::vector<ExecuteDone> expired;
+      std::vector<WorkerChannel::ExecuteDone> expired;
       {
         absl::MutexLock lock(&mu_);
         if (stopping_) return absl::CancelledError("the channel was closed");
@@ -201,7 +161,7 @@ class StepSocketChannel final : public WorkerChannel {
           }
         }
       }
-      for (ExecuteDone& done : expired) {
+      for (WorkerChannel::ExecuteDone& done : expired) {
         done(absl::DeadlineExceededError(
             absl::StrCat("worker at ", name_, ": no answer on its step socket by the step's deadline")));
       }
@@ -215,7 +175,7 @@ class StepSocketChannel final : public WorkerChannel {
       if (ready < 0) return absl::UnavailableError(std::strerror(errno));
       v1::StepSocketReply reply;
       if (absl::Status s = ReadStepFrame(fd, &reply); !s.ok()) return s;
-      ExecuteDone done;
+      WorkerChannel::ExecuteDone done;
       {
         absl::MutexLock lock(&mu_);
         auto it = pending_.find(reply.call_id());
@@ -225,6 +185,9 @@ class StepSocketChannel final : public WorkerChannel {
       }
       if (reply.code() == 0) {
         done(std::move(*reply.mutable_result()));
+      } else if (reply.code() < 0 || reply.code() > static_cast<int32_t>(absl::StatusCode::kUnauthenticated)) {
+        done(absl::UnknownError(absl::StrCat("worker at ", name_, ": answered status code ", reply.code(),
+                                             ", which is none: ", reply.message())));
       } else {
         done(absl::Status(static_cast<absl::StatusCode>(reply.code()),
                           absl::StrCat("worker at ", name_, ": ", reply.message())));
@@ -232,10 +195,8 @@ class StepSocketChannel final : public WorkerChannel {
     }
   }
 
-  const std::unique_ptr<WorkerChannel> grpc_;
   const std::string path_;
   const std::string name_;
-  const uint64_t max_step_bytes_;
   absl::Mutex write_mu_;  // one frame at a time on the socket; taken before mu_
   absl::Mutex mu_;
   int fd_ ABSL_GUARDED_BY(mu_) = -1;
@@ -243,6 +204,76 @@ class StepSocketChannel final : public WorkerChannel {
   absl::Time retry_at_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
   std::map<uint64_t, Pending> pending_ ABSL_GUARDED_BY(mu_);
+};
+
+class StepSocketChannel final : public WorkerChannel {
+ public:
+  StepSocketChannel(std::unique_ptr<WorkerChannel> grpc, std::string path, std::string name, uint64_t max_step_bytes)
+      : grpc_(std::move(grpc)),
+        socket_(std::make_shared<StepSocket>(std::move(path), name)),
+        name_(std::move(name)),
+        max_step_bytes_(max_step_bytes) {
+    reader_ = std::thread([socket = socket_] { socket->ReadConnections(); });
+  }
+
+  ~StepSocketChannel() override {
+    socket_->Stop();
+    // Dropped by a callback on the reader's own thread: it cannot be joined
+    // there, and ends by itself (it holds the socket's state).
+    if (reader_.get_id() == std::this_thread::get_id()) {
+      reader_.detach();
+    } else {
+      reader_.join();
+    }
+    StepSocket::Fail(socket_->TakeAllPending(),
+                     absl::CancelledError(absl::StrCat("worker at ", name_, ": the channel was closed")));
+  }
+
+  void ExecuteAsync(v1::Step step, absl::Time deadline, ExecuteDone done) override {
+    if (step.ByteSizeLong() > max_step_bytes_) return grpc_->ExecuteAsync(std::move(step), deadline, std::move(done));
+    v1::StepSocketRequest request;
+    request.mutable_step()->Swap(&step);  // a put's step holds its block: not copied
+    request.set_deadline_unix_us(deadline == absl::InfiniteFuture() ? 0 : absl::ToUnixMicros(deadline));
+    if (socket_->Send(request, deadline, &done) || done == nullptr) return;
+    step.Swap(request.mutable_step());
+    grpc_->ExecuteAsync(std::move(step), deadline, std::move(done));
+  }
+
+  absl::StatusOr<v1::LocalTensor> GetShard(const std::string& name, absl::Time deadline) override {
+    return grpc_->GetShard(name, deadline);
+  }
+  absl::Status PutShard(const std::string& name, const v1::LocalTensor& shard, absl::Time deadline) override {
+    return grpc_->PutShard(name, shard, deadline);
+  }
+  void CancelSteps(const v1::CancelStepsRequest& request, absl::Time deadline) override {
+    grpc_->CancelSteps(request, deadline);
+  }
+  void AdvanceEpoch(const v1::AdvanceEpochRequest& request, absl::Time deadline) override {
+    grpc_->AdvanceEpoch(request, deadline);
+  }
+  absl::Status ExpectStaged(const v1::ExpectStagedRequest& request, absl::Time deadline) override {
+    return grpc_->ExpectStaged(request, deadline);
+  }
+  absl::Status HoldShard(const v1::HoldShardRequest& request, absl::Time deadline) override {
+    return grpc_->HoldShard(request, deadline);
+  }
+  absl::StatusOr<std::unique_ptr<StageStream>> OpenStage(const v1::StageShardChunk& header,
+                                                         absl::Time deadline) override {
+    return grpc_->OpenStage(header, deadline);
+  }
+  absl::Status DropStaged(const v1::DropStagedRequest& request, absl::Time deadline) override {
+    return grpc_->DropStaged(request, deadline);
+  }
+  absl::Status ForgetClientMemory(const v1::ForgetClientMemoryRequest& request, absl::Time deadline) override {
+    return grpc_->ForgetClientMemory(request, deadline);
+  }
+  absl::Status Ping(absl::Time deadline) override { return grpc_->Ping(deadline); }
+
+ private:
+  const std::unique_ptr<WorkerChannel> grpc_;
+  const std::shared_ptr<StepSocket> socket_;
+  const std::string name_;
+  const uint64_t max_step_bytes_;
   std::thread reader_;
 };
 

@@ -273,5 +273,42 @@ TEST(StepSocketChannel, ClosingTheChannelAnswersWhatIsInFlight) {
   EXPECT_EQ(result.calls(), 1);
 }
 
+// The last reference to a channel may go in one of its own answers, which
+// run on its reader's thread: the channel goes, the reader ends by itself.
+TEST(StepSocketChannel, AChannelDroppedInItsOwnAnswerGoesWithoutJoiningItself) {
+  FakeWorkerSocket worker([](const v1::StepSocketRequest&) { return Ok(1); });
+  std::shared_ptr<WorkerChannel> channel =
+      MakeStepSocketChannel(std::make_unique<CountingChannel>(), worker.path(), "unix:w0");
+  std::weak_ptr<WorkerChannel> watch = channel;
+  absl::Notification answered;
+  auto holder = std::make_shared<std::shared_ptr<WorkerChannel>>(std::move(channel));
+  WorkerChannel* raw = holder->get();
+  absl::StatusOr<v1::StepResult> got = absl::UnknownError("unset");
+  raw->ExecuteAsync(Step(1), absl::Now() + absl::Seconds(10), [holder, &got, &answered](auto r) {
+    got = std::move(r);
+    holder->reset();  // the channel's last reference, on its reader's thread
+    answered.Notify();
+  });
+  holder.reset();
+  ASSERT_TRUE(answered.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  EXPECT_TRUE(got.ok()) << got.status();
+  EXPECT_TRUE(watch.expired());
+}
+
+TEST(StepSocketChannel, AStatusCodeThatIsNoneIsUnknownNamingTheCode) {
+  FakeWorkerSocket worker([](const v1::StepSocketRequest&) {
+    v1::StepSocketReply reply;
+    reply.set_code(99);
+    reply.set_message("garbled");
+    return reply;
+  });
+  auto channel = MakeStepSocketChannel(std::make_unique<CountingChannel>(), worker.path(), "unix:w0");
+  Result result;
+  channel->ExecuteAsync(Step(1), absl::Now() + absl::Seconds(10), result.Done());
+  auto r = result.Wait();
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kUnknown) << r.status();
+  EXPECT_NE(r.status().message().find("status code 99"), std::string::npos) << r.status();
+}
+
 }  // namespace
 }  // namespace shardgemm

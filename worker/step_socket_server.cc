@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "logging/log.h"
 #include "proto/step_frame.h"
 
@@ -66,7 +67,10 @@ absl::StatusOr<std::unique_ptr<StepSocketServer>> StepSocketServer::Start(const 
 }
 
 StepSocketServer::StepSocketServer(std::string path, int listen_fd, Handler handler)
-    : path_(std::move(path)), listen_fd_(listen_fd), handler_(std::move(handler)) {}
+    : path_(std::move(path)),
+      listen_fd_(listen_fd),
+      handler_(std::move(handler)),
+      threads_(std::make_unique<platform::ElasticThreadPool>(kMaxThreads)) {}
 
 StepSocketServer::~StepSocketServer() {
   std::vector<std::shared_ptr<Connection>> connections;
@@ -78,12 +82,7 @@ StepSocketServer::~StepSocketServer() {
   ::shutdown(listen_fd_, SHUT_RDWR);  // ends the acceptor's accept()
   if (acceptor_.joinable()) acceptor_.join();
   for (const auto& c : connections) c->Shutdown();  // ends each reader's recv()
-  std::vector<std::thread> readers;
-  {
-    absl::MutexLock lock(&mu_);
-    readers.swap(readers_);
-  }
-  for (std::thread& t : readers) t.join();
+  threads_.reset();  // waits for the readers and the steps running on their threads
   for (const auto& c : connections) c->Close();
   ::close(listen_fd_);
   ::unlink(path_.c_str());
@@ -103,8 +102,18 @@ void StepSocketServer::Accept() {
   while (true) {
     const int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
     if (fd < 0) {
-      if (errno == EINTR || errno == ECONNABORTED) continue;
-      return;  // shut down (or the socket failed: steps go on gRPC)
+      const int error = errno;
+      if (error == EINTR || error == ECONNABORTED) continue;
+      {
+        absl::MutexLock lock(&mu_);
+        if (stopping_) return;
+      }
+      if (error == EBADF || error == EINVAL || error == ENOTSOCK) return;  // the socket itself is gone
+      // Out of descriptors or memory for now: steps go on gRPC meanwhile.
+      logging::ProcessLogger().Log(logging::Level::kWarning, "step_socket_accept_failed",
+                                   {{"message", std::strerror(error)}});
+      absl::SleepFor(absl::Milliseconds(100));
+      continue;
     }
     ucred peer{};
     socklen_t length = sizeof(peer);
@@ -118,7 +127,7 @@ void StepSocketServer::Accept() {
     timeval send_timeout{10, 0};
     ::setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &send_timeout, sizeof(send_timeout));
     absl::MutexLock lock(&mu_);
-    // Connections that ended go from the list (their threads stay joinable until the end).
+    // Connections that ended go from the list.
     std::vector<std::shared_ptr<Connection>> open;
     for (auto& c : connections_) {
       absl::MutexLock connection_lock(&c->mu);
@@ -131,8 +140,11 @@ void StepSocketServer::Accept() {
       continue;
     }
     auto connection = std::make_shared<Connection>(fd);
+    if (!threads_->Run([this, connection] { Serve(connection); }).ok()) {
+      connection->Close();
+      continue;
+    }
     connections_.push_back(connection);
-    readers_.emplace_back([this, connection] { Serve(connection); });
   }
 }
 
@@ -144,7 +156,8 @@ void StepSocketServer::Serve(std::shared_ptr<Connection> connection) {
   }
   while (true) {
     auto request = std::make_unique<v1::StepSocketRequest>();
-    // Only this thread reads, and the fd stays open until Close (after this thread ends).
+    // One thread at a time reads a connection, and its fd stays open until
+    // the reader that sees it end closes it.
     if (absl::Status s = ReadStepFrame(fd, request.get(), kMaxStepSocketRequestBytes); !s.ok()) {
       if (s.code() != absl::StatusCode::kUnavailable) {
         logging::ProcessLogger().Log(logging::Level::kWarning, "step_socket_dropped",
@@ -152,10 +165,15 @@ void StepSocketServer::Serve(std::shared_ptr<Connection> connection) {
       }
       break;
     }
+    // Another thread reads on while this one runs the step: a long step
+    // leaves the next frames read, not stuck in the coordinator's write.
+    // With no thread to spare, this one reads again after the step.
+    const bool handed_on = threads_->Run([this, connection] { Serve(connection); }).ok();
     std::weak_ptr<Connection> weak = connection;
     handler_(std::move(request), [weak](v1::StepSocketReply reply) {
       if (auto c = weak.lock()) c->Write(reply);
     });
+    if (handed_on) return;
   }
   connection->Close();
 }

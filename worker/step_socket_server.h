@@ -15,6 +15,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "platform/elastic_thread_pool.h"
 #include "proto/shardgemm.pb.h"
 
 namespace shardgemm {
@@ -24,16 +25,19 @@ class StepSocketServer {
   // Answers one request; callable from any thread, once. A reply to a
   // connection that has closed is dropped.
   using Reply = std::function<void(v1::StepSocketReply)>;
-  // Runs on the connection's reading thread; it may answer there (the
-  // connection reads its next frame after) or hand the reply on.
+  // Runs on the thread that read the request (another reads the
+  // connection's next frames meanwhile); it may answer there or hand the
+  // reply on.
   using Handler = std::function<void(std::unique_ptr<v1::StepSocketRequest>, Reply)>;
 
   static constexpr int kMaxConnections = 64;
+  // Threads reading connections and running the steps they read.
+  static constexpr int kMaxThreads = 1024;
 
   // Listens on `path` (which must not exist). Its inode is the socket's, for the registration.
   static absl::StatusOr<std::unique_ptr<StepSocketServer>> Start(const std::string& path, Handler handler);
-  // Stops accepting, ends every connection and joins its thread (a handler
-  // still running on another thread answers into nothing).
+  // Stops accepting, ends every connection and waits for the steps running
+  // on its threads (a handler that handed its reply on answers into nothing).
   ~StepSocketServer();
   StepSocketServer(const StepSocketServer&) = delete;
   StepSocketServer& operator=(const StepSocketServer&) = delete;
@@ -53,7 +57,7 @@ class StepSocketServer {
   mutable absl::Mutex mu_;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::vector<std::shared_ptr<Connection>> connections_ ABSL_GUARDED_BY(mu_);
-  std::vector<std::thread> readers_ ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<platform::ElasticThreadPool> threads_;  // reset first when stopping
   std::thread acceptor_;
 };
 
