@@ -46,6 +46,12 @@ void Executor::Configure(const MeshPosition& position, std::unique_ptr<Collectiv
   timed_ = collectives_.get();
   next_sequence_ = std::max<uint64_t>(next_sequence, 1);
   configured_ = true;
+  ++configurations_;
+}
+
+void Executor::Close() {
+  absl::MutexLock lock(&mu_);
+  closed_ = true;
 }
 
 namespace {
@@ -55,6 +61,8 @@ namespace {
 // started without it, or the coordinator gave up on it. The server's
 // business, not the client's: retryable. The message names no sequence
 // numbers (clients see it; the worker's step log line has them).
+absl::Status Closing() { return absl::UnavailableError("this worker is shutting down; retry the request"); }
+
 absl::Status StaleStep() {
   return absl::UnavailableError(
       "the step was numbered before this worker's place in the order (the worker rejoined the mesh while the "
@@ -77,8 +85,9 @@ absl::Status Executor::WaitForTurn(uint64_t sequence, uint64_t oldest_live, absl
     ~Done() { waiting->fetch_sub(1, std::memory_order_relaxed); }
   } done{&steps_waiting_};
   absl::MutexLock lock(&mu_);
+  if (closed_) return Closing();
   if (sequence < next_sequence_) return StaleStep();
-  auto configured = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return configured_; };
+  auto configured = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return configured_ || closed_; };
   if (would_wait != nullptr && !configured_) {
     *would_wait = true;
     return absl::OkStatus();
@@ -86,6 +95,7 @@ absl::Status Executor::WaitForTurn(uint64_t sequence, uint64_t oldest_live, absl
   if (!mu_.AwaitWithDeadline(absl::Condition(&configured), deadline)) {
     return absl::DeadlineExceededError("this worker has not joined the mesh yet");
   }
+  if (closed_) return Closing();
   if (!session_.empty() && session != session_) {
     return absl::FailedPreconditionError("the step is not from this worker's coordinator session");
   }
@@ -108,12 +118,16 @@ absl::Status Executor::WaitForTurn(uint64_t sequence, uint64_t oldest_live, absl
     }
     const uint64_t seen_next = next_sequence_;
     const bool seen_running = running_;
-    auto changed = [this, seen_next, seen_running]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
-      return next_sequence_ != seen_next || running_ != seen_running;
+    const uint64_t seen_configurations = configurations_;
+    // A re-registration may leave next_sequence_ as it was: it is watched too.
+    auto changed = [this, seen_next, seen_running, seen_configurations]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+      return next_sequence_ != seen_next || running_ != seen_running || configurations_ != seen_configurations ||
+             closed_;
     };
     if (!mu_.AwaitWithDeadline(absl::Condition(&changed), deadline)) {
       return absl::DeadlineExceededError("the step was still waiting for an earlier one at its deadline");
     }
+    if (closed_) return Closing();
   }
   running_ = true;
   return absl::OkStatus();

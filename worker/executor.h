@@ -56,6 +56,12 @@ class Executor {
   std::optional<absl::StatusOr<v1::StepResult>> ExecuteIfItsTurn(v1::Step& step,
                                                                   absl::Time deadline = absl::InfiniteFuture());
 
+  // The worker is stopping: steps waiting for their turn (or for the worker
+  // to join) end UNAVAILABLE now, and later ones at once; a running step
+  // runs to its end. Lets the server's shutdown finish whatever deadlines
+  // the waiting steps carry.
+  void Close();
+
   const MeshPosition& position() const { return position_; }
   // Returns once no step is running (a running step's collectives are bounded by their timeout).
   void AwaitIdle();
@@ -150,7 +156,9 @@ class Executor {
   std::atomic<bool> running_step_cancelled_{false};
   absl::Time step_deadline_ = absl::InfiniteFuture();
   bool configured_ ABSL_GUARDED_BY(mu_) = false;
+  bool closed_ ABSL_GUARDED_BY(mu_) = false;
   std::string session_ ABSL_GUARDED_BY(mu_);
+  uint64_t configurations_ ABSL_GUARDED_BY(mu_) = 0;  // Configure calls: a waiting step sees a re-registration
   bool running_ ABSL_GUARDED_BY(mu_) = false;  // a step has its turn
 };
 

@@ -8,6 +8,7 @@
 #include <tuple>
 #include <vector>
 
+#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "proto/tensor_codec.h"
@@ -331,6 +332,51 @@ TEST_F(ExecutorTest, AWaitingStepPassedOverByALaterOneIsStale) {
   EXPECT_TRUE(e.Execute(third, absl::Now() + absl::Seconds(10)).ok());
   waiting.join();
   EXPECT_EQ(waited.status().code(), absl::StatusCode::kUnavailable) << waited.status();
+}
+
+// The worker's shutdown closes the executor: a step waiting for its turn
+// (here with no deadline at all) ends at once, and so does a later one.
+TEST_F(ExecutorTest, AStepWaitingForItsTurnEndsWhenTheExecutorCloses) {
+  Executor& e = Make(SingleWorkerPosition());
+  v1::Step second = GemmStep(F32({2, 3}, 1), F32({1, 3, 2}, 1), {2});
+  second.set_sequence(2);
+  absl::StatusOr<v1::StepResult> waited = absl::UnknownError("not run");
+  absl::Notification done;
+  std::thread waiting([&] {
+    waited = e.Execute(second, absl::InfiniteFuture());
+    done.Notify();
+  });
+  absl::SleepFor(absl::Milliseconds(50));
+  EXPECT_FALSE(done.HasBeenNotified()) << "step 2 waits for step 1";
+  e.Close();
+  EXPECT_TRUE(done.WaitForNotificationWithTimeout(absl::Seconds(5))) << "the waiting step did not end";
+  waiting.join();
+  EXPECT_EQ(waited.status().code(), absl::StatusCode::kUnavailable) << waited.status();
+  v1::Step first = GemmStep(F32({2, 3}, 1), F32({1, 3, 2}, 1), {2});
+  first.set_sequence(1);
+  EXPECT_EQ(e.Execute(first, absl::Now() + absl::Seconds(5)).status().code(), absl::StatusCode::kUnavailable);
+}
+
+// A worker that registers again with a new coordinator session while a step
+// of the old one waits for its turn: the step ends then, not at its
+// deadline, even when the new session starts the order where it was.
+TEST_F(ExecutorTest, AStepWaitingForItsTurnEndsWhenTheWorkerRegistersAgain) {
+  executor_ = std::make_unique<Executor>(backend_.get(), &store_);
+  executor_->Configure(SingleWorkerPosition(), MakeLocalCollectives(SingleWorkerPosition()), 1, "session-a");
+  v1::Step second = GemmStep(F32({2, 3}, 1), F32({1, 3, 2}, 1), {2});
+  second.set_sequence(2);
+  second.set_session("session-a");
+  absl::StatusOr<v1::StepResult> waited = absl::UnknownError("not run");
+  absl::Notification done;
+  std::thread waiting([&] {
+    waited = executor_->Execute(second, absl::Now() + absl::Seconds(8));
+    done.Notify();
+  });
+  absl::SleepFor(absl::Milliseconds(50));
+  executor_->Configure(SingleWorkerPosition(), MakeLocalCollectives(SingleWorkerPosition()), 1, "session-b");
+  EXPECT_TRUE(done.WaitForNotificationWithTimeout(absl::Seconds(2))) << "the old session's step waited on";
+  waiting.join();
+  EXPECT_EQ(waited.status().code(), absl::StatusCode::kFailedPrecondition) << waited.status();
 }
 
 TEST_F(ExecutorTest, ExecuteIfItsTurnRunsOnlyAStepThatNeedNotWait) {

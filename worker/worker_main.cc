@@ -586,7 +586,9 @@ int Run() {
   // Supervisors and scripts wait for this line: it is written now, not with
   // the logger's next batch.
   logging::ProcessLogger().Flush();
-  ServeUntilSignalled(server.get());
+  // Steps waiting for their turn end first (UNAVAILABLE): the server's
+  // shutdown then waits for nothing their deadlines would hold.
+  ServeUntilSignalled(server.get(), [&executor] { executor.Close(); });
   if (device_lost) {
     // Nothing of the lost context is to be touched again (the backend's and
     // NCCL's teardown would be): the process ends here, its socket directory
