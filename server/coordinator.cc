@@ -24,6 +24,7 @@
 #include "kernels/quantize_assembly.h"
 #include "logging/log.h"
 #include "proto/plan_codec.h"
+#include "server/block_runs.h"
 #include "server/output_assembly.h"
 #include "server/row_routing.h"
 #include "server/step_builder.h"
@@ -1697,7 +1698,7 @@ class Coordinator::StreamedPutImpl final : public Coordinator::StreamedPut {
   struct Destination {
     int holder = 0;
     std::string ticket;
-    int64_t begin = 0, end = 0;  // the block's bytes within the tensor's
+    BlockRuns runs;  // where the block's bytes lie in the tensor's
     std::unique_ptr<StageStream> stream;  // set and reset under mu_ (the watchdog cancels it)
     absl::Time last_sent = absl::InfinitePast();  // its last message (the worker's bound runs from it)
   };
@@ -1764,13 +1765,21 @@ class Coordinator::StreamedPutImpl final : public Coordinator::StreamedPut {
                                                      " bytes, the chunks carry ", to, " or more"));
     }
     const absl::Time now = absl::Now();
+    std::vector<absl::string_view> pieces;
     for (Destination& d : destinations_) {
-      const int64_t begin = std::max(from, d.begin), end = std::min(to, d.end);
+      pieces.clear();
+      d.runs.Take(from, data, &pieces);
       // A block this chunk does not meet gets an empty message now and then: its holder's ticket
       // expires after a silence (the put's bytes may go to other blocks for longer than that).
-      if (begin >= end && now - d.last_sent < kKeepAlive) continue;
+      if (pieces.empty() && now - d.last_sent < kKeepAlive) continue;
       Waiting(absl::StrCat("worker rank ", d.holder, " to take the bytes of its block"));
-      const absl::string_view piece = begin < end ? data.substr(begin - from, end - begin) : absl::string_view();
+      // A block split on a later dimension meets a chunk in many runs: gathered into one message.
+      absl::string_view piece = pieces.size() == 1 ? pieces[0] : absl::string_view();
+      if (pieces.size() > 1) {
+        gathered_.clear();
+        for (absl::string_view p : pieces) gathered_.append(p.data(), p.size());
+        piece = gathered_;
+      }
       if (!d.stream->Write(piece).ok()) {
         auto answer = d.stream->Finish();  // why it broke
         ResetStream(d);
@@ -1922,6 +1931,7 @@ class Coordinator::StreamedPutImpl final : public Coordinator::StreamedPut {
   std::vector<Destination> destinations_;
   const absl::Duration idle_timeout_;
   std::atomic<int64_t> received_{0};  // the watchdog reads it
+  std::string gathered_;              // a chunk's runs of one strided block, sent as one message
   bool stored_ = false;
   mutable absl::Mutex mu_;
   absl::Time last_progress_ ABSL_GUARDED_BY(mu_);
@@ -1947,15 +1957,10 @@ absl::StatusOr<std::unique_ptr<Coordinator::StreamedPut>> Coordinator::BeginStre
   auto n = CheckedNumElements(shape, DTypeSize(dtype), "shape");
   if (!n.ok()) return n.status();
   const int64_t total_bytes = *n * DTypeSize(dtype);
-  // A block is one range of the row-major bytes only when no dimension after the first is split.
-  for (size_t d = 1; d < shape.size(); ++d) {
-    if ((*local)[d] != shape[d]) return nullptr;
-  }
   if (total_bytes == 0 || !StagingAddresses().ok()) return nullptr;
   auto placement = Place(name, dtype, shape, *spec);
   if (!placement.ok()) return placement.status();
-  const int64_t row_bytes = shape.empty() ? DTypeSize(dtype) : total_bytes / shape[0];
-  const int64_t block_bytes = shape.empty() ? total_bytes : (*local)[0] * row_bytes;
+  const int64_t block_bytes = *CheckedNumElements(*local, DTypeSize(dtype), "shape") * DTypeSize(dtype);
 
   StagedPut put;
   put.name = name;
@@ -1974,8 +1979,9 @@ absl::StatusOr<std::unique_ptr<Coordinator::StreamedPut>> Coordinator::BeginStre
     StreamedPutImpl::Destination d;
     d.holder = holder;
     d.ticket = security::RandomHex(16);
-    d.begin = shape.empty() ? 0 : (*offsets)[0] * row_bytes;
-    d.end = d.begin + block_bytes;
+    auto runs = BlockRuns::Make(shape, *offsets, *local, DTypeSize(dtype));
+    if (!runs.ok()) return absl::InternalError(absl::StrCat("block of rank ", block_rank, ": ", runs.status().message()));
+    d.runs = *std::move(runs);
     v1::StagingTicket* t = expect[holder].add_tickets();
     t->set_ticket(d.ticket);
     t->set_tenant(call.tenant);

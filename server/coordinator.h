@@ -177,9 +177,9 @@ class Coordinator {
     // blocks (as PutStaged).
     virtual absl::StatusOr<v1::PutTensorResponse> Finish() = 0;
   };
-  // For a put whose every block (and standby copy) is a contiguous range of
-  // the row-major bytes (a spec that splits only dim 0, or none) on a mesh
-  // whose workers all stage and whose staging budgets fit the blocks: opens
+  // For a put on a mesh whose workers all stage and whose staging budgets
+  // fit the blocks (a block split on a later dimension is taken from each
+  // chunk run by run: BlockRuns): opens
   // a stage stream to each holder, all bounded by `deadline` and by
   // progress (StreamedPut::OnStall). Null (OK) when
   // the put does not qualify, or when a holder's staging budget is taken now

@@ -96,9 +96,11 @@ def dp2(tmp_path_factory):
     c.stop()
 
 
-@pytest.mark.parametrize("spec", ["(dp, None)", "", "(None, dp)"], ids=["rows", "replicated", "columns_assembled"])
-def test_put_is_stored_right_and_read_back(dp2, spec):
-    a = rng.standard_normal((384, 2048 + 3 * 2), dtype=np.float32)  # 3 MiB and a bit: pieces straddle the blocks
+@pytest.mark.parametrize("spec,shape", [("(dp, None)", (384, 2048 + 3 * 2)), ("", (384, 2048 + 3 * 2)),
+                                        ("(None, dp)", (384, 2048 + 3 * 2)), ("(None, dp, None)", (24, 6, 4096 + 2))],
+                         ids=["rows", "replicated", "columns", "middle_dim"])
+def test_put_is_stored_right_and_read_back(dp2, spec, shape):
+    a = rng.standard_normal(shape, dtype=np.float32)  # 3 MiB and a bit: pieces straddle the blocks and the rows
     dp2.client.put("w", a, spec=spec, overwrite=True)
     np.testing.assert_array_equal(dp2.client.get("w"), a)
     info = resident(dp2, "w")
@@ -106,10 +108,12 @@ def test_put_is_stored_right_and_read_back(dp2, spec):
     wait_unstaged(dp2, within=0)
 
 
-def test_the_coordinators_high_water_mark_grows_by_far_less_than_the_payload(dp2):
+# A column split streams too: each chunk's runs of a block go on as one message.
+@pytest.mark.parametrize("spec", ["(dp, None)", "(None, dp)"], ids=["rows", "columns"])
+def test_the_coordinators_high_water_mark_grows_by_far_less_than_the_payload(dp2, spec):
     a = rng.standard_normal((96 << 10, 256), dtype=np.float32)  # 96 MiB
     before = vm_hwm_kib(dp2.coordinator.pid)
-    dp2.client.put("big", a, spec="(dp, None)", overwrite=True)
+    dp2.client.put("big", a, spec=spec, overwrite=True)
     grown = vm_hwm_kib(dp2.coordinator.pid) - before
     assert grown * 1024 < a.nbytes / 2, f"the coordinator's VmHWM grew {grown} KiB for a {a.nbytes >> 20} MiB put"
     half = a.shape[0] // 2
