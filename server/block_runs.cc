@@ -49,19 +49,22 @@ void BlockRuns::StartRun() {
   for (size_t d = 0; d < index_.size(); ++d) run_start_ += (offsets_[d] + index_[d]) * stride_[d];
 }
 
-void BlockRuns::Take(int64_t from, absl::string_view data, std::vector<absl::string_view>* pieces) {
+void BlockRuns::Take(int64_t from, absl::string_view data, absl::FunctionRef<void(absl::string_view)> piece) {
   const int64_t to = from + static_cast<int64_t>(data.size());
   while (run_ < num_runs_ && run_start_ < to) {
     const int64_t run_end = run_start_ + run_bytes_;
     const int64_t begin = std::max(from, run_start_), end = std::min(to, run_end);
-    if (begin < end) pieces->push_back(data.substr(static_cast<size_t>(begin - from), static_cast<size_t>(end - begin)));
+    if (begin < end) piece(data.substr(static_cast<size_t>(begin - from), static_cast<size_t>(end - begin)));
     if (run_end > to) return;  // the rest of this run comes with the next chunk
-    ++run_;
-    for (size_t d = index_.size(); d-- > 0;) {  // the next outer index, last dimension fastest
-      if (++index_[d] < extent_[d]) break;
-      index_[d] = 0;
+    if (++run_ == num_runs_) return;
+    // The next outer index, last dimension fastest; the start moves by its stride but at a carry.
+    size_t d = index_.size();
+    while (d-- > 0 && ++index_[d] == extent_[d]) index_[d] = 0;
+    if (d == index_.size() - 1) {
+      run_start_ += stride_[d];
+    } else {
+      StartRun();
     }
-    StartRun();
   }
 }
 

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 
@@ -16,16 +17,17 @@ namespace shardgemm {
 
 class BlockRuns {
  public:
-  // `shape`: the tensor's; `offsets` and `extent`: the block's start and
-  // size per dimension (in bounds); `element_bytes` > 0.
+  // `shape`: the tensor's (its bytes fit an int64: callers check it);
+  // `offsets` and `extent`: the block's start and size per dimension (in
+  // bounds); `element_bytes` > 0.
   BlockRuns() = default;  // an empty block
   static absl::StatusOr<BlockRuns> Make(const std::vector<int64_t>& shape, const std::vector<int64_t>& offsets,
                                         const std::vector<int64_t>& extent, int64_t element_bytes);
 
   // `data` is the tensor's bytes from `from` on; chunks come in order with
-  // no gap. Appends to `pieces` the parts of `data` that are the block's,
-  // in order (views into `data`).
-  void Take(int64_t from, absl::string_view data, std::vector<absl::string_view>* pieces);
+  // no gap. Calls `piece` with each part of `data` that is the block's, in
+  // order (views into `data`; none kept).
+  void Take(int64_t from, absl::string_view data, absl::FunctionRef<void(absl::string_view)> piece);
 
   int64_t block_bytes() const { return run_bytes_ * num_runs_; }
   int64_t run_bytes() const { return run_bytes_; }

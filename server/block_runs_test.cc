@@ -16,9 +16,7 @@ std::string Gathered(BlockRuns runs, const std::string& bytes, const std::vector
   std::string out;
   int64_t from = 0;
   for (int64_t c : chunks) {
-    std::vector<absl::string_view> pieces;
-    runs.Take(from, absl::string_view(bytes).substr(from, c), &pieces);
-    for (absl::string_view p : pieces) out.append(p.data(), p.size());
+    runs.Take(from, absl::string_view(bytes).substr(from, c), [&](absl::string_view p) { out.append(p.data(), p.size()); });
     from += c;
   }
   EXPECT_TRUE(runs.done());
@@ -44,7 +42,7 @@ TEST(BlockRunsTest, ABlockSplitOnlyOnDimZeroIsOneRun) {
   const HostTensor t = Counting({8, 4});
   // Every piece is a view of the chunk: the whole block comes as one piece from one chunk.
   std::vector<absl::string_view> pieces;
-  runs->Take(0, t.bytes, &pieces);
+  runs->Take(0, t.bytes, [&](absl::string_view p) { pieces.push_back(p); });
   ASSERT_EQ(pieces.size(), 1u);
   EXPECT_EQ(pieces[0].data(), t.bytes.data() + 2 * 16);
   EXPECT_TRUE(runs->done());

@@ -1764,35 +1764,13 @@ class Coordinator::StreamedPutImpl final : public Coordinator::StreamedPut {
       return absl::InvalidArgumentError(absl::StrCat("data: tensor '", put_.name, "' needs ", total_bytes_,
                                                      " bytes, the chunks carry ", to, " or more"));
     }
-    const absl::Time now = absl::Now();
-    std::vector<absl::string_view> pieces;
-    for (Destination& d : destinations_) {
-      pieces.clear();
-      d.runs.Take(from, data, &pieces);
-      // A block this chunk does not meet gets an empty message now and then: its holder's ticket
-      // expires after a silence (the put's bytes may go to other blocks for longer than that).
-      if (pieces.empty() && now - d.last_sent < kKeepAlive) continue;
-      Waiting(absl::StrCat("worker rank ", d.holder, " to take the bytes of its block"));
-      // A block split on a later dimension meets a chunk in many runs: gathered into one message.
-      absl::string_view piece = pieces.size() == 1 ? pieces[0] : absl::string_view();
-      if (pieces.size() > 1) {
-        gathered_.clear();
-        for (absl::string_view p : pieces) gathered_.append(p.data(), p.size());
-        piece = gathered_;
-      }
-      if (!d.stream->Write(piece).ok()) {
-        auto answer = d.stream->Finish();  // why it broke
-        ResetStream(d);
-        absl::Status why = answer.ok() ? absl::UnavailableError("the stage stream ended early") : answer.status();
-        if (why.code() == absl::StatusCode::kCancelled) {
-          why = absl::Status(why.code(), absl::StrCat(why.message(), " (a worker ends a put's stream that "
-                                                      "brought nothing for its --staged_block_ttl, or twice "
-                                                      "--step_timeout if longer)"));
-        }
-        return Broken(d, why);
-      }
-      d.last_sent = absl::Now();
-    }
+    // A chunk is taken a slice at a time: what a slice's runs gather, and each message to a holder, stay small.
+    size_t done = 0;
+    do {
+      const absl::string_view slice = data.substr(done, kAppendSlice);
+      if (auto s = AppendSlice(from + static_cast<int64_t>(done), slice); !s.ok()) return s;
+      done += slice.size();
+    } while (done < data.size());
     received_ = to;
     Waiting("the client's next chunk");
     return absl::OkStatus();
@@ -1841,6 +1819,43 @@ class Coordinator::StreamedPutImpl final : public Coordinator::StreamedPut {
   }
 
  private:
+  static constexpr int64_t kAppendSlice = int64_t{4} << 20;
+
+  absl::Status AppendSlice(int64_t from, absl::string_view data) {
+    const absl::Time now = absl::Now();
+    for (Destination& d : destinations_) {
+      // A block split on a later dimension meets a slice in many runs: gathered into one message.
+      int pieces = 0;
+      absl::string_view piece;
+      d.runs.Take(from, data, [&](absl::string_view p) {
+        if (++pieces == 1) {
+          piece = p;
+          return;
+        }
+        if (pieces == 2) gathered_.assign(piece.data(), piece.size());
+        gathered_.append(p.data(), p.size());
+      });
+      if (pieces > 1) piece = gathered_;
+      // A block this chunk does not meet gets an empty message now and then: its holder's ticket
+      // expires after a silence (the put's bytes may go to other blocks for longer than that).
+      if (pieces == 0 && now - d.last_sent < kKeepAlive) continue;
+      Waiting(absl::StrCat("worker rank ", d.holder, " to take the bytes of its block"));
+      if (!d.stream->Write(piece).ok()) {
+        auto answer = d.stream->Finish();  // why it broke
+        ResetStream(d);
+        absl::Status why = answer.ok() ? absl::UnavailableError("the stage stream ended early") : answer.status();
+        if (why.code() == absl::StatusCode::kCancelled) {
+          why = absl::Status(why.code(), absl::StrCat(why.message(), " (a worker ends a put's stream that "
+                                                      "brought nothing for its --staged_block_ttl, or twice "
+                                                      "--step_timeout if longer)"));
+        }
+        return Broken(d, why);
+      }
+      d.last_sent = absl::Now();
+    }
+    return absl::OkStatus();
+  }
+
   // A stream's failure, naming the rank; the watchdog's own when it ended the stream.
   absl::Status Broken(const Destination& d, const absl::Status& s) {
     if (absl::Status stalled = Stalled(); !stalled.ok()) return stalled;

@@ -148,8 +148,9 @@ int Run() {
   const absl::Duration step_timeout = absl::GetFlag(FLAGS_step_timeout_s) != 0
                                          ? absl::Seconds(absl::GetFlag(FLAGS_step_timeout_s))
                                          : absl::GetFlag(FLAGS_step_timeout);
-  if (!(step_timeout > absl::ZeroDuration())) {
-    std::cerr << "shardgemm-coordinator: --step_timeout (or --step_timeout_s) must be positive\n";
+  if (!(step_timeout > absl::ZeroDuration()) || step_timeout == absl::InfiniteDuration()) {
+    std::cerr << "shardgemm-coordinator: --step_timeout (or --step_timeout_s) must be positive and finite "
+                 "(every step's wait on the workers is bounded by it)\n";
     return 2;
   }
   CoordinatorOptions options;

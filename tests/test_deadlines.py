@@ -142,8 +142,8 @@ def test_the_request_after_an_expired_large_gemm_is_not_held_by_it(cluster_facto
 
 
 @pytest.mark.parametrize("flag", ["--step_timeout=soon", "--step_timeout=-1s", "--step_timeout=0s",
-                                  "--step_timeout_s=-2"])
-def test_the_coordinator_refuses_a_step_timeout_that_is_no_positive_duration(flag):
+                                  "--step_timeout_s=-2", "--step_timeout=inf"])
+def test_the_coordinator_refuses_a_step_timeout_that_is_no_positive_finite_duration(flag):
     import subprocess
     from conftest import BIN
     r = subprocess.run([os.path.join(BIN, "shardgemm-coordinator"), "--insecure", "--mesh=dp=1",

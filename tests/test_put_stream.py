@@ -97,8 +97,9 @@ def dp2(tmp_path_factory):
 
 
 @pytest.mark.parametrize("spec,shape", [("(dp, None)", (384, 2048 + 3 * 2)), ("", (384, 2048 + 3 * 2)),
-                                        ("(None, dp)", (384, 2048 + 3 * 2)), ("(None, dp, None)", (24, 6, 4096 + 2))],
-                         ids=["rows", "replicated", "columns", "middle_dim"])
+                                        ("(None, dp)", (384, 2048 + 3 * 2)), ("(None, dp, None)", (24, 6, 4096 + 2)),
+                                        ("(None, dp)", (3 << 17, 2))],
+                         ids=["rows", "replicated", "columns", "middle_dim", "one_element_runs"])
 def test_put_is_stored_right_and_read_back(dp2, spec, shape):
     a = rng.standard_normal(shape, dtype=np.float32)  # 3 MiB and a bit: pieces straddle the blocks and the rows
     dp2.client.put("w", a, spec=spec, overwrite=True)

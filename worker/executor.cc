@@ -79,6 +79,10 @@ void Executor::AwaitIdle() {
 
 absl::Status Executor::WaitForTurn(uint64_t sequence, uint64_t oldest_live, absl::Time deadline,
                                    const std::string& session, bool* would_wait) {
+  // A step whose caller named no deadline (the coordinator always names one)
+  // still gives up on a turn that never comes; once running it has no bound
+  // but its collectives' timeouts.
+  if (deadline == absl::InfiniteFuture()) deadline = absl::Now() + kTurnWaitWithoutDeadline;
   steps_waiting_.fetch_add(1, std::memory_order_relaxed);
   struct Done {
     std::atomic<int64_t>* waiting;

@@ -39,6 +39,8 @@ class Executor {
   // How far ahead of the next expected step a step may be numbered: the
   // coordinator never has more in flight; a step past it is refused.
   static constexpr uint64_t kSequenceWindow = uint64_t{1} << 16;
+  // How long a step with no deadline waits for its turn (or for the worker to join).
+  static constexpr absl::Duration kTurnWaitWithoutDeadline = absl::Minutes(10);
 
   // Waits until every step with a lower sequence number has run, then runs
   // this one. A step that fails still passes the turn on. There is no turn

@@ -159,8 +159,10 @@ struct Joined {
 
 // Registers with the coordinator (retrying while it is unreachable, at most
 // `patience`), then gives the executor its place, session and collectives.
+// `stopping` (may be null): the worker is shutting down: no more tries.
 absl::StatusOr<Joined> Join(v1::Coordination::Stub* stub, v1::RegisterRequest request, const ShardStore& store,
-                            absl::Duration patience, const Mesher& mesher, Executor* executor) {
+                            absl::Duration patience, const Mesher& mesher, Executor* executor,
+                            const absl::Notification* stopping = nullptr) {
   // Steps of the old session still running end first (their collectives
   // time out): the new coordinator counts this worker ready once it answers.
   executor->AwaitIdle();
@@ -170,6 +172,9 @@ absl::StatusOr<Joined> Join(v1::Coordination::Stub* stub, v1::RegisterRequest re
   const absl::Time give_up = absl::Now() + patience;
   bool said_full = false;
   while (true) {
+    if (stopping != nullptr && stopping->HasBeenNotified()) {
+      return absl::UnavailableError("this worker is shutting down: not registering");
+    }
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
     ctx.set_wait_for_ready(true);
@@ -562,7 +567,7 @@ int Run() {
       logging::ProcessLogger().Log(logging::Level::kWarning, "coordinator_restarted",
                                    {{"message", "the coordinator has a new session: registering again"}});
       auto again = Join(stub.get(), request, store, absl::Seconds(absl::GetFlag(FLAGS_register_timeout_s)), mesher,
-                        &executor);
+                        &executor, &stop_watching);
       if (!again.ok()) {
         logging::ProcessLogger().Log(logging::Level::kError, "register_failed",
                                      {{"message", std::string(again.status().message())}});
@@ -588,7 +593,10 @@ int Run() {
   logging::ProcessLogger().Flush();
   // Steps waiting for their turn end first (UNAVAILABLE): the server's
   // shutdown then waits for nothing their deadlines would hold.
-  ServeUntilSignalled(server.get(), [&executor] { executor.Close(); });
+  ServeUntilSignalled(server.get(), [&executor, &stop_watching] {
+    stop_watching.Notify();  // a registration again (a restarted coordinator) is not tried now
+    executor.Close();
+  });
   if (device_lost) {
     // Nothing of the lost context is to be touched again (the backend's and
     // NCCL's teardown would be): the process ends here, its socket directory
@@ -602,7 +610,7 @@ int Run() {
     std::cerr.flush();
     std::_Exit(kExitDeviceLost);
   }
-  stop_watching.Notify();
+  if (!stop_watching.HasBeenNotified()) stop_watching.Notify();
   watcher.join();
   if (staging_server != nullptr) staging_server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   return 0;

@@ -20,14 +20,6 @@ absl::Time JoinWaitDeadline(const grpc::ServerContext* context) {
   return std::min(DeadlineOf(context), absl::Now() + absl::Seconds(10));
 }
 
-// A step whose caller names no deadline (the coordinator always names one)
-// still has one: a step waiting for a turn that never comes gives up then.
-constexpr absl::Duration kStepDeadlineWhenNoneGiven = absl::Minutes(10);
-
-absl::Time StepDeadline(absl::Time given) {
-  return given == absl::InfiniteFuture() ? absl::Now() + kStepDeadlineWhenNoneGiven : given;
-}
-
 }  // namespace
 
 
@@ -64,7 +56,7 @@ grpc::ServerUnaryReactor* WorkerServiceImpl::Execute(grpc::CallbackServerContext
   // out of it (a copy would copy every byte the request carries).
   call->step = const_cast<v1::Step*>(step);
   call->result = result;
-  call->deadline = StepDeadline(DeadlineOf(context));
+  call->deadline = DeadlineOf(context);
   call->finish = [reactor](StepCall&, const grpc::Status& status) { reactor->Finish(status); };
   Run(std::move(call));
   return reactor;
@@ -75,8 +67,8 @@ void WorkerServiceImpl::ExecuteFromStepSocket(std::unique_ptr<v1::StepSocketRequ
   auto call = std::make_unique<StepCall>();
   if (trace_steps_) call->marks.emplace();
   const logging::ScopedTraceMarks marking(call->marks ? &*call->marks : nullptr);
-  call->deadline = StepDeadline(request->deadline_unix_us() > 0 ? absl::FromUnixMicros(request->deadline_unix_us())
-                                                                : absl::InfiniteFuture());
+  call->deadline = request->deadline_unix_us() > 0 ? absl::FromUnixMicros(request->deadline_unix_us())
+                                                   : absl::InfiniteFuture();
   call->socket_request = std::move(request);
   call->step = call->socket_request->mutable_step();
   call->socket_reply.set_call_id(call->socket_request->call_id());
