@@ -36,6 +36,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/cuda/bench_presets.h"
 #include "kernels/cuda/cuda_status.h"
 #include "kernels/cuda/fp8_gemm.h"
 #include "kernels/cuda/sm90_fp8_grouped_gemm.h"
@@ -46,11 +47,6 @@
 namespace shardgemm {
 namespace cuda {
 namespace {
-
-struct Preset {
-  std::string name;
-  int64_t g, m, k, n;
-};
 
 // Random E4M3 codes of magnitude below 2 (bit 6 clear: no NaN), either sign.
 void FillFp8(std::vector<uint8_t>& v, uint64_t seed) {
@@ -134,16 +130,12 @@ int Main(int argc, char** argv) {
   if (presets_path == "presets.json" && !std::ifstream(presets_path)) {
     presets_path = "../shared/anchors/presets.json";
   }
-  std::ifstream in(presets_path);
-  if (!in) {
-    std::fprintf(stderr, "cannot read %s\n", presets_path.c_str());
+  auto loaded = LoadPresets(presets_path);
+  if (!loaded.ok()) {
+    std::fprintf(stderr, "%s\n", std::string(loaded.status().message()).c_str());
     return 1;
   }
-  nlohmann::json pj = nlohmann::json::parse(in);
-  std::vector<Preset> presets;
-  for (const auto& p : pj["presets"])
-    presets.push_back({p["name"].get<std::string>(), p["groups"].get<int64_t>(), p["rows_per_group"].get<int64_t>(),
-                       p["k"].get<int64_t>(), p["n"].get<int64_t>()});
+  const std::vector<Preset> presets = *std::move(loaded);
   FILE* jf = json_path.empty() ? nullptr : std::fopen(json_path.c_str(), "w");
 
   cudaStream_t s;

@@ -18,24 +18,18 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <fstream>
 #include <functional>
 #include <string>
 #include <vector>
 
+#include "kernels/cuda/bench_presets.h"
 #include "kernels/cuda/cuda_status.h"
 #include "kernels/cuda/gemm_testing.h"
 #include "kernels/cuda/grouped_gemm.h"
-#include "nlohmann/json.hpp"
 
 namespace shardgemm {
 namespace cuda {
 namespace {
-
-struct Preset {
-  std::string name;
-  int64_t g, m, k, n;
-};
 
 float MedianMs(cudaStream_t s, cudaEvent_t e0, cudaEvent_t e1, int warmup, int iters,
                const std::function<void()>& call) {
@@ -80,17 +74,12 @@ int Main(int argc, char** argv) {
       return 2;
     }
   }
-  std::ifstream in(presets_path);
-  if (!in) {
-    std::fprintf(stderr, "cannot read %s\n", presets_path.c_str());
+  auto loaded = LoadPresets(presets_path);
+  if (!loaded.ok()) {
+    std::fprintf(stderr, "%s\n", std::string(loaded.status().message()).c_str());
     return 2;
   }
-  nlohmann::json pj = nlohmann::json::parse(in);
-  std::vector<Preset> presets;
-  for (const auto& p : pj["presets"]) {
-    presets.push_back({p["name"].get<std::string>(), p["groups"].get<int64_t>(), p["rows_per_group"].get<int64_t>(),
-                       p["k"].get<int64_t>(), p["n"].get<int64_t>()});
-  }
+  const std::vector<Preset> presets = *std::move(loaded);
   auto runner_or = GroupedGemmRunner::Create();
   if (!runner_or.ok()) {
     std::fprintf(stderr, "runner: %s\n", std::string(runner_or.status().message()).c_str());
