@@ -563,7 +563,16 @@ absl::StatusOr<std::vector<v1::StepResult>> Dispatcher::Resolve(std::vector<absl
   }
   if (failed >= 0) {
     const absl::Status& s = results[failed].status();
-    return absl::Status(s.code(), absl::StrCat("worker ", failed, ": ", s.message()));
+    const std::string failure = absl::StrCat("worker ", failed, ": ", s.message());
+    // A rank marked down while the step ran is its cause: its death revoked its peers' communicators,
+    // and they fail naming only themselves.
+    absl::MutexLock lock(&workers_mu_);
+    for (size_t r = 0; r < results.size() && r < workers_.size(); ++r) {
+      if (results[r].ok() || !workers_[r].down) continue;
+      return absl::UnavailableError(absl::StrCat("worker ", r, " is down (", workers_[r].down_because, ")",
+                                                 static_cast<int>(r) == failed ? "" : absl::StrCat("; ", failure)));
+    }
+    return absl::Status(s.code(), failure);
   }
   std::vector<v1::StepResult> out;
   for (auto& r : results) out.push_back(std::move(*r));

@@ -127,6 +127,35 @@ TEST_F(DispatcherTest, AWorkerThatFailsFailsTheDispatchAtOnceWithoutWaitingForIt
   fakes_.at("alive").AnswerHeld();
 }
 
+// A worker marked down while a step runs is what the step's failure names,
+// not the peer whose communicator its death revoked (that peer's error names
+// only itself).
+TEST_F(DispatcherTest, AStepsFailureNamesTheRankThatWentDownDuringIt) {
+  auto d = Make("dp=2");
+  ASSERT_TRUE(d->Join(At("dead")).ok());
+  ASSERT_TRUE(d->Join(At("peer")).ok());
+  fakes_.at("dead").SetNeverAnswer(true);
+  fakes_.at("peer").SetHandler([](const v1::Step&) -> absl::StatusOr<v1::StepResult> {
+    return absl::UnavailableError("rendezvous get failed: its communicator was revoked");
+  });
+  fakes_.at("peer").SetAnswerDelay(absl::Milliseconds(300));
+  absl::StatusOr<std::vector<v1::StepResult>> r = absl::UnknownError("not dispatched");
+  absl::Notification done;
+  std::thread dispatch([&] {
+    r = d->Dispatch(DeleteSteps(2), absl::Now() + absl::Seconds(30));
+    done.Notify();
+  });
+  absl::SleepFor(absl::Milliseconds(50));
+  d->MarkDown(0, absl::UnavailableError("missed 2 heartbeats"), d->Channels()[0].get());
+  EXPECT_TRUE(done.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  dispatch.join();
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kUnavailable) << r.status();
+  EXPECT_NE(r.status().message().find("worker 0 is down (missed 2 heartbeats)"), std::string::npos) << r.status();
+  EXPECT_NE(r.status().message().find("worker 1: rendezvous"), std::string::npos) << r.status();
+  fakes_.at("dead").SetNeverAnswer(false);
+  fakes_.at("dead").AnswerHeld();
+}
+
 // A client that goes away is not waited for: Dispatch returns CANCELLED
 // within a poll of the cancellation, and the next dispatch is not held
 // behind the abandoned one's numbers.
