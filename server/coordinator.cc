@@ -1975,7 +1975,6 @@ absl::StatusOr<std::unique_ptr<Coordinator::StreamedPut>> Coordinator::BeginStre
   if (total_bytes == 0 || !StagingAddresses().ok()) return nullptr;
   auto placement = Place(name, dtype, shape, *spec);
   if (!placement.ok()) return placement.status();
-  const int64_t block_bytes = *CheckedNumElements(*local, DTypeSize(dtype), "shape") * DTypeSize(dtype);
 
   StagedPut put;
   put.name = name;
@@ -2004,7 +2003,7 @@ absl::StatusOr<std::unique_ptr<Coordinator::StreamedPut>> Coordinator::BeginStre
     t->set_put_block_rank(block_rank);
     t->set_dtype(DTypeToProto(dtype));
     t->mutable_shape()->Assign(local->begin(), local->end());
-    staged_bytes[holder] += block_bytes;
+    staged_bytes[holder] += d.runs.block_bytes();
     destinations.push_back(std::move(d));
     return destinations.back().ticket;
   };

@@ -61,13 +61,14 @@ namespace {
 // started without it, or the coordinator gave up on it. The server's
 // business, not the client's: retryable. The message names no sequence
 // numbers (clients see it; the worker's step log line has them).
-absl::Status Closing() { return absl::UnavailableError("this worker is shutting down; retry the request"); }
-
 absl::Status StaleStep() {
   return absl::UnavailableError(
       "the step was numbered before this worker's place in the order (the worker rejoined the mesh while the "
       "request was in flight, or the coordinator gave up on the step); retry the request");
 }
+
+// A step that waits for its turn, or arrives, once the worker is stopping (Close).
+absl::Status Closing() { return absl::UnavailableError("this worker is shutting down; retry the request"); }
 
 }  // namespace
 

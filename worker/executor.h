@@ -43,11 +43,13 @@ class Executor {
   static constexpr absl::Duration kTurnWaitWithoutDeadline = absl::Minutes(10);
 
   // Waits until every step with a lower sequence number has run, then runs
-  // this one. A step that fails still passes the turn on. There is no turn
-  // timeout: the coordinator sends every sequence number to every worker, and
-  // a step queued behind long ones must still run in its place.
+  // this one. A step that fails still passes the turn on. The turn's only
+  // timeout is the step's deadline: the coordinator sends every sequence
+  // number to every worker, and a step queued behind long ones must still
+  // run in its place.
   // `deadline`: the coordinator's for this step (the call's); a step still
-  // waiting for its turn then gives up (DEADLINE_EXCEEDED).
+  // waiting for its turn then gives up (DEADLINE_EXCEEDED). With none, it
+  // waits kTurnWaitWithoutDeadline.
   absl::StatusOr<v1::StepResult> Execute(v1::Step step, absl::Time deadline = absl::InfiniteFuture());
   // Execute, but only if `step` can start without waiting (this worker is
   // configured, no step runs and it is the step's turn): nullopt, with
