@@ -47,6 +47,9 @@ ABSL_FLAG(std::string, coordinator, "127.0.0.1:50051",
 ABSL_FLAG(std::string, request_id, "",
           "id sent as x-request-id metadata, found in the coordinator's and workers' log lines "
           "(default: the coordinator makes one; gemm prints it)");
+ABSL_FLAG(std::string, call_socket, "",
+          "gemm: send the call as a frame on the coordinator's --call_socket at this path (same host and user) "
+          "instead of gRPC");
 ABSL_FLAG(std::string, mesh, "", "plan offline on this mesh instead of asking the coordinator");
 ABSL_FLAG(std::string, roles, "", "roles for --mesh, e.g. 'dp=data,ep=expert'");
 ABSL_FLAG(std::string, lhs, "", "lhs: FILE.npy, SHAPE (random, e.g. 512x256) or resident:NAME, each optionally @SPEC");
@@ -438,6 +441,7 @@ int Gemm() {
                          ClientMaxMessageBytesFromFlags("shardgemm"));
   client.set_request_id(absl::GetFlag(FLAGS_request_id));
   client.set_timeout(absl::GetFlag(FLAGS_direct_timeout));
+  if (const std::string socket = absl::GetFlag(FLAGS_call_socket); !socket.empty()) client.UseCallSocket(socket);
   const absl::Time start = absl::Now();
   auto response = *path == Path::kDirect ? client.GroupedGemmDirect(request) : client.GroupedGemm(request);
   if (!response.ok()) return Fail(response.status());

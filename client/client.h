@@ -12,6 +12,7 @@
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/security/credentials.h"
 #include "kernels/host_tensor.h"
+#include "proto/frame_socket_client.h"
 #include "proto/shardgemm.grpc.pb.h"
 #include "proto/transport.h"
 
@@ -30,6 +31,9 @@ struct ClientCredentials {
       : coordinator(std::move(coordinator_credentials)), workers(std::move(worker_credentials)) {}
   std::shared_ptr<grpc::ChannelCredentials> coordinator;
   std::shared_ptr<grpc::ChannelCredentials> workers;
+  // The bearer token the call credentials carry, for the call socket's
+  // frames ("": none).
+  std::string token;
 };
 
 class ShardGemmClient {
@@ -47,6 +51,11 @@ class ShardGemmClient {
   absl::StatusOr<v1::ClusterInfo> ClusterInfo();
   absl::StatusOr<v1::Plan> Plan(const v1::PlanRequest& request);
   absl::StatusOr<v1::GroupedGemmResponse> GroupedGemm(const v1::GroupedGemmRequest& request);
+  // GroupedGemm calls go as frames on the coordinator's --call_socket at
+  // `path` (same host, same user) with this client's token, bounded by
+  // timeout(); a request the socket cannot take now (no connection, larger
+  // than the message limit) goes on gRPC. Every other call stays on gRPC.
+  void UseCallSocket(const std::string& path);
   // GroupedGemm on the direct path (docs/architecture.md, "The direct
   // path"): the request's inline operands (lhs, rhs, bias, the FP8 scales)
   // are staged on the workers, each distinct block once per rank that needs
@@ -128,6 +137,9 @@ class ShardGemmClient {
 
   std::unique_ptr<v1::ShardGemm::Stub> stub_;
   std::shared_ptr<grpc::ChannelCredentials> worker_credentials_;
+  std::string token_;
+  using CallSocket = FrameSocketClient<v1::CallSocketRequest, v1::CallSocketReply>;
+  std::unique_ptr<CallSocket> call_socket_;
   int max_message_bytes_;
   absl::Mutex staging_mu_;
   std::map<std::string, std::unique_ptr<grpc::GenericStub>> staging_ ABSL_GUARDED_BY(staging_mu_);

@@ -68,7 +68,9 @@ absl::StatusOr<ClientCredentials> MakeClientCredentials(const ClientSecurity& se
   // The socket's peer is checked by the kernel (a Unix socket only), so the
   // token needs no encryption there; gRPC sends call credentials over it.
   std::shared_ptr<grpc::ChannelCredentials> coordinator = unix_socket ? grpc::experimental::LocalCredentials(UDS) : tls;
-  return ClientCredentials(WithToken(coordinator, security.token), WithToken(tls, security.token));
+  ClientCredentials credentials(WithToken(coordinator, security.token), WithToken(tls, security.token));
+  credentials.token = security.token;
+  return credentials;
 }
 
 ClientCredentials ClientCredentialsFromFlags(const char* program, absl::string_view coordinator_target) {

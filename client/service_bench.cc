@@ -85,6 +85,9 @@
 
 ABSL_FLAG(std::string, coordinator, "127.0.0.1:50051",
           "coordinator address: HOST:PORT, or unix:PATH for its --client_socket");
+ABSL_FLAG(std::string, call_socket, "",
+          "send the GroupedGemm calls as frames on the coordinator's --call_socket at this path (same host and "
+          "user) instead of gRPC; the other calls stay on --coordinator");
 ABSL_FLAG(std::string, presets, "", "presets JSON (anchors/presets.json format)");
 ABSL_FLAG(std::string, only, "", "run only the presets whose name contains this");
 ABSL_FLAG(std::string, local, "cuda", "where the local op runs: cuda or cpu");
@@ -1139,6 +1142,9 @@ int Main() {
         auto caller = std::make_unique<Caller>();
         caller->client = std::make_unique<ShardGemmClient>(absl::GetFlag(FLAGS_coordinator),
                                                            CoordinatorCredentials());
+        if (const std::string path = absl::GetFlag(FLAGS_call_socket); !path.empty()) {
+          caller->client->UseCallSocket(path);
+        }
         caller->request = request;
         caller->direct = direct || output_direct;
         if (!returned) {

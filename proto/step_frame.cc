@@ -101,7 +101,7 @@ absl::Status WriteStepFrame(int fd, const google::protobuf::MessageLite& message
   return absl::OkStatus();
 }
 
-absl::Status ReadStepFrame(int fd, google::protobuf::MessageLite* message, uint64_t max_payload_bytes) {
+absl::Status ReadStepFramePayload(int fd, std::string* payload, uint64_t max_payload_bytes) {
   char header[kStepFrameHeaderBytes];
   size_t got = 0;
   if (absl::Status s = ReadFully(fd, header, sizeof(header), &got); !s.ok()) {
@@ -110,11 +110,17 @@ absl::Status ReadStepFrame(int fd, google::protobuf::MessageLite* message, uint6
   }
   auto bytes = ParseStepFrameHeader(absl::string_view(header, sizeof(header)), max_payload_bytes);
   if (!bytes.ok()) return bytes.status();
-  std::string payload(*bytes, '\0');
-  if (absl::Status s = ReadFully(fd, payload.data(), payload.size(), &got); !s.ok()) {
+  payload->assign(*bytes, '\0');
+  if (absl::Status s = ReadFully(fd, payload->data(), payload->size(), &got); !s.ok()) {
     return absl::DataLossError(absl::StrCat("a step frame was cut short after ", got, " of its ", *bytes,
                                             " bytes: ", s.message()));
   }
+  return absl::OkStatus();
+}
+
+absl::Status ReadStepFrame(int fd, google::protobuf::MessageLite* message, uint64_t max_payload_bytes) {
+  std::string payload;
+  if (absl::Status s = ReadStepFramePayload(fd, &payload, max_payload_bytes); !s.ok()) return s;
   if (!message->ParseFromArray(payload.data(), static_cast<int>(payload.size()))) {
     return absl::DataLossError("a step frame's payload does not parse");
   }

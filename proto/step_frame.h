@@ -40,6 +40,11 @@ absl::StatusOr<uint64_t> ParseStepFrameHeader(absl::string_view header,
 // most part of the frame, which it cannot parse.
 absl::Status WriteStepFrame(int fd, const google::protobuf::MessageLite& message);
 
+// Reads one frame's payload into `payload` (blocking), with the same
+// statuses as ReadStepFrame but for the parse.
+absl::Status ReadStepFramePayload(int fd, std::string* payload,
+                                  uint64_t max_payload_bytes = kMaxStepFramePayloadBytes);
+
 // Reads one frame into `message` (blocking). UNAVAILABLE when the peer
 // closed the socket at a frame boundary or it failed; DATA_LOSS for a bad
 // header, a frame cut short or a payload `message` does not parse.

@@ -29,6 +29,7 @@
 #include "platform/busy_poll.h"
 #include "platform/busy_poll_flags.h"
 #include "proto/transport.h"
+#include "server/call_socket.h"
 #include "server/service.h"
 
 ABSL_FLAG(bool, shared_memory, false,
@@ -48,6 +49,12 @@ ABSL_FLAG(std::string, client_socket, "",
           "coordinator left is replaced; anything else there is an error. Empty: none");
 ABSL_FLAG(std::string, client_socket_mode, "0600",
           "the --client_socket file's mode, octal: 0600 lets this user's processes connect, 0660 its group's too");
+ABSL_FLAG(std::string, call_socket, "",
+          "also take same-host clients' GroupedGemm calls as frames on a Unix socket at this absolute path "
+          "(shardgemm-service-bench --call_socket, ShardGemmClient::UseCallSocket), in a directory of this user's "
+          "that no one else can write: a socket round trip instead of a gRPC call's thread hand-offs. Only this "
+          "user's processes may connect (owner-only, peer credentials checked); tokens are checked as on gRPC; "
+          "a request larger than --max_message_mb goes on gRPC. Empty: none");
 ABSL_FLAG(int64_t, max_message_mb, 2047,
           "the largest message a client may send or be sent, MiB (1-2047): an inline request or response over it "
           "is refused with RESOURCE_EXHAUSTED; PutTensor and GetTensor stream larger tensors in 1 MiB chunks");
@@ -285,11 +292,34 @@ int Run() {
       return 1;
     }
   }
+  // The call socket after the server: stopped first, so no call arrives
+  // once the coordinator abandons its requests.
+  const std::string call_socket_path = absl::GetFlag(FLAGS_call_socket);
+  std::optional<platform::SocketPathClaim> call_socket_claim;
+  std::unique_ptr<FrameSocketServer> call_socket;
+  if (!call_socket_path.empty()) {
+    auto claimed = platform::ClaimSocketPath(call_socket_path, "--call_socket");
+    if (!claimed.ok()) {
+      std::cerr << "shardgemm-coordinator: " << claimed.status().message() << "\n";
+      return 2;
+    }
+    call_socket_claim.emplace(*std::move(claimed));
+    const mode_t umask_before_call_socket = umask(0177);
+    auto started = StartCallSocket(call_socket_path, &service, static_cast<uint64_t>(*max_message_bytes) + 4096);
+    umask(umask_before_call_socket);
+    absl::Status bound = started.ok() ? call_socket_claim->Bound(0600) : started.status();
+    if (!bound.ok()) {
+      std::cerr << "shardgemm-coordinator: --call_socket: " << bound.message() << "\n";
+      return 1;
+    }
+    call_socket = *std::move(started);
+  }
   std::vector<logging::Field> serving = {{"mesh", planner::FormatMesh(*mesh)},
                                          {"workers_expected", planner::NumWorkers(*mesh)},
                                          {"port", port},
                                          {"tls", !transport->insecure()}};
   if (!client_socket.empty()) serving.push_back({"client_socket", client_socket});
+  if (call_socket != nullptr) serving.push_back({"call_socket", call_socket_path});
   if (health != nullptr) serving.push_back({"health_port", health_port});
   if (exporter != nullptr) serving.push_back({"metrics_port", exporter->port()});
   logging::ProcessLogger().Log(logging::Level::kInfo, "serving", serving);

@@ -122,19 +122,21 @@ RequestObserver::RequestObserver(const Coordinator* coordinator, metrics::Regist
   });
 }
 
-RequestRecord RequestObserver::Begin(RequestOp op, grpc::ServerContextBase* context) {
+RequestRecord RequestObserver::Begin(RequestOp op, const std::string& client_request_id) {
   RequestRecord record;
   record.op = op;
   record.start = absl::Now();
+  record.request_id = ValidRequestId(client_request_id) ? client_request_id : MakeRequestId();
+  if (in_progress_ != nullptr) in_progress_->Add(1);
+  return record;
+}
+
+RequestRecord RequestObserver::Begin(RequestOp op, grpc::ServerContextBase* context) {
   const auto& metadata = context->client_metadata();
   auto it = metadata.find(kRequestIdKey);
-  if (it != metadata.end()) {
-    std::string id(it->second.data(), it->second.size());
-    if (ValidRequestId(id)) record.request_id = std::move(id);
-  }
-  if (record.request_id.empty()) record.request_id = MakeRequestId();
+  RequestRecord record =
+      Begin(op, it == metadata.end() ? std::string() : std::string(it->second.data(), it->second.size()));
   context->AddInitialMetadata(kRequestIdKey, record.request_id);
-  if (in_progress_ != nullptr) in_progress_->Add(1);
   return record;
 }
 
@@ -163,6 +165,7 @@ void RequestObserver::End(const RequestRecord& record, const grpc::Status& statu
       {"elapsed_ms", absl::ToDoubleMilliseconds(elapsed)},
   };
   if (!record.tenant.empty()) fields.push_back({"tenant", record.tenant});
+  if (record.transport == RequestTransport::kCallSocket) fields.push_back({"transport", "call_socket"});
   if (!record.tensor.empty()) fields.push_back({"tensor", record.tensor});
   if (!record.plan_summary.empty()) fields.push_back({"plan", record.plan_summary});
   if (record.server_seconds > 0) fields.push_back({"server_ms", record.server_seconds * 1e3});

@@ -40,6 +40,9 @@ const char* RequestOpName(RequestOp op);  // "grouped_gemm", ...
 // (inline), or streamed in chunks (PutTensor / GetTensor).
 enum class BytePath { kInline, kStream };
 
+// How the request came: a gRPC call, or a frame on the call socket.
+enum class RequestTransport { kGrpc, kCallSocket };
+
 // The metadata key of a request's id.
 inline constexpr char kRequestIdKey[] = "x-request-id";
 
@@ -51,6 +54,7 @@ struct RequestRecord {
   std::string tenant;  // the caller's, from its token (empty with --insecure)
   absl::Time start;
   BytePath path = BytePath::kInline;
+  RequestTransport transport = RequestTransport::kGrpc;
   int64_t bytes_in = 0, bytes_out = 0;
   std::string tensor;        // the resident tensor a put/get/delete names
   std::string plan_summary;  // GEMM / quantize: planner::PlanSummary
@@ -68,6 +72,9 @@ class RequestObserver {
   // characters of [A-Za-z0-9._:/-]) or makes one, and sends it back in the
   // response's initial metadata.
   RequestRecord Begin(RequestOp op, grpc::ServerContextBase* context);
+  // The same for a call that came another way (the call socket): the
+  // client's id, if valid, or one made here; the caller sends it back.
+  RequestRecord Begin(RequestOp op, const std::string& client_request_id);
   void End(const RequestRecord& record, const grpc::Status& status);
 
  private:

@@ -56,7 +56,11 @@ absl::StatusOr<std::unique_ptr<ShardGemmService::Slot>> ShardGemmService::TakeSl
 grpc::Status ShardGemmService::Authenticate(const grpc::ServerContextBase& context, RequestRecord* record,
                                             security::Grant needed) {
   if (tokens_ == nullptr) return grpc::Status::OK;
-  auto principal = tokens_->Authenticate(context);
+  return Authorize(tokens_->Authenticate(context), record, needed);
+}
+
+grpc::Status ShardGemmService::Authorize(const absl::StatusOr<security::Principal>& principal, RequestRecord* record,
+                                         security::Grant needed) {
   if (!principal.ok()) return ToGrpcStatus(principal.status());
   record->tenant = principal->tenant;
   if (!principal->Has(needed)) {
@@ -136,38 +140,71 @@ class CancellableReactor : public grpc::ServerUnaryReactor {
 grpc::ServerUnaryReactor* ShardGemmService::GroupedGemm(grpc::CallbackServerContext* context,
                                                         const v1::GroupedGemmRequest* request,
                                                         v1::GroupedGemmResponse* response) {
+  auto* reactor = new CancellableReactor;
+  RequestRecord record = Begin(RequestOp::kGroupedGemm, context);
+  record.tensor = request->keep_output_as();
+  grpc::Status authenticated = Authenticate(*context, &record, security::Grant::kCompute);
+  ServeGroupedGemm(*request, DeadlineOf(context), std::move(record), std::move(authenticated),
+                   reactor->cancellation(), response, [reactor](grpc::Status status) { reactor->Finish(status); });
+  return reactor;
+}
+
+void ShardGemmService::GroupedGemmFromSocket(const v1::GroupedGemmRequest& request, const SocketCall& origin,
+                                             v1::GroupedGemmResponse* response,
+                                             std::function<void(grpc::Status, const std::string&)> finish) {
+  RequestRecord record;
+  record.op = RequestOp::kGroupedGemm;
+  if (observer_ != nullptr) record = observer_->Begin(RequestOp::kGroupedGemm, origin.request_id);
+  record.transport = RequestTransport::kCallSocket;
+  record.tensor = request.keep_output_as();
+  grpc::Status authenticated = grpc::Status::OK;
+  if (tokens_ != nullptr) {
+    authenticated =
+        origin.token.empty()
+            ? grpc::Status(grpc::StatusCode::UNAUTHENTICATED, "no bearer token: set the call's token")
+            : Authorize(tokens_->TenantOf(origin.token), &record, security::Grant::kCompute);
+  }
+  const std::string request_id = record.request_id;
+  ServeGroupedGemm(request, origin.deadline, std::move(record), std::move(authenticated), origin.cancellation,
+                   response, [finish = std::move(finish), request_id](grpc::Status status) {
+                     finish(std::move(status), request_id);
+                   });
+}
+
+void ShardGemmService::ServeGroupedGemm(const v1::GroupedGemmRequest& request, absl::Time deadline,
+                                        RequestRecord record, grpc::Status authenticated,
+                                        std::shared_ptr<Cancellation> cancellation, v1::GroupedGemmResponse* response,
+                                        std::function<void(grpc::Status)> answer) {
   auto marks = trace_requests_ ? std::make_shared<logging::TraceMarks>() : nullptr;
   // The handler's thread marks the request's preparation (the coordinator's
   // TraceMark calls); the answers arrive on other threads (marks itself).
   const logging::ScopedTraceMarks marking(marks.get());
-  auto* reactor = new CancellableReactor;
+  // The record first: a client that has its answer finds it in the metrics,
+  // and the service's objects outlive it (the server's Wait returns once
+  // every call is finished). Its log line is queued, not written, here.
+  auto finish = [this, answer = std::move(answer)](const RequestRecord& r, grpc::Status status) {
+    answer(Finish(r, std::move(status)));
+  };
   // Shared so the completion callback (copyable) can hold it; none when off.
   auto busy = busy_poller_ != nullptr && busy_poller_->on()
                   ? std::make_shared<platform::BusyPoller::Activity>(busy_poller_->Busy())
                   : nullptr;
-  RequestRecord record = Begin(RequestOp::kGroupedGemm, context);
-  record.tensor = request->keep_output_as();
-  if (grpc::Status a = Authenticate(*context, &record, security::Grant::kCompute); !a.ok()) {
-    FinishReactor(reactor, record, std::move(a));
-    return reactor;
-  }
+  if (!authenticated.ok()) return finish(record, std::move(authenticated));
   auto slot = TakeSlot(record.tenant);
-  if (!slot.ok()) {
-    FinishReactor(reactor, record, ToGrpcStatus(slot.status()));
-    return reactor;
-  }
-  record.bytes_in = static_cast<int64_t>(request->ByteSizeLong());
+  if (!slot.ok()) return finish(record, ToGrpcStatus(slot.status()));
+  record.bytes_in = static_cast<int64_t>(request.ByteSizeLong());
   CallContext call = CallOf(record);
-  call.cancellation = reactor->cancellation();
+  call.cancellation = std::move(cancellation);
   call.cancelled = [c = call.cancellation] { return c->cancelled(); };
   call.marks = marks;
   std::shared_ptr<Slot> held(std::move(*slot));
   logging::TraceMark("admitted");
   coordinator_->GroupedGemmAsync(
-      *request, DeadlineOf(context), std::move(call),
-      [this, reactor, response, record, held, busy, marks](absl::StatusOr<v1::GroupedGemmResponse> r) mutable {
+      request, deadline, std::move(call),
+      [finish = std::move(finish), response, record, held, busy,
+       marks](absl::StatusOr<v1::GroupedGemmResponse> r) mutable {
         held.reset();  // the tenant's slot is free before the client hears back
-        // The line goes out once the call's answer is handed to gRPC.
+        // The line goes out once the call's answer is handed on.
         auto log_marks = [&] {
           if (marks == nullptr) return;
           marks->Mark("finished");
@@ -176,7 +213,7 @@ grpc::ServerUnaryReactor* ShardGemmService::GroupedGemm(grpc::CallbackServerCont
           logging::ProcessLogger().Log(logging::Level::kInfo, "request_marks", fields);
         };
         if (!r.ok()) {
-          FinishReactor(reactor, record, ToGrpcStatus(r.status()));
+          finish(record, ToGrpcStatus(r.status()));
           log_marks();
           return;
         }
@@ -188,10 +225,9 @@ grpc::ServerUnaryReactor* ShardGemmService::GroupedGemm(grpc::CallbackServerCont
         record.device_to_host_bytes = response->device_to_host_bytes();
         record.bytes_out = static_cast<int64_t>(response->ByteSizeLong());
         if (marks != nullptr) marks->Mark("response_made");
-        FinishReactor(reactor, record, grpc::Status::OK);
+        finish(record, grpc::Status::OK);
         log_marks();
       });
-  return reactor;
 }
 
 grpc::Status ShardGemmService::GroupedQuantize(grpc::ServerContext* context,

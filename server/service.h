@@ -55,6 +55,23 @@ class ShardGemmService final
                                         v1::GroupedGemmResponse* response) override;
   grpc::Status GroupedQuantize(grpc::ServerContext*, const v1::GroupedQuantizeRequest*,
                                v1::GroupedQuantizeResponse*) override;
+
+  // A GroupedGemm that came on the call socket (server/call_socket.h):
+  // authenticated by its token, admitted, recorded and traced as a gRPC
+  // call is. `finish` runs once, with the status a gRPC call would end with
+  // (`response` filled when OK) and the request's id; `request` and
+  // `response` live until then.
+  struct SocketCall {
+    std::string token;       // "": none sent
+    std::string request_id;  // the client's, or "" for one made here
+    absl::Time deadline = absl::InfiniteFuture();
+    // The call's deadline bounds it: a client whose connection ends does
+    // not cancel its calls in flight.
+    std::shared_ptr<Cancellation> cancellation = std::make_shared<Cancellation>();
+  };
+  void GroupedGemmFromSocket(const v1::GroupedGemmRequest& request, const SocketCall& origin,
+                             v1::GroupedGemmResponse* response,
+                             std::function<void(grpc::Status, const std::string& request_id)> finish);
   grpc::Status PutTensor(grpc::ServerContext*, grpc::ServerReader<v1::TensorChunk>*,
                          v1::PutTensorResponse*) override;
   grpc::Status GetTensor(grpc::ServerContext*, const v1::GetTensorRequest*,
@@ -90,6 +107,14 @@ class ShardGemmService final
   // PERMISSION_DENIED when the token lacks `needed` (or write, for a GEMM
   // that keeps its output: record->tensor set first).
   grpc::Status Authenticate(const grpc::ServerContextBase& context, RequestRecord* record, security::Grant needed);
+  // The same checks for a principal found another way.
+  grpc::Status Authorize(const absl::StatusOr<security::Principal>& principal, RequestRecord* record,
+                         security::Grant needed);
+  // GroupedGemm on either transport: `authenticated` is the caller's check;
+  // `answer` gets the call's status once its record is finished.
+  void ServeGroupedGemm(const v1::GroupedGemmRequest& request, absl::Time deadline, RequestRecord record,
+                        grpc::Status authenticated, std::shared_ptr<Cancellation> cancellation,
+                        v1::GroupedGemmResponse* response, std::function<void(grpc::Status)> answer);
 
   // Takes one of the tenant's request slots (RESOURCE_EXHAUSTED when none
   // is free); the slot is given back when the returned guard goes.

@@ -9,13 +9,9 @@
 #include <functional>
 #include <memory>
 #include <string>
-#include <thread>
-#include <vector>
 
-#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
-#include "platform/elastic_thread_pool.h"
+#include "proto/frame_socket_server.h"
 #include "proto/shardgemm.pb.h"
 
 namespace shardgemm {
@@ -38,27 +34,16 @@ class StepSocketServer {
   static absl::StatusOr<std::unique_ptr<StepSocketServer>> Start(const std::string& path, Handler handler);
   // Stops accepting, ends every connection and waits for the steps running
   // on its threads (a handler that handed its reply on answers into nothing).
-  ~StepSocketServer();
+  ~StepSocketServer() = default;
   StepSocketServer(const StepSocketServer&) = delete;
   StepSocketServer& operator=(const StepSocketServer&) = delete;
 
-  const std::string& path() const { return path_; }
-  int connections() const;
+  const std::string& path() const { return frames_->path(); }
+  int connections() const { return frames_->connections(); }
 
  private:
-  struct Connection;
-  StepSocketServer(std::string path, int listen_fd, Handler handler);
-  void Accept();
-  void Serve(std::shared_ptr<Connection> connection);
-
-  const std::string path_;
-  const int listen_fd_;
-  const Handler handler_;
-  mutable absl::Mutex mu_;
-  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
-  std::vector<std::shared_ptr<Connection>> connections_ ABSL_GUARDED_BY(mu_);
-  std::unique_ptr<platform::ElasticThreadPool> threads_;  // reset first when stopping
-  std::thread acceptor_;
+  explicit StepSocketServer(std::unique_ptr<FrameSocketServer> frames) : frames_(std::move(frames)) {}
+  const std::unique_ptr<FrameSocketServer> frames_;
 };
 
 }  // namespace shardgemm

@@ -1,0 +1,229 @@
+"""The coordinator's --call_socket: same-host clients' GroupedGemm calls as
+frames (proto/step_frame.h: "SGS1", version 1, the payload's length, then a
+CallSocketRequest) on a Unix socket instead of gRPC calls.
+
+Checked: the CLI's call goes there (the coordinator's request line says so)
+and its result matches the reference; the token is checked as on gRPC and
+a request's errors name their field; a frame that is not a request ends its
+connection without harm to the next; a socket that is not there leaves the
+call on gRPC; the path is claimed as --client_socket's is (owner-only, a
+directory no one else can write, one coordinator at a time, removed at stop)."""
+import json
+import os
+import socket
+import stat
+import struct
+import subprocess
+import time
+
+import numpy as np
+import pytest
+
+from conftest import BIN, free_port
+from shardgemm._convert import from_tensor
+from shardgemm_pb import shardgemm_pb2 as pb
+
+MAGIC, VERSION = 0x31534753, 1
+UNAUTHENTICATED, INVALID_ARGUMENT = 16, 3
+
+
+@pytest.fixture
+def sock():
+    # Short: a Unix socket's path is at most 107 bytes, and pytest's tmp paths are long.
+    d = subprocess.run(["mktemp", "-d", "/tmp/sgcall.XXXXXX"], check=True, capture_output=True,
+                       text=True).stdout.strip()
+    yield os.path.join(d, "calls.sock")
+    for name in os.listdir(d):
+        os.unlink(os.path.join(d, name))
+    os.rmdir(d)
+
+
+def inputs(seed=0):
+    rng = np.random.default_rng(seed)
+    lhs = rng.standard_normal((64, 32)).astype(np.float32)
+    rhs = rng.standard_normal((4, 32, 16)).astype(np.float32)
+    sizes = [10, 22, 20, 12]
+    want = np.zeros((64, 16), np.float32)
+    for shard in range(2):  # ep=2: each half of the rows, its 2 experts
+        row = shard * 32
+        for g in range(2):
+            n = sizes[shard * 2 + g]
+            want[row:row + n] = lhs[row:row + n] @ rhs[shard * 2 + g]
+            row += n
+    return lhs, rhs, sizes, want
+
+
+def token_of(tls_dir):
+    with open(os.path.join(tls_dir, "client.token")) as f:
+        return f.read().strip()
+
+
+class Frames:
+    """A raw call-socket connection: one call at a time."""
+
+    def __init__(self, path):
+        self.s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.s.settimeout(30)
+        self.s.connect(path)
+        self.next_id = 1
+
+    def send_payload(self, payload):
+        self.s.sendall(struct.pack("<IIQ", MAGIC, VERSION, len(payload)) + payload)
+
+    def read_exact(self, n):
+        data = b""
+        while len(data) < n:
+            try:
+                chunk = self.s.recv(n - len(data))
+            except ConnectionResetError:  # closed with bytes of ours unread
+                return None
+            if not chunk:
+                return None
+            data += chunk
+        return data
+
+    def call(self, request):
+        request.call_id = self.next_id
+        self.next_id += 1
+        self.send_payload(request.SerializeToString())
+        header = self.read_exact(16)
+        assert header is not None, "the coordinator closed the connection"
+        magic, version, length = struct.unpack("<IIQ", header)
+        assert (magic, version) == (MAGIC, VERSION)
+        reply = pb.CallSocketReply()
+        reply.ParseFromString(self.read_exact(length))
+        assert reply.call_id == request.call_id
+        return reply
+
+    def close(self):
+        self.s.close()
+
+
+def gemm_call(cluster, token="", seed=0, **kwargs):
+    lhs, rhs, sizes, want = inputs(seed)
+    request = pb.CallSocketRequest(token=token)
+    request.grouped_gemm.CopyFrom(cluster.client.gemm_request(
+        lhs, rhs, sizes, lhs_spec="(ep, None)", rhs_spec="(ep, None, None)", group_sizes_spec="(ep,)", **kwargs))
+    return request, want
+
+
+def request_lines(cluster, request_id):
+    """The coordinator's request lines of `request_id` (its log is written
+    behind the answers: waited for, up to 10 s)."""
+    deadline = time.time() + 10
+    while True:
+        with open(os.path.join(cluster.logs, "coordinator.log")) as f:
+            lines = [json.loads(line) for line in f if line.startswith("{")]
+        found = [line for line in lines if line.get("event") == "request" and line.get("request_id") == request_id]
+        if found or time.time() > deadline:
+            return found
+        time.sleep(0.05)
+
+
+def test_the_cli_gemm_goes_on_the_call_socket_and_checks_out(cluster_factory, mesh_certs, sock):
+    c = cluster_factory(mesh="ep=2", workers=2, tls_dir=mesh_certs,
+                        coordinator_flags=[f"--call_socket={sock}", "--log_format=json"])
+    st = os.stat(sock)
+    assert stat.S_ISSOCK(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600, oct(st.st_mode)
+    r = subprocess.run([os.path.join(BIN, "shardgemm"), "gemm", "--lhs=64x32@(ep, None)",
+                        "--rhs=4x32x16@(ep, None, None)", "--group_sizes=10,22,20,12@(ep,)", "--check", f"--call_socket={sock}",
+                        "--request_id=cli-on-the-socket", *c.cli_flags()],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr + c.log_text()
+    assert "result matches reference" in r.stdout, r.stdout
+    lines = request_lines(c, "cli-on-the-socket")
+    assert len(lines) == 1, c.log_text()
+    assert lines[0]["transport"] == "call_socket" and lines[0]["code"] == "OK", lines[0]
+    assert lines[0]["tenant"] == "demo", lines[0]
+
+
+def test_frames_are_served_with_the_token_and_errors_name_their_field(cluster_factory, mesh_certs, sock):
+    c = cluster_factory(mesh="ep=2", workers=2, tls_dir=mesh_certs, coordinator_flags=[f"--call_socket={sock}"])
+    frames = Frames(sock)
+    try:
+        for token in ("", "not-the-token"):
+            request, _ = gemm_call(c, token=token)
+            reply = frames.call(request)
+            assert reply.code == UNAUTHENTICATED, (token, reply)
+            assert not reply.HasField("grouped_gemm")
+        request, want = gemm_call(c, token=token_of(mesh_certs), seed=1)
+        request.request_id = "frames-1"
+        reply = frames.call(request)
+        assert reply.code == 0, reply.message
+        assert reply.request_id == "frames-1"
+        np.testing.assert_allclose(from_tensor(reply.grouped_gemm.out), want, rtol=1e-4, atol=1e-4)
+        assert reply.grouped_gemm.server_seconds > 0
+        # A request's own errors, as gRPC would give them.
+        request, _ = gemm_call(c, token=token_of(mesh_certs), seed=2)
+        request.grouped_gemm.lhs.shape[:] = [64, 31]
+        reply = frames.call(request)
+        assert reply.code == INVALID_ARGUMENT and "lhs" in reply.message, reply
+        reply = frames.call(pb.CallSocketRequest(token=token_of(mesh_certs)))
+        assert reply.code == INVALID_ARGUMENT and reply.message.startswith("call:"), reply
+    finally:
+        frames.close()
+    # Still the same service on gRPC.
+    lhs, rhs, sizes, want = inputs(3)
+    out, _ = c.client.grouped_gemm(lhs, rhs, sizes, lhs_spec="(ep, None)", rhs_spec="(ep, None, None)",
+                                   group_sizes_spec="(ep,)")
+    np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_frame_that_is_not_a_request_ends_only_its_connection(cluster_factory, sock):
+    c = cluster_factory(mesh="ep=2", workers=2, coordinator_flags=[f"--call_socket={sock}"])
+    bad = Frames(sock)
+    bad.send_payload(b"\xff\xff\xff\xff not a protobuf")
+    assert bad.read_exact(1) is None  # closed by the coordinator
+    bad.close()
+    junk = Frames(sock)
+    junk.s.sendall(b"GET / HTTP/1.1\r\n\r\n")  # not even a frame header
+    assert junk.read_exact(1) is None
+    junk.close()
+    frames = Frames(sock)
+    try:
+        request, want = gemm_call(c, seed=4)
+        reply = frames.call(request)
+        assert reply.code == 0, reply.message
+        np.testing.assert_allclose(from_tensor(reply.grouped_gemm.out), want, rtol=1e-4, atol=1e-4)
+    finally:
+        frames.close()
+    assert c.alive(), c.log_text()
+
+
+def test_a_call_socket_that_is_not_there_leaves_the_call_on_grpc(cluster_factory, sock):
+    c = cluster_factory(mesh="ep=2", workers=2, coordinator_flags=["--log_format=json"])
+    r = subprocess.run([os.path.join(BIN, "shardgemm"), "gemm", "--lhs=64x32@(ep, None)",
+                        "--rhs=4x32x16@(ep, None, None)", "--group_sizes=10,22,20,12@(ep,)", "--check", f"--call_socket={sock}",
+                        "--request_id=cli-on-grpc", *c.cli_flags()],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "result matches reference" in r.stdout, r.stdout
+    lines = request_lines(c, "cli-on-grpc")
+    assert len(lines) == 1 and "transport" not in lines[0], lines
+
+
+def start_coordinator(flags):
+    return subprocess.run([os.path.join(BIN, "shardgemm-coordinator"), f"--listen=127.0.0.1:{free_port()}",
+                           "--mesh=dp=1", "--insecure", *flags], capture_output=True, text=True, timeout=60)
+
+
+def test_the_path_is_claimed_for_one_coordinator_and_removed_at_stop(cluster_factory, sock):
+    for flags, why in ((["--call_socket=relative.sock"], "not an absolute path"),
+                       (["--call_socket=/tmp/shardgemm-call-socket-test.sock"], "no one else can write")):
+        r = start_coordinator(flags)
+        assert r.returncode == 2 and why in r.stderr, (flags, r.stderr)
+    with open(sock, "w") as f:
+        f.write("not a socket")
+    r = start_coordinator([f"--call_socket={sock}"])
+    assert r.returncode == 2 and "exists and is not a socket" in r.stderr, r.stderr
+    os.unlink(sock)
+    c = cluster_factory(mesh="ep=2", workers=2, coordinator_flags=[f"--call_socket={sock}"])
+    r = start_coordinator([f"--call_socket={sock}"])
+    assert r.returncode == 2 and "another server holds" in r.stderr, r.stderr
+    frames = Frames(sock)  # the first one still serves it
+    request, _ = gemm_call(c, seed=5)
+    assert frames.call(request).code == 0
+    frames.close()
+    c.stop()
+    assert c.coordinator.returncode == 0, c.log_text()
+    assert not os.path.exists(sock)
