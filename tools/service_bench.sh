@@ -15,6 +15,9 @@
 # serves clients on that Unix socket (--client_socket) and the bench calls it
 # there (unix:PATH) instead of over loopback TCP; the workers keep TCP. PATH's
 # directory must be this user's and writable by no one else (not /tmp itself).
+# CALL_SOCKET=PATH: the coordinator also takes GroupedGemm calls as frames on
+# that Unix socket (--call_socket) and the bench sends them there
+# (--call_socket); its other calls keep the gRPC target. Same directory rule.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SERVER_BIN=${SERVER_BIN:-./bin}
@@ -43,10 +46,15 @@ if [[ -n ${CLIENT_SOCKET:-} ]]; then
   CLIENT_TARGET=unix:$CLIENT_SOCKET
   SOCKET_FLAGS=(--client_socket="$CLIENT_SOCKET")
 fi
-pinned "${COORDINATOR_CPUS:-}" "$SERVER_BIN/shardgemm-coordinator" --listen="$ADDR" --mesh="$MESH" "${SOCKET_FLAGS[@]}" $SERVER_SECURITY ${COORDINATOR_FLAGS:-} 2>"$LOGS/coordinator.log" &
+BENCH_SOCKET_FLAGS=()
+if [[ -n ${CALL_SOCKET:-} ]]; then
+  SOCKET_FLAGS+=(--call_socket="$CALL_SOCKET")
+  BENCH_SOCKET_FLAGS=(--call_socket="$CALL_SOCKET")
+fi
+pinned "${COORDINATOR_CPUS:-}" "$SERVER_BIN/shardgemm-coordinator" --listen="$ADDR" --mesh="$MESH" ${SOCKET_FLAGS[@]+"${SOCKET_FLAGS[@]}"} $SERVER_SECURITY ${COORDINATOR_FLAGS:-} 2>"$LOGS/coordinator.log" &
 pids+=($!)
 for ((i = 0; i < WORKERS; i++)); do
   pinned "${WORKER_CPUS:-}" "$SERVER_BIN/shardgemm-worker" --coordinator="$ADDR" $SERVER_SECURITY ${WORKER_FLAGS:-} 2>"$LOGS/worker$i.log" &
   pids+=($!)
 done
-(pinned "${BENCH_CPUS:-}" "$BENCH" --coordinator="$CLIENT_TARGET" $SECURITY "$@")
+(pinned "${BENCH_CPUS:-}" "$BENCH" --coordinator="$CLIENT_TARGET" $SECURITY ${BENCH_SOCKET_FLAGS[@]+"${BENCH_SOCKET_FLAGS[@]}"} "$@")
