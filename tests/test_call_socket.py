@@ -227,3 +227,34 @@ def test_the_path_is_claimed_for_one_coordinator_and_removed_at_stop(cluster_fac
     c.stop()
     assert c.coordinator.returncode == 0, c.log_text()
     assert not os.path.exists(sock)
+
+
+def test_the_python_client_sends_grouped_gemm_on_the_call_socket(cluster_factory, mesh_certs, sock):
+    import shardgemm
+    c = cluster_factory(mesh="ep=2", workers=2, tls_dir=mesh_certs,
+                        coordinator_flags=[f"--call_socket={sock}", "--log_format=json"])
+    lhs, rhs, sizes, want = inputs(6)
+    specs = dict(lhs_spec="(ep, None)", rhs_spec="(ep, None, None)", group_sizes_spec="(ep,)")
+    with shardgemm.Client(c.address, timeout=30, tls_dir=mesh_certs, call_socket=sock, path="inline") as client:
+        out, _ = client.grouped_gemm(lhs, rhs, sizes, request_id="py-on-the-socket", **specs)
+        np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4)
+        assert client.last_request_id == "py-on-the-socket"
+        with pytest.raises(shardgemm.InvalidArgumentError) as e:
+            client.grouped_gemm(lhs[:, :31], rhs, sizes, **specs)
+        assert "lhs" in str(e.value) or "rhs" in str(e.value), e.value
+        out, _ = client.grouped_gemm(lhs, rhs, sizes, **specs)  # the connection still serves
+        np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4)
+    lines = request_lines(c, "py-on-the-socket")
+    assert len(lines) == 1 and lines[0]["transport"] == "call_socket", lines
+    # A wrong token is refused there as on gRPC.
+    with shardgemm.Client(c.address, timeout=30, tls_dir=mesh_certs, call_socket=sock, path="inline",
+                          token="not-the-token") as client:
+        with pytest.raises(shardgemm.UnauthenticatedError):
+            client.grouped_gemm(lhs, rhs, sizes, **specs)
+    # No socket there: the call goes on gRPC.
+    with shardgemm.Client(c.address, timeout=30, tls_dir=mesh_certs, call_socket=sock + ".absent",
+                          path="inline") as client:
+        out, _ = client.grouped_gemm(lhs, rhs, sizes, request_id="py-on-grpc", **specs)
+        np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4)
+    lines = request_lines(c, "py-on-grpc")
+    assert len(lines) == 1 and "transport" not in lines[0], lines

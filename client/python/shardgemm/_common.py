@@ -40,6 +40,17 @@ def is_unix_target(address: str) -> bool:
     return address.startswith("unix:")
 
 
+def bearer_token(tls_dir: Optional[str], token: Optional[str]) -> Optional[str]:
+    """The token given, or else tls_dir/client.token when there is one."""
+    if token is not None or not tls_dir:
+        return token
+    path = os.path.join(tls_dir, "client.token")
+    if not os.path.exists(path):
+        return None
+    with open(path, "rb") as f:
+        return f.read().decode().strip()
+
+
 def credentials(tls_dir: Optional[str], token: Optional[str], address: str = "") -> Credentials:
     """TLS credentials from the mesh's certificates (ca.crt verifies the
     coordinator; client.crt / client.key are sent when present) with the
@@ -67,9 +78,7 @@ def credentials(tls_dir: Optional[str], token: Optional[str], address: str = "")
     tls = grpc.ssl_channel_credentials(root_certificates=read("ca.crt"), private_key=read("client.key"),
                                        certificate_chain=read("client.crt"))
     coordinator = grpc.local_channel_credentials(grpc.LocalConnectionType.UDS) if unix else tls
-    if token is None:
-        saved = read("client.token")
-        token = saved.decode().strip() if saved is not None else None
+    token = bearer_token(tls_dir, token)
     if token:
         bearer = grpc.access_token_call_credentials(token)
         tls = grpc.composite_channel_credentials(tls, bearer)

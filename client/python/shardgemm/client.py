@@ -8,7 +8,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import grpc
 
-from . import _common, _cuda, _direct, _lease
+from . import _common, _cuda, _direct, _frames, _lease
 from ._convert import Array, SharedMemoryTensor, TensorLike, check_output, to_output
 from ._progress import Meter, Progress
 from ._proto import pb, pb_grpc
@@ -44,7 +44,8 @@ class Client:
     def __init__(self, address: str, timeout: Optional[float] = None, *, tls_dir: Optional[str] = None,
                  token: Optional[str] = None, output: str = "numpy", progress: Progress = False,
                  options: Sequence[Tuple[str, Any]] = (), path: Optional[str] = None,
-                 cuda_ipc: bool = True, shared_memory_lease: Optional[float] = _lease.DEFAULT_LEASE_S) -> None:
+                 cuda_ipc: bool = True, shared_memory_lease: Optional[float] = _lease.DEFAULT_LEASE_S,
+                 call_socket: Optional[str] = None) -> None:
         """address: the coordinator's HOST:PORT, or unix:PATH for its
         --client_socket (gRPC's local credentials with the token; tls_dir
         then only for the workers' staging ports). tls_dir: the mesh's
@@ -62,7 +63,13 @@ class Client:
         this client registers is held on the service unless renewed; the
         client renews its regions in the background (a third of the lease
         apart) until it unregisters them or closes, so a client that dies
-        loses them a lease later. None: held until unregistered."""
+        loses them a lease later. None: held until unregistered.
+        call_socket: the path of the coordinator's --call_socket (same host,
+        same user): grouped_gemm's inline calls go there as frames with the
+        token, a socket round trip instead of a gRPC call's; a call the
+        socket cannot take now (not connected, over the message limit) goes
+        on gRPC, and every other call stays there. Its errors are
+        ShardGemmError subclasses."""
         self.output = check_output(output)
         self.path = _direct.check_path(path or self._default_path)
         self.progress = progress
@@ -80,6 +87,8 @@ class Client:
         else:
             self.channel = grpc.insecure_channel(address, options=opts)
         self.stub = pb_grpc.ShardGemmStub(self.channel)
+        self._call_socket = (_frames.CallSocket(call_socket, _common.bearer_token(tls_dir, token), _common.MAX_MESSAGE)
+                             if call_socket else None)
         self._creds, self._opts = creds.workers, opts
         self._workers_unavailable = creds.workers_unavailable
         # The direct path's: channels to the workers' staging services, the
@@ -109,6 +118,8 @@ class Client:
                 raise failure
         finally:
             self._leases.close()
+            if self._call_socket is not None:
+                self._call_socket.close()
             self._close_channels()
 
     def _close_channels(self) -> None:
@@ -250,6 +261,11 @@ class Client:
             if _direct.wants_direct(_direct.check_path(path or self.path), self._offers_staging, lhs, out, kwargs):
                 return self._grouped_gemm_direct(lhs, rhs, group_sizes, bias, request_id, out_as, timeout, kwargs)
             req = _common.gemm_request(lhs, rhs, group_sizes, bias, out=out, **kwargs)
+            if self._call_socket is not None:
+                answered = self._call_socket.grouped_gemm(req, request_id, self._timeout(timeout))
+                if answered is not None:
+                    resp, self.last_request_id = answered
+                    return to_output(_common.gemm_output(resp, out), out_as), resp.plan
             with self._errors():
                 resp, call = self.stub.GroupedGemm.with_call(req, timeout=self._timeout(timeout),
                                                              metadata=_common.metadata(request_id))
