@@ -644,13 +644,25 @@ absl::StatusOr<v1::GroupedGemmResponse> ShardGemmClient::GroupedGemm(
       if (!answer->done.WaitForNotificationWithTimeout(deadline - absl::Now() + absl::Seconds(5))) {
         return absl::DeadlineExceededError("GroupedGemm on the call socket: no answer by the client's timeout");
       }
-      if (!answer->reply.ok()) return answer->reply.status();
-      last_request_id_ = answer->reply->request_id();
-      return std::move(*answer->reply->mutable_grouped_gemm());
+      if (answer->reply.ok()) {
+        last_request_id_ = answer->reply->request_id();
+        return std::move(*answer->reply->mutable_grouped_gemm());
+      }
+      const absl::Status& failed = answer->reply.status();
+      if (!FrameCallNotRun(failed)) {
+        if (auto sent_back = failed.GetPayload(kFrameReplyUrl); sent_back.has_value()) {
+          v1::CallSocketReply reply;
+          if (reply.ParseFromString(std::string(*sent_back))) last_request_id_ = reply.request_id();
+        }
+        absl::Status status(failed.code(), failed.message());  // without the payloads
+        return status;
+      }
+      // Refused before it was read: it goes on gRPC.
     }
   }
   grpc::ClientContext ctx;
   Prepare(&ctx);
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout_));
   v1::GroupedGemmResponse response;
   grpc::Status s = stub_->GroupedGemm(&ctx, request, &response);
   NoteRequestId(ctx);

@@ -50,11 +50,13 @@ class ShardGemmClient {
   absl::StatusOr<v1::ClusterInfo> WaitUntilReady(absl::Duration timeout);
   absl::StatusOr<v1::ClusterInfo> ClusterInfo();
   absl::StatusOr<v1::Plan> Plan(const v1::PlanRequest& request);
+  // Bounded by timeout(), on either transport.
   absl::StatusOr<v1::GroupedGemmResponse> GroupedGemm(const v1::GroupedGemmRequest& request);
   // GroupedGemm calls go as frames on the coordinator's --call_socket at
   // `path` (same host, same user) with this client's token, bounded by
-  // timeout(); a request the socket cannot take now (no connection, larger
-  // than the message limit) goes on gRPC. Every other call stays on gRPC.
+  // timeout(); a request the socket cannot take now (no connection, a
+  // connection the server refused, larger than the message limit, a socket
+  // of another user) goes on gRPC. Every other call stays on gRPC.
   void UseCallSocket(const std::string& path);
   // GroupedGemm on the direct path (docs/architecture.md, "The direct
   // path"): the request's inline operands (lhs, rhs, bias, the FP8 scales)
@@ -79,7 +81,8 @@ class ShardGemmClient {
   // GetTensor on the direct path: PlanFetch, then each distinct block read
   // from a worker holding it, in parallel.
   absl::StatusOr<HostTensor> GetTensorDirect(const std::string& name);
-  // The bound on a direct operation, all of its calls together (default 5 min).
+  // The bound on a GroupedGemm and on a direct operation, all of its calls
+  // together (default 5 min).
   void set_timeout(absl::Duration timeout) { timeout_ = timeout; }
   absl::Duration timeout() const { return timeout_; }
   absl::StatusOr<v1::GroupedQuantizeResponse> GroupedQuantize(const v1::GroupedQuantizeRequest& request);

@@ -30,6 +30,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
@@ -37,6 +38,16 @@
 #include "proto/step_frame.h"
 
 namespace shardgemm {
+
+// A call's status says none of it ran (the server refused the connection
+// it went on, before reading it): the caller may send it another way.
+inline constexpr char kFrameCallNotRunUrl[] = "type.shardgemm/frame_call_not_run";
+// A call the server answered with an error carries the whole reply (its
+// other fields: a request id) as this payload, serialized.
+inline constexpr char kFrameReplyUrl[] = "type.shardgemm/frame_reply";
+inline bool FrameCallNotRun(const absl::Status& status) {
+  return status.GetPayload(kFrameCallNotRunUrl).has_value();
+}
 
 template <typename Request, typename Reply>
 class FrameSocketClient {
@@ -158,8 +169,13 @@ class FrameSocketClient {
           ::close(fd);
           failed.swap(pending_);
         }
-        Fail(std::move(failed), absl::UnavailableError(absl::StrCat(
-                                    peer, ": its ", socket, " closed with the call in flight (", ended.message(), ")")));
+        if (FrameCallNotRun(ended)) {
+          Fail(std::move(failed), ended);
+        } else {
+          Fail(std::move(failed), absl::UnavailableError(absl::StrCat(peer, ": its ", socket,
+                                                                      " closed with the call in flight (",
+                                                                      ended.message(), ")")));
+        }
         absl::MutexLock lock(&mu_);
         if (stopping_) return;
       }
@@ -186,6 +202,14 @@ class FrameSocketClient {
       const int flags = ::fcntl(fd, F_GETFL);
       if (::connect(fd, reinterpret_cast<const sockaddr*>(&address), sizeof(address)) != 0 || flags < 0 ||
           ::fcntl(fd, F_SETFL, flags & ~O_NONBLOCK) != 0) {
+        ::close(fd);
+        return -1;
+      }
+      // Only a server of this user gets the calls (and the token in them):
+      // a socket another user bound at the path is not ours.
+      ucred server{};
+      socklen_t length = sizeof(server);
+      if (::getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &server, &length) != 0 || server.uid != ::geteuid()) {
         ::close(fd);
         return -1;
       }
@@ -231,6 +255,13 @@ class FrameSocketClient {
         if (ready < 0) return absl::UnavailableError(std::strerror(errno));
         Reply reply;
         if (absl::Status s = ReadStepFrame(fd, &reply); !s.ok()) return s;
+        if (reply.call_id() == 0 && reply.code() != 0) {
+          // The connection's refusal: the server read none of its calls.
+          absl::Status refused = absl::UnavailableError(
+              absl::StrCat(peer, ": its ", socket, " refused the connection: ", reply.message()));
+          refused.SetPayload(kFrameCallNotRunUrl, absl::Cord());
+          return refused;
+        }
         Done done;
         {
           absl::MutexLock lock(&mu_);
@@ -245,8 +276,10 @@ class FrameSocketClient {
           done(absl::UnknownError(
               absl::StrCat(peer, ": answered status code ", reply.code(), ", which is none: ", reply.message())));
         } else {
-          done(absl::Status(static_cast<absl::StatusCode>(reply.code()),
-                            name_peer_in_replies ? absl::StrCat(peer, ": ", reply.message()) : reply.message()));
+          absl::Status status(static_cast<absl::StatusCode>(reply.code()),
+                              name_peer_in_replies ? absl::StrCat(peer, ": ", reply.message()) : reply.message());
+          status.SetPayload(kFrameReplyUrl, absl::Cord(reply.SerializeAsString()));
+          done(std::move(status));
         }
       }
     }

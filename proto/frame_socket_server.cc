@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <deque>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -16,34 +17,117 @@
 
 namespace shardgemm {
 
-// One accepted connection: its replies are written under `mu`, and the fd
-// is closed only under it, so a late reply never writes to a reused fd.
-struct FrameSocketServer::Connection {
-  explicit Connection(int fd) : fd(fd) {}
+// One accepted connection. Replies are written in the order given: at once
+// when the socket takes the whole frame without waiting, else queued for a
+// drainer on the server's pool, which writes them without holding `mu`. The
+// fd is closed only once no write can touch it, so a late reply never
+// writes to a reused fd.
+struct FrameSocketServer::Connection : std::enable_shared_from_this<FrameSocketServer::Connection> {
+  Connection(int fd, platform::ElasticThreadPool* pool) : fd(fd), pool(pool) {}
   absl::Mutex mu;
-  int fd ABSL_GUARDED_BY(mu);
-  bool closed ABSL_GUARDED_BY(mu) = false;
+  const int fd;
+  platform::ElasticThreadPool* const pool;  // not touched once writes_ended
+  bool writes_ended ABSL_GUARDED_BY(mu) = false;  // replies are dropped
+  bool closed ABSL_GUARDED_BY(mu) = false;        // the connection is over
+  bool fd_open ABSL_GUARDED_BY(mu) = true;
+  bool draining ABSL_GUARDED_BY(mu) = false;      // a drainer owns the queue's writes
+  std::deque<std::string> queued ABSL_GUARDED_BY(mu);
+  size_t queued_front_sent ABSL_GUARDED_BY(mu) = 0;
 
   void Write(const google::protobuf::MessageLite& reply) {
-    absl::MutexLock lock(&mu);
-    if (closed) return;
-    if (absl::Status s = WriteStepFrame(fd, reply); !s.ok()) {
-      // The peer stopped reading (or went): this connection is done.
-      ::shutdown(fd, SHUT_RDWR);
+    const size_t payload = reply.ByteSizeLong();
+    std::string frame = StepFrameHeader(payload);
+    frame.resize(kStepFrameHeaderBytes + payload);
+    if (payload > kMaxStepFramePayloadBytes ||
+        !reply.SerializeToArray(frame.data() + kStepFrameHeaderBytes, static_cast<int>(payload))) {
+      EndWrites();  // the peer would wait for an answer that cannot be sent
+      return;
     }
+    absl::MutexLock lock(&mu);
+    if (writes_ended) return;
+    size_t sent = 0;
+    if (!draining && queued.empty()) {
+      while (sent < frame.size()) {
+        const ssize_t w = ::send(fd, frame.data() + sent, frame.size() - sent, MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (w > 0) {
+          sent += static_cast<size_t>(w);
+          continue;
+        }
+        if (w < 0 && errno == EINTR) continue;
+        if (w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
+        EndWritesLocked();  // the peer went
+        return;
+      }
+      if (sent == frame.size()) return;
+    }
+    queued.push_back(std::move(frame));
+    if (queued.size() == 1) queued_front_sent = sent;
+    if (draining) return;
+    draining = true;
+    if (!pool->Run([self = shared_from_this()] { self->Drain(); }).ok()) {
+      draining = false;
+      EndWritesLocked();  // no thread to write with: the peer hears the connection end
+    }
+  }
+
+  void Drain();
+  void EndWrites() {
+    absl::MutexLock lock(&mu);
+    EndWritesLocked();
+  }
+  void EndWritesLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    writes_ended = true;
+    queued.clear();
+    if (fd_open) ::shutdown(fd, SHUT_RDWR);
+  }
+  // Reads no more; replies still go out.
+  void StopReading() {
+    absl::MutexLock lock(&mu);
+    if (fd_open) ::shutdown(fd, SHUT_RD);
   }
   void Close() {
     absl::MutexLock lock(&mu);
-    if (closed) return;
+    EndWritesLocked();
     closed = true;
-    ::shutdown(fd, SHUT_RDWR);
-    ::close(fd);
-  }
-  void Shutdown() {
-    absl::MutexLock lock(&mu);
-    if (!closed) ::shutdown(fd, SHUT_RDWR);
+    if (fd_open && !draining) {
+      ::close(fd);
+      fd_open = false;
+    }
   }
 };
+
+void FrameSocketServer::Connection::Drain() {
+  while (true) {
+    std::string frame;
+    size_t sent = 0;
+    {
+      absl::MutexLock lock(&mu);
+      if (writes_ended || queued.empty()) {
+        draining = false;
+        if (closed && fd_open) {
+          ::close(fd);
+          fd_open = false;
+        }
+        return;
+      }
+      frame = std::move(queued.front());
+      queued.pop_front();
+      sent = queued_front_sent;
+      queued_front_sent = 0;
+    }
+    // Blocking, bounded by the socket's SO_SNDTIMEO; EndWrites' shutdown ends it.
+    while (sent < frame.size()) {
+      const ssize_t w = ::send(fd, frame.data() + sent, frame.size() - sent, MSG_NOSIGNAL);
+      if (w > 0) {
+        sent += static_cast<size_t>(w);
+        continue;
+      }
+      if (w < 0 && errno == EINTR) continue;
+      EndWrites();  // the peer went, or read nothing for the send timeout
+      break;
+    }
+  }
+}
 
 absl::StatusOr<std::unique_ptr<FrameSocketServer>> FrameSocketServer::Start(const std::string& path,
                                                                             Options options, Handler handler) {
@@ -82,17 +166,32 @@ std::string FrameSocketServer::EventName(const char* what) const {
   return absl::StrCat(name, "_", what);
 }
 
+bool FrameSocketServer::StopReading(absl::Duration bound) {
+  std::vector<std::shared_ptr<Connection>> connections;
+  {
+    absl::MutexLock lock(&mu_);
+    if (reading_stopped_) return serving_ == 0;
+    reading_stopped_ = true;
+    connections = connections_;
+  }
+  ::shutdown(listen_fd_, SHUT_RDWR);  // ends the acceptor's accept()
+  if (acceptor_.joinable()) acceptor_.join();
+  for (const auto& c : connections) c->StopReading();  // ends each reader's recv()
+  absl::MutexLock lock(&mu_);
+  auto done = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return serving_ == 0; };
+  return mu_.AwaitWithTimeout(absl::Condition(&done), bound);
+}
+
 FrameSocketServer::~FrameSocketServer() {
+  StopReading(absl::ZeroDuration());
   std::vector<std::shared_ptr<Connection>> connections;
   {
     absl::MutexLock lock(&mu_);
     stopping_ = true;
     connections = connections_;
   }
-  ::shutdown(listen_fd_, SHUT_RDWR);  // ends the acceptor's accept()
-  if (acceptor_.joinable()) acceptor_.join();
-  for (const auto& c : connections) c->Shutdown();  // ends each reader's recv()
-  threads_.reset();  // waits for the readers and the steps running on their threads
+  for (const auto& c : connections) c->EndWrites();  // ends each drainer's send()
+  threads_.reset();  // waits for the readers, the calls running on their threads and the drainers
   for (const auto& c : connections) c->Close();
   ::close(listen_fd_);
   ::unlink(path_.c_str());
@@ -108,6 +207,17 @@ int FrameSocketServer::connections() const {
   return open;
 }
 
+bool FrameSocketServer::ServeOnPool(const std::shared_ptr<Connection>& connection) {
+  {
+    absl::MutexLock lock(&mu_);
+    ++serving_;
+  }
+  if (threads_->Run([this, connection] { Serve(connection); }).ok()) return true;
+  absl::MutexLock lock(&mu_);
+  --serving_;
+  return false;
+}
+
 void FrameSocketServer::Accept() {
   while (true) {
     const int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
@@ -116,7 +226,7 @@ void FrameSocketServer::Accept() {
       if (error == EINTR || error == ECONNABORTED) continue;
       {
         absl::MutexLock lock(&mu_);
-        if (stopping_) return;
+        if (reading_stopped_) return;
       }
       if (error == EBADF || error == EINVAL || error == ENOTSOCK) return;  // the socket itself is gone
       // Out of descriptors or memory for now: the clients' calls go on gRPC meanwhile.
@@ -136,7 +246,23 @@ void FrameSocketServer::Accept() {
     // A reply's write is bounded: a client that stops reading loses the connection, not a thread.
     timeval send_timeout{10, 0};
     ::setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &send_timeout, sizeof(send_timeout));
+    auto refuse = [&](const char* why) {
+      logging::ProcessLogger().Log(logging::Level::kWarning, EventName("refused"),
+                                   {{"message", absl::StrCat("a connection to the ", options_.name, ": ", why)}});
+      if (!options_.refusal.empty()) {
+        const std::string frame = absl::StrCat(StepFrameHeader(options_.refusal.size()), options_.refusal);
+        // The socket's buffer takes a frame this small at once; a client that
+        // already wrote its call reads the refusal before the end.
+        (void)::send(fd, frame.data(), frame.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
+        ::shutdown(fd, SHUT_WR);
+      }
+      ::close(fd);
+    };
     absl::MutexLock lock(&mu_);
+    if (reading_stopped_) {
+      ::close(fd);
+      return;
+    }
     // Connections that ended go from the list.
     std::vector<std::shared_ptr<Connection>> open;
     for (auto& c : connections_) {
@@ -144,13 +270,14 @@ void FrameSocketServer::Accept() {
       if (!c->closed) open.push_back(c);
     }
     connections_.swap(open);
-    if (stopping_ || static_cast<int>(connections_.size()) >= options_.max_connections) {
-      ::close(fd);
-      if (stopping_) return;
+    if (static_cast<int>(connections_.size()) >= options_.max_connections) {
+      refuse(absl::StrCat("more than the ", options_.max_connections, " allowed at once").c_str());
       continue;
     }
-    auto connection = std::make_shared<Connection>(fd);
+    auto connection = std::make_shared<Connection>(fd, threads_.get());
+    ++serving_;
     if (!threads_->Run([this, connection] { Serve(connection); }).ok()) {
+      --serving_;
       connection->Close();
       continue;
     }
@@ -159,42 +286,68 @@ void FrameSocketServer::Accept() {
 }
 
 void FrameSocketServer::Serve(std::shared_ptr<Connection> connection) {
-  int fd;
-  {
-    absl::MutexLock lock(&connection->mu);
-    fd = connection->fd;
-  }
+  const int fd = connection->fd;
+  // Once this thread is done with the connection.
+  auto leave = [this] {
+    absl::MutexLock lock(&mu_);
+    --serving_;
+  };
+  std::weak_ptr<Connection> weak = connection;
+  auto reply = [weak](const google::protobuf::MessageLite& message) {
+    if (auto c = weak.lock()) c->Write(message);
+  };
   while (true) {
-    std::string payload;
     // One thread at a time reads a connection, and its fd stays open until
     // the reader that sees it end closes it.
-    if (absl::Status s = ReadStepFramePayload(fd, &payload, options_.max_payload_bytes); !s.ok()) {
-      if (s.code() != absl::StatusCode::kUnavailable) {
+    std::string payload;
+    absl::StatusOr<uint64_t> bytes = ReadStepFrameHeader(fd);
+    absl::Status read = bytes.status();
+    bool oversized = false;
+    if (bytes.ok() && *bytes > options_.max_payload_bytes) {
+      if (options_.oversized == nullptr) {
+        read = absl::DataLossError(absl::StrCat("a frame of ", *bytes, " bytes, more than the ",
+                                                options_.max_payload_bytes, " allowed"));
+      } else {
+        read = SkipStepFrameBody(fd, *bytes, kOversizedHeadBytes, &payload);
+        oversized = true;
+      }
+    } else if (bytes.ok()) {
+      read = ReadStepFrameBody(fd, *bytes, &payload);
+    }
+    if (!read.ok()) {
+      if (read.code() != absl::StatusCode::kUnavailable) {
         logging::ProcessLogger().Log(logging::Level::kWarning, EventName("dropped"),
-                                     {{"message", std::string(s.message())}});
+                                     {{"message", std::string(read.message())}});
       }
       break;
+    }
+    if (oversized) {
+      options_.oversized(std::move(payload), *bytes, reply);
+      continue;
     }
     // Another thread reads on while this one runs the call: a long call
     // leaves the next frames read, not stuck in the client's write.
     // With no thread to spare, this one reads again after the call.
-    const bool handed_on = threads_->Run([this, connection] { Serve(connection); }).ok();
-    std::weak_ptr<Connection> weak = connection;
-    const absl::Status taken = handler_(
-        std::move(payload),
-        [weak](const google::protobuf::MessageLite& reply) {
-          if (auto c = weak.lock()) c->Write(reply);
-        });
+    const bool handed_on = ServeOnPool(connection);
+    const absl::Status taken = handler_(std::move(payload), reply);
     if (!taken.ok()) {
       logging::ProcessLogger().Log(logging::Level::kWarning, EventName("dropped"),
                                    {{"message", std::string(taken.message())}});
-      connection->Shutdown();  // the reader handed on sees the end and closes it
-      if (handed_on) return;
+      connection->EndWrites();  // the reader handed on sees the end and closes it
+      if (handed_on) return leave();
       break;
     }
-    if (handed_on) return;
+    if (handed_on) return leave();
   }
-  connection->Close();
+  bool close = true;
+  {
+    // Reading stopped for a shutdown: the replies of the calls in flight
+    // still go out, and the destructor closes the connection.
+    absl::MutexLock lock(&mu_);
+    close = !reading_stopped_ || stopping_;
+  }
+  if (close) connection->Close();
+  leave();
 }
 
 }  // namespace shardgemm

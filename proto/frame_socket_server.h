@@ -3,7 +3,10 @@
 // of this server's user may connect (each connection's peer credentials are
 // checked). Each frame is handed to the handler on a thread of its own while
 // another reads the connection's next frames, so a long call never stops the
-// ones behind it; replies go back as the handler gives them, in any order.
+// ones behind it; replies go back as the handler gives them, in any order,
+// and a reply the socket cannot take at once is written by a thread of the
+// server's, so the thread that answers (a completion) never waits on a
+// client that reads slowly.
 #ifndef SHARDGEMM_PROTO_FRAME_SOCKET_SERVER_H_
 #define SHARDGEMM_PROTO_FRAME_SOCKET_SERVER_H_
 
@@ -16,6 +19,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "absl/synchronization/mutex.h"
 #include "google/protobuf/message_lite.h"
 #include "platform/elastic_thread_pool.h"
@@ -31,13 +35,26 @@ class FrameSocketServer {
   // request) ends the connection: the peer speaks something else.
   using Handler = std::function<absl::Status(std::string payload, Reply reply)>;
 
+  // Answers a frame larger than Options::max_payload_bytes, read and
+  // dropped: `head` is its payload's first kOversizedHeadBytes (enough for
+  // the call id a reply names).
+  using Oversized = std::function<void(std::string head, uint64_t payload_bytes, Reply reply)>;
+  static constexpr size_t kOversizedHeadBytes = 32;
+
   struct Options {
     // For log lines and errors: "step socket", "call socket".
     std::string name = "frame socket";
-    // The largest frame read; a larger one ends its connection.
+    // The largest frame taken. A larger one ends its connection, unless
+    // `oversized` is set: then it is read, dropped and answered by it.
     uint64_t max_payload_bytes = uint64_t{16} << 20;
+    Oversized oversized;
+    // Connections past this are refused: sent `refusal` (a serialized
+    // reply, when not empty) as one frame, then closed, none of their
+    // frames read.
     int max_connections = 64;
-    // Threads reading connections and running the calls they read.
+    std::string refusal;
+    // Threads reading connections, running the calls they read and
+    // writing the replies the socket could not take at once.
     int max_threads = 1024;
   };
 
@@ -45,6 +62,11 @@ class FrameSocketServer {
   // umask: a caller that needs the socket owner-only sets it around Start.
   static absl::StatusOr<std::unique_ptr<FrameSocketServer>> Start(const std::string& path, Options options,
                                                                   Handler handler);
+  // Stops taking calls: refuses new connections, reads no frame more, and
+  // waits (up to `bound`) for the handlers running; replies still go out,
+  // so the calls in flight can be answered before the server goes. False
+  // when a handler was still running at the bound.
+  bool StopReading(absl::Duration bound);
   // Stops accepting, ends every connection and waits for the calls running
   // on its threads (a handler that handed its reply on answers into nothing).
   ~FrameSocketServer();
@@ -58,6 +80,8 @@ class FrameSocketServer {
   struct Connection;
   FrameSocketServer(std::string path, Options options, int listen_fd, Handler handler);
   void Accept();
+  // Runs Serve on a pool thread, counted in serving_; false when none is free.
+  bool ServeOnPool(const std::shared_ptr<Connection>& connection);
   void Serve(std::shared_ptr<Connection> connection);
   std::string EventName(const char* what) const;
 
@@ -67,6 +91,8 @@ class FrameSocketServer {
   const Handler handler_;
   mutable absl::Mutex mu_;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  bool reading_stopped_ ABSL_GUARDED_BY(mu_) = false;
+  int serving_ ABSL_GUARDED_BY(mu_) = 0;  // threads in Serve: readers and handlers
   std::vector<std::shared_ptr<Connection>> connections_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<platform::ElasticThreadPool> threads_;  // reset first when stopping
   std::thread acceptor_;

@@ -12,6 +12,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
+#include "google/protobuf/io/coded_stream.h"
 #include "gtest/gtest.h"
 #include "proto/frame_socket_client.h"
 #include "proto/frame_socket_server.h"
@@ -118,12 +119,21 @@ TEST_F(FrameSocketTest, AReplysCodeAndMessageAreTheCallersStatus) {
   Client plain(path_, "test server", "call socket", /*name_peer_in_replies=*/false);
   auto a = Send(plain, "a", absl::Seconds(30));
   ASSERT_TRUE(a->done.WaitForNotificationWithTimeout(absl::Seconds(10)));
-  EXPECT_EQ(a->reply.status(), absl::InvalidArgumentError("lhs.dtype: not one of f32, bf16, f16"));
+  EXPECT_EQ(a->reply.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(a->reply.status().message(), "lhs.dtype: not one of f32, bf16, f16");
+  // The failed reply travels with the status, so the caller keeps its ids.
+  auto carried = a->reply.status().GetPayload(kFrameReplyUrl);
+  ASSERT_TRUE(carried.has_value());
+  v1::CallSocketReply carried_reply;
+  ASSERT_TRUE(carried_reply.ParseFromString(std::string(*carried)));
+  EXPECT_EQ(carried_reply.message(), "lhs.dtype: not one of f32, bf16, f16");
+  EXPECT_FALSE(FrameCallNotRun(a->reply.status()));
 
   Client named(path_, "test server", "call socket");
   auto b = Send(named, "b", absl::Seconds(30));
   ASSERT_TRUE(b->done.WaitForNotificationWithTimeout(absl::Seconds(10)));
-  EXPECT_EQ(b->reply.status(), absl::InvalidArgumentError("test server: lhs.dtype: not one of f32, bf16, f16"));
+  EXPECT_EQ(b->reply.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(b->reply.status().message(), "test server: lhs.dtype: not one of f32, bf16, f16");
 
   auto c = Send(named, "bogus", absl::Seconds(30));
   ASSERT_TRUE(c->done.WaitForNotificationWithTimeout(absl::Seconds(10)));
@@ -229,6 +239,159 @@ TEST_F(FrameSocketTest, AFrameTheServerRefusesEndsItsConnection) {
   auto outcome = Send(client, std::string(2048, 'x'), absl::Seconds(60));
   ASSERT_TRUE(outcome->done.WaitForNotificationWithTimeout(absl::Seconds(10)));
   EXPECT_EQ(outcome->reply.status().code(), absl::StatusCode::kUnavailable) << outcome->reply.status();
+}
+
+// A frame past the bound, with `oversized` set, is read and dropped and
+// answered under its call id; the connection goes on with the next call.
+TEST_F(FrameSocketTest, AnOversizedFrameIsAnsweredAndItsConnectionGoesOn) {
+  FrameSocketServer::Options options;
+  options.max_payload_bytes = 1024;
+  std::atomic<uint64_t> oversized_bytes{0};
+  options.oversized = [&](std::string head, uint64_t bytes, FrameSocketServer::Reply reply) {
+    oversized_bytes = bytes;
+    EXPECT_LE(head.size(), FrameSocketServer::kOversizedHeadBytes);
+    google::protobuf::io::CodedInputStream in(reinterpret_cast<const uint8_t*>(head.data()),
+                                              static_cast<int>(head.size()));
+    uint64_t call_id = 0;
+    EXPECT_EQ(in.ReadTag(), 1u << 3);
+    EXPECT_TRUE(in.ReadVarint64(&call_id));
+    v1::CallSocketReply answer;
+    answer.set_call_id(call_id);
+    answer.set_code(static_cast<int>(absl::StatusCode::kResourceExhausted));
+    answer.set_message("too large");
+    reply(answer);
+  };
+  auto server = FrameSocketServer::Start(path_, options, [](std::string payload, FrameSocketServer::Reply reply) {
+    v1::CallSocketRequest request;
+    if (!request.ParseFromString(payload)) return absl::DataLossError("not a request");
+    v1::CallSocketReply answer;
+    answer.set_call_id(request.call_id());
+    answer.set_request_id(request.request_id() + "-answered");
+    reply(answer);
+    return absl::OkStatus();
+  });
+  ASSERT_TRUE(server.ok()) << server.status();
+  Client client(path_, "test server", "call socket", /*name_peer_in_replies=*/false);
+  auto large = Send(client, std::string(4096, 'x'), absl::Seconds(30));
+  ASSERT_TRUE(large->done.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  EXPECT_EQ(large->reply.status().code(), absl::StatusCode::kResourceExhausted) << large->reply.status();
+  EXPECT_EQ(large->reply.status().message(), "too large");
+  EXPECT_GT(oversized_bytes.load(), 4096u);
+  auto small = Send(client, "small", absl::Seconds(30));
+  ASSERT_TRUE(small->done.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  ASSERT_TRUE(small->reply.ok()) << small->reply.status();
+  EXPECT_EQ(small->reply->request_id(), "small-answered");
+  EXPECT_EQ((*server)->connections(), 1);
+}
+
+// Past max_connections a connection gets the refusal and is closed unread:
+// its call ends "not run" (the caller takes another way), and the
+// connections already open go on.
+TEST_F(FrameSocketTest, AConnectionPastTheLimitIsRefusedAndItsCallsAreNotRun) {
+  FrameSocketServer::Options options;
+  options.max_connections = 1;
+  v1::CallSocketReply refusal;
+  refusal.set_code(static_cast<int>(absl::StatusCode::kResourceExhausted));
+  refusal.set_message("one connection at once");
+  options.refusal = refusal.SerializeAsString();
+  std::atomic<int> handled{0};
+  auto server = FrameSocketServer::Start(path_, options, [&](std::string payload, FrameSocketServer::Reply reply) {
+    v1::CallSocketRequest request;
+    if (!request.ParseFromString(payload)) return absl::DataLossError("not a request");
+    ++handled;
+    v1::CallSocketReply answer;
+    answer.set_call_id(request.call_id());
+    reply(answer);
+    return absl::OkStatus();
+  });
+  ASSERT_TRUE(server.ok()) << server.status();
+  Client first(path_, "test server", "call socket");
+  auto a = Send(first, "a", absl::Seconds(30));
+  ASSERT_TRUE(a->done.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  ASSERT_TRUE(a->reply.ok()) << a->reply.status();
+
+  Client second(path_, "test server", "call socket");
+  bool sent = false;
+  auto b = Send(second, "b", absl::Seconds(30), &sent);
+  ASSERT_TRUE(b->done.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  if (sent) {  // written before the refusal was read: it ends "not run"
+    EXPECT_TRUE(FrameCallNotRun(b->reply.status())) << b->reply.status();
+    EXPECT_NE(b->reply.status().message().find("one connection at once"), std::string::npos) << b->reply.status();
+  } else {
+    EXPECT_EQ(b->reply.status().code(), absl::StatusCode::kFailedPrecondition);  // handed back, not sent
+  }
+  EXPECT_EQ(handled.load(), 1);
+
+  auto c = Send(first, "c", absl::Seconds(30));
+  ASSERT_TRUE(c->done.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  EXPECT_TRUE(c->reply.ok()) << c->reply.status();
+}
+
+// A reply far larger than the socket's buffer is written in full (the rest
+// by a thread of the server's), and a small reply after it arrives whole.
+TEST_F(FrameSocketTest, AReplyLargerThanTheSocketBufferArrivesWhole) {
+  auto server = FrameSocketServer::Start(path_, {}, [](std::string payload, FrameSocketServer::Reply reply) {
+    v1::CallSocketRequest request;
+    if (!request.ParseFromString(payload)) return absl::DataLossError("not a request");
+    v1::CallSocketReply answer;
+    answer.set_call_id(request.call_id());
+    answer.set_request_id(request.request_id() == "large" ? std::string(32 << 20, 'r') : "small");
+    reply(answer);
+    return absl::OkStatus();
+  });
+  ASSERT_TRUE(server.ok()) << server.status();
+  Client client(path_, "test server", "call socket");
+  auto large = Send(client, "large", absl::Seconds(60));
+  auto small = Send(client, "small", absl::Seconds(60));
+  ASSERT_TRUE(large->done.WaitForNotificationWithTimeout(absl::Seconds(30)));
+  ASSERT_TRUE(small->done.WaitForNotificationWithTimeout(absl::Seconds(30)));
+  ASSERT_TRUE(large->reply.ok()) << large->reply.status();
+  EXPECT_EQ(large->reply->request_id(), std::string(32 << 20, 'r'));
+  ASSERT_TRUE(small->reply.ok()) << small->reply.status();
+  EXPECT_EQ(small->reply->request_id(), "small");
+}
+
+// StopReading, as a shutdown does: new connections are refused and no frame
+// more is read, but a call in flight is still answered on its connection.
+TEST_F(FrameSocketTest, StopReadingLetsTheCallsInFlightBeAnswered) {
+  absl::Mutex mu;
+  std::vector<std::pair<uint64_t, FrameSocketServer::Reply>> held;
+  std::atomic<int> handled{0};
+  auto server = FrameSocketServer::Start(path_, {}, [&](std::string payload, FrameSocketServer::Reply reply) {
+    v1::CallSocketRequest request;
+    if (!request.ParseFromString(payload)) return absl::DataLossError("not a request");
+    ++handled;
+    absl::MutexLock lock(&mu);
+    held.emplace_back(request.call_id(), std::move(reply));
+    return absl::OkStatus();
+  });
+  ASSERT_TRUE(server.ok()) << server.status();
+  Client client(path_, "test server", "call socket");
+  auto in_flight = Send(client, "in flight", absl::Seconds(60));
+  {
+    absl::MutexLock lock(&mu);
+    auto one_held = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu) { return held.size() == 1; };
+    ASSERT_TRUE(mu.AwaitWithTimeout(absl::Condition(&one_held), absl::Seconds(10)));
+  }
+  EXPECT_TRUE((*server)->StopReading(absl::Seconds(10)));
+
+  Client late(path_, "test server", "call socket");
+  bool sent = true;
+  auto refused = Send(late, "late", absl::Seconds(5), &sent);
+  ASSERT_TRUE(refused->done.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  EXPECT_FALSE(refused->reply.ok());
+
+  {
+    absl::MutexLock lock(&mu);
+    v1::CallSocketReply answer;
+    answer.set_call_id(held[0].first);
+    answer.set_request_id("answered after StopReading");
+    held[0].second(answer);
+  }
+  ASSERT_TRUE(in_flight->done.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  ASSERT_TRUE(in_flight->reply.ok()) << in_flight->reply.status();
+  EXPECT_EQ(in_flight->reply->request_id(), "answered after StopReading");
+  EXPECT_EQ(handled.load(), 1);
 }
 
 }  // namespace

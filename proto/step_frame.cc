@@ -4,6 +4,7 @@
 #include <sys/socket.h>
 #include <sys/types.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -101,21 +102,51 @@ absl::Status WriteStepFrame(int fd, const google::protobuf::MessageLite& message
   return absl::OkStatus();
 }
 
-absl::Status ReadStepFramePayload(int fd, std::string* payload, uint64_t max_payload_bytes) {
+absl::StatusOr<uint64_t> ReadStepFrameHeader(int fd) {
   char header[kStepFrameHeaderBytes];
   size_t got = 0;
   if (absl::Status s = ReadFully(fd, header, sizeof(header), &got); !s.ok()) {
     if (got == 0) return s;
     return absl::DataLossError(absl::StrCat("a step frame's header was cut short: ", s.message()));
   }
-  auto bytes = ParseStepFrameHeader(absl::string_view(header, sizeof(header)), max_payload_bytes);
-  if (!bytes.ok()) return bytes.status();
-  payload->assign(*bytes, '\0');
+  return ParseStepFrameHeader(absl::string_view(header, sizeof(header)));
+}
+
+absl::Status ReadStepFrameBody(int fd, uint64_t payload_bytes, std::string* payload) {
+  payload->assign(payload_bytes, '\0');
+  size_t got = 0;
   if (absl::Status s = ReadFully(fd, payload->data(), payload->size(), &got); !s.ok()) {
-    return absl::DataLossError(absl::StrCat("a step frame was cut short after ", got, " of its ", *bytes,
+    return absl::DataLossError(absl::StrCat("a step frame was cut short after ", got, " of its ", payload_bytes,
                                             " bytes: ", s.message()));
   }
   return absl::OkStatus();
+}
+
+absl::Status SkipStepFrameBody(int fd, uint64_t payload_bytes, size_t keep, std::string* head) {
+  const size_t kept = static_cast<size_t>(std::min<uint64_t>(keep, payload_bytes));
+  if (absl::Status s = ReadStepFrameBody(fd, kept, head); !s.ok()) return s;
+  std::string scratch(size_t{1} << 20, '\0');
+  uint64_t left = payload_bytes - kept;
+  while (left > 0) {
+    const size_t n = static_cast<size_t>(std::min<uint64_t>(left, scratch.size()));
+    size_t got = 0;
+    if (absl::Status s = ReadFully(fd, scratch.data(), n, &got); !s.ok()) {
+      return absl::DataLossError(absl::StrCat("a step frame was cut short after ", payload_bytes - left + got,
+                                              " of its ", payload_bytes, " bytes: ", s.message()));
+    }
+    left -= n;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ReadStepFramePayload(int fd, std::string* payload, uint64_t max_payload_bytes) {
+  auto bytes = ReadStepFrameHeader(fd);
+  if (!bytes.ok()) return bytes.status();
+  if (*bytes > max_payload_bytes) {
+    return absl::DataLossError(
+        absl::StrCat("a step frame of ", *bytes, " bytes, more than the ", max_payload_bytes, " allowed"));
+  }
+  return ReadStepFrameBody(fd, *bytes, payload);
 }
 
 absl::Status ReadStepFrame(int fd, google::protobuf::MessageLite* message, uint64_t max_payload_bytes) {

@@ -40,6 +40,18 @@ absl::StatusOr<uint64_t> ParseStepFrameHeader(absl::string_view header,
 // most part of the frame, which it cannot parse.
 absl::Status WriteStepFrame(int fd, const google::protobuf::MessageLite& message);
 
+// Reads one frame's header (blocking): its payload's length, up to
+// kMaxStepFramePayloadBytes. UNAVAILABLE when the peer closed the socket at
+// a frame boundary or it failed; DATA_LOSS for a bad or cut header.
+absl::StatusOr<uint64_t> ReadStepFrameHeader(int fd);
+// Reads the `payload_bytes` after a header into `payload` (DATA_LOSS when
+// cut short).
+absl::Status ReadStepFrameBody(int fd, uint64_t payload_bytes, std::string* payload);
+// Reads and drops the `payload_bytes` after a header, keeping the first
+// `keep` of them in `head`: a frame too large to take is answered, not
+// allowed to end its connection.
+absl::Status SkipStepFrameBody(int fd, uint64_t payload_bytes, size_t keep, std::string* head);
+
 // Reads one frame's payload into `payload` (blocking), with the same
 // statuses as ReadStepFrame but for the parse.
 absl::Status ReadStepFramePayload(int fd, std::string* payload,

@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
+#include "google/protobuf/io/coded_stream.h"
 
 namespace shardgemm {
 namespace {
@@ -17,6 +18,38 @@ void AnswerNoCall(const v1::CallSocketRequest& request, const FrameSocketServer:
   reply(answer);
 }
 
+// The call id of a request whose payload starts with `head`: call_id is
+// field 1, which protobuf writes first. 0 when the head does not start so.
+uint64_t CallIdOf(const std::string& head) {
+  google::protobuf::io::CodedInputStream in(reinterpret_cast<const uint8_t*>(head.data()),
+                                            static_cast<int>(head.size()));
+  uint64_t call_id = 0;
+  if (in.ReadTag() != (1u << 3 | 0u) || !in.ReadVarint64(&call_id)) return 0;
+  return call_id;
+}
+
+// A request larger than the coordinator takes is answered as gRPC answers
+// a message over its limit, and the connection goes on.
+void AnswerOversized(const std::string& head, uint64_t payload_bytes, uint64_t max_request_bytes,
+                     const FrameSocketServer::Reply& reply) {
+  v1::CallSocketReply answer;
+  answer.set_call_id(CallIdOf(head));
+  answer.set_code(static_cast<int32_t>(absl::StatusCode::kResourceExhausted));
+  answer.set_message(absl::StrCat("the call of ", payload_bytes, " bytes is more than the ", max_request_bytes,
+                                  " the coordinator takes (--max_message_mb)"));
+  reply(answer);
+}
+
+std::string Refusal(int max_connections) {
+  // Call id 0 is no call's: the client takes it for the connection's refusal,
+  // and sends its calls in flight on it another way (none of them ran).
+  v1::CallSocketReply refusal;
+  refusal.set_call_id(0);
+  refusal.set_code(static_cast<int32_t>(absl::StatusCode::kResourceExhausted));
+  refusal.set_message(absl::StrCat("the call socket serves ", max_connections, " connections at once"));
+  return refusal.SerializeAsString();
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<FrameSocketServer>> StartCallSocket(const std::string& path,
@@ -25,6 +58,12 @@ absl::StatusOr<std::unique_ptr<FrameSocketServer>> StartCallSocket(const std::st
   FrameSocketServer::Options options;
   options.name = "call socket";
   options.max_payload_bytes = max_request_bytes;
+  options.oversized = [max_request_bytes](std::string head, uint64_t payload_bytes, FrameSocketServer::Reply reply) {
+    AnswerOversized(head, payload_bytes, max_request_bytes, reply);
+  };
+  options.max_connections = kMaxCallSocketConnections;
+  options.refusal = Refusal(options.max_connections);
+  options.max_threads = 4 * kMaxCallSocketConnections;
   return FrameSocketServer::Start(
       path, std::move(options), [service](std::string payload, FrameSocketServer::Reply reply) -> absl::Status {
         // Shared: the request and its answer live until the call finishes.

@@ -18,9 +18,16 @@
 
 namespace shardgemm {
 
+// Connections served at once; one past it is answered with a refusal
+// (call id 0, RESOURCE_EXHAUSTED) and closed, and its client takes gRPC.
+inline constexpr int kMaxCallSocketConnections = 256;
+
 // Listens on `path` (which must not exist; the caller claims it and sets
-// its mode). Frames larger than `max_request_bytes` end their connection:
-// a client sends larger requests on gRPC. `service` must outlive the server.
+// its mode). A request larger than `max_request_bytes` is read, dropped and
+// answered RESOURCE_EXHAUSTED, as gRPC answers one over its limit.
+// `service` must outlive the server; the coordinator stops its reading
+// (StopReading) and waits for the service's socket calls to finish
+// (ShardGemmService::WaitForSocketCalls) before either goes.
 absl::StatusOr<std::unique_ptr<FrameSocketServer>> StartCallSocket(const std::string& path,
                                                                    ShardGemmService* service,
                                                                    uint64_t max_request_bytes);

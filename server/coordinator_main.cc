@@ -3,6 +3,7 @@
 #include <sys/stat.h>
 
 #include <csignal>
+#include <cstdlib>
 #include <iostream>
 #include <memory>
 #include <optional>
@@ -114,6 +115,10 @@ ABSL_FLAG(std::string, log_level, "info",
 
 namespace shardgemm {
 namespace {
+
+// How long a shutdown waits for the call socket's calls in flight: the
+// coordinator answers every one of them once it abandons its requests.
+constexpr absl::Duration kSocketCallsShutdownBound = absl::Seconds(10);
 
 int Run() {
   if (auto s = logging::ConfigureProcessLogger(absl::GetFlag(FLAGS_log_format), absl::GetFlag(FLAGS_log_level),
@@ -325,7 +330,21 @@ int Run() {
   logging::ProcessLogger().Log(logging::Level::kInfo, "serving", serving);
   logging::ProcessLogger().Flush();  // the line supervisors wait for, written now
 
-  ServeUntilSignalled(server.get(), [&coordinator] { coordinator.AbandonRequests(); });
+  ServeUntilSignalled(server.get(), [&coordinator, &call_socket, &service] {
+    // No socket call starts once the coordinator abandons its requests; the
+    // ones in flight are answered (UNAVAILABLE, or their result) before the
+    // service and the coordinator go, as gRPC's are before Wait returns.
+    if (call_socket != nullptr && !call_socket->StopReading(kSocketCallsShutdownBound)) {
+      logging::ProcessLogger().Log(logging::Level::kError, "call_socket_not_stopped",
+                                   {{"message", "a call socket handler still ran at the shutdown's bound"}});
+    }
+    coordinator.AbandonRequests();
+    if (call_socket != nullptr && !service.WaitForSocketCalls(kSocketCallsShutdownBound)) {
+      // Their answers would run on a service that is gone: end here.
+      logging::ProcessLogger().Flush();
+      std::_Exit(1);
+    }
+  });
   logging::ProcessLogger().Log(logging::Level::kInfo, "stopped", {});
   return 0;
 }

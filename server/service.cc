@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
+#include "logging/log.h"
 #include "logging/trace_marks.h"
 #include "proto/tensor_codec.h"
 #include "proto/transport.h"
@@ -165,10 +166,26 @@ void ShardGemmService::GroupedGemmFromSocket(const v1::GroupedGemmRequest& reque
             : Authorize(tokens_->TenantOf(origin.token), &record, security::Grant::kCompute);
   }
   const std::string request_id = record.request_id;
+  {
+    absl::MutexLock lock(&socket_calls_mu_);
+    ++socket_calls_in_flight_;
+  }
   ServeGroupedGemm(request, origin.deadline, std::move(record), std::move(authenticated), origin.cancellation,
-                   response, [finish = std::move(finish), request_id](grpc::Status status) {
+                   response, [this, finish = std::move(finish), request_id](grpc::Status status) {
                      finish(std::move(status), request_id);
+                     absl::MutexLock lock(&socket_calls_mu_);
+                     --socket_calls_in_flight_;
                    });
+}
+
+bool ShardGemmService::WaitForSocketCalls(absl::Duration bound) {
+  absl::MutexLock lock(&socket_calls_mu_);
+  auto none = [this]() ABSL_SHARED_LOCKS_REQUIRED(socket_calls_mu_) { return socket_calls_in_flight_ == 0; };
+  if (socket_calls_mu_.AwaitWithTimeout(absl::Condition(&none), bound)) return true;
+  logging::ProcessLogger().Log(logging::Level::kError, "socket_calls_unfinished",
+                               {{"in_flight", socket_calls_in_flight_},
+                                {"message", "call socket calls still in flight at the shutdown's bound"}});
+  return false;
 }
 
 void ShardGemmService::ServeGroupedGemm(const v1::GroupedGemmRequest& request, absl::Time deadline,

@@ -72,6 +72,10 @@ class ShardGemmService final
   void GroupedGemmFromSocket(const v1::GroupedGemmRequest& request, const SocketCall& origin,
                              v1::GroupedGemmResponse* response,
                              std::function<void(grpc::Status, const std::string& request_id)> finish);
+  // Waits (up to `bound`) until every socket call's `finish` has returned:
+  // what the server's Wait is for gRPC calls, before the service goes.
+  // False, with the number still in flight logged, at the bound.
+  bool WaitForSocketCalls(absl::Duration bound);
   grpc::Status PutTensor(grpc::ServerContext*, grpc::ServerReader<v1::TensorChunk>*,
                          v1::PutTensorResponse*) override;
   grpc::Status GetTensor(grpc::ServerContext*, const v1::GetTensorRequest*,
@@ -128,6 +132,8 @@ class ShardGemmService final
   std::function<void()> release_free_memory_;
   platform::BusyPoller* busy_poller_ = nullptr;
   bool trace_requests_ = false;
+  absl::Mutex socket_calls_mu_;
+  int socket_calls_in_flight_ ABSL_GUARDED_BY(socket_calls_mu_) = 0;
   absl::Mutex slots_mu_;
   absl::flat_hash_map<std::string, int> running_ ABSL_GUARDED_BY(slots_mu_);
 };
