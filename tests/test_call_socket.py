@@ -13,7 +13,9 @@ import os
 import socket
 import stat
 import struct
+import signal
 import subprocess
+import threading
 import time
 
 import numpy as np
@@ -258,3 +260,143 @@ def test_the_python_client_sends_grouped_gemm_on_the_call_socket(cluster_factory
         np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4)
     lines = request_lines(c, "py-on-grpc")
     assert len(lines) == 1 and "transport" not in lines[0], lines
+
+
+RESOURCE_EXHAUSTED, UNAVAILABLE = 8, 14
+
+
+def test_an_oversized_call_is_answered_and_its_connection_goes_on(cluster_factory, sock):
+    c = cluster_factory(mesh="ep=2", workers=2, coordinator_flags=[f"--call_socket={sock}", "--max_message_mb=1"])
+    frames = Frames(sock)
+    try:
+        big = pb.CallSocketRequest(request_id="too-big")
+        big.grouped_gemm.CopyFrom(c.client.gemm_request(
+            np.zeros((1024, 512), np.float32), np.zeros((4, 512, 16), np.float32), [256] * 4,
+            lhs_spec="(ep, None)", rhs_spec="(ep, None, None)", group_sizes_spec="(ep,)"))
+        assert big.ByteSize() > 1 << 20
+        reply = frames.call(big)
+        assert reply.code == RESOURCE_EXHAUSTED, reply
+        assert "--max_message_mb" in reply.message and str(big.ByteSize()) in reply.message, reply.message
+        request, want = gemm_call(c, seed=7)
+        reply = frames.call(request)  # the same connection serves the next call
+        assert reply.code == 0, reply.message
+        np.testing.assert_allclose(from_tensor(reply.grouped_gemm.out), want, rtol=1e-4, atol=1e-4)
+    finally:
+        frames.close()
+
+
+class FakeCallSocket:
+    """A server at `path` that answers each connection as `mode` says:
+    "refuse" (the refusal frame, then closed), "close" (closed unread),
+    "silent" (read, never answered)."""
+
+    def __init__(self, path, mode):
+        self.mode = mode
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(path)
+        self.listener.listen(8)
+        self.listener.settimeout(0.2)
+        self.held = []
+        self.accepted = 0
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self.serve, daemon=True)
+        self.thread.start()
+
+    def serve(self):
+        while not self.stopping.is_set():
+            try:
+                conn, _ = self.listener.accept()
+            except socket.timeout:
+                continue
+            self.accepted += 1
+            if self.mode == "refuse":
+                refusal = pb.CallSocketReply(call_id=0, code=RESOURCE_EXHAUSTED, message="full").SerializeToString()
+                conn.sendall(struct.pack("<IIQ", MAGIC, VERSION, len(refusal)) + refusal)
+                conn.close()
+            elif self.mode == "close":
+                conn.close()
+            else:
+                self.held.append(conn)
+
+    def stop(self):
+        self.stopping.set()
+        self.thread.join(timeout=5)
+        assert not self.thread.is_alive()
+        for conn in self.held:
+            conn.close()
+        self.listener.close()
+
+
+@pytest.mark.parametrize("mode", ["refuse", "close"])
+def test_the_python_client_takes_grpc_when_the_socket_does_not_run_the_call(cluster_factory, sock, mode):
+    import shardgemm
+    c = cluster_factory(mesh="ep=2", workers=2, coordinator_flags=["--log_format=json"])
+    fake = FakeCallSocket(sock, mode)
+    lhs, rhs, sizes, want = inputs(8)
+    specs = dict(lhs_spec="(ep, None)", rhs_spec="(ep, None, None)", group_sizes_spec="(ep,)")
+    try:
+        with shardgemm.Client(c.address, timeout=30, call_socket=sock, path="inline") as client:
+            out, _ = client.grouped_gemm(lhs, rhs, sizes, request_id=f"py-{mode}", **specs)
+            np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4)
+            assert client.last_request_id == f"py-{mode}"
+    finally:
+        fake.stop()
+    assert fake.accepted == 1
+    lines = request_lines(c, f"py-{mode}")
+    assert len(lines) == 1 and "transport" not in lines[0], lines
+
+
+def test_an_unanswered_socket_call_ends_by_the_clients_timeout(cluster_factory, sock):
+    import shardgemm
+    c = cluster_factory(mesh="ep=2", workers=2)
+    fake = FakeCallSocket(sock, "silent")
+    lhs, rhs, sizes, _ = inputs(9)
+    try:
+        with shardgemm.Client(c.address, timeout=1.0, call_socket=sock, path="inline") as client:
+            start = time.monotonic()
+            with pytest.raises(shardgemm.DeadlineExceededError):
+                client.grouped_gemm(lhs, rhs, sizes, lhs_spec="(ep, None)", rhs_spec="(ep, None, None)",
+                                    group_sizes_spec="(ep,)")
+            took = time.monotonic() - start
+    finally:
+        fake.stop()
+    assert 0.9 <= took < 5, took
+
+
+def test_a_coordinator_stopped_with_socket_calls_in_flight_answers_or_fails_each(cluster_factory, sock):
+    c = cluster_factory(mesh="ep=2", workers=2, coordinator_flags=[f"--call_socket={sock}"])
+    outcomes = [[] for _ in range(4)]
+    some_answered = threading.Event()
+
+    def caller(slot):
+        frames = Frames(sock)
+        request, want = gemm_call(c, seed=10 + slot)
+        try:
+            while True:
+                try:
+                    reply = frames.call(request)
+                except (AssertionError, OSError):  # closed by the stop, between or during calls
+                    outcomes[slot].append("closed")
+                    return
+                if reply.code == 0:
+                    np.testing.assert_allclose(from_tensor(reply.grouped_gemm.out), want, rtol=1e-4, atol=1e-4)
+                    outcomes[slot].append("answered")
+                    some_answered.set()
+                else:
+                    outcomes[slot].append(reply.code)
+        finally:
+            frames.close()
+
+    threads = [threading.Thread(target=caller, args=(i,), daemon=True) for i in range(4)]
+    for t in threads:
+        t.start()
+    assert some_answered.wait(30)
+    c.coordinator.send_signal(signal.SIGTERM)
+    assert c.coordinator.wait(timeout=30) == 0, c.log_text()
+    for t in threads:
+        t.join(timeout=30)
+        assert not t.is_alive()
+    for calls in outcomes:
+        assert calls and calls[-1] == "closed", calls
+        assert all(o in ("answered", "closed", UNAVAILABLE) for o in calls), calls
+    assert not os.path.exists(sock)

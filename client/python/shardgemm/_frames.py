@@ -3,14 +3,17 @@ as frames on a Unix stream socket instead of gRPC calls (one socket round
 trip instead of gRPC's thread hand-offs). A frame is a 16-byte header (the
 magic "SGS1" and version 1, little-endian u32 each, then the payload's
 length, u64) and a serialized CallSocketRequest; the coordinator answers
-with a CallSocketReply frame of the same call_id."""
+with a CallSocketReply frame of the same call_id. A reply of call_id 0 and
+a code other than OK is the connection's refusal (the coordinator serves
+that many connections already): none of its calls ran."""
 from __future__ import annotations
 
+import os
 import socket
 import struct
 import threading
 import time
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import grpc
 
@@ -19,67 +22,86 @@ from .errors import ShardGemmError, error_for
 
 MAGIC, VERSION = 0x31534753, 1
 HEADER = struct.Struct("<IIQ")
+UCRED = struct.Struct("3i")  # pid, uid, gid: SO_PEERCRED
 # The frame's own fields fit in this much beside the request.
 FRAME_FIELDS_BYTES = 4096
 # A connection that failed is tried again at most this often (the call goes on gRPC meanwhile).
 RETRY_AFTER_S = 1.0
+# Threads calling at once each take a connection of their own, up to this
+# many; a call past them goes on gRPC rather than wait for one.
+MAX_CONNECTIONS = 8
+CONNECT_TIMEOUT_S = 1.0
+
+
+class _NotRun(Exception):
+    """The call did not reach the coordinator: it goes on gRPC."""
 
 
 class CallSocket:
-    """One connection to a coordinator's --call_socket, one call at a time
-    (calls from several threads wait for each other)."""
+    """Connections to a coordinator's --call_socket, one call at a time on
+    each; a connection is taken by one call and given back after it."""
 
     def __init__(self, path: str, token: Optional[str], max_message_bytes: int) -> None:
         self.path = path
         self.token = token or ""
         self.max_request_bytes = max_message_bytes - FRAME_FIELDS_BYTES
-        self._lock = threading.Lock()
-        self._sock: Optional[socket.socket] = None
+        self._lock = threading.Lock()  # guards the fields below, never held across a call
+        self._idle: List[socket.socket] = []
+        self._open = 0  # idle and taken
         self._retry_at = 0.0
         self._next_id = 1
+        self._closed = False
 
     def close(self) -> None:
         with self._lock:
-            self._drop()
+            self._closed = True
+            idle, self._idle = self._idle, []
+            self._open -= len(idle)
+        for sock in idle:
+            sock.close()
 
     def grouped_gemm(self, request: "pb.GroupedGemmRequest", request_id: Optional[str],
                      timeout: Optional[float]) -> Optional[Tuple["pb.GroupedGemmResponse", str]]:
         """The response and the request's id; None when the socket cannot
-        take the call now (not connected, larger than the message limit):
-        the caller sends it on gRPC. A failure after the frame went raises
-        (UNAVAILABLE, DEADLINE_EXCEEDED past `timeout`), as do the
-        coordinator's own errors (ShardGemmError subclasses)."""
+        take the call now (not connected, every connection busy, refused,
+        larger than the message limit, a connection the coordinator had
+        closed): the caller sends it on gRPC. A failure after the frame went
+        raises (UNAVAILABLE, DEADLINE_EXCEEDED past `timeout`), as do the
+        coordinator's own errors (ShardGemmError subclasses, with the
+        request's id)."""
         if request.ByteSize() > self.max_request_bytes:
             return None
+        deadline = None if timeout is None else time.monotonic() + timeout
         frame = pb.CallSocketRequest(token=self.token, request_id=request_id or "")
         if timeout is not None:
             frame.deadline_unix_us = int((time.time() + timeout) * 1e6)
         frame.grouped_gemm.CopyFrom(request)
+        sock, fresh = self._take()
+        if sock is None:
+            return None
         with self._lock:
-            sock = self._connected()
-            if sock is None:
-                return None
             frame.call_id = self._next_id
             self._next_id += 1
-            payload = frame.SerializeToString()
-            sock.settimeout(timeout)
-            try:
-                sock.sendall(HEADER.pack(MAGIC, VERSION, len(payload)) + payload)
-                reply = self._read_reply(sock)
-            except socket.timeout:
-                self._drop()  # its answer would come later, out of turn
-                raise error_for(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                f"GroupedGemm on the call socket at {self.path}: no answer in {timeout} s") from None
-            except (OSError, ShardGemmError) as e:
-                self._drop()
-                if isinstance(e, ShardGemmError):
-                    raise
-                raise error_for(grpc.StatusCode.UNAVAILABLE,
-                                f"the call socket at {self.path} failed with the call in flight: {e}") from None
+        payload = frame.SerializeToString()
+        keep = False
+        try:
+            reply = self._call(sock, HEADER.pack(MAGIC, VERSION, len(payload)) + payload, deadline, fresh)
             if reply.call_id != frame.call_id:
-                self._drop()
                 raise error_for(grpc.StatusCode.DATA_LOSS,
                                 f"the call socket at {self.path} answered call {reply.call_id}, not {frame.call_id}")
+            keep = True
+        except _NotRun:
+            return None
+        except socket.timeout:  # its answer would come later, out of turn: the connection goes
+            raise error_for(grpc.StatusCode.DEADLINE_EXCEEDED,
+                            f"GroupedGemm on the call socket at {self.path}: no answer in {timeout} s") from None
+        except ShardGemmError:
+            raise
+        except OSError as e:
+            raise error_for(grpc.StatusCode.UNAVAILABLE,
+                            f"the call socket at {self.path} failed with the call in flight: {e}") from None
+        finally:
+            self._give_back(sock, keep)
         if reply.code != 0:
             try:
                 code = next(c for c in grpc.StatusCode if c.value[0] == reply.code)
@@ -88,40 +110,89 @@ class CallSocket:
             raise error_for(code, reply.message, request_id=reply.request_id or None)
         return reply.grouped_gemm, reply.request_id
 
-    def _connected(self) -> Optional[socket.socket]:
-        if self._sock is not None:
-            return self._sock
-        if time.monotonic() < self._retry_at:
-            return None
-        self._retry_at = time.monotonic() + RETRY_AFTER_S
+    def _call(self, sock: socket.socket, frame: bytes, deadline: Optional[float],
+              fresh: bool) -> "pb.CallSocketReply":
+        try:
+            self._settimeout(sock, deadline)
+            sock.sendall(frame)
+        except (BrokenPipeError, ConnectionResetError) as e:
+            # The coordinator had closed this connection (it restarted, or
+            # refused a fresh one): it read none of the frame.
+            raise _NotRun() from e
+        try:
+            reply = self._read_reply(sock, deadline)
+        except ConnectionResetError as e:
+            if fresh:
+                raise _NotRun() from e  # refused before the call was read
+            raise
+        if reply.call_id == 0 and reply.code != 0:
+            raise _NotRun()  # the connection's refusal: the coordinator read none of its calls
+        return reply
+
+    def _take(self) -> Tuple[Optional[socket.socket], bool]:
+        """An idle connection, or a new one; (None, False) when none can be had now."""
+        with self._lock:
+            if self._closed:
+                return None, False
+            if self._idle:
+                return self._idle.pop(), False
+            if self._open >= MAX_CONNECTIONS or time.monotonic() < self._retry_at:
+                return None, False
+            self._open += 1
+        sock = self._connect()
+        if sock is None:
+            with self._lock:
+                self._open -= 1
+                self._retry_at = time.monotonic() + RETRY_AFTER_S
+        return sock, sock is not None
+
+    def _give_back(self, sock: socket.socket, keep: bool) -> None:
+        with self._lock:
+            if keep and not self._closed:
+                self._idle.append(sock)
+                return
+            self._open -= 1
+        sock.close()
+
+    def _connect(self) -> Optional[socket.socket]:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(1.0)
+        sock.settimeout(CONNECT_TIMEOUT_S)
         try:
             sock.connect(self.path)
+            # Only a coordinator of this user is sent the token and the tensors.
+            _, uid, _ = UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, UCRED.size))
+            if uid != os.geteuid():
+                sock.close()
+                return None
         except OSError:
             sock.close()
             return None
-        self._sock = sock
         return sock
 
-    def _drop(self) -> None:
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
+    @staticmethod
+    def _settimeout(sock: socket.socket, deadline: Optional[float]) -> None:
+        if deadline is None:
+            sock.settimeout(None)
+            return
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise socket.timeout()
+        sock.settimeout(left)
 
-    def _read_exact(self, sock: socket.socket, n: int) -> bytes:
+    def _read_exact(self, sock: socket.socket, n: int, deadline: Optional[float]) -> bytes:
         data = bytearray()
         while len(data) < n:
-            chunk = sock.recv(n - len(data))
+            self._settimeout(sock, deadline)  # the whole call is bounded, not each recv
+            chunk = sock.recv(min(n - len(data), 1 << 22))
             if not chunk:
                 raise ConnectionError("the coordinator closed the connection")
             data += chunk
         return bytes(data)
 
-    def _read_reply(self, sock: socket.socket) -> "pb.CallSocketReply":
-        magic, version, length = HEADER.unpack(self._read_exact(sock, HEADER.size))
+    def _read_reply(self, sock: socket.socket, deadline: Optional[float]) -> "pb.CallSocketReply":
+        magic, version, length = HEADER.unpack(self._read_exact(sock, HEADER.size, deadline))
         if (magic, version) != (MAGIC, VERSION):
             raise error_for(grpc.StatusCode.DATA_LOSS, f"the call socket at {self.path} answered no frame")
         reply = pb.CallSocketReply()
-        reply.ParseFromString(self._read_exact(sock, length))
+        reply.ParseFromString(self._read_exact(sock, length, deadline))
         return reply
