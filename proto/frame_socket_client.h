@@ -119,13 +119,18 @@ class FrameSocketClient {
       request.set_call_id(id);
       if (WriteStepFrame(fd, request).ok()) return true;
       // Not all of the frame went, so the server runs nothing of it, and
-      // the connection is given up.
+      // the connection takes no call more. Its reader goes on: the server
+      // (one that stopped reading for a shutdown) may still answer the
+      // calls it read, and the reader ends the connection at its end.
       absl::MutexLock lock(&mu_);
       if (auto it = pending_.find(id); it != pending_.end()) {
         *done = std::move(it->second.done);
         pending_.erase(it);
       }
-      ::shutdown(fd, SHUT_RDWR);
+      if (fd_ == fd && !sends_ended_) {
+        sends_ended_ = true;
+        ::shutdown(fd, SHUT_WR);
+      }
       return false;
     }
 
@@ -166,6 +171,7 @@ class FrameSocketClient {
           absl::MutexLock write_lock(&write_mu_);
           absl::MutexLock lock(&mu_);
           fd_ = -1;
+          sends_ended_ = false;
           ::close(fd);
           failed.swap(pending_);
         }
@@ -190,7 +196,7 @@ class FrameSocketClient {
     // the caller's other way.
     int ConnectedLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
       if (stopping_) return -1;
-      if (fd_ >= 0) return fd_;
+      if (fd_ >= 0) return sends_ended_ ? -1 : fd_;
       if (absl::Now() < retry_at_) return -1;
       retry_at_ = absl::Now() + kRetryAfter;
       sockaddr_un address{};
@@ -230,6 +236,7 @@ class FrameSocketClient {
         {
           absl::MutexLock lock(&mu_);
           if (stopping_) return absl::CancelledError("the channel was closed");
+          if (sends_ended_ && pending_.empty()) return absl::UnavailableError("a send on it failed");
           const absl::Time now = absl::Now();
           for (auto it = pending_.begin(); it != pending_.end();) {
             if (it->second.deadline <= now) {
@@ -288,6 +295,7 @@ class FrameSocketClient {
     absl::Mutex mu_;
     int fd_ ABSL_GUARDED_BY(mu_) = -1;
     bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+    bool sends_ended_ ABSL_GUARDED_BY(mu_) = false;  // a send failed on fd_: its reader ends it
     absl::Time retry_at_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
     uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
     std::map<uint64_t, Pending> pending_ ABSL_GUARDED_BY(mu_);

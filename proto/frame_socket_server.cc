@@ -36,11 +36,14 @@ struct FrameSocketServer::Connection : std::enable_shared_from_this<FrameSocketS
 
   void Write(const google::protobuf::MessageLite& reply) {
     const size_t payload = reply.ByteSizeLong();
+    if (payload > kMaxStepFramePayloadBytes) {
+      EndWrites();  // the peer would wait for an answer that cannot be sent
+      return;
+    }
     std::string frame = StepFrameHeader(payload);
     frame.resize(kStepFrameHeaderBytes + payload);
-    if (payload > kMaxStepFramePayloadBytes ||
-        !reply.SerializeToArray(frame.data() + kStepFrameHeaderBytes, static_cast<int>(payload))) {
-      EndWrites();  // the peer would wait for an answer that cannot be sent
+    if (!reply.SerializeToArray(frame.data() + kStepFrameHeaderBytes, static_cast<int>(payload))) {
+      EndWrites();
       return;
     }
     absl::MutexLock lock(&mu);
@@ -81,6 +84,12 @@ struct FrameSocketServer::Connection : std::enable_shared_from_this<FrameSocketS
     if (fd_open) ::shutdown(fd, SHUT_RDWR);
   }
   // Reads no more; replies still go out.
+  // Waits (up to `until`) for the replies given so far to be written.
+  bool Flush(absl::Time until) {
+    absl::MutexLock lock(&mu);
+    auto written = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu) { return writes_ended || (!draining && queued.empty()); };
+    return mu.AwaitWithDeadline(absl::Condition(&written), until);
+  }
   void StopReading() {
     absl::MutexLock lock(&mu);
     if (fd_open) ::shutdown(fd, SHUT_RD);
@@ -182,6 +191,18 @@ bool FrameSocketServer::StopReading(absl::Duration bound) {
   return mu_.AwaitWithTimeout(absl::Condition(&done), bound);
 }
 
+bool FrameSocketServer::FlushReplies(absl::Duration bound) {
+  const absl::Time until = absl::Now() + bound;
+  std::vector<std::shared_ptr<Connection>> connections;
+  {
+    absl::MutexLock lock(&mu_);
+    connections = connections_;
+  }
+  bool flushed = true;
+  for (const auto& c : connections) flushed = c->Flush(until) && flushed;
+  return flushed;
+}
+
 FrameSocketServer::~FrameSocketServer() {
   StopReading(absl::ZeroDuration());
   std::vector<std::shared_ptr<Connection>> connections;
@@ -274,11 +295,15 @@ void FrameSocketServer::Accept() {
       refuse(absl::StrCat("more than the ", options_.max_connections, " allowed at once").c_str());
       continue;
     }
-    auto connection = std::make_shared<Connection>(fd, threads_.get());
     ++serving_;
+    auto connection = std::make_shared<Connection>(fd, threads_.get());
     if (!threads_->Run([this, connection] { Serve(connection); }).ok()) {
       --serving_;
-      connection->Close();
+      {
+        absl::MutexLock connection_lock(&connection->mu);
+        connection->fd_open = false;  // refuse closes it
+      }
+      refuse("no thread free to serve it");
       continue;
     }
     connections_.push_back(connection);
@@ -320,6 +345,12 @@ void FrameSocketServer::Serve(std::shared_ptr<Connection> connection) {
                                      {{"message", std::string(read.message())}});
       }
       break;
+    }
+    {
+      // A frame already in the socket's buffer when reading stopped is
+      // still read: it is not run (the pool may be going).
+      absl::MutexLock lock(&mu_);
+      if (reading_stopped_) break;
     }
     if (oversized) {
       options_.oversized(std::move(payload), *bytes, reply);

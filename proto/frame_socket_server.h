@@ -62,11 +62,15 @@ class FrameSocketServer {
   // umask: a caller that needs the socket owner-only sets it around Start.
   static absl::StatusOr<std::unique_ptr<FrameSocketServer>> Start(const std::string& path, Options options,
                                                                   Handler handler);
-  // Stops taking calls: refuses new connections, reads no frame more, and
+  // Stops taking calls: refuses new connections, runs no frame more, and
   // waits (up to `bound`) for the handlers running; replies still go out,
   // so the calls in flight can be answered before the server goes. False
   // when a handler was still running at the bound.
   bool StopReading(absl::Duration bound);
+  // Waits (up to `bound`) for the replies given so far to be written, as a
+  // shutdown does before it ends the connections: a reply larger than the
+  // socket's buffer may still be going out. False at the bound.
+  bool FlushReplies(absl::Duration bound);
   // Stops accepting, ends every connection and waits for the calls running
   // on its threads (a handler that handed its reply on answers into nothing).
   ~FrameSocketServer();

@@ -352,7 +352,8 @@ TEST_F(FrameSocketTest, AReplyLargerThanTheSocketBufferArrivesWhole) {
 }
 
 // StopReading, as a shutdown does: new connections are refused and no frame
-// more is read, but a call in flight is still answered on its connection.
+// more is run, but a call in flight is still answered on its connection, in
+// full before the server goes when FlushReplies is called.
 TEST_F(FrameSocketTest, StopReadingLetsTheCallsInFlightBeAnswered) {
   absl::Mutex mu;
   std::vector<std::pair<uint64_t, FrameSocketServer::Reply>> held;
@@ -381,16 +382,27 @@ TEST_F(FrameSocketTest, StopReadingLetsTheCallsInFlightBeAnswered) {
   ASSERT_TRUE(refused->done.WaitForNotificationWithTimeout(absl::Seconds(10)));
   EXPECT_FALSE(refused->reply.ok());
 
+  // A call on the open connection is not sent (the server reads no more),
+  // and that does not end the connection's replies.
+  bool after_sent = true;
+  auto after = Send(client, "after", absl::Seconds(5), &after_sent);
+  EXPECT_FALSE(after_sent);
+
+  // The answer is far larger than the socket's buffer: FlushReplies waits
+  // for it to be written before the server goes.
+  const std::string large(32 << 20, 'a');
   {
     absl::MutexLock lock(&mu);
     v1::CallSocketReply answer;
     answer.set_call_id(held[0].first);
-    answer.set_request_id("answered after StopReading");
+    answer.set_request_id(large);
     held[0].second(answer);
   }
+  EXPECT_TRUE((*server)->FlushReplies(absl::Seconds(20)));
+  server->reset();
   ASSERT_TRUE(in_flight->done.WaitForNotificationWithTimeout(absl::Seconds(10)));
   ASSERT_TRUE(in_flight->reply.ok()) << in_flight->reply.status();
-  EXPECT_EQ(in_flight->reply->request_id(), "answered after StopReading");
+  EXPECT_EQ(in_flight->reply->request_id(), large);
   EXPECT_EQ(handled.load(), 1);
 }
 

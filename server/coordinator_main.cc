@@ -334,15 +334,24 @@ int Run() {
     // No socket call starts once the coordinator abandons its requests; the
     // ones in flight are answered (UNAVAILABLE, or their result) before the
     // service and the coordinator go, as gRPC's are before Wait returns.
+    // A handler still running, or a call unfinished, would answer on a
+    // service that is gone: end here rather than later in a freed one.
+    auto end_now = []() {
+      logging::ProcessLogger().Flush();
+      std::_Exit(1);
+    };
     if (call_socket != nullptr && !call_socket->StopReading(kSocketCallsShutdownBound)) {
       logging::ProcessLogger().Log(logging::Level::kError, "call_socket_not_stopped",
                                    {{"message", "a call socket handler still ran at the shutdown's bound"}});
+      end_now();
     }
     coordinator.AbandonRequests();
     if (call_socket != nullptr && !service.WaitForSocketCalls(kSocketCallsShutdownBound)) {
-      // Their answers would run on a service that is gone: end here.
-      logging::ProcessLogger().Flush();
-      std::_Exit(1);
+      end_now();  // WaitForSocketCalls logged how many
+    }
+    if (call_socket != nullptr && !call_socket->FlushReplies(kSocketCallsShutdownBound)) {
+      logging::ProcessLogger().Log(logging::Level::kWarning, "call_socket_replies_unsent",
+                                   {{"message", "a client read its reply too slowly for the shutdown's bound"}});
     }
   });
   logging::ProcessLogger().Log(logging::Level::kInfo, "stopped", {});

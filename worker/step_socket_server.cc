@@ -18,6 +18,7 @@ absl::StatusOr<std::unique_ptr<StepSocketServer>> StepSocketServer::Start(const 
       [handler = std::move(handler)](std::string payload, FrameSocketServer::Reply reply) -> absl::Status {
         auto request = std::make_unique<v1::StepSocketRequest>();
         if (!request->ParseFromString(payload)) return absl::DataLossError("a step frame's payload does not parse");
+        payload = std::string();  // its bytes are parsed: not held while the step runs
         handler(std::move(request), [reply = std::move(reply)](v1::StepSocketReply r) { reply(r); });
         return absl::OkStatus();
       });
