@@ -400,3 +400,68 @@ def test_a_coordinator_stopped_with_socket_calls_in_flight_answers_or_fails_each
         assert calls and calls[-1] == "closed", calls
         assert all(o in ("answered", "closed", UNAVAILABLE) for o in calls), calls
     assert not os.path.exists(sock)
+
+
+def test_the_async_client_sends_grouped_gemm_on_the_call_socket(cluster_factory, mesh_certs, sock):
+    import asyncio
+    import shardgemm
+    import shardgemm.aio
+    c = cluster_factory(mesh="ep=2", workers=2, tls_dir=mesh_certs,
+                        coordinator_flags=[f"--call_socket={sock}", "--log_format=json"])
+    specs = dict(lhs_spec="(ep, None)", rhs_spec="(ep, None, None)", group_sizes_spec="(ep,)")
+    cases = [inputs(20 + i) for i in range(6)]
+
+    async def run():
+        async with shardgemm.aio.Client(c.address, timeout=30, tls_dir=mesh_certs, call_socket=sock,
+                                        path="inline") as client:
+            # Concurrent calls, each on a connection of its own.
+            outs = await asyncio.gather(*(client.grouped_gemm(lhs, rhs, sizes, request_id=f"aio-{i}", **specs)
+                                          for i, (lhs, rhs, sizes, _) in enumerate(cases)))
+            for (out, _), (_, _, _, want) in zip(outs, cases):
+                np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4)
+            lhs, rhs, sizes, _ = cases[0]
+            with pytest.raises(shardgemm.InvalidArgumentError) as e:
+                await client.grouped_gemm(lhs[:, :31], rhs, sizes, request_id="aio-bad", **specs)
+            assert e.value.request_id == "aio-bad", e.value
+            out, _ = await client.grouped_gemm(lhs, rhs, sizes, request_id="aio-again", **specs)
+            np.testing.assert_allclose(out, cases[0][3], rtol=1e-4, atol=1e-4)
+            assert client.last_request_id == "aio-again"
+
+    asyncio.run(run())
+    for i in range(6):
+        lines = request_lines(c, f"aio-{i}")
+        assert len(lines) == 1 and lines[0]["transport"] == "call_socket", lines
+    bad = request_lines(c, "aio-bad")
+    assert len(bad) == 1 and bad[0]["transport"] == "call_socket", bad
+
+
+@pytest.mark.parametrize("mode", ["refuse", "silent"])
+def test_the_async_client_falls_back_or_ends_by_its_timeout(cluster_factory, sock, mode):
+    import asyncio
+    import shardgemm
+    import shardgemm.aio
+    c = cluster_factory(mesh="ep=2", workers=2, coordinator_flags=["--log_format=json"])
+    fake = FakeCallSocket(sock, mode)
+    lhs, rhs, sizes, want = inputs(30)
+    specs = dict(lhs_spec="(ep, None)", rhs_spec="(ep, None, None)", group_sizes_spec="(ep,)")
+
+    async def run():
+        async with shardgemm.aio.Client(c.address, timeout=1.0, call_socket=sock, path="inline") as client:
+            if mode == "refuse":
+                out, _ = await client.grouped_gemm(lhs, rhs, sizes, request_id="aio-refused", timeout=30, **specs)
+                np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4)
+                return None
+            start = time.monotonic()
+            with pytest.raises(shardgemm.DeadlineExceededError):
+                await client.grouped_gemm(lhs, rhs, sizes, **specs)
+            return time.monotonic() - start
+
+    try:
+        took = asyncio.run(run())
+    finally:
+        fake.stop()
+    if mode == "refuse":
+        lines = request_lines(c, "aio-refused")
+        assert len(lines) == 1 and "transport" not in lines[0], lines
+    else:
+        assert 0.9 <= took < 5, took

@@ -8,6 +8,7 @@ a code other than OK is the connection's refusal (the coordinator serves
 that many connections already): none of its calls ran."""
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import struct
@@ -35,6 +36,47 @@ CONNECT_TIMEOUT_S = 1.0
 
 class _NotRun(Exception):
     """The call did not reach the coordinator: it goes on gRPC."""
+
+
+def _call_frame(request: "pb.GroupedGemmRequest", request_id: Optional[str], timeout: Optional[float],
+                token: str, call_id: int) -> bytes:
+    frame = pb.CallSocketRequest(token=token, request_id=request_id or "", call_id=call_id)
+    if timeout is not None:
+        frame.deadline_unix_us = int((time.time() + timeout) * 1e6)
+    frame.grouped_gemm.CopyFrom(request)
+    payload = frame.SerializeToString()
+    return HEADER.pack(MAGIC, VERSION, len(payload)) + payload
+
+
+def _payload_length(header: bytes, path: str) -> int:
+    magic, version, length = HEADER.unpack(header)
+    if (magic, version) != (MAGIC, VERSION):
+        raise error_for(grpc.StatusCode.DATA_LOSS, f"the call socket at {path} answered no frame")
+    return length
+
+
+def _checked(reply: "pb.CallSocketReply", call_id: int, path: str) -> "pb.CallSocketReply":
+    if reply.call_id == 0 and reply.code != 0:
+        raise _NotRun()  # the connection's refusal: the coordinator read none of its calls
+    if reply.call_id != call_id:
+        raise error_for(grpc.StatusCode.DATA_LOSS, f"the call socket at {path} answered call {reply.call_id}, not {call_id}")
+    return reply
+
+
+def _result(reply: "pb.CallSocketReply") -> Tuple["pb.GroupedGemmResponse", str]:
+    if reply.code != 0:
+        try:
+            code = next(c for c in grpc.StatusCode if c.value[0] == reply.code)
+        except StopIteration:
+            code = grpc.StatusCode.UNKNOWN
+        raise error_for(code, reply.message, request_id=reply.request_id or None)
+    return reply.grouped_gemm, reply.request_id
+
+
+def _own_user(sock: socket.socket) -> bool:
+    """Only a coordinator of this user is sent the token and the tensors."""
+    _, uid, _ = UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, UCRED.size))
+    return uid == os.geteuid()
 
 
 class CallSocket:
@@ -72,23 +114,16 @@ class CallSocket:
         if request.ByteSize() > self.max_request_bytes:
             return None
         deadline = None if timeout is None else time.monotonic() + timeout
-        frame = pb.CallSocketRequest(token=self.token, request_id=request_id or "")
-        if timeout is not None:
-            frame.deadline_unix_us = int((time.time() + timeout) * 1e6)
-        frame.grouped_gemm.CopyFrom(request)
         sock, fresh = self._take()
         if sock is None:
             return None
         with self._lock:
-            frame.call_id = self._next_id
+            call_id = self._next_id
             self._next_id += 1
-        payload = frame.SerializeToString()
         keep = False
         try:
-            reply = self._call(sock, HEADER.pack(MAGIC, VERSION, len(payload)) + payload, deadline, fresh)
-            if reply.call_id != frame.call_id:
-                raise error_for(grpc.StatusCode.DATA_LOSS,
-                                f"the call socket at {self.path} answered call {reply.call_id}, not {frame.call_id}")
+            reply = _checked(self._call(sock, _call_frame(request, request_id, timeout, self.token, call_id),
+                                        deadline, fresh), call_id, self.path)
             keep = True
         except _NotRun:
             return None
@@ -102,13 +137,7 @@ class CallSocket:
                             f"the call socket at {self.path} failed with the call in flight: {e}") from None
         finally:
             self._give_back(sock, keep)
-        if reply.code != 0:
-            try:
-                code = next(c for c in grpc.StatusCode if c.value[0] == reply.code)
-            except StopIteration:
-                code = grpc.StatusCode.UNKNOWN
-            raise error_for(code, reply.message, request_id=reply.request_id or None)
-        return reply.grouped_gemm, reply.request_id
+        return _result(reply)
 
     def _call(self, sock: socket.socket, frame: bytes, deadline: Optional[float],
               fresh: bool) -> "pb.CallSocketReply":
@@ -125,8 +154,6 @@ class CallSocket:
             if fresh:
                 raise _NotRun() from e  # refused before the call was read
             raise
-        if reply.call_id == 0 and reply.code != 0:
-            raise _NotRun()  # the connection's refusal: the coordinator read none of its calls
         return reply
 
     def _take(self) -> Tuple[Optional[socket.socket], bool]:
@@ -159,9 +186,7 @@ class CallSocket:
         sock.settimeout(CONNECT_TIMEOUT_S)
         try:
             sock.connect(self.path)
-            # Only a coordinator of this user is sent the token and the tensors.
-            _, uid, _ = UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, UCRED.size))
-            if uid != os.geteuid():
+            if not _own_user(sock):
                 sock.close()
                 return None
         except OSError:
@@ -190,9 +215,108 @@ class CallSocket:
         return bytes(data)
 
     def _read_reply(self, sock: socket.socket, deadline: Optional[float]) -> "pb.CallSocketReply":
-        magic, version, length = HEADER.unpack(self._read_exact(sock, HEADER.size, deadline))
-        if (magic, version) != (MAGIC, VERSION):
-            raise error_for(grpc.StatusCode.DATA_LOSS, f"the call socket at {self.path} answered no frame")
+        length = _payload_length(self._read_exact(sock, HEADER.size, deadline), self.path)
         reply = pb.CallSocketReply()
         reply.ParseFromString(self._read_exact(sock, length, deadline))
         return reply
+
+
+class AsyncCallSocket:
+    """CallSocket for asyncio: the same frames and fallbacks, each call on a
+    connection of its own (up to MAX_CONNECTIONS), its whole wait bounded by
+    its timeout."""
+
+    _Connection = Tuple[asyncio.StreamReader, asyncio.StreamWriter]
+
+    def __init__(self, path: str, token: Optional[str], max_message_bytes: int) -> None:
+        self.path = path
+        self.token = token or ""
+        self.max_request_bytes = max_message_bytes - FRAME_FIELDS_BYTES
+        self._idle: List["AsyncCallSocket._Connection"] = []
+        self._open = 0
+        self._retry_at = 0.0
+        self._next_id = 1
+        self._closed = False
+
+    async def close(self) -> None:
+        self._closed = True
+        idle, self._idle = self._idle, []
+        self._open -= len(idle)
+        for _, writer in idle:
+            writer.close()
+
+    async def grouped_gemm(self, request: "pb.GroupedGemmRequest", request_id: Optional[str],
+                           timeout: Optional[float]) -> Optional[Tuple["pb.GroupedGemmResponse", str]]:
+        """As CallSocket.grouped_gemm."""
+        if request.ByteSize() > self.max_request_bytes:
+            return None
+        connection, fresh = await self._take()
+        if connection is None:
+            return None
+        call_id, self._next_id = self._next_id, self._next_id + 1
+        keep = False
+        try:
+            reply = await asyncio.wait_for(
+                self._call(connection, _call_frame(request, request_id, timeout, self.token, call_id), fresh), timeout)
+            reply = _checked(reply, call_id, self.path)
+            keep = True
+        except _NotRun:
+            return None
+        except asyncio.TimeoutError:  # its answer would come later, out of turn: the connection goes
+            raise error_for(grpc.StatusCode.DEADLINE_EXCEEDED,
+                            f"GroupedGemm on the call socket at {self.path}: no answer in {timeout} s") from None
+        except ShardGemmError:
+            raise
+        except (OSError, asyncio.IncompleteReadError) as e:
+            raise error_for(grpc.StatusCode.UNAVAILABLE,
+                            f"the call socket at {self.path} failed with the call in flight: {e}") from None
+        finally:
+            self._give_back(connection, keep)
+        return _result(reply)
+
+    async def _call(self, connection: "AsyncCallSocket._Connection", frame: bytes,
+                    fresh: bool) -> "pb.CallSocketReply":
+        reader, writer = connection
+        try:
+            writer.write(frame)
+            await writer.drain()
+        except (BrokenPipeError, ConnectionResetError) as e:
+            raise _NotRun() from e  # the coordinator had closed this connection: it read none of the frame
+        try:
+            length = _payload_length(await reader.readexactly(HEADER.size), self.path)
+            reply = pb.CallSocketReply()
+            reply.ParseFromString(await reader.readexactly(length))
+        except (ConnectionResetError, asyncio.IncompleteReadError) as e:
+            if fresh and not isinstance(e, asyncio.IncompleteReadError):
+                raise _NotRun() from e  # refused before the call was read
+            raise
+        return reply
+
+    async def _take(self) -> Tuple[Optional["AsyncCallSocket._Connection"], bool]:
+        if self._closed:
+            return None, False
+        if self._idle:
+            return self._idle.pop(), False
+        if self._open >= MAX_CONNECTIONS or time.monotonic() < self._retry_at:
+            return None, False
+        self._open += 1
+        try:
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_unix_connection(self.path, limit=1 << 22), CONNECT_TIMEOUT_S)
+        except (OSError, asyncio.TimeoutError):
+            self._open -= 1
+            self._retry_at = time.monotonic() + RETRY_AFTER_S
+            return None, False
+        if not _own_user(writer.get_extra_info("socket")):
+            writer.close()
+            self._open -= 1
+            self._retry_at = time.monotonic() + RETRY_AFTER_S
+            return None, False
+        return (reader, writer), True
+
+    def _give_back(self, connection: "AsyncCallSocket._Connection", keep: bool) -> None:
+        if keep and not self._closed:
+            self._idle.append(connection)
+            return
+        self._open -= 1
+        connection[1].close()

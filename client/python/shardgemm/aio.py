@@ -18,7 +18,7 @@ from typing import Any, AsyncIterator, Dict, Iterator, List, Optional, Sequence,
 import grpc
 import grpc.aio
 
-from . import _common, _cuda, _direct, _lease
+from . import _common, _cuda, _direct, _frames, _lease
 from ._convert import Array, SharedMemoryTensor, TensorLike, check_output, to_output
 from ._progress import Meter, Progress
 from ._proto import pb, pb_grpc
@@ -37,7 +37,8 @@ class Client:
     def __init__(self, address: str, timeout: Optional[float] = None, *, tls_dir: Optional[str] = None,
                  token: Optional[str] = None, output: str = "numpy", progress: Progress = False,
                  options: Sequence[Tuple[str, Any]] = (), path: str = "auto", cuda_ipc: bool = True,
-                 shared_memory_lease: Optional[float] = _lease.DEFAULT_LEASE_S) -> None:
+                 shared_memory_lease: Optional[float] = _lease.DEFAULT_LEASE_S,
+                 call_socket: Optional[str] = None) -> None:
         self.output = check_output(output)
         self.cuda_ipc = bool(cuda_ipc)
         self._lease_ms = _lease.lease_ms(shared_memory_lease)
@@ -55,6 +56,8 @@ class Client:
         else:
             self.channel = grpc.aio.insecure_channel(address, options=opts)
         self.stub = pb_grpc.ShardGemmStub(self.channel)
+        self._call_socket = (_frames.AsyncCallSocket(call_socket, _common.bearer_token(tls_dir, token),
+                                                     _common.MAX_MESSAGE) if call_socket else None)
         self._creds, self._opts = creds.workers, opts
         self._workers_unavailable = creds.workers_unavailable
         self._staging_channels: Dict[str, Tuple[grpc.aio.Channel, Any]] = {}
@@ -80,6 +83,8 @@ class Client:
                 raise failure
         finally:
             await self._leases.close()
+            if self._call_socket is not None:
+                await self._call_socket.close()
             await self._close_channels()
 
     async def _close_channels(self) -> None:
@@ -203,6 +208,11 @@ class Client:
         if _direct.wants_direct(chosen, lambda: offered, lhs, out, kwargs):
             return await self._grouped_gemm_direct(lhs, rhs, group_sizes, bias, request_id, out_as, timeout, kwargs)
         req = _common.gemm_request(lhs, rhs, group_sizes, bias, out=out, **kwargs)
+        if self._call_socket is not None:
+            answered = await self._call_socket.grouped_gemm(req, request_id, self._timeout(timeout))
+            if answered is not None:
+                resp, self.last_request_id = answered
+                return to_output(_common.gemm_output(resp, out), out_as), resp.plan
         resp = await self._unary(self.stub.GroupedGemm, req, timeout, request_id)
         return to_output(_common.gemm_output(resp, out), out_as), resp.plan
 
