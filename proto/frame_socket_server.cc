@@ -33,6 +33,10 @@ struct FrameSocketServer::Connection : std::enable_shared_from_this<FrameSocketS
   bool draining ABSL_GUARDED_BY(mu) = false;      // a drainer owns the queue's writes
   std::deque<std::string> queued ABSL_GUARDED_BY(mu);
   size_t queued_front_sent ABSL_GUARDED_BY(mu) = 0;
+  // A peer that ended its writes still reads the answers to the calls it
+  // sent: the connection closes once they are written.
+  int calls_open ABSL_GUARDED_BY(mu) = 0;  // read, their replies not yet given or dropped
+  bool peer_done ABSL_GUARDED_BY(mu) = false;
 
   void Write(const google::protobuf::MessageLite& reply) {
     const size_t payload = reply.ByteSizeLong();
@@ -83,13 +87,37 @@ struct FrameSocketServer::Connection : std::enable_shared_from_this<FrameSocketS
     queued.clear();
     if (fd_open) ::shutdown(fd, SHUT_RDWR);
   }
-  // Reads no more; replies still go out.
   // Waits (up to `until`) for the replies given so far to be written.
   bool Flush(absl::Time until) {
     absl::MutexLock lock(&mu);
     auto written = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu) { return writes_ended || (!draining && queued.empty()); };
     return mu.AwaitWithDeadline(absl::Condition(&written), until);
   }
+  void CallStarted() {
+    absl::MutexLock lock(&mu);
+    ++calls_open;
+  }
+  void CallEnded() {
+    absl::MutexLock lock(&mu);
+    --calls_open;
+    CloseIfDoneLocked();
+  }
+  // The peer ended its writes (or went): closed once its calls are answered.
+  void PeerDone() {
+    absl::MutexLock lock(&mu);
+    peer_done = true;
+    CloseIfDoneLocked();
+  }
+  void CloseIfDoneLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    if (!peer_done || calls_open > 0 || draining || !queued.empty()) return;
+    EndWritesLocked();
+    closed = true;
+    if (fd_open) {
+      ::close(fd);
+      fd_open = false;
+    }
+  }
+  // Reads no more; replies still go out.
   void StopReading() {
     absl::MutexLock lock(&mu);
     if (fd_open) ::shutdown(fd, SHUT_RD);
@@ -117,6 +145,7 @@ void FrameSocketServer::Connection::Drain() {
           ::close(fd);
           fd_open = false;
         }
+        CloseIfDoneLocked();
         return;
       }
       frame = std::move(queued.front());
@@ -317,10 +346,17 @@ void FrameSocketServer::Serve(std::shared_ptr<Connection> connection) {
     absl::MutexLock lock(&mu_);
     --serving_;
   };
-  std::weak_ptr<Connection> weak = connection;
-  auto reply = [weak](const google::protobuf::MessageLite& message) {
-    if (auto c = weak.lock()) c->Write(message);
+  // Each call's reply holds the call open until it is given or dropped.
+  struct CallHold {
+    explicit CallHold(std::shared_ptr<Connection> c) : connection(std::move(c)) { connection->CallStarted(); }
+    ~CallHold() { connection->CallEnded(); }
+    const std::shared_ptr<Connection> connection;
   };
+  auto reply_for_a_call = [&connection]() -> Reply {
+    auto hold = std::make_shared<CallHold>(connection);
+    return [hold](const google::protobuf::MessageLite& message) { hold->connection->Write(message); };
+  };
+  bool peer_done = false;
   while (true) {
     // One thread at a time reads a connection, and its fd stays open until
     // the reader that sees it end closes it.
@@ -343,6 +379,8 @@ void FrameSocketServer::Serve(std::shared_ptr<Connection> connection) {
       if (read.code() != absl::StatusCode::kUnavailable) {
         logging::ProcessLogger().Log(logging::Level::kWarning, EventName("dropped"),
                                      {{"message", std::string(read.message())}});
+      } else {
+        peer_done = true;  // at a frame's boundary: its calls are still answered
       }
       break;
     }
@@ -353,14 +391,15 @@ void FrameSocketServer::Serve(std::shared_ptr<Connection> connection) {
       if (reading_stopped_) break;
     }
     if (oversized) {
-      options_.oversized(std::move(payload), *bytes, reply);
+      options_.oversized(std::move(payload), *bytes, reply_for_a_call());
       continue;
     }
     // Another thread reads on while this one runs the call: a long call
     // leaves the next frames read, not stuck in the client's write.
     // With no thread to spare, this one reads again after the call.
+    Reply reply = reply_for_a_call();  // before the next reader can see the peer done
     const bool handed_on = ServeOnPool(connection);
-    const absl::Status taken = handler_(std::move(payload), reply);
+    const absl::Status taken = handler_(std::move(payload), std::move(reply));
     if (!taken.ok()) {
       logging::ProcessLogger().Log(logging::Level::kWarning, EventName("dropped"),
                                    {{"message", std::string(taken.message())}});
@@ -377,7 +416,11 @@ void FrameSocketServer::Serve(std::shared_ptr<Connection> connection) {
     absl::MutexLock lock(&mu_);
     close = !reading_stopped_ || stopping_;
   }
-  if (close) connection->Close();
+  if (close && peer_done) {
+    connection->PeerDone();
+  } else if (close) {
+    connection->Close();
+  }
   leave();
 }
 
