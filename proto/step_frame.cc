@@ -38,9 +38,9 @@ absl::Status ReadFully(int fd, char* out, size_t n, size_t* got) {
       *got += static_cast<size_t>(r);
       continue;
     }
-    if (r == 0) return absl::UnavailableError("the step socket was closed");
+    if (r == 0) return absl::UnavailableError("the socket was closed");
     if (errno == EINTR) continue;
-    return absl::UnavailableError(absl::StrCat("the step socket failed: ", std::strerror(errno)));
+    return absl::UnavailableError(absl::StrCat("the socket failed: ", std::strerror(errno)));
   }
   return absl::OkStatus();
 }
@@ -57,20 +57,20 @@ std::string StepFrameHeader(uint64_t payload_bytes) {
 
 absl::StatusOr<uint64_t> ParseStepFrameHeader(absl::string_view header, uint64_t max_payload_bytes) {
   if (header.size() != kStepFrameHeaderBytes) {
-    return absl::DataLossError(absl::StrCat("a step frame's header is ", kStepFrameHeaderBytes, " bytes, not ",
+    return absl::DataLossError(absl::StrCat("a frame's header is ", kStepFrameHeaderBytes, " bytes, not ",
                                             header.size()));
   }
   if (GetU32(header.data()) != kStepFrameMagic) {
-    return absl::DataLossError("not a step frame (its first four bytes are not \"SGS1\")");
+    return absl::DataLossError("not a frame of ours (its first four bytes are not \"SGS1\")");
   }
   if (const uint32_t version = GetU32(header.data() + 4); version != kStepFrameVersion) {
     return absl::DataLossError(
-        absl::StrCat("a step frame of version ", version, "; this build speaks version ", kStepFrameVersion));
+        absl::StrCat("a frame of version ", version, "; this build speaks version ", kStepFrameVersion));
   }
   const uint64_t bytes = GetU64(header.data() + 8);
   if (bytes > max_payload_bytes) {
     return absl::DataLossError(
-        absl::StrCat("a step frame of ", bytes, " bytes, more than the ", max_payload_bytes, " allowed"));
+        absl::StrCat("a frame of ", bytes, " bytes, more than the ", max_payload_bytes, " allowed"));
   }
   return bytes;
 }
@@ -79,12 +79,12 @@ absl::Status WriteStepFrame(int fd, const google::protobuf::MessageLite& message
   const size_t payload = message.ByteSizeLong();
   if (payload > kMaxStepFramePayloadBytes) {
     return absl::ResourceExhaustedError(
-        absl::StrCat("a step frame of ", payload, " bytes, more than the ", kMaxStepFramePayloadBytes, " allowed"));
+        absl::StrCat("a frame of ", payload, " bytes, more than the ", kMaxStepFramePayloadBytes, " allowed"));
   }
   std::string frame = StepFrameHeader(payload);
   frame.resize(kStepFrameHeaderBytes + payload);
   if (!message.SerializeToArray(frame.data() + kStepFrameHeaderBytes, static_cast<int>(payload))) {
-    return absl::InternalError("a step frame's message did not serialize");
+    return absl::InternalError("a frame's message did not serialize");
   }
   size_t sent = 0;
   while (sent < frame.size()) {
@@ -95,9 +95,9 @@ absl::Status WriteStepFrame(int fd, const google::protobuf::MessageLite& message
     }
     if (w < 0 && errno == EINTR) continue;
     if (w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-      return absl::UnavailableError("the step socket's peer read nothing for its send timeout");
+      return absl::UnavailableError("the socket's peer read nothing for its send timeout");
     }
-    return absl::UnavailableError(absl::StrCat("the step socket failed: ", std::strerror(errno)));
+    return absl::UnavailableError(absl::StrCat("the socket failed: ", std::strerror(errno)));
   }
   return absl::OkStatus();
 }
@@ -107,7 +107,7 @@ absl::StatusOr<uint64_t> ReadStepFrameHeader(int fd) {
   size_t got = 0;
   if (absl::Status s = ReadFully(fd, header, sizeof(header), &got); !s.ok()) {
     if (got == 0) return s;
-    return absl::DataLossError(absl::StrCat("a step frame's header was cut short: ", s.message()));
+    return absl::DataLossError(absl::StrCat("a frame's header was cut short: ", s.message()));
   }
   return ParseStepFrameHeader(absl::string_view(header, sizeof(header)));
 }
@@ -116,7 +116,7 @@ absl::Status ReadStepFrameBody(int fd, uint64_t payload_bytes, std::string* payl
   payload->assign(payload_bytes, '\0');
   size_t got = 0;
   if (absl::Status s = ReadFully(fd, payload->data(), payload->size(), &got); !s.ok()) {
-    return absl::DataLossError(absl::StrCat("a step frame was cut short after ", got, " of its ", payload_bytes,
+    return absl::DataLossError(absl::StrCat("a frame was cut short after ", got, " of its ", payload_bytes,
                                             " bytes: ", s.message()));
   }
   return absl::OkStatus();
@@ -131,7 +131,7 @@ absl::Status SkipStepFrameBody(int fd, uint64_t payload_bytes, size_t keep, std:
     const size_t n = static_cast<size_t>(std::min<uint64_t>(left, scratch.size()));
     size_t got = 0;
     if (absl::Status s = ReadFully(fd, scratch.data(), n, &got); !s.ok()) {
-      return absl::DataLossError(absl::StrCat("a step frame was cut short after ", payload_bytes - left + got,
+      return absl::DataLossError(absl::StrCat("a frame was cut short after ", payload_bytes - left + got,
                                               " of its ", payload_bytes, " bytes: ", s.message()));
     }
     left -= n;
@@ -144,7 +144,7 @@ absl::Status ReadStepFramePayload(int fd, std::string* payload, uint64_t max_pay
   if (!bytes.ok()) return bytes.status();
   if (*bytes > max_payload_bytes) {
     return absl::DataLossError(
-        absl::StrCat("a step frame of ", *bytes, " bytes, more than the ", max_payload_bytes, " allowed"));
+        absl::StrCat("a frame of ", *bytes, " bytes, more than the ", max_payload_bytes, " allowed"));
   }
   return ReadStepFrameBody(fd, *bytes, payload);
 }
@@ -153,7 +153,7 @@ absl::Status ReadStepFrame(int fd, google::protobuf::MessageLite* message, uint6
   std::string payload;
   if (absl::Status s = ReadStepFramePayload(fd, &payload, max_payload_bytes); !s.ok()) return s;
   if (!message->ParseFromArray(payload.data(), static_cast<int>(payload.size()))) {
-    return absl::DataLossError("a step frame's payload does not parse");
+    return absl::DataLossError("a frame's payload does not parse");
   }
   return absl::OkStatus();
 }
