@@ -73,7 +73,8 @@ ABSL_FLAG(std::string, path, "inline",
           "direct (stage each worker its blocks and fetch the blocks from the workers, in parallel; the "
           "coordinator touches none of their bytes)");
 ABSL_FLAG(absl::Duration, direct_timeout, absl::Minutes(5),
-          "--path=direct: the bound on the whole transfer (plan, stage, submit, fetch), e.g. 30s");
+          "the bound on a gemm's whole call (inline on gRPC or --call_socket), and on a gemm's, put's or get's "
+          "whole transfer with --path=direct (plan, stage, submit, fetch), e.g. 30s");
 ABSL_FLAG(std::string, request, "", "read the GroupedGemmRequest from this JSON file (protobuf JSON mapping)");
 ABSL_FLAG(bool, json, false, "print the plan as JSON (protobuf JSON mapping)");
 ABSL_FLAG(bool, show_plan, true, "print the plan before the result");
