@@ -109,13 +109,7 @@ struct FrameSocketServer::Connection : std::enable_shared_from_this<FrameSocketS
     CloseIfDoneLocked();
   }
   void CloseIfDoneLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
-    if (!peer_done || calls_open > 0 || draining || !queued.empty()) return;
-    EndWritesLocked();
-    closed = true;
-    if (fd_open) {
-      ::close(fd);
-      fd_open = false;
-    }
+    if (peer_done && calls_open == 0 && !draining && queued.empty()) CloseLocked();
   }
   // Reads no more; replies still go out.
   void StopReading() {
@@ -124,6 +118,10 @@ struct FrameSocketServer::Connection : std::enable_shared_from_this<FrameSocketS
   }
   void Close() {
     absl::MutexLock lock(&mu);
+    CloseLocked();
+  }
+  // A drainer still writing closes the fd when it stops.
+  void CloseLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     EndWritesLocked();
     closed = true;
     if (fd_open && !draining) {
@@ -328,11 +326,7 @@ void FrameSocketServer::Accept() {
     auto connection = std::make_shared<Connection>(fd, threads_.get());
     if (!threads_->Run([this, connection] { Serve(connection); }).ok()) {
       --serving_;
-      {
-        absl::MutexLock connection_lock(&connection->mu);
-        connection->fd_open = false;  // refuse closes it
-      }
-      refuse("no thread free to serve it");
+      refuse("no thread free to serve it");  // closes the fd; the connection was never listed
       continue;
     }
     connections_.push_back(connection);
