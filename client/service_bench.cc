@@ -117,10 +117,11 @@ ABSL_FLAG(std::string, activations, "resident",
           "stages lhs's blocks on the workers and, with --returned, fetches the output blocks from them: the "
           "direct path)");
 ABSL_FLAG(std::string, output_path, "",
-          "with --returned, how the output comes back: coordinator (in the coordinator's answer) or direct (held "
-          "on the workers, in pinned memory on CUDA, and fetched from them: the direct path's fetch); default: "
-          "direct with --activations=direct, else coordinator. --activations=direct takes direct only; the "
-          "shared_memory and cuda_ipc outputs go into their regions");
+          "with --returned, how the output comes back: coordinator (in the coordinator's answer), direct (held "
+          "on the workers, in pinned memory on CUDA, and fetched from them: the direct path's fetch) or "
+          "shared_memory (the workers write it into a POSIX region of this host; the coordinator needs "
+          "--shared_memory); default: direct with --activations=direct, shared_memory with "
+          "--activations=shared_memory, else coordinator. A cuda_ipc output goes into a CUDA region");
 ABSL_FLAG(std::string, dtype, "bf16", "operand and output dtype: bf16 or f32");
 ABSL_FLAG(double, scale_rows, 1.0, "scale every preset's rows per group (small CPU runs)");
 ABSL_FLAG(double, scale_dims, 1.0, "scale every preset's k and n (small CPU runs)");
@@ -1012,9 +1013,19 @@ int Main() {
     // stages its blocks on the workers (GroupedGemmDirect).
     const bool direct = activations == "direct";
     std::string output_path = absl::GetFlag(FLAGS_output_path);
-    if (output_path.empty()) output_path = direct ? "direct" : "coordinator";
-    if (output_path != "coordinator" && output_path != "direct") {
-      std::fprintf(stderr, "--output_path: '%s' is not coordinator or direct\n", output_path.c_str());
+    if (output_path.empty() && direct) output_path = "direct";
+    if (output_path.empty() && returned && activations == "shared_memory") output_path = "shared_memory";
+    if (output_path.empty()) output_path = "coordinator";
+    if (output_path != "coordinator" && output_path != "direct" && output_path != "shared_memory") {
+      std::fprintf(stderr, "--output_path: '%s' is not coordinator, direct or shared_memory\n", output_path.c_str());
+      return 1;
+    }
+    if (output_path == "shared_memory" && (!returned || activations == "cuda_ipc")) {
+      std::fprintf(stderr, "--output_path=shared_memory needs --returned and --activations other than cuda_ipc\n");
+      return 1;
+    }
+    if (activations == "shared_memory" && returned && output_path != "shared_memory") {
+      std::fprintf(stderr, "--activations=shared_memory returns its output into a region: --output_path=shared_memory\n");
       return 1;
     }
     if (output_path == "direct" &&
@@ -1115,7 +1126,7 @@ int Main() {
     const int64_t out_stride = (out_bytes + 4095) / 4096 * 4096;
     int most_callers = 1;  // the output region has a slice for each
     for (const LoadLevel& level : levels) most_callers = std::max(most_callers, level.callers);
-    if (returned && activations == "shared_memory") {
+    if (returned && output_path == "shared_memory") {
       auto made = BenchRegion::Create(client, "bench_out_shm", out_stride * most_callers);
       if (!made.ok()) {
         std::fprintf(stderr, "%s: %s\n", p.name.c_str(), std::string(made.status().message()).c_str());

@@ -11,7 +11,8 @@
 #   bash tools/gpu/bundle_service.sh && tar cf - -C .gpu_bundle svc | xz -T2 > .gpu_bundle/svc.tar.xz
 # Run there, from the repository root:
 #   tar xJf .gpu_bundle/svc.tar.xz -C .gpu_bundle && bash tools/gpu/run_call_socket_probe.sh
-# ROUNDS (default 3), ITERS (default 60).
+# ROUNDS (default 3), ITERS (default 60); CASES ("NAME FLAGS...;...") and HOPS
+# ("grpc frames") replace the cases and hops.
 set -uo pipefail
 B=${B:-.gpu_bundle/svc}
 export LD_LIBRARY_PATH=$PWD/$B/lib:${LD_LIBRARY_PATH:-} NCCL_NVLS_ENABLE=0
@@ -30,11 +31,15 @@ bench() {  # LABEL HOP SERVER_FLAGS BENCH_FLAGS..., with the CPUS variables of t
 cases=("cuda_ipc --only=deepseek-v3-up --activations=cuda_ipc --returned"
        "kept --only=small-decode --activations=resident"
        "fp8 --only=deepseek-v3-up --activations=resident --op=fp8")
+if [[ -n ${CASES:-} ]]; then  # "NAME FLAGS...;NAME FLAGS...": these cases instead
+  IFS=';' read -r -a cases <<<"$CASES"
+fi
+HOPS=${HOPS:-grpc frames}
 echo "# columns: place case hop round preset local_us d2h_us server50 server90 worker50 worker90 rtt50 rtt90 ratio added_us h2d d2h check"
 for ((round = 1; round <= ${ROUNDS:-3}; round++)); do
   for c in "${cases[@]}"; do
     read -r name flags <<<"$c"
-    for hop in grpc frames; do
+    for hop in $HOPS; do
       # shellcheck disable=SC2086
       COORDINATOR_CPUS=2 WORKER_CPUS=3 BENCH_CPUS=4 bench "split $name r$round" $hop --busy_poll=2ms $flags
       # shellcheck disable=SC2086
