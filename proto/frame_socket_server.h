@@ -36,10 +36,11 @@ class FrameSocketServer {
   using Handler = std::function<absl::Status(std::string payload, Reply reply)>;
 
   // Answers a frame larger than Options::max_payload_bytes, read and
-  // dropped: `head` is its payload's first kOversizedHeadBytes (enough for
-  // the call id a reply names).
+  // dropped: `head` is its payload's first kOversizedHeadBytes (room for
+  // the call id a reply names, and for small fields a writer may put before
+  // it: a token, a request id).
   using Oversized = std::function<void(std::string head, uint64_t payload_bytes, Reply reply)>;
-  static constexpr size_t kOversizedHeadBytes = 32;
+  static constexpr size_t kOversizedHeadBytes = 4096;
 
   struct Options {
     // For log lines and errors: "step socket", "call socket".

@@ -5,6 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "google/protobuf/io/coded_stream.h"
+#include "google/protobuf/wire_format_lite.h"
 
 namespace shardgemm {
 namespace {
@@ -18,22 +19,12 @@ void AnswerNoCall(const v1::CallSocketRequest& request, const FrameSocketServer:
   reply(answer);
 }
 
-// The call id of a request whose payload starts with `head`: call_id is
-// field 1, which protobuf writes first. 0 when the head does not start so.
-uint64_t CallIdOf(const std::string& head) {
-  google::protobuf::io::CodedInputStream in(reinterpret_cast<const uint8_t*>(head.data()),
-                                            static_cast<int>(head.size()));
-  uint64_t call_id = 0;
-  if (in.ReadTag() != (1u << 3 | 0u) || !in.ReadVarint64(&call_id)) return 0;
-  return call_id;
-}
-
 // A request larger than the coordinator takes is answered as gRPC answers
 // a message over its limit, and the connection goes on.
 void AnswerOversized(const std::string& head, uint64_t payload_bytes, uint64_t max_request_bytes,
                      const FrameSocketServer::Reply& reply) {
   v1::CallSocketReply answer;
-  answer.set_call_id(CallIdOf(head));
+  answer.set_call_id(CallIdOfRequestHead(head));
   answer.set_code(static_cast<int32_t>(absl::StatusCode::kResourceExhausted));
   answer.set_message(absl::StrCat("the call of ", payload_bytes, " bytes is more than the ", max_request_bytes,
                                   " the coordinator takes (--max_message_mb)"));
@@ -51,6 +42,20 @@ std::string Refusal(int max_connections) {
 }
 
 }  // namespace
+
+uint64_t CallIdOfRequestHead(absl::string_view head) {
+  google::protobuf::io::CodedInputStream in(reinterpret_cast<const uint8_t*>(head.data()),
+                                            static_cast<int>(head.size()));
+  constexpr uint32_t kCallIdTag = 1u << 3 | 0u;  // field 1, varint
+  for (uint32_t tag = in.ReadTag(); tag != 0; tag = in.ReadTag()) {
+    if (tag == kCallIdTag) {
+      uint64_t call_id = 0;
+      return in.ReadVarint64(&call_id) ? call_id : 0;
+    }
+    if (!google::protobuf::internal::WireFormatLite::SkipField(&in, tag)) return 0;
+  }
+  return 0;
+}
 
 absl::StatusOr<std::unique_ptr<FrameSocketServer>> StartCallSocket(const std::string& path,
                                                                    ShardGemmService* service,

@@ -13,6 +13,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "proto/frame_socket_server.h"
 #include "server/service.h"
 
@@ -28,6 +29,13 @@ inline constexpr int kMaxCallSocketConnections = 256;
 // `service` must outlive the server; the coordinator stops its reading
 // (StopReading) and waits for the service's socket calls to finish
 // (ShardGemmService::WaitForSocketCalls) before either goes.
+// The call_id of a CallSocketRequest from its payload's first bytes (an
+// oversized call is answered under it unread). Protobuf writes field 1
+// first, but a writer may order fields as it likes: fields before it are
+// skipped while they lie within `head`. 0 (no call's id) when it is not
+// found there.
+uint64_t CallIdOfRequestHead(absl::string_view head);
+
 absl::StatusOr<std::unique_ptr<FrameSocketServer>> StartCallSocket(const std::string& path,
                                                                    ShardGemmService* service,
                                                                    uint64_t max_request_bytes);
