@@ -473,22 +473,36 @@ void PendingDispatch::Finish(absl::Status why) {
 
 std::shared_ptr<PendingDispatch> Dispatcher::DispatchAsync(std::vector<v1::Step> steps, absl::Time deadline,
                                                            DispatchDone done) {
-  if (static_cast<int>(steps.size()) != num_workers_) {
+  // Answered at once, nothing sent (and no sequence number taken).
+  auto refuse = [&](absl::Status why) {
     std::shared_ptr<PendingDispatch> refused(new PendingDispatch(this, 0, 0, deadline, std::move(done)));
     refused->mu_.Lock();
     refused->finished_ = true;
     DispatchDone d = std::move(refused->done_);
     refused->mu_.Unlock();
-    d(absl::InternalError(absl::StrCat(steps.size(), " steps for ", num_workers_, " workers")));
+    d(std::move(why));
     return refused;
+  };
+  if (static_cast<int>(steps.size()) != num_workers_) {
+    return refuse(absl::InternalError(absl::StrCat(steps.size(), " steps for ", num_workers_, " workers")));
   }
+  absl::Status abandoned;
+  {
+    absl::MutexLock lock(&watch_mu_);
+    abandoned = abandoned_;
+  }
+  if (!abandoned.ok()) return refuse(std::move(abandoned));
   const std::vector<std::shared_ptr<WorkerChannel>> channels = Number(&steps);
   std::shared_ptr<PendingDispatch> pending(new PendingDispatch(this, steps.size(), steps[0].sequence(),
                                                                deadline + grace_, std::move(done), steps[0].session()));
   {
     absl::MutexLock lock(&watch_mu_);
     watched_.push_back(pending);
+    abandoned = abandoned_;
   }
+  // AbandonAll ran while these steps were numbered: they go (the global
+  // order needs them), their caller is answered now.
+  if (!abandoned.ok()) pending->Abandon(abandoned);
   for (size_t r = 0; r < steps.size(); ++r) {
     if (channels[r] == nullptr) {
       pending->Answer(r, absl::UnavailableError("not registered"));
@@ -595,6 +609,7 @@ void Dispatcher::AbandonAll(const absl::Status& why) {
   std::vector<std::shared_ptr<PendingDispatch>> live;
   {
     absl::MutexLock lock(&watch_mu_);
+    abandoned_ = why;
     for (auto& w : watched_) {
       if (auto p = w.lock()) live.push_back(std::move(p));
     }

@@ -169,8 +169,9 @@ class Dispatcher {
   using DispatchDone = std::function<void(absl::StatusOr<std::vector<v1::StepResult>>)>;
   std::shared_ptr<PendingDispatch> DispatchAsync(std::vector<v1::Step> steps, absl::Time deadline,
                                                  DispatchDone done);
-  // Ends every asynchronous dispatch still waiting with `why` (shutdown:
-  // their callers are answered while the server can still answer them).
+  // Ends every dispatch still waiting with `why` (shutdown: their callers
+  // are answered while the server can still answer them), and answers every
+  // later one with it at once, sending nothing. `why` is not OK.
   void AbandonAll(const absl::Status& why);
   // Numbers and sends `steps` like Dispatch, without waiting for answers.
   void DispatchDetached(std::vector<v1::Step> steps, absl::Time deadline);
@@ -251,6 +252,7 @@ class Dispatcher {
   mutable absl::Mutex watch_mu_;
   std::vector<std::weak_ptr<PendingDispatch>> watched_ ABSL_GUARDED_BY(watch_mu_);
   bool stopping_ ABSL_GUARDED_BY(watch_mu_) = false;
+  absl::Status abandoned_ ABSL_GUARDED_BY(watch_mu_);  // AbandonAll's why: later dispatches refused
   std::thread watchdog_;
 };
 

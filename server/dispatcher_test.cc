@@ -184,6 +184,49 @@ TEST_F(DispatcherTest, ACancelledCallerIsNotWaitedFor) {
   for (const char* w : {"a", "b"}) fakes_.at(w).SetHandler(nullptr);
 }
 
+// Shutdown: AbandonAll answers the dispatch waiting, and every later one at
+// once with the same status, none of its steps sent (a call that starts
+// while the coordinator shuts down is not run on workers about to lose it).
+TEST_F(DispatcherTest, AfterAbandonAllADispatchIsAnsweredAtOnceAndSendsNothing) {
+  auto d = Make("dp=2");
+  ASSERT_TRUE(d->Join(At("a")).ok());
+  ASSERT_TRUE(d->Join(At("b")).ok());
+  for (const char* w : {"a", "b"}) {
+    fakes_.at(w).SetHandler([](const v1::Step&) -> absl::StatusOr<v1::StepResult> { return v1::StepResult(); });
+  }
+  fakes_.at("b").SetNeverAnswer(true);
+  absl::StatusOr<std::vector<v1::StepResult>> waiting = absl::UnknownError("not dispatched");
+  absl::Notification answered;
+  std::thread dispatch([&] {
+    waiting = d->Dispatch(DeleteSteps(2), absl::Now() + absl::Seconds(30));
+    answered.Notify();
+  });
+  ASSERT_TRUE(fakes_.at("b").AwaitHeld(1, absl::Seconds(10)));
+  d->AbandonAll(absl::UnavailableError("the coordinator is shutting down"));
+  EXPECT_TRUE(answered.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  dispatch.join();
+  EXPECT_EQ(waiting.status().code(), absl::StatusCode::kUnavailable) << waiting.status();
+  const int sent_a = fakes_.at("a").num_steps();
+  const int sent_b = fakes_.at("b").num_steps();
+  const absl::Time start = absl::Now();
+  auto later = d->Dispatch(DeleteSteps(2), absl::Now() + absl::Seconds(30));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(1)) << "not at the 30 s deadline";
+  EXPECT_EQ(later.status().code(), absl::StatusCode::kUnavailable) << later.status();
+  EXPECT_NE(later.status().message().find("shutting down"), std::string::npos) << later.status();
+  absl::Notification async_answered;
+  d->DispatchAsync(DeleteSteps(2), absl::Now() + absl::Seconds(30),
+                   [&](absl::StatusOr<std::vector<v1::StepResult>> r) {
+                     EXPECT_EQ(r.status().code(), absl::StatusCode::kUnavailable) << r.status();
+                     async_answered.Notify();
+                   });
+  EXPECT_TRUE(async_answered.HasBeenNotified()) << "answered inline";
+  EXPECT_EQ(fakes_.at("a").num_steps(), sent_a);
+  EXPECT_EQ(fakes_.at("b").num_steps(), sent_b);
+  fakes_.at("b").SetNeverAnswer(false);
+  fakes_.at("b").AnswerHeld();
+  for (const char* w : {"a", "b"}) fakes_.at(w).SetHandler(nullptr);
+}
+
 TEST_F(DispatcherTest, APeersAbortedWaitsForTheWorkerThatFailed) {
   auto d = Make("dp=2");
   ASSERT_TRUE(d->Join(At("a")).ok());
