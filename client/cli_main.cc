@@ -48,8 +48,8 @@ ABSL_FLAG(std::string, request_id, "",
           "id sent as x-request-id metadata, found in the coordinator's and workers' log lines "
           "(default: the coordinator makes one; gemm prints it)");
 ABSL_FLAG(std::string, call_socket, "",
-          "gemm: send the call as a frame on the coordinator's --call_socket at this path (same host and user) "
-          "instead of gRPC");
+          "gemm, quantize: send the call as a frame on the coordinator's --call_socket at this path (same host "
+          "and user) instead of gRPC");
 ABSL_FLAG(std::string, mesh, "", "plan offline on this mesh instead of asking the coordinator");
 ABSL_FLAG(std::string, roles, "", "roles for --mesh, e.g. 'dp=data,ep=expert'");
 ABSL_FLAG(std::string, lhs, "", "lhs: FILE.npy, SHAPE (random, e.g. 512x256) or resident:NAME, each optionally @SPEC");
@@ -73,8 +73,8 @@ ABSL_FLAG(std::string, path, "inline",
           "direct (stage each worker its blocks and fetch the blocks from the workers, in parallel; the "
           "coordinator touches none of their bytes)");
 ABSL_FLAG(absl::Duration, direct_timeout, absl::Minutes(5),
-          "the bound on a gemm's whole call (inline on gRPC or --call_socket), and on a gemm's, put's or get's "
-          "whole transfer with --path=direct (plan, stage, submit, fetch), e.g. 30s");
+          "the bound on a gemm's or quantize's whole call (inline on gRPC or --call_socket), and on a gemm's, "
+          "put's or get's whole transfer with --path=direct (plan, stage, submit, fetch), e.g. 30s");
 ABSL_FLAG(std::string, request, "", "read the GroupedGemmRequest from this JSON file (protobuf JSON mapping)");
 ABSL_FLAG(bool, json, false, "print the plan as JSON (protobuf JSON mapping)");
 ABSL_FLAG(bool, show_plan, true, "print the plan before the result");
@@ -704,6 +704,8 @@ int Quantize() {
   ShardGemmClient client(absl::GetFlag(FLAGS_coordinator), CoordinatorCredentials(),
                          ClientMaxMessageBytesFromFlags("shardgemm"));
   client.set_request_id(absl::GetFlag(FLAGS_request_id));
+  client.set_timeout(absl::GetFlag(FLAGS_direct_timeout));
+  if (const std::string socket = absl::GetFlag(FLAGS_call_socket); !socket.empty()) client.UseCallSocket(socket);
   auto r = client.GroupedQuantize(request);
   if (!r.ok()) return Fail(r.status());
   if (keeping) {

@@ -615,54 +615,63 @@ void ShardGemmClient::UseCallSocket(const std::string& path) {
                                               "call socket", /*name_peer_in_replies=*/false);
 }
 
-absl::StatusOr<v1::GroupedGemmResponse> ShardGemmClient::GroupedGemm(
-    const v1::GroupedGemmRequest& request) {
+std::optional<absl::StatusOr<v1::CallSocketReply>> ShardGemmClient::CallOnSocket(
+    const google::protobuf::Message& call, v1::CallSocketRequest* frame, absl::Time deadline) {
   // The frame's own fields and protobuf's tags fit in this much.
   constexpr size_t kFrameFieldsBytes = 4096;
-  if (call_socket_ != nullptr && request.ByteSizeLong() + kFrameFieldsBytes <= static_cast<size_t>(max_message_bytes_)) {
-    const absl::Time deadline = absl::Now() + timeout_;
+  if (call_socket_ == nullptr || call.ByteSizeLong() + kFrameFieldsBytes > static_cast<size_t>(max_message_bytes_)) {
+    return std::nullopt;
+  }
+  frame->set_token(token_);
+  frame->set_request_id(request_id_);
+  frame->set_deadline_unix_us(absl::ToUnixMicros(deadline));
+  struct Answer {
+    absl::Notification done;
+    absl::StatusOr<v1::CallSocketReply> reply;
+  };
+  auto answer = std::make_shared<Answer>();
+  CallSocket::Done done = [answer](absl::StatusOr<v1::CallSocketReply> reply) {
+    answer->reply = std::move(reply);
+    answer->done.Notify();
+  };
+  const bool sent = call_socket_->Send(*frame, deadline, &done);
+  if (!sent && done != nullptr) return std::nullopt;  // not sent: gRPC
+  // The socket's reader answers every call by its deadline; the margin
+  // covers its poll.
+  if (!answer->done.WaitForNotificationWithTimeout(deadline - absl::Now() + absl::Seconds(5))) {
+    return absl::StatusOr<v1::CallSocketReply>(
+        absl::DeadlineExceededError("no answer on the call socket by the client's timeout"));
+  }
+  if (answer->reply.ok()) {
+    last_request_id_ = answer->reply->request_id();
+    return std::move(answer->reply);
+  }
+  const absl::Status& failed = answer->reply.status();
+  if (FrameCallNotRun(failed)) return std::nullopt;  // refused before it was read: gRPC
+  if (auto sent_back = failed.GetPayload(kFrameReplyUrl); sent_back.has_value()) {
+    v1::CallSocketReply reply;
+    if (reply.ParseFromString(std::string(*sent_back))) last_request_id_ = reply.request_id();
+  }
+  return absl::StatusOr<v1::CallSocketReply>(absl::Status(failed.code(), failed.message()));  // without the payloads
+}
+
+absl::StatusOr<v1::GroupedGemmResponse> ShardGemmClient::GroupedGemm(
+    const v1::GroupedGemmRequest& request) {
+  const absl::Time deadline = absl::Now() + timeout_;
+  {
     v1::CallSocketRequest frame;
-    frame.set_token(token_);
-    frame.set_request_id(request_id_);
-    frame.set_deadline_unix_us(absl::ToUnixMicros(deadline));
     // Borrowed for the write, not copied: Send serializes it before returning.
     frame.unsafe_arena_set_allocated_grouped_gemm(const_cast<v1::GroupedGemmRequest*>(&request));
-    struct Answer {
-      absl::Notification done;
-      absl::StatusOr<v1::CallSocketReply> reply;
-    };
-    auto answer = std::make_shared<Answer>();
-    CallSocket::Done done = [answer](absl::StatusOr<v1::CallSocketReply> reply) {
-      answer->reply = std::move(reply);
-      answer->done.Notify();
-    };
-    const bool sent = call_socket_->Send(frame, deadline, &done);
+    auto answered = CallOnSocket(request, &frame, deadline);
     frame.unsafe_arena_release_grouped_gemm();
-    if (sent || done == nullptr) {
-      // The socket's reader answers every call by its deadline; the margin
-      // covers its poll.
-      if (!answer->done.WaitForNotificationWithTimeout(deadline - absl::Now() + absl::Seconds(5))) {
-        return absl::DeadlineExceededError("GroupedGemm on the call socket: no answer by the client's timeout");
-      }
-      if (answer->reply.ok()) {
-        last_request_id_ = answer->reply->request_id();
-        return std::move(*answer->reply->mutable_grouped_gemm());
-      }
-      const absl::Status& failed = answer->reply.status();
-      if (!FrameCallNotRun(failed)) {
-        if (auto sent_back = failed.GetPayload(kFrameReplyUrl); sent_back.has_value()) {
-          v1::CallSocketReply reply;
-          if (reply.ParseFromString(std::string(*sent_back))) last_request_id_ = reply.request_id();
-        }
-        absl::Status status(failed.code(), failed.message());  // without the payloads
-        return status;
-      }
-      // Refused before it was read: it goes on gRPC.
+    if (answered.has_value()) {
+      if (!answered->ok()) return answered->status();
+      return std::move(*(*answered)->mutable_grouped_gemm());
     }
   }
   grpc::ClientContext ctx;
   Prepare(&ctx);
-  ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout_));
+  ctx.set_deadline(absl::ToChronoTime(deadline));
   v1::GroupedGemmResponse response;
   grpc::Status s = stub_->GroupedGemm(&ctx, request, &response);
   NoteRequestId(ctx);
@@ -672,8 +681,20 @@ absl::StatusOr<v1::GroupedGemmResponse> ShardGemmClient::GroupedGemm(
 
 absl::StatusOr<v1::GroupedQuantizeResponse> ShardGemmClient::GroupedQuantize(
     const v1::GroupedQuantizeRequest& request) {
+  const absl::Time deadline = absl::Now() + timeout_;
+  {
+    v1::CallSocketRequest frame;
+    frame.unsafe_arena_set_allocated_grouped_quantize(const_cast<v1::GroupedQuantizeRequest*>(&request));
+    auto answered = CallOnSocket(request, &frame, deadline);
+    frame.unsafe_arena_release_grouped_quantize();
+    if (answered.has_value()) {
+      if (!answered->ok()) return answered->status();
+      return std::move(*(*answered)->mutable_grouped_quantize());
+    }
+  }
   grpc::ClientContext ctx;
   Prepare(&ctx);
+  ctx.set_deadline(absl::ToChronoTime(deadline));
   v1::GroupedQuantizeResponse response;
   grpc::Status s = stub_->GroupedQuantize(&ctx, request, &response);
   NoteRequestId(ctx);

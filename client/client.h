@@ -4,6 +4,7 @@
 
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "absl/status/statusor.h"
@@ -52,11 +53,14 @@ class ShardGemmClient {
   absl::StatusOr<v1::Plan> Plan(const v1::PlanRequest& request);
   // Bounded by timeout(), on either transport.
   absl::StatusOr<v1::GroupedGemmResponse> GroupedGemm(const v1::GroupedGemmRequest& request);
-  // GroupedGemm calls go as frames on the coordinator's --call_socket at
-  // `path` (same host, same user) with this client's token, bounded by
-  // timeout(); a request the socket cannot take now (no connection, a
-  // connection the server refused, larger than the message limit, a socket
-  // of another user) goes on gRPC. Every other call stays on gRPC.
+  // Bounded by timeout(), on either transport.
+  absl::StatusOr<v1::GroupedQuantizeResponse> GroupedQuantize(const v1::GroupedQuantizeRequest& request);
+  // GroupedGemm and GroupedQuantize calls go as frames on the coordinator's
+  // --call_socket at `path` (same host, same user) with this client's token,
+  // bounded by timeout(); a request the socket cannot take now (no
+  // connection, a connection the server refused, larger than the message
+  // limit, a socket of another user) goes on gRPC. Every other call stays
+  // on gRPC.
   void UseCallSocket(const std::string& path);
   // GroupedGemm on the direct path (docs/architecture.md, "The direct
   // path"): the request's inline operands (lhs, rhs, bias, the FP8 scales)
@@ -85,7 +89,6 @@ class ShardGemmClient {
   // together (default 5 min).
   void set_timeout(absl::Duration timeout) { timeout_ = timeout; }
   absl::Duration timeout() const { return timeout_; }
-  absl::StatusOr<v1::GroupedQuantizeResponse> GroupedQuantize(const v1::GroupedQuantizeRequest& request);
   // Streams the tensor in chunks, so tensors past gRPC's message limit work.
   absl::StatusOr<v1::PutTensorResponse> PutTensor(const std::string& name, const HostTensor& tensor,
                                                   const std::string& spec, bool overwrite);
@@ -142,6 +145,11 @@ class ShardGemmClient {
   std::shared_ptr<grpc::ChannelCredentials> worker_credentials_;
   std::string token_;
   using CallSocket = FrameSocketClient<v1::CallSocketRequest, v1::CallSocketReply>;
+  // `call` (borrowed into `frame`) sent on the call socket, bounded by
+  // `deadline`: its reply or failure, or nullopt when it was not run there
+  // (no socket, too large, not sent, refused) and goes on gRPC.
+  std::optional<absl::StatusOr<v1::CallSocketReply>> CallOnSocket(const google::protobuf::Message& call,
+                                                                  v1::CallSocketRequest* frame, absl::Time deadline);
   std::unique_ptr<CallSocket> call_socket_;
   int max_message_bytes_;
   absl::Mutex staging_mu_;

@@ -204,15 +204,18 @@ std::string FrameSocketServer::EventName(const char* what) const {
 
 bool FrameSocketServer::StopReading(absl::Duration bound) {
   std::vector<std::shared_ptr<Connection>> connections;
+  bool first = false;
   {
     absl::MutexLock lock(&mu_);
-    if (reading_stopped_) return serving_ == 0;
+    first = !reading_stopped_;
     reading_stopped_ = true;
     connections = connections_;
   }
-  ::shutdown(listen_fd_, SHUT_RDWR);  // ends the acceptor's accept()
-  if (acceptor_.joinable()) acceptor_.join();
-  for (const auto& c : connections) c->StopReading();  // ends each reader's recv()
+  if (first) {
+    ::shutdown(listen_fd_, SHUT_RDWR);  // ends the acceptor's accept()
+    if (acceptor_.joinable()) acceptor_.join();
+    for (const auto& c : connections) c->StopReading();  // ends each reader's recv()
+  }
   absl::MutexLock lock(&mu_);
   auto done = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return serving_ == 0; };
   return mu_.AwaitWithTimeout(absl::Condition(&done), bound);

@@ -66,7 +66,9 @@ class FrameSocketServer {
   // Stops taking calls: refuses new connections, runs no frame more, and
   // waits (up to `bound`) for the handlers running; replies still go out,
   // so the calls in flight can be answered before the server goes. False
-  // when a handler was still running at the bound.
+  // when a handler was still running at the bound. A later call only waits
+  // (a shutdown stops the reading at once, ends what the handlers wait on,
+  // then waits for them).
   bool StopReading(absl::Duration bound);
   // Waits (up to `bound`) for the replies given so far to be written, as a
   // shutdown does before it ends the connections: a reply larger than the

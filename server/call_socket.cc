@@ -15,7 +15,7 @@ void AnswerNoCall(const v1::CallSocketRequest& request, const FrameSocketServer:
   v1::CallSocketReply answer;
   answer.set_call_id(request.call_id());
   answer.set_code(static_cast<int32_t>(absl::StatusCode::kInvalidArgument));
-  answer.set_message("call: none set; the call socket serves grouped_gemm");
+  answer.set_message("call: none set; the call socket serves grouped_gemm and grouped_quantize");
   reply(answer);
 }
 
@@ -77,7 +77,7 @@ absl::StatusOr<std::unique_ptr<FrameSocketServer>> StartCallSocket(const std::st
           return absl::DataLossError("a call socket frame's payload is not a CallSocketRequest");
         }
         payload = std::string();  // its bytes are parsed: not held while the GEMM runs
-        if (request->call_case() != v1::CallSocketRequest::kGroupedGemm) {
+        if (request->call_case() == v1::CallSocketRequest::CALL_NOT_SET) {
           AnswerNoCall(*request, reply);
           return absl::OkStatus();
         }
@@ -87,6 +87,20 @@ absl::StatusOr<std::unique_ptr<FrameSocketServer>> StartCallSocket(const std::st
         if (request->deadline_unix_us() != 0) origin.deadline = absl::FromUnixMicros(request->deadline_unix_us());
         auto answer = std::make_shared<v1::CallSocketReply>();
         answer->set_call_id(request->call_id());
+        if (request->call_case() == v1::CallSocketRequest::kGroupedQuantize) {
+          // On this thread, as gRPC's synchronous handler runs it.
+          std::string request_id;
+          grpc::Status status = service->GroupedQuantizeFromSocket(
+              request->grouped_quantize(), origin, answer->mutable_grouped_quantize(), &request_id);
+          answer->set_code(static_cast<int32_t>(status.error_code()));
+          answer->set_request_id(request_id);
+          if (!status.ok()) {
+            answer->set_message(status.error_message());
+            answer->clear_grouped_quantize();
+          }
+          reply(*answer);
+          return absl::OkStatus();
+        }
         service->GroupedGemmFromSocket(
             request->grouped_gemm(), origin, answer->mutable_grouped_gemm(),
             [request, answer, reply = std::move(reply)](grpc::Status status, const std::string& request_id) {

@@ -1,5 +1,5 @@
 // The coordinator's call socket (--call_socket): a client on the
-// coordinator's host sends GroupedGemm requests as frames (CallSocketRequest,
+// coordinator's host sends GroupedGemm and GroupedQuantize requests as frames (CallSocketRequest,
 // proto/step_frame.h) on a Unix stream socket instead of gRPC calls, and
 // reads CallSocketReply frames of the same call_id back, in any order. The
 // call is served as a gRPC call is (token, tenant slots, metrics, logs);

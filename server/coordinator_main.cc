@@ -340,12 +340,16 @@ int Run() {
       logging::ProcessLogger().Flush();
       std::_Exit(1);
     };
+    // Abandoned, the coordinator answers every request waiting on workers,
+    // and any later one, UNAVAILABLE at once: a handler blocked in one
+    // (GroupedQuantize) returns.
+    if (call_socket != nullptr) call_socket->StopReading(absl::ZeroDuration());
+    coordinator.AbandonRequests();
     if (call_socket != nullptr && !call_socket->StopReading(kSocketCallsShutdownBound)) {
       logging::ProcessLogger().Log(logging::Level::kError, "call_socket_not_stopped",
                                    {{"message", "a call socket handler still ran at the shutdown's bound"}});
       end_now();
     }
-    coordinator.AbandonRequests();
     if (call_socket != nullptr && !service.WaitForSocketCalls(kSocketCallsShutdownBound)) {
       end_now();  // WaitForSocketCalls logged how many
     }

@@ -19,6 +19,12 @@ CallContext CallOf(const RequestRecord& record, grpc::ServerContextBase* context
   if (context != nullptr) call.cancelled = [context] { return context->IsCancelled(); };
   return call;
 }
+
+// The first name a quantize keeps its outputs under ("" : none kept): its
+// record's tensor, and what makes it need write.
+std::string KeptByQuantize(const v1::GroupedQuantizeRequest& request) {
+  return !request.keep().rowwise_data().empty() ? request.keep().rowwise_data() : request.keep().scale_inv();
+}
 }  // namespace
 
 RequestRecord ShardGemmService::Begin(RequestOp op, grpc::ServerContextBase* context) {
@@ -69,10 +75,13 @@ grpc::Status ShardGemmService::Authorize(const absl::StatusOr<security::Principa
                         absl::StrCat("the token of tenant '", principal->tenant, "' is not granted ",
                                      security::GrantName(needed), " (", RequestOpName(record->op), ")"));
   }
-  if (record->op == RequestOp::kGroupedGemm && !record->tensor.empty() && !principal->Has(security::Grant::kWrite)) {
+  // A compute call that keeps what it makes writes a resident tensor.
+  const bool keeps = (record->op == RequestOp::kGroupedGemm || record->op == RequestOp::kGroupedQuantize) &&
+                     !record->tensor.empty();
+  if (keeps && !principal->Has(security::Grant::kWrite)) {
     return grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
-                        absl::StrCat("keep_output_as: the token of tenant '", principal->tenant,
-                                     "' is not granted write"));
+                        absl::StrCat(record->op == RequestOp::kGroupedGemm ? "keep_output_as" : "keep",
+                                     ": the token of tenant '", principal->tenant, "' is not granted write"));
   }
   return grpc::Status::OK;
 }
@@ -150,21 +159,29 @@ grpc::ServerUnaryReactor* ShardGemmService::GroupedGemm(grpc::CallbackServerCont
   return reactor;
 }
 
-void ShardGemmService::GroupedGemmFromSocket(const v1::GroupedGemmRequest& request, const SocketCall& origin,
-                                             v1::GroupedGemmResponse* response,
-                                             std::function<void(grpc::Status, const std::string&)> finish) {
+RequestRecord ShardGemmService::BeginSocketCall(RequestOp op, const SocketCall& origin, const std::string& tensor,
+                                               grpc::Status* authenticated) {
   RequestRecord record;
-  record.op = RequestOp::kGroupedGemm;
-  if (observer_ != nullptr) record = observer_->Begin(RequestOp::kGroupedGemm, origin.request_id);
+  record.op = op;
+  if (observer_ != nullptr) record = observer_->Begin(op, origin.request_id);
   record.transport = RequestTransport::kCallSocket;
-  record.tensor = request.keep_output_as();
-  grpc::Status authenticated = grpc::Status::OK;
+  record.tensor = tensor;
+  *authenticated = grpc::Status::OK;
   if (tokens_ != nullptr) {
-    authenticated =
+    *authenticated =
         origin.token.empty()
             ? grpc::Status(grpc::StatusCode::UNAUTHENTICATED, "no bearer token: set the call's token")
             : Authorize(tokens_->TenantOf(origin.token), &record, security::Grant::kCompute);
   }
+  return record;
+}
+
+void ShardGemmService::GroupedGemmFromSocket(const v1::GroupedGemmRequest& request, const SocketCall& origin,
+                                             v1::GroupedGemmResponse* response,
+                                             std::function<void(grpc::Status, const std::string&)> finish) {
+  grpc::Status authenticated;
+  RequestRecord record =
+      BeginSocketCall(RequestOp::kGroupedGemm, origin, request.keep_output_as(), &authenticated);
   const std::string request_id = record.request_id;
   {
     absl::MutexLock lock(&socket_calls_mu_);
@@ -250,15 +267,45 @@ void ShardGemmService::ServeGroupedGemm(const v1::GroupedGemmRequest& request, a
 grpc::Status ShardGemmService::GroupedQuantize(grpc::ServerContext* context,
                                                const v1::GroupedQuantizeRequest* request,
                                                v1::GroupedQuantizeResponse* response) {
-  platform::BusyPoller::Activity busy = platform::BusyPoller::BusyIfOn(busy_poller_);
   RequestRecord record = Begin(RequestOp::kGroupedQuantize, context);
-  if (grpc::Status a = Authenticate(*context, &record, security::Grant::kCompute); !a.ok()) {
-    return Finish(record, std::move(a));
+  record.tensor = KeptByQuantize(*request);
+  grpc::Status authenticated = Authenticate(*context, &record, security::Grant::kCompute);
+  CallContext call = CallOf(record, context);
+  return ServeGroupedQuantize(*request, DeadlineOf(context), std::move(record), std::move(authenticated),
+                              std::move(call), response);
+}
+
+grpc::Status ShardGemmService::GroupedQuantizeFromSocket(const v1::GroupedQuantizeRequest& request,
+                                                         const SocketCall& origin,
+                                                         v1::GroupedQuantizeResponse* response,
+                                                         std::string* request_id) {
+  grpc::Status authenticated;
+  RequestRecord record =
+      BeginSocketCall(RequestOp::kGroupedQuantize, origin, KeptByQuantize(request), &authenticated);
+  *request_id = record.request_id;
+  {
+    absl::MutexLock lock(&socket_calls_mu_);
+    ++socket_calls_in_flight_;
   }
+  CallContext call = CallOf(record);
+  call.cancellation = origin.cancellation;
+  call.cancelled = [c = origin.cancellation] { return c->cancelled(); };
+  grpc::Status status = ServeGroupedQuantize(request, origin.deadline, std::move(record), std::move(authenticated),
+                                             std::move(call), response);
+  absl::MutexLock lock(&socket_calls_mu_);
+  --socket_calls_in_flight_;
+  return status;
+}
+
+grpc::Status ShardGemmService::ServeGroupedQuantize(const v1::GroupedQuantizeRequest& request, absl::Time deadline,
+                                                    RequestRecord record, grpc::Status authenticated,
+                                                    CallContext call, v1::GroupedQuantizeResponse* response) {
+  platform::BusyPoller::Activity busy = platform::BusyPoller::BusyIfOn(busy_poller_);
+  if (!authenticated.ok()) return Finish(record, std::move(authenticated));
   auto slot = TakeSlot(record.tenant);
   if (!slot.ok()) return Finish(record, ToGrpcStatus(slot.status()));
-  record.bytes_in = static_cast<int64_t>(request->ByteSizeLong());
-  auto r = coordinator_->GroupedQuantize(*request, DeadlineOf(context), CallOf(record, context));
+  record.bytes_in = static_cast<int64_t>(request.ByteSizeLong());
+  auto r = coordinator_->GroupedQuantize(request, deadline, call);
   if (!r.ok()) return Finish(record, ToGrpcStatus(r.status()));
   *response = std::move(*r);
   record.plan_summary = response->plan_summary();

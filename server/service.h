@@ -72,6 +72,10 @@ class ShardGemmService final
   void GroupedGemmFromSocket(const v1::GroupedGemmRequest& request, const SocketCall& origin,
                              v1::GroupedGemmResponse* response,
                              std::function<void(grpc::Status, const std::string& request_id)> finish);
+  // A GroupedQuantize that came on the call socket, served on the caller's
+  // thread as the gRPC call is; `request_id` gets the request's id.
+  grpc::Status GroupedQuantizeFromSocket(const v1::GroupedQuantizeRequest& request, const SocketCall& origin,
+                                         v1::GroupedQuantizeResponse* response, std::string* request_id);
   // Waits (up to `bound`) until every socket call's `finish` has returned:
   // what the server's Wait is for gRPC calls, before the service goes.
   // False, with the number still in flight logged, at the bound.
@@ -109,13 +113,20 @@ class ShardGemmService final
   RequestRecord Begin(RequestOp op, grpc::ServerContextBase* context);
   // The caller's tenant (UNAUTHENTICATED without a valid token), into `record`.
   // PERMISSION_DENIED when the token lacks `needed` (or write, for a GEMM
-  // that keeps its output: record->tensor set first).
+  // or quantize that keeps its output: record->tensor set first).
   grpc::Status Authenticate(const grpc::ServerContextBase& context, RequestRecord* record, security::Grant needed);
   // The same checks for a principal found another way.
   grpc::Status Authorize(const absl::StatusOr<security::Principal>& principal, RequestRecord* record,
                          security::Grant needed);
   // GroupedGemm on either transport: `authenticated` is the caller's check;
   // `answer` gets the call's status once its record is finished.
+  // A socket call's record, its caller checked by the token it sent
+  // (`authenticated`), as Begin and Authenticate do for a gRPC call.
+  RequestRecord BeginSocketCall(RequestOp op, const SocketCall& origin, const std::string& tensor,
+                                grpc::Status* authenticated);
+  grpc::Status ServeGroupedQuantize(const v1::GroupedQuantizeRequest& request, absl::Time deadline,
+                                    RequestRecord record, grpc::Status authenticated, CallContext call,
+                                    v1::GroupedQuantizeResponse* response);
   void ServeGroupedGemm(const v1::GroupedGemmRequest& request, absl::Time deadline, RequestRecord record,
                         grpc::Status authenticated, std::shared_ptr<Cancellation> cancellation,
                         v1::GroupedGemmResponse* response, std::function<void(grpc::Status)> answer);

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 from conftest import BIN, free_port
+from shardgemm import _common
 from shardgemm._convert import from_tensor
 from shardgemm_pb import shardgemm_pb2 as pb
 
@@ -465,3 +466,111 @@ def test_the_async_client_falls_back_or_ends_by_its_timeout(cluster_factory, soc
         assert len(lines) == 1 and "transport" not in lines[0], lines
     else:
         assert 0.9 <= took < 5, took
+
+
+QUANTIZE_SPECS = dict(x_spec="(ep, None)", group_sizes_spec="(ep,)")
+
+
+def quantize_fields(resp):
+    return {f: getattr(resp, f).data for f in ("rowwise_data", "scale_inv") if resp.HasField(f)}
+
+
+def test_grouped_quantize_goes_on_the_call_socket_from_both_python_clients_and_the_cli(cluster_factory, mesh_certs,
+                                                                                      sock):
+    import asyncio
+    import shardgemm
+    import shardgemm.aio
+    c = cluster_factory(mesh="ep=2", workers=2, tls_dir=mesh_certs,
+                        coordinator_flags=[f"--call_socket={sock}", "--log_format=json"])
+    lhs, _, sizes, _ = inputs(40)
+    on_grpc = c.client.grouped_quantize(lhs, sizes, **QUANTIZE_SPECS)
+    want = quantize_fields(on_grpc)
+    assert set(want) == {"rowwise_data", "scale_inv"} and all(want.values()), on_grpc
+    with shardgemm.Client(c.address, timeout=30, tls_dir=mesh_certs, call_socket=sock, path="inline") as client:
+        resp = client.grouped_quantize(lhs, sizes, request_id="q-sync", **QUANTIZE_SPECS)
+        assert quantize_fields(resp) == want  # bit for bit the gRPC call's
+        assert resp.server_seconds > 0
+        assert client.last_request_id == "q-sync"
+        with pytest.raises(shardgemm.InvalidArgumentError) as e:
+            client.grouped_quantize(lhs, sizes, request_id="q-bad", x_spec="(ep, None)", group_sizes_spec="(tp,)")
+        assert "group_sizes" in str(e.value), e.value
+        assert e.value.request_id == "q-bad", e.value
+        # Kept on the workers through the socket, then used by a GEMM.
+        kept = client.grouped_quantize(lhs, sizes, keep_rowwise_data_as="x8", keep_scale_inv_as="x8_scale",
+                                       overwrite=True, **QUANTIZE_SPECS)
+        assert kept.rowwise_data.resident == "x8" and kept.scale_inv.resident == "x8_scale", kept
+    assert {t.name for t in c.client.list()} >= {"x8", "x8_scale"}
+
+    async def run():
+        async with shardgemm.aio.Client(c.address, timeout=30, tls_dir=mesh_certs, call_socket=sock,
+                                        path="inline") as client:
+            resps = await asyncio.gather(*(client.grouped_quantize(lhs, sizes, request_id=f"q-aio-{i}",
+                                                                   **QUANTIZE_SPECS) for i in range(3)))
+            return [quantize_fields(r) for r in resps]
+
+    assert asyncio.run(run()) == [want] * 3
+    for rid in ("q-sync", "q-bad", "q-aio-0", "q-aio-1", "q-aio-2"):
+        lines = request_lines(c, rid)
+        assert len(lines) == 1 and lines[0]["transport"] == "call_socket", (rid, lines)
+        assert lines[0]["op"] == "grouped_quantize", lines[0]
+    r = subprocess.run([os.path.join(BIN, "shardgemm"), "quantize", "--x=64x32@(ep, None)",
+                        "--group_sizes=10,22,20,12@(ep,)", "--check", f"--call_socket={sock}",
+                        "--request_id=q-cli", *c.cli_flags()], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr + c.log_text()
+    lines = request_lines(c, "q-cli")
+    assert len(lines) == 1 and lines[0]["transport"] == "call_socket" and lines[0]["code"] == "OK", lines
+
+
+def test_a_quantize_frame_needs_the_token_and_write_to_keep(cluster_factory, mesh_certs, sock):
+    import hashlib
+    import secrets
+    c = cluster_factory(mesh="ep=2", workers=2, tls_dir=mesh_certs, coordinator_flags=[f"--call_socket={sock}"])
+    compute_only = secrets.token_hex(32)
+    with open(os.path.join(mesh_certs, "tokens"), "a") as f:
+        f.write(f"sha256:{hashlib.sha256(compute_only.encode()).hexdigest()} demo read,compute\n")
+    time.sleep(1.1)  # the coordinator reads the changed file within a second
+    lhs, _, sizes, _ = inputs(41)
+    request = _common.quantize_request(lhs, sizes, **QUANTIZE_SPECS)
+    frames = Frames(sock)
+    try:
+        frame = pb.CallSocketRequest()
+        frame.grouped_quantize.CopyFrom(request)
+        assert frames.call(frame).code == UNAUTHENTICATED
+        frame.token = compute_only
+        reply = frames.call(frame)
+        assert reply.code == 0 and reply.grouped_quantize.rowwise_data.data, reply.message
+        frame.grouped_quantize.keep.rowwise_data = "x8"
+        reply = frames.call(frame)
+        assert reply.code == 7 and "write" in reply.message, reply  # PERMISSION_DENIED
+    finally:
+        frames.close()
+    assert "x8" not in {t.name for t in c.client.list()}
+
+
+def test_a_coordinator_stopped_with_a_quantize_waiting_on_a_frozen_worker_answers_it_at_once(cluster_factory, sock):
+    c = cluster_factory(mesh="ep=2", workers=2, coordinator_flags=[f"--call_socket={sock}", "--step_timeout=60s"])
+    lhs, _, sizes, _ = inputs(42)
+    frame = pb.CallSocketRequest()
+    frame.grouped_quantize.CopyFrom(_common.quantize_request(lhs, sizes, **QUANTIZE_SPECS))
+    frames = Frames(sock)
+    assert frames.call(frame).code == 0
+    worker = next(p for name, p in c.procs if name == "worker1")
+    os.kill(worker.pid, signal.SIGSTOP)
+    replies = []
+    try:
+        caller = threading.Thread(target=lambda: replies.append(frames.call(frame)), daemon=True)
+        caller.start()
+        time.sleep(1.0)  # the quantize is waiting on the frozen worker
+        assert not replies
+        start = time.monotonic()
+        c.coordinator.send_signal(signal.SIGTERM)
+        assert c.coordinator.wait(timeout=30) == 0, c.log_text()
+        took = time.monotonic() - start
+        caller.join(timeout=10)
+        assert not caller.is_alive()
+    finally:
+        os.kill(worker.pid, signal.SIGCONT)
+        frames.close()
+    assert took < 5, took  # not the 10 s shutdown bound, nor the 60 s step timeout
+    assert len(replies) == 1 and replies[0].code == UNAVAILABLE, replies
+    assert "shutting down" in replies[0].message, replies[0]

@@ -476,10 +476,15 @@ def test_a_token_does_only_what_it_is_granted(secure, tls_dir):
     np.testing.assert_allclose(out, reference(lhs, rhs, sizes), rtol=1e-4, atol=1e-4)
     for call in (lambda: ro.put("v", rhs, spec="(ep, None, None)"), lambda: ro.delete("w"),
                  lambda: ro.grouped_gemm(lhs, "w", sizes, lhs_spec="(ep, None)", group_sizes_spec="(ep,)",
-                                         keep_output_as="y")):
+                                         keep_output_as="y"),
+                 lambda: ro.grouped_quantize(lhs, sizes, x_spec="(ep, None)", group_sizes_spec="(ep,)",
+                                             keep_rowwise_data_as="lhs8"),
+                 lambda: ro.grouped_quantize(lhs, sizes, x_spec="(ep, None)", group_sizes_spec="(ep,)",
+                                             keep_scale_inv_as="lhs8_scale")):
         with pytest.raises(grpc.RpcError) as e:
             call()
         assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED and "write" in e.value.details()
+    ro.grouped_quantize(lhs, sizes, x_spec="(ep, None)", group_sizes_spec="(ep,)")  # compute, nothing kept
     assert [t.name for t in secure.client.list()] == ["w"]
     ro.close()
 

@@ -1,5 +1,5 @@
-"""The coordinator's --call_socket: a same-host client's GroupedGemm calls
-as frames on a Unix stream socket instead of gRPC calls (one socket round
+"""The coordinator's --call_socket: a same-host client's GroupedGemm and
+GroupedQuantize calls as frames on a Unix stream socket instead of gRPC calls (one socket round
 trip instead of gRPC's thread hand-offs). A frame is a 16-byte header (the
 magic "SGS1" and version 1, little-endian u32 each, then the payload's
 length, u64) and a serialized CallSocketRequest; the coordinator answers
@@ -14,7 +14,7 @@ import socket
 import struct
 import threading
 import time
-from typing import List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import grpc
 
@@ -34,16 +34,21 @@ MAX_CONNECTIONS = 8
 CONNECT_TIMEOUT_S = 1.0
 
 
+# The calls the socket serves: CallSocketRequest's and CallSocketReply's
+# field of each, and its RPC's name (for errors).
+OPS = {"grouped_gemm": "GroupedGemm", "grouped_quantize": "GroupedQuantize"}
+
+
 class _NotRun(Exception):
     """The call did not reach the coordinator: it goes on gRPC."""
 
 
-def _call_frame(request: "pb.GroupedGemmRequest", request_id: Optional[str], timeout: Optional[float],
+def _call_frame(op: str, request: Any, request_id: Optional[str], timeout: Optional[float],
                 token: str, call_id: int) -> bytes:
     frame = pb.CallSocketRequest(token=token, request_id=request_id or "", call_id=call_id)
     if timeout is not None:
         frame.deadline_unix_us = int((time.time() + timeout) * 1e6)
-    frame.grouped_gemm.CopyFrom(request)
+    getattr(frame, op).CopyFrom(request)
     payload = frame.SerializeToString()
     return HEADER.pack(MAGIC, VERSION, len(payload)) + payload
 
@@ -63,14 +68,14 @@ def _checked(reply: "pb.CallSocketReply", call_id: int, path: str) -> "pb.CallSo
     return reply
 
 
-def _result(reply: "pb.CallSocketReply") -> Tuple["pb.GroupedGemmResponse", str]:
+def _result(reply: "pb.CallSocketReply", op: str) -> Tuple[Any, str]:
     if reply.code != 0:
         try:
             code = next(c for c in grpc.StatusCode if c.value[0] == reply.code)
         except StopIteration:
             code = grpc.StatusCode.UNKNOWN
         raise error_for(code, reply.message, request_id=reply.request_id or None)
-    return reply.grouped_gemm, reply.request_id
+    return getattr(reply, op), reply.request_id
 
 
 def _own_user(sock: socket.socket) -> bool:
@@ -104,7 +109,16 @@ class CallSocket:
 
     def grouped_gemm(self, request: "pb.GroupedGemmRequest", request_id: Optional[str],
                      timeout: Optional[float]) -> Optional[Tuple["pb.GroupedGemmResponse", str]]:
-        """The response and the request's id; None when the socket cannot
+        return self.call("grouped_gemm", request, request_id, timeout)
+
+    def grouped_quantize(self, request: "pb.GroupedQuantizeRequest", request_id: Optional[str],
+                         timeout: Optional[float]) -> Optional[Tuple["pb.GroupedQuantizeResponse", str]]:
+        return self.call("grouped_quantize", request, request_id, timeout)
+
+    def call(self, op: str, request: Any, request_id: Optional[str],
+             timeout: Optional[float]) -> Optional[Tuple[Any, str]]:
+        """`op` (an OPS key) with `request`: the response and the request's
+        id; None when the socket cannot
         take the call now (not connected, every connection busy, refused,
         larger than the message limit, a connection the coordinator had
         closed): the caller sends it on gRPC. A failure after the frame went
@@ -122,14 +136,14 @@ class CallSocket:
             self._next_id += 1
         keep = False
         try:
-            reply = _checked(self._call(sock, _call_frame(request, request_id, timeout, self.token, call_id),
+            reply = _checked(self._call(sock, _call_frame(op, request, request_id, timeout, self.token, call_id),
                                         deadline, fresh), call_id, self.path)
             keep = True
         except _NotRun:
             return None
         except socket.timeout:  # its answer would come later, out of turn: the connection goes
             raise error_for(grpc.StatusCode.DEADLINE_EXCEEDED,
-                            f"GroupedGemm on the call socket at {self.path}: no answer in {timeout} s") from None
+                            f"{OPS[op]} on the call socket at {self.path}: no answer in {timeout} s") from None
         except ShardGemmError:
             raise
         except OSError as e:
@@ -137,7 +151,7 @@ class CallSocket:
                             f"the call socket at {self.path} failed with the call in flight: {e}") from None
         finally:
             self._give_back(sock, keep)
-        return _result(reply)
+        return _result(reply, op)
 
     def _call(self, sock: socket.socket, frame: bytes, deadline: Optional[float],
               fresh: bool) -> "pb.CallSocketReply":
@@ -247,7 +261,15 @@ class AsyncCallSocket:
 
     async def grouped_gemm(self, request: "pb.GroupedGemmRequest", request_id: Optional[str],
                            timeout: Optional[float]) -> Optional[Tuple["pb.GroupedGemmResponse", str]]:
-        """As CallSocket.grouped_gemm."""
+        return await self.call("grouped_gemm", request, request_id, timeout)
+
+    async def grouped_quantize(self, request: "pb.GroupedQuantizeRequest", request_id: Optional[str],
+                               timeout: Optional[float]) -> Optional[Tuple["pb.GroupedQuantizeResponse", str]]:
+        return await self.call("grouped_quantize", request, request_id, timeout)
+
+    async def call(self, op: str, request: Any, request_id: Optional[str],
+                   timeout: Optional[float]) -> Optional[Tuple[Any, str]]:
+        """As CallSocket.call."""
         if request.ByteSize() > self.max_request_bytes:
             return None
         connection, fresh = await self._take()
@@ -257,14 +279,15 @@ class AsyncCallSocket:
         keep = False
         try:
             reply = await asyncio.wait_for(
-                self._call(connection, _call_frame(request, request_id, timeout, self.token, call_id), fresh), timeout)
+                self._call(connection, _call_frame(op, request, request_id, timeout, self.token, call_id), fresh),
+                timeout)
             reply = _checked(reply, call_id, self.path)
             keep = True
         except _NotRun:
             return None
         except asyncio.TimeoutError:  # its answer would come later, out of turn: the connection goes
             raise error_for(grpc.StatusCode.DEADLINE_EXCEEDED,
-                            f"GroupedGemm on the call socket at {self.path}: no answer in {timeout} s") from None
+                            f"{OPS[op]} on the call socket at {self.path}: no answer in {timeout} s") from None
         except ShardGemmError:
             raise
         except (OSError, asyncio.IncompleteReadError) as e:
@@ -272,7 +295,7 @@ class AsyncCallSocket:
                             f"the call socket at {self.path} failed with the call in flight: {e}") from None
         finally:
             self._give_back(connection, keep)
-        return _result(reply)
+        return _result(reply, op)
 
     async def _call(self, connection: "AsyncCallSocket._Connection", frame: bytes,
                     fresh: bool) -> "pb.CallSocketReply":

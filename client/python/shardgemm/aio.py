@@ -307,6 +307,11 @@ class Client:
                 await self._note_request_id(call)
             return resp
         req = _common.quantize_request(x, group_sizes, **kwargs)
+        if self._call_socket is not None:
+            answered = await self._call_socket.grouped_quantize(req, request_id, self._timeout(timeout))
+            if answered is not None:
+                resp, self.last_request_id = answered
+                return resp
         return await self._unary(self.stub.GroupedQuantize, req, timeout, request_id)
 
     async def put(self, name: str, array: TensorLike, spec: str = "", overwrite: bool = False,

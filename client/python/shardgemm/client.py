@@ -65,8 +65,9 @@ class Client:
         apart) until it unregisters them or closes, so a client that dies
         loses them a lease later. None: held until unregistered.
         call_socket: the path of the coordinator's --call_socket (same host,
-        same user): grouped_gemm's inline calls go there as frames with the
-        token, a socket round trip instead of a gRPC call's; a call the
+        same user): grouped_gemm's and grouped_quantize's inline calls go
+        there as frames with the token, a socket round trip instead of a
+        gRPC call's; a call the
         socket cannot take now (not connected, over the message limit) goes
         on gRPC, and every other call stays there. Its errors are
         ShardGemmError subclasses."""
@@ -411,6 +412,11 @@ class Client:
             self._note_request_id(call)
             return resp
         req = _common.quantize_request(x, group_sizes, **kwargs)
+        if self._call_socket is not None:
+            answered = self._call_socket.grouped_quantize(req, request_id, self._timeout(timeout))
+            if answered is not None:
+                resp, self.last_request_id = answered
+                return resp
         with self._errors():
             resp, call = self.stub.GroupedQuantize.with_call(req, timeout=self._timeout(timeout),
                                                              metadata=_common.metadata(request_id))
