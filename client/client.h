@@ -8,6 +8,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "grpcpp/generic/generic_stub.h"
@@ -85,8 +86,9 @@ class ShardGemmClient {
   // GetTensor on the direct path: PlanFetch, then each distinct block read
   // from a worker holding it, in parallel.
   absl::StatusOr<HostTensor> GetTensorDirect(const std::string& name);
-  // The bound on a GroupedGemm and on a direct operation, all of its calls
-  // together (default 5 min).
+  // The bound on a GroupedGemm, a GroupedQuantize and a direct operation,
+  // all of its calls together, the socket attempt and gRPC's (default
+  // 5 min).
   void set_timeout(absl::Duration timeout) { timeout_ = timeout; }
   absl::Duration timeout() const { return timeout_; }
   // Streams the tensor in chunks, so tensors past gRPC's message limit work.
@@ -145,10 +147,12 @@ class ShardGemmClient {
   std::shared_ptr<grpc::ChannelCredentials> worker_credentials_;
   std::string token_;
   using CallSocket = FrameSocketClient<v1::CallSocketRequest, v1::CallSocketReply>;
-  // `call` (borrowed into `frame`) sent on the call socket, bounded by
-  // `deadline`: its reply or failure, or nullopt when it was not run there
-  // (no socket, too large, not sent, refused) and goes on gRPC.
-  std::optional<absl::StatusOr<v1::CallSocketReply>> CallOnSocket(const google::protobuf::Message& call,
+  // `call` (borrowed into `frame`; `rpc` names it in errors) sent on the
+  // call socket, bounded by `deadline`: its reply or failure, or nullopt
+  // when it was not run there (no socket, too large, not sent, refused) and
+  // goes on gRPC.
+  std::optional<absl::StatusOr<v1::CallSocketReply>> CallOnSocket(absl::string_view rpc,
+                                                                  const google::protobuf::Message& call,
                                                                   v1::CallSocketRequest* frame, absl::Time deadline);
   std::unique_ptr<CallSocket> call_socket_;
   int max_message_bytes_;

@@ -917,6 +917,9 @@ int Main() {
               !returned ? "kept"
               : (absl::GetFlag(FLAGS_output_path) == "direct" || absl::GetFlag(FLAGS_activations) == "direct")
                   ? "returned (fetched from the workers)"
+              : (absl::GetFlag(FLAGS_output_path) == "shared_memory" ||
+                 absl::GetFlag(FLAGS_activations) == "shared_memory")
+                  ? "returned (into shared memory)"
                   : "returned",
               iters, warmup);
   std::printf("# %-18s %9s %9s %9s %9s %9s %9s %9s %9s %7s %9s %11s %11s %s\n", "preset", "local_us",

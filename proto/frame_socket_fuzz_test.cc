@@ -162,10 +162,12 @@ TEST(FrameSocketFuzzTest, RandomStreamsGetWholeRepliesToTheirCallsAndEndByThemse
                                               static_cast<int>(head.size()));
     uint64_t call_id = 0;
     if (in.ReadTag() != (1u << 3) || !in.ReadVarint64(&call_id)) call_id = 0;
+    if (call_id == 0) return absl::DataLossError("an oversized frame names no call");
     v1::CallSocketReply answer;
     answer.set_call_id(call_id);
     answer.set_code(static_cast<int>(absl::StatusCode::kResourceExhausted));
     reply(answer);
+    return absl::OkStatus();
   };
   auto server = FrameSocketServer::Start(path, options, [](std::string payload, FrameSocketServer::Reply reply) {
     v1::CallSocketRequest request;

@@ -388,8 +388,12 @@ void FrameSocketServer::Serve(std::shared_ptr<Connection> connection) {
       if (reading_stopped_) break;
     }
     if (oversized) {
-      options_.oversized(std::move(payload), *bytes, reply_for_a_call());
-      continue;
+      const absl::Status answered = options_.oversized(std::move(payload), *bytes, reply_for_a_call());
+      if (answered.ok()) continue;
+      logging::ProcessLogger().Log(logging::Level::kWarning, EventName("dropped"),
+                                   {{"message", std::string(answered.message())}});
+      connection->EndWrites();
+      break;
     }
     // Another thread reads on while this one runs the call: a long call
     // leaves the next frames read, not stuck in the client's write.

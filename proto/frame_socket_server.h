@@ -39,7 +39,9 @@ class FrameSocketServer {
   // dropped: `head` is its payload's first kOversizedHeadBytes (room for
   // the call id a reply names, and for small fields a writer may put before
   // it: a token, a request id).
-  using Oversized = std::function<void(std::string head, uint64_t payload_bytes, Reply reply)>;
+  // A status other than OK (no call to answer under) ends the connection,
+  // as the handler's does.
+  using Oversized = std::function<absl::Status(std::string head, uint64_t payload_bytes, Reply reply)>;
   static constexpr size_t kOversizedHeadBytes = 4096;
 
   struct Options {

@@ -260,6 +260,7 @@ TEST_F(FrameSocketTest, AnOversizedFrameIsAnsweredAndItsConnectionGoesOn) {
     answer.set_code(static_cast<int>(absl::StatusCode::kResourceExhausted));
     answer.set_message("too large");
     reply(answer);
+    return absl::OkStatus();
   };
   auto server = FrameSocketServer::Start(path_, options, [](std::string payload, FrameSocketServer::Reply reply) {
     v1::CallSocketRequest request;

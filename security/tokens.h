@@ -6,7 +6,8 @@
 //   sha256:<64 hex digits> TENANT [compute,read,write]
 //
 // compute: GEMM, quantize and plan requests; read: get, list and cluster
-// info; write: put, delete, and a GEMM's keep_output_as.
+// info; write: put, delete, shared-memory registration, and any output kept
+// resident (a GEMM's keep_output_as, a quantize's keep).
 //
 // Lines starting with '#' and blank lines are skipped. The file is read
 // again when it changes (checked at most once a second), so a token is

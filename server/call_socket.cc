@@ -1,11 +1,12 @@
 #include "server/call_socket.h"
 
+#include <atomic>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "google/protobuf/io/coded_stream.h"
-#include "google/protobuf/wire_format_lite.h"
+#include "google/protobuf/wire_format.h"
 
 namespace shardgemm {
 namespace {
@@ -20,15 +21,25 @@ void AnswerNoCall(const v1::CallSocketRequest& request, const FrameSocketServer:
 }
 
 // A request larger than the coordinator takes is answered as gRPC answers
-// a message over its limit, and the connection goes on.
-void AnswerOversized(const std::string& head, uint64_t payload_bytes, uint64_t max_request_bytes,
-                     const FrameSocketServer::Reply& reply) {
+// a message over its limit, and the connection goes on. One whose call id
+// is not in its head ends the connection: an answer under id 0 would read
+// as the connection's refusal, and its client would send again calls that
+// may have run.
+absl::Status AnswerOversized(const std::string& head, uint64_t payload_bytes, uint64_t max_request_bytes,
+                             const FrameSocketServer::Reply& reply) {
+  const uint64_t call_id = CallIdOfRequestHead(head);
+  if (call_id == 0) {
+    return absl::DataLossError(absl::StrCat("a call of ", payload_bytes, " bytes, more than the ", max_request_bytes,
+                                            " taken, whose call_id is not in its first ",
+                                            FrameSocketServer::kOversizedHeadBytes, " bytes"));
+  }
   v1::CallSocketReply answer;
-  answer.set_call_id(CallIdOfRequestHead(head));
+  answer.set_call_id(call_id);
   answer.set_code(static_cast<int32_t>(absl::StatusCode::kResourceExhausted));
   answer.set_message(absl::StrCat("the call of ", payload_bytes, " bytes is more than the ", max_request_bytes,
                                   " the coordinator takes (--max_message_mb)"));
   reply(answer);
+  return absl::OkStatus();
 }
 
 std::string Refusal(int max_connections) {
@@ -52,7 +63,7 @@ uint64_t CallIdOfRequestHead(absl::string_view head) {
       uint64_t call_id = 0;
       return in.ReadVarint64(&call_id) ? call_id : 0;
     }
-    if (!google::protobuf::internal::WireFormatLite::SkipField(&in, tag)) return 0;
+    if (!google::protobuf::internal::WireFormat::SkipField(&in, tag, nullptr)) return 0;
   }
   return 0;
 }
@@ -64,13 +75,17 @@ absl::StatusOr<std::unique_ptr<FrameSocketServer>> StartCallSocket(const std::st
   options.name = "call socket";
   options.max_payload_bytes = max_request_bytes;
   options.oversized = [max_request_bytes](std::string head, uint64_t payload_bytes, FrameSocketServer::Reply reply) {
-    AnswerOversized(head, payload_bytes, max_request_bytes, reply);
+    return AnswerOversized(head, payload_bytes, max_request_bytes, reply);
   };
   options.max_connections = kMaxCallSocketConnections;
   options.refusal = Refusal(options.max_connections);
   options.max_threads = 4 * kMaxCallSocketConnections;
+  // A quantize holds its handler's thread while it runs: at most this many
+  // at once, so the pool keeps threads for reading and for the replies.
+  auto quantizes_running = std::make_shared<std::atomic<int>>(0);
   return FrameSocketServer::Start(
-      path, std::move(options), [service](std::string payload, FrameSocketServer::Reply reply) -> absl::Status {
+      path, std::move(options),
+      [service, quantizes_running](std::string payload, FrameSocketServer::Reply reply) -> absl::Status {
         // Shared: the request and its answer live until the call finishes.
         auto request = std::make_shared<v1::CallSocketRequest>();
         if (!request->ParseFromString(payload)) {
@@ -88,10 +103,19 @@ absl::StatusOr<std::unique_ptr<FrameSocketServer>> StartCallSocket(const std::st
         auto answer = std::make_shared<v1::CallSocketReply>();
         answer->set_call_id(request->call_id());
         if (request->call_case() == v1::CallSocketRequest::kGroupedQuantize) {
+          if (quantizes_running->fetch_add(1) >= kMaxCallSocketQuantizes) {
+            quantizes_running->fetch_sub(1);
+            answer->set_code(static_cast<int32_t>(absl::StatusCode::kResourceExhausted));
+            answer->set_message(absl::StrCat("the call socket runs at most ", kMaxCallSocketQuantizes,
+                                             " GroupedQuantize calls at once; retry, or call on gRPC"));
+            reply(*answer);
+            return absl::OkStatus();
+          }
           // On this thread, as gRPC's synchronous handler runs it.
           std::string request_id;
           grpc::Status status = service->GroupedQuantizeFromSocket(
               request->grouped_quantize(), origin, answer->mutable_grouped_quantize(), &request_id);
+          quantizes_running->fetch_sub(1);
           answer->set_code(static_cast<int32_t>(status.error_code()));
           answer->set_request_id(request_id);
           if (!status.ok()) {

@@ -23,12 +23,11 @@ namespace shardgemm {
 // (call id 0, RESOURCE_EXHAUSTED) and closed, and its client takes gRPC.
 inline constexpr int kMaxCallSocketConnections = 256;
 
-// Listens on `path` (which must not exist; the caller claims it and sets
-// its mode). A request larger than `max_request_bytes` is read, dropped and
-// answered RESOURCE_EXHAUSTED, as gRPC answers one over its limit.
-// `service` must outlive the server; the coordinator stops its reading
-// (StopReading) and waits for the service's socket calls to finish
-// (ShardGemmService::WaitForSocketCalls) before either goes.
+// GroupedQuantize calls run at once on the socket (each holds a thread of
+// the frame server's while it runs); one past them is answered
+// RESOURCE_EXHAUSTED.
+inline constexpr int kMaxCallSocketQuantizes = 256;
+
 // The call_id of a CallSocketRequest from its payload's first bytes (an
 // oversized call is answered under it unread). Protobuf writes field 1
 // first, but a writer may order fields as it likes: fields before it are
@@ -36,6 +35,13 @@ inline constexpr int kMaxCallSocketConnections = 256;
 // found there.
 uint64_t CallIdOfRequestHead(absl::string_view head);
 
+// Listens on `path` (which must not exist; the caller claims it and sets
+// its mode). A request larger than `max_request_bytes` is read, dropped and
+// answered RESOURCE_EXHAUSTED, as gRPC answers one over its limit (its
+// connection ends instead when its call id is not in its first bytes).
+// `service` must outlive the server; the coordinator stops its reading
+// (StopReading) and waits for the service's socket calls to finish
+// (ShardGemmService::WaitForSocketCalls) before either goes.
 absl::StatusOr<std::unique_ptr<FrameSocketServer>> StartCallSocket(const std::string& path,
                                                                    ShardGemmService* service,
                                                                    uint64_t max_request_bytes);

@@ -76,7 +76,8 @@ class ShardGemmService final
   // thread as the gRPC call is; `request_id` gets the request's id.
   grpc::Status GroupedQuantizeFromSocket(const v1::GroupedQuantizeRequest& request, const SocketCall& origin,
                                          v1::GroupedQuantizeResponse* response, std::string* request_id);
-  // Waits (up to `bound`) until every socket call's `finish` has returned:
+  // Waits (up to `bound`) until every socket call has finished (a GEMM's
+  // `finish` returned, a quantize returned):
   // what the server's Wait is for gRPC calls, before the service goes.
   // False, with the number still in flight logged, at the bound.
   bool WaitForSocketCalls(absl::Duration bound);
@@ -118,15 +119,16 @@ class ShardGemmService final
   // The same checks for a principal found another way.
   grpc::Status Authorize(const absl::StatusOr<security::Principal>& principal, RequestRecord* record,
                          security::Grant needed);
-  // GroupedGemm on either transport: `authenticated` is the caller's check;
-  // `answer` gets the call's status once its record is finished.
   // A socket call's record, its caller checked by the token it sent
   // (`authenticated`), as Begin and Authenticate do for a gRPC call.
   RequestRecord BeginSocketCall(RequestOp op, const SocketCall& origin, const std::string& tensor,
                                 grpc::Status* authenticated);
+  // GroupedQuantize on either transport, on the caller's thread.
   grpc::Status ServeGroupedQuantize(const v1::GroupedQuantizeRequest& request, absl::Time deadline,
                                     RequestRecord record, grpc::Status authenticated, CallContext call,
                                     v1::GroupedQuantizeResponse* response);
+  // GroupedGemm on either transport: `authenticated` is the caller's check;
+  // `answer` gets the call's status once its record is finished.
   void ServeGroupedGemm(const v1::GroupedGemmRequest& request, absl::Time deadline, RequestRecord record,
                         grpc::Status authenticated, std::shared_ptr<Cancellation> cancellation,
                         v1::GroupedGemmResponse* response, std::function<void(grpc::Status)> answer);

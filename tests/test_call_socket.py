@@ -284,6 +284,18 @@ def test_an_oversized_call_is_answered_and_its_connection_goes_on(cluster_factor
         np.testing.assert_allclose(from_tensor(reply.grouped_gemm.out), want, rtol=1e-4, atol=1e-4)
     finally:
         frames.close()
+    # Its call id past the head the coordinator reads (the call written
+    # first): no answer under id 0, which would read as a refusal; the
+    # connection ends.
+    frames = Frames(sock)
+    try:
+        call_only = pb.CallSocketRequest()
+        call_only.grouped_gemm.CopyFrom(big.grouped_gemm)
+        frames.send_payload(call_only.SerializeToString() + pb.CallSocketRequest(call_id=99).SerializeToString())
+        assert frames.read_exact(1) is None
+    finally:
+        frames.close()
+    assert c.alive(), c.log_text()
 
 
 class FakeCallSocket:

@@ -143,12 +143,14 @@ class CallSocket:
             return None
         except socket.timeout:  # its answer would come later, out of turn: the connection goes
             raise error_for(grpc.StatusCode.DEADLINE_EXCEEDED,
-                            f"{OPS[op]} on the call socket at {self.path}: no answer in {timeout} s") from None
+                            f"{OPS[op]} on the call socket at {self.path}: no answer in {timeout} s",
+                            request_id=request_id) from None
         except ShardGemmError:
             raise
         except OSError as e:
             raise error_for(grpc.StatusCode.UNAVAILABLE,
-                            f"the call socket at {self.path} failed with the call in flight: {e}") from None
+                            f"the call socket at {self.path} failed with the call in flight: {e}",
+                            request_id=request_id) from None
         finally:
             self._give_back(sock, keep)
         return _result(reply, op)
@@ -287,12 +289,14 @@ class AsyncCallSocket:
             return None
         except asyncio.TimeoutError:  # its answer would come later, out of turn: the connection goes
             raise error_for(grpc.StatusCode.DEADLINE_EXCEEDED,
-                            f"{OPS[op]} on the call socket at {self.path}: no answer in {timeout} s") from None
+                            f"{OPS[op]} on the call socket at {self.path}: no answer in {timeout} s",
+                            request_id=request_id) from None
         except ShardGemmError:
             raise
         except (OSError, asyncio.IncompleteReadError) as e:
             raise error_for(grpc.StatusCode.UNAVAILABLE,
-                            f"the call socket at {self.path} failed with the call in flight: {e}") from None
+                            f"the call socket at {self.path} failed with the call in flight: {e}",
+                            request_id=request_id) from None
         finally:
             self._give_back(connection, keep)
         return _result(reply, op)
