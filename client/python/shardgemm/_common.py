@@ -8,8 +8,8 @@ from typing import Any, Iterator, List, NamedTuple, Optional, Tuple
 import grpc
 import numpy as np
 
-from . import _convert
-from ._convert import SharedMemoryTensor, TensorLike, proto_dtype, to_tensor
+from . import _convert, _wire
+from ._convert import SharedMemoryTensor, TensorLike, ToStage, proto_dtype, to_tensor
 from ._progress import Meter, Progress
 from ._proto import pb
 from .errors import REQUEST_ID_KEY, error_for
@@ -111,15 +111,27 @@ def _sizes(group_sizes: TensorLike, spec: str) -> "pb.Tensor":
     return to_tensor(np.asarray(_convert.as_numpy(group_sizes), dtype=np.int64), spec)
 
 
-def gemm_request(lhs: TensorLike, rhs: TensorLike, group_sizes: TensorLike, bias: Optional[TensorLike] = None, *,
+def _put_tensor(wire: _wire.WireMessage, field: str, array: TensorLike, spec: str) -> None:
+    """wire.skeleton.<field> from `array`: a large array's bytes beside the
+    message, anything else (small, a name, a region's tensor) in it."""
+    if not isinstance(array, (str, SharedMemoryTensor, ToStage)):
+        blob = _wire.blob_array(_convert.as_numpy(array))
+        if blob is not None:
+            wire.set_tensor(field, blob, pb.Tensor(dtype=proto_dtype(blob.dtype), shape=list(blob.shape), spec=spec))
+            return
+    getattr(wire.skeleton, field).CopyFrom(to_tensor(array, spec))
+
+
+def gemm_wire(lhs: TensorLike, rhs: TensorLike, group_sizes: TensorLike, bias: Optional[TensorLike] = None, *,
                  rhs_transposed: bool = False, ragged_k: bool = False, lhs_spec: str = "", rhs_spec: str = "",
                  group_sizes_spec: str = "", bias_spec: str = "", out_dtype: Any = None, out_spec: str = "",
                  compat: str = "default", keep_output_as: str = "", overwrite_output: bool = False,
                  include_plan: bool = False, global_sorted: bool = False,
                  lhs_scale_inv: Optional[TensorLike] = None, rhs_scale_inv: Optional[TensorLike] = None,
                  lhs_scale_spec: str = "", rhs_scale_spec: str = "", scaling: str = "current",
-                 quantize_lhs: Any = None, out: Optional[SharedMemoryTensor] = None) -> "pb.GroupedGemmRequest":
-    """A v1.GroupedGemmRequest (see Client.grouped_gemm)."""
+                 quantize_lhs: Any = None, out: Optional[SharedMemoryTensor] = None) -> _wire.WireMessage:
+    """A v1.GroupedGemmRequest (see Client.grouped_gemm), its large tensors'
+    bytes beside it (_wire)."""
     if out is not None and not isinstance(out, SharedMemoryTensor):
         raise TypeError("out= is a SharedMemoryTensor (SharedMemoryRegion.tensor(...)) or a CUDA array, "
                         f"not {type(out).__name__}")
@@ -129,14 +141,16 @@ def gemm_request(lhs: TensorLike, rhs: TensorLike, group_sizes: TensorLike, bias
         raise ValueError(f"compat must be 'default' or 'te', not {compat!r}")
     req = pb.GroupedGemmRequest(
         ragged=pb.GroupedGemmRequest.RAGGED_K if ragged_k else pb.GroupedGemmRequest.RAGGED_M,
-        lhs=to_tensor(lhs, lhs_spec), rhs=to_tensor(rhs, rhs_spec),
-        group_sizes=_sizes(group_sizes, group_sizes_spec),
         rhs_transposed=rhs_transposed, out_spec=out_spec,
         compat=pb.COMPAT_TE if compat == "te" else pb.COMPAT_DEFAULT,
         keep_output_as=keep_output_as, overwrite_output=overwrite_output, include_plan=include_plan,
         layout=pb.GroupedGemmRequest.GLOBAL_SORTED if global_sorted else pb.GroupedGemmRequest.PER_SHARD)
+    wire = _wire.WireMessage(req)
+    _put_tensor(wire, "lhs", lhs, lhs_spec)
+    _put_tensor(wire, "rhs", rhs, rhs_spec)
+    req.group_sizes.CopyFrom(_sizes(group_sizes, group_sizes_spec))
     if bias is not None:
-        req.bias.CopyFrom(to_tensor(bias, bias_spec))
+        _put_tensor(wire, "bias", bias, bias_spec)
     if out_dtype is not None:
         req.out_dtype = proto_dtype(out_dtype)
     if out is not None:
@@ -147,12 +161,17 @@ def gemm_request(lhs: TensorLike, rhs: TensorLike, group_sizes: TensorLike, bias
         req.out_shared_memory.CopyFrom(out.ref())
     req.scaling = _scaling(scaling)
     if lhs_scale_inv is not None:
-        req.lhs_scale_inv.CopyFrom(to_tensor(lhs_scale_inv, lhs_scale_spec))
+        _put_tensor(wire, "lhs_scale_inv", lhs_scale_inv, lhs_scale_spec)
     if rhs_scale_inv is not None:
-        req.rhs_scale_inv.CopyFrom(to_tensor(rhs_scale_inv, rhs_scale_spec))
+        _put_tensor(wire, "rhs_scale_inv", rhs_scale_inv, rhs_scale_spec)
     if quantize_lhs is not None:
         req.quantize_lhs.dtype = proto_dtype(quantize_lhs)
-    return req
+    return wire
+
+
+def gemm_request(*args: Any, **kwargs: Any) -> "pb.GroupedGemmRequest":
+    """A v1.GroupedGemmRequest (see Client.grouped_gemm), as one message."""
+    return gemm_wire(*args, **kwargs).message()
 
 
 def gemm_output(resp: "pb.GroupedGemmResponse", out: Optional[SharedMemoryTensor]) -> Any:
@@ -177,15 +196,15 @@ def gemm_output(resp: "pb.GroupedGemmResponse", out: Optional[SharedMemoryTensor
     return _convert.from_tensor(resp.out)
 
 
-def quantize_request(x: TensorLike, group_sizes: TensorLike, *, x_spec: str = "", group_sizes_spec: str = "",
+def quantize_wire(x: TensorLike, group_sizes: TensorLike, *, x_spec: str = "", group_sizes_spec: str = "",
                      out_dtype: Any = None, scaling: str = "current", rowwise: bool = True, colwise: bool = False,
                      block_2d: bool = False, flatten_axis: int = 0, shared_scales: bool = False,
                      scales: Optional[TensorLike] = None, keep_rowwise_data_as: str = "",
                      keep_scale_inv_as: str = "", overwrite: bool = False,
-                     include_plan: bool = False) -> "pb.GroupedQuantizeRequest":
-    """A v1.GroupedQuantizeRequest (see Client.grouped_quantize)."""
+                     include_plan: bool = False) -> _wire.WireMessage:
+    """A v1.GroupedQuantizeRequest (see Client.grouped_quantize), x's bytes
+    beside it when large (_wire)."""
     req = pb.GroupedQuantizeRequest(
-        x=to_tensor(x, x_spec), group_sizes=_sizes(group_sizes, group_sizes_spec),
         scaling=_scaling(scaling), rowwise=rowwise, colwise=colwise, block_2d=block_2d,
         flatten_axis=flatten_axis, shared_scales=shared_scales, include_plan=include_plan,
         keep=pb.QuantizeKeep(rowwise_data=keep_rowwise_data_as, scale_inv=keep_scale_inv_as, overwrite=overwrite))
@@ -193,11 +212,19 @@ def quantize_request(x: TensorLike, group_sizes: TensorLike, *, x_spec: str = ""
         req.out_dtype = proto_dtype(out_dtype)
     if scales is not None:  # sent inline (a shared-memory tensor's values too)
         req.scales.CopyFrom(to_tensor(np.asarray(_convert.as_numpy(scales), dtype=np.float32)))
-    return req
+    wire = _wire.WireMessage(req)
+    _put_tensor(wire, "x", x, x_spec)
+    req.group_sizes.CopyFrom(_sizes(group_sizes, group_sizes_spec))
+    return wire
+
+
+def quantize_request(*args: Any, **kwargs: Any) -> "pb.GroupedQuantizeRequest":
+    """A v1.GroupedQuantizeRequest (see Client.grouped_quantize), as one message."""
+    return quantize_wire(*args, **kwargs).message()
 
 
 def put_chunks(name: str, array: TensorLike, spec: str, overwrite: bool, progress: Progress
-               ) -> Iterator["pb.TensorChunk"]:
+               ) -> Iterator[_wire.WireMessage]:
     """The PutTensor stream: the header with the first piece, then 1 MiB
     pieces sliced from the array's bytes as gRPC asks for them. The array is
     checked here, before the call: a bad one raises at once, not in gRPC's
@@ -206,18 +233,20 @@ def put_chunks(name: str, array: TensorLike, spec: str, overwrite: bool, progres
     dtype = proto_dtype(a.dtype)
     raw = a.reshape(-1).view(np.uint8)
 
-    def chunks() -> Iterator["pb.TensorChunk"]:
+    def chunks() -> Iterator[_wire.WireMessage]:
         with Meter(progress, raw.nbytes, f"put {name}") as meter:
             offset = 0
             while True:
-                piece = raw[offset:offset + CHUNK].tobytes()
+                piece = raw[offset:offset + CHUNK]  # sent from the array's own bytes (_wire)
                 if offset == 0:
-                    yield pb.TensorChunk(name=name, dtype=dtype, shape=list(a.shape), spec=spec, data=piece,
-                                         overwrite=overwrite)
+                    chunk = _wire.WireMessage(pb.TensorChunk(name=name, dtype=dtype, shape=list(a.shape), spec=spec,
+                                                             overwrite=overwrite))
                 else:
-                    yield pb.TensorChunk(data=piece)
-                offset += len(piece)
-                meter.update(len(piece))
+                    chunk = _wire.WireMessage(pb.TensorChunk())
+                chunk.set_bytes("data", piece)
+                yield chunk
+                offset += piece.nbytes
+                meter.update(piece.nbytes)
                 if offset >= raw.nbytes:
                     return
 

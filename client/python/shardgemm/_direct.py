@@ -13,7 +13,7 @@ from typing import Any, Awaitable, Callable, Dict, Iterable, Iterator, List, Opt
 
 import numpy as np
 
-from . import _convert
+from . import _convert, _wire
 from ._common import CHUNK  # a Stage stream's data bytes per message, as a put's
 from ._convert import SharedMemoryTensor, TensorLike, ToStage
 from ._proto import pb
@@ -172,14 +172,17 @@ def uploads(plan: "pb.StagingPlan", arrays: Dict[str, np.ndarray]) -> List[Uploa
     return out
 
 
-def stage_chunks(upload: Upload) -> Iterator["pb.StageChunk"]:
-    """A Stage stream: the ticket with the first piece, then 1 MiB pieces."""
-    raw = upload.block.reshape(-1).view(np.uint8)
+def stage_chunks(upload: Upload) -> Iterator[_wire.WireMessage]:
+    """A Stage stream: the ticket with the first piece, then 1 MiB pieces,
+    each sent from the block's own bytes (_wire)."""
+    raw = np.ascontiguousarray(upload.block).reshape(-1).view(np.uint8)
     offset = 0
     while True:
-        piece = raw[offset:offset + CHUNK].tobytes()
-        yield pb.StageChunk(ticket=upload.ticket, data=piece) if offset == 0 else pb.StageChunk(data=piece)
-        offset += len(piece)
+        piece = raw[offset:offset + CHUNK]
+        chunk = _wire.WireMessage(pb.StageChunk(ticket=upload.ticket) if offset == 0 else pb.StageChunk())
+        chunk.set_bytes("data", piece)
+        yield chunk
+        offset += piece.nbytes
         if offset >= raw.nbytes:
             return
 

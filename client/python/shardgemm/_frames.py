@@ -18,6 +18,7 @@ from typing import Any, List, Optional, Tuple
 
 import grpc
 
+from . import _wire
 from ._proto import pb
 from .errors import ShardGemmError, error_for
 
@@ -44,13 +45,19 @@ class _NotRun(Exception):
 
 
 def _call_frame(op: str, request: Any, request_id: Optional[str], timeout: Optional[float],
-                token: str, call_id: int) -> bytes:
+                token: str, call_id: int) -> Tuple[List[Any], int]:
+    """The frame of a call of `request` (a message or a _wire.WireMessage),
+    in pieces to send one after another (a large tensor's bytes are the
+    caller's buffer, not copied), and the request's size."""
     frame = pb.CallSocketRequest(token=token, request_id=request_id or "", call_id=call_id)
     if timeout is not None:
         frame.deadline_unix_us = int((time.time() + timeout) * 1e6)
-    getattr(frame, op).CopyFrom(request)
-    payload = frame.SerializeToString()
-    return HEADER.pack(MAGIC, VERSION, len(payload)) + payload
+    parts = request.parts() if isinstance(request, _wire.WireMessage) else [request.SerializeToString()]
+    request_bytes = sum(memoryview(p).nbytes for p in parts)
+    # The request as the frame's `op` field: the frame's own fields, then its tag and length, then its bytes.
+    head = frame.SerializeToString() + _wire.field_head(pb.CallSocketRequest.DESCRIPTOR.fields_by_name[op].number,
+                                                        request_bytes)
+    return [HEADER.pack(MAGIC, VERSION, len(head) + request_bytes) + head, *parts], request_bytes
 
 
 def _payload_length(header: bytes, path: str) -> int:
@@ -107,11 +114,11 @@ class CallSocket:
         for sock in idle:
             sock.close()
 
-    def grouped_gemm(self, request: "pb.GroupedGemmRequest", request_id: Optional[str],
+    def grouped_gemm(self, request: Any, request_id: Optional[str],
                      timeout: Optional[float]) -> Optional[Tuple["pb.GroupedGemmResponse", str]]:
         return self.call("grouped_gemm", request, request_id, timeout)
 
-    def grouped_quantize(self, request: "pb.GroupedQuantizeRequest", request_id: Optional[str],
+    def grouped_quantize(self, request: Any, request_id: Optional[str],
                          timeout: Optional[float]) -> Optional[Tuple["pb.GroupedQuantizeResponse", str]]:
         return self.call("grouped_quantize", request, request_id, timeout)
 
@@ -125,19 +132,19 @@ class CallSocket:
         raises (UNAVAILABLE, DEADLINE_EXCEEDED past `timeout`), as do the
         coordinator's own errors (ShardGemmError subclasses, with the
         request's id)."""
-        if request.ByteSize() > self.max_request_bytes:
-            return None
         deadline = None if timeout is None else time.monotonic() + timeout
-        sock, fresh = self._take()
-        if sock is None:
-            return None
         with self._lock:
             call_id = self._next_id
             self._next_id += 1
+        frame, request_bytes = _call_frame(op, request, request_id, timeout, self.token, call_id)
+        if request_bytes > self.max_request_bytes:
+            return None
+        sock, fresh = self._take()
+        if sock is None:
+            return None
         keep = False
         try:
-            reply = _checked(self._call(sock, _call_frame(op, request, request_id, timeout, self.token, call_id),
-                                        deadline, fresh), call_id, self.path)
+            reply = _checked(self._call(sock, frame, deadline, fresh), call_id, self.path)
             keep = True
         except _NotRun:
             return None
@@ -155,11 +162,12 @@ class CallSocket:
             self._give_back(sock, keep)
         return _result(reply, op)
 
-    def _call(self, sock: socket.socket, frame: bytes, deadline: Optional[float],
+    def _call(self, sock: socket.socket, frame: List[Any], deadline: Optional[float],
               fresh: bool) -> "pb.CallSocketReply":
         try:
-            self._settimeout(sock, deadline)
-            sock.sendall(frame)
+            for part in frame:
+                self._settimeout(sock, deadline)
+                sock.sendall(part)
         except (BrokenPipeError, ConnectionResetError) as e:
             # The coordinator had closed this connection (it restarted, or
             # refused a fresh one): it read none of the frame.
@@ -261,28 +269,27 @@ class AsyncCallSocket:
         for _, writer in idle:
             writer.close()
 
-    async def grouped_gemm(self, request: "pb.GroupedGemmRequest", request_id: Optional[str],
+    async def grouped_gemm(self, request: Any, request_id: Optional[str],
                            timeout: Optional[float]) -> Optional[Tuple["pb.GroupedGemmResponse", str]]:
         return await self.call("grouped_gemm", request, request_id, timeout)
 
-    async def grouped_quantize(self, request: "pb.GroupedQuantizeRequest", request_id: Optional[str],
+    async def grouped_quantize(self, request: Any, request_id: Optional[str],
                                timeout: Optional[float]) -> Optional[Tuple["pb.GroupedQuantizeResponse", str]]:
         return await self.call("grouped_quantize", request, request_id, timeout)
 
     async def call(self, op: str, request: Any, request_id: Optional[str],
                    timeout: Optional[float]) -> Optional[Tuple[Any, str]]:
         """As CallSocket.call."""
-        if request.ByteSize() > self.max_request_bytes:
+        call_id, self._next_id = self._next_id, self._next_id + 1
+        frame, request_bytes = _call_frame(op, request, request_id, timeout, self.token, call_id)
+        if request_bytes > self.max_request_bytes:
             return None
         connection, fresh = await self._take()
         if connection is None:
             return None
-        call_id, self._next_id = self._next_id, self._next_id + 1
         keep = False
         try:
-            reply = await asyncio.wait_for(
-                self._call(connection, _call_frame(op, request, request_id, timeout, self.token, call_id), fresh),
-                timeout)
+            reply = await asyncio.wait_for(self._call(connection, frame, fresh), timeout)
             reply = _checked(reply, call_id, self.path)
             keep = True
         except _NotRun:
@@ -301,11 +308,11 @@ class AsyncCallSocket:
             self._give_back(connection, keep)
         return _result(reply, op)
 
-    async def _call(self, connection: "AsyncCallSocket._Connection", frame: bytes,
+    async def _call(self, connection: "AsyncCallSocket._Connection", frame: List[Any],
                     fresh: bool) -> "pb.CallSocketReply":
         reader, writer = connection
         try:
-            writer.write(frame)
+            writer.writelines(frame)
             await writer.drain()
         except (BrokenPipeError, ConnectionResetError) as e:
             raise _NotRun() from e  # the coordinator had closed this connection: it read none of the frame

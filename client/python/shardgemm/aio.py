@@ -18,10 +18,10 @@ from typing import Any, AsyncIterator, Dict, Iterator, List, Optional, Sequence,
 import grpc
 import grpc.aio
 
-from . import _common, _cuda, _direct, _frames, _lease
+from . import _common, _cuda, _direct, _frames, _lease, _wire
 from ._convert import Array, SharedMemoryTensor, TensorLike, check_output, to_output
 from ._progress import Meter, Progress
-from ._proto import pb, pb_grpc
+from ._proto import pb
 from ._cuda import AsyncCudaMemoryRegion as CudaMemoryRegion
 from ._shm import AsyncSharedMemoryRegion as SharedMemoryRegion
 from .errors import ShardGemmError, error_for, from_rpc_error
@@ -55,7 +55,7 @@ class Client:
             self.channel = grpc.aio.secure_channel(address, creds.coordinator, options=opts)
         else:
             self.channel = grpc.aio.insecure_channel(address, options=opts)
-        self.stub = pb_grpc.ShardGemmStub(self.channel)
+        self.stub, _ = _wire.stubs(self.channel)
         self._call_socket = (_frames.AsyncCallSocket(call_socket, _common.bearer_token(tls_dir, token),
                                                      _common.MAX_MESSAGE) if call_socket else None)
         self._creds, self._opts = creds.workers, opts
@@ -102,7 +102,7 @@ class Client:
                 channel = grpc.aio.secure_channel(address, self._creds, options=self._opts)
             else:
                 channel = grpc.aio.insecure_channel(address, options=self._opts)
-            self._staging_channels[address] = (channel, pb_grpc.StagingStub(channel))
+            self._staging_channels[address] = (channel, _wire.stubs(channel)[1])
         return self._staging_channels[address][1]
 
     async def _offers_staging(self) -> bool:
@@ -207,7 +207,7 @@ class Client:
             offered = await self._offers_staging()
         if _direct.wants_direct(chosen, lambda: offered, lhs, out, kwargs):
             return await self._grouped_gemm_direct(lhs, rhs, group_sizes, bias, request_id, out_as, timeout, kwargs)
-        req = _common.gemm_request(lhs, rhs, group_sizes, bias, out=out, **kwargs)
+        req = _common.gemm_wire(lhs, rhs, group_sizes, bias, out=out, **kwargs)
         if self._call_socket is not None:
             answered = await self._call_socket.grouped_gemm(req, request_id, self._timeout(timeout))
             if answered is not None:
@@ -306,7 +306,7 @@ class Client:
                 resp = await self._submit(staging_id, md, call)
                 await self._note_request_id(call)
             return resp
-        req = _common.quantize_request(x, group_sizes, **kwargs)
+        req = _common.quantize_wire(x, group_sizes, **kwargs)
         if self._call_socket is not None:
             answered = await self._call_socket.grouped_quantize(req, request_id, self._timeout(timeout))
             if answered is not None:

@@ -8,10 +8,10 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import grpc
 
-from . import _common, _cuda, _direct, _frames, _lease
+from . import _common, _cuda, _direct, _frames, _lease, _wire
 from ._convert import Array, SharedMemoryTensor, TensorLike, check_output, to_output
 from ._progress import Meter, Progress
-from ._proto import pb, pb_grpc
+from ._proto import pb
 from .errors import ShardGemmError, error_for, from_rpc_error
 
 
@@ -87,7 +87,7 @@ class Client:
             self.channel = grpc.secure_channel(address, creds.coordinator, options=opts)
         else:
             self.channel = grpc.insecure_channel(address, options=opts)
-        self.stub = pb_grpc.ShardGemmStub(self.channel)
+        self.stub, _ = _wire.stubs(self.channel)
         self._call_socket = (_frames.CallSocket(call_socket, _common.bearer_token(tls_dir, token), _common.MAX_MESSAGE)
                              if call_socket else None)
         self._creds, self._opts = creds.workers, opts
@@ -143,7 +143,7 @@ class Client:
                     channel = grpc.secure_channel(address, self._creds, options=self._opts)
                 else:
                     channel = grpc.insecure_channel(address, options=self._opts)
-                self._staging_channels[address] = (channel, pb_grpc.StagingStub(channel))
+                self._staging_channels[address] = (channel, _wire.stubs(channel)[1])
             return self._staging_channels[address][1]
 
     def _threads(self) -> concurrent.futures.ThreadPoolExecutor:
@@ -261,7 +261,7 @@ class Client:
             lhs, rhs, bias, out, kwargs = _cuda.gemm_arguments(mem.fields, kwargs)
             if _direct.wants_direct(_direct.check_path(path or self.path), self._offers_staging, lhs, out, kwargs):
                 return self._grouped_gemm_direct(lhs, rhs, group_sizes, bias, request_id, out_as, timeout, kwargs)
-            req = _common.gemm_request(lhs, rhs, group_sizes, bias, out=out, **kwargs)
+            req = _common.gemm_wire(lhs, rhs, group_sizes, bias, out=out, **kwargs)
             if self._call_socket is not None:
                 answered = self._call_socket.grouped_gemm(req, request_id, self._timeout(timeout))
                 if answered is not None:
@@ -411,7 +411,7 @@ class Client:
                     _direct.submitted(req, staging_id, arrays), timeout=self._timeout(timeout), metadata=md))
             self._note_request_id(call)
             return resp
-        req = _common.quantize_request(x, group_sizes, **kwargs)
+        req = _common.quantize_wire(x, group_sizes, **kwargs)
         if self._call_socket is not None:
             answered = self._call_socket.grouped_quantize(req, request_id, self._timeout(timeout))
             if answered is not None:

@@ -1,0 +1,112 @@
+"""The Python client's requests with their large tensors' bytes beside the
+message (shardgemm/_wire.py): the pieces parse to exactly the request
+protobuf would have serialized, whatever mix of large, small, named and
+non-contiguous operands it holds; the call socket's frame is one valid
+CallSocketRequest; and a large inline call through both hops gives the
+local result."""
+import struct
+
+import numpy as np
+import pytest
+
+from shardgemm import _common, _wire
+from shardgemm._convert import to_tensor
+from shardgemm_pb import shardgemm_pb2 as pb
+
+
+def plain(wire, tensors):
+    """The request as protobuf builds it: the skeleton with every tensor's
+    bytes in the message."""
+    req = type(wire.skeleton)()
+    req.CopyFrom(wire.skeleton)
+    for field, (value, spec) in tensors.items():
+        getattr(req, field).CopyFrom(to_tensor(value, spec))
+    return req
+
+
+@pytest.mark.parametrize("rows", [8, 4096])
+def test_the_pieces_parse_to_the_request_protobuf_would_send(rows):
+    rng = np.random.default_rng(rows)
+    lhs = rng.standard_normal((rows, 64)).astype(np.float32)  # large at 4096 rows (1 MiB)
+    rhs = rng.standard_normal((4, 64, 128)).astype(np.float32)[:, :, ::2]  # not contiguous, 64 KiB
+    bias = rng.standard_normal((4, 64)).astype(np.float32)  # small: in the message
+    sizes = [rows // 4] * 4
+    kwargs = dict(lhs_spec="(ep, None)", rhs_spec="(ep, None, None)", group_sizes_spec="(ep,)",
+                  keep_output_as="y", include_plan=True)
+    wire = _common.gemm_wire(lhs, rhs, sizes, bias, **kwargs)
+    want = plain(wire, {"lhs": (lhs, "(ep, None)"), "rhs": (rhs, "(ep, None, None)"), "bias": (bias, "")})
+    got = pb.GroupedGemmRequest.FromString(wire.serialize())
+    assert got == want
+    assert wire.message() == want
+    assert _wire.byte_size(wire) == len(wire.serialize())
+    # The large ones beside the message, by reference to the caller's bytes.
+    assert not wire.skeleton.lhs.data if rows == 4096 else wire.skeleton.lhs.data
+    assert not wire.skeleton.rhs.data and wire.skeleton.bias.data
+    assert np.frombuffer(got.rhs.data, np.float32).reshape(4, 64, 64).tolist() == rhs.tolist()
+
+
+def test_a_quantize_and_named_operands():
+    x = np.arange(512 * 128, dtype=np.float32).reshape(512, 128)
+    wire = _common.quantize_wire(x, [128] * 4, x_spec="(dp, None)", keep_rowwise_data_as="x8")
+    got = pb.GroupedQuantizeRequest.FromString(wire.serialize())
+    assert got.x.data == x.tobytes() and list(got.x.shape) == [512, 128] and got.x.spec == "(dp, None)"
+    assert got.keep.rowwise_data == "x8" and list(np.frombuffer(got.group_sizes.data, np.int64)) == [128] * 4
+    named = _common.gemm_wire("big_x", "big_w", [4, 4])
+    assert named.serialize() == named.skeleton.SerializeToString()
+    assert named.skeleton.lhs.resident == "big_x"
+    big_endian = np.arange(1 << 15, dtype=">f4").reshape(-1, 8)  # the message's own conversion
+    assert _wire.blob_array(big_endian) is None
+    import ml_dtypes  # NumPy dtypes that a buffer cannot name: their bytes go as they are
+    for dtype in (ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn):
+        y = np.arange(1 << 16).astype(dtype).reshape(-1, 64)
+        w = _common.quantize_wire(y, [len(y)])
+        assert pb.GroupedQuantizeRequest.FromString(w.serialize()).x.data == y.tobytes()
+
+
+def test_the_call_frame_is_one_call_socket_request():
+    from shardgemm import _frames
+    x = np.random.default_rng(1).standard_normal((4096, 64)).astype(np.float32)
+    wire = _common.quantize_wire(x, [1024] * 4)
+    parts, request_bytes = _frames._call_frame("grouped_quantize", wire, "rid-1", 30.0, "tok", 7)
+    frame = b"".join(bytes(memoryview(p)) for p in parts)
+    magic, version, length = struct.unpack("<IIQ", frame[:16])
+    assert (magic, version, length) == (_frames.MAGIC, _frames.VERSION, len(frame) - 16)
+    request = pb.CallSocketRequest.FromString(frame[16:])
+    assert (request.call_id, request.token, request.request_id) == (7, "tok", "rid-1")
+    assert request.deadline_unix_us > 0 and request.WhichOneof("call") == "grouped_quantize"
+    assert request.grouped_quantize == wire.message() and request_bytes == len(wire.serialize())
+
+
+def test_a_large_inline_call_checks_out_on_both_hops(cluster_factory, tmp_path):
+    import os
+    import subprocess
+    import shardgemm
+    d = subprocess.run(["mktemp", "-d", "/tmp/sgwire.XXXXXX"], check=True, capture_output=True,
+                       text=True).stdout.strip()
+    sock = os.path.join(d, "calls.sock")
+    c = cluster_factory(mesh="ep=2", workers=2, coordinator_flags=[f"--call_socket={sock}"])
+    rng = np.random.default_rng(3)
+    lhs = rng.standard_normal((2048, 64)).astype(np.float32)  # 512 KiB
+    rhs = rng.standard_normal((4, 64, 32)).astype(np.float32)
+    sizes = [300, 724, 600, 424]
+    want = np.zeros((2048, 32), np.float32)
+    for shard in range(2):
+        row = shard * 1024
+        for g in range(2):
+            n = sizes[shard * 2 + g]
+            want[row:row + n] = lhs[row:row + n] @ rhs[shard * 2 + g]
+            row += n
+    specs = dict(lhs_spec="(ep, None)", rhs_spec="(ep, None, None)", group_sizes_spec="(ep,)")
+    try:
+        for call_socket in (None, sock):
+            with shardgemm.Client(c.address, timeout=30, call_socket=call_socket, path="inline") as client:
+                out, _ = client.grouped_gemm(lhs, rhs, sizes, **specs)
+                np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4)
+                q = client.grouped_quantize(lhs, sizes, x_spec="(ep, None)", group_sizes_spec="(ep,)")
+                plain = c.client.stub.GroupedQuantize(_common.quantize_request(lhs, sizes, x_spec="(ep, None)",
+                                                                               group_sizes_spec="(ep,)"), timeout=30)
+                assert q.rowwise_data.data == plain.rowwise_data.data and q.scale_inv.data == plain.scale_inv.data
+    finally:
+        for name in os.listdir(d):
+            os.unlink(os.path.join(d, name))
+        os.rmdir(d)
