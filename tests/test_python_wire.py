@@ -110,3 +110,22 @@ def test_a_large_inline_call_checks_out_on_both_hops(cluster_factory, tmp_path):
         for name in os.listdir(d):
             os.unlink(os.path.join(d, name))
         os.rmdir(d)
+
+
+def test_a_plan_sends_shapes_not_the_bytes(cluster_factory):
+    import asyncio
+    import shardgemm
+    import shardgemm.aio
+    c = cluster_factory(mesh="ep=2", workers=2, coordinator_flags=["--max_message_mb=1"])
+    lhs = np.zeros((16384, 64), np.float32)  # 4 MiB: over the coordinator's message limit
+    rhs = np.zeros((4, 64, 32), np.float32)
+    specs = dict(lhs_spec="(ep, None)", rhs_spec="(ep, None, None)", group_sizes_spec="(ep,)")
+    with shardgemm.Client(c.address, timeout=30) as client:
+        plan = client.plan(lhs, rhs, [4096] * 4, **specs)
+        assert plan.workers, plan
+
+    async def run():
+        async with shardgemm.aio.Client(c.address, timeout=30) as client:
+            return await client.plan(lhs, rhs, [4096] * 4, **specs)
+
+    assert asyncio.run(run()) == plan

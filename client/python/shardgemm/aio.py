@@ -286,7 +286,8 @@ class Client:
     async def plan(self, lhs: TensorLike, rhs: TensorLike, group_sizes: TensorLike,
                    bias: Optional[TensorLike] = None, *, request_id: Optional[str] = None,
                    timeout: Optional[float] = None, **kwargs: Any) -> "pb.Plan":
-        req = _common.gemm_request(lhs, rhs, group_sizes, bias, **kwargs)
+        # A dry run needs shapes, not bytes: the large tensors' are left out.
+        req = _common.gemm_wire(lhs, rhs, group_sizes, bias, **kwargs).skeleton
         resp = await self._unary(self.stub.Plan, pb.PlanRequest(grouped_gemm=req), timeout, request_id)
         return resp.plan
 

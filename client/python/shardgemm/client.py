@@ -383,8 +383,9 @@ class Client:
 
     def plan(self, lhs: TensorLike, rhs: TensorLike, group_sizes: TensorLike, bias: Optional[TensorLike] = None,
              *, request_id: Optional[str] = None, timeout: Optional[float] = None, **kwargs: Any) -> "pb.Plan":
-        """The plan grouped_gemm would run with these arguments, without running it."""
-        req = _common.gemm_request(lhs, rhs, group_sizes, bias, **kwargs)
+        """The plan grouped_gemm would run with these arguments, without running it
+        (nor sending the large tensors' bytes: a dry run needs their shapes)."""
+        req = _common.gemm_wire(lhs, rhs, group_sizes, bias, **kwargs).skeleton
         with self._errors():
             resp, call = self.stub.Plan.with_call(pb.PlanRequest(grouped_gemm=req), timeout=self._timeout(timeout),
                                                   metadata=_common.metadata(request_id))
