@@ -12,7 +12,10 @@
 # Run there, from the repository root:
 #   tar xJf .gpu_bundle/svc.tar.xz -C .gpu_bundle && bash tools/gpu/run_call_socket_probe.sh
 # ROUNDS (default 3), ITERS (default 60); CASES ("NAME FLAGS...;...") and HOPS
-# ("grpc frames") replace the cases and hops.
+# ("grpc frames") replace the cases and hops; SETTINGS (default "split
+# split+bench", every round) and LAST_SETTINGS (default "free", the last
+# round too) name the placements, of split, split+bench, free and free+poll
+# (unpinned, both servers --busy_poll=2ms).
 set -uo pipefail
 B=${B:-.gpu_bundle/svc}
 export LD_LIBRARY_PATH=$PWD/$B/lib:${LD_LIBRARY_PATH:-} NCCL_NVLS_ENABLE=0
@@ -40,13 +43,19 @@ for ((round = 1; round <= ${ROUNDS:-3}; round++)); do
   for c in "${cases[@]}"; do
     read -r name flags <<<"$c"
     for hop in $HOPS; do
-      # shellcheck disable=SC2086
-      COORDINATOR_CPUS=2 WORKER_CPUS=3 BENCH_CPUS=4 bench "split $name r$round" $hop --busy_poll=2ms $flags
-      # shellcheck disable=SC2086
-      COORDINATOR_CPUS=2 WORKER_CPUS=3 BENCH_CPUS=4 bench "split+bench $name r$round" $hop --busy_poll=2ms $flags \
-        --busy_poll=2ms
-      # shellcheck disable=SC2086
-      [[ $round == "${ROUNDS:-3}" ]] && bench "free $name r$round" $hop "" $flags
+      settings=${SETTINGS:-split split+bench}
+      [[ $round == "${ROUNDS:-3}" ]] && settings="$settings ${LAST_SETTINGS:-free}"
+      for place in $settings; do
+        # shellcheck disable=SC2086
+        case $place in
+          split) COORDINATOR_CPUS=2 WORKER_CPUS=3 BENCH_CPUS=4 bench "split $name r$round" $hop --busy_poll=2ms $flags ;;
+          split+bench) COORDINATOR_CPUS=2 WORKER_CPUS=3 BENCH_CPUS=4 bench "split+bench $name r$round" $hop \
+                         --busy_poll=2ms $flags --busy_poll=2ms ;;
+          free) bench "free $name r$round" $hop "" $flags ;;
+          free+poll) bench "free+poll $name r$round" $hop --busy_poll=2ms $flags ;;
+          *) echo "unknown setting $place (split, split+bench, free, free+poll)" >&2; exit 2 ;;
+        esac
+      done
     done
   done
 done
