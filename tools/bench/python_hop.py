@@ -14,8 +14,8 @@ count of wrong answers (each answer's bytes against the first gRPC
 answer's). --client_path runs another checkout's Python client (its
 client/python, protos generated) against the same servers.
 
-  python3 tools/bench/quantize_hop.py --rows 512 --cols 128 --groups 8 --rounds 3 --iters 200
-  python3 tools/bench/quantize_hop.py --op gemm --rows 16384 --cols 128 --groups 8 --rounds 3 --iters 20
+  python3 tools/bench/python_hop.py --rows 512 --cols 128 --groups 8 --rounds 3 --iters 200
+  python3 tools/bench/python_hop.py --op gemm --rows 16384 --cols 128 --groups 8 --rounds 3 --iters 20
 """
 import argparse
 import os
