@@ -7,7 +7,8 @@ client is the `shardgemm` package beside this file (pip install
 re-exports the package's names. The differences: shardgemm_client.Client
 raises grpc.RpcError (e.code(), e.details()) on a failed call, as this module
 always did, where shardgemm.Client raises shardgemm.ShardGemmError
-subclasses (e.code, e.details); and its grouped_gemm takes the inline path
+subclasses (e.code, e.details) (a call sent on a call_socket raises those
+here too: it never was a gRPC call); and its grouped_gemm takes the inline path
 unless asked for path="direct" (the repository's tests of the inline path
 stay what they were). In a checkout the generated protobuf modules
 come from `make build` (tools/gen_python_proto.py).
