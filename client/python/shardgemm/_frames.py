@@ -229,13 +229,14 @@ class CallSocket:
         sock.settimeout(left)
 
     def _read_exact(self, sock: socket.socket, n: int, deadline: Optional[float]) -> bytes:
-        data = bytearray()
-        while len(data) < n:
+        data = bytearray(n)  # received in place: no copies as it grows
+        view, got = memoryview(data), 0
+        while got < n:
             self._settimeout(sock, deadline)  # the whole call is bounded, not each recv
-            chunk = sock.recv(min(n - len(data), 1 << 22))
-            if not chunk:
+            received = sock.recv_into(view[got:], min(n - got, 1 << 22))
+            if not received:
                 raise ConnectionError("the coordinator closed the connection")
-            data += chunk
+            got += received
         return bytes(data)
 
     def _read_reply(self, sock: socket.socket, deadline: Optional[float]) -> "pb.CallSocketReply":
