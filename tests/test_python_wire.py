@@ -102,6 +102,8 @@ def test_a_large_inline_call_checks_out_on_both_hops(cluster_factory, tmp_path):
             with shardgemm.Client(c.address, timeout=30, call_socket=call_socket, path="inline") as client:
                 out, _ = client.grouped_gemm(lhs, rhs, sizes, **specs)
                 np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4)
+                assert out.flags.writeable
+                out[0, 0] = 1.0  # the caller's own array
                 q = client.grouped_quantize(lhs, sizes, x_spec="(ep, None)", group_sizes_spec="(ep,)")
                 plain = c.client.stub.GroupedQuantize(_common.quantize_request(lhs, sizes, x_spec="(ep, None)",
                                                                                group_sizes_spec="(ep,)"), timeout=30)
@@ -129,3 +131,33 @@ def test_a_plan_sends_shapes_not_the_bytes(cluster_factory):
             return await client.plan(lhs, rhs, [4096] * 4, **specs)
 
     assert asyncio.run(run()) == plan
+
+
+def test_take_bytes_leaves_out_exactly_the_field_it_names():
+    from shardgemm import _frames
+    rng = np.random.default_rng(5)
+    for case in range(40):
+        reply = pb.CallSocketReply(call_id=case + 1, code=0, request_id=f"r{case}")
+        gemm = reply.grouped_gemm
+        if case % 4:
+            gemm.out.dtype = pb.F32
+            gemm.out.shape[:] = [int(rng.integers(1, 64)), 8]
+            gemm.out.data = rng.standard_normal(int(np.prod(gemm.out.shape))).astype(np.float32).tobytes()
+            gemm.out.spec = "(ep, None)" if case % 3 else ""
+        else:
+            gemm.out.resident = "kept"
+        gemm.server_seconds = float(case)
+        gemm.plan_summary = "x" * int(rng.integers(0, 300))
+        raw = bytearray(reply.SerializeToString())
+        parsed, data = _frames._parse_reply(raw)
+        if case % 4:
+            assert data is not None and bytes(data) == reply.grouped_gemm.out.data and not data.readonly
+            whole = pb.CallSocketReply()
+            whole.CopyFrom(parsed)
+            whole.grouped_gemm.out.data = bytes(data)
+            assert whole == reply
+        else:
+            assert data is None and parsed == reply
+    # What does not scan is parsed whole, by protobuf, which says what is wrong.
+    rest, data = _wire.take_bytes(b"\xff\xff", (10, 1, 3))
+    assert data is None and rest == b"\xff\xff"

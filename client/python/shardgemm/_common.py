@@ -174,11 +174,16 @@ def gemm_request(*args: Any, **kwargs: Any) -> "pb.GroupedGemmRequest":
     return gemm_wire(*args, **kwargs).message()
 
 
-def gemm_output(resp: "pb.GroupedGemmResponse", out: Optional[SharedMemoryTensor]) -> Any:
-    """A GroupedGemmResponse's output as NumPy: the bytes it carries; None
-    when kept resident; with out=, the view of the region it was written to
-    (shaped as the response says), the CUDA array itself for a CUDA
-    region's tensor, or None where out= has no view here."""
+def gemm_output(resp: "pb.GroupedGemmResponse", out: Optional[SharedMemoryTensor],
+                out_data: Optional[memoryview] = None) -> Any:
+    """A GroupedGemmResponse's output as NumPy: the bytes it carries (or
+    `out_data`, the bytes the call socket left out of the parse: used in
+    place when writable); None when kept resident; with out=, the view of
+    the region it was written to (shaped as the response says), the CUDA
+    array itself for a CUDA region's tensor, or None where out= has no view
+    here."""
+    if out_data is not None:
+        return _convert.array_from_buffer(out_data, resp.out.dtype, resp.out.shape)
     kind = resp.out.WhichOneof("source")
     if kind == "resident":
         return None

@@ -191,6 +191,18 @@ def array_from_bytes(data: bytes, proto_dtype_: "pb.DType", shape: Sequence[int]
     return np.frombuffer(data, dtype=dtype).reshape(shape).copy()
 
 
+def array_from_buffer(data: memoryview, proto_dtype_: "pb.DType", shape: Sequence[int]) -> np.ndarray:
+    """A writable array over `data` itself when it is writable, else over a copy."""
+    if data.readonly:
+        return array_from_bytes(bytes(data), proto_dtype_, shape)
+    dtype = numpy_dtype(proto_dtype_)
+    shape = tuple(shape)
+    want = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if data.nbytes != want:
+        raise ValueError(f"{data.nbytes} bytes for a {dtype} tensor of shape {shape} ({want} expected)")
+    return np.frombuffer(data, dtype=dtype).reshape(shape)
+
+
 def from_tensor(t: "pb.Tensor") -> np.ndarray:
     """The NumPy array of a v1.Tensor that carries its data."""
     return array_from_bytes(t.data, t.dtype, t.shape)

@@ -75,14 +75,28 @@ def _checked(reply: "pb.CallSocketReply", call_id: int, path: str) -> "pb.CallSo
     return reply
 
 
-def _result(reply: "pb.CallSocketReply", op: str) -> Tuple[Any, str]:
+# Where a GEMM reply's output bytes lie: CallSocketReply.grouped_gemm.out.data.
+_GEMM_OUT_DATA = (pb.CallSocketReply.DESCRIPTOR.fields_by_name["grouped_gemm"].number,
+                  pb.GroupedGemmResponse.DESCRIPTOR.fields_by_name["out"].number,
+                  pb.Tensor.DESCRIPTOR.fields_by_name["data"].number)
+
+
+def _parse_reply(raw: Any) -> Tuple["pb.CallSocketReply", Optional[memoryview]]:
+    """The reply, a GEMM's output bytes left out of protobuf's parse and
+    returned as a view of `raw` (writable when `raw` is: no copy)."""
+    rest, out_data = _wire.take_bytes(raw, _GEMM_OUT_DATA)
+    return pb.CallSocketReply.FromString(rest), out_data
+
+
+def _result(reply: "pb.CallSocketReply", op: str,
+            out_data: Optional[memoryview] = None) -> Tuple[Any, str, Optional[memoryview]]:
     if reply.code != 0:
         try:
             code = next(c for c in grpc.StatusCode if c.value[0] == reply.code)
         except StopIteration:
             code = grpc.StatusCode.UNKNOWN
         raise error_for(code, reply.message, request_id=reply.request_id or None)
-    return getattr(reply, op), reply.request_id
+    return getattr(reply, op), reply.request_id, out_data
 
 
 def _own_user(sock: socket.socket) -> bool:
@@ -115,17 +129,19 @@ class CallSocket:
             sock.close()
 
     def grouped_gemm(self, request: Any, request_id: Optional[str],
-                     timeout: Optional[float]) -> Optional[Tuple["pb.GroupedGemmResponse", str]]:
+                     timeout: Optional[float]) -> Optional[Tuple["pb.GroupedGemmResponse", str, Optional[memoryview]]]:
         return self.call("grouped_gemm", request, request_id, timeout)
 
     def grouped_quantize(self, request: Any, request_id: Optional[str],
-                         timeout: Optional[float]) -> Optional[Tuple["pb.GroupedQuantizeResponse", str]]:
+                         timeout: Optional[float]) -> Optional[Tuple["pb.GroupedQuantizeResponse", str, Optional[memoryview]]]:
         return self.call("grouped_quantize", request, request_id, timeout)
 
     def call(self, op: str, request: Any, request_id: Optional[str],
-             timeout: Optional[float]) -> Optional[Tuple[Any, str]]:
-        """`op` (an OPS key) with `request`: the response and the request's
-        id; None when the socket cannot
+             timeout: Optional[float]) -> Optional[Tuple[Any, str, Optional[memoryview]]]:
+        """`op` (an OPS key) with `request`: the response, the request's id
+        and, for a GEMM whose output came back in the reply, its bytes (a
+        view of the received buffer: the response's `out` has no data);
+        None when the socket cannot
         take the call now (not connected, every connection busy, refused,
         larger than the message limit, a connection the coordinator had
         closed): the caller sends it on gRPC. A failure after the frame went
@@ -144,7 +160,8 @@ class CallSocket:
             return None
         keep = False
         try:
-            reply = _checked(self._call(sock, frame, deadline, fresh), call_id, self.path)
+            reply, out_data = self._call(sock, frame, deadline, fresh)
+            reply = _checked(reply, call_id, self.path)
             keep = True
         except _NotRun:
             return None
@@ -160,10 +177,10 @@ class CallSocket:
                             request_id=request_id) from None
         finally:
             self._give_back(sock, keep)
-        return _result(reply, op)
+        return _result(reply, op, out_data)
 
     def _call(self, sock: socket.socket, frame: List[Any], deadline: Optional[float],
-              fresh: bool) -> "pb.CallSocketReply":
+              fresh: bool) -> Tuple["pb.CallSocketReply", Optional[memoryview]]:
         try:
             for part in frame:
                 self._settimeout(sock, deadline)
@@ -228,7 +245,7 @@ class CallSocket:
             raise socket.timeout()
         sock.settimeout(left)
 
-    def _read_exact(self, sock: socket.socket, n: int, deadline: Optional[float]) -> bytes:
+    def _read_exact(self, sock: socket.socket, n: int, deadline: Optional[float]) -> bytearray:
         data = bytearray(n)  # received in place: no copies as it grows
         view, got = memoryview(data), 0
         while got < n:
@@ -237,13 +254,12 @@ class CallSocket:
             if not received:
                 raise ConnectionError("the coordinator closed the connection")
             got += received
-        return bytes(data)
+        return data
 
-    def _read_reply(self, sock: socket.socket, deadline: Optional[float]) -> "pb.CallSocketReply":
-        length = _payload_length(self._read_exact(sock, HEADER.size, deadline), self.path)
-        reply = pb.CallSocketReply()
-        reply.ParseFromString(self._read_exact(sock, length, deadline))
-        return reply
+    def _read_reply(self, sock: socket.socket,
+                    deadline: Optional[float]) -> Tuple["pb.CallSocketReply", Optional[memoryview]]:
+        length = _payload_length(bytes(self._read_exact(sock, HEADER.size, deadline)), self.path)
+        return _parse_reply(self._read_exact(sock, length, deadline))
 
 
 class AsyncCallSocket:
@@ -271,15 +287,15 @@ class AsyncCallSocket:
             writer.close()
 
     async def grouped_gemm(self, request: Any, request_id: Optional[str],
-                           timeout: Optional[float]) -> Optional[Tuple["pb.GroupedGemmResponse", str]]:
+                           timeout: Optional[float]) -> Optional[Tuple["pb.GroupedGemmResponse", str, Optional[memoryview]]]:
         return await self.call("grouped_gemm", request, request_id, timeout)
 
     async def grouped_quantize(self, request: Any, request_id: Optional[str],
-                               timeout: Optional[float]) -> Optional[Tuple["pb.GroupedQuantizeResponse", str]]:
+                               timeout: Optional[float]) -> Optional[Tuple["pb.GroupedQuantizeResponse", str, Optional[memoryview]]]:
         return await self.call("grouped_quantize", request, request_id, timeout)
 
     async def call(self, op: str, request: Any, request_id: Optional[str],
-                   timeout: Optional[float]) -> Optional[Tuple[Any, str]]:
+                   timeout: Optional[float]) -> Optional[Tuple[Any, str, Optional[memoryview]]]:
         """As CallSocket.call."""
         call_id, self._next_id = self._next_id, self._next_id + 1
         frame, request_bytes = _call_frame(op, request, request_id, timeout, self.token, call_id)
@@ -290,7 +306,7 @@ class AsyncCallSocket:
             return None
         keep = False
         try:
-            reply = await asyncio.wait_for(self._call(connection, frame, fresh), timeout)
+            reply, out_data = await asyncio.wait_for(self._call(connection, frame, fresh), timeout)
             reply = _checked(reply, call_id, self.path)
             keep = True
         except _NotRun:
@@ -307,10 +323,10 @@ class AsyncCallSocket:
                             request_id=request_id) from None
         finally:
             self._give_back(connection, keep)
-        return _result(reply, op)
+        return _result(reply, op, out_data)
 
     async def _call(self, connection: "AsyncCallSocket._Connection", frame: List[Any],
-                    fresh: bool) -> "pb.CallSocketReply":
+                    fresh: bool) -> Tuple["pb.CallSocketReply", Optional[memoryview]]:
         reader, writer = connection
         try:
             writer.writelines(frame)
@@ -319,13 +335,12 @@ class AsyncCallSocket:
             raise _NotRun() from e  # the coordinator had closed this connection: it read none of the frame
         try:
             length = _payload_length(await reader.readexactly(HEADER.size), self.path)
-            reply = pb.CallSocketReply()
-            reply.ParseFromString(await reader.readexactly(length))
+            answer = _parse_reply(await reader.readexactly(length))
         except (ConnectionResetError, asyncio.IncompleteReadError) as e:
             if fresh and not isinstance(e, asyncio.IncompleteReadError):
                 raise _NotRun() from e  # refused before the call was read
             raise
-        return reply
+        return answer
 
     async def _take(self) -> Tuple[Optional["AsyncCallSocket._Connection"], bool]:
         if self._closed:

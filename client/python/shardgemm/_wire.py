@@ -100,6 +100,72 @@ def stubs(channel: Any) -> Tuple[Any, Any]:
     return shardgemm, staging
 
 
+def _read_varint(buf: memoryview, at: int) -> Tuple[int, int]:
+    value, shift = 0, 0
+    while True:
+        if at >= len(buf) or shift > 63:
+            raise ValueError("a truncated varint")
+        byte = buf[at]
+        at += 1
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, at
+        shift += 7
+
+
+def _fields(buf: memoryview) -> List[Tuple[int, int, int, int, int]]:
+    """The top-level fields of a serialized message: (number, wire type,
+    start of the field, start of its value, end)."""
+    out, at = [], 0
+    while at < len(buf):
+        start = at
+        tag, at = _read_varint(buf, at)
+        number, kind = tag >> 3, tag & 7
+        if kind == 0:
+            _, end = _read_varint(buf, at)
+        elif kind == 1:
+            end = at + 8
+        elif kind == 2:
+            length, at = _read_varint(buf, at)
+            end = at + length
+        elif kind == 5:
+            end = at + 4
+        else:
+            raise ValueError(f"wire type {kind}")
+        if end > len(buf):
+            raise ValueError("a truncated field")
+        out.append((number, kind, start, at, end))
+        at = end
+    return out
+
+
+def take_bytes(raw: Any, path: Tuple[int, ...]) -> Tuple[bytes, Optional[memoryview]]:
+    """The serialized message `raw` without the bytes field at `path` (field
+    numbers, outermost first), and that field's bytes as a view of `raw`
+    (writable when `raw` is): the large bytes are not parsed or copied by
+    protobuf. (bytes(raw), None) when the field is not there exactly once at
+    each level, or the bytes do not scan."""
+    buf = memoryview(raw).cast("B")
+    try:
+        return _take(buf, path)
+    except ValueError:
+        return bytes(buf), None
+
+
+def _take(buf: memoryview, path: Tuple[int, ...]) -> Tuple[bytes, Optional[memoryview]]:
+    fields = _fields(buf)
+    found = [f for f in fields if f[0] == path[0] and f[1] == _LENGTH_DELIMITED]
+    if len(found) != 1:
+        return bytes(buf), None
+    _, _, start, value_start, end = found[0]
+    if len(path) == 1:
+        return bytes(buf[:start]) + bytes(buf[end:]), buf[value_start:end]
+    inner, view = _take(buf[value_start:end], path[1:])
+    if view is None:
+        return bytes(buf), None
+    return bytes(buf[:start]) + field_head(path[0], len(inner)) + inner + bytes(buf[end:]), view
+
+
 def serialize(request: Any) -> bytes:
     """gRPC's request_serializer for a WireMessage or a plain message."""
     if isinstance(request, WireMessage):

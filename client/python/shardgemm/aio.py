@@ -211,8 +211,8 @@ class Client:
         if self._call_socket is not None:
             answered = await self._call_socket.grouped_gemm(req, request_id, self._timeout(timeout))
             if answered is not None:
-                resp, self.last_request_id = answered
-                return to_output(_common.gemm_output(resp, out), out_as), resp.plan
+                resp, self.last_request_id, out_data = answered
+                return to_output(_common.gemm_output(resp, out, out_data), out_as), resp.plan
         resp = await self._unary(self.stub.GroupedGemm, req, timeout, request_id)
         return to_output(_common.gemm_output(resp, out), out_as), resp.plan
 
@@ -311,7 +311,7 @@ class Client:
         if self._call_socket is not None:
             answered = await self._call_socket.grouped_quantize(req, request_id, self._timeout(timeout))
             if answered is not None:
-                resp, self.last_request_id = answered
+                resp, self.last_request_id, _ = answered
                 return resp
         return await self._unary(self.stub.GroupedQuantize, req, timeout, request_id)
 

@@ -265,8 +265,8 @@ class Client:
             if self._call_socket is not None:
                 answered = self._call_socket.grouped_gemm(req, request_id, self._timeout(timeout))
                 if answered is not None:
-                    resp, self.last_request_id = answered
-                    return to_output(_common.gemm_output(resp, out), out_as), resp.plan
+                    resp, self.last_request_id, out_data = answered
+                    return to_output(_common.gemm_output(resp, out, out_data), out_as), resp.plan
             with self._errors():
                 resp, call = self.stub.GroupedGemm.with_call(req, timeout=self._timeout(timeout),
                                                              metadata=_common.metadata(request_id))
@@ -416,7 +416,7 @@ class Client:
         if self._call_socket is not None:
             answered = self._call_socket.grouped_quantize(req, request_id, self._timeout(timeout))
             if answered is not None:
-                resp, self.last_request_id = answered
+                resp, self.last_request_id, _ = answered
                 return resp
         with self._errors():
             resp, call = self.stub.GroupedQuantize.with_call(req, timeout=self._timeout(timeout),
