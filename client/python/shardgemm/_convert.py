@@ -192,15 +192,15 @@ def array_from_bytes(data: bytes, proto_dtype_: "pb.DType", shape: Sequence[int]
 
 
 def array_from_buffer(data: memoryview, proto_dtype_: "pb.DType", shape: Sequence[int]) -> np.ndarray:
-    """A writable array over `data` itself when it is writable, else over a copy."""
-    if data.readonly:
-        return array_from_bytes(bytes(data), proto_dtype_, shape)
+    """A writable array over `data` itself when it is writable, else over
+    one copy of it."""
     dtype = numpy_dtype(proto_dtype_)
     shape = tuple(shape)
     want = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     if data.nbytes != want:
         raise ValueError(f"{data.nbytes} bytes for a {dtype} tensor of shape {shape} ({want} expected)")
-    return np.frombuffer(data, dtype=dtype).reshape(shape)
+    array = np.frombuffer(data, dtype=dtype).reshape(shape)
+    return array.copy() if data.readonly else array
 
 
 def from_tensor(t: "pb.Tensor") -> np.ndarray:

@@ -83,10 +83,21 @@ class WireMessage:
         return type(self.skeleton).FromString(self.serialize())
 
 
+_GEMM_OUT_DATA = (pb.GroupedGemmResponse.DESCRIPTOR.fields_by_name["out"].number, _TENSOR_DATA)
+
+
+def parse_gemm_response(raw: bytes) -> Tuple["pb.GroupedGemmResponse", Optional[memoryview]]:
+    """A GroupedGemmResponse with its output's bytes left out of protobuf's
+    parse: (the response, those bytes as a view of `raw`, or None)."""
+    rest, out_data = take_bytes(raw, _GEMM_OUT_DATA)
+    return pb.GroupedGemmResponse.FromString(rest), out_data
+
+
 def stubs(channel: Any) -> Tuple[Any, Any]:
     """The ShardGemm and Staging stubs on `channel` (sync or asyncio), their
     calls that carry tensor bytes (GroupedGemm, GroupedQuantize, PutTensor,
-    Stage) taking a WireMessage as well as a message."""
+    Stage) taking a WireMessage as well as a message. The ShardGemm stub's
+    GroupedGemmInline is GroupedGemm answering parse_gemm_response's pair."""
     shardgemm, staging = pb_grpc.ShardGemmStub(channel), pb_grpc.StagingStub(channel)
     for stub, service_name, calls in (
             (shardgemm, "ShardGemm", (("GroupedGemm", "unary_unary", pb.GroupedGemmResponse),
@@ -97,6 +108,9 @@ def stubs(channel: Any) -> Tuple[Any, Any]:
         for name, kind, response in calls:
             setattr(stub, name, getattr(channel, kind)(f"/{service}/{name}", request_serializer=serialize,
                                                        response_deserializer=response.FromString))
+    service = pb.DESCRIPTOR.services_by_name["ShardGemm"].full_name
+    shardgemm.GroupedGemmInline = channel.unary_unary(f"/{service}/GroupedGemm", request_serializer=serialize,
+                                                      response_deserializer=parse_gemm_response)
     return shardgemm, staging
 
 

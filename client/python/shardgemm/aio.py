@@ -213,8 +213,8 @@ class Client:
             if answered is not None:
                 resp, self.last_request_id, out_data = answered
                 return to_output(_common.gemm_output(resp, out, out_data), out_as), resp.plan
-        resp = await self._unary(self.stub.GroupedGemm, req, timeout, request_id)
-        return to_output(_common.gemm_output(resp, out), out_as), resp.plan
+        resp, out_data = await self._unary(self.stub.GroupedGemmInline, req, timeout, request_id)
+        return to_output(_common.gemm_output(resp, out, out_data), out_as), resp.plan
 
     async def _grouped_gemm_direct(self, lhs: TensorLike, rhs: TensorLike, group_sizes: TensorLike,
                                    bias: Optional[TensorLike], request_id: Optional[str], out_as: str,

@@ -268,10 +268,10 @@ class Client:
                     resp, self.last_request_id, out_data = answered
                     return to_output(_common.gemm_output(resp, out, out_data), out_as), resp.plan
             with self._errors():
-                resp, call = self.stub.GroupedGemm.with_call(req, timeout=self._timeout(timeout),
-                                                             metadata=_common.metadata(request_id))
+                (resp, out_data), call = self.stub.GroupedGemmInline.with_call(
+                    req, timeout=self._timeout(timeout), metadata=_common.metadata(request_id))
             self._note_request_id(call)
-            return to_output(_common.gemm_output(resp, out), out_as), resp.plan
+            return to_output(_common.gemm_output(resp, out, out_data), out_as), resp.plan
 
     @contextlib.contextmanager
     def _cuda_call(self, mem: _cuda.CallMemory, timeout: Optional[float]) -> Iterator[None]:
