@@ -102,7 +102,7 @@ def test_a_large_inline_call_checks_out_on_both_hops(cluster_factory, tmp_path):
             with shardgemm.Client(c.address, timeout=30, call_socket=call_socket, path="inline") as client:
                 out, _ = client.grouped_gemm(lhs, rhs, sizes, **specs)
                 np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4)
-                assert out.flags.writeable
+                assert out.flags.writeable and out.flags.aligned
                 out[0, 0] = 1.0  # the caller's own array
                 q = client.grouped_quantize(lhs, sizes, x_spec="(ep, None)", group_sizes_spec="(ep,)")
                 plain = c.client.stub.GroupedQuantize(_common.quantize_request(lhs, sizes, x_spec="(ep, None)",
@@ -161,3 +161,35 @@ def test_take_bytes_leaves_out_exactly_the_field_it_names():
     # What does not scan is parsed whole, by protobuf, which says what is wrong.
     rest, data = _wire.take_bytes(b"\xff\xff", (10, 1, 3))
     assert data is None and rest == b"\xff\xff"
+
+
+def test_a_reply_whose_later_fields_override_the_output_is_parsed_as_protobuf_says():
+    from shardgemm import _frames
+    reply = pb.CallSocketReply(call_id=1)
+    reply.grouped_gemm.out.dtype = pb.F32
+    reply.grouped_gemm.out.shape[:] = [4, 4]
+    reply.grouped_gemm.out.data = np.zeros(16, np.float32).tobytes()
+    # The same Tensor again naming a resident tensor: the oneof's last member wins.
+    later = pb.CallSocketReply()
+    later.grouped_gemm.out.resident = "kept"
+    raw = bytearray(reply.SerializeToString() + later.SerializeToString())
+    parsed, data = _frames._parse_reply(raw)
+    assert _common.gemm_output(parsed.grouped_gemm, None, data) is None  # resident, as protobuf parses it
+    # A later answer of another kind wins over the GEMM's.
+    other = pb.CallSocketReply()
+    other.grouped_quantize.server_seconds = 1.0
+    parsed, data = _frames._parse_reply(bytearray(reply.SerializeToString() + other.SerializeToString()))
+    assert data is None and parsed.WhichOneof("answer") == "grouped_quantize"
+
+
+def test_value_offset_finds_where_the_output_starts():
+    from shardgemm import _frames
+    reply = pb.CallSocketReply(call_id=9, request_id="r" * 100, message="")
+    reply.grouped_gemm.out.dtype = pb.F32
+    reply.grouped_gemm.out.shape[:] = [64, 64]
+    reply.grouped_gemm.out.data = np.arange(4096, dtype=np.float32).tobytes()
+    raw = reply.SerializeToString()
+    offset = _wire.value_offset(raw[:512], _frames._GEMM_OUT_DATA)
+    assert offset is not None and raw[offset:offset + 16] == np.arange(4, dtype=np.float32).tobytes()
+    assert _wire.value_offset(raw[:5], _frames._GEMM_OUT_DATA) is None  # cut before it
+    assert _wire.value_offset(b"\xff" * 8, _frames._GEMM_OUT_DATA) is None

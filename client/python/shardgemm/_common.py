@@ -115,7 +115,8 @@ def _put_tensor(wire: _wire.WireMessage, field: str, array: TensorLike, spec: st
     """wire.skeleton.<field> from `array`: a large array's bytes beside the
     message, anything else (small, a name, a region's tensor) in it."""
     if not isinstance(array, (str, SharedMemoryTensor, ToStage)):
-        blob = _wire.blob_array(_convert.as_numpy(array))
+        array = _convert.as_numpy(array)  # once: a device tensor is brought to the host once
+        blob = _wire.blob_array(array)
         if blob is not None:
             wire.set_tensor(field, blob, pb.Tensor(dtype=proto_dtype(blob.dtype), shape=list(blob.shape), spec=spec))
             return
@@ -182,9 +183,9 @@ def gemm_output(resp: "pb.GroupedGemmResponse", out: Optional[SharedMemoryTensor
     the region it was written to (shaped as the response says), the CUDA
     array itself for a CUDA region's tensor, or None where out= has no view
     here."""
-    if out_data is not None:
-        return _convert.array_from_buffer(out_data, resp.out.dtype, resp.out.shape)
     kind = resp.out.WhichOneof("source")
+    if out_data is not None and kind is None:  # (a later source in the reply wins, as protobuf's parse says)
+        return _convert.array_from_buffer(out_data, resp.out.dtype, resp.out.shape)
     if kind == "resident":
         return None
     if kind == "shared_memory":

@@ -200,7 +200,9 @@ def array_from_buffer(data: memoryview, proto_dtype_: "pb.DType", shape: Sequenc
     if data.nbytes != want:
         raise ValueError(f"{data.nbytes} bytes for a {dtype} tensor of shape {shape} ({want} expected)")
     array = np.frombuffer(data, dtype=dtype).reshape(shape)
-    return array.copy() if data.readonly else array
+    # A view only of writable, aligned bytes (NumPy and torch expect the
+    # element alignment; the call socket receives so that they are).
+    return array if not data.readonly and array.flags.aligned else array.copy()
 
 
 def from_tensor(t: "pb.Tensor") -> np.ndarray:

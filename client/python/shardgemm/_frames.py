@@ -17,6 +17,7 @@ import time
 from typing import Any, List, Optional, Tuple
 
 import grpc
+import numpy as np
 
 from . import _wire
 from ._proto import pb
@@ -29,6 +30,8 @@ UCRED = struct.Struct("3i")  # pid, uid, gid: SO_PEERCRED
 FRAME_FIELDS_BYTES = 4096
 # A connection that failed is tried again at most this often (the call goes on gRPC meanwhile).
 RETRY_AFTER_S = 1.0
+# The first bytes of a reply read to find where a GEMM's output starts.
+ALIGN_PEEK_BYTES = 4096
 # Threads calling at once each take a connection of their own, up to this
 # many; a call past them goes on gRPC rather than wait for one.
 MAX_CONNECTIONS = 8
@@ -60,10 +63,13 @@ def _call_frame(op: str, request: Any, request_id: Optional[str], timeout: Optio
     return [HEADER.pack(MAGIC, VERSION, len(head) + request_bytes) + head, *parts], request_bytes
 
 
-def _payload_length(header: bytes, path: str) -> int:
+def _payload_length(header: bytes, path: str, max_bytes: int) -> int:
     magic, version, length = HEADER.unpack(header)
     if (magic, version) != (MAGIC, VERSION):
         raise error_for(grpc.StatusCode.DATA_LOSS, f"the call socket at {path} answered no frame")
+    if length > max_bytes:  # checked before anything is allocated for it
+        raise error_for(grpc.StatusCode.DATA_LOSS,
+                        f"the call socket at {path} answered a frame of {length} bytes, more than the {max_bytes} taken")
     return length
 
 
@@ -85,7 +91,10 @@ def _parse_reply(raw: Any) -> Tuple["pb.CallSocketReply", Optional[memoryview]]:
     """The reply, a GEMM's output bytes left out of protobuf's parse and
     returned as a view of `raw` (writable when `raw` is: no copy)."""
     rest, out_data = _wire.take_bytes(raw, _GEMM_OUT_DATA)
-    return pb.CallSocketReply.FromString(rest), out_data
+    reply = pb.CallSocketReply.FromString(rest)
+    if out_data is not None and reply.WhichOneof("answer") != "grouped_gemm":
+        return pb.CallSocketReply.FromString(bytes(raw)), None  # a later answer wins: protobuf's parse decides
+    return reply, out_data
 
 
 def _result(reply: "pb.CallSocketReply", op: str,
@@ -113,6 +122,7 @@ class CallSocket:
         self.path = path
         self.token = token or ""
         self.max_request_bytes = max_message_bytes - FRAME_FIELDS_BYTES
+        self.max_reply_bytes = max_message_bytes + FRAME_FIELDS_BYTES
         self._lock = threading.Lock()  # guards the fields below, never held across a call
         self._idle: List[socket.socket] = []
         self._open = 0  # idle and taken
@@ -247,19 +257,35 @@ class CallSocket:
 
     def _read_exact(self, sock: socket.socket, n: int, deadline: Optional[float]) -> bytearray:
         data = bytearray(n)  # received in place: no copies as it grows
-        view, got = memoryview(data), 0
+        self._read_into(sock, memoryview(data), deadline)
+        return data
+
+    def _read_into(self, sock: socket.socket, view: memoryview, deadline: Optional[float]) -> None:
+        got, n = 0, view.nbytes
         while got < n:
             self._settimeout(sock, deadline)  # the whole call is bounded, not each recv
             received = sock.recv_into(view[got:], min(n - got, 1 << 22))
             if not received:
                 raise ConnectionError("the coordinator closed the connection")
             got += received
-        return data
 
     def _read_reply(self, sock: socket.socket,
                     deadline: Optional[float]) -> Tuple["pb.CallSocketReply", Optional[memoryview]]:
-        length = _payload_length(bytes(self._read_exact(sock, HEADER.size, deadline)), self.path)
-        return _parse_reply(self._read_exact(sock, length, deadline))
+        length = _payload_length(bytes(self._read_exact(sock, HEADER.size, deadline)), self.path,
+                                 self.max_reply_bytes)
+        # The reply's first bytes say where a GEMM's output starts: the rest
+        # is received so that it lands on a 64-byte boundary, and becomes
+        # the returned array in place.
+        head = self._read_exact(sock, min(length, ALIGN_PEEK_BYTES), deadline)
+        if length == len(head):
+            return _parse_reply(head)
+        offset = _wire.value_offset(head, _GEMM_OUT_DATA)
+        storage = bytearray(length + (64 if offset is not None else 0))
+        pad = 0 if offset is None else -(np.frombuffer(storage, np.uint8).ctypes.data + offset) % 64
+        payload = memoryview(storage)[pad:pad + length]
+        payload[:len(head)] = head
+        self._read_into(sock, payload[len(head):], deadline)
+        return _parse_reply(payload)
 
 
 class AsyncCallSocket:
@@ -273,6 +299,7 @@ class AsyncCallSocket:
         self.path = path
         self.token = token or ""
         self.max_request_bytes = max_message_bytes - FRAME_FIELDS_BYTES
+        self.max_reply_bytes = max_message_bytes + FRAME_FIELDS_BYTES
         self._idle: List["AsyncCallSocket._Connection"] = []
         self._open = 0
         self._retry_at = 0.0
@@ -329,12 +356,14 @@ class AsyncCallSocket:
                     fresh: bool) -> Tuple["pb.CallSocketReply", Optional[memoryview]]:
         reader, writer = connection
         try:
-            writer.writelines(frame)
+            # One copy: since Python 3.12 the transport keeps views of what it
+            # is given, and may still send them after a call that failed.
+            writer.write(b"".join(frame))
             await writer.drain()
         except (BrokenPipeError, ConnectionResetError) as e:
             raise _NotRun() from e  # the coordinator had closed this connection: it read none of the frame
         try:
-            length = _payload_length(await reader.readexactly(HEADER.size), self.path)
+            length = _payload_length(await reader.readexactly(HEADER.size), self.path, self.max_reply_bytes)
             answer = _parse_reply(await reader.readexactly(length))
         except (ConnectionResetError, asyncio.IncompleteReadError) as e:
             if fresh and not isinstance(e, asyncio.IncompleteReadError):

@@ -26,6 +26,7 @@ _LENGTH_DELIMITED = 2
 
 
 def varint(value: int) -> bytes:
+    assert value >= 0, value
     out = bytearray()
     while True:
         low = value & 0x7F
@@ -130,7 +131,8 @@ def _read_varint(buf: memoryview, at: int) -> Tuple[int, int]:
 def _fields(buf: memoryview) -> List[Tuple[int, int, int, int, int]]:
     """The top-level fields of a serialized message: (number, wire type,
     start of the field, start of its value, end)."""
-    out, at = [], 0
+    out: List[Tuple[int, int, int, int, int]] = []
+    at = 0
     while at < len(buf):
         start = at
         tag, at = _read_varint(buf, at)
@@ -180,6 +182,39 @@ def _take(buf: memoryview, path: Tuple[int, ...]) -> Tuple[bytes, Optional[memor
     return bytes(buf[:start]) + field_head(path[0], len(inner)) + inner + bytes(buf[end:]), view
 
 
+def value_offset(head: Any, path: Tuple[int, ...]) -> Optional[int]:
+    """Where the value of the length-delimited field at `path` starts in a
+    serialized message of which `head` holds the first bytes: found when
+    every field before it, at each level, lies within `head`; else None.
+    A hint (where to align a receive buffer), not a parse: take_bytes
+    finds the bytes themselves."""
+    buf = memoryview(head).cast("B")
+    at, level = 0, 0
+    try:
+        while at < len(buf):
+            tag, at = _read_varint(buf, at)
+            number, kind = tag >> 3, tag & 7
+            if kind == _LENGTH_DELIMITED:
+                length, at = _read_varint(buf, at)
+                if number == path[level]:
+                    level += 1
+                    if level == len(path):
+                        return at
+                    continue  # into the field's value
+                at += length
+            elif kind == 0:
+                _, at = _read_varint(buf, at)
+            elif kind == 1:
+                at += 8
+            elif kind == 5:
+                at += 4
+            else:
+                return None
+    except ValueError:
+        return None
+    return None
+
+
 def serialize(request: Any) -> bytes:
     """gRPC's request_serializer for a WireMessage or a plain message."""
     if isinstance(request, WireMessage):
@@ -191,10 +226,6 @@ def byte_size(request: Any) -> int:
     if isinstance(request, WireMessage):
         return sum(memoryview(p).nbytes for p in request.parts())
     return request.ByteSize()
-
-
-def message_of(request: Any) -> Any:
-    return request.message() if isinstance(request, WireMessage) else request
 
 
 def blob_array(array: Any) -> Optional[np.ndarray]:
