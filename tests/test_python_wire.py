@@ -193,3 +193,20 @@ def test_value_offset_finds_where_the_output_starts():
     assert offset is not None and raw[offset:offset + 16] == np.arange(4, dtype=np.float32).tobytes()
     assert _wire.value_offset(raw[:5], _frames._GEMM_OUT_DATA) is None  # cut before it
     assert _wire.value_offset(b"\xff" * 8, _frames._GEMM_OUT_DATA) is None
+
+
+@pytest.mark.parametrize("op", ["quantize", "gemm", "put"])
+def test_the_python_hop_bench_runs_and_counts_no_wrong_answers(op):
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, os.path.join(root, "tools", "bench", "python_hop.py"), "--op", op,
+                        "--rows", "256", "--cols", "64", "--groups", "4", "--rounds", "1", "--iters", "3",
+                        "--warmup", "1"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    lines = [line.split() for line in r.stdout.splitlines() if not line.startswith("#")]
+    assert [line[1] for line in lines] == ["grpc", "frames"], r.stdout
+    for line in lines:
+        assert float(line[2]) > 0 and float(line[3]) >= float(line[2]) * 0.5, line  # p50, p90 in µs
+        assert line[5] == "0", line  # wrong answers
