@@ -42,6 +42,19 @@ absl::Status AnswerOversized(const std::string& head, uint64_t payload_bytes, ui
   return absl::OkStatus();
 }
 
+// `answer` with the status a gRPC call would have ended with; a failed
+// call's answer carries no response.
+const v1::CallSocketReply& Finished(v1::CallSocketReply* answer, const grpc::Status& status,
+                                    const std::string& request_id) {
+  answer->set_code(static_cast<int32_t>(status.error_code()));
+  answer->set_request_id(request_id);
+  if (!status.ok()) {
+    answer->set_message(status.error_message());
+    answer->clear_answer();
+  }
+  return *answer;
+}
+
 std::string Refusal(int max_connections) {
   // Call id 0 is no call's: the client takes it for the connection's refusal,
   // and sends its calls in flight on it another way (none of them ran).
@@ -116,25 +129,13 @@ absl::StatusOr<std::unique_ptr<FrameSocketServer>> StartCallSocket(const std::st
           grpc::Status status = service->GroupedQuantizeFromSocket(
               request->grouped_quantize(), origin, answer->mutable_grouped_quantize(), &request_id);
           quantizes_running->fetch_sub(1);
-          answer->set_code(static_cast<int32_t>(status.error_code()));
-          answer->set_request_id(request_id);
-          if (!status.ok()) {
-            answer->set_message(status.error_message());
-            answer->clear_grouped_quantize();
-          }
-          reply(*answer);
+          reply(Finished(answer.get(), status, request_id));
           return absl::OkStatus();
         }
         service->GroupedGemmFromSocket(
             request->grouped_gemm(), origin, answer->mutable_grouped_gemm(),
             [request, answer, reply = std::move(reply)](grpc::Status status, const std::string& request_id) {
-              answer->set_code(static_cast<int32_t>(status.error_code()));
-              answer->set_request_id(request_id);
-              if (!status.ok()) {
-                answer->set_message(status.error_message());
-                answer->clear_grouped_gemm();
-              }
-              reply(*answer);
+              reply(Finished(answer.get(), status, request_id));
             });
         return absl::OkStatus();
       });
