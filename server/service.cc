@@ -183,16 +183,17 @@ void ShardGemmService::GroupedGemmFromSocket(const v1::GroupedGemmRequest& reque
   RequestRecord record =
       BeginSocketCall(RequestOp::kGroupedGemm, origin, request.keep_output_as(), &authenticated);
   const std::string request_id = record.request_id;
-  {
-    absl::MutexLock lock(&socket_calls_mu_);
-    ++socket_calls_in_flight_;
-  }
+  CountSocketCall(+1);
   ServeGroupedGemm(request, origin.deadline, std::move(record), std::move(authenticated), origin.cancellation,
                    response, [this, finish = std::move(finish), request_id](grpc::Status status) {
                      finish(std::move(status), request_id);
-                     absl::MutexLock lock(&socket_calls_mu_);
-                     --socket_calls_in_flight_;
+                     CountSocketCall(-1);
                    });
+}
+
+void ShardGemmService::CountSocketCall(int change) {
+  absl::MutexLock lock(&socket_calls_mu_);
+  socket_calls_in_flight_ += change;
 }
 
 bool ShardGemmService::WaitForSocketCalls(absl::Duration bound) {
@@ -283,17 +284,13 @@ grpc::Status ShardGemmService::GroupedQuantizeFromSocket(const v1::GroupedQuanti
   RequestRecord record =
       BeginSocketCall(RequestOp::kGroupedQuantize, origin, KeptByQuantize(request), &authenticated);
   *request_id = record.request_id;
-  {
-    absl::MutexLock lock(&socket_calls_mu_);
-    ++socket_calls_in_flight_;
-  }
+  CountSocketCall(+1);
   CallContext call = CallOf(record);
   call.cancellation = origin.cancellation;
   call.cancelled = [c = origin.cancellation] { return c->cancelled(); };
   grpc::Status status = ServeGroupedQuantize(request, origin.deadline, std::move(record), std::move(authenticated),
                                              std::move(call), response);
-  absl::MutexLock lock(&socket_calls_mu_);
-  --socket_calls_in_flight_;
+  CountSocketCall(-1);
   return status;
 }
 

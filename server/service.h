@@ -119,6 +119,8 @@ class ShardGemmService final
   // The same checks for a principal found another way.
   grpc::Status Authorize(const absl::StatusOr<security::Principal>& principal, RequestRecord* record,
                          security::Grant needed);
+  // +1 as a socket call starts, -1 once it has answered (WaitForSocketCalls).
+  void CountSocketCall(int change);
   // A socket call's record, its caller checked by the token it sent
   // (`authenticated`), as Begin and Authenticate do for a gRPC call.
   RequestRecord BeginSocketCall(RequestOp op, const SocketCall& origin, const std::string& tensor,

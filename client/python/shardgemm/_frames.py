@@ -55,8 +55,8 @@ def _call_frame(op: str, request: Any, request_id: Optional[str], timeout: Optio
     frame = pb.CallSocketRequest(token=token, request_id=request_id or "", call_id=call_id)
     if timeout is not None:
         frame.deadline_unix_us = int((time.time() + timeout) * 1e6)
-    parts = request.parts() if isinstance(request, _wire.WireMessage) else [request.SerializeToString()]
-    request_bytes = sum(memoryview(p).nbytes for p in parts)
+    parts = _wire.parts(request)
+    request_bytes = _wire.nbytes(parts)
     # The request as the frame's `op` field: the frame's own fields, then its tag and length, then its bytes.
     head = frame.SerializeToString() + _wire.field_head(pb.CallSocketRequest.DESCRIPTOR.fields_by_name[op].number,
                                                         request_bytes)
@@ -82,9 +82,8 @@ def _checked(reply: "pb.CallSocketReply", call_id: int, path: str) -> "pb.CallSo
 
 
 # Where a GEMM reply's output bytes lie: CallSocketReply.grouped_gemm.out.data.
-_GEMM_OUT_DATA = (pb.CallSocketReply.DESCRIPTOR.fields_by_name["grouped_gemm"].number,
-                  pb.GroupedGemmResponse.DESCRIPTOR.fields_by_name["out"].number,
-                  pb.Tensor.DESCRIPTOR.fields_by_name["data"].number)
+_GEMM_OUT_DATA = ((pb.CallSocketReply.DESCRIPTOR.fields_by_name["grouped_gemm"].number,)
+                  + _wire.GEMM_RESPONSE_OUT_DATA)
 
 
 def _parse_reply(raw: Any) -> Tuple["pb.CallSocketReply", Optional[memoryview]]:

@@ -84,13 +84,14 @@ class WireMessage:
         return type(self.skeleton).FromString(self.serialize())
 
 
-_GEMM_OUT_DATA = (pb.GroupedGemmResponse.DESCRIPTOR.fields_by_name["out"].number, _TENSOR_DATA)
+# Where a GEMM's output bytes lie in a GroupedGemmResponse: out.data.
+GEMM_RESPONSE_OUT_DATA = (pb.GroupedGemmResponse.DESCRIPTOR.fields_by_name["out"].number, _TENSOR_DATA)
 
 
 def parse_gemm_response(raw: bytes) -> Tuple["pb.GroupedGemmResponse", Optional[memoryview]]:
     """A GroupedGemmResponse with its output's bytes left out of protobuf's
     parse: (the response, those bytes as a view of `raw`, or None)."""
-    rest, out_data = take_bytes(raw, _GEMM_OUT_DATA)
+    rest, out_data = take_bytes(raw, GEMM_RESPONSE_OUT_DATA)
     return pb.GroupedGemmResponse.FromString(rest), out_data
 
 
@@ -101,17 +102,16 @@ def stubs(channel: Any) -> Tuple[Any, Any]:
     GroupedGemmInline is GroupedGemm answering parse_gemm_response's pair."""
     shardgemm, staging = pb_grpc.ShardGemmStub(channel), pb_grpc.StagingStub(channel)
     for stub, service_name, calls in (
-            (shardgemm, "ShardGemm", (("GroupedGemm", "unary_unary", pb.GroupedGemmResponse),
-                                      ("GroupedQuantize", "unary_unary", pb.GroupedQuantizeResponse),
-                                      ("PutTensor", "stream_unary", pb.PutTensorResponse))),
-            (staging, "Staging", (("Stage", "stream_unary", pb.StageResponse),))):
+            (shardgemm, "ShardGemm", (("GroupedGemm", "GroupedGemm", "unary_unary", pb.GroupedGemmResponse.FromString),
+                                      ("GroupedGemmInline", "GroupedGemm", "unary_unary", parse_gemm_response),
+                                      ("GroupedQuantize", "GroupedQuantize", "unary_unary",
+                                       pb.GroupedQuantizeResponse.FromString),
+                                      ("PutTensor", "PutTensor", "stream_unary", pb.PutTensorResponse.FromString))),
+            (staging, "Staging", (("Stage", "Stage", "stream_unary", pb.StageResponse.FromString),))):
         service = pb.DESCRIPTOR.services_by_name[service_name].full_name
-        for name, kind, response in calls:
-            setattr(stub, name, getattr(channel, kind)(f"/{service}/{name}", request_serializer=serialize,
-                                                       response_deserializer=response.FromString))
-    service = pb.DESCRIPTOR.services_by_name["ShardGemm"].full_name
-    shardgemm.GroupedGemmInline = channel.unary_unary(f"/{service}/GroupedGemm", request_serializer=serialize,
-                                                      response_deserializer=parse_gemm_response)
+        for attribute, method, kind, deserialize in calls:
+            setattr(stub, attribute, getattr(channel, kind)(f"/{service}/{method}", request_serializer=serialize,
+                                                            response_deserializer=deserialize))
     return shardgemm, staging
 
 
@@ -215,17 +215,22 @@ def value_offset(head: Any, path: Tuple[int, ...]) -> Optional[int]:
     return None
 
 
+def parts(request: Any) -> List[Any]:
+    """A WireMessage's or a plain message's serialized pieces."""
+    return request.parts() if isinstance(request, WireMessage) else [request.SerializeToString()]
+
+
 def serialize(request: Any) -> bytes:
     """gRPC's request_serializer for a WireMessage or a plain message."""
-    if isinstance(request, WireMessage):
-        return request.serialize()
-    return request.SerializeToString()
+    return b"".join(parts(request))
+
+
+def nbytes(pieces: List[Any]) -> int:
+    return sum(memoryview(p).nbytes for p in pieces)
 
 
 def byte_size(request: Any) -> int:
-    if isinstance(request, WireMessage):
-        return sum(memoryview(p).nbytes for p in request.parts())
-    return request.ByteSize()
+    return nbytes(parts(request))
 
 
 def blob_array(array: Any) -> Optional[np.ndarray]:
