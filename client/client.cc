@@ -612,7 +612,7 @@ absl::StatusOr<v1::Plan> ShardGemmClient::Plan(const v1::PlanRequest& request) {
 
 void ShardGemmClient::UseCallSocket(const std::string& path) {
   call_socket_ = std::make_unique<CallSocket>(path, absl::StrCat("the coordinator's call socket at ", path),
-                                              "call socket", /*name_peer_in_replies=*/false);
+                                              "call socket", /*name_peer_in_replies=*/false, FrameReader::kCallers);
 }
 
 std::optional<absl::StatusOr<v1::CallSocketReply>> ShardGemmClient::CallOnSocket(
@@ -626,28 +626,15 @@ std::optional<absl::StatusOr<v1::CallSocketReply>> ShardGemmClient::CallOnSocket
   frame->set_token(token_);
   frame->set_request_id(request_id_);
   frame->set_deadline_unix_us(absl::ToUnixMicros(deadline));
-  struct Answer {
-    absl::Notification done;
-    absl::StatusOr<v1::CallSocketReply> reply;
-  };
-  auto answer = std::make_shared<Answer>();
-  CallSocket::Done done = [answer](absl::StatusOr<v1::CallSocketReply> reply) {
-    answer->reply = std::move(reply);
-    answer->done.Notify();
-  };
-  const bool sent = call_socket_->Send(*frame, deadline, &done);
-  if (!sent && done != nullptr) return std::nullopt;  // not sent: gRPC
-  // The socket's reader answers every call by its deadline; the margin
-  // covers its poll.
-  if (!answer->done.WaitForNotificationWithTimeout(deadline - absl::Now() + absl::Seconds(5))) {
-    return absl::StatusOr<v1::CallSocketReply>(
-        absl::DeadlineExceededError(absl::StrCat(rpc, " on the call socket: no answer by the client's timeout")));
+  // The caller reads its own answer (FrameReader::kCallers): the reply
+  // wakes this thread, not a reader that would then wake it.
+  std::optional<absl::StatusOr<v1::CallSocketReply>> answer = call_socket_->Call(*frame, deadline);
+  if (!answer.has_value()) return std::nullopt;  // not sent: gRPC
+  if (answer->ok()) {
+    last_request_id_ = (*answer)->request_id();
+    return std::move(answer);
   }
-  if (answer->reply.ok()) {
-    last_request_id_ = answer->reply->request_id();
-    return std::move(answer->reply);
-  }
-  const absl::Status& failed = answer->reply.status();
+  const absl::Status& failed = answer->status();
   if (FrameCallNotRun(failed)) return std::nullopt;  // refused before it was read: gRPC
   if (auto sent_back = failed.GetPayload(kFrameReplyUrl); sent_back.has_value()) {
     v1::CallSocketReply reply;

@@ -6,6 +6,12 @@
 // caller takes another way); a connection that fails fails its calls in
 // flight (UNAVAILABLE) and is tried again at most once a second; a call
 // not answered by its deadline ends DEADLINE_EXCEEDED.
+//
+// Who reads the replies (FrameReader): a thread of the client's own, which
+// answers each call's Done (for callers that go on while the call runs), or
+// the callers of Call themselves (for callers that wait for their answer):
+// then the reply wakes the waiting caller itself and no thread passes it on.
+// When several wait, one reads and hands each the reply that is its own.
 #ifndef SHARDGEMM_PROTO_FRAME_SOCKET_CLIENT_H_
 #define SHARDGEMM_PROTO_FRAME_SOCKET_CLIENT_H_
 
@@ -22,6 +28,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <utility>
@@ -49,6 +56,11 @@ inline bool FrameCallNotRun(const absl::Status& status) {
   return status.GetPayload(kFrameCallNotRunUrl).has_value();
 }
 
+enum class FrameReader {
+  kThread,   // the client's reader thread: Send (with a Done) and Call
+  kCallers,  // the caller of Call waits by reading: Call only
+};
+
 template <typename Request, typename Reply>
 class FrameSocketClient {
  public:
@@ -60,16 +72,20 @@ class FrameSocketClient {
   // `peer` names the server in errors ("worker at HOST:PORT"); `socket`
   // names the socket ("step socket"). `name_peer_in_replies`: a reply's
   // message is prefixed with `peer` too (else passed on as the server
-  // wrote it, as a gRPC status would be). Connects at the first Send.
-  FrameSocketClient(std::string path, std::string peer, std::string socket, bool name_peer_in_replies = true)
-      : state_(std::make_shared<State>(std::move(path), std::move(peer), std::move(socket), name_peer_in_replies)) {
-    reader_ = std::thread([state = state_] { state->ReadConnections(); });
+  // wrote it, as a gRPC status would be). Connects at the first call.
+  FrameSocketClient(std::string path, std::string peer, std::string socket, bool name_peer_in_replies = true,
+                    FrameReader reader = FrameReader::kThread)
+      : state_(std::make_shared<State>(std::move(path), std::move(peer), std::move(socket), name_peer_in_replies,
+                                       reader)) {
+    if (reader == FrameReader::kThread) reader_ = std::thread([state = state_] { state->ReadConnections(); });
   }
   ~FrameSocketClient() {
     state_->Stop();
-    // Dropped by a callback on the reader's own thread: it cannot be joined
-    // there, and ends by itself (it holds the state).
-    if (reader_.get_id() == std::this_thread::get_id()) {
+    if (!reader_.joinable()) {
+      state_->EndIdleConnection();
+    } else if (reader_.get_id() == std::this_thread::get_id()) {
+      // Dropped by a callback on the reader's own thread: it cannot be
+      // joined there, and ends by itself (it holds the state).
       reader_.detach();
     } else {
       reader_.join();
@@ -82,7 +98,20 @@ class FrameSocketClient {
   // Sends `request` as a new call (its call_id set here) whose answer goes
   // to `*done`. False when it was not sent: `*done` is then back with the
   // caller, unless the connection's end already answered it (then null).
-  bool Send(Request& request, absl::Time deadline, Done* done) { return state_->Send(request, deadline, done); }
+  // FrameReader::kThread only (with kCallers nothing would read the
+  // answer): there it is never sent.
+  bool Send(Request& request, absl::Time deadline, Done* done) {
+    if (state_->reader != FrameReader::kThread) return false;
+    return state_->Send(request, deadline, done);
+  }
+
+  // Sends `request` as a new call and waits for its answer, at most until
+  // `deadline`: the reply, or the status Done would have had; nullopt when
+  // it was not sent (no connection, or a send that failed: none of it
+  // ran), and the caller may take another way.
+  std::optional<absl::StatusOr<Reply>> Call(Request& request, absl::Time deadline) {
+    return state_->Call(request, deadline);
+  }
 
  private:
   struct Pending {
@@ -95,14 +124,16 @@ class FrameSocketClient {
   // reader something to finish with.
   class State {
    public:
-    State(std::string path, std::string peer, std::string socket, bool name_peer_in_replies)
+    State(std::string path, std::string peer, std::string socket, bool name_peer_in_replies, FrameReader reader)
         : path(std::move(path)),
           peer(std::move(peer)),
           socket(std::move(socket)),
-          name_peer_in_replies(name_peer_in_replies) {}
+          name_peer_in_replies(name_peer_in_replies),
+          reader(reader) {}
 
     const std::string path, peer, socket;
     const bool name_peer_in_replies;
+    const FrameReader reader;
 
     bool Send(Request& request, absl::Time deadline, Done* done) {
       absl::MutexLock write_lock(&write_mu_);
@@ -134,10 +165,85 @@ class FrameSocketClient {
       return false;
     }
 
+    std::optional<absl::StatusOr<Reply>> Call(Request& request, absl::Time deadline) {
+      auto answer = std::make_shared<Answer>();
+      Done done = [this, answer](absl::StatusOr<Reply> reply) {
+        absl::MutexLock lock(&mu_);
+        answer->reply = std::move(reply);
+        answer->ready = true;
+      };
+      if (!Send(request, deadline, &done) && done != nullptr) return std::nullopt;
+      const uint64_t id = request.call_id();
+      absl::MutexLock lock(&mu_);
+      auto ready = [&answer]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return answer->ready; };
+      if (reader == FrameReader::kThread) {
+        // The reader answers every call by its deadline; the margin covers its poll.
+        if (!mu_.AwaitWithDeadline(absl::Condition(&ready), deadline + kReaderMargin)) Forget(id, answer.get());
+        return std::move(answer->reply);
+      }
+      auto ready_or_unread = [this, &answer]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+        return answer->ready || !reading_ || stopping_;
+      };
+      while (!answer->ready) {
+        if (stopping_) {
+          Forget(id, answer.get());
+          break;
+        }
+        if (reading_) {
+          if (!mu_.AwaitWithDeadline(absl::Condition(&ready_or_unread), deadline)) {
+            Forget(id, answer.get());
+            break;
+          }
+          continue;
+        }
+        if (fd_ < 0) {  // its connection ended, and with it the call (answered): not reached
+          Forget(id, answer.get());
+          break;
+        }
+        // This caller reads, for every waiting caller, until its own answer comes.
+        reading_ = true;
+        const int fd = fd_;
+        mu_.Unlock();
+        const absl::Status ended = ReadUntil(fd, *answer, deadline);
+        mu_.Lock();
+        reading_ = false;
+        if (!ended.ok() || (sends_ended_ && pending_.empty())) {
+          mu_.Unlock();
+          FailEnded(EndConnection(fd), ended.ok() ? absl::UnavailableError("a send on it failed") : ended);
+          mu_.Lock();
+        } else if (!answer->ready && absl::Now() >= deadline) {
+          Forget(id, answer.get());
+        }
+      }
+      // A connection no call can use (a send on it failed) and none waits on
+      // ends here: there is no reader to end it.
+      if (!reading_ && fd_ >= 0 && sends_ended_ && pending_.empty()) {
+        const int fd = fd_;
+        mu_.Unlock();
+        EndConnection(fd);
+        mu_.Lock();
+      }
+      return std::move(answer->reply);
+    }
+
     void Stop() {
       absl::MutexLock lock(&mu_);
       stopping_ = true;
       if (fd_ >= 0) ::shutdown(fd_, SHUT_RDWR);
+    }
+
+    // FrameReader::kCallers: the connection closed once no caller reads it.
+    void EndIdleConnection() {
+      int fd;
+      {
+        absl::MutexLock lock(&mu_);
+        auto unread = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return !reading_; };
+        mu_.Await(absl::Condition(&unread));
+        fd = fd_;
+      }
+      if (fd >= 0) {
+        FailEnded(EndConnection(fd), absl::CancelledError("the channel was closed"));
+      }
     }
 
     std::map<uint64_t, Pending> TakeAllPending() {
@@ -163,25 +269,7 @@ class FrameSocketClient {
           fd = fd_;
         }
         const absl::Status ended = ReadConnection(fd);
-        std::map<uint64_t, Pending> failed;
-        {
-          // The writer may be inside a write on this fd: it is closed only
-          // once no write can touch it.
-          ::shutdown(fd, SHUT_RDWR);
-          absl::MutexLock write_lock(&write_mu_);
-          absl::MutexLock lock(&mu_);
-          fd_ = -1;
-          sends_ended_ = false;
-          ::close(fd);
-          failed.swap(pending_);
-        }
-        if (FrameCallNotRun(ended)) {
-          Fail(std::move(failed), ended);
-        } else {
-          Fail(std::move(failed), absl::UnavailableError(absl::StrCat(peer, ": its ", socket,
-                                                                      " closed with the call in flight (",
-                                                                      ended.message(), ")")));
-        }
+        FailEnded(EndConnection(fd), ended);
         absl::MutexLock lock(&mu_);
         if (stopping_) return;
       }
@@ -189,13 +277,55 @@ class FrameSocketClient {
 
    private:
     static constexpr absl::Duration kRetryAfter = absl::Seconds(1);
+    static constexpr absl::Duration kReaderMargin = absl::Seconds(5);
+
+    // A Call's answer, guarded by mu_.
+    struct Answer {
+      bool ready = false;
+      absl::StatusOr<Reply> reply = absl::UnknownError("not answered");
+    };
+
+    // The call `id` unanswered by its deadline (or its client closing):
+    // taken from the pending calls, so a late reply is dropped. A call
+    // already taken is being answered by whoever took it, at once.
+    void Forget(uint64_t id, Answer* answer) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      if (auto it = pending_.find(id); it != pending_.end()) {
+        pending_.erase(it);
+        answer->reply = stopping_ ? absl::CancelledError(absl::StrCat(peer, ": the channel was closed"))
+                                  : DeadlineExceeded();
+        answer->ready = true;
+        return;
+      }
+      auto ready = [answer]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return answer->ready; };
+      if (!mu_.AwaitWithTimeout(absl::Condition(&ready), kReaderMargin)) {
+        answer->reply = DeadlineExceeded();
+        answer->ready = true;
+      }
+    }
+
+    absl::Status DeadlineExceeded() const {
+      return absl::DeadlineExceededError(absl::StrCat(peer, ": no answer on its ", socket, " by the call's deadline"));
+    }
 
     // The connection's fd, connecting first if there is none (at most once
     // per kRetryAfter after a failure); -1 when there is none to use. The
     // connect never waits: a server whose backlog is full gets the call by
     // the caller's other way.
-    int ConnectedLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    int ConnectedLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_, write_mu_) {
       if (stopping_) return -1;
+      if (fd_ >= 0 && reader == FrameReader::kCallers && !reading_ && pending_.empty()) {
+        // No call is in flight, so nothing should wait to be read: the
+        // server closed the connection (or refused it), or answered a call
+        // after its deadline. It goes, and a fresh one takes the call.
+        pollfd p{fd_, POLLIN, 0};
+        if (::poll(&p, 1, 0) != 0) {
+          ::shutdown(fd_, SHUT_RDWR);
+          ::close(fd_);
+          fd_ = -1;
+          sends_ended_ = false;
+          retry_at_ = absl::InfinitePast();
+        }
+      }
       if (fd_ >= 0) return sends_ended_ ? -1 : fd_;
       if (absl::Now() < retry_at_) return -1;
       retry_at_ = absl::Now() + kRetryAfter;
@@ -223,8 +353,34 @@ class FrameSocketClient {
       // connection, not this thread.
       timeval send_timeout{10, 0};
       ::setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &send_timeout, sizeof(send_timeout));
-      fd_ = fd;  // the reader takes it from here
+      fd_ = fd;  // its reader takes it from here
       return fd_;
+    }
+
+    // Closes the connection `fd` its reader ended, once no write can touch
+    // it; the calls it leaves unanswered.
+    std::map<uint64_t, Pending> EndConnection(int fd) ABSL_LOCKS_EXCLUDED(mu_, write_mu_) {
+      ::shutdown(fd, SHUT_RDWR);
+      absl::MutexLock write_lock(&write_mu_);
+      absl::MutexLock lock(&mu_);
+      std::map<uint64_t, Pending> failed;
+      if (fd_ != fd) return failed;
+      fd_ = -1;
+      sends_ended_ = false;
+      ::close(fd);
+      failed.swap(pending_);
+      return failed;
+    }
+
+    // Fails the calls a connection left unanswered, with why it ended.
+    void FailEnded(std::map<uint64_t, Pending> failed, const absl::Status& ended) const {
+      if (FrameCallNotRun(ended)) {
+        Fail(std::move(failed), ended);
+      } else {
+        Fail(std::move(failed), absl::UnavailableError(absl::StrCat(peer, ": its ", socket,
+                                                                    " closed with the call in flight (",
+                                                                    ended.message(), ")")));
+      }
     }
 
     // Answers the connection's calls and fails those past their deadline;
@@ -248,47 +404,65 @@ class FrameSocketClient {
             }
           }
         }
-        for (Done& done : expired) {
-          done(absl::DeadlineExceededError(absl::StrCat(peer, ": no answer on its ", socket, " by the call's deadline")));
-        }
+        for (Done& done : expired) done(DeadlineExceeded());
         // Woken by the next frame, or for the earliest deadline (at least
         // every 100 ms: a call sent meanwhile may have an earlier one).
-        const absl::Duration wait =
-            std::clamp(earliest - absl::Now(), absl::ZeroDuration(), absl::Milliseconds(100));
-        pollfd p{fd, POLLIN, 0};
-        const int ready = ::poll(&p, 1, static_cast<int>(absl::ToInt64Milliseconds(wait)) + 1);
-        if (ready < 0 && errno == EINTR) continue;
-        if (ready == 0) continue;
-        if (ready < 0) return absl::UnavailableError(std::strerror(errno));
-        Reply reply;
-        if (absl::Status s = ReadStepFrame(fd, &reply); !s.ok()) return s;
-        if (reply.call_id() == 0 && reply.code() != 0) {
-          // The connection's refusal: the server read none of its calls.
-          absl::Status refused = absl::UnavailableError(
-              absl::StrCat(peer, ": its ", socket, " refused the connection: ", reply.message()));
-          refused.SetPayload(kFrameCallNotRunUrl, absl::Cord());
-          return refused;
-        }
-        Done done;
+        if (absl::Status s = AnswerNextFrame(fd, earliest); !s.ok()) return s;
+      }
+    }
+
+    // FrameReader::kCallers: answers the connection's calls until `answer`
+    // is ready or `deadline` passes (OK), or the connection ends (why).
+    absl::Status ReadUntil(int fd, const Answer& answer, absl::Time deadline) {
+      while (true) {
         {
           absl::MutexLock lock(&mu_);
-          auto it = pending_.find(reply.call_id());
-          if (it == pending_.end()) continue;  // answered after its deadline
-          done = std::move(it->second.done);
-          pending_.erase(it);
+          if (answer.ready) return absl::OkStatus();
+          if (stopping_) return absl::CancelledError("the channel was closed");
         }
-        if (reply.code() == 0) {
-          done(std::move(reply));
-        } else if (reply.code() < 0 || reply.code() > static_cast<int32_t>(absl::StatusCode::kUnauthenticated)) {
-          done(absl::UnknownError(
-              absl::StrCat(peer, ": answered status code ", reply.code(), ", which is none: ", reply.message())));
-        } else {
-          absl::Status status(static_cast<absl::StatusCode>(reply.code()),
-                              name_peer_in_replies ? absl::StrCat(peer, ": ", reply.message()) : reply.message());
-          status.SetPayload(kFrameReplyUrl, absl::Cord(reply.SerializeAsString()));
-          done(std::move(status));
-        }
+        if (absl::Now() >= deadline) return absl::OkStatus();
+        if (absl::Status s = AnswerNextFrame(fd, deadline); !s.ok()) return s;
       }
+    }
+
+    // Waits for the next frame at most until `until` (and 100 ms), and
+    // answers the call it is the reply to; an error ends the connection.
+    absl::Status AnswerNextFrame(int fd, absl::Time until) {
+      const absl::Duration wait = std::clamp(until - absl::Now(), absl::ZeroDuration(), absl::Milliseconds(100));
+      pollfd p{fd, POLLIN, 0};
+      const int ready = ::poll(&p, 1, static_cast<int>(absl::ToInt64Milliseconds(wait)) + 1);
+      if (ready < 0 && errno == EINTR) return absl::OkStatus();
+      if (ready == 0) return absl::OkStatus();
+      if (ready < 0) return absl::UnavailableError(std::strerror(errno));
+      Reply reply;
+      if (absl::Status s = ReadStepFrame(fd, &reply); !s.ok()) return s;
+      if (reply.call_id() == 0 && reply.code() != 0) {
+        // The connection's refusal: the server read none of its calls.
+        absl::Status refused = absl::UnavailableError(
+            absl::StrCat(peer, ": its ", socket, " refused the connection: ", reply.message()));
+        refused.SetPayload(kFrameCallNotRunUrl, absl::Cord());
+        return refused;
+      }
+      Done done;
+      {
+        absl::MutexLock lock(&mu_);
+        auto it = pending_.find(reply.call_id());
+        if (it == pending_.end()) return absl::OkStatus();  // answered after its deadline
+        done = std::move(it->second.done);
+        pending_.erase(it);
+      }
+      if (reply.code() == 0) {
+        done(std::move(reply));
+      } else if (reply.code() < 0 || reply.code() > static_cast<int32_t>(absl::StatusCode::kUnauthenticated)) {
+        done(absl::UnknownError(
+            absl::StrCat(peer, ": answered status code ", reply.code(), ", which is none: ", reply.message())));
+      } else {
+        absl::Status status(static_cast<absl::StatusCode>(reply.code()),
+                            name_peer_in_replies ? absl::StrCat(peer, ": ", reply.message()) : reply.message());
+        status.SetPayload(kFrameReplyUrl, absl::Cord(reply.SerializeAsString()));
+        done(std::move(status));
+      }
+      return absl::OkStatus();
     }
 
     absl::Mutex write_mu_;  // one frame at a time on the socket; taken before mu_
@@ -296,6 +470,7 @@ class FrameSocketClient {
     int fd_ ABSL_GUARDED_BY(mu_) = -1;
     bool stopping_ ABSL_GUARDED_BY(mu_) = false;
     bool sends_ended_ ABSL_GUARDED_BY(mu_) = false;  // a send failed on fd_: its reader ends it
+    bool reading_ ABSL_GUARDED_BY(mu_) = false;      // FrameReader::kCallers: a caller reads fd_
     absl::Time retry_at_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
     uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
     std::map<uint64_t, Pending> pending_ ABSL_GUARDED_BY(mu_);

@@ -4,6 +4,8 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <fstream>
+#include <optional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -405,6 +407,243 @@ TEST_F(FrameSocketTest, StopReadingLetsTheCallsInFlightBeAnswered) {
   ASSERT_TRUE(in_flight->reply.ok()) << in_flight->reply.status();
   EXPECT_EQ(in_flight->reply->request_id(), large);
   EXPECT_EQ(handled.load(), 1);
+}
+
+// ---- Call, and callers that read their own replies (FrameReader::kCallers) ----
+
+using CallResult = std::optional<absl::StatusOr<v1::CallSocketReply>>;
+
+// A server that answers each call at once, its request_id + "-answered".
+absl::StatusOr<std::unique_ptr<FrameSocketServer>> StartAnswering(const std::string& path,
+                                                                  FrameSocketServer::Options options = {}) {
+  return FrameSocketServer::Start(path, options, [](std::string payload, FrameSocketServer::Reply reply) {
+    v1::CallSocketRequest request;
+    if (!request.ParseFromString(payload)) return absl::DataLossError("not a request");
+    v1::CallSocketReply answer;
+    answer.set_call_id(request.call_id());
+    answer.set_request_id(request.request_id() + "-answered");
+    reply(answer);
+    return absl::OkStatus();
+  });
+}
+
+CallResult CallTagged(Client& client, const std::string& tag, absl::Duration timeout) {
+  v1::CallSocketRequest request;
+  request.set_request_id(tag);
+  return client.Call(request, absl::Now() + timeout);
+}
+
+int ThreadsOfThisProcess() {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind("Threads:", 0) == 0) return std::stoi(line.substr(8));
+  }
+  return -1;
+}
+
+// Callers waiting at once, answered in the reverse order they called: each
+// gets the reply to its own request, whichever of them reads (and with the
+// client's reader thread the same).
+TEST_F(FrameSocketTest, CallersWaitingAtOnceEachGetTheirOwnReply) {
+  for (const FrameReader reader : {FrameReader::kCallers, FrameReader::kThread}) {
+    SCOPED_TRACE(reader == FrameReader::kCallers ? "callers read" : "reader thread");
+    constexpr int kCalls = 8;
+    absl::Mutex mu;
+    std::vector<std::pair<v1::CallSocketRequest, FrameSocketServer::Reply>> held;
+    auto server = FrameSocketServer::Start(path_, {}, [&](std::string payload, FrameSocketServer::Reply reply) {
+      v1::CallSocketRequest request;
+      if (!request.ParseFromString(payload)) return absl::DataLossError("not a request");
+      absl::MutexLock lock(&mu);
+      held.emplace_back(std::move(request), std::move(reply));
+      return absl::OkStatus();
+    });
+    ASSERT_TRUE(server.ok()) << server.status();
+    Client client(path_, "test server", "call socket", /*name_peer_in_replies=*/true, reader);
+    std::vector<CallResult> results(kCalls);
+    std::vector<std::unique_ptr<absl::Notification>> finished;
+    std::vector<std::thread> callers;
+    for (int i = 0; i < kCalls; ++i) {
+      finished.push_back(std::make_unique<absl::Notification>());
+      callers.emplace_back([&, i] {
+        results[i] = CallTagged(client, "call-" + std::to_string(i), absl::Seconds(30));
+        finished[i]->Notify();
+      });
+    }
+    {
+      absl::MutexLock lock(&mu);
+      auto all_held = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu) { return held.size() == kCalls; };
+      ASSERT_TRUE(mu.AwaitWithTimeout(absl::Condition(&all_held), absl::Seconds(10)));
+      for (int i = kCalls - 1; i >= 0; --i) {
+        v1::CallSocketReply answer;
+        answer.set_call_id(held[i].first.call_id());
+        answer.set_request_id(held[i].first.request_id() + "-answered");
+        held[i].second(answer);
+      }
+    }
+    for (int i = 0; i < kCalls; ++i) {
+      ASSERT_TRUE(finished[i]->WaitForNotificationWithTimeout(absl::Seconds(10))) << "call " << i;
+    }
+    for (std::thread& t : callers) t.join();
+    for (int i = 0; i < kCalls; ++i) {
+      ASSERT_TRUE(results[i].has_value()) << "call " << i << " not sent";
+      ASSERT_TRUE(results[i]->ok()) << results[i]->status();
+      EXPECT_EQ((*results[i])->request_id(), "call-" + std::to_string(i) + "-answered");
+    }
+    server->reset();
+  }
+}
+
+// With callers reading, the client starts no thread, and Send (whose Done
+// nothing would run) is never sent.
+TEST_F(FrameSocketTest, CallersThatReadNeedNoThreadOfTheClients) {
+  auto server = StartAnswering(path_);
+  ASSERT_TRUE(server.ok()) << server.status();
+  {
+    // The server's first threads are there before the count (the client
+    // connects at its first call, not before).
+    Client warm(path_, "test server", "call socket", /*name_peer_in_replies=*/true, FrameReader::kCallers);
+    CallResult warmed = CallTagged(warm, "warm", absl::Seconds(30));
+    ASSERT_TRUE(warmed.has_value() && warmed->ok());
+  }
+  const int before = ThreadsOfThisProcess();
+  ASSERT_GT(before, 0);
+  {
+    Client threaded(path_, "test server", "call socket");
+    EXPECT_EQ(ThreadsOfThisProcess(), before + 1);
+  }
+  Client client(path_, "test server", "call socket", /*name_peer_in_replies=*/true, FrameReader::kCallers);
+  EXPECT_EQ(ThreadsOfThisProcess(), before);
+  CallResult answered = CallTagged(client, "a", absl::Seconds(30));
+  ASSERT_TRUE(answered.has_value());
+  ASSERT_TRUE(answered->ok()) << answered->status();
+  EXPECT_EQ((*answered)->request_id(), "a-answered");
+
+  bool sent = true;
+  auto outcome = Send(client, "b", absl::Seconds(30), &sent);
+  EXPECT_FALSE(sent);
+  EXPECT_EQ(outcome->reply.status().code(), absl::StatusCode::kFailedPrecondition);  // handed back
+}
+
+// No server: Call sends nothing and says so (the caller takes another way).
+TEST_F(FrameSocketTest, CallWithNoServerIsNotSent) {
+  for (const FrameReader reader : {FrameReader::kCallers, FrameReader::kThread}) {
+    Client client(path_, "test server", "call socket", /*name_peer_in_replies=*/true, reader);
+    EXPECT_FALSE(CallTagged(client, "a", absl::Seconds(30)).has_value());
+  }
+}
+
+// A caller that reads ends DEADLINE_EXCEEDED by its deadline; the answer
+// that comes after it is dropped, and the next call on the same connection
+// gets its own.
+TEST_F(FrameSocketTest, ACallerThatReadsEndsByItsDeadlineAndALateReplyIsDropped) {
+  absl::Mutex mu;
+  std::vector<std::pair<v1::CallSocketRequest, FrameSocketServer::Reply>> held;
+  auto server = FrameSocketServer::Start(path_, {}, [&](std::string payload, FrameSocketServer::Reply reply) {
+    v1::CallSocketRequest request;
+    if (!request.ParseFromString(payload)) return absl::DataLossError("not a request");
+    absl::MutexLock lock(&mu);
+    if (request.request_id() == "late") {
+      held.emplace_back(std::move(request), std::move(reply));
+      return absl::OkStatus();
+    }
+    // The late call's answer first, then this one's.
+    for (auto& [late, late_reply] : held) {
+      v1::CallSocketReply answer;
+      answer.set_call_id(late.call_id());
+      answer.set_request_id("late-answered");
+      late_reply(answer);
+    }
+    held.clear();
+    v1::CallSocketReply answer;
+    answer.set_call_id(request.call_id());
+    answer.set_request_id(request.request_id() + "-answered");
+    reply(answer);
+    return absl::OkStatus();
+  });
+  ASSERT_TRUE(server.ok()) << server.status();
+  Client client(path_, "test server", "call socket", /*name_peer_in_replies=*/true, FrameReader::kCallers);
+  const absl::Time start = absl::Now();
+  CallResult late = CallTagged(client, "late", absl::Milliseconds(300));
+  const absl::Duration took = absl::Now() - start;
+  ASSERT_TRUE(late.has_value());
+  EXPECT_EQ(late->status().code(), absl::StatusCode::kDeadlineExceeded) << late->status();
+  EXPECT_NE(late->status().message().find("test server: no answer on its call socket"), std::string::npos);
+  EXPECT_GE(took, absl::Milliseconds(290));
+  EXPECT_LT(took, absl::Seconds(5));
+
+  CallResult next = CallTagged(client, "next", absl::Seconds(30));
+  ASSERT_TRUE(next.has_value());
+  ASSERT_TRUE(next->ok()) << next->status();
+  EXPECT_EQ((*next)->request_id(), "next-answered");
+  EXPECT_EQ((*server)->connections(), 1);
+}
+
+// The server going with a caller waiting fails it UNAVAILABLE at once; a
+// server started later at the path takes the next call on a new
+// connection, at once, though nothing read the old one's end meanwhile.
+TEST_F(FrameSocketTest, ACallerThatReadsSeesTheServerGoAndReachesTheNextAtOnce) {
+  absl::Notification received;
+  auto silent = FrameSocketServer::Start(path_, {}, [&](std::string, FrameSocketServer::Reply) {
+    received.Notify();
+    return absl::OkStatus();  // never answered
+  });
+  ASSERT_TRUE(silent.ok()) << silent.status();
+  Client client(path_, "test server", "call socket", /*name_peer_in_replies=*/true, FrameReader::kCallers);
+  CallResult in_flight;
+  absl::Notification finished;
+  std::thread caller([&] {
+    in_flight = CallTagged(client, "a", absl::Seconds(60));
+    finished.Notify();
+  });
+  ASSERT_TRUE(received.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  silent->reset();
+  ASSERT_TRUE(finished.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  caller.join();
+  ASSERT_TRUE(in_flight.has_value());
+  EXPECT_EQ(in_flight->status().code(), absl::StatusCode::kUnavailable) << in_flight->status();
+  EXPECT_NE(in_flight->status().message().find("closed with the call in flight"), std::string::npos);
+
+  // An idle connection whose server went, then a new server: the first call
+  // after it is answered (not failed on the dead connection).
+  auto first = StartAnswering(path_);
+  ASSERT_TRUE(first.ok()) << first.status();
+  absl::SleepFor(absl::Milliseconds(1100));  // past the reconnect pause after the failure
+  CallResult one = CallTagged(client, "one", absl::Seconds(10));
+  ASSERT_TRUE(one.has_value());
+  ASSERT_TRUE(one->ok()) << one->status();
+  first->reset();
+  auto second = StartAnswering(path_);
+  ASSERT_TRUE(second.ok()) << second.status();
+  CallResult two = CallTagged(client, "two", absl::Seconds(10));
+  ASSERT_TRUE(two.has_value()) << "not sent";
+  ASSERT_TRUE(two->ok()) << two->status();
+  EXPECT_EQ((*two)->request_id(), "two-answered");
+}
+
+// Past the server's max_connections the caller's call ends "not run", as
+// with the reader thread.
+TEST_F(FrameSocketTest, ACallerThatReadsPastTheConnectionLimitIsNotRun) {
+  FrameSocketServer::Options options;
+  options.max_connections = 1;
+  v1::CallSocketReply refusal;
+  refusal.set_code(static_cast<int>(absl::StatusCode::kResourceExhausted));
+  refusal.set_message("one connection at once");
+  options.refusal = refusal.SerializeAsString();
+  auto server = StartAnswering(path_, options);
+  ASSERT_TRUE(server.ok()) << server.status();
+  Client first(path_, "test server", "call socket", /*name_peer_in_replies=*/true, FrameReader::kCallers);
+  CallResult a = CallTagged(first, "a", absl::Seconds(30));
+  ASSERT_TRUE(a.has_value() && a->ok());
+  Client second(path_, "test server", "call socket", /*name_peer_in_replies=*/true, FrameReader::kCallers);
+  CallResult b = CallTagged(second, "b", absl::Seconds(30));
+  if (b.has_value()) {  // written before the refusal was read
+    EXPECT_TRUE(FrameCallNotRun(b->status())) << b->status();
+    EXPECT_NE(b->status().message().find("one connection at once"), std::string::npos) << b->status();
+  }
+  CallResult c = CallTagged(first, "c", absl::Seconds(30));
+  ASSERT_TRUE(c.has_value());
+  EXPECT_TRUE(c->ok()) << c->status();
 }
 
 }  // namespace
