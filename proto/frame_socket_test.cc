@@ -64,19 +64,58 @@ class FrameSocketTest : public ::testing::Test {
   std::string dir_, path_;
 };
 
+// A server that answers each call at once, its request_id + "-answered".
+absl::StatusOr<std::unique_ptr<FrameSocketServer>> StartAnswering(const std::string& path,
+                                                                  FrameSocketServer::Options options = {}) {
+  return FrameSocketServer::Start(path, options, [](std::string payload, FrameSocketServer::Reply reply) {
+    v1::CallSocketRequest request;
+    if (!request.ParseFromString(payload)) return absl::DataLossError("not a request");
+    v1::CallSocketReply answer;
+    answer.set_call_id(request.call_id());
+    answer.set_request_id(request.request_id() + "-answered");
+    reply(answer);
+    return absl::OkStatus();
+  });
+}
+
+// A server that holds each call unanswered until the test answers them all.
+class HeldCalls {
+ public:
+  absl::StatusOr<std::unique_ptr<FrameSocketServer>> Start(const std::string& path) {
+    return FrameSocketServer::Start(path, {}, [this](std::string payload, FrameSocketServer::Reply reply) {
+      v1::CallSocketRequest request;
+      if (!request.ParseFromString(payload)) return absl::DataLossError("not a request");
+      absl::MutexLock lock(&mu_);
+      held_.emplace_back(std::move(request), std::move(reply));
+      return absl::OkStatus();
+    });
+  }
+  // Once `calls` are held (false if not within 10 s), answers them in the
+  // reverse order they came, each with its request_id + "-answered".
+  bool AnswerInReverse(size_t calls) {
+    absl::MutexLock lock(&mu_);
+    auto all_held = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return held_.size() == calls; };
+    if (!mu_.AwaitWithTimeout(absl::Condition(&all_held), absl::Seconds(10))) return false;
+    for (auto it = held_.rbegin(); it != held_.rend(); ++it) {
+      v1::CallSocketReply answer;
+      answer.set_call_id(it->first.call_id());
+      answer.set_request_id(it->first.request_id() + "-answered");
+      it->second(answer);
+    }
+    return true;
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::vector<std::pair<v1::CallSocketRequest, FrameSocketServer::Reply>> held_ ABSL_GUARDED_BY(mu_);
+};
+
 // Many calls in flight on one connection, answered in the reverse order
 // they came: each caller gets the reply to its own request.
 TEST_F(FrameSocketTest, CallsAnsweredOutOfOrderReachTheirOwnCallers) {
   constexpr int kCalls = 16;
-  absl::Mutex mu;
-  std::vector<std::pair<v1::CallSocketRequest, FrameSocketServer::Reply>> held;
-  auto server = FrameSocketServer::Start(path_, {}, [&](std::string payload, FrameSocketServer::Reply reply) {
-    v1::CallSocketRequest request;
-    if (!request.ParseFromString(payload)) return absl::DataLossError("not a request");
-    absl::MutexLock lock(&mu);
-    held.emplace_back(std::move(request), std::move(reply));
-    return absl::OkStatus();
-  });
+  HeldCalls held;
+  auto server = held.Start(path_);
   ASSERT_TRUE(server.ok()) << server.status();
   Client client(path_, "test server", "call socket");
   std::vector<std::shared_ptr<Outcome>> outcomes;
@@ -85,18 +124,7 @@ TEST_F(FrameSocketTest, CallsAnsweredOutOfOrderReachTheirOwnCallers) {
     outcomes.push_back(Send(client, "call-" + std::to_string(i), absl::Seconds(30), &sent));
     ASSERT_TRUE(sent) << "call " << i;
   }
-  {
-    absl::MutexLock lock(&mu);
-    ASSERT_TRUE(mu.AwaitWithTimeout(absl::Condition(
-                                        +[](decltype(held)* h) { return h->size() == kCalls; }, &held),
-                                    absl::Seconds(10)));
-    for (int i = kCalls - 1; i >= 0; --i) {
-      v1::CallSocketReply reply;
-      reply.set_call_id(held[i].first.call_id());
-      reply.set_request_id(held[i].first.request_id() + "-answered");
-      held[i].second(reply);
-    }
-  }
+  ASSERT_TRUE(held.AnswerInReverse(kCalls));
   for (int i = 0; i < kCalls; ++i) {
     ASSERT_TRUE(outcomes[i]->done.WaitForNotificationWithTimeout(absl::Seconds(10))) << "call " << i;
     ASSERT_TRUE(outcomes[i]->reply.ok()) << outcomes[i]->reply.status();
@@ -190,14 +218,7 @@ TEST_F(FrameSocketTest, AServerThatGoesFailsItsCallsInFlightAndAnotherIsReachedL
   EXPECT_EQ(outcome->reply.status().code(), absl::StatusCode::kUnavailable) << outcome->reply.status();
   EXPECT_NE(outcome->reply.status().message().find("closed with the call in flight"), std::string::npos);
 
-  auto answering = FrameSocketServer::Start(path_, {}, [](std::string payload, FrameSocketServer::Reply reply) {
-    v1::CallSocketRequest request;
-    if (!request.ParseFromString(payload)) return absl::DataLossError("not a request");
-    v1::CallSocketReply answer;
-    answer.set_call_id(request.call_id());
-    reply(answer);
-    return absl::OkStatus();
-  });
+  auto answering = StartAnswering(path_);
   ASSERT_TRUE(answering.ok()) << answering.status();
   // Reconnects are tried at most once a second.
   const absl::Time until = absl::Now() + absl::Seconds(10);
@@ -264,15 +285,7 @@ TEST_F(FrameSocketTest, AnOversizedFrameIsAnsweredAndItsConnectionGoesOn) {
     reply(answer);
     return absl::OkStatus();
   };
-  auto server = FrameSocketServer::Start(path_, options, [](std::string payload, FrameSocketServer::Reply reply) {
-    v1::CallSocketRequest request;
-    if (!request.ParseFromString(payload)) return absl::DataLossError("not a request");
-    v1::CallSocketReply answer;
-    answer.set_call_id(request.call_id());
-    answer.set_request_id(request.request_id() + "-answered");
-    reply(answer);
-    return absl::OkStatus();
-  });
+  auto server = StartAnswering(path_, options);
   ASSERT_TRUE(server.ok()) << server.status();
   Client client(path_, "test server", "call socket", /*name_peer_in_replies=*/false);
   auto large = Send(client, std::string(4096, 'x'), absl::Seconds(30));
@@ -413,20 +426,6 @@ TEST_F(FrameSocketTest, StopReadingLetsTheCallsInFlightBeAnswered) {
 
 using CallResult = std::optional<absl::StatusOr<v1::CallSocketReply>>;
 
-// A server that answers each call at once, its request_id + "-answered".
-absl::StatusOr<std::unique_ptr<FrameSocketServer>> StartAnswering(const std::string& path,
-                                                                  FrameSocketServer::Options options = {}) {
-  return FrameSocketServer::Start(path, options, [](std::string payload, FrameSocketServer::Reply reply) {
-    v1::CallSocketRequest request;
-    if (!request.ParseFromString(payload)) return absl::DataLossError("not a request");
-    v1::CallSocketReply answer;
-    answer.set_call_id(request.call_id());
-    answer.set_request_id(request.request_id() + "-answered");
-    reply(answer);
-    return absl::OkStatus();
-  });
-}
-
 CallResult CallTagged(Client& client, const std::string& tag, absl::Duration timeout) {
   v1::CallSocketRequest request;
   request.set_request_id(tag);
@@ -449,15 +448,8 @@ TEST_F(FrameSocketTest, CallersWaitingAtOnceEachGetTheirOwnReply) {
   for (const FrameReader reader : {FrameReader::kCallers, FrameReader::kThread}) {
     SCOPED_TRACE(reader == FrameReader::kCallers ? "callers read" : "reader thread");
     constexpr int kCalls = 8;
-    absl::Mutex mu;
-    std::vector<std::pair<v1::CallSocketRequest, FrameSocketServer::Reply>> held;
-    auto server = FrameSocketServer::Start(path_, {}, [&](std::string payload, FrameSocketServer::Reply reply) {
-      v1::CallSocketRequest request;
-      if (!request.ParseFromString(payload)) return absl::DataLossError("not a request");
-      absl::MutexLock lock(&mu);
-      held.emplace_back(std::move(request), std::move(reply));
-      return absl::OkStatus();
-    });
+    HeldCalls held;
+    auto server = held.Start(path_);
     ASSERT_TRUE(server.ok()) << server.status();
     Client client(path_, "test server", "call socket", /*name_peer_in_replies=*/true, reader);
     std::vector<CallResult> results(kCalls);
@@ -470,17 +462,7 @@ TEST_F(FrameSocketTest, CallersWaitingAtOnceEachGetTheirOwnReply) {
         finished[i]->Notify();
       });
     }
-    {
-      absl::MutexLock lock(&mu);
-      auto all_held = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu) { return held.size() == kCalls; };
-      ASSERT_TRUE(mu.AwaitWithTimeout(absl::Condition(&all_held), absl::Seconds(10)));
-      for (int i = kCalls - 1; i >= 0; --i) {
-        v1::CallSocketReply answer;
-        answer.set_call_id(held[i].first.call_id());
-        answer.set_request_id(held[i].first.request_id() + "-answered");
-        held[i].second(answer);
-      }
-    }
+    ASSERT_TRUE(held.AnswerInReverse(kCalls));
     for (int i = 0; i < kCalls; ++i) {
       ASSERT_TRUE(finished[i]->WaitForNotificationWithTimeout(absl::Seconds(10))) << "call " << i;
     }
