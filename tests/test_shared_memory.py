@@ -83,7 +83,15 @@ def test_operands_and_output_in_shared_memory_match_the_reference(cluster_factor
     req.out_shared_memory.region = "out"
     req.out_shared_memory.byte_size = 64 * 16 * 4
     assert req.ByteSize() < rhs.nbytes + 1024, "no activation bytes in the request"
+    def counted():  # the operand and output bytes the coordinator decoded or encoded itself
+        info = client.cluster_info()
+        return info.inline_activation_bytes, info.direct_activation_bytes
+
+    before = counted()
     resp = client.stub.GroupedGemm(req, timeout=30)
+    # Of this request the coordinator touched the inline weights only, not
+    # the lhs or the output in shared memory.
+    assert counted() == (before[0] + rhs.nbytes, 0)
     assert resp.out.WhichOneof("source") == "shared_memory" and resp.out.shared_memory.region == "out"
     assert list(resp.out.shape) == [64, 16]
     assert_close(outputs.array(np.float32, (64, 16)).copy(), _reference(lhs, rhs, sizes, 2), 32)
@@ -98,8 +106,10 @@ def test_operands_and_output_in_shared_memory_match_the_reference(cluster_factor
     _in_shm(req2.rhs, "w", 0, rhs.nbytes)
     req2.out_shared_memory.region = "out"
     req2.out_shared_memory.byte_size = 64 * 16 * 4
+    before = counted()
     client.stub.GroupedGemm(req2, timeout=30)
     assert_close(outputs.array(np.float32, (64, 16)).copy(), _reference(lhs, rhs, sizes, 2), 32)
+    assert counted() == before  # every operand and the output in shared memory: none
 
     # A replicated output (TP row: all-reduced on every worker) is written once, whole.
     k_split_lhs = rng.standard_normal((32, 64)).astype(np.float32)
@@ -115,6 +125,12 @@ def test_operands_and_output_in_shared_memory_match_the_reference(cluster_factor
     req3.out_shared_memory.byte_size = 32 * 16 * 4
     client.stub.GroupedGemm(req3, timeout=30)
     assert_close(out2.array(np.float32, (32, 16)).copy(), _reference(k_split_lhs, k_split_rhs, [12, 20], 1), 64)
+    assert counted() == (before[0] + k_split_rhs.nbytes, 0)
+    # All inline, for contrast: lhs, weights and output each counted.
+    before = counted()
+    client.stub.GroupedGemm(client.gemm_request(lhs, rhs, sizes, lhs_spec="(dp, None)", group_sizes_spec="(dp,)"),
+                            timeout=30)
+    assert counted() == (before[0] + lhs.nbytes + rhs.nbytes + 64 * 16 * 4, 0)
 
 
 def test_bad_shared_memory_references_name_the_field_and_lose_nothing(cluster_factory, regions):
