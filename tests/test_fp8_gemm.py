@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from reference import assert_close
+from shardgemm_client import pb
 from test_sharded import per_shard_reference, uneven_sizes
 
 rng = np.random.default_rng(23)
@@ -129,14 +130,17 @@ def test_tensor_scaled_fp8_gemm_sharded_equals_reference(cluster_factory, case):
 
 def test_block_scaled_fp8_gemm_tp_row_and_ep(cluster_factory):
     """1x128 activations x 128x128 weights: a K split over tp keeps whole
-    blocks (the weight scales are sliced with K), EP slices expert scales."""
+    blocks (the weight scales are sliced with K), EP slices expert scales,
+    FSDP gathers the weights' K shards with their scales' shards."""
     m, k, n, g = 64, 256, 128, 2
     x, w = rand(m, k), rand(g, k, n)  # [G, K, N]
     x8, xs = quantize_blocks(x, (1, 128))
     w8, ws = quantize_blocks(w, (1, 128, 128))
     xd, wd = deq(x8, expand_blocks(xs, (1, 128))), deq(w8, expand_blocks(ws, (1, 128, 128)))
+    # fsdp: the K-sharded FP8 weights are gathered with their 128x128 scales.
     for mesh, lhs_spec, rhs_spec, gs_spec, shards in [("tp=2", "(None, tp)", "(None, tp, None)", "", 1),
-                                                       ("ep=2", "(ep, None)", "(ep, None, None)", "(ep,)", 2)]:
+                                                       ("ep=2", "(ep, None)", "(ep, None, None)", "(ep,)", 2),
+                                                       ("fsdp=2", "(fsdp, None)", "(None, fsdp, None)", "(fsdp,)", 2)]:
         c = cluster_factory(mesh=mesh, workers=2).client
         sizes = uneven_sizes(shards, g // shards if mesh == "ep=2" else g, m // shards)
         out, plan = c.grouped_gemm(x8, w8, sizes, lhs_spec=lhs_spec, rhs_spec=rhs_spec, group_sizes_spec=gs_spec,
@@ -145,6 +149,9 @@ def test_block_scaled_fp8_gemm_tp_row_and_ep(cluster_factory):
                                    include_plan=True)
         assert_close(out, per_shard_reference(xd, wd, sizes, plan), k)
         assert fp8_error(out, per_shard_reference(x, w, sizes, plan)) < 0.08
+        if mesh == "fsdp=2":
+            gathered = {c.tensor for c in plan.collectives if c.kind == pb.COLLECTIVE_ALL_GATHER}
+            assert gathered == {pb.TENSOR_RHS, pb.TENSOR_RHS_SCALE_INV}, plan.collectives
 
 
 def test_wgrad_fp8_reduce_scattered_onto_fsdp(cluster_factory):
@@ -252,15 +259,27 @@ def test_bad_fp8_requests_are_refused_and_nothing_resident_is_lost(cluster_facto
     expect_error(lambda: gemm(x8, "w8", sizes, rhs_transposed=True, lhs_scale_inv=xs.astype(np.float16),
                               rhs_scale_inv="w8_scale"), invalid, "lhs_scale_inv")
     expect_error(lambda: gemm(x8.astype(np.float32).astype(E5M2), cast(w8.astype(np.float32), E5M2), sizes,
-                              rhs_transposed=True, lhs_scale_inv=xs, rhs_scale_inv=ws), invalid, "e5m2")
+                              rhs_transposed=True, lhs_scale_inv=xs, rhs_scale_inv=ws), invalid, "rhs:", "e5m2")
     expect_error(lambda: gemm(rand(m, k), "w8", sizes, rhs_transposed=True, rhs_scale_inv="w8_scale"), invalid,
                  "FP8")
     expect_error(lambda: gemm(x8, "w8", sizes, rhs_transposed=True, lhs_scale_inv=xs, rhs_scale_inv="w8_scale",
-                              scaling="block"), invalid, "128")
+                              scaling="block"), invalid, "lhs dim 1", "128")
     expect_error(lambda: gemm(rand(m, k), rand(g, n, k), sizes, rhs_transposed=True, lhs_scale_inv=xs,
                               rhs_scale_inv=ws), invalid, "not FP8")
     expect_error(lambda: gemm(rand(m, k), "w8", sizes, rhs_transposed=True, rhs_scale_inv="w8_scale",
                               quantize_lhs=E4M3, scaling="mxfp8"), invalid, "quantize_lhs")
+    # Scales whose dtype is not the scaling mode's: E8M0 belongs to MXFP8, F32 to the others.
+    e8m0 = np.dtype(ml_dtypes.float8_e8m0fnu)
+    expect_error(lambda: gemm(x8, "w8", sizes, rhs_transposed=True, rhs_scale_inv="w8_scale",
+                              lhs_scale_inv=np.full(xs.shape, 127, np.uint8).view(e8m0)),
+                 invalid, "lhs_scale_inv", "e8m0")
+    xe = np.full((m, k // 32), 127, np.uint8).view(e8m0)
+    expect_error(lambda: gemm(x8, "w8", sizes, rhs_transposed=True, lhs_scale_inv=xe,
+                              rhs_scale_inv=np.ones((g, n, k // 32), np.float32), scaling="mxfp8"),
+                 invalid, "rhs_scale_inv", "f32")
+    expect_error(lambda: gemm(x8, "w8", sizes, rhs_transposed=True, lhs_scale_inv=np.ones((m, k // 32), np.float32),
+                              rhs_scale_inv=np.full((g, n, k // 32), 127, np.uint8).view(e8m0), scaling="mxfp8"),
+                 invalid, "lhs_scale_inv", "f32")
     # Nothing resident lost: the weights still serve a good request.
     assert {t.name for t in c.list()} == {"w8", "w8_scale"}
     out, _ = gemm(x8, "w8", sizes, rhs_transposed=True, lhs_scale_inv=xs, rhs_scale_inv="w8_scale")
