@@ -986,11 +986,17 @@ absl::Status AssembleBlockScaled(const planner::Plan& plan, const std::vector<v1
   }
   auto out = AssembleBlockOutputs(bq, sizes, plan.local_group_count, groups, shards);
   if (!out.ok()) return out.status();
-  if (bq.rowwise) HostTensorToProto(out->scale_inv, response->mutable_scale_inv());
-  if (bq.colwise) HostTensorToProto(out->colwise_scale_inv, response->mutable_colwise_scale_inv());
+  // These come back whole, in the layouts the groups' padding gives them:
+  // replicated, not split as x is.
+  auto whole = [](const HostTensor& t, v1::Tensor* field) {
+    HostTensorToProto(t, field);
+    field->set_spec(planner::FormatPartitionSpec(planner::PadSpec({}, t.shape.size())));
+  };
+  if (bq.rowwise) whole(out->scale_inv, response->mutable_scale_inv());
+  if (bq.colwise) whole(out->colwise_scale_inv, response->mutable_colwise_scale_inv());
   if (bq.colwise && bq.mode != ScalingMode::kMxfp8) {
     out->colwise_data.shape = planner::FindPlanOperand(plan, "x")->global_shape;  // [m, k] bytes, shaped like x
-    HostTensorToProto(out->colwise_data, response->mutable_colwise_data());
+    whole(out->colwise_data, response->mutable_colwise_data());
   }
   response->mutable_scale_group_sizes()->Assign(groups.sizes.begin(), groups.sizes.end());
   // Where each group's scales are, so that a client need not know the padding rules.

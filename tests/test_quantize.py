@@ -260,6 +260,13 @@ def test_block_scaling_sharded_equals_unsharded_bit_for_bit(cluster_factory, mod
         for rowwise, colwise in DIRECTIONS:
             s = block_quantize(sharded, x, sizes, mode, fmt, rowwise, colwise, "(dp, None)", "(dp,)")
             assert len(s.plan.collectives) == 0
+            # Each output names its spec: data split as x is, the scales (and
+            # the per-group transposed data) whole in their block layouts.
+            if rowwise:
+                assert (s.rowwise_data.spec, s.scale_inv.spec) == ("(dp, None)", "(None,)")
+            if colwise:
+                assert s.colwise_scale_inv.spec == "(None,)"
+                assert s.colwise_data.spec == ("(dp, None)" if mode == "mxfp8" else "(None, None)")
             u = block_quantize(single, gathered, global_sizes, mode, fmt, rowwise, colwise)
             expect_sharded_equals_unsharded(s, u, mode, fmt, rowwise, colwise, x, gathered,
                                             global_sizes, where, offsets)

@@ -93,6 +93,7 @@ def test_operands_and_output_in_shared_memory_match_the_reference(cluster_factor
     # the lhs or the output in shared memory.
     assert counted() == (before[0] + rhs.nbytes, 0)
     assert resp.out.WhichOneof("source") == "shared_memory" and resp.out.shared_memory.region == "out"
+    assert resp.out.spec == "(dp, None)"
     assert list(resp.out.shape) == [64, 16]
     assert_close(outputs.array(np.float32, (64, 16)).copy(), _reference(lhs, rhs, sizes, 2), 32)
 
