@@ -377,7 +377,7 @@ def test_unknown_ticket_is_not_found_and_wrong_size_is_invalid_argument_naming_t
     other = next(d for b in lhs_op.blocks for d in b.destinations if d.address != dest.address)
     with pytest.raises(grpc.RpcError) as e:
         stage(dest.address, other.ticket, b"\0" * 1024)
-    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND and e.value.details().startswith("ticket:")
     check_nothing_lost(dp_cluster)
     ch.close()
 
@@ -391,7 +391,8 @@ def test_a_reused_ticket_or_plan_is_failed_precondition_and_the_result_is_right(
     d = plan.operands[0].blocks[0].destinations[0]
     with pytest.raises(grpc.RpcError) as e:
         stage(d.address, d.ticket, np.zeros(list(plan.operands[0].blocks[0].shape), np.float32).tobytes())
-    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "staged already" in e.value.details()
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and e.value.details().startswith("ticket:")
+    assert "staged already" in e.value.details()
     resp = submit(stub, req, plan.staging_id, direct_output=True)
     assert not resp.out.data and len(resp.out_blocks) == 2
     with shardgemm.Client(dp_cluster.address, timeout=30) as c:
@@ -477,6 +478,41 @@ def test_a_client_that_disconnects_mid_stream_leaves_nothing_staged(dp_cluster):
     ch.close()
 
 
+def test_a_client_that_disconnects_mid_fetch_may_fetch_again_and_nothing_leaks(dp_cluster):
+    ch, stub = raw(dp_cluster)
+    # 16 MiB output blocks: far more than the transport buffers, so the
+    # worker is still writing when the client goes.
+    lhs, rhs, sizes = rand(1024, 64), rand(2, 64, 8192), np.array([256, 256, 400, 112], np.int64)
+    req = gemm_meta(lhs, rhs, sizes)
+    plan = stub.PlanStaging(pb.StagingPlanRequest(grouped_gemm=req), timeout=10)
+    stage_plan(plan, lhs, rhs)
+    resp = submit(stub, req, plan.staging_id, direct_output=True)
+    assert len(resp.out_blocks) == 2
+    first = resp.out_blocks[0].destinations[0]
+    with grpc.insecure_channel(first.address) as wch:
+        chunks = pb_grpc.StagingStub(wch).Fetch(pb.FetchRequest(ticket=first.ticket), timeout=10)
+        assert len(next(chunks).data) < 512 * 8192 * 4  # more than one chunk: the client goes mid-stream
+        chunks.cancel()
+    # The block is held still: fetched whole now, and then gone from the worker.
+    with shardgemm.Client(dp_cluster.address, timeout=30) as c:
+        inline, _ = c.grouped_gemm(lhs, rhs, sizes, lhs_spec="(dp, None)", group_sizes_spec="(dp,)", path="inline")
+    out = np.empty(inline.shape, np.float32)
+    for b in resp.out_blocks:
+        t = b.destinations[0]
+        with grpc.insecure_channel(t.address) as wch:
+            data = b"".join(c.data for c in pb_grpc.StagingStub(wch).Fetch(pb.FetchRequest(ticket=t.ticket),
+                                                                            timeout=10))
+        out[tuple(slice(o, o + s) for o, s in zip(b.offsets, b.shape))] = np.frombuffer(data, np.float32).reshape(
+            b.shape)
+    assert out.tobytes() == inline.tobytes()
+    deadline = time.time() + 10
+    while staged_bytes(dp_cluster) != [0, 0] and time.time() < deadline:
+        time.sleep(0.05)
+    assert staged_bytes(dp_cluster) == [0, 0]
+    check_nothing_lost(dp_cluster)
+    ch.close()
+
+
 def test_staging_past_the_budget_is_resource_exhausted_naming_it(cluster_factory):
     cluster = cluster_factory(mesh="dp=2", workers=2, worker_flags=("--staging_budget=4096",))
     ch, stub = raw(cluster)
@@ -508,7 +544,8 @@ def test_stale_tickets_and_plans_are_not_found_and_their_bytes_expire(cluster_fa
     d = next(o for o in plan.operands if o.role == pb.TENSOR_RHS).blocks[0].destinations[0]
     with pytest.raises(grpc.RpcError) as e:
         stage(d.address, d.ticket, rhs.tobytes())
-    assert e.value.code() == grpc.StatusCode.NOT_FOUND and "expired" in e.value.details()
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND and e.value.details().startswith("ticket:")
+    assert "expired" in e.value.details()
     with pytest.raises(grpc.RpcError) as e:
         submit(stub, req, plan.staging_id)
     assert e.value.code() == grpc.StatusCode.NOT_FOUND and "lhs.staged" in e.value.details()
