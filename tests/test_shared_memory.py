@@ -3,14 +3,17 @@ registers a region, names (region, offset, bytes) as a GEMM operand's
 source and as the output's destination; the workers read and write their
 blocks themselves, so the request carries no activation bytes. Bad
 references get a status naming the field, and nothing resident is lost."""
+import shutil
 from multiprocessing import shared_memory
 
 import grpc
 import numpy as np
 import pytest
 
+import shardgemm
+
 from reference import assert_close
-from shardgemm_client import pb
+from shardgemm_client import from_tensor, pb
 
 rng = np.random.default_rng(11)
 
@@ -325,3 +328,50 @@ def test_a_worker_lets_go_of_a_region_once_it_is_unregistered_or_its_lease_lapse
     _register(c.client, "kept", kept, lhs.nbytes)
     use("kept", kept)
     assert c.alive()
+
+
+def test_a_region_is_its_tenants_alone(cluster_factory, regions, mesh_certs, tmp_path):
+    """Over TLS with two tenants' tokens: a region registered by one is
+    unknown to the other, as an operand or as the output's destination, and
+    the other may register its own under the same name; the first tenant's
+    region serves it still."""
+    from test_direct_path import add_token
+    tls = str(tmp_path / "tls")
+    shutil.copytree(mesh_certs, tls)
+    other_token = add_token(tls, "other")
+    c = cluster_factory(mesh="dp=1", workers=1, tls_dir=tls, coordinator_flags=["--shared_memory"])
+    lhs = rng.standard_normal((16, 32)).astype(np.float32)
+    rhs = rng.standard_normal((2, 32, 8)).astype(np.float32)
+    sizes = [6, 10]
+    inputs = regions(lhs.nbytes)
+    inputs.array(np.float32, lhs.shape)[:] = lhs
+    outputs = regions(16 * 8 * 4)
+    with shardgemm.Client(c.address, timeout=30, tls_dir=tls) as owner, \
+            shardgemm.Client(c.address, timeout=30, tls_dir=tls, token=other_token) as other:
+        _register(owner, "in", inputs, lhs.nbytes)
+        _register(owner, "out", outputs, 16 * 8 * 4)
+
+        def request(client, lhs_region, out_region):
+            req = client.gemm_request(lhs, rhs, sizes)
+            if lhs_region:
+                _in_shm(req.lhs, lhs_region, 0, lhs.nbytes)
+            if out_region:
+                req.out_shared_memory.region = out_region
+                req.out_shared_memory.byte_size = 16 * 8 * 4
+            return req
+
+        for req, field in [(request(other, "in", None), "lhs.shared_memory"),
+                           (request(other, None, "out"), "out_shared_memory")]:
+            with pytest.raises(grpc.RpcError) as e:
+                other.stub.GroupedGemm(req, timeout=30)
+            assert e.value.code() == grpc.StatusCode.NOT_FOUND, e.value.details()
+            assert field in e.value.details(), e.value.details()
+        assert not outputs.array(np.float32, (16, 8)).any()  # nothing written into the owner's region
+        # Its own region under the same name is another region.
+        mine = regions(lhs.nbytes)
+        mine.array(np.float32, lhs.shape)[:] = lhs * 2
+        _register(other, "in", mine, lhs.nbytes)
+        got = from_tensor(other.stub.GroupedGemm(request(other, "in", None), timeout=30).out)
+        owner.stub.GroupedGemm(request(owner, "in", "out"), timeout=30)
+        assert_close(outputs.array(np.float32, (16, 8)).copy(), _reference(lhs, rhs, sizes, 1), 32)
+        assert_close(got, _reference(lhs * 2, rhs, sizes, 1), 32)
