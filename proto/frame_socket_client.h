@@ -172,7 +172,10 @@ class FrameSocketClient {
         answer->reply = std::move(reply);
         answer->ready = true;
       };
-      if (!Send(request, deadline, &done) && done != nullptr) return std::nullopt;
+      if (!Send(request, deadline, &done) && done != nullptr) {
+        if (reader == FrameReader::kCallers) EndIfUnusable();
+        return std::nullopt;
+      }
       const uint64_t id = request.call_id();
       absl::MutexLock lock(&mu_);
       auto ready = [&answer]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return answer->ready; };
@@ -181,48 +184,44 @@ class FrameSocketClient {
         if (!mu_.AwaitWithDeadline(absl::Condition(&ready), deadline + kReaderMargin)) Forget(id, answer.get());
         return std::move(answer->reply);
       }
-      auto ready_or_unread = [this, &answer]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
-        return answer->ready || !reading_ || stopping_;
+      // Woken by its answer, or when no one reads or ends the connection
+      // (then this caller reads it, or its call ended with it).
+      auto ready_or_free = [this, &answer]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+        return answer->ready || (!reading_ && !ending_) || stopping_;
       };
       while (!answer->ready) {
-        if (stopping_) {
+        if (stopping_ || fd_ < 0) {  // a connection that ended failed its calls: not reached
           Forget(id, answer.get());
           break;
         }
-        if (reading_) {
-          if (!mu_.AwaitWithDeadline(absl::Condition(&ready_or_unread), deadline)) {
+        if (reading_ || ending_) {
+          if (!mu_.AwaitWithDeadline(absl::Condition(&ready_or_free), deadline)) {
             Forget(id, answer.get());
             break;
           }
           continue;
         }
-        if (fd_ < 0) {  // its connection ended, and with it the call (answered): not reached
-          Forget(id, answer.get());
-          break;
-        }
         // This caller reads, for every waiting caller, until its own answer comes.
         reading_ = true;
         const int fd = fd_;
+        const uint64_t connection = connection_;
         mu_.Unlock();
         const absl::Status ended = ReadUntil(fd, *answer, deadline);
         mu_.Lock();
         reading_ = false;
-        if (!ended.ok() || (sends_ended_ && pending_.empty())) {
+        // Claimed in the same hold of mu_ as reading_ goes: no other caller
+        // starts reading a connection that is ending.
+        if ((!ended.ok() || (sends_ended_ && pending_.empty())) && ClaimEndLocked(fd, connection)) {
           mu_.Unlock();
-          FailEnded(EndConnection(fd), ended.ok() ? absl::UnavailableError("a send on it failed") : ended);
+          FailEnded(FinishEnd(fd), ended.ok() ? absl::UnavailableError("a send on it failed") : ended);
           mu_.Lock();
         } else if (!answer->ready && absl::Now() >= deadline) {
           Forget(id, answer.get());
         }
       }
-      // A connection no call can use (a send on it failed) and none waits on
-      // ends here: there is no reader to end it.
-      if (!reading_ && fd_ >= 0 && sends_ended_ && pending_.empty()) {
-        const int fd = fd_;
-        mu_.Unlock();
-        EndConnection(fd);
-        mu_.Lock();
-      }
+      mu_.Unlock();
+      EndIfUnusable();
+      mu_.Lock();
       return std::move(answer->reply);
     }
 
@@ -232,18 +231,17 @@ class FrameSocketClient {
       if (fd_ >= 0) ::shutdown(fd_, SHUT_RDWR);
     }
 
-    // FrameReader::kCallers: the connection closed once no caller reads it.
+    // FrameReader::kCallers: the connection closed once no caller reads or
+    // ends it (after Stop, a reader sees stopping_ within its 100 ms poll).
     void EndIdleConnection() {
-      int fd;
+      int fd = -1;
       {
         absl::MutexLock lock(&mu_);
-        auto unread = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return !reading_; };
-        mu_.Await(absl::Condition(&unread));
-        fd = fd_;
+        auto idle = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return !reading_ && !ending_; };
+        mu_.AwaitWithTimeout(absl::Condition(&idle), kReaderMargin);
+        if (!reading_ && ClaimEndLocked(fd_, connection_)) fd = fd_;
       }
-      if (fd >= 0) {
-        FailEnded(EndConnection(fd), absl::CancelledError("the channel was closed"));
-      }
+      if (fd >= 0) FailEnded(FinishEnd(fd), absl::CancelledError("the channel was closed"));
     }
 
     std::map<uint64_t, Pending> TakeAllPending() {
@@ -269,7 +267,12 @@ class FrameSocketClient {
           fd = fd_;
         }
         const absl::Status ended = ReadConnection(fd);
-        FailEnded(EndConnection(fd), ended);
+        bool mine;
+        {
+          absl::MutexLock lock(&mu_);
+          mine = ClaimEndLocked(fd, connection_);  // always: the reader is the connection's one ender
+        }
+        if (mine) FailEnded(FinishEnd(fd), ended);
         absl::MutexLock lock(&mu_);
         if (stopping_) return;
       }
@@ -313,12 +316,13 @@ class FrameSocketClient {
     // the caller's other way.
     int ConnectedLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_, write_mu_) {
       if (stopping_) return -1;
-      if (fd_ >= 0 && reader == FrameReader::kCallers && !reading_ && pending_.empty()) {
+      if (fd_ >= 0 && reader == FrameReader::kCallers && !reading_ && !ending_ && pending_.empty()) {
         // No call is in flight, so nothing should wait to be read: the
         // server closed the connection (or refused it), or answered a call
         // after its deadline. It goes, and a fresh one takes the call.
+        // (No one else reads or ends it, and writes hold write_mu_.)
         pollfd p{fd_, POLLIN, 0};
-        if (::poll(&p, 1, 0) != 0) {
+        if (::poll(&p, 1, 0) > 0) {
           ::shutdown(fd_, SHUT_RDWR);
           ::close(fd_);
           fd_ = -1;
@@ -326,7 +330,7 @@ class FrameSocketClient {
           retry_at_ = absl::InfinitePast();
         }
       }
-      if (fd_ >= 0) return sends_ended_ ? -1 : fd_;
+      if (fd_ >= 0) return sends_ended_ || ending_ ? -1 : fd_;
       if (absl::Now() < retry_at_) return -1;
       retry_at_ = absl::Now() + kRetryAfter;
       sockaddr_un address{};
@@ -353,23 +357,48 @@ class FrameSocketClient {
       // connection, not this thread.
       timeval send_timeout{10, 0};
       ::setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &send_timeout, sizeof(send_timeout));
+      // So is a read inside a frame: a server that stops mid-frame loses the
+      // connection, and its reader (a caller, or the reader thread that
+      // expires every call's deadline) is not held.
+      timeval receive_timeout{10, 0};
+      ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &receive_timeout, sizeof(receive_timeout));
       fd_ = fd;  // its reader takes it from here
+      ++connection_;
       return fd_;
     }
 
-    // Closes the connection `fd` its reader ended, once no write can touch
-    // it; the calls it leaves unanswered.
-    std::map<uint64_t, Pending> EndConnection(int fd) ABSL_LOCKS_EXCLUDED(mu_, write_mu_) {
+    // Whoever ends a connection claims it first, under mu_: only the
+    // current connection, and only once, so a descriptor number the kernel
+    // has given to a newer connection (or anything else) is never shut or
+    // closed. Once claimed, no call is sent on it and no caller reads it.
+    bool ClaimEndLocked(int fd, uint64_t connection) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      if (fd < 0 || fd_ != fd || connection_ != connection || ending_) return false;
+      ending_ = true;
+      return true;
+    }
+    // Closes the claimed connection once no write can touch it (the
+    // shutdown ends a write in progress); the calls it leaves unanswered.
+    std::map<uint64_t, Pending> FinishEnd(int fd) ABSL_LOCKS_EXCLUDED(mu_, write_mu_) {
       ::shutdown(fd, SHUT_RDWR);
       absl::MutexLock write_lock(&write_mu_);
       absl::MutexLock lock(&mu_);
-      std::map<uint64_t, Pending> failed;
-      if (fd_ != fd) return failed;
       fd_ = -1;
+      ending_ = false;
       sends_ended_ = false;
       ::close(fd);
+      std::map<uint64_t, Pending> failed;
       failed.swap(pending_);
       return failed;
+    }
+    // FrameReader::kCallers: a connection no call can use (a send on it
+    // failed) and no call waits on ends here, as there is no reader to end it.
+    void EndIfUnusable() ABSL_LOCKS_EXCLUDED(mu_, write_mu_) {
+      int fd = -1;
+      {
+        absl::MutexLock lock(&mu_);
+        if (!reading_ && sends_ended_ && pending_.empty() && ClaimEndLocked(fd_, connection_)) fd = fd_;
+      }
+      if (fd >= 0) FailEnded(FinishEnd(fd), absl::UnavailableError("a send on it failed"));
     }
 
     // Fails the calls a connection left unanswered, with why it ended.
@@ -471,6 +500,8 @@ class FrameSocketClient {
     bool stopping_ ABSL_GUARDED_BY(mu_) = false;
     bool sends_ended_ ABSL_GUARDED_BY(mu_) = false;  // a send failed on fd_: its reader ends it
     bool reading_ ABSL_GUARDED_BY(mu_) = false;      // FrameReader::kCallers: a caller reads fd_
+    bool ending_ ABSL_GUARDED_BY(mu_) = false;       // fd_ is claimed by the one who ends it
+    uint64_t connection_ ABSL_GUARDED_BY(mu_) = 0;   // counts connections made: which one fd_ is
     absl::Time retry_at_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
     uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
     std::map<uint64_t, Pending> pending_ ABSL_GUARDED_BY(mu_);

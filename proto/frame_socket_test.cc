@@ -1,9 +1,13 @@
 // FrameSocketServer and FrameSocketClient together, on the call socket's
 // messages: calls answered out of order reach their own callers, statuses
 // pass through, and every way a call can go unanswered ends it in bounded time.
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <cstring>
+#include <functional>
 #include <fstream>
 #include <optional>
 #include <memory>
@@ -19,6 +23,7 @@
 #include "proto/frame_socket_client.h"
 #include "proto/frame_socket_server.h"
 #include "proto/shardgemm.pb.h"
+#include "proto/step_frame.h"
 
 namespace shardgemm {
 namespace {
@@ -626,6 +631,92 @@ TEST_F(FrameSocketTest, ACallerThatReadsPastTheConnectionLimitIsNotRun) {
   CallResult c = CallTagged(first, "c", absl::Seconds(30));
   ASSERT_TRUE(c.has_value());
   EXPECT_TRUE(c->ok()) << c->status();
+}
+
+// A bare Unix socket server: each accepted connection goes to `serve` on a
+// thread of its own (the test's script of how a server misbehaves).
+class BareServer {
+ public:
+  BareServer(const std::string& path, std::function<void(int fd, int index)> serve) : serve_(std::move(serve)) {
+    listener_ = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_un address{};
+    address.sun_family = AF_UNIX;
+    std::memcpy(address.sun_path, path.c_str(), path.size() + 1);
+    ok_ = listener_ >= 0 && ::bind(listener_, reinterpret_cast<const sockaddr*>(&address), sizeof(address)) == 0 &&
+          ::listen(listener_, 8) == 0;
+    if (ok_) accepter_ = std::thread([this] { Accept(); });
+  }
+  ~BareServer() {
+    ::shutdown(listener_, SHUT_RDWR);
+    if (accepter_.joinable()) accepter_.join();
+    for (std::thread& t : served_) t.join();
+    for (int fd : fds_) ::close(fd);
+    ::close(listener_);
+  }
+  bool ok() const { return ok_; }
+  int accepted() {
+    absl::MutexLock lock(&mu_);
+    return static_cast<int>(fds_.size());
+  }
+
+ private:
+  void Accept() {
+    while (true) {
+      const int fd = ::accept4(listener_, nullptr, nullptr, SOCK_CLOEXEC);
+      if (fd < 0) return;
+      absl::MutexLock lock(&mu_);
+      const int index = static_cast<int>(fds_.size());
+      fds_.push_back(fd);
+      served_.emplace_back([this, fd, index] { serve_(fd, index); });
+    }
+  }
+  std::function<void(int, int)> serve_;
+  int listener_ = -1;
+  bool ok_ = false;
+  std::thread accepter_;
+  absl::Mutex mu_;
+  std::vector<int> fds_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::thread> served_;
+};
+
+// A caller that reads is not held by a server that stops mid-way: one that
+// reads no more fails the send (not sent), and that connection goes, so the
+// next call is made on a new one; one that stops inside its reply's frame
+// ends the call UNAVAILABLE by the socket's receive timeout, not never.
+TEST_F(FrameSocketTest, ACallerThatReadsIsNotHeldByAServerThatStopsMidWay) {
+  absl::Notification done, reads_no_more;
+  BareServer server(path_, [&](int fd, int index) {
+    std::string payload;
+    if (index == 0) {  // answers one call, then reads no more: the client's next write fails (EPIPE)
+      v1::CallSocketRequest request;
+      if (ReadStepFramePayload(fd, &payload).ok() && request.ParseFromString(payload)) {
+        v1::CallSocketReply answer;
+        answer.set_call_id(request.call_id());
+        (void)WriteStepFrame(fd, answer);
+      }
+      ::shutdown(fd, SHUT_RD);
+      reads_no_more.Notify();
+    } else if (ReadStepFramePayload(fd, &payload).ok()) {  // sends a reply frame's header and no more
+      const std::string header = StepFrameHeader(64);
+      (void)::send(fd, header.data(), header.size(), MSG_NOSIGNAL);
+    }
+    done.WaitForNotificationWithTimeout(absl::Seconds(60));
+  });
+  ASSERT_TRUE(server.ok());
+  Client client(path_, "test server", "call socket", /*name_peer_in_replies=*/true, FrameReader::kCallers);
+  CallResult first = CallTagged(client, "a", absl::Seconds(10));
+  ASSERT_TRUE(first.has_value() && first->ok());
+  ASSERT_TRUE(reads_no_more.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  EXPECT_FALSE(CallTagged(client, "b", absl::Seconds(10)).has_value()) << "its write failed: not sent";
+  absl::SleepFor(absl::Milliseconds(1100));  // past the reconnect pause
+  const absl::Time start = absl::Now();
+  CallResult stalled = CallTagged(client, "c", absl::Seconds(60));
+  EXPECT_EQ(server.accepted(), 2) << "the connection no call could use was ended and another made";
+  ASSERT_TRUE(stalled.has_value());
+  EXPECT_EQ(stalled->status().code(), absl::StatusCode::kUnavailable) << stalled->status();
+  EXPECT_NE(stalled->status().message().find("receive timeout"), std::string::npos) << stalled->status();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(20));
+  done.Notify();
 }
 
 }  // namespace

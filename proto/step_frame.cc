@@ -40,6 +40,9 @@ absl::Status ReadFully(int fd, char* out, size_t n, size_t* got) {
     }
     if (r == 0) return absl::UnavailableError("the socket was closed");
     if (errno == EINTR) continue;
+    if (errno == EAGAIN || errno == EWOULDBLOCK) {  // a receive timeout (SO_RCVTIMEO) passed with no byte
+      return absl::UnavailableError("the peer sent nothing more of its frame within the socket's receive timeout");
+    }
     return absl::UnavailableError(absl::StrCat("the socket failed: ", std::strerror(errno)));
   }
   return absl::OkStatus();
