@@ -60,10 +60,10 @@ def test_concurrency_sweep_figures_are_consistent(tmp_path):
     service = [r for r in results if r["kind"] == "service"]
     transport = [r for r in results if r["kind"] == "transport"]
 
-    # Every path the bench offers, at every level asked; direct run or skipped saying why.
-    for path in ("inline", "shared_memory", "resident", "resident_fetched"):
+    # Every path a CPU mesh runs, at every level asked, none skipped.
+    for path in ("inline", "direct", "shared_memory", "resident", "resident_fetched"):
         assert sorted(r["concurrency"] for r in service if r["path"] == path) == LEVELS, path
-    assert "direct" in doc["paths"] or any(s["path"] == "direct" and s["why"] for s in doc["skipped"])
+    assert not [s for s in doc["skipped"] if "preset" not in s], doc["skipped"]
     for variant in ("raw_stream", "raw_stream_chunked"):
         assert sorted(r["concurrency"] for r in transport if r["path"] == variant) == LEVELS, variant
 
