@@ -350,6 +350,19 @@ def dp_cluster(clusters):
     return cluster
 
 
+def fetch_output(resp, shape):
+    """A direct output (f32) fetched from its workers, each block once, assembled."""
+    out = np.empty(shape, np.float32)
+    for b in resp.out_blocks:
+        t = b.destinations[0]
+        with grpc.insecure_channel(t.address) as wch:
+            data = b"".join(c.data for c in pb_grpc.StagingStub(wch).Fetch(pb.FetchRequest(ticket=t.ticket),
+                                                                            timeout=10))
+        out[tuple(slice(o, o + s) for o, s in zip(b.offsets, b.shape))] = np.frombuffer(data, np.float32).reshape(
+            b.shape)
+    return out
+
+
 def check_nothing_lost(cluster):
     assert staged_bytes(cluster) == [0, 0]
     with shardgemm.Client(cluster.address, timeout=30) as c:
@@ -397,17 +410,13 @@ def test_a_reused_ticket_or_plan_is_failed_precondition_and_the_result_is_right(
     assert not resp.out.data and len(resp.out_blocks) == 2
     with shardgemm.Client(dp_cluster.address, timeout=30) as c:
         inline, _ = c.grouped_gemm(lhs, rhs, sizes, lhs_spec="(dp, None)", group_sizes_spec="(dp,)", path="inline")
-    out = np.empty(inline.shape, np.float32)
+    assert fetch_output(resp, inline.shape).tobytes() == inline.tobytes()
     for b in resp.out_blocks:
         t = b.destinations[0]
         with grpc.insecure_channel(t.address) as wch:
-            data = b"".join(c.data for c in pb_grpc.StagingStub(wch).Fetch(pb.FetchRequest(ticket=t.ticket)))
             with pytest.raises(grpc.RpcError) as e:  # each output block is fetched once
                 list(pb_grpc.StagingStub(wch).Fetch(pb.FetchRequest(ticket=t.ticket), timeout=10))
             assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-        out[tuple(slice(o, o + s) for o, s in zip(b.offsets, b.shape))] = np.frombuffer(data, np.float32).reshape(
-            b.shape)
-    assert out.tobytes() == inline.tobytes()
     with pytest.raises(grpc.RpcError) as e:
         submit(stub, req, plan.staging_id, direct_output=True)
     assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "lhs.staged" in e.value.details()
@@ -496,15 +505,7 @@ def test_a_client_that_disconnects_mid_fetch_may_fetch_again_and_nothing_leaks(d
     # The block is held still: fetched whole now, and then gone from the worker.
     with shardgemm.Client(dp_cluster.address, timeout=30) as c:
         inline, _ = c.grouped_gemm(lhs, rhs, sizes, lhs_spec="(dp, None)", group_sizes_spec="(dp,)", path="inline")
-    out = np.empty(inline.shape, np.float32)
-    for b in resp.out_blocks:
-        t = b.destinations[0]
-        with grpc.insecure_channel(t.address) as wch:
-            data = b"".join(c.data for c in pb_grpc.StagingStub(wch).Fetch(pb.FetchRequest(ticket=t.ticket),
-                                                                            timeout=10))
-        out[tuple(slice(o, o + s) for o, s in zip(b.offsets, b.shape))] = np.frombuffer(data, np.float32).reshape(
-            b.shape)
-    assert out.tobytes() == inline.tobytes()
+    assert fetch_output(resp, inline.shape).tobytes() == inline.tobytes()
     deadline = time.time() + 10
     while staged_bytes(dp_cluster) != [0, 0] and time.time() < deadline:
         time.sleep(0.05)
