@@ -210,3 +210,71 @@ def test_the_python_hop_bench_runs_and_counts_no_wrong_answers(op):
     for line in lines:
         assert float(line[2]) > 0 and float(line[3]) >= float(line[2]) * 0.5, line  # p50, p90 in µs
         assert line[5] == "0", line  # wrong answers
+
+
+def test_a_client_bounds_its_calls_by_default():
+    """Left at its default a client's calls carry a deadline (300 s, as the C++
+    client's), on gRPC and on the call socket; timeout=None leaves them
+    unbounded, as a gRPC call without one."""
+    import socket
+    import tempfile
+    import threading
+    import time
+    from concurrent import futures
+
+    import grpc
+    import shardgemm
+
+    remaining = []
+
+    def answer(request, context):
+        remaining.append(context.time_remaining())
+        context.abort(grpc.StatusCode.UNAVAILABLE, "the test's server")
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("shardgemm.v1.ShardGemm", {
+        "GetClusterInfo": grpc.unary_unary_rpc_method_handler(answer, request_deserializer=lambda b: b,
+                                                              response_serializer=lambda b: b)})])
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        for timeout, low, high in [((), 290, 300), ((None,), None, None), ((7,), 5, 7)]:
+            with shardgemm.Client(f"127.0.0.1:{port}", *timeout) as c:
+                with pytest.raises(shardgemm.errors.ShardGemmError):
+                    c.cluster_info()
+            left = remaining.pop()
+            if low is None:
+                assert left is None or left > 1e6, left
+            else:
+                assert low <= left <= high + 1.5, (timeout, left)  # gRPC rounds the deadline up
+    finally:
+        server.stop(0)
+
+    # The call socket: the frame's deadline, read by a server that answers nothing.
+    with tempfile.TemporaryDirectory() as d:
+        path = f"{d}/calls.sock"
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(path)
+        listener.listen(1)
+        frames = []
+
+        def read_one():
+            conn, _ = listener.accept()
+            with conn:
+                head = conn.recv(16)
+                _, _, length = struct.unpack("<IIQ", head)
+                body = b""
+                while len(body) < length:
+                    body += conn.recv(length - len(body))
+                frames.append(pb.CallSocketRequest.FromString(body))
+
+        reader = threading.Thread(target=read_one)
+        reader.start()
+        with shardgemm.Client("127.0.0.1:1", call_socket=path) as c:
+            x = np.ones((64, 16), np.float32)
+            with pytest.raises(shardgemm.errors.ShardGemmError):
+                c.grouped_quantize(x, [64])
+        reader.join(10)
+        assert not reader.is_alive()
+        listener.close()
+        assert 290e6 <= frames[0].deadline_unix_us - time.time() * 1e6 <= 300e6, frames[0].deadline_unix_us

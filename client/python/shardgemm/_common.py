@@ -16,6 +16,9 @@ from .errors import REQUEST_ID_KEY, error_for
 
 MAX_MESSAGE = 2047 * 1024 * 1024
 CHUNK = (1 << 20) - 4096  # data bytes of a put's / get's stream message: with its header within 1 MiB
+# A client's bound on each call unless it names another, as the C++ client's
+# (5 minutes): a service that stops answering fails the call, never hangs it.
+DEFAULT_TIMEOUT_S = 300.0
 
 CHANNEL_OPTIONS: List[Tuple[str, Any]] = [
     ("grpc.max_receive_message_length", MAX_MESSAGE),

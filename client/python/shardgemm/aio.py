@@ -34,9 +34,9 @@ class Client:
     every call a coroutine and ``close`` awaited. The direct path's blocks
     are staged and fetched by concurrent tasks."""
 
-    def __init__(self, address: str, timeout: Optional[float] = None, *, tls_dir: Optional[str] = None,
-                 token: Optional[str] = None, output: str = "numpy", progress: Progress = False,
-                 options: Sequence[Tuple[str, Any]] = (), path: str = "auto", cuda_ipc: bool = True,
+    def __init__(self, address: str, timeout: Optional[float] = _common.DEFAULT_TIMEOUT_S, *,
+                 tls_dir: Optional[str] = None, token: Optional[str] = None, output: str = "numpy",
+                 progress: Progress = False, options: Sequence[Tuple[str, Any]] = (), path: str = "auto", cuda_ipc: bool = True,
                  shared_memory_lease: Optional[float] = _lease.DEFAULT_LEASE_S,
                  call_socket: Optional[str] = None) -> None:
         self.output = check_output(output)

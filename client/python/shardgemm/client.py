@@ -41,14 +41,17 @@ class Client:
     # The repository's shardgemm_client.Client keeps the inline path by default.
     _default_path = "auto"
 
-    def __init__(self, address: str, timeout: Optional[float] = None, *, tls_dir: Optional[str] = None,
-                 token: Optional[str] = None, output: str = "numpy", progress: Progress = False,
-                 options: Sequence[Tuple[str, Any]] = (), path: Optional[str] = None,
+    def __init__(self, address: str, timeout: Optional[float] = _common.DEFAULT_TIMEOUT_S, *,
+                 tls_dir: Optional[str] = None, token: Optional[str] = None, output: str = "numpy",
+                 progress: Progress = False, options: Sequence[Tuple[str, Any]] = (), path: Optional[str] = None,
                  cuda_ipc: bool = True, shared_memory_lease: Optional[float] = _lease.DEFAULT_LEASE_S,
                  call_socket: Optional[str] = None) -> None:
         """address: the coordinator's HOST:PORT, or unix:PATH for its
         --client_socket (gRPC's local credentials with the token; tls_dir
-        then only for the workers' staging ports). tls_dir: the mesh's
+        then only for the workers' staging ports). timeout: each call's
+        bound in seconds unless the call names its own (default 300, as the
+        C++ client's; None: unbounded, as a gRPC call without a deadline).
+        tls_dir: the mesh's
         certificates (ca.crt verifies the coordinator; client.crt/client.key
         are sent when present); token: the bearer token (default:
         tls_dir/client.token). Without tls_dir the channel is plaintext, for
