@@ -616,8 +616,7 @@ void ShardGemmClient::UseCallSocket(const std::string& path) {
 }
 
 std::optional<absl::StatusOr<v1::CallSocketReply>> ShardGemmClient::CallOnSocket(
-    absl::string_view rpc, const google::protobuf::Message& call, v1::CallSocketRequest* frame,
-    absl::Time deadline) {
+    const google::protobuf::Message& call, v1::CallSocketRequest* frame, absl::Time deadline) {
   // The frame's own fields and protobuf's tags fit in this much.
   constexpr size_t kFrameFieldsBytes = 4096;
   if (call_socket_ == nullptr || call.ByteSizeLong() + kFrameFieldsBytes > static_cast<size_t>(max_message_bytes_)) {
@@ -650,7 +649,7 @@ absl::StatusOr<v1::GroupedGemmResponse> ShardGemmClient::GroupedGemm(
     v1::CallSocketRequest frame;
     // Borrowed for the write, not copied: Send serializes it before returning.
     frame.unsafe_arena_set_allocated_grouped_gemm(const_cast<v1::GroupedGemmRequest*>(&request));
-    auto answered = CallOnSocket("GroupedGemm", request, &frame, deadline);
+    auto answered = CallOnSocket(request, &frame, deadline);
     frame.unsafe_arena_release_grouped_gemm();
     if (answered.has_value()) {
       if (!answered->ok()) return answered->status();
@@ -673,7 +672,7 @@ absl::StatusOr<v1::GroupedQuantizeResponse> ShardGemmClient::GroupedQuantize(
   {
     v1::CallSocketRequest frame;
     frame.unsafe_arena_set_allocated_grouped_quantize(const_cast<v1::GroupedQuantizeRequest*>(&request));
-    auto answered = CallOnSocket("GroupedQuantize", request, &frame, deadline);
+    auto answered = CallOnSocket(request, &frame, deadline);
     frame.unsafe_arena_release_grouped_quantize();
     if (answered.has_value()) {
       if (!answered->ok()) return answered->status();

@@ -147,12 +147,10 @@ class ShardGemmClient {
   std::shared_ptr<grpc::ChannelCredentials> worker_credentials_;
   std::string token_;
   using CallSocket = FrameSocketClient<v1::CallSocketRequest, v1::CallSocketReply>;
-  // `call` (borrowed into `frame`; `rpc` names it in errors) sent on the
-  // call socket, bounded by `deadline`: its reply or failure, or nullopt
-  // when it was not run there (no socket, too large, not sent, refused) and
-  // goes on gRPC.
-  std::optional<absl::StatusOr<v1::CallSocketReply>> CallOnSocket(absl::string_view rpc,
-                                                                  const google::protobuf::Message& call,
+  // `call` (borrowed into `frame`) sent on the call socket, bounded by
+  // `deadline`: its reply or failure, or nullopt when it was not run there
+  // (no socket, too large, not sent, refused) and goes on gRPC.
+  std::optional<absl::StatusOr<v1::CallSocketReply>> CallOnSocket(const google::protobuf::Message& call,
                                                                   v1::CallSocketRequest* frame, absl::Time deadline);
   std::unique_ptr<CallSocket> call_socket_;
   int max_message_bytes_;

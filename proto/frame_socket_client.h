@@ -219,9 +219,11 @@ class FrameSocketClient {
           Forget(id, answer.get());
         }
       }
-      mu_.Unlock();
-      EndIfUnusable();
-      mu_.Lock();
+      if (sends_ended_) {  // else nothing to end
+        mu_.Unlock();
+        EndIfUnusable();
+        mu_.Lock();
+      }
       return std::move(answer->reply);
     }
 
@@ -324,9 +326,7 @@ class FrameSocketClient {
         pollfd p{fd_, POLLIN, 0};
         if (::poll(&p, 1, 0) > 0) {
           ::shutdown(fd_, SHUT_RDWR);
-          ::close(fd_);
-          fd_ = -1;
-          sends_ended_ = false;
+          CloseLocked();
           retry_at_ = absl::InfinitePast();
         }
       }
@@ -382,13 +382,17 @@ class FrameSocketClient {
       ::shutdown(fd, SHUT_RDWR);
       absl::MutexLock write_lock(&write_mu_);
       absl::MutexLock lock(&mu_);
-      fd_ = -1;
-      ending_ = false;
-      sends_ended_ = false;
-      ::close(fd);
+      CloseLocked();
       std::map<uint64_t, Pending> failed;
       failed.swap(pending_);
       return failed;
+    }
+    // Closes fd_, which no one reads, writes or ends any more.
+    void CloseLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_, write_mu_) {
+      ::close(fd_);
+      fd_ = -1;
+      ending_ = false;
+      sends_ended_ = false;
     }
     // FrameReader::kCallers: a connection no call can use (a send on it
     // failed) and no call waits on ends here, as there is no reader to end it.
